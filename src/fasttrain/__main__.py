@@ -1,0 +1,5 @@
+import sys
+
+from fasttrain.cli import main
+
+sys.exit(main())

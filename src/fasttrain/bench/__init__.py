@@ -1,0 +1,1 @@
+"""Timing, benchmark suites and reports."""

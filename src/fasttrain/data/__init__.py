@@ -1,0 +1,26 @@
+"""Datasets (MNIST, Fashion-MNIST, KMNIST) and the IDX format."""
+
+from fasttrain.data.datasets import (
+    DATASETS,
+    Dataset,
+    data_root,
+    dataset_dir,
+    download_dataset,
+    load_dataset,
+    to_inputs,
+    verify_dataset,
+)
+from fasttrain.data.idx import read_idx, write_idx
+
+__all__ = [
+    "DATASETS",
+    "Dataset",
+    "data_root",
+    "dataset_dir",
+    "download_dataset",
+    "load_dataset",
+    "read_idx",
+    "to_inputs",
+    "verify_dataset",
+    "write_idx",
+]

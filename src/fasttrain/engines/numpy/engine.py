@@ -1,0 +1,72 @@
+"""NumPy on the CPU: the seed study's first rung (12,500 ms per epoch there) done right.
+
+Whole-batch matrix products through the BLAS NumPy links, inputs converted to floats once at
+setup (``x = pixel / 255``), each batch gathered from that matrix by the shared order, weights
+updated in place. In fp64 this is the reference every other engine is held to.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+
+from fasttrain.contract import batch_bounds
+from fasttrain.data.datasets import to_inputs
+from fasttrain.engines.base import Engine, EpochStats, Job, Session, option
+from fasttrain.reference import evaluate, sgd_step
+
+
+@dataclass(frozen=True)
+class NumpyOptions:
+    threads: int = option(0, "BLAS threads (0 = one per core)")
+
+
+class NumpySession(Session):
+    def __init__(self, job: Job, threads: int):
+        from threadpoolctl import threadpool_limits
+
+        self._limits = threadpool_limits(limits=threads, user_api="blas")
+        self.threads = threads
+        self.dtype = np.float64 if job.config.precision == "fp64" else np.float32
+        self.config = job.config
+        self.data = job.data
+        self.x = to_inputs(job.data.train_images, self.dtype)
+        self.y = job.data.train_labels.astype(np.int64)
+        self.params = [(w.astype(self.dtype), b.astype(self.dtype)) for w, b in job.init_weights]
+        self.bounds = batch_bounds(job.data.n_train, job.config.batch_size, job.config.drop_last)
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        losses = np.empty(steps)
+        loss_sum, correct, count = 0.0, 0, 0
+        for k, (start, stop) in enumerate(self.bounds[:steps]):
+            idx = order[start:stop]
+            loss, ok = sgd_step(self.params, self.x[idx], self.y[idx], self.config.lr)
+            losses[k] = loss
+            loss_sum += loss * (stop - start)
+            correct += ok
+            count += stop - start
+        return EpochStats(count=count, loss_sum=loss_sum, correct=correct, step_losses=losses)
+
+    def evaluate(self) -> tuple[float, float]:
+        return evaluate(self.params, self.data, self.dtype)
+
+    def weights(self):
+        return [(w.copy(), b.copy()) for w, b in self.params]
+
+    def environment(self) -> dict:
+        return {"device": "cpu", "blas_threads": self.threads}
+
+    def close(self) -> None:
+        self._limits.restore_original_limits()
+
+
+class NumpyEngine(Engine):
+    name = "numpy"
+    description = "NumPy on the CPU, vectorized batches; fp64 is the reference every engine is held to"
+    Options = NumpyOptions
+    precisions = ("fp32", "fp64")
+
+    def prepare(self, job: Job) -> Session:
+        return NumpySession(job, self.options.threads or os.cpu_count() or 1)

@@ -1,0 +1,70 @@
+"""Shared fixtures: tiny synthetic data for fast engine checks, the real MNIST when
+FASTTRAIN_DATA_DIR points at it, and the ``gpu`` marker (skipped without a CUDA GPU)."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from functools import lru_cache
+
+import numpy as np
+import pytest
+
+from fasttrain.data.datasets import Dataset
+
+
+@lru_cache(maxsize=1)
+def has_cuda_gpu() -> bool:
+    if not shutil.which("nvidia-smi"):
+        return False
+    try:
+        out = subprocess.run(["nvidia-smi", "-L"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return out.returncode == 0 and "GPU" in out.stdout
+
+
+def pytest_collection_modifyitems(config, items):
+    if has_cuda_gpu():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)
+
+
+def make_synthetic(n_train: int = 600, n_test: int = 200, seed: int = 0) -> Dataset:
+    """Learnable MNIST-shaped data: each class is a noisy version of its own random template."""
+    rng = np.random.default_rng(seed)
+    templates = rng.integers(0, 256, size=(10, 28, 28))
+
+    def split(n):
+        labels = rng.integers(0, 10, size=n).astype(np.uint8)
+        noise = rng.integers(-60, 61, size=(n, 28, 28))
+        images = np.clip(templates[labels] + noise, 0, 255).astype(np.uint8)
+        return images, labels
+
+    train_images, train_labels = split(n_train)
+    test_images, test_labels = split(n_test)
+    return Dataset("synthetic", train_images, train_labels, test_images, test_labels)
+
+
+@pytest.fixture(scope="session")
+def tiny_data() -> Dataset:
+    return make_synthetic()
+
+
+@pytest.fixture(scope="session")
+def mnist_dir() -> str:
+    path = os.environ.get("FASTTRAIN_DATA_DIR")
+    if not path or not os.path.isdir(path):
+        pytest.skip("real MNIST not available: set FASTTRAIN_DATA_DIR to a folder with the MNIST .gz files")
+    return path
+
+
+@pytest.fixture(scope="session")
+def mnist(mnist_dir):
+    from fasttrain.data import load_dataset
+
+    return load_dataset("mnist", mnist_dir)
