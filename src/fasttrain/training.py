@@ -234,7 +234,8 @@ def train(
     spec = parse_model(model) if isinstance(model, str) else model
     cfg = default_config(spec, **config)
     engine_cls = get_engine(engine)
-    make_options(engine_cls, engine_options)  # bad options fail before data loads
+    # everything that can be rejected without data is rejected before the data loads
+    engine_cls(make_options(engine_cls, engine_options)).check_config(spec, cfg)
     reason = engine_cls.available()
     if reason:
         raise EngineUnavailable(f"engine {engine} cannot run here: {reason}")

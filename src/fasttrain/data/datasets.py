@@ -143,7 +143,8 @@ def _locate(spec: DatasetSpec, role: str, directory: Path, data_dir) -> Path:
     raise DataError(f"{spec.title} file not found: {gz}; download it with: {download_command(spec.name, data_dir)}")
 
 
-def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes | None, content: bytes) -> None:
+def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes | None, content: bytes,
+                    data_dir=None) -> None:
     fs = spec.files[role]
     if fs.content_md5 is not None and md5_hex(content) == fs.content_md5:
         return
@@ -153,24 +154,34 @@ def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes 
         return  # no content checksum published for an uncompressed copy: structure checks only
     raise DataError(
         f"{path}: checksum mismatch (not the published {spec.title} file); delete it and run: "
-        f"{download_command(spec.name)}"
+        f"{download_command(spec.name, data_dir)}"
     )
 
 
-def _read_verified(spec: DatasetSpec, role: str, path: Path, verify: bool) -> np.ndarray:
+def _read_checked(spec: DatasetSpec, role: str, path: Path) -> tuple[np.ndarray, bytes]:
+    """Read one file and check its structure (gzip, magic, sizes, 28x28 images, labels 0..9)."""
     content = read_idx_bytes(path)
     array = parse_idx(content, str(path))
-    if verify:
-        file_bytes = path.read_bytes() if path.suffix == ".gz" else None
-        _check_checksum(spec, role, path, file_bytes, content)
-    is_images = role.endswith("images")
-    if is_images and (array.ndim != 3 or array.shape[1:] != IMAGE_SHAPE):
-        raise DataError(f"{path}: images are {array.shape[1:]} but must be 28x28")
-    if not is_images:
+    if role.endswith("images"):
+        if array.ndim != 3 or array.shape[1:] != IMAGE_SHAPE:
+            raise DataError(f"{path}: images are {array.shape[1:]} but must be 28x28")
+    else:
         if array.ndim != 1:
             raise DataError(f"{path}: labels must be a 1-D IDX array, got shape {array.shape}")
         if array.size and int(array.max()) >= NUM_CLASSES:
             raise DataError(f"{path}: label {int(array.max())} is outside 0..9; the file is corrupt")
+    return array, content
+
+
+def _verify_checksum(spec: DatasetSpec, role: str, path: Path, content: bytes, data_dir=None) -> None:
+    file_bytes = path.read_bytes() if path.suffix == ".gz" else None
+    _check_checksum(spec, role, path, file_bytes, content, data_dir)
+
+
+def _read_verified(spec: DatasetSpec, role: str, path: Path, verify: bool, data_dir=None) -> np.ndarray:
+    array, content = _read_checked(spec, role, path)
+    if verify:
+        _verify_checksum(spec, role, path, content, data_dir)
     return array
 
 
@@ -211,24 +222,24 @@ def to_inputs(images: np.ndarray, dtype=np.float32) -> np.ndarray:
 
 
 def load_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None, verify: bool = True) -> Dataset:
-    """Load a dataset's four files, checking structure and (``verify``) checksums."""
+    """Load a dataset's four files. Checks run in the order that gives the most useful message:
+    every file present, then each file's structure, then image/label counts, then checksums."""
     spec = dataset_spec(name)
     directory = dataset_dir(name, data_dir)
-    arrays = {role: _read_verified(spec, role, _locate(spec, role, directory, data_dir), verify) for role in ROLES}
-    return Dataset(name, **arrays)
+    paths = {role: _locate(spec, role, directory, data_dir) for role in ROLES}
+    checked = {role: _read_checked(spec, role, paths[role]) for role in ROLES}
+    data = Dataset(name, **{role: array for role, (array, _) in checked.items()})
+    if verify:
+        for role in ROLES:
+            _verify_checksum(spec, role, paths[role], checked[role][1], data_dir)
+    return data
 
 
 def verify_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None) -> list[tuple[Path, str]]:
-    """Check every file of a dataset; returns (path, 'ok') per file or raises DataError on the first failure."""
-    spec = dataset_spec(name)
+    """Check every file of a dataset (structure, counts, checksums); raises DataError on the first failure."""
+    load_dataset(name, data_dir, verify=True)
     directory = dataset_dir(name, data_dir)
-    report = []
-    for role in ROLES:
-        path = _locate(spec, role, directory, data_dir)
-        _read_verified(spec, role, path, verify=True)
-        report.append((path, "ok"))
-    load_dataset(name, data_dir, verify=False)  # also checks image/label counts agree
-    return report
+    return [(_locate(dataset_spec(name), role, directory, data_dir), "ok") for role in ROLES]
 
 
 class _RichDownloadBar:
@@ -298,36 +309,40 @@ def download_dataset(
                 continue
             except DataError:
                 pass  # a bad file is replaced below
-        errors = []
-        for mirror in mirrors:
-            url = mirror.rstrip("/") + "/" + fs.filename
-            for attempt in range(retries):
-                fd, tmp_name = tempfile.mkstemp(prefix=fs.filename + ".", suffix=".tmp", dir=directory)
-                os.close(fd)
-                tmp = Path(tmp_name)
-                try:
-                    _fetch(url, tmp, progress, timeout)
-                    gz = tmp.with_name(tmp.name + ".gz")  # verification reads by suffix
-                    tmp.rename(gz)
-                    tmp = gz
-                    _read_verified(spec, role, tmp, verify=True)
-                    os.replace(tmp, final)
-                    report.append((final, f"downloaded from {url}"))
-                    break
-                except DataError as exc:
-                    errors.append(f"{url}: {exc}")
-                    break  # the mirror served bad bytes: retrying it will not help
-                except Exception as exc:  # network errors: retry with backoff, then next mirror
-                    errors.append(f"{url}: {type(exc).__name__}: {exc}")
-                    if attempt + 1 < retries:
-                        time.sleep(min(2.0**attempt, 8.0) * 0.25)
-                finally:
-                    if tmp.exists() and tmp != final:
-                        tmp.unlink()
-            else:
-                continue
-            break
-        else:
+        errors: list[str] = []
+        source = next((url for url in (m.rstrip("/") + "/" + fs.filename for m in mirrors)
+                       if _try_download(spec, role, url, directory, final, retries, progress, timeout, errors)), None)
+        if source is None:
             last = errors[-1] if errors else "no mirror configured"
             raise DataError(f"could not download {fs.filename} from any mirror ({len(errors)} attempts; last: {last})")
+        report.append((final, f"downloaded from {source}"))
     return report
+
+
+def _try_download(spec, role, url, directory: Path, final: Path, retries: int, progress: bool, timeout: float,
+                  errors: list[str]) -> bool:
+    """Fetch ``url`` into a temporary file, verify it, rename it to ``final``. Network errors are
+    retried with backoff; a file that arrives but fails verification is not (the mirror is bad)."""
+    for attempt in range(retries):
+        fd, tmp_name = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=directory)
+        os.close(fd)
+        tmp = Path(tmp_name)
+        try:
+            _fetch(url, tmp, progress, timeout)
+            verified = tmp.with_name(tmp.name + ".gz")  # verification reads the suffix
+            tmp.rename(verified)
+            tmp = verified
+            _read_verified(spec, role, tmp, verify=True)
+            os.replace(tmp, final)
+            return True
+        except DataError as exc:
+            errors.append(f"{url}: {exc}")
+            return False
+        except Exception as exc:  # network errors
+            errors.append(f"{url}: {type(exc).__name__}: {exc}")
+            if attempt + 1 < retries:
+                time.sleep(0.25 * min(2.0**attempt, 8.0))
+        finally:
+            if tmp.exists():
+                tmp.unlink()
+    return False

@@ -113,13 +113,18 @@ class Engine(ABC):
 
         The returned session must hold exactly ``job.init_weights`` (warm-up must not train)."""
 
-    def check(self, job: Job) -> None:
-        """Reject a job this engine cannot run, with a one-line reason."""
-        if job.config.precision not in self.precisions:
+    def check_config(self, spec: ModelSpec, config: TrainConfig) -> None:
+        """Reject a model/config this engine cannot run (with these options), with a one-line reason.
+        Runs before any data is loaded; engines override it to add their own limits."""
+        if config.precision not in self.precisions:
             raise FasttrainError(
-                f"engine {self.name} does not support precision {job.config.precision}; "
+                f"engine {self.name} does not support precision {config.precision}; "
                 f"it supports: {', '.join(self.precisions)}"
             )
+
+    def check(self, job: Job) -> None:
+        """Reject a job this engine cannot run, with a one-line reason."""
+        self.check_config(job.spec, job.config)
 
 
 # --- options: parsed from CLI words or given as a dict -------------------------------------

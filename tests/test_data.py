@@ -1,0 +1,182 @@
+"""IDX reading/writing, dataset verification, every bad input, and downloads from a local server."""
+
+from __future__ import annotations
+
+import functools
+import gzip
+import hashlib
+import http.server
+import threading
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from fasttrain.data import datasets as ds
+from fasttrain.data.idx import encode_idx, read_idx, write_idx
+from fasttrain.errors import DataError
+
+
+def test_idx_round_trip_raw_and_gz(tmp_path):
+    rng = np.random.default_rng(1)
+    images = rng.integers(0, 256, size=(37, 28, 28), dtype=np.uint8)
+    labels = rng.integers(0, 10, size=37, dtype=np.uint8)
+    for name, array in (("img", images), ("lab", labels)):
+        for suffix in ("", ".gz"):
+            path = tmp_path / f"{name}{suffix}"
+            write_idx(path, array)
+            back = read_idx(path)
+            assert back.dtype == np.uint8 and back.shape == array.shape
+            np.testing.assert_array_equal(back, array)
+    # header layout: magic 0x00000803 then big-endian sizes
+    assert encode_idx(images)[:8] == bytes([0, 0, 8, 3, 0, 0, 0, 37])
+
+
+def _write_dataset(directory: Path, n_train=20, n_test=10, **overrides) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    rng = np.random.default_rng(0)
+    arrays = {
+        "train_images": rng.integers(0, 256, (n_train, 28, 28), dtype=np.uint8),
+        "train_labels": rng.integers(0, 10, n_train, dtype=np.uint8),
+        "test_images": rng.integers(0, 256, (n_test, 28, 28), dtype=np.uint8),
+        "test_labels": rng.integers(0, 10, n_test, dtype=np.uint8),
+    }
+    arrays.update(overrides)
+    for role, array in arrays.items():
+        write_idx(directory / (ds.FILENAMES[role] + ".gz"), array)
+    return directory
+
+
+def test_load_unverified_synthetic(tmp_path):
+    _write_dataset(tmp_path / "mnist")
+    data = ds.load_dataset("mnist", tmp_path, verify=False)
+    assert data.train_images.shape == (20, 28, 28) and data.train_images.dtype == np.uint8
+    x = ds.to_inputs(data.train_images)
+    assert x.shape == (20, 784) and x.dtype == np.float32 and 0 <= x.min() and x.max() <= 1
+
+
+def test_data_dir_resolution(tmp_path, monkeypatch):
+    monkeypatch.delenv("FASTTRAIN_DATA_DIR", raising=False)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "xdg"))
+    assert ds.data_root() == tmp_path / "xdg" / "fasttrain"
+    monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path / "env"))
+    assert ds.data_root() == tmp_path / "env"
+    assert ds.data_root(tmp_path / "flag") == tmp_path / "flag"
+    # a root named after the dataset holds its files directly; otherwise <root>/<dataset>
+    assert ds.dataset_dir("mnist", tmp_path / "mnist") == tmp_path / "mnist"
+    assert ds.dataset_dir("kmnist", tmp_path / "data") == tmp_path / "data" / "kmnist"
+
+
+def test_missing_file_names_the_download_command(tmp_path):
+    with pytest.raises(DataError, match=r"not found: .*train-images-idx3-ubyte.gz; download it with: fasttrain data download --dataset mnist --data-dir"):
+        ds.load_dataset("mnist", tmp_path)
+
+
+@pytest.mark.parametrize(
+    "corrupt, message",
+    [
+        (lambda p: p.write_bytes(p.read_bytes()[:-30]), "truncated or corrupt gzip"),
+        (lambda p: p.write_bytes(b"not gzip at all"), "truncated or corrupt gzip"),
+        (lambda p: p.write_bytes(gzip.compress(b"\x00\x00\x09\x03" + bytes(20))), "wrong magic number"),
+        (lambda p: p.write_bytes(gzip.compress(encode_idx(np.zeros((20, 28, 28), np.uint8))[:-5])), "truncated or corrupt"),
+        (lambda p: write_idx(p, np.zeros((20, 28, 27), np.uint8)), "must be 28x28"),
+    ],
+)
+def test_bad_image_files(tmp_path, corrupt, message):
+    directory = _write_dataset(tmp_path / "mnist")
+    corrupt(directory / "train-images-idx3-ubyte.gz")
+    with pytest.raises(DataError, match=message):
+        ds.load_dataset("mnist", tmp_path, verify=False)
+
+
+def test_label_out_of_range(tmp_path):
+    _write_dataset(tmp_path / "mnist", train_labels=np.full(20, 10, np.uint8))
+    with pytest.raises(DataError, match="label 10 is outside 0..9"):
+        ds.load_dataset("mnist", tmp_path, verify=False)
+
+
+def test_count_mismatch(tmp_path):
+    _write_dataset(tmp_path / "mnist", train_labels=np.zeros(19, np.uint8))
+    with pytest.raises(DataError, match="20 train images but 19 labels"):
+        ds.load_dataset("mnist", tmp_path, verify=False)
+
+
+def test_checksum_mismatch(tmp_path):
+    _write_dataset(tmp_path / "mnist")
+    with pytest.raises(DataError, match="checksum mismatch"):
+        ds.load_dataset("mnist", tmp_path, verify=True)
+
+
+def test_real_mnist_verifies(mnist_dir):
+    report = ds.verify_dataset("mnist", mnist_dir)
+    assert len(report) == 4 and all(status == "ok" for _, status in report)
+    data = ds.load_dataset("mnist", mnist_dir)
+    assert data.train_images.shape == (60000, 28, 28) and data.test_labels.shape == (10000,)
+
+
+# --- downloads, from an HTTP server on loopback ------------------------------------------------
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):
+        pass
+
+
+@pytest.fixture
+def file_server(tmp_path):
+    """Serves tmp_path/www/<mirror>/ on 127.0.0.1; yields (base_url, www_dir)."""
+    www = tmp_path / "www"
+    www.mkdir()
+    handler = functools.partial(_QuietHandler, directory=str(www))
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{server.server_address[1]}", www
+    server.shutdown()
+    server.server_close()
+
+
+@pytest.fixture
+def tiny_spec(tmp_path, monkeypatch):
+    """A dataset spec whose checksums are those of small synthetic files in tmp_path/src."""
+    source = _write_dataset(tmp_path / "src")
+    files = {}
+    for role in ds.ROLES:
+        name = ds.FILENAMES[role] + ".gz"
+        files[role] = ds.FileSpec(name, hashlib.md5((source / name).read_bytes()).hexdigest())
+    spec = ds.DatasetSpec("tiny", "Tiny", ("unused",), files)
+    monkeypatch.setitem(ds.DATASETS, "tiny", spec)
+    return source
+
+
+def test_download_falls_back_to_second_mirror(file_server, tiny_spec, tmp_path):
+    base, www = file_server
+    (www / "good").mkdir()
+    for f in tiny_spec.iterdir():
+        (www / "good" / f.name).write_bytes(f.read_bytes())
+    target = tmp_path / "data"
+    report = ds.download_dataset("tiny", target, mirrors=(f"{base}/missing/", f"{base}/good/"), retries=1, progress=False)
+    assert [status.startswith("downloaded from") and "/good/" in status for _, status in report] == [True] * 4
+    assert ds.load_dataset("tiny", target).n_train == 20
+    # a second call keeps the valid files
+    again = ds.download_dataset("tiny", target, mirrors=(f"{base}/good/",), retries=1, progress=False)
+    assert {status for _, status in again} == {"present"}
+
+
+def test_download_rejects_corrupt_bytes_and_leaves_no_partial_file(file_server, tiny_spec, tmp_path):
+    base, www = file_server
+    (www / "bad").mkdir()
+    for f in tiny_spec.iterdir():
+        data = f.read_bytes()
+        (www / "bad" / f.name).write_bytes(data[:-10])  # truncated gzip on the server
+    target = tmp_path / "data"
+    with pytest.raises(DataError, match="could not download train-images-idx3-ubyte.gz from any mirror"):
+        ds.download_dataset("tiny", target, mirrors=(f"{base}/bad/",), retries=2, progress=False)
+    assert list((target / "tiny").iterdir()) == []  # neither the final file nor a temporary one
+
+
+def test_download_retries_then_fails_cleanly(tmp_path, tiny_spec):
+    # nothing listens on this loopback port: every attempt fails with a connection error
+    with pytest.raises(DataError, match="from any mirror \\(2 attempts"):
+        ds.download_dataset("tiny", tmp_path, mirrors=("http://127.0.0.1:9/",), retries=2, progress=False, timeout=2)
+    assert list((tmp_path / "tiny").iterdir()) == []
