@@ -1,0 +1,195 @@
+"""``fasttrain bench``: the benchmark suites and the README generator (registered by fasttrain.cli)."""
+
+from __future__ import annotations
+
+import shlex
+from pathlib import Path
+
+import click
+from rich.console import Console
+
+from fasttrain.errors import FasttrainError
+
+console = Console(stderr=True, highlight=False, soft_wrap=True)
+out_console = Console(highlight=False, soft_wrap=True)
+
+
+@click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
+def command() -> None:
+    """Benchmark suites: the ladder table, the hidden-size sweep, the loss curves; CSV, JSON, Markdown, PNG."""
+
+
+def _suite_options(fn):
+    options = [
+        click.option("--quick", is_flag=True, help="A short smoke run (< 2 min on 2 CPU cores): fewer epochs/steps, "
+                     "1 seed, first 10,000/2,000 examples, no torch.compile rows."),
+        click.option("--engines", help="Only these engines, comma-separated (e.g. cuda,jax)."),
+        click.option("--repeats", type=click.IntRange(1, 100), help="Runs per row, seeds 0..N-1 (default 3; --quick 1)."),
+        click.option("--out", type=click.Path(file_okay=False), help="Output folder (default results/<gpu-or-cpu-slug>/)."),
+        click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist."),
+        click.option("--data-dir", type=click.Path(file_okay=False), help="Data root (default: $FASTTRAIN_DATA_DIR or ~/.cache/fasttrain)."),
+        click.option("--synthetic", is_flag=True, help="Train on synthetic MNIST-shaped data (timings only)."),
+        click.option("--fresh", is_flag=True, help="Discard earlier results in --out instead of merging with them."),
+        click.option("--list", "list_only", is_flag=True, help="Show the rows, and which would be skipped and why; run nothing."),
+    ]
+    for option in reversed(options):
+        fn = option(fn)
+    return fn
+
+
+def _hidden_option(fn):
+    return click.option("--hidden", help="Sweep hidden sizes, comma-separated (default 128,...,8192; --quick 128,256,512).")(fn)
+
+
+def _command_line(ctx: click.Context) -> str:
+    """The command as a user would type it again: the subcommand and every option not at its default."""
+    words = ["fasttrain", "bench", ctx.info_name]
+    for param in ctx.command.params:
+        value = ctx.params.get(param.name)
+        if not isinstance(param, click.Option) or value in (None, False) or value == param.default:
+            continue
+        flag = param.opts[0]
+        words += [flag] if param.is_flag else [flag, str(value)]
+    return " ".join(shlex.quote(w) for w in words)
+
+
+def _parse_list(text: str | None, what: str, cast=str) -> list | None:
+    if not text:
+        return None
+    try:
+        return [cast(item.strip()) for item in text.split(",") if item.strip()]
+    except ValueError:
+        raise FasttrainError(f"{what}: expected a comma-separated list, got {text!r}") from None
+
+
+class _RichProgress:
+    """rich progress bars for the runner (stderr), with one line per finished or skipped row."""
+
+    def __init__(self):
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                             console=console, transient=True)
+        self._task = None
+
+    def start(self, total: int, description: str) -> None:
+        self._bar.start()
+        self._task = self._bar.add_task(description, total=total)
+
+    def describe(self, description: str) -> None:
+        self._bar.update(self._task, description=description)
+
+    def advance(self, n: int = 1) -> None:
+        self._bar.advance(self._task, n)
+
+    def log(self, message: str) -> None:
+        self._bar.console.print(message)
+
+    def stop(self) -> None:
+        self._bar.stop()
+
+
+def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, out, dataset, data_dir, synthetic, fresh,
+               list_only, hidden=None) -> None:
+    from fasttrain.bench import plots, report, runner, suites
+    from fasttrain.bench.data import bench_data
+    from fasttrain.environment import machine_slug
+    from fasttrain.training import atomic_write_text
+
+    engines_filter = set(_parse_list(engines, "--engines") or []) or None
+    runner.check_engines_filter(engines_filter)
+    hidden_sizes = _parse_list(hidden, "--hidden", int)
+    if hidden_sizes and any(h < 1 for h in hidden_sizes):
+        raise FasttrainError(f"--hidden: sizes must be positive, got {hidden}")
+    built = [suites.build(name, quick, repeats, hidden_sizes) for name in names]
+
+    if list_only:
+        for suite in built:
+            out_console.print(f"[bold]{suite.name}[/]: {suite.title}; {len(suite.cases())} cases, {suite.repeats} seed(s) each")
+            for case, reason in runner.plan(suite, engines_filter):
+                status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {reason}"
+                out_console.print(f"  {case.row.label:<28} {case.model:<11} {status}")
+        return
+
+    folder = Path(out) if out else Path("results") / machine_slug()
+    folder.mkdir(parents=True, exist_ok=True)
+    data, info, note = bench_data(dataset, data_dir, quick, synthetic)
+    if note:
+        console.print(f"[bold yellow]warning:[/] {note}")
+    console.print(f"data: {report.dataset_line(info)}; results -> {folder}/")
+    if plots.matplotlib_or_none() is None:
+        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+
+    command_text = _command_line(ctx)
+    failed = []
+    for suite in built:
+        result = runner.run_suite(suite, data, engines_filter=engines_filter, command=command_text, dataset_info=info,
+                                  progress=_RichProgress())
+        old_path = folder / f"{suite.name}.json"
+        if not fresh and old_path.is_file():
+            try:
+                old = report.load_result(old_path)
+            except FasttrainError as exc:
+                console.print(f"[yellow]not merging with {old_path}: {exc}[/]")
+                old = None
+            result, kept = runner.merge(result, old)
+            if kept:
+                console.print(f"kept {kept} earlier result(s) from {old_path} (rows or sizes not run now; --fresh drops them)")
+        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+        failed += [f"{c.suite} {c.label} {c.model}" for c in result.cases if c.status == "failed"]
+        click.echo(report.to_markdown(result))
+        console.print("wrote " + ", ".join(str(p) for p in written))
+
+    # The combined long CSV and a README preview over every suite in the folder.
+    results = [report.load_result(folder / f"{n}.json") for n in suites.SUITES if (folder / f"{n}.json").is_file()]
+    atomic_write_text(folder / "results.csv", report.to_csv(results))
+    from fasttrain.bench.readme import readme_section
+
+    atomic_write_text(folder / "README.md", readme_section(folder, link_base="", heading="# Benchmark results"))
+    console.print(f"wrote {folder / 'results.csv'}, {folder / 'README.md'}")
+    if failed:
+        raise FasttrainError(f"{len(failed)} row(s) failed: {'; '.join(failed)} (tracebacks in the suite's JSON under {folder}/)")
+
+
+@command.command()
+@_suite_options
+@click.pass_context
+def ladder(ctx, **kwargs) -> None:
+    """The seed study's table: every engine and rung on logreg, 20 epochs, batch 128."""
+    run_suites(ctx, ["ladder"], **kwargs)
+
+
+@command.command()
+@_suite_options
+@_hidden_option
+@click.pass_context
+def sweep(ctx, **kwargs) -> None:
+    """Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16, 3 seeds."""
+    run_suites(ctx, ["sweep"], **kwargs)
+
+
+@command.command()
+@_suite_options
+@click.pass_context
+def curves(ctx, **kwargs) -> None:
+    """Loss curves of every engine on seed 0 against the NumPy fp64 reference."""
+    run_suites(ctx, ["curves"], **kwargs)
+
+
+@command.command("all")
+@_suite_options
+@_hidden_option
+@click.pass_context
+def all_(ctx, **kwargs) -> None:
+    """ladder, sweep and curves, one after another."""
+    run_suites(ctx, ["ladder", "sweep", "curves"], **kwargs)
+
+
+@command.command()
+@click.argument("results_dir", type=click.Path(file_okay=False))
+@click.option("--link-base", help="Prefix of image links (default: RESULTS_DIR/, a path from the repository root).")
+def readme(results_dir, link_base) -> None:
+    """Print the README's Results section from the result files in RESULTS_DIR."""
+    from fasttrain.bench.readme import readme_section
+
+    click.echo(readme_section(results_dir, link_base), nl=False)

@@ -1,0 +1,342 @@
+"""Writing suite results: long CSV, JSON of the full run records, Markdown tables.
+
+Every figure in a table is read from the results here, never typed in; the only numbers that do
+not come from a run are the seed study's, in their own column marked as measured elsewhere.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from pathlib import Path
+
+from fasttrain.bench.runner import NOT_SELECTED, CaseResult, SuiteResult
+from fasttrain.bench.stats import ratio
+from fasttrain.bench.suites import SEED_NOTE, SWEEP_BASELINE
+from fasttrain.contract import parse_model
+from fasttrain.errors import FasttrainError
+from fasttrain.training import atomic_write_text
+
+CSV_COLUMNS = ("suite", "engine", "rung", "model", "metric", "unit", "p20", "p50", "p80", "n", "gpu", "versions",
+               "git_sha", "timestamp", "label", "precision", "dataset", "mean")
+
+DEVIATION_METRICS = {  # curves: name in CaseResult.deviation -> (CSV metric, unit)
+    "curve_max_abs": ("curve_max_abs_dev", "loss"),
+    "train_loss_max_rel": ("train_loss_max_rel_dev", "fraction"),
+    "test_acc_diff_pp": ("test_acc_diff", "pp"),
+}
+
+
+# --- small formatting helpers --------------------------------------------------------------
+
+
+def fmt_num(value: float | None, digits: int = 3) -> str:
+    """Three significant digits, thousands separated: 12,500 · 38.2 · 5.23 · 0.412."""
+    if value is None:
+        return "-"
+    if abs(value) >= 10 ** digits:
+        return f"{value:,.0f}"
+    text = f"{value:.{digits}g}"
+    if "e" in text:
+        return f"{value:.2e}"
+    return text
+
+
+def fmt_pct(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.2f}%"
+
+
+def fmt_ratio(value: float | None) -> str:
+    return "-" if value is None else f"{fmt_num(value)}×"
+
+
+def _env(case: CaseResult) -> dict:
+    return case.records[0]["environment"] if case.records else {}
+
+
+def gpu_name(env: dict) -> str:
+    gpu = env.get("gpu")
+    return gpu["name"] if gpu else "none"
+
+
+def versions(env: dict) -> str:
+    return "; ".join(f"{k}={v}" for k, v in sorted((env.get("libraries") or {}).items()))
+
+
+def machine_line(env: dict) -> str:
+    gpu = env.get("gpu")
+    cpu = f"{env.get('cpu', '?')} ({env.get('cores', '?')} cores)"
+    if gpu:
+        return (f"{gpu['name']} (driver {gpu['driver']}, {gpu['memory_mib']} MiB, max clocks SM {gpu['max_sm_clock_mhz']} MHz"
+                f" / memory {gpu['max_mem_clock_mhz']} MHz); host CPU {cpu}")
+    return f"no GPU; CPU {cpu}"
+
+
+def dataset_line(dataset: dict) -> str:
+    text = f"{dataset['name']} ({dataset['n_train']:,} train / {dataset['n_test']:,} test examples)"
+    if dataset.get("synthetic"):
+        text += ", SYNTHETIC data (no MNIST found): timings are valid, accuracies mean nothing"
+    elif dataset.get("subset"):
+        text += ", the first examples of each split (--quick)"
+    return text
+
+
+# --- CSV -----------------------------------------------------------------------------------
+
+
+def csv_rows(result: SuiteResult) -> list[dict]:
+    """Long format: one line per (case, metric), statistics across the case's runs."""
+    rows = []
+    for case in result.ran():
+        env = _env(case)
+        common = dict(suite=case.suite, engine=case.engine, rung=case.rung, model=case.model, gpu=gpu_name(env),
+                      versions=versions(env), git_sha=env.get("git_sha") or "", timestamp=case.timestamp,
+                      label=case.label, precision=case.precision, dataset=result.dataset["name"])
+        for metric, entry in case.metrics.items():
+            rows.append({**common, "metric": metric, "unit": entry["unit"], "p20": entry["p20"], "p50": entry["p50"],
+                         "p80": entry["p80"], "n": entry["n"], "mean": entry["mean"]})
+        for key, (metric, unit) in DEVIATION_METRICS.items():
+            value = (case.deviation or {}).get(key)
+            if value is not None:
+                rows.append({**common, "metric": metric, "unit": unit, "p20": value, "p50": value, "p80": value,
+                             "n": 1, "mean": value})
+    return rows
+
+
+def _csv_value(value) -> str:
+    if value is None:
+        return ""
+    if isinstance(value, float):
+        return f"{value:.6g}"
+    return str(value)
+
+
+def to_csv(results: list[SuiteResult]) -> str:
+    buffer = io.StringIO()
+    writer = csv.writer(buffer, lineterminator="\n")
+    writer.writerow(CSV_COLUMNS)
+    for result in results:
+        for row in csv_rows(result):
+            writer.writerow([_csv_value(row[c]) for c in CSV_COLUMNS])
+    return buffer.getvalue()
+
+
+# --- JSON ----------------------------------------------------------------------------------
+
+
+def to_json(result: SuiteResult) -> str:
+    return json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n"
+
+
+def load_result(path: str | Path) -> SuiteResult:
+    path = Path(path)
+    try:
+        return SuiteResult.from_dict(json.loads(path.read_text()))
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no benchmark results there; run: fasttrain bench all --out {path.parent}") from None
+    except (json.JSONDecodeError, TypeError, KeyError) as exc:
+        raise FasttrainError(f"{path}: not a fasttrain benchmark results file ({exc})") from None
+
+
+# --- Markdown ------------------------------------------------------------------------------
+
+
+def _table(header: list[str], rows: list[list[str]], align: str) -> str:
+    marks = {"l": "---", "r": "---:", "c": ":---:"}
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(marks[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def _plural(n: int, word: str) -> str:
+    return f"{n:,} {word}" + ("" if n == 1 else "s")
+
+
+def _config_line(result: SuiteResult) -> str:
+    case = next(iter(result.ran()), None) or next(iter(result.cases), None)
+    if case is None:
+        return ""
+    cfg = case.config
+    length = _plural(cfg["epochs"], "epoch") if cfg.get("steps") is None else _plural(cfg["steps"], "step")
+    seeds = f"seeds 0..{result.repeats - 1}" if result.repeats > 1 else "seed 0"
+    return f"{length}, batch {cfg['batch_size']}, lr {cfg['lr']}, {seeds}"
+
+
+def header(result: SuiteResult) -> str:
+    env = result.environment
+    lines = [
+        *(f"- Command: `{c}`" for c in (result.commands or [result.command]) if c),
+        f"- Data: {dataset_line(result.dataset)}",
+        f"- Setting: {_config_line(result)}",
+        f"- Machine: {machine_line(env)}",
+        f"- Software: Python {env.get('python', '?')}; {versions(env)}; git {env.get('git_sha') or '?'}",
+        f"- Run: {result.timestamp}" + (" (**--quick**: a short smoke run, not the benchmark protocol)" if result.quick else ""),
+    ]
+    return "\n".join(line for line in lines if line)
+
+
+def skipped_list(result: SuiteResult) -> str:
+    """Skipped and failed rows, grouped by engine and reason so the list stays short."""
+    groups: dict[tuple[str, str, str], list[str]] = {}
+    for case in result.cases:
+        if case.ok or case.reason == NOT_SELECTED:
+            continue
+        groups.setdefault((case.status, case.engine, case.reason or ""), []).append(case.label)
+    lines = []
+    for (status, engine, reason), labels in groups.items():
+        names = ", ".join(dict.fromkeys(labels))
+        word = "FAILED" if status == "failed" else "not run"
+        lines.append(f"- {word}: {names}: {reason}")
+    return "\n".join(lines)
+
+
+def _images(images: list[tuple[str, str]] | None) -> list[str]:
+    return [" ".join(f"![{alt}]({path})" for alt, path in images)] if images else []
+
+
+def ladder_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    ran = result.ran()
+    eager = next((c for c in ran if c.engine == "torch-eager"), None)
+    eager_ms = eager.metric("epoch_ms") if eager else None
+    rows, prev = [], None
+    for i, case in enumerate(ran, start=1):
+        ms = case.metric("epoch_ms")
+        spread = f"{fmt_num(case.metric('epoch_ms', 'p20'))}–{fmt_num(case.metric('epoch_ms', 'p80'))}"
+        rows.append([
+            str(i), case.label, case.precision, f"**{fmt_num(ms)}**", spread,
+            fmt_num(case.metric("total_ms") / 1e3), fmt_num(case.metric("setup_ms") / 1e3),
+            fmt_pct(case.metric("test_acc", "mean")),
+            fmt_ratio(ratio(prev, ms)), fmt_ratio(ratio(eager_ms, ms)),
+            fmt_num(case.seed_ms) if case.seed_ms is not None else "",
+        ])
+        prev = ms
+    n = max((c.metric("epoch_ms", "n") or 0 for c in ran), default=0)
+    table = _table(
+        ["#", "engine / rung", "precision", "ms/epoch (2nd half, p50)", "p20–p80", "total s", "setup s",
+         "test acc", "× prev", "× torch-eager", f"seed study ms/epoch ({SEED_NOTE})"],
+        rows, "rllrrrrrrrr",
+    )
+    notes = [
+        f"ms/epoch: mean epoch time over the second half of training, median over {n} run(s) (p20–p80 across runs); "
+        "total: wall time of the whole run (setup, epochs, evaluation); setup: upload, compilation, warm-up "
+        "(not in ms/epoch); test acc: mean over seeds; × prev / × torch-eager: speedup of ms/epoch.",
+        f"The seed study's column was {SEED_NOTE}: orientation only, not a comparison with the rows here.",
+    ]
+    parts = [f"### {result.title}", header(result), *_images(images)]
+    parts += [table, "\n\n".join(f"*{n}*" for n in notes)] if ran else ["*No row ran on this machine.*"]
+    skipped = skipped_list(result)
+    if skipped:
+        parts.append("Rows not run here:\n\n" + skipped)
+    return "\n\n".join(parts) + "\n"
+
+
+def sweep_grid(result: SuiteResult, value) -> tuple[list[str], list[int], dict[tuple[str, int], float | None]]:
+    """(row labels, hidden sizes, {(label, hidden): value(case)}) over the cases that ran."""
+    ran = result.ran()
+    labels = list(dict.fromkeys(c.label for c in ran))
+    hidden = sorted({parse_model(c.model).hidden[0] for c in ran})
+    grid = {(c.label, parse_model(c.model).hidden[0]): value(c) for c in ran}
+    return labels, hidden, grid
+
+
+def baseline_times(result: SuiteResult) -> dict[int, float]:
+    _labels, _hidden, grid = sweep_grid(result, lambda c: c.metric("train_ms"))
+    return {h: v for (label, h), v in grid.items() if label == SWEEP_BASELINE and v}
+
+
+def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    parts = [f"### {result.title}", header(result), *_images(images)]
+    labels, hidden, times = sweep_grid(result, lambda c: c.metric("train_ms"))
+    if not labels:
+        parts.append("*No row ran on this machine.*")
+    else:
+        _l, _h, setup = sweep_grid(result, lambda c: c.metric("setup_ms"))
+        _l, _h, acc = sweep_grid(result, lambda c: c.metric("test_acc", "mean"))
+        base = baseline_times(result)
+        head = ["engine"] + [f"h={h}" for h in hidden]
+
+        def grid_rows(cell):
+            return [[label] + [cell(label, h) for h in hidden] for label in labels]
+
+        def time_cell(grid, label, h):
+            v = grid.get((label, h))
+            return "" if v is None else fmt_num(v / 1e3)
+
+        parts.append("Training time, seconds (all steps; p50 across seeds; setup and evaluation excluded):\n\n"
+                     + _table(head, grid_rows(lambda l, h: time_cell(times, l, h)), "l" + "r" * len(hidden)))
+        if base:
+            parts.append(f"Speed relative to {SWEEP_BASELINE} (its time / the row's time; > 1 is faster):\n\n"
+                         + _table(head, grid_rows(lambda l, h: fmt_ratio(ratio(base.get(h), times.get((l, h))))),
+                                  "l" + "r" * len(hidden)))
+        parts.append("Setup (upload, compilation, warm-up), seconds:\n\n"
+                     + _table(head, grid_rows(lambda l, h: time_cell(setup, l, h)), "l" + "r" * len(hidden)))
+        parts.append("Final test accuracy (mean over seeds):\n\n"
+                     + _table(head, grid_rows(lambda l, h: "" if acc.get((l, h)) is None else fmt_pct(acc[(l, h)])),
+                              "l" + "r" * len(hidden)))
+    skipped = skipped_list(result)
+    if skipped:
+        parts.append("Rows not run here:\n\n" + skipped)
+    return "\n\n".join(parts) + "\n"
+
+
+def curves_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    parts = [f"### {result.title}", header(result), *_images(images)]
+    rows = []
+    for model, ref in result.reference.items():
+        last = ref["curve"][-1]["loss"] if ref["curve"] else None
+        rows.append([f"numpy fp64 (reference) · {model}", "fp64", fmt_num(last, 4), "0", "0",
+                     fmt_pct(ref["final"]["test_acc"]), "0"])
+    for case in result.ran():
+        record, dev = case.records[0], case.deviation or {}
+        last = record["curve"][-1]["loss"] if record["curve"] else None
+        diff = dev.get("test_acc_diff_pp")
+        rows.append([
+            case.label + ("" if len(result.reference) <= 1 else f" · {case.model}"), case.precision, fmt_num(last, 4),
+            "-" if dev.get("curve_max_abs") is None else f"{dev['curve_max_abs']:.2e}",
+            "-" if dev.get("train_loss_max_rel") is None else f"{dev['train_loss_max_rel']:.2e}",
+            fmt_pct(record["final"]["test_acc"]), "-" if diff is None else f"{diff:+.2f}",
+        ])
+    if rows:
+        parts.append(_table(["engine / rung", "precision", "final loss", "max \\|loss − ref\\|", "max rel. train-loss dev.",
+                             "test acc", "Δ acc (pp)"], rows, "llrrrrr"))
+        parts.append("*ref: the NumPy engine in float64 on the same seed, weights and batches. max |loss − ref|: the "
+                     "largest difference between the two loss curves at the logged steps (each point the mean loss "
+                     "since the previous one); max rel. train-loss dev.: the largest relative difference of an "
+                     "epoch's mean train loss.*")
+    else:
+        parts.append("*No row ran on this machine.*")
+    skipped = skipped_list(result)
+    if skipped:
+        parts.append("Rows not run here:\n\n" + skipped)
+    return "\n\n".join(parts) + "\n"
+
+
+MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown}
+
+
+PLOTS = {  # the PNG files each suite writes (fasttrain.bench.plots), with their alt text
+    "ladder": [("ms per epoch, per engine and rung", "ladder.png")],
+    "sweep": [("training time against hidden size", "sweep_time.png"),
+              ("speed relative to PyTorch eager against hidden size", "sweep_relative.png")],
+    "curves": [("loss curves of every engine against the NumPy fp64 reference", "curves.png")],
+}
+
+
+def to_markdown(result: SuiteResult, image_dir: Path | None = None, link_base: str = "") -> str:
+    """The suite's Markdown; with ``image_dir``, links to the plots found there (as ``link_base/<name>``)."""
+    images = None
+    if image_dir is not None:
+        images = [(alt, f"{link_base}{name}") for alt, name in PLOTS[result.suite] if (image_dir / name).is_file()]
+    return MARKDOWN[result.suite](result, images)
+
+
+def write_outputs(result: SuiteResult, out: Path) -> list[Path]:
+    """``<suite>.json``, ``<suite>.csv``, ``<suite>.md`` under ``out`` (plots: :mod:`fasttrain.bench.plots`)."""
+    out.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for suffix, text in (("json", to_json(result)), ("csv", to_csv([result])), ("md", to_markdown(result, out))):
+        path = out / f"{result.suite}.{suffix}"
+        atomic_write_text(path, text)
+        paths.append(path)
+    return paths

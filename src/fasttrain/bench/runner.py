@@ -1,0 +1,364 @@
+"""Running a suite: which rows can run here, the runs over seeds, and the results as data.
+
+A row is skipped, with the reason printed and kept in the results, when its engine is not built
+yet, cannot run here (its ``available()`` reason), lacks an option the row names or the row's
+precision, or refuses the job (a :class:`~fasttrain.errors.FasttrainError` from the engine). Any
+other exception marks the row failed, with its traceback kept in the JSON, and the suite goes on.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import gc
+import traceback
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from datetime import datetime, timezone
+
+import numpy as np
+
+from fasttrain.bench import stats
+from fasttrain.bench.suites import OFF, Case, Suite
+from fasttrain.contract import default_config, parse_model
+from fasttrain.data.datasets import Dataset
+from fasttrain.errors import FasttrainError
+
+SCHEMA = 1
+# Engines the suites name; a row for one of these that is not in the registry is "not built yet".
+NOT_SELECTED = "not selected (--engines)"
+PLANNED_ENGINES = ("numpy", "torch-eager", "torch-fast", "jax", "cuda", "triton")
+
+
+def utc_now() -> str:
+    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
+
+
+@dataclass
+class CaseResult:
+    """One row on one model: its status and, when it ran, one run record per seed."""
+
+    suite: str
+    label: str
+    engine: str
+    rung: str
+    model: str
+    precision: str
+    options: dict
+    config: dict
+    seed_ms: float | None
+    status: str  # ok | skipped | failed
+    reason: str | None = None
+    seeds: list[int] = field(default_factory=list)
+    records: list[dict] = field(default_factory=list)
+    metrics: dict = field(default_factory=dict)
+    deviation: dict | None = None  # curves: against the NumPy fp64 reference
+    timestamp: str = ""
+    traceback: str | None = None
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.label, self.model)
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"
+
+    def metric(self, name: str, stat: str = "p50"):
+        entry = self.metrics.get(name)
+        return None if entry is None else entry.get(stat)
+
+    def to_dict(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "CaseResult":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+@dataclass
+class SuiteResult:
+    suite: str
+    title: str
+    quick: bool
+    command: str
+    timestamp: str
+    dataset: dict
+    environment: dict
+    repeats: int
+    cases: list[CaseResult] = field(default_factory=list)
+    reference: dict = field(default_factory=dict)  # curves: model -> NumPy fp64 run record
+    commands: list[str] = field(default_factory=list)  # every command whose cases are in here, oldest first
+    schema: int = SCHEMA
+
+    def to_dict(self) -> dict:
+        data = dataclasses.asdict(self)
+        return {"schema": data.pop("schema"), **data}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "SuiteResult":
+        if data.get("schema") != SCHEMA:
+            raise FasttrainError(f"benchmark results schema {data.get('schema')!r} is not {SCHEMA}; rerun the suite")
+        data = dict(data)
+        data["cases"] = [CaseResult.from_dict(c) for c in data.get("cases", [])]
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def ran(self) -> list[CaseResult]:
+        return [c for c in self.cases if c.ok]
+
+
+# --- what can run here ---------------------------------------------------------------------
+
+
+def _off_value(engine_cls, fld: dataclasses.Field):
+    """The value that switches an engine flag off, or ``_OMIT`` when its default (None) already is off."""
+    if type(fld.default) is bool:
+        return False
+    choices = fld.metadata.get("choices") or ()
+    for word in ("off", "none", "no", "false", "disabled", ""):
+        if word in choices:
+            return word
+    if fld.default is None:
+        return _OMIT
+    raise FasttrainError(f"engine {engine_cls.name}: option --{fld.name.replace('_', '-')} has no 'off' value "
+                         f"(choices: {', '.join(map(str, choices)) or 'any'}); update the suite row")
+
+
+_OMIT = object()
+
+
+def resolve_options(engine_cls, options: dict) -> dict:
+    """A row's options for ``engine_cls``: ``OFF`` replaced by the engine's off value, names checked."""
+    from fasttrain.engines.base import make_options
+
+    fields = {f.name: f for f in dataclasses.fields(engine_cls.Options)}
+    resolved = {}
+    for key, value in options.items():
+        name = key.replace("-", "_")
+        if name not in fields:
+            known = ", ".join("--" + n.replace("_", "-") for n in fields) or "none"
+            raise FasttrainError(f"engine {engine_cls.name} has no option --{name.replace('_', '-')} (yet; its options: {known})")
+        if value is OFF:
+            value = _off_value(engine_cls, fields[name])
+            if value is _OMIT:
+                continue
+        resolved[name] = value
+    make_options(engine_cls, resolved)  # types and choices, one-line error
+    return resolved
+
+
+def skip_reason(case: Case, engines_filter: set[str] | None = None) -> str | None:
+    """Why ``case`` cannot run here, or None."""
+    from fasttrain.engines import registry
+
+    row = case.row
+    if engines_filter is not None and row.engine not in engines_filter:
+        return NOT_SELECTED
+    engines = registry()
+    if row.engine not in engines:
+        return f"engine {row.engine} is not built yet (no package in fasttrain.engines provides it)"
+    engine_cls = engines[row.engine]
+    reason = engine_cls.available()
+    if reason:
+        return reason
+    try:
+        resolve_options(engine_cls, row.options)
+    except FasttrainError as exc:
+        return str(exc)
+    precision = case.config.get("precision", "fp32")
+    if precision not in engine_cls.precisions:
+        return f"engine {row.engine} does not support precision {precision} (it supports: {', '.join(engine_cls.precisions)})"
+    return None
+
+
+def plan(suite: Suite, engines_filter: set[str] | None = None) -> list[tuple[Case, str | None]]:
+    """Every case of the suite with the reason it is skipped (None: it runs)."""
+    out = []
+    for case in suite.cases():
+        reason = skip_reason(case, engines_filter)
+        if reason is None and suite.quick and not case.row.quick:
+            reason = case.row.quick_note or "left out of --quick"
+        out.append((case, reason))
+    return out
+
+
+def check_engines_filter(names: set[str] | None) -> None:
+    from fasttrain.engines import registry
+
+    if not names:
+        return
+    known = set(registry()) | set(PLANNED_ENGINES)
+    unknown = sorted(names - known)
+    if unknown:
+        raise FasttrainError(f"--engines: unknown engine {unknown[0]!r}; choose from: {', '.join(sorted(known))}")
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def _case_result(case: Case, status: str, reason: str | None = None, options: dict | None = None) -> CaseResult:
+    return CaseResult(
+        suite=case.suite, label=case.row.label, engine=case.row.engine, rung=case.row.rung, model=case.model,
+        precision=case.config.get("precision", "fp32"), options=_jsonable(options if options is not None else case.row.options),
+        config=dict(case.config), seed_ms=case.row.seed_ms, status=status, reason=reason, timestamp=utc_now(),
+    )
+
+
+def _jsonable(options: dict) -> dict:
+    return {k: ("off" if v is OFF else v) for k, v in options.items()}
+
+
+Log = Callable[[str], None]
+
+
+class Progress:
+    """What the runner reports while it works (the CLI drives rich progress bars from it)."""
+
+    def start(self, total: int, description: str) -> None: ...
+    def describe(self, description: str) -> None: ...
+    def advance(self, n: int = 1) -> None: ...
+    def log(self, message: str) -> None: ...
+    def stop(self) -> None: ...
+
+
+def run_suite(
+    suite: Suite,
+    data: Dataset,
+    *,
+    engines_filter: set[str] | None = None,
+    command: str = "",
+    dataset_info: dict | None = None,
+    progress: Progress | None = None,
+    runner: Callable | None = None,
+) -> SuiteResult:
+    """Run every case that can run here, ``suite.repeats`` seeds each (curves: seed 0 only)."""
+    from fasttrain.environment import environment
+    from fasttrain.training import run as train_run
+
+    runner = runner or train_run
+    progress = progress or Progress()
+    planned = plan(suite, engines_filter)
+    runnable = [case for case, reason in planned if reason is None]
+    seeds = list(range(suite.repeats))
+    n_ref = len({case.model for case in runnable}) if suite.reference else 0
+    result = SuiteResult(suite.name, suite.title, suite.quick, command, utc_now(),
+                         dataset_info or {"name": data.name, "n_train": data.n_train, "n_test": len(data.test_labels)},
+                         environment(), suite.repeats, commands=[command] if command else [])
+    progress.start(len(runnable) * len(seeds) + n_ref, suite.name)
+    told = set()
+    try:
+        if suite.reference:
+            for model in sorted({case.model for case in runnable}, key=lambda m: parse_model(m).n_params):
+                progress.describe(f"{suite.name}: numpy fp64 reference {model}")
+                config = default_config(parse_model(model), **{**suite.config, "precision": "fp64", "seed": 0})
+                record, _ = runner("numpy", parse_model(model), config, data, {})
+                result.reference[model] = record.to_dict()
+                progress.advance()
+        for case, reason in planned:
+            if reason is not None:
+                if reason != NOT_SELECTED and (case.row.label, reason) not in told:  # once per row, not per model
+                    told.add((case.row.label, reason))
+                    progress.log(f"[yellow]skip[/] {suite.name} {case.row.label}: {reason}")
+                result.cases.append(_case_result(case, "skipped", reason))
+                continue
+            result.cases.append(_run_case(suite, case, seeds, data, runner, progress, result.reference))
+            gc.collect()
+    finally:
+        progress.stop()
+    return result
+
+
+def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress, reference: dict) -> CaseResult:
+    from fasttrain.engines import get_engine
+
+    engine_cls = get_engine(case.row.engine)
+    options = resolve_options(engine_cls, case.row.options)
+    spec = parse_model(case.model)
+    out = _case_result(case, "ok", options=options)
+    for i, seed in enumerate(seeds):
+        progress.describe(f"{suite.name}: {case.row.label} {case.model} seed {seed}")
+        config = default_config(spec, **{**case.config, "seed": seed})
+        out.config = config.to_dict()
+        try:
+            record, _weights = runner(case.row.engine, spec, config, data, options)
+        except FasttrainError as exc:
+            out.status, out.reason = "skipped", str(exc)
+            progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}: {exc}")
+            progress.advance(len(seeds) - i)
+            return out
+        except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the rest of the suite
+            out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
+            out.traceback = traceback.format_exc()
+            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model} seed {seed}: {out.reason}")
+            progress.advance(len(seeds) - i)
+            return out
+        out.seeds.append(seed)
+        out.records.append(record.to_dict())
+        progress.advance()
+    out.metrics = stats.case_metrics(out.records)
+    if suite.reference and case.model in reference:
+        out.deviation = _deviation(out.records[0], reference[case.model])
+    progress.log(_summary_line(suite, out))
+    return out
+
+
+def _deviation(record: dict, reference: dict) -> dict:
+    """How far a run is from the NumPy fp64 reference on the same seed (:mod:`fasttrain.parity`)."""
+    from fasttrain.parity import curve_deviation, loss_deviation
+    from fasttrain.training import RunRecord
+
+    run, ref = RunRecord.from_dict(record), RunRecord.from_dict(reference)
+    curve = curve_deviation(run, ref)
+    acc, ref_acc = record["final"]["test_acc"], reference["final"]["test_acc"]
+    return {
+        "curve_max_abs": None if not np.isfinite(curve) else float(curve),
+        "train_loss_max_rel": float(loss_deviation(run, ref)) if any(e["train_loss"] is not None for e in run.epochs) else None,
+        "test_acc_diff_pp": None if acc is None or ref_acc is None else 100.0 * (acc - ref_acc),
+    }
+
+
+def _summary_line(suite: Suite, case: CaseResult) -> str:
+    n = case.metrics["epoch_ms"]["n"]
+    acc = case.metric("test_acc", "mean")
+    acc_text = "-" if acc is None else f"{100 * acc:.2f}%"
+    if suite.name == "sweep":
+        timing = f"train {case.metric('train_ms') / 1e3:.3f} s"
+    else:
+        timing = f"epoch {case.metric('epoch_ms'):.2f} ms"
+    extra = ""
+    if case.deviation and case.deviation["curve_max_abs"] is not None:
+        extra = f"  max |loss - ref| {case.deviation['curve_max_abs']:.2e}"
+    return f"[green]ok[/] {suite.name} {case.label} {case.model}: {timing} (p50 of {n}), acc {acc_text}{extra}"
+
+
+# --- merging with earlier results ----------------------------------------------------------
+
+
+def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
+    """Fold earlier results of the same suite into ``new``; returns (result, cases kept from ``old``).
+
+    A case ``new`` ran (or tried to) replaces the earlier one. A case ``new`` did not run (another
+    ``--hidden``, or left out by ``--engines``) keeps its earlier result when that one ran.
+    Earlier results with another dataset or ``--quick`` setting are dropped, not mixed in."""
+    if old is None or old.quick != new.quick or old.dataset != new.dataset:
+        return new, 0
+    new_by_key = {c.key: c for c in new.cases}
+    old_by_key = {c.key: c for c in old.cases}
+    merged, kept = [], 0
+    for key in dict.fromkeys([*new_by_key, *old_by_key]):
+        fresh, earlier = new_by_key.get(key), old_by_key.get(key)
+        if fresh is not None and fresh.reason != NOT_SELECTED:
+            merged.append(fresh)
+        elif earlier is not None and (earlier.ok or fresh is None):
+            merged.append(earlier)
+            kept += earlier.ok
+        else:
+            merged.append(fresh)
+    labels = list(dict.fromkeys(c.label for c in new.cases))
+    merged.sort(key=lambda c: (parse_model(c.model).n_params, labels.index(c.label) if c.label in labels else len(labels)))
+    new.cases = merged
+    new.reference = {**old.reference, **new.reference}
+    if kept:
+        new.commands = list(dict.fromkeys([*old.commands, *new.commands]))
+    return new, kept

@@ -1,0 +1,74 @@
+"""`fasttrain bench`: the quick suites end to end on the NumPy engine, and the README generator."""
+
+from __future__ import annotations
+
+import csv
+
+import pytest
+
+from fasttrain.cli import main
+
+
+@pytest.fixture(scope="module")
+def quick_run(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    rc = main(["bench", "all", "--quick", "--synthetic", "--engines", "numpy", "--hidden", "32,64", "--out", str(out)])
+    return rc, out
+
+
+def test_bench_all_quick_writes_every_output(quick_run):
+    rc, out = quick_run
+    assert rc == 0
+    for suite in ("ladder", "sweep", "curves"):
+        for suffix in ("json", "csv", "md"):
+            assert (out / f"{suite}.{suffix}").stat().st_size > 0
+    assert (out / "results.csv").is_file() and (out / "README.md").is_file()
+    rows = list(csv.DictReader((out / "results.csv").open()))
+    assert {r["suite"] for r in rows} == {"ladder", "sweep", "curves"}
+    assert {r["model"] for r in rows if r["suite"] == "sweep"} == {"mlp:32x3", "mlp:64x3"}
+    ladder = (out / "ladder.md").read_text()
+    assert "SYNTHETIC" in ladder and "--quick" in ladder
+    assert "`fasttrain bench all --quick --engines numpy --out" in ladder
+
+
+def test_bench_all_quick_writes_pngs(quick_run):
+    pytest.importorskip("matplotlib")
+    _rc, out = quick_run
+    for name in ("ladder.png", "sweep_time.png", "curves.png"):
+        assert (out / name).read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_readme_prints_the_results_section(quick_run, capsys, monkeypatch):
+    _rc, out = quick_run
+    monkeypatch.chdir(out.parent)
+    capsys.readouterr()
+    assert main(["bench", "readme", out.name]) == 0
+    text = capsys.readouterr().out
+    assert text.startswith("## Results")
+    assert f"`fasttrain bench readme {out.name}`" in text
+    assert "| # | engine / rung |" in text and "numpy fp64 (reference)" in text
+    pytest.importorskip("matplotlib")
+    assert f"]({out.name}/ladder.png)" in text and f"]({out.name}/sweep_time.png)" in text
+
+
+def test_rerun_of_one_size_keeps_the_others(quick_run):
+    _rc, out = quick_run
+    assert main(["bench", "sweep", "--quick", "--synthetic", "--engines", "numpy", "--hidden", "16", "--out", str(out)]) == 0
+    rows = list(csv.DictReader((out / "sweep.csv").open()))
+    assert {r["model"] for r in rows} == {"mlp:16x3", "mlp:32x3", "mlp:64x3"}
+
+
+def test_bench_errors_are_one_line(tmp_path, capsys):
+    assert main(["bench", "ladder", "--engines", "nunpy", "--out", str(tmp_path)]) == 1
+    assert "unknown engine 'nunpy'" in capsys.readouterr().err
+    assert main(["bench", "sweep", "--hidden", "12x", "--out", str(tmp_path)]) == 1
+    assert "--hidden: expected a comma-separated list" in capsys.readouterr().err
+    assert main(["bench", "readme", str(tmp_path / "none")]) == 1
+    assert "no such folder" in capsys.readouterr().err
+
+
+def test_bench_list_runs_nothing(tmp_path, capsys):
+    assert main(["bench", "ladder", "--list", "--out", str(tmp_path / "x")]) == 0
+    text = capsys.readouterr().out
+    assert "cuda rung 8" in text and "numpy" in text
+    assert not (tmp_path / "x").exists()

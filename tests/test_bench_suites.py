@@ -1,0 +1,170 @@
+"""Suites as data, option resolution, skipping, running over seeds, merging results."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+
+from fasttrain.bench import runner, suites
+from fasttrain.bench.suites import OFF, Row, Suite
+from fasttrain.engines.base import Engine, option
+from fasttrain.errors import FasttrainError
+
+TINY = dict(epochs=2, steps=None, batch_size=50, lr=0.1, log_every=3)
+
+
+@dataclass(frozen=True)
+class FakeOptions:
+    graphs: bool = option(True, "a boolean flag")
+    mode: str = option("auto", "a flag with choices", choices=("auto", "off", "fast"))
+    level: str = option(None, "a flag whose default None is off")
+    size: int = option(3, "a number")
+
+
+class FakeEngine(Engine):
+    name = "fake"
+    description = "test double"
+    Options = FakeOptions
+
+    def prepare(self, job):  # pragma: no cover - never run
+        raise NotImplementedError
+
+
+# --- suites as data ------------------------------------------------------------------------
+
+
+def test_suite_rows_are_consistent():
+    labels = [row.label for row in suites.LADDER_ROWS]
+    assert len(labels) == len(set(labels))
+    assert set(suites.SEED_MS) <= set(labels)  # every seed figure sits on a ladder row
+    assert {row.engine for row in suites.LADDER_ROWS + suites.SWEEP_ROWS} <= set(runner.PLANNED_ENGINES)
+    assert suites.SWEEP_BASELINE in [row.label for row in suites.SWEEP_ROWS]
+    assert [f"cuda rung {n}" for n in range(9)] == [label for label in labels if label.startswith("cuda")]
+
+
+def test_suite_settings_follow_the_issue():
+    ladder = suites.ladder()
+    assert (ladder.config["epochs"], ladder.config["batch_size"], ladder.config["lr"], ladder.repeats) == (20, 128, 0.1, 3)
+    sweep = suites.sweep()
+    assert sweep.models == tuple(f"mlp:{h}x3" for h in (128, 256, 512, 1024, 2048, 4096, 8192))
+    assert (sweep.config["steps"], sweep.config["batch_size"], sweep.config["lr"], sweep.repeats) == (5000, 32, 0.003, 3)
+    cases = sweep.cases()
+    assert not any(c.row.engine == "numpy" and c.model == "mlp:2048x3" for c in cases)  # max_hidden
+    assert all(c.config["precision"] == "fp16" for c in cases if c.row.engine in ("torch-eager", "triton"))
+    quick = suites.sweep(quick=True, hidden=(64,))
+    assert quick.models == ("mlp:64x3",) and quick.repeats == 1 and quick.config["steps"] < 5000
+    assert suites.ladder(repeats=5).repeats == 5
+
+
+# --- options -------------------------------------------------------------------------------
+
+
+def test_off_resolves_to_each_flags_off_value():
+    resolved = runner.resolve_options(FakeEngine, {"graphs": OFF, "mode": OFF, "level": OFF, "size": 4})
+    assert resolved == {"graphs": False, "mode": "off", "size": 4}  # level: its default None already is off
+
+
+def test_unknown_option_and_flag_without_off_are_reported():
+    with pytest.raises(FasttrainError, match="has no option --turbo"):
+        runner.resolve_options(FakeEngine, {"turbo": True})
+    with pytest.raises(FasttrainError, match="no 'off' value"):
+        runner.resolve_options(FakeEngine, {"size": OFF})
+    with pytest.raises(FasttrainError, match="must be one of"):
+        runner.resolve_options(FakeEngine, {"mode": "warp"})
+
+
+def test_plan_gives_a_reason_for_every_skipped_row():
+    rows = (Row("numpy", "numpy"), Row("numpy fp16", "numpy", overrides={"precision": "fp16"}),
+            Row("ghost", "no-such-engine"), Row("slow", "numpy", quick=False, quick_note="too slow for --quick"),
+            Row("numpy bad flag", "numpy", options={"rung": 3}))
+    suite = Suite("ladder", "t", rows, ("logreg",), TINY, 1, quick=True)
+    reasons = {case.row.label: reason for case, reason in runner.plan(suite)}
+    assert reasons["numpy"] is None
+    assert "does not support precision fp16" in reasons["numpy fp16"]
+    assert "not built yet" in reasons["ghost"]
+    assert reasons["slow"] == "too slow for --quick"
+    assert "has no option --rung" in reasons["numpy bad flag"]
+    only = {case.row.label: reason for case, reason in runner.plan(suite, {"jax"})}
+    assert only["numpy"] == runner.NOT_SELECTED
+
+
+def test_engines_filter_rejects_unknown_names():
+    runner.check_engines_filter({"numpy", "cuda", "triton"})
+    with pytest.raises(FasttrainError, match="unknown engine 'nunpy'"):
+        runner.check_engines_filter({"nunpy"})
+
+
+# --- running -------------------------------------------------------------------------------
+
+
+def test_run_suite_repeats_over_seeds_and_keeps_skips(tiny_data):
+    rows = (Row("numpy", "numpy"), Row("ghost", "no-such-engine"))
+    suite = Suite("ladder", "t", rows, ("logreg",), TINY, 2)
+    result = runner.run_suite(suite, tiny_data, command="fasttrain bench ladder")
+    ok, ghost = result.cases
+    assert ok.status == "ok" and ok.seeds == [0, 1] and len(ok.records) == 2
+    assert [r["config"]["seed"] for r in ok.records] == [0, 1]
+    assert ok.metrics["epoch_ms"]["n"] == 2 and ok.metrics["test_acc"]["mean"] > 0.5
+    assert ok.records[0]["final"] != ok.records[1]["final"] or ok.records[0]["epochs"] != ok.records[1]["epochs"]
+    assert ghost.status == "skipped" and "not built yet" in ghost.reason and not ghost.records
+    assert result.commands == ["fasttrain bench ladder"] and result.dataset["n_train"] == 600
+
+
+def test_curves_suite_measures_deviation_from_the_fp64_reference(tiny_data):
+    suite = Suite("curves", "t", (Row("numpy", "numpy"),), ("logreg",), TINY, 1, reference=True)
+    result = runner.run_suite(suite, tiny_data)
+    ref = result.reference["logreg"]
+    assert ref["config"]["precision"] == "fp64" and ref["curve"]
+    dev = result.cases[0].deviation
+    # numpy fp32 follows the fp64 reference on the same batches: only rounding apart
+    assert 0 < dev["curve_max_abs"] < 1e-4 and dev["train_loss_max_rel"] < 1e-4 and abs(dev["test_acc_diff_pp"]) <= 0.5
+
+
+def test_engine_errors_skip_and_crashes_fail_without_stopping_the_suite(tiny_data):
+    calls = []
+
+    def flaky(engine, spec, config, data, options):
+        calls.append(config.seed)
+        if options.get("threads") == 1:
+            raise FasttrainError("needs a GPU")
+        raise RuntimeError("kernel exploded\nsecond line")
+
+    rows = (Row("refuses", "numpy", options={"threads": 1}), Row("crashes", "numpy", options={"threads": 2}))
+    result = runner.run_suite(Suite("ladder", "t", rows, ("logreg",), TINY, 3), tiny_data, runner=flaky)
+    refuses, crashes = result.cases
+    assert (refuses.status, refuses.reason) == ("skipped", "needs a GPU")
+    assert (crashes.status, crashes.reason) == ("failed", "RuntimeError: kernel exploded")
+    assert "Traceback" in crashes.traceback
+    assert calls == [0, 0]  # the first seed's error ends the row
+
+
+# --- merging -------------------------------------------------------------------------------
+
+
+def _result(cases, quick=False, dataset="mnist"):
+    return runner.SuiteResult("sweep", "t", quick, "cmd", "now", {"name": dataset}, {}, 1, cases, {}, ["cmd"])
+
+
+def _case(label, model, status="ok", reason=None):
+    return runner.CaseResult("sweep", label, "x", "-", model, "fp32", {}, {}, None, status, reason)
+
+
+def test_merge_keeps_earlier_results_for_cases_not_run_now():
+    old = _result([_case("jax", "mlp:128x3"), _case("cuda", "mlp:128x3"), _case("jax", "mlp:256x3", "failed")])
+    new = _result([_case("jax", "mlp:512x3"), _case("cuda", "mlp:128x3", "skipped", runner.NOT_SELECTED),
+                   _case("jax", "mlp:256x3")])
+    new.commands = ["cmd2"]
+    merged, kept = runner.merge(new, old)
+    got = {(c.label, c.model): c.status for c in merged.cases}
+    assert got == {("jax", "mlp:128x3"): "ok", ("cuda", "mlp:128x3"): "ok", ("jax", "mlp:256x3"): "ok",
+                   ("jax", "mlp:512x3"): "ok"}
+    assert kept == 2 and merged.commands == ["cmd", "cmd2"]
+    assert [c.model for c in merged.cases] == ["mlp:128x3", "mlp:128x3", "mlp:256x3", "mlp:512x3"]
+
+
+def test_merge_drops_results_of_another_dataset_or_quick_setting():
+    old = _result([_case("jax", "mlp:128x3")])
+    assert runner.merge(_result([], dataset="synthetic"), old)[1] == 0
+    merged, kept = runner.merge(_result([], quick=True), old)
+    assert kept == 0 and merged.cases == []
