@@ -138,9 +138,8 @@ class LadderSession(Session):
         def call(*args):
             fn(*args)
             if not self._capturing:  # a capturing stream cannot be synchronized
-                try:
+                try:  # launch errors raise at the call; faults inside a kernel raise here
                     self.stream.synchronize()
-                    self._cp.cuda.runtime.getLastError()
                 except Exception as exc:
                     raise RuntimeError(f"CUDA error after {name} (rung {self.rung}): {exc}") from exc
 
