@@ -1,0 +1,32 @@
+"""The JAX engine class: options and availability only; jax is imported inside ``prepare``."""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+from fasttrain.engines.base import Engine, Job, Session, option
+
+
+@dataclass(frozen=True)
+class JaxOptions:
+    device: str = option("auto", "gpu or cpu (auto: JAX's default backend)", choices=("auto", "gpu", "cpu"))
+    unroll: int = option(1, "lax.scan unroll factor: steps per loop iteration of the compiled epoch")
+
+
+class JaxEngine(Engine):
+    name = "jax"
+    description = "JAX: jit of a whole epoch as lax.scan over its batches, donated weights, fp32 at 'highest' or bf16/fp16 mixed"
+    Options = JaxOptions
+    precisions = ("fp32", "fp16", "bf16")
+
+    @classmethod
+    def available(cls) -> str | None:
+        if importlib.util.find_spec("jax") is None:
+            return "JAX is not installed; install it with: pip install 'fasttrain[jax]' (jax[cuda13] for the GPU)"
+        return None
+
+    def prepare(self, job: Job) -> Session:
+        from fasttrain.engines.jax.session import JaxSession
+
+        return JaxSession(job, self.options)

@@ -1,0 +1,320 @@
+"""torch-fast: what a strong PyTorch user gets, each optimization of the seed study a flag of its own.
+
+Same model, loss and optimizer as torch-eager (``nn.Sequential`` of ``nn.Linear``, cross-entropy,
+``torch.optim.SGD``, autograd), with these rungs:
+
+- ``--preload``: the whole training set sits on the device as uint8 (47 MB for MNIST), with the
+  shared batch order of every epoch uploaded once at setup; a step gathers its batch on the device
+  (``x = X[idx] / 255``). Without it, each batch is gathered on the host and copied over
+  (``--pin-memory``: through pinned staging buffers, asynchronously, two in flight).
+- ``--amp fp16|bf16``: ``torch.autocast`` mixed precision (GEMM inputs in half, fp32 master
+  weights, fp32 loss); fp16 adds ``GradScaler``. It only restates ``--precision``, which decides.
+- ``--compile``: ``torch.compile`` of the per-batch forward and loss (AOTAutograd compiles the
+  backward), static shapes: the full batch and the partial last batch are two compiled graphs,
+  both built during setup.
+- ``--cuda-graph step|epoch``: capture one training step per batch shape and replay it per batch,
+  or capture every step of an epoch (forward, backward, SGD, the per-step loss written to a device
+  buffer) in one graph and replay it once per epoch. One graph per distinct epoch length of the
+  schedule (mlp runs end with a shorter epoch), captured and replayed once during setup.
+- ``--fused-sgd``: ``SGD(fused=True)``, one kernel for every parameter; with fp16 it also takes
+  GradScaler's unscale and overflow skip on the device, which is what makes fp16 capturable.
+
+Per-step losses and correct counts are written to a device buffer and read once per epoch; no
+step synchronizes with the host. Evaluation runs when the driver asks (``eval_every``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from fasttrain.contract import batch_bounds, epoch_order
+from fasttrain.engines.base import EpochStats, Job, Session
+from fasttrain.engines.torch.common import (
+    AMP_DTYPES,
+    FP16_INIT_SCALE,
+    StrictMath,
+    autocast,
+    build_model,
+    check_amp,
+    device_name,
+    evaluate,
+    export_weights,
+    load_weights,
+    resolve_device,
+    to_tensor_inputs,
+)
+from fasttrain.errors import FasttrainError
+
+WARMUP_STEPS = 3  # per batch shape; CUDA graph capture wants a few eager iterations first
+
+
+def resolve_options(options, precision: str, device: torch.device) -> dict:
+    """Turn ``auto`` into concrete choices and reject combinations that cannot work, one line each."""
+    cuda = device.type == "cuda"
+    fp16 = precision == "fp16"
+    compile_mode = options.compile
+    if compile_mode == "auto":
+        # Inductor's CPU backend needs a C++ compiler and tens of seconds per shape; on the GPU it
+        # fuses the gather, the /255 conversion and the loss into a few kernels.
+        compile_mode = "default" if cuda else "off"
+    graph = options.cuda_graph
+    if graph == "auto":
+        graph = "epoch" if (cuda and options.preload and compile_mode != "reduce-overhead"
+                            and (options.fused_sgd or not fp16)) else "off"
+    if graph != "off":
+        if not cuda:
+            raise FasttrainError("torch-fast: --cuda-graph needs --device cuda; use --cuda-graph off on the CPU")
+        if not options.preload:
+            raise FasttrainError("torch-fast: --cuda-graph replays device-resident batches; add --preload")
+        if compile_mode == "reduce-overhead":
+            raise FasttrainError("torch-fast: --compile reduce-overhead makes its own CUDA graphs; "
+                                 "use --cuda-graph off with it, or --compile default")
+        if fp16 and not options.fused_sgd:
+            raise FasttrainError("torch-fast: --cuda-graph with fp16 needs --fused-sgd (GradScaler's unfused "
+                                 "step reads the overflow flag on the host every step, which cannot be captured)")
+    if compile_mode == "max-autotune" and graph != "off":
+        compile_mode = "max-autotune-no-cudagraphs"  # our own capture wraps it
+    return {
+        "device": str(device),
+        "preload": options.preload,
+        "pin_memory": bool(options.pin_memory and cuda and not options.preload),
+        "amp": precision if precision in AMP_DTYPES else "off",
+        "compile": compile_mode,
+        "cuda_graph": graph,
+        "fused_sgd": options.fused_sgd,
+    }
+
+
+class FastSession(Session):
+    def __init__(self, job: Job, options):
+        config = job.config
+        self.strict = StrictMath()
+        self.device = resolve_device(options.device)
+        check_amp(options.amp, config.precision, "torch-fast")
+        self.resolved = resolve_options(options, config.precision, self.device)
+        self.config = config
+        self.batch = config.batch_size
+        self.amp_dtype = AMP_DTYPES.get(config.precision)
+        self.dtype = torch.float64 if config.precision == "fp64" else torch.float32
+        self.init_weights = job.init_weights
+        self.model = build_model(job.spec, job.init_weights, self.device, self.dtype)
+        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=config.lr,
+                                         fused=True if options.fused_sgd else None)
+        self.scaler = torch.amp.GradScaler(self.device.type, init_scale=FP16_INIT_SCALE,
+                                           enabled=config.precision == "fp16")
+        data = job.data
+        n = data.n_train
+        self.bounds = batch_bounds(n, config.batch_size, config.drop_last)
+        self.schedule = job.schedule
+        x_u8 = to_tensor_inputs(data.train_images)  # uint8 (n, 784): 1 byte per pixel on the wire
+        y = torch.from_numpy(data.train_labels.astype(np.int64))
+        # The shared batch order of every epoch, computed once; uploaded once when preloading.
+        self.orders = [epoch_order(config.seed, e, n) for e in range(1, job.schedule.n_epochs + 1)]
+        if self.resolved["preload"]:
+            self.X, self.Y = x_u8.to(self.device), y.to(self.device)
+            self.orders_dev = torch.from_numpy(np.stack(self.orders)).to(self.device)
+        else:
+            self.X_host, self.Y_host = x_u8, y
+            self._make_staging()
+        self.test_x = to_tensor_inputs(data.test_images).to(self.device)
+        self.test_y = torch.from_numpy(data.test_labels.astype(np.int64)).to(self.device)
+        # Per-step (loss, correct) of the current epoch, written on the device, read once per epoch.
+        self.stats = torch.zeros(job.schedule.full_epoch_steps, 2, dtype=self.dtype, device=self.device)
+        self.loss_fn = self._make_loss_fn(self.resolved["compile"])
+        self.graphs: dict = {}
+        self._warm_up_and_capture()
+        self.sync()
+
+    # --- the step -----------------------------------------------------------------------------
+
+    def _make_loss_fn(self, compile_mode: str):
+        model, amp_dtype, in_dtype, device_type = self.model, self.amp_dtype, self.dtype, self.device.type
+
+        def batch_loss(x_u8, y):
+            x = x_u8.to(in_dtype) / 255.0  # x = pixel / 255, converted on the device
+            with autocast(device_type, amp_dtype):
+                logits = model(x)
+            logits = logits.to(in_dtype)  # softmax and loss in fp32 (fp64 under fp64)
+            loss = F.cross_entropy(logits, y)  # mean over the batch
+            correct = (logits.argmax(dim=1) == y).sum()
+            return loss, torch.stack([loss.detach(), correct.to(in_dtype)])
+
+        def indexed_loss(X, Y, idx):
+            return batch_loss(X[idx], Y[idx])  # the gather fuses with the conversion when compiled
+
+        fn = indexed_loss if self.resolved["preload"] else batch_loss
+        if compile_mode != "off":
+            # dynamic=False: the full batch and the partial last batch each get their own static graph.
+            fn = torch.compile(fn, mode=compile_mode, dynamic=False, fullgraph=True)
+        return fn
+
+    def _step(self, args, slot) -> None:
+        """One SGD step on a batch; its (loss, correct) goes to ``slot`` on the device."""
+        if self.resolved["compile"] == "reduce-overhead":
+            torch.compiler.cudagraph_mark_step_begin()
+        loss, stats = self.loss_fn(*args)
+        self.scaler.scale(loss).backward()  # dW = x.T @ dlogits etc., through autograd
+        self.scaler.step(self.optimizer)  # W -= lr * dW (fp16: unscaled, skipped on overflow)
+        self.scaler.update()
+        self.optimizer.zero_grad(set_to_none=True)
+        slot.copy_(stats)
+
+    # --- host-fed batches (no --preload) --------------------------------------------------------
+
+    def _make_staging(self) -> None:
+        cuda = self.device.type == "cuda"
+        pin = self.resolved["pin_memory"]
+        self.stage_x = [torch.empty(self.batch, self.X_host.shape[1], dtype=torch.uint8, pin_memory=pin)
+                        for _ in range(2)]
+        self.stage_y = [torch.empty(self.batch, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.stage_events = [torch.cuda.Event() for _ in range(2)] if (cuda and pin) else None
+
+    def _host_batch(self, k: int, idx: torch.Tensor):
+        if self.device.type == "cpu":
+            return self.X_host[idx], self.Y_host[idx]
+        slot = k % 2
+        size = len(idx)
+        xs, ys = self.stage_x[slot][:size], self.stage_y[slot][:size]
+        if self.stage_events is not None:
+            self.stage_events[slot].synchronize()  # the copy out of this buffer two steps ago is done
+        torch.index_select(self.X_host, 0, idx, out=xs)
+        torch.index_select(self.Y_host, 0, idx, out=ys)
+        pinned = self.stage_events is not None
+        x, y = xs.to(self.device, non_blocking=pinned), ys.to(self.device, non_blocking=pinned)
+        if pinned:
+            self.stage_events[slot].record()
+        return x, y
+
+    # --- setup: compile, capture, restore ------------------------------------------------------
+
+    def _batch_sizes(self) -> list[int]:
+        used = self.bounds[: self.schedule.full_epoch_steps]
+        return sorted({stop - start for start, stop in used}, reverse=True)
+
+    def _warm_args(self, size: int):
+        idx = torch.arange(size, device=self.device if self.resolved["preload"] else "cpu")
+        if self.resolved["preload"]:
+            return (self.X, self.Y, idx)
+        return self._host_batch(0, idx)
+
+    def _warm_up_and_capture(self) -> None:
+        """Compile every batch shape and (with --cuda-graph) capture and replay the graphs once; then
+        put back the initial weights, the scaler's state and the stats (warm-up must not train)."""
+        graphs = self.resolved["cuda_graph"] != "off"
+        rounds = WARMUP_STEPS if graphs else 1
+        stream = torch.cuda.Stream(self.device) if graphs else None
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream) if stream is not None else _nullcontext():
+            for size in self._batch_sizes():
+                for _ in range(rounds):
+                    self._step(self._warm_args(size), self.stats[0])
+        if stream is not None:
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+        if self.resolved["cuda_graph"] == "epoch":
+            self._capture_epochs()
+        elif self.resolved["cuda_graph"] == "step":
+            self._capture_steps()
+        self._restore()
+
+    def _capture_epochs(self) -> None:
+        n = len(self.orders[0])
+        self.order_static = torch.empty(n, dtype=torch.int64, device=self.device)
+        self.order_static.copy_(self.orders_dev[0])
+        for steps in sorted(set(self.schedule.steps_per_epoch)):
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                for k, (start, stop) in enumerate(self.bounds[:steps]):
+                    self._step((self.X, self.Y, self.order_static[start:stop]), self.stats[k])
+            graph.replay()  # first replay uploads the graph; the weights it trains are restored below
+            self.graphs[steps] = graph
+
+    def _capture_steps(self) -> None:
+        self.step_idx, self.step_stats = {}, {}
+        for size in self._batch_sizes():
+            idx = torch.arange(size, device=self.device)
+            stats = torch.zeros(2, dtype=self.dtype, device=self.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                self._step((self.X, self.Y, idx), stats)
+            graph.replay()
+            self.step_idx[size], self.step_stats[size], self.graphs[size] = idx, stats, graph
+
+    @torch.no_grad()
+    def _restore(self) -> None:
+        load_weights(self.model, self.init_weights)  # in place: graphs keep pointing at these tensors
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.scaler.is_enabled():
+            self.scaler._scale.fill_(FP16_INIT_SCALE)  # GradScaler keeps these two as device tensors;
+            self.scaler._growth_tracker.zero_()  # refilled in place so captured graphs see the reset
+        self.stats.zero_()
+
+    # --- epochs ---------------------------------------------------------------------------------
+
+    def _order_on_device(self, epoch: int, order: np.ndarray) -> torch.Tensor:
+        if 1 <= epoch <= len(self.orders) and np.array_equal(order, self.orders[epoch - 1]):
+            return self.orders_dev[epoch - 1]
+        return torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64)).to(self.device)
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        mode = self.resolved["cuda_graph"]
+        if not self.resolved["preload"]:
+            order_t = torch.from_numpy(np.ascontiguousarray(order, dtype=np.int64))
+            for k, (start, stop) in enumerate(self.bounds[:steps]):
+                self._step(self._host_batch(k, order_t[start:stop]), self.stats[k])
+        elif mode == "epoch" and steps in self.graphs:
+            self.order_static.copy_(self._order_on_device(epoch, order))
+            self.graphs[steps].replay()
+        elif mode == "step":
+            order_dev = self._order_on_device(epoch, order)
+            for k, (start, stop) in enumerate(self.bounds[:steps]):
+                size = stop - start
+                self.step_idx[size].copy_(order_dev[start:stop])
+                self.graphs[size].replay()
+                self.stats[k].copy_(self.step_stats[size])
+        else:
+            if mode == "epoch":  # an epoch length the schedule did not announce: no graph for it
+                raise FasttrainError(f"torch-fast: no CUDA graph captured for an epoch of {steps} steps")
+            order_dev = self._order_on_device(epoch, order)
+            for k, (start, stop) in enumerate(self.bounds[:steps]):
+                self._step((self.X, self.Y, order_dev[start:stop]), self.stats[k])
+        # The one read of the epoch: per-step (loss, correct) pairs.
+        stats = self.stats[:steps].to(torch.float64).cpu().numpy()
+        counts = np.array([stop - start for start, stop in self.bounds[:steps]], dtype=np.float64)
+        return EpochStats(count=int(counts.sum()), loss_sum=float(stats[:, 0] @ counts),
+                          correct=int(round(stats[:, 1].sum())), step_losses=stats[:, 0].copy())
+
+    def evaluate(self) -> tuple[float, float]:
+        return evaluate(self.model, self.test_x, self.test_y, self.amp_dtype, self.dtype)
+
+    def weights(self):
+        return export_weights(self.model)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def environment(self) -> dict:
+        return {"device": device_name(self.device), "torch": torch.__version__,
+                "cuda": torch.version.cuda if self.device.type == "cuda" else None, "resolved": self.resolved}
+
+    def close(self) -> None:
+        self.graphs.clear()
+        self.loss_fn = None
+        # Dynamo keeps compiled code on the (shared) code object of the loss function; a new
+        # session would pile up recompiles until the cache limit silently falls back to eager.
+        if self.resolved["compile"] != "off":
+            torch._dynamo.reset()
+        self.strict.restore()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+class _nullcontext:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
