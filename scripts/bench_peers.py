@@ -1,0 +1,153 @@
+"""Benchmarks of the peers our kernels must beat (issue 3): torch-eager, torch-fast's rungs, jax.
+
+    PYTHONPATH=src FASTTRAIN_DATA_DIR=.data/mnist python3 scripts/bench_peers.py --suite logreg --out results/peers
+    ... --suite mlp    (mlp:128x3 / mlp:1024x3 / mlp:8192x3, 5000 steps, batch 32, lr 0.003, fp16)
+
+Every row is one ``fasttrain.training.run`` (the shared driver times it: setup apart, epochs
+synchronized); its full run record goes to ``<out>/<suite>-<gpu>.json`` and a summary line to
+``<out>/<suite>-<gpu>.csv``, both rewritten after each row so a run cut short keeps what it
+finished. A row that fails is recorded with its error, not dropped. Figures are never typed in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import sys
+import time
+import traceback
+from pathlib import Path
+
+from fasttrain.contract import default_config, parse_model
+from fasttrain.data import load_dataset
+from fasttrain.environment import environment, machine_slug
+from fasttrain.training import atomic_write_text, run
+
+OFF = {"compile": "off", "cuda_graph": "off", "fused_sgd": False}
+
+# (label, engine, options, precision): the seed study's rungs one at a time, then the best settings.
+LOGREG_ROWS = [
+    ("tutorial DataLoader", "torch-eager", {}, "fp32"),
+    ("host-fed batches, pinned memory", "torch-fast", {**OFF, "preload": False, "pin_memory": True}, "fp32"),
+    ("preload", "torch-fast", OFF, "fp32"),
+    ("preload + AMP fp16", "torch-fast", OFF, "fp16"),
+    ("preload + AMP + compile", "torch-fast", {**OFF, "compile": "default"}, "fp16"),
+    ("preload + AMP + compile + fused SGD", "torch-fast", {**OFF, "compile": "default", "fused_sgd": True}, "fp16"),
+    ("... + CUDA graph per step", "torch-fast", {"compile": "default", "cuda_graph": "step", "fused_sgd": True}, "fp16"),
+    ("... + CUDA graph per epoch", "torch-fast", {"compile": "default", "cuda_graph": "epoch", "fused_sgd": True}, "fp16"),
+    ("CUDA graph per epoch, no compile", "torch-fast", {"compile": "off"}, "fp32"),
+    ("all on (default)", "torch-fast", {}, "fp32"),
+    ("all on (default)", "torch-fast", {}, "bf16"),
+    ("jit(lax.scan)", "jax", {}, "fp32"),
+    ("jit(lax.scan), unroll 4", "jax", {"unroll": 4}, "fp32"),
+    ("jit(lax.scan), unroll 16", "jax", {"unroll": 16}, "fp32"),
+    ("jit(lax.scan)", "jax", {}, "bf16"),
+]
+
+MLP_WIDTHS = (128, 1024, 8192)
+FIELDS = ["label", "engine", "model", "precision", "options", "steps", "epochs", "setup_ms",
+          "avg_epoch_ms_second_half", "p50_epoch_ms", "train_s", "total_s", "final_test_acc", "final_train_loss", "error"]
+
+
+def mlp_rows():
+    rows = []
+    for width in MLP_WIDTHS:
+        model = f"mlp:{width}x3"
+        rows += [
+            ("eager", "torch-eager", {}, "fp16", model),
+            ("all on (default)", "torch-fast", {}, "fp16", model),
+            ("jit(lax.scan)", "jax", {}, "fp16", model),
+            ("jit(lax.scan), unroll 4", "jax", {"unroll": 4}, "fp16", model),
+        ]
+    return rows
+
+
+def summary(label: str, record: dict | None, engine: str, model: str, precision: str, options: dict,
+            error: str | None = None) -> dict:
+    row = {"label": label, "engine": engine, "model": model, "precision": precision,
+           "options": json.dumps(options, sort_keys=True), "error": error or ""}
+    if record is not None:
+        train_ms = [e["train_ms"] for e in record["epochs"]]
+        row.update({
+            "steps": sum(e["steps"] for e in record["epochs"]),
+            "epochs": len(record["epochs"]),
+            "setup_ms": round(record["setup_ms"], 1),
+            "avg_epoch_ms_second_half": round(record["avg_epoch_ms_second_half"], 3),
+            "p50_epoch_ms": round(record["epoch_ms"]["p50"], 3),
+            "train_s": round(sum(train_ms) / 1e3, 4),
+            "total_s": round(record["total_ms"] / 1e3, 3),
+            "final_test_acc": record["final"]["test_acc"],
+            "final_train_loss": record["epochs"][-1]["train_loss"],
+        })
+    return row
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--suite", choices=("logreg", "mlp"), required=True)
+    parser.add_argument("--out", default="results/peers")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--deadline", type=float, default=0, help="skip rows that start after this many seconds")
+    parser.add_argument("--only", default="", help="comma-separated engines to run (default: all)")
+    parser.add_argument("--widths", default="", help="mlp widths to run, e.g. 128,1024 (default: all three)")
+    args = parser.parse_args(argv)
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    slug = machine_slug()
+    json_path, csv_path = out / f"{args.suite}-{slug}.json", out / f"{args.suite}-{slug}.csv"
+    data = load_dataset("mnist", args.data_dir)
+    if args.suite == "logreg":
+        rows = [(label, engine, opts, prec, "logreg") for label, engine, opts, prec in LOGREG_ROWS]
+    else:
+        rows = mlp_rows()
+        if args.widths:
+            keep = {f"mlp:{w}x3" for w in args.widths.split(",")}
+            rows = [r for r in rows if r[4] in keep]
+    if args.only:
+        rows = [r for r in rows if r[1] in args.only.split(",")]
+
+    started = time.perf_counter()
+    records, summaries = [], []
+    doc = {"suite": args.suite, "environment": environment(), "records": records, "summary": summaries}
+    for label, engine, options, precision, model in rows:
+        if args.deadline and time.perf_counter() - started > args.deadline:
+            summaries.append(summary(label, None, engine, model, precision, options, "skipped: deadline"))
+            continue
+        spec = parse_model(model)
+        cfg = default_config(spec, precision=precision)
+        print(f"== {engine} {model} {precision} {label} {options}", flush=True)
+        try:
+            record, _ = run(engine, spec, cfg, data, options)
+            rec = record.to_dict()
+            rec["label"] = label
+            records.append(rec)
+            summaries.append(summary(label, rec, engine, model, precision, options))
+        except Exception as exc:  # a failed row is a result too: record why
+            traceback.print_exc()
+            summaries.append(summary(label, None, engine, model, precision, options,
+                                     f"{type(exc).__name__}: {exc}".splitlines()[0][:300]))
+        print("   ", {k: summaries[-1].get(k) for k in ("setup_ms", "avg_epoch_ms_second_half", "train_s",
+                                                          "total_s", "final_test_acc", "error")}, flush=True)
+        atomic_write_text(json_path, json.dumps(doc, indent=1) + "\n")
+        with open(csv_path, "w", newline="") as handle:
+            writer = csv.DictWriter(handle, fieldnames=FIELDS, restval="")
+            writer.writeheader()
+            writer.writerows(summaries)
+    atomic_write_text(json_path, json.dumps(doc, indent=1) + "\n")
+
+    gpu = (doc["environment"].get("gpu") or {}).get("name", "no GPU")
+    print(f"\n{args.suite} on {gpu}")
+    print(f"{'engine':12} {'prec':5} {'model':11} {'label':44} {'setup ms':>9} {'epoch ms':>9} {'train s':>8} {'total s':>8} {'acc':>6}")
+    for s in summaries:
+        if s["error"]:
+            print(f"{s['engine']:12} {s['precision']:5} {s['model']:11} {s['label'][:44]:44} {s['error'][:60]}")
+            continue
+        print(f"{s['engine']:12} {s['precision']:5} {s['model']:11} {s['label'][:44]:44} {s['setup_ms']:9.0f} "
+              f"{s['avg_epoch_ms_second_half']:9.2f} {s['train_s']:8.3f} {s['total_s']:8.2f} {s['final_test_acc']:6.4f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
