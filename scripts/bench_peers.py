@@ -14,15 +14,19 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import sys
 import time
 import traceback
 from pathlib import Path
 
-from fasttrain.contract import default_config, parse_model
-from fasttrain.data import load_dataset
-from fasttrain.environment import environment, machine_slug
-from fasttrain.training import atomic_write_text, run
+# torch and JAX share the GPU in this process: JAX must not grab 75% of its memory up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+from fasttrain.contract import default_config, parse_model  # noqa: E402
+from fasttrain.data import load_dataset  # noqa: E402
+from fasttrain.environment import environment, machine_slug  # noqa: E402
+from fasttrain.training import atomic_write_text, run  # noqa: E402
 
 OFF = {"compile": "off", "cuda_graph": "off", "fused_sgd": False}
 
