@@ -58,6 +58,16 @@ def test_rerun_of_one_size_keeps_the_others(quick_run):
     assert {r["model"] for r in rows} == {"mlp:16x3", "mlp:32x3", "mlp:64x3"}
 
 
+def test_render_rewrites_reports_from_the_json(quick_run):
+    _rc, out = quick_run
+    before = (out / "ladder.md").read_text()
+    for path in [out / "ladder.md", out / "curves.csv", out / "results.csv", out / "README.md"]:
+        path.unlink()
+    assert main(["bench", "render", str(out)]) == 0
+    assert (out / "ladder.md").read_text() == before
+    assert (out / "curves.csv").is_file() and (out / "results.csv").is_file() and (out / "README.md").is_file()
+
+
 def test_bench_errors_are_one_line(tmp_path, capsys):
     assert main(["bench", "ladder", "--engines", "nunpy", "--out", str(tmp_path)]) == 1
     assert "unknown engine 'nunpy'" in capsys.readouterr().err

@@ -18,7 +18,10 @@ training (epochs n//2+1..n, once caches and clocks are warm). The sweep's figure
 time of the whole run (the sum of its epochs' times: all 5000 SGD steps, no setup, no evaluation).
 Each row is run ``--repeats`` times with seeds 0, 1, ...; tables give the median (p50) across those
 runs with the 20th and 80th percentiles (NumPy's linear interpolation) and ``n``; accuracy is the
-mean over seeds. Runs of one suite execute one after another in one process, never concurrently.
+mean over seeds. Runs of one suite execute one after another in one process, never concurrently;
+between runs the harness returns cached device memory (PyTorch's and CuPy's pools), and JAX is
+told not to preallocate 75% of the GPU (``XLA_PYTHON_CLIENT_PREALLOCATE=false``) so that it does not
+starve the engines after it.
 
 Recorded environment. Every run record holds the CPU model and core count, the GPU's name,
 driver, memory and maximum SM/memory clocks (``nvidia-smi``), the Python version, the versions of

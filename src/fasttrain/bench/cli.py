@@ -8,6 +8,7 @@ from pathlib import Path
 import click
 from rich.console import Console
 
+from fasttrain.bench.runner import Progress
 from fasttrain.errors import FasttrainError
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
@@ -62,7 +63,7 @@ def _parse_list(text: str | None, what: str, cast=str) -> list | None:
         raise FasttrainError(f"{what}: expected a comma-separated list, got {text!r}") from None
 
 
-class _RichProgress:
+class _RichProgress(Progress):
     """rich progress bars for the runner (stderr), with one line per finished or skipped row."""
 
     def __init__(self):
@@ -94,7 +95,6 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
     from fasttrain.bench import plots, report, runner, suites
     from fasttrain.bench.data import bench_data
     from fasttrain.environment import machine_slug
-    from fasttrain.training import atomic_write_text
 
     engines_filter = set(_parse_list(engines, "--engines") or []) or None
     runner.check_engines_filter(engines_filter)
@@ -121,7 +121,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
         console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
 
     command_text = _command_line(ctx)
-    failed = []
+    failed: list[str] = []
     for suite in built:
         result = runner.run_suite(suite, data, engines_filter=engines_filter, command=command_text, dataset_info=info,
                                   progress=_RichProgress())
@@ -140,15 +140,21 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
         click.echo(report.to_markdown(result))
         console.print("wrote " + ", ".join(str(p) for p in written))
 
-    # The combined long CSV and a README preview over every suite in the folder.
-    results = [report.load_result(folder / f"{n}.json") for n in suites.SUITES if (folder / f"{n}.json").is_file()]
-    atomic_write_text(folder / "results.csv", report.to_csv(results))
-    from fasttrain.bench.readme import readme_section
-
-    atomic_write_text(folder / "README.md", readme_section(folder, link_base="", heading="# Benchmark results"))
-    console.print(f"wrote {folder / 'results.csv'}, {folder / 'README.md'}")
+    write_folder_outputs(folder)
     if failed:
         raise FasttrainError(f"{len(failed)} row(s) failed: {'; '.join(failed)} (tracebacks in the suite's JSON under {folder}/)")
+
+
+def write_folder_outputs(folder: Path) -> None:
+    """The combined long CSV and a README preview over every suite in the folder."""
+    from fasttrain.bench import report, suites
+    from fasttrain.bench.readme import readme_section
+    from fasttrain.training import atomic_write_text
+
+    results = [report.load_result(folder / f"{n}.json") for n in suites.SUITES if (folder / f"{n}.json").is_file()]
+    atomic_write_text(folder / "results.csv", report.to_csv(results))
+    atomic_write_text(folder / "README.md", readme_section(folder, link_base="", heading="# Benchmark results"))
+    console.print(f"wrote {folder / 'results.csv'}, {folder / 'README.md'}")
 
 
 @command.command()
@@ -183,6 +189,26 @@ def curves(ctx, **kwargs) -> None:
 def all_(ctx, **kwargs) -> None:
     """ladder, sweep and curves, one after another."""
     run_suites(ctx, ["ladder", "sweep", "curves"], **kwargs)
+
+
+@command.command()
+@click.argument("results_dir", type=click.Path(file_okay=False))
+def render(results_dir) -> None:
+    """Rewrite the CSV, Markdown and PNG files of RESULTS_DIR from its JSON files (e.g. after a run on a
+    machine without matplotlib)."""
+    from fasttrain.bench import plots, report, suites
+
+    folder = Path(results_dir)
+    names = [n for n in suites.SUITES if (folder / f"{n}.json").is_file()]
+    if not names:
+        raise FasttrainError(f"{folder}: no ladder.json, sweep.json or curves.json to render")
+    if plots.matplotlib_or_none() is None:
+        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+    for name in names:
+        result = report.load_result(folder / f"{name}.json")
+        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+        console.print("wrote " + ", ".join(str(p) for p in written))
+    write_folder_outputs(folder)
 
 
 @command.command()

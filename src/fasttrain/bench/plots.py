@@ -14,7 +14,7 @@ from pathlib import Path
 from fasttrain.bench.report import baseline_times, fmt_num, gpu_name, sweep_grid
 from fasttrain.bench.runner import SuiteResult
 from fasttrain.bench.stats import ratio
-from fasttrain.bench.suites import SEED_NOTE, SWEEP_BASELINE
+from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, SWEEP_BASELINE
 
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'fasttrain[plot]')"
 
@@ -105,15 +105,19 @@ def ladder_plot(result: SuiteResult, path: Path) -> Path | None:
     seeds = [(i, c.seed_ms) for i, c in enumerate(ran) if c.seed_ms is not None]
     if seeds:
         ax.scatter([s for _, s in seeds], [i for i, _ in seeds], marker="D", s=34, facecolors="none",
-                   edgecolors="black", linewidths=1.1, zorder=3, label=f"seed study ({SEED_NOTE})")
-        ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=9)
+                   edgecolors="black", linewidths=1.1, zorder=3, label=f"seed study, same row ({SEED_NOTE})")
+    ax.axvspan(min(SEED_CUDA_MS), max(SEED_CUDA_MS), color="0.5", alpha=0.15, lw=0, zorder=0,
+               label=f"seed study's CUDA rungs, {fmt_num(min(SEED_CUDA_MS))}–{fmt_num(max(SEED_CUDA_MS))} ms "
+                     "(not matched to rows)")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=9, ncol=2)
     ax.set_xscale("log")
     _log_ticks(ax.xaxis)
     ax.set_yticks(y, labels)
     ax.invert_yaxis()
     ax.grid(axis="y", visible=False)
-    span_hi = max([*p50, *(s for _, s in seeds)]) * 1.5
-    ax.set_xlim(min(p50) / 2.5, span_hi * 4)
+    left = min([*p50, min(SEED_CUDA_MS)]) / 2.5
+    right = max([*(v + h for v, h in zip(p50, hi)), *(s for _, s in seeds), max(SEED_CUDA_MS)]) * 3.5
+    ax.set_xlim(left, right)
     for i, value in enumerate(p50):
         ax.text(value * 1.05 + hi[i], i, f" {fmt_num(value)} ms", va="center", fontsize=9)
     n = max(c.metric("epoch_ms", "n") for c in ran)

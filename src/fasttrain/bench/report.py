@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fasttrain.bench.runner import NOT_SELECTED, CaseResult, SuiteResult
 from fasttrain.bench.stats import ratio
-from fasttrain.bench.suites import SEED_NOTE, SWEEP_BASELINE
+from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, SWEEP_BASELINE
 from fasttrain.contract import parse_model
 from fasttrain.errors import FasttrainError
 from fasttrain.training import atomic_write_text
@@ -221,7 +221,9 @@ def ladder_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = 
         f"ms/epoch: mean epoch time over the second half of training, median over {n} run(s) (p20–p80 across runs); "
         "total: wall time of the whole run (setup, epochs, evaluation); setup: upload, compilation, warm-up "
         "(not in ms/epoch); test acc: mean over seeds; × prev / × torch-eager: speedup of ms/epoch.",
-        f"The seed study's column was {SEED_NOTE}: orientation only, not a comparison with the rows here.",
+        f"The seed study's column was {SEED_NOTE}: orientation only, not a comparison with the rows here. "
+        f"Its CUDA ladder ({', '.join(fmt_num(v) for v in SEED_CUDA_MS)} ms/epoch) has six figures for our seven "
+        "rungs 0–6, so they are not matched to rows.",
     ]
     parts = [f"### {result.title}", header(result), *_images(images)]
     parts += [table, "\n\n".join(f"*{n}*" for n in notes)] if ran else ["*No row ran on this machine.*"]

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+import os
+import sys
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -213,13 +215,44 @@ Log = Callable[[str], None]
 
 
 class Progress:
-    """What the runner reports while it works (the CLI drives rich progress bars from it)."""
+    """Where the runner reports while it works. This base stays silent (tests, the Python API);
+    the CLI's subclass draws rich progress bars and prints the log lines."""
 
-    def start(self, total: int, description: str) -> None: ...
-    def describe(self, description: str) -> None: ...
-    def advance(self, n: int = 1) -> None: ...
-    def log(self, message: str) -> None: ...
-    def stop(self) -> None: ...
+    def start(self, total: int, description: str) -> None:
+        """``total`` runs are planned."""
+
+    def describe(self, description: str) -> None:
+        """The run starting now."""
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` runs are done (or will not happen)."""
+
+    def log(self, message: str) -> None:
+        """A line for the user (rich markup): a finished, skipped or failed row."""
+
+    def stop(self) -> None:
+        """The suite is over."""
+
+
+def share_the_device() -> None:
+    """Engines of one suite share one process and one GPU: JAX must not grab 75% of the GPU's
+    memory up front (its default), or the engines after it would run short. Call before JAX loads."""
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+
+
+def release_memory() -> None:
+    """Hand cached device memory back between rows, so one engine's pool does not crowd the next."""
+    gc.collect()
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
+        torch.cuda.empty_cache()
+    cupy = sys.modules.get("cupy")
+    if cupy is not None:
+        try:
+            cupy.get_default_memory_pool().free_all_blocks()
+            cupy.get_default_pinned_memory_pool().free_all_blocks()
+        except Exception:  # noqa: BLE001 - best effort; a CuPy without a device has nothing to free
+            pass
 
 
 def run_suite(
@@ -236,6 +269,7 @@ def run_suite(
     from fasttrain.environment import environment
     from fasttrain.training import run as train_run
 
+    share_the_device()
     runner = runner or train_run
     progress = progress or Progress()
     planned = plan(suite, engines_filter)
@@ -263,7 +297,6 @@ def run_suite(
                 result.cases.append(_case_result(case, "skipped", reason))
                 continue
             result.cases.append(_run_case(suite, case, seeds, data, runner, progress, result.reference))
-            gc.collect()
     finally:
         progress.stop()
     return result
@@ -283,11 +316,13 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
         try:
             record, _weights = runner(case.row.engine, spec, config, data, options)
         except FasttrainError as exc:
+            release_memory()
             out.status, out.reason = "skipped", str(exc)
             progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}: {exc}")
             progress.advance(len(seeds) - i)
             return out
         except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the rest of the suite
+            release_memory()
             out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
             out.traceback = traceback.format_exc()
             progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model} seed {seed}: {out.reason}")
@@ -295,6 +330,8 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
             return out
         out.seeds.append(seed)
         out.records.append(record.to_dict())
+        del record, _weights
+        release_memory()
         progress.advance()
     out.metrics = stats.case_metrics(out.records)
     if suite.reference and case.model in reference:
