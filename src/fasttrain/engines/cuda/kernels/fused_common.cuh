@@ -12,6 +12,8 @@ typedef unsigned char u8;
 typedef unsigned int u32;
 typedef unsigned long long u64;
 
+#define FT_NEG_INF __int_as_float(0xff800000)   // -inf without math.h (NVRTC has no libc headers)
+
 // Operand type of every GEMM: FT_BF16=1 -> bf16, else fp16. Accumulation is always fp32.
 #if FT_BF16
 typedef __nv_bfloat16 elem_t;

@@ -20,6 +20,28 @@
 // Compile-time configuration (the host passes -D):
 //   FT_C cluster size, FT_KT 16-feature k-tiles per CTA (ceil(49/C)), FT_MT 16-row m-tiles per batch
 //   (ceil(B/16) <= 16), FT_STAGES ring depth, FT_XHB fp16 activation buffers (1 or 2), FT_BF16, FT_PW producer warps.
+// Compile alone: nvcc --ptx -arch=sm_90 fused_logreg_v1.cu (the defaults below: cluster 7, batch 128, fp16)
+#ifndef FT_C
+#define FT_C 7
+#endif
+#ifndef FT_KT
+#define FT_KT 7
+#endif
+#ifndef FT_MT
+#define FT_MT 8
+#endif
+#ifndef FT_STAGES
+#define FT_STAGES 4
+#endif
+#ifndef FT_XHB
+#define FT_XHB 2
+#endif
+#ifndef FT_PW
+#define FT_PW 1
+#endif
+#ifndef FT_BF16
+#define FT_BF16 0
+#endif
 #include "fused_common.cuh"
 
 #define NCW 8                         // consumer warps
@@ -59,6 +81,8 @@
 #define OFF_RED (OFF_RECV + ((SZ_RECV + 127) / 128) * 128)  // double [2][NCW]: end-of-epoch reduction
 #define SMEM_BYTES (OFF_RED + 2 * NCW * 8)
 #define RECV_TX (C * BP * NCLS * 4)                       // bytes each CTA receives per step
+
+extern "C" __constant__ int ft_smem_bytes = SMEM_BYTES;   // read by the host (fused.py checks its own plan)
 
 extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NTHREADS, 1)
 logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
@@ -257,12 +281,12 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
                         }
                     }
                     const int cls[4] = {2 * t, 2 * t + 1, 8 + 2 * t, 9 + 2 * t};
-                    float mx = -INFINITY;
+                    float mx = FT_NEG_INF;
                     int best = 16;
 #pragma unroll
                     for (int e = 0; e < 4; ++e) {
                         const bool valid = (e < 2) || (t == 0);
-                        z[e] = valid ? z[e] * inv255 + bias_s[cls[e]] : -INFINITY;
+                        z[e] = valid ? z[e] * inv255 + bias_s[cls[e]] : FT_NEG_INF;
                         if (valid && (z[e] > mx || (z[e] == mx && cls[e] < best))) { mx = z[e]; best = cls[e]; }
                     }
                     // combine over the 4 lanes of the row: max logit, first index on ties (argmax like NumPy)

@@ -16,6 +16,19 @@
 //
 // Compile-time configuration (-D): FT_MT m-tiles of the batch (B_p = 16*FT_MT), FT_BO outputs per ft_fwd
 // block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16.
+// Compile alone: nvcc --ptx -arch=sm_90 fused_step_v1.cu (the defaults below: batch 32, 64-wide tiles, fp16)
+#ifndef FT_MT
+#define FT_MT 2
+#endif
+#ifndef FT_BO
+#define FT_BO 64
+#endif
+#ifndef FT_BI
+#define FT_BI 64
+#endif
+#ifndef FT_BF16
+#define FT_BF16 0
+#endif
 #include "fused_common.cuh"
 
 #define MT FT_MT
@@ -194,7 +207,7 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
                 z[4 * q] += v.x; z[4 * q + 1] += v.y; z[4 * q + 2] += v.z; z[4 * q + 3] += v.w;
             }
         }
-        float mx = -INFINITY;
+        float mx = FT_NEG_INF;
         int best = 0;
 #pragma unroll
         for (int c = 0; c < 10; ++c) {

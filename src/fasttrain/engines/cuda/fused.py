@@ -1,0 +1,458 @@
+"""Rungs 7 and 8 of the CUDA ladder: fused mixed-precision training on the tensor cores.
+
+The ``cuda`` engine's ``prepare`` hands rungs 7 and 8 to :func:`make_session`. Both rungs do fp16 or
+bf16 ``mma.sync`` GEMMs with fp32 accumulation and fp32 master weights (``--precision fp16|bf16``),
+follow the shared initial weights and batch order, and report per-epoch train loss and accuracy.
+
+Rung 7 (``kernels/fused_step_v1.cu``), any model: one training step is ``2L + 1`` kernels (gather;
+a GEMM + bias + ReLU kernel per hidden layer; the last GEMM with softmax, cross-entropy, accuracy and
+``g = p - onehot`` in its epilogue; per layer a backward kernel that reads W once, computes
+``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in registers, so dW is never
+written). Each epoch's steps are captured once into a CUDA graph and replayed.
+
+Rung 8 (``kernels/fused_logreg_v*.cu``), logreg: the whole epoch is one launch of a persistent kernel
+on a thread-block cluster; W stays on chip (fp32 master in registers, fp16/bf16 copy in shared
+memory), the batches are prefetched by a producer warp with cp.async into a ring of stages, the
+epoch's shuffle order is uploaded once at setup, and the per-epoch loss and accuracy (and the mean
+loss of every step) are written by the kernel into pinned host memory. Larger models at rung 8 are
+not implemented: the session says so and points at rung 7.
+
+CuPy provides memory, streams, graphs and NVRTC; nothing here is imported at module scope.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from pathlib import Path
+
+import numpy as np
+
+from fasttrain.contract import INPUT_DIM, NUM_CLASSES, batch_bounds, epoch_order
+from fasttrain.data.datasets import to_inputs
+from fasttrain.engines.base import EpochStats, Job, Session
+from fasttrain.errors import FasttrainError
+
+KERNEL_DIR = Path(__file__).parent / "kernels"
+SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
+LOGREG_VERSION = "fused_logreg_v1.cu"
+STEP_VERSION = "fused_step_v1.cu"
+_INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
+_MODULES: dict = {}
+
+
+def pad16(n: int) -> int:
+    return (n + 15) // 16 * 16
+
+
+def kernel_source(name: str) -> str:
+    """The source of ``kernels/<name>`` with local ``#include "x.cuh"`` lines inlined, so the CuPy
+    compile cache (keyed by the source text) sees header changes too."""
+    text = (KERNEL_DIR / name).read_text()
+    return _INCLUDE.sub(lambda m: (KERNEL_DIR / m.group(1)).read_text(), text)
+
+
+def load_module(name: str, defines: dict):
+    """NVRTC-compile ``kernels/<name>`` with ``-D`` defines (cached per process and on disk by CuPy)."""
+    import cupy as cp
+
+    key = (name, tuple(sorted(defines.items())))
+    module = _MODULES.get(key)
+    if module is None:
+        flags = tuple(f"-D{k}={int(v)}" for k, v in sorted(defines.items()))
+        module = cp.RawModule(code=kernel_source(name), options=("-std=c++17",) + flags)
+        try:
+            module.compile()
+        except cp.cuda.compiler.CompileException as exc:
+            module = _nvcc_module(name, flags, exc)
+        _MODULES[key] = module
+    return module
+
+
+def _nvcc_module(name: str, flags: tuple, nvrtc_error):
+    """Fallback when NVRTC fails (e.g. it cannot find cuda_fp16.h): nvcc -cubin for this device, then load it."""
+    import hashlib
+    import os
+    import shutil
+    import subprocess
+    import tempfile
+
+    import cupy as cp
+
+    nvcc = shutil.which("nvcc")
+    first = next((ln for ln in str(nvrtc_error).splitlines() if "error" in ln), str(nvrtc_error).splitlines()[0])
+    if nvcc is None:
+        raise FasttrainError(f"NVRTC could not compile {name} ({first.strip()}) and nvcc is not on PATH") from None
+    arch = cp.cuda.Device().compute_capability
+    source = kernel_source(name)
+    digest = hashlib.sha256((source + repr(flags) + arch).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "fasttrain" / "cubin"
+    cache.mkdir(parents=True, exist_ok=True)
+    cubin = cache / f"{Path(name).stem}-{digest}.cubin"
+    if not cubin.exists():
+        with tempfile.TemporaryDirectory() as tmp:
+            src = Path(tmp) / name
+            src.write_text(source)
+            out = Path(tmp) / "k.cubin"
+            proc = subprocess.run([nvcc, "-cubin", f"-arch=sm_{arch}", "-O3", "-std=c++17", *flags, "-o", str(out), str(src)],
+                                  capture_output=True, text=True)
+            if proc.returncode != 0:
+                err = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
+                raise FasttrainError(f"could not compile {name}: NVRTC ({first.strip()}), nvcc ({err.strip()})")
+            shutil.move(str(out), cubin)
+    return cp.RawModule(path=str(cubin))
+
+
+def module_int(module, symbol: str) -> int:
+    """An ``extern "C" __constant__ int`` of a compiled module."""
+    import cupy as cp
+
+    ptr = module.get_global(symbol)
+    return int(cp.ndarray((1,), cp.int32, ptr).get()[0])
+
+
+def make_session(job: Job, options, **tuning) -> Session:
+    """The session for rung 7 or 8 (``options.rung``); ``tuning`` overrides kernel choices (benchmarks)."""
+    precision = job.config.precision
+    if precision not in ("fp16", "bf16"):
+        raise FasttrainError(
+            f"engine cuda rung {options.rung} trains on the tensor cores in mixed precision; "
+            f"use --precision fp16 or --precision bf16 (got {precision})"
+        )
+    if options.rung == 8:
+        if job.spec.is_logreg:
+            return PersistentLogregSession(job, options, **tuning)
+        raise FasttrainError(
+            f"engine cuda rung 8 (one persistent kernel) is implemented for logreg only, not {job.spec.name}; "
+            "use --rung 7 (fused kernels in a CUDA graph) for MLPs"
+        )
+    if options.rung == 7:
+        return FusedStepSession(job, options, **tuning)
+    raise FasttrainError(f"fasttrain.engines.cuda.fused runs rungs 7 and 8, not {options.rung}")
+
+
+class _FusedBase(Session):
+    """What both rungs share: device data, the epochs' orders, evaluation and weight read-back."""
+
+    def __init__(self, job: Job, options):
+        import cupy as cp
+
+        self._cp = cp
+        self.job = job
+        self.debug = bool(getattr(options, "debug", False))
+        self.rung = options.rung
+        self.spec = job.spec
+        self.config = job.config
+        self.n = job.data.n_train
+        self.batch = job.config.batch_size
+        self.bounds = batch_bounds(self.n, self.batch, job.config.drop_last)
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        data = job.data
+        with self.stream:
+            self.x_train = cp.asarray(np.ascontiguousarray(data.train_images.reshape(self.n, INPUT_DIM), np.uint8))
+            self.y_train = cp.asarray(data.train_labels.astype(np.int32))
+            self.x_test = cp.asarray(to_inputs(data.test_images, np.float32))
+            self.y_test = cp.asarray(data.test_labels.astype(np.int64))
+            # every epoch's shuffle order, uploaded once (int32)
+            self.orders_host = [epoch_order(job.config.seed, e, self.n) for e in range(1, job.schedule.n_epochs + 1)]
+            self.orders = cp.asarray(np.stack(self.orders_host).astype(np.int32)) if self.orders_host else None
+            self.spare_order = cp.empty(self.n, cp.int32)
+        self.layers = []  # [(Wt [out_p][in_p] fp32, b [out_p] fp32, fan_in, fan_out)] master weights on the device
+        with self.stream:
+            for w, b in job.init_weights:
+                fan_in, fan_out = w.shape
+                wt = np.zeros((pad16(fan_out), pad16(fan_in)), np.float32)
+                wt[:fan_out, :fan_in] = w.T
+                bias = np.zeros(pad16(fan_out), np.float32)
+                bias[:fan_out] = b
+                self.layers.append((cp.asarray(wt), cp.asarray(bias), fan_in, fan_out))
+
+    # -- the epoch's order: uploaded at setup; a cheap check that the driver passed the same one --
+    def _order_on_device(self, epoch: int, order: np.ndarray):
+        if 1 <= epoch <= len(self.orders_host):
+            known = self.orders_host[epoch - 1]
+            probe = np.linspace(0, self.n - 1, 64).astype(np.int64)
+            if len(order) == self.n and np.array_equal(order[probe], known[probe]) \
+                    and np.array_equal(order[:16], known[:16]):
+                return self.orders[epoch - 1]
+        # not the contract's order (a caller of our own): upload it, synchronously
+        self.spare_order.set(np.asarray(order, np.int32), stream=self.stream)
+        return self.spare_order
+
+    def _rows(self, steps: int) -> list[int]:
+        return [stop - start for start, stop in self.bounds[:steps]]
+
+    def sync(self) -> None:
+        self.stream.synchronize()
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy from the fp32 master weights (cuBLAS fp32 through CuPy)."""
+        cp = self._cp
+        with self.stream:
+            h = self.x_test
+            last = len(self.layers) - 1
+            for i, (wt, b, fan_in, fan_out) in enumerate(self.layers):
+                h = h @ wt[:fan_out, :fan_in].T + b[:fan_out]
+                if i < last:
+                    h = cp.maximum(h, 0)
+            z = h.astype(cp.float64)
+            m = z.max(axis=1, keepdims=True)
+            lse = cp.log(cp.exp(z - m).sum(axis=1)) + m[:, 0]
+            loss = (lse - z[cp.arange(len(z)), self.y_test]).sum()
+            correct = (z.argmax(axis=1) == self.y_test).sum()
+            out = cp.stack([loss, correct.astype(cp.float64)]).get(stream=self.stream)
+        self.stream.synchronize()
+        return float(out[0]) / len(self.y_test), float(out[1]) / len(self.y_test)
+
+    def weights(self):
+        self.stream.synchronize()
+        return [(wt[:fo, :fi].T.get(), b[:fo].get()) for wt, b, fi, fo in self.layers]
+
+    def _device_env(self) -> dict:
+        cp = self._cp
+        props = cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)
+        name = props["name"]
+        return {
+            "device": name.decode() if isinstance(name, bytes) else str(name),
+            "compute_capability": f"{props['major']}.{props['minor']}",
+            "cuda_rung": self.rung,
+            "cupy": cp.__version__,
+            "cuda_runtime": cp.cuda.runtime.runtimeGetVersion(),
+            "cuda_driver": cp.cuda.runtime.driverGetVersion(),
+        }
+
+    def _check(self) -> None:
+        if self.debug:
+            self.stream.synchronize()
+            self._cp.cuda.runtime.deviceSynchronize()
+
+
+# ---------------------------------------------------------------------------------------------
+# Rung 8, logreg: one persistent cluster kernel per epoch
+# ---------------------------------------------------------------------------------------------
+
+
+def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int, xhb: int) -> int:
+    """Mirror of the shared-memory layout in fused_logreg_v1.cu (checked against the module's constant)."""
+    r = lambda x: (x + 127) // 128 * 128  # noqa: E731
+    bp, kf = mt * 16, kt * 16
+    xs = kf + 8
+    size = 512 + r(stages * bp * kf) + r(stages * bp * 4) + r(xhb * bp * xs * 2) + r(16 * xs * 2)
+    size += r(bp * 24 * 2) + r(2 * cluster * bp * NUM_CLASSES * 4)
+    return size + 2 * 8 * 8
+
+
+def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: int | None = None) -> dict:
+    """Kernel configuration for rung 8 logreg: k-tiles per CTA, ring depth and buffers that fit in shared memory."""
+    ktiles = INPUT_DIM // 16  # 49
+    if not 1 <= cluster <= 8:
+        raise FasttrainError(f"rung 8 cluster size must be 1..8, got {cluster}")
+    kt = math.ceil(ktiles / cluster)
+    if (cluster - 1) * kt >= ktiles:
+        raise FasttrainError(f"rung 8: a cluster of {cluster} leaves a CTA without features; use 4, 5, 6 or 7")
+    mt = math.ceil(batch / 16)
+    if mt > 12:  # beyond 192 rows the ring, the activations and the partial logits outgrow shared memory
+        raise FasttrainError(f"rung 8 logreg supports batch sizes up to 192, got {batch}; use --rung 7")
+    choices = [(x, s) for x in ((xhb,) if xhb else (2, 1)) for s in ((stages,) if stages else (6, 5, 4, 3, 2))]
+    for x, s in choices:
+        size = logreg_smem_bytes(cluster, kt, mt, s, x)
+        if size <= SMEM_LIMIT:
+            return {"FT_C": cluster, "FT_KT": kt, "FT_MT": mt, "FT_STAGES": s, "FT_XHB": x,
+                    "FT_PW": 1 if kt <= 8 else 2, "smem": size}
+    raise FasttrainError(
+        f"rung 8 logreg with batch {batch} and a cluster of {cluster} does not fit in shared memory; "
+        "use the default cluster of 7 or a smaller batch"
+    )
+
+
+class PersistentLogregSession(_FusedBase):
+    def __init__(self, job: Job, options, cluster: int = 7, stages: int | None = None, xhb: int | None = None):
+        super().__init__(job, options)
+        cp = self._cp
+        import cupyx
+
+        self.plan = logreg_plan(self.batch, cluster, stages, xhb)
+        defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
+        defines["FT_BF16"] = int(job.config.precision == "bf16")
+        self.module = load_module(LOGREG_VERSION, defines)
+        smem = module_int(self.module, "ft_smem_bytes")
+        if smem != self.plan["smem"]:
+            raise FasttrainError(f"internal: {LOGREG_VERSION} needs {smem} bytes of shared memory, the plan says {self.plan['smem']}")
+        self.fn = self.module.get_function("logreg_epoch")
+        self.fn.max_dynamic_shared_size_bytes = smem
+        self.smem = smem
+        self.threads = (8 + self.plan["FT_PW"]) * 32
+        max_steps = max(job.schedule.steps_per_epoch) if job.schedule.n_epochs else len(self.bounds)
+        max_steps = max(max_steps, len(self.bounds))
+        with self.stream:
+            self.row_loss = cp.zeros(max_steps * self.batch, cp.float32)
+            self.row_ok = cp.zeros(max_steps * self.batch, cp.uint8)
+        # the kernel writes loss sum, correct count and every step's mean loss here (host memory, mapped)
+        self.out = cupyx.empty_pinned((2 + max_steps,), np.float64)
+        self.out[:] = np.nan
+        # warm-up: two steps with lr = 0 (the update subtracts 0 * dW: the weights stay bit-identical)
+        self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
+        self.stream.synchronize()
+
+    def _launch(self, order_dev, steps: int, lr: float) -> None:
+        wt, b, _, _ = self.layers[0]
+        np_ = np
+        args = (self.x_train, self.y_train, order_dev, np_.int32(self.n), np_.int32(self.batch), np_.int32(steps),
+                np_.float32(lr), wt, b, self.row_loss, self.row_ok, np_.uint64(self.out.ctypes.data))
+        with self.stream:
+            self.fn((self.plan["FT_C"],), (self.threads,), args, shared_mem=self.smem)
+        self._check()
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
+        self.stream.synchronize()   # the kernel has written the stats into pinned memory; nothing to copy
+        rows = self._rows(steps)
+        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
+                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+
+    def environment(self) -> dict:
+        env = self._device_env()
+        env.update({"fused_kernel": LOGREG_VERSION, "cluster": self.plan["FT_C"], "stages": self.plan["FT_STAGES"],
+                    "xh_buffers": self.plan["FT_XHB"], "smem_bytes": self.smem})
+        return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Rung 7: fused step kernels, each epoch one CUDA graph
+# ---------------------------------------------------------------------------------------------
+
+NW = 8
+TARGET_BLOCKS = 120  # about one block per SM of an H100 (132)
+
+
+def _tile(width: int, mt: int) -> int:
+    """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives TARGET_BLOCKS
+    blocks, else 8; capped so that the per-thread accumulators stay in registers (mt * tile/8 <= 16)."""
+    for tile in (64, 32, 16, 8):
+        if width % tile == 0 and mt * tile // 8 <= 16 and width // tile >= TARGET_BLOCKS:
+            return tile
+    return 8
+
+
+class FusedStepSession(_FusedBase):
+    def __init__(self, job: Job, options, graph: bool = True):
+        super().__init__(job, options)
+        cp = self._cp
+        bp = pad16(self.batch)
+        self.bp, self.mt = bp, bp // 16
+        if self.mt > 16:
+            raise FasttrainError(f"rung 7 supports batch sizes up to 256, got {self.batch}")
+        bf16 = int(job.config.precision == "bf16")
+        L = len(self.layers)
+        self.plan = []
+        for i, (wt, _, _, _) in enumerate(self.layers):
+            out_p, in_p = wt.shape
+            bo = _tile(out_p, self.mt) if i < L - 1 else 16
+            bi = _tile(in_p, self.mt)
+            self.plan.append({"in_p": in_p, "out_p": out_p, "BO": bo, "BI": bi})
+        last_in = self.layers[-1][0].shape[1]
+        self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
+        mods = {}
+        for p in self.plan:
+            key = (p["BO"], p["BI"])
+            if key not in mods:
+                mods[key] = load_module(STEP_VERSION, {"FT_MT": self.mt, "FT_BO": key[0], "FT_BI": key[1], "FT_BF16": bf16})
+            p["module"] = mods[key]
+        m0 = self.plan[0]["module"]
+        self.k_gather = m0.get_function("ft_gather")
+        self.k_last = m0.get_function("ft_fwd_last")
+        self.last_smem = module_int(m0, "ft_last_smem")
+        self.k_last.max_dynamic_shared_size_bytes = self.last_smem
+        for p in self.plan:
+            p["fwd"] = p["module"].get_function("ft_fwd")
+            p["fwd_smem"] = module_int(p["module"], "ft_fwd_smem")
+            p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
+            p["bwd"] = p["module"].get_function("ft_bwd")
+            p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
+            p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
+        edt = cp.float16  # bf16 has no CuPy dtype: the buffers are raw 2-byte storage
+        max_steps = max(max(job.schedule.steps_per_epoch, default=0), len(self.bounds))
+        with self.stream:
+            self.h = [cp.zeros((bp, INPUT_DIM), edt)] + [cp.zeros((bp, p["out_p"]), edt) for p in self.plan[:-1]]
+            self.dz = [None] + [cp.zeros((bp, p["out_p"]), edt) for p in self.plan]       # dz[l], l = 1..L
+            self.dzT = [None] + [cp.zeros((p["out_p"], bp), edt) for p in self.plan]
+            self.yb = cp.zeros(bp, cp.int32)
+            self.part = cp.zeros((self.split, bp, 16), cp.float32)
+            self.counter = cp.zeros(1, cp.uint32)
+            self.stat_loss = cp.zeros(max_steps, cp.float32)
+            self.stat_ok = cp.zeros(max_steps, cp.int32)
+            self.order_cur = cp.zeros(self.n, cp.int32)
+        self.use_graph = graph
+        # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
+        first = self.orders[0] if self.orders is not None else self.spare_order
+        with self.stream:
+            self.order_cur[...] = first
+        for k in range(min(2, len(self.bounds))):
+            self._step(k, 0.0)
+        self.stream.synchronize()
+        self.graphs = {}
+        if graph:
+            for steps in sorted(set(job.schedule.steps_per_epoch)):
+                self.stream.begin_capture()
+                try:
+                    for k in range(steps):
+                        self._step(k, self.config.lr)
+                finally:
+                    g = self.stream.end_capture()
+                g.upload(self.stream)
+                self.graphs[steps] = g
+        self.stream.synchronize()
+
+    def _step(self, k: int, lr: float) -> None:
+        """Enqueue step k of the epoch (batch order_cur[k*B : k*B + rows]) on the stream."""
+        np_ = np
+        start, stop = self.bounds[k]
+        rows = stop - start
+        scale = np_.float32(lr / rows)
+        L = len(self.plan)
+        with self.stream:
+            self.k_gather((self.bp,), (64,), (self.x_train, self.y_train, self.order_cur, np_.int32(start),
+                                              np_.int32(rows), self.h[0], self.yb))
+            for i in range(L - 1):
+                p, (wt, b, _, _) = self.plan[i], self.layers[i]
+                p["fwd"]((p["out_p"] // p["BO"],), (NW * 32,),
+                         (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1], np_.int32(p["out_p"])),
+                         shared_mem=p["fwd_smem"])
+            p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
+            self.k_last((self.split,), (NW * 32,),
+                        (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k),
+                         self.part, self.counter, self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
+                        shared_mem=self.last_smem)
+            for l in range(L, 0, -1):
+                p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
+                need = l > 1
+                dzp = self.dz[l - 1] if need else self.dz[l]
+                dzpT = self.dzT[l - 1] if need else self.dzT[l]
+                p["bwd"]((p["in_p"] // p["BI"],), (NW * 32,),
+                         (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
+                          wt, b, scale, scale, np_.int32(need), dzp, dzpT),
+                         shared_mem=p["bwd_smem"])
+        if self.debug and not self.stream.is_capturing():
+            self._check()
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        src = self._order_on_device(epoch, order)
+        with self.stream:
+            self.order_cur[...] = src
+        if self.use_graph and steps in self.graphs:
+            self.graphs[steps].launch(self.stream)
+        else:
+            for k in range(steps):
+                self._step(k, self.config.lr)
+        loss = self.stat_loss[:steps].get(stream=self.stream)
+        ok = self.stat_ok[:steps].get(stream=self.stream)
+        self.stream.synchronize()
+        rows = np.asarray(self._rows(steps), np.float64)
+        return EpochStats(count=int(rows.sum()), loss_sum=float(loss.astype(np.float64).sum()),
+                          correct=int(ok.sum()), step_losses=loss.astype(np.float64) / rows)
+
+    def environment(self) -> dict:
+        env = self._device_env()
+        env.update({"fused_kernel": STEP_VERSION, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+                    "tiles": [{"BO": p["BO"], "BI": p["BI"]} for p in self.plan]})
+        return env

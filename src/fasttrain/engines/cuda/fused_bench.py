@@ -1,0 +1,196 @@
+"""Benchmark of rungs 7 and 8 (issue 5): fills the issue's table with measured figures.
+
+    python -m fasttrain.engines.cuda.fused_bench --out results/record [--data-dir DIR] [--quick]
+
+Every row is a full training run through the shared driver (:func:`fasttrain.training.run`, engine
+``cuda`` with ``--rung 7|8``), so the times are the driver's: an epoch is timed from before
+``train_epoch`` to the end of its device work. Per-epoch workloads (logreg) report the mean epoch
+time over the second half of training; per-run workloads (the MLPs, 5000 steps) report the sum of
+the epochs' train times (setup, compilation and evaluation excluded). Where a float64 NumPy run is
+affordable the row also carries the parity figures of the issue (worst relative deviation of the
+per-epoch train loss, and the final test-accuracy difference). Variants (cluster sizes of the rung-8
+kernel) are timed with the same stopwatch through :func:`fasttrain.engines.cuda.fused.make_session`.
+
+Writes ``fused.json`` (everything, including the run records), ``fused.csv`` and ``fused.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import io
+import json
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from fasttrain.bench.timing import Stopwatch, summarize_epochs
+from fasttrain.contract import default_config, epoch_order, initial_weights, parse_model, schedule
+from fasttrain.data.datasets import load_dataset
+from fasttrain.engines.base import Job
+from fasttrain.environment import environment
+from fasttrain.training import atomic_write_text, run
+
+# (workload key, model, config overrides, rung, metric, anchors, floor, target, parity affordable)
+WORKLOADS = [
+    ("logreg", "logreg", dict(epochs=20, batch_size=128), 8, "ms/epoch",
+     "JAX jit(lax.scan) 8.5; whole-epoch CUDA-graph PyTorch 28.5; seed's CUDA best 17", "0.3-0.6 ms/epoch",
+     ("<=", 0.7), True),
+    ("mlp:128x3", "mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
+     "JAX 0.20 s; PyTorch whole-step graph 0.55 s; pure-CUDA 1.50 s (H200)", "~15 ms", ("<=", 25.0), True),
+    ("mlp:1024x3", "mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
+     "JAX 0.31 s; PyTorch graph 0.89 s; pure-CUDA 1.6 s (H200)", "~40 ms", ("<=", 60.0), True),
+    ("mlp:8192x3", "mlp:8192x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
+     "JAX 5.5 s; torch.compile 8.04 s; pure-CUDA 7.7 s (H200)", "1.4 s (fp16 weights), 2.8 s (fp32 master)",
+     ("<=", 3000.0), False),
+]
+
+
+def _metric(record, metric: str) -> float:
+    if metric == "ms/epoch":
+        return record.avg_epoch_ms_second_half
+    return float(sum(row["train_ms"] for row in record.epochs))
+
+
+def _parity(record, ref) -> dict:
+    worst = max(abs(a["train_loss"] - b["train_loss"]) / b["train_loss"] for a, b in zip(record.epochs, ref.epochs))
+    return {"train_loss_max_rel_dev": worst,
+            "test_acc": record.final["test_acc"], "ref_test_acc": ref.final["test_acc"],
+            "test_acc_diff_pp": 100 * (record.final["test_acc"] - ref.final["test_acc"])}
+
+
+class _Opts:
+    def __init__(self, rung):
+        self.rung, self.debug = rung, False
+
+
+def time_variant(data, model, overrides, rung, precision, **tuning) -> dict:
+    """The driver's timing loop (Stopwatch around train_epoch) for a session with tuning overrides."""
+    from fasttrain.engines.cuda.fused import make_session
+
+    spec = parse_model(model)
+    cfg = default_config(spec, precision=precision, **overrides)
+    plan = schedule(cfg, data.n_train)
+    job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
+    session = make_session(job, _Opts(rung), **tuning)
+    try:
+        watch = Stopwatch(session.sync)
+        times, losses = [], []
+        for epoch, steps in enumerate(plan.steps_per_epoch, start=1):
+            order = epoch_order(cfg.seed, epoch, data.n_train)
+            ms, stats = watch.time_ms(lambda: session.train_epoch(epoch, order, steps))
+            times.append(ms)
+            losses.append(stats.loss_sum / stats.count)
+        test_loss, test_acc = session.evaluate()
+        env = session.environment()
+    finally:
+        session.close()
+    return {"model": model, "rung": rung, "precision": precision, "tuning": tuning, "epoch_ms": times,
+            "stats": summarize_epochs(times), "train_loss": losses, "test_acc": test_acc, "run_ms": sum(times),
+            "environment": env}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", default="results/record")
+    parser.add_argument("--data-dir", default=None)
+    parser.add_argument("--quick", action="store_true", help="skip the 8192-wide model and the variants")
+    parser.add_argument("--no-parity", action="store_true", help="skip the float64 reference runs")
+    parser.add_argument("--only", default=None, help="comma-separated workload keys")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    data = load_dataset("mnist", args.data_dir)
+    env = environment()
+    rows, records, variants = [], {}, []
+    only = set(args.only.split(",")) if args.only else None
+    for key, model, overrides, rung, metric, anchors, floor, target, parity_ok in WORKLOADS:
+        if only and key not in only:
+            continue
+        if args.quick and key == "mlp:8192x3":
+            continue
+        spec = parse_model(model)
+        for precision in ("fp16", "bf16") if key == "logreg" else ("fp16",):
+            for r in ((8, 7) if key == "logreg" else (rung,)):
+                cfg = default_config(spec, precision=precision, **overrides)
+                t0 = time.perf_counter()
+                record, _ = run("cuda", spec, cfg, data, {"rung": r})
+                wall = time.perf_counter() - t0
+                value = _metric(record, metric)
+                row = {"workload": key, "rung": r, "precision": precision, "metric": metric, "value": value,
+                       "setup_ms": record.setup_ms, "wall_s": wall, "final_test_acc": record.final["test_acc"],
+                       "final_train_loss": record.epochs[-1]["train_loss"], "anchors": anchors, "floor": floor,
+                       "target": f"{target[0]} {target[1]:g} {metric}",
+                       "met": (value <= target[1]) if r == rung else None}
+                if parity_ok and not args.no_parity and precision == "fp16":
+                    ref_key = (key, "ref")
+                    if ref_key not in records:
+                        ref, _ = run("numpy", spec, cfg.with_(precision="fp64"), data)
+                        records[ref_key] = ref
+                    row.update(_parity(record, records[ref_key]))
+                rows.append(row)
+                records[(key, r, precision)] = record
+                print(f"{key:11s} rung {r} {precision}: {value:10.3f} {metric}  test acc {record.final['test_acc']:.4f}"
+                      + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
+                      flush=True)
+        if key == "logreg" and not args.quick:
+            for cluster in (4, 5, 6, 7):
+                v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster)
+                variants.append(v)
+                print(f"  variant logreg rung 8 cluster {cluster}: {v['stats']['mean_second_half']:.3f} ms/epoch "
+                      f"(p50 {v['stats']['p50']:.3f})", flush=True)
+
+    gpu = (env.get("gpu") or {}).get("name") if isinstance(env.get("gpu"), dict) else None
+    device = next((r.environment.get("device") for k, r in records.items() if k[1] != "ref"), gpu)
+    stamp = datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    payload = {"schema": 1, "created": stamp, "device": device, "environment": env, "rows": rows,
+               "variants": variants,
+               "records": {"/".join(map(str, k)): rec.to_dict() for k, rec in records.items()}}
+    atomic_write_text(out / "fused.json", json.dumps(payload, indent=1, default=float) + "\n")
+    buf = io.StringIO()
+    fields = ["workload", "rung", "precision", "metric", "value", "target", "met", "final_test_acc",
+              "train_loss_max_rel_dev", "test_acc_diff_pp", "setup_ms"]
+    writer = csv.DictWriter(buf, fieldnames=fields, extrasaction="ignore")
+    writer.writeheader()
+    for row in rows:
+        writer.writerow(row)
+    atomic_write_text(out / "fused.csv", buf.getvalue())
+    atomic_write_text(out / "fused.md", render_md(rows, variants, device, stamp))
+    print(render_md(rows, variants, device, stamp))
+    return 0
+
+
+def _fmt(row) -> str:
+    v = row["value"]
+    return f"{v:.3f} ms/epoch" if row["metric"] == "ms/epoch" else (f"{v / 1e3:.3f} s" if v >= 1000 else f"{v:.1f} ms")
+
+
+def render_md(rows, variants, device, stamp) -> str:
+    lines = [f"# Rungs 7 and 8, measured on {device} ({stamp})", "",
+             "Written by `python -m fasttrain.engines.cuda.fused_bench`; times from the shared driver "
+             "(ms/epoch = mean of the second half of the epochs; per-run = sum of the epochs' train times).", "",
+             "| workload | anchors on the same kind of GPU | floor | target | measured | rung, precision | met | "
+             "loss dev vs fp64 | test acc (diff) |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in rows:
+        dev = f"{100 * row['train_loss_max_rel_dev']:.2f}%" if "train_loss_max_rel_dev" in row else "n/a"
+        acc = f"{100 * row['final_test_acc']:.2f}%"
+        if "test_acc_diff_pp" in row:
+            acc += f" ({row['test_acc_diff_pp']:+.2f} pp)"
+        met = {True: "yes", False: "**no**", None: "(comparison)"}[row["met"]]
+        lines.append(f"| `{row['workload']}` | {row['anchors']} | {row['floor']} | {row['target']} | {_fmt(row)} | "
+                     f"{row['rung']}, {row['precision']} | {met} | {dev} | {acc} |")
+    if variants:
+        lines += ["", "Rung-8 logreg variants (fp16, same stopwatch):", "",
+                  "| cluster | stages | ms/epoch (2nd half mean) | p20 | p50 | p80 | test acc |", "| --- | --- | --- | --- | --- | --- | --- |"]
+        for v in variants:
+            st = v["stats"]
+            lines.append(f"| {v['tuning'].get('cluster')} | {v['environment'].get('stages')} | {st['mean_second_half']:.3f} | "
+                         f"{st['p20']:.3f} | {st['p50']:.3f} | {st['p80']:.3f} | {100 * v['test_acc']:.2f}% |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
