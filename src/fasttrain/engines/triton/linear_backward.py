@@ -120,16 +120,16 @@ def sgd_update_kernel(x_ptr, idx_ptr, d_ptr, w_ptr, b_ptr, start, M, K, N, strid
 # --- launchers ---------------------------------------------------------------------------------
 
 
-def grad_input(d, w, h, out, *, m=None, prec="ieee"):
-    """``out[:m] = (d[:m] @ w.T) * (h[:m] > 0)``."""
+def grad_input(d, w, h, out, *, m=None, m_max=None, prec="ieee"):
+    """``out[:m] = (d[:m] @ w.T) * (h[:m] > 0)`` (blocks follow ``m_max``, as in ``linear``)."""
     m = d.shape[0] if m is None else m
     k, n = w.shape
-    bm, bk, bn = block(m, 16, 64), 64, block(n, 16, 64)
+    bm, bk, bn = block(m_max or m, 16, 64), 64, block(n, 16, 64)
     grad_input_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](d, w, h, out, m, k, n, PREC=prec,
                                                                 BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
 
 
-def sgd_update(x, d, w, b, lr, *, idx=None, start=0, m=None, prec="ieee", version=2, scratch=None):
+def sgd_update(x, d, w, b, lr, *, idx=None, start=0, m=None, m_max=None, prec="ieee", version=2, scratch=None):
     """``w -= lr * x[idx[start:start+m]].T @ d[:m]``, ``b -= lr * d[:m].sum(0)``.
 
     Version 1 needs ``scratch = (dW like w, db like b)``."""
@@ -137,7 +137,7 @@ def sgd_update(x, d, w, b, lr, *, idx=None, start=0, m=None, prec="ieee", versio
     k, n = w.shape
     gather = idx is not None
     u8 = x.dtype.is_floating_point is False
-    bk, bn, bm = 64, block(n, 16, 64), block(m, 16, 64)
+    bk, bn, bm = 64, block(n, 16, 64), block(m_max or m, 16, 64)
     grid = (triton.cdiv(k, bk), triton.cdiv(n, bn))
     args = (x, idx if gather else x, d)
     if version == 2:

@@ -90,8 +90,8 @@ def linear_kernel(x_ptr, idx_ptr, w_ptr, b_ptr, out_ptr, start, M, K, N, stride_
 @triton.jit(do_not_specialize=["start", "M", "step"])
 def linear_xent_kernel(x_ptr, idx_ptr, y_ptr, w_ptr, b_ptr, d_ptr, loss_ptr, correct_ptr,
                        start, M, step, inv_m, K, N, stride_x,
-                       GATHER: tl.constexpr, U8: tl.constexpr, WRITE_GRAD: tl.constexpr, PREC: tl.constexpr,
-                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       GATHER: tl.constexpr, GATHER_Y: tl.constexpr, U8: tl.constexpr, WRITE_GRAD: tl.constexpr,
+                       PREC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     # z = x @ W + b (all N <= BLOCK_N classes in this program's tile); then softmax_xent_tile;
     # loss_sum[step] += sum_r loss_r and correct[step] += sum_r correct_r (one atomic each).
     rows = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -106,7 +106,8 @@ def linear_xent_kernel(x_ptr, idx_ptr, y_ptr, w_ptr, b_ptr, d_ptr, loss_ptr, cor
         w = tl.load(w_ptr + k[:, None] * N + cols[None, :], mask=kmask[:, None] & cmask[None, :], other=0.0)
         acc = mm(a, w, acc, PREC)
     z = acc + tl.load(b_ptr + cols, mask=cmask, other=0.0)[None, :]
-    labels = tl.load(y_ptr + src, mask=rmask, other=0)
+    # labels follow the batch order even when the input (a hidden activation) is already in batch order
+    labels = tl.load(y_ptr + batch_rows(idx_ptr, start, rows, rmask, GATHER_Y), mask=rmask, other=0)
     loss, correct, d = softmax_xent_tile(z, cols, cmask, labels, rmask, inv_m)
     if WRITE_GRAD:
         tl.store(d_ptr + rows[:, None] * N + cols[None, :], d, mask=rmask[:, None] & cmask[None, :])
@@ -121,13 +122,16 @@ def _src(x, idx):
     return (idx if idx is not None else x), idx is not None
 
 
-def linear(x, w, b, out, *, idx=None, start=0, m=None, relu=True, prec="ieee", version=2):
-    """``out[:m] = act(x[idx[start:start+m]] @ w + b)`` (rows of ``x`` directly when ``idx`` is None)."""
+def linear(x, w, b, out, *, idx=None, start=0, m=None, m_max=None, relu=True, prec="ieee", version=2):
+    """``out[:m] = act(x[idx[start:start+m]] @ w + b)`` (rows of ``x`` directly when ``idx`` is None).
+
+    Block shapes follow ``m_max`` (the full batch), so a partial last batch reuses the same
+    compiled kernel (a CUDA graph capture must not compile)."""
     m = x.shape[0] if m is None else m
     k, n = w.shape
     idx_arg, gather = _src(x, idx)
     u8 = x.dtype.is_floating_point is False
-    bm, bn, bk = block(m, 16, 64), block(n, 16, 64), 32
+    bm, bn, bk = block(m_max or m, 16, 64), block(n, 16, 64), 32
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if version == 1:
         matmul_kernel[grid](x, idx_arg, w, out, start, m, k, n, x.stride(0), GATHER=gather, U8=u8, PREC=prec,
@@ -140,19 +144,25 @@ def linear(x, w, b, out, *, idx=None, start=0, m=None, relu=True, prec="ieee", v
         raise ValueError(f"linear: no version {version}")
 
 
-def linear_xent(x, w, b, y, d, loss, correct, *, idx=None, start=0, m=None, step=0, write_grad=True, prec="ieee",
-                block_m=None):
+def linear_xent(x, w, b, y, d, loss, correct, *, idx=None, gather_x=None, start=0, m=None, m_max=None, step=0,
+                write_grad=True, prec="ieee", block_m=None):
     """Last layer fused with the loss: ``d[:m] = dlogits``; ``loss[step] += sum of row losses``,
-    ``correct[step] += number right`` (both accumulate: zero them first)."""
+    ``correct[step] += number right`` (both accumulate: zero them first).
+
+    Labels are ``y[idx[start + r]]`` when ``idx`` is given (else ``y[r]``); the input rows are
+    gathered the same way only when ``gather_x`` (default: when ``idx`` is given), i.e. for logreg,
+    whose last layer reads the pixels."""
     m = x.shape[0] if m is None else m
     k, n = w.shape
-    idx_arg, gather = _src(x, idx)
+    idx_arg, gather_y = _src(x, idx)
+    gather_x = gather_y if gather_x is None else gather_x
     u8 = x.dtype.is_floating_point is False
     bn = block(n, 16, 16 if n <= 16 else 256)
-    bm = block_m or block(m, 16, 32)
+    bm = block_m or block(m_max or m, 16, 32)
     linear_xent_kernel[(triton.cdiv(m, bm),)](
         x, idx_arg, y, w, b, d, loss, correct, start, m, step, 1.0 / m, k, n, x.stride(0),
-        GATHER=gather, U8=u8, WRITE_GRAD=write_grad, PREC=prec, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=64)
+        GATHER=gather_x, GATHER_Y=gather_y, U8=u8, WRITE_GRAD=write_grad, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
+        BLOCK_K=64)
 
 
 # --- correctness check and benchmark ----------------------------------------------------------
@@ -213,6 +223,14 @@ def check(device: str = "cpu", m: int = 37, k: int = 100, n: int = 100, prec: st
     errors["v3_loss"] = abs(float(loss[1]) - loss_ref) / loss_ref
     errors["v3_correct_diff"] = abs(int(correct[1]) - correct_ref)
     errors["v3_untouched_step0"] = float(loss[0]) + int(correct[0])
+    # version 3 on a hidden input already in batch order: only the labels are gathered
+    hidden = np.ascontiguousarray(x64[idx]).astype(np.float32)
+    d = torch.full((m, 10), float("nan"), device=device)
+    loss.zero_()
+    correct.zero_()
+    linear_xent(t(hidden), t(w), t(b), t(labels), d, loss, correct, idx=t(idx), gather_x=False, m=m, step=0, prec=prec)
+    errors["v3_hidden_dlogits"] = _rel(d.cpu().numpy(), d_ref)
+    errors["v3_hidden_loss"] = abs(float(loss[0]) - loss_ref) / loss_ref
     return errors
 
 
