@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import csv
+import json
 
 import pytest
 
@@ -66,6 +67,21 @@ def test_render_rewrites_reports_from_the_json(quick_run):
     assert main(["bench", "render", str(out)]) == 0
     assert (out / "ladder.md").read_text() == before
     assert (out / "curves.csv").is_file() and (out / "results.csv").is_file() and (out / "README.md").is_file()
+
+
+def test_a_crashing_engine_is_recorded_and_fails_the_command(tmp_path, capsys, monkeypatch):
+    import fasttrain.training
+
+    def crash(*args, **kwargs):
+        raise RuntimeError("illegal memory access")
+
+    monkeypatch.setattr(fasttrain.training, "run", crash)
+    assert main(["bench", "ladder", "--quick", "--synthetic", "--engines", "numpy", "--out", str(tmp_path)]) == 1
+    assert "1 row(s) failed: ladder numpy logreg" in capsys.readouterr().err
+    saved = json.loads((tmp_path / "ladder.json").read_text())
+    numpy_case = next(c for c in saved["cases"] if c["label"] == "numpy")
+    assert numpy_case["status"] == "failed" and "illegal memory access" in numpy_case["traceback"]
+    assert "FAILED: numpy: RuntimeError: illegal memory access" in (tmp_path / "ladder.md").read_text()
 
 
 def test_bench_errors_are_one_line(tmp_path, capsys):

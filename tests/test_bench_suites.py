@@ -139,6 +139,14 @@ def test_engine_errors_skip_and_crashes_fail_without_stopping_the_suite(tiny_dat
     assert calls == [0, 0]  # the first seed's error ends the row
 
 
+def test_results_so_far_are_handed_out_after_every_row(tiny_data):
+    seen = []
+    rows = (Row("a", "numpy"), Row("ghost", "no-such-engine"), Row("b", "numpy", options={"threads": 1}))
+    runner.run_suite(Suite("ladder", "t", rows, ("logreg",), TINY, 1), tiny_data,
+                     on_case=lambda partial: seen.append([c.label for c in partial.cases]))
+    assert seen == [["a"], ["a", "ghost", "b"]]  # after each row that ran
+
+
 # --- merging -------------------------------------------------------------------------------
 
 

@@ -95,6 +95,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
     from fasttrain.bench import plots, report, runner, suites
     from fasttrain.bench.data import bench_data
     from fasttrain.environment import machine_slug
+    from fasttrain.training import atomic_write_text
 
     engines_filter = set(_parse_list(engines, "--engines") or []) or None
     runner.check_engines_filter(engines_filter)
@@ -123,20 +124,25 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
     command_text = _command_line(ctx)
     failed: list[str] = []
     for suite in built:
-        result = runner.run_suite(suite, data, engines_filter=engines_filter, command=command_text, dataset_info=info,
-                                  progress=_RichProgress())
-        old_path = folder / f"{suite.name}.json"
-        if not fresh and old_path.is_file():
+        json_path = folder / f"{suite.name}.json"
+        old = None
+        if not fresh and json_path.is_file():
             try:
-                old = report.load_result(old_path)
+                old = report.load_result(json_path)
             except FasttrainError as exc:
-                console.print(f"[yellow]not merging with {old_path}: {exc}[/]")
-                old = None
-            result, kept = runner.merge(result, old)
-            if kept:
-                console.print(f"kept {kept} earlier result(s) from {old_path} (rows or sizes not run now; --fresh drops them)")
-        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+                console.print(f"[yellow]not merging with {json_path}: {exc}[/]")
+
+        def save_so_far(partial, old=old, json_path=json_path):
+            # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
+            atomic_write_text(json_path, report.to_json(runner.merge(partial, old)[0]))
+
+        result = runner.run_suite(suite, data, engines_filter=engines_filter, command=command_text, dataset_info=info,
+                                  progress=_RichProgress(), on_case=save_so_far)
         failed += [f"{c.suite} {c.label} {c.model}" for c in result.cases if c.status == "failed"]
+        result, kept = runner.merge(result, old)
+        if kept:
+            console.print(f"kept {kept} earlier result(s) from {json_path} (rows or sizes not run now; --fresh drops them)")
+        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
         click.echo(report.to_markdown(result))
         console.print("wrote " + ", ".join(str(p) for p in written))
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import datetime, timezone
 
 import numpy as np
+from rich.markup import escape
 
 from fasttrain.bench import stats
 from fasttrain.bench.suites import OFF, Case, Suite
@@ -264,8 +265,12 @@ def run_suite(
     dataset_info: dict | None = None,
     progress: Progress | None = None,
     runner: Callable | None = None,
+    on_case: Callable[[SuiteResult], None] | None = None,
 ) -> SuiteResult:
-    """Run every case that can run here, ``suite.repeats`` seeds each (curves: seed 0 only)."""
+    """Run every case that can run here, ``suite.repeats`` seeds each (curves: seed 0 only).
+
+    ``on_case(result)`` is called after each case that ran, with the results so far (the CLI saves
+    them, so a run cut short keeps what it finished)."""
     from fasttrain.environment import environment
     from fasttrain.training import run as train_run
 
@@ -293,10 +298,12 @@ def run_suite(
             if reason is not None:
                 if reason != NOT_SELECTED and (case.row.label, reason) not in told:  # once per row, not per model
                     told.add((case.row.label, reason))
-                    progress.log(f"[yellow]skip[/] {suite.name} {case.row.label}: {reason}")
+                    progress.log(f"[yellow]skip[/] {suite.name} {case.row.label}: {escape(reason)}")
                 result.cases.append(_case_result(case, "skipped", reason))
                 continue
             result.cases.append(_run_case(suite, case, seeds, data, runner, progress, result.reference))
+            if on_case:
+                on_case(result)
     finally:
         progress.stop()
     return result
@@ -318,14 +325,14 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
         except FasttrainError as exc:
             release_memory()
             out.status, out.reason = "skipped", str(exc)
-            progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}: {exc}")
+            progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}: {escape(str(exc))}")
             progress.advance(len(seeds) - i)
             return out
         except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the rest of the suite
             release_memory()
             out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
             out.traceback = traceback.format_exc()
-            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model} seed {seed}: {out.reason}")
+            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model} seed {seed}: {escape(out.reason)}")
             progress.advance(len(seeds) - i)
             return out
         out.seeds.append(seed)
@@ -380,6 +387,7 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
     Earlier results with another dataset or ``--quick`` setting are dropped, not mixed in."""
     if old is None or old.quick != new.quick or old.dataset != new.dataset:
         return new, 0
+    new = dataclasses.replace(new)  # a copy: the running suite's result stays as it is
     new_by_key = {c.key: c for c in new.cases}
     old_by_key = {c.key: c for c in old.cases}
     merged, kept = [], 0
