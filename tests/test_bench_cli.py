@@ -52,6 +52,19 @@ def test_bench_readme_prints_the_results_section(quick_run, capsys, monkeypatch)
     assert f"]({out.name}/ladder.png)" in text and f"]({out.name}/sweep_time.png)" in text
 
 
+def test_bench_readme_into_replaces_only_the_marked_section(quick_run, tmp_path, capsys):
+    _rc, out = quick_run
+    readme = tmp_path / "README.md"
+    readme.write_text("# fasttrain\n\nintro\n\n<!-- bench-results:start -->\nold numbers\n<!-- bench-results:end -->\n\ntail\n")
+    assert main(["bench", "readme", str(out), "--into", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith("# fasttrain\n\nintro\n\n<!-- bench-results:start -->\n## Results")
+    assert "old numbers" not in text and text.endswith("<!-- bench-results:end -->\n\ntail\n")
+    readme.write_text("no markers\n")
+    assert main(["bench", "readme", str(out), "--into", str(readme)]) == 1
+    assert "needs exactly one line <!-- bench-results:start -->" in capsys.readouterr().err
+
+
 def test_rerun_of_one_size_keeps_the_others(quick_run):
     _rc, out = quick_run
     assert main(["bench", "sweep", "--quick", "--synthetic", "--engines", "numpy", "--hidden", "16", "--out", str(out)]) == 0

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import click
 from rich.console import Console
+from rich.markup import escape
 
 from fasttrain.bench.runner import Progress
 from fasttrain.errors import FasttrainError
@@ -25,7 +26,7 @@ def _suite_options(fn):
         click.option("--quick", is_flag=True, help="A short smoke run (< 2 min on 2 CPU cores): fewer epochs/steps, "
                      "1 seed, first 10,000/2,000 examples, no torch.compile rows."),
         click.option("--engines", help="Only these engines, comma-separated (e.g. cuda,jax)."),
-        click.option("--repeats", type=click.IntRange(1, 100), help="Runs per row, seeds 0..N-1 (default 3; --quick 1)."),
+        click.option("--repeats", type=click.IntRange(1, 100), help="Runs per row, seeds 0..N-1 (default 3; --quick 1; curves: always seed 0 alone)."),
         click.option("--out", type=click.Path(file_okay=False), help="Output folder (default results/<gpu-or-cpu-slug>/)."),
         click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist."),
         click.option("--data-dir", type=click.Path(file_okay=False), help="Data root (default: $FASTTRAIN_DATA_DIR or ~/.cache/fasttrain)."),
@@ -67,9 +68,10 @@ class _RichProgress(Progress):
     """rich progress bars for the runner (stderr), with one line per finished or skipped row."""
 
     def __init__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import Progress as Bars
 
-        self._bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        self._bar = Bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
                              console=console, transient=True)
         self._task = None
 
@@ -108,7 +110,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
         for suite in built:
             out_console.print(f"[bold]{suite.name}[/]: {suite.title}; {len(suite.cases())} cases, {suite.repeats} seed(s) each")
             for case, reason in runner.plan(suite, engines_filter):
-                status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {reason}"
+                status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {escape(reason)}"
                 out_console.print(f"  {case.row.label:<28} {case.model:<11} {status}")
         return
 
@@ -130,7 +132,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
             try:
                 old = report.load_result(json_path)
             except FasttrainError as exc:
-                console.print(f"[yellow]not merging with {json_path}: {exc}[/]")
+                console.print(f"[yellow]not merging with {json_path}: {escape(str(exc))}[/]")
 
         def save_so_far(partial, old=old, json_path=json_path):
             # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
@@ -220,8 +222,15 @@ def render(results_dir) -> None:
 @command.command()
 @click.argument("results_dir", type=click.Path(file_okay=False))
 @click.option("--link-base", help="Prefix of image links (default: RESULTS_DIR/, a path from the repository root).")
-def readme(results_dir, link_base) -> None:
+@click.option("--into", "into", type=click.Path(dir_okay=False),
+              help="Write it into this file between <!-- bench-results:start --> and <!-- bench-results:end -->.")
+def readme(results_dir, link_base, into) -> None:
     """Print the README's Results section from the result files in RESULTS_DIR."""
-    from fasttrain.bench.readme import readme_section
+    from fasttrain.bench.readme import readme_section, write_into
 
-    click.echo(readme_section(results_dir, link_base), nl=False)
+    section = readme_section(results_dir, link_base)
+    if into:
+        write_into(into, section)
+        console.print(f"wrote the results section of {into} from {results_dir}")
+    else:
+        click.echo(section, nl=False)

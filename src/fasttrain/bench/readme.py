@@ -2,7 +2,8 @@
 
 ``fasttrain bench readme results/<slug>`` prints Markdown: for each suite found there (ladder,
 sweep, curves) the command that produced it, the machine, the table(s) and the plots, linked by
-their path from the repository root (or ``--link-base``).
+their path from the repository root (or ``--link-base``). With ``--into README.md`` it replaces
+the text between the lines ``<!-- bench-results:start -->`` and ``<!-- bench-results:end -->``.
 """
 
 from __future__ import annotations
@@ -12,6 +13,9 @@ from pathlib import Path
 from fasttrain.bench.report import load_result, machine_line, to_markdown
 from fasttrain.bench.suites import SUITES
 from fasttrain.errors import FasttrainError
+from fasttrain.training import atomic_write_text
+
+START, END = "<!-- bench-results:start -->", "<!-- bench-results:end -->"
 
 PROTOCOL = (
     "How these were measured: every engine runs through the same driver. An epoch is timed from just before "
@@ -49,3 +53,20 @@ def readme_section(results_dir: str | Path, link_base: str | None = None, headin
     for result in results:
         parts.append(to_markdown(result, folder, base).rstrip())
     return "\n\n".join(parts) + "\n"
+
+
+def write_into(readme: str | Path, section: str) -> None:
+    """Replace what lies between the START and END marker lines of ``readme`` with ``section``."""
+    path = Path(readme)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no such file") from None
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == START]
+    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise FasttrainError(f"{path}: needs exactly one line {START} and, below it, one line {END} "
+                             "around the place for the results")
+    new = "".join(lines[: starts[0] + 1]) + section.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
+    atomic_write_text(path, new)
