@@ -266,18 +266,29 @@ def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: in
 
 
 class PersistentLogregSession(_FusedBase):
-    def __init__(self, job: Job, options, cluster: int = 7, stages: int | None = None, xhb: int | None = None):
+    """``prof``: compile the kernel with per-phase clock64() counters (read them with :meth:`profile`);
+    ``ablate``: 1 = no exchange between CTAs, 2 = no wait for the data (timing experiments only: wrong math)."""
+
+    def __init__(self, job: Job, options, cluster: int = 7, stages: int | None = None, xhb: int | None = None,
+                 prof: bool = False, ablate: int = 0, version: str = LOGREG_VERSION):
         super().__init__(job, options)
         cp = self._cp
         import cupyx
 
+        self.version = version
         self.plan = logreg_plan(self.batch, cluster, stages, xhb)
         defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
         defines["FT_BF16"] = int(job.config.precision == "bf16")
-        self.module = load_module(LOGREG_VERSION, defines)
+        if prof:
+            defines["FT_PROF"] = 1
+        if ablate:
+            defines["FT_ABL"] = int(ablate)
+        with self.stream:
+            self.prof = cp.zeros(16 * cluster, cp.int64)
+        self.module = load_module(version, defines)
         smem = module_int(self.module, "ft_smem_bytes")
         if smem != self.plan["smem"]:
-            raise FasttrainError(f"internal: {LOGREG_VERSION} needs {smem} bytes of shared memory, the plan says {self.plan['smem']}")
+            raise FasttrainError(f"internal: {version} needs {smem} bytes of shared memory, the plan says {self.plan['smem']}")
         self.fn = self.module.get_function("logreg_epoch")
         self.fn.max_dynamic_shared_size_bytes = smem
         self.smem = smem
@@ -298,7 +309,7 @@ class PersistentLogregSession(_FusedBase):
         wt, b, _, _ = self.layers[0]
         np_ = np
         args = (self.x_train, self.y_train, order_dev, np_.int32(self.n), np_.int32(self.batch), np_.int32(steps),
-                np_.float32(lr), wt, b, self.row_loss, self.row_ok, np_.uint64(self.out.ctypes.data))
+                np_.float32(lr), wt, b, self.row_loss, self.row_ok, np_.uint64(self.out.ctypes.data), self.prof)
         with self.stream:
             self.fn((self.plan["FT_C"],), (self.threads,), args, shared_mem=self.smem)
         self._check()
@@ -310,9 +321,15 @@ class PersistentLogregSession(_FusedBase):
         return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
                           step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
+    def profile(self) -> np.ndarray:
+        """Cycles per phase of the last epoch: rows = CTAs; columns 0..5 consumer thread 0 (wait data,
+        convert, forward+push, wait partials, softmax, backward), 8..9 producer lane 0 (wait stage, issue)."""
+        self.stream.synchronize()
+        return self.prof.get().reshape(-1, 16)
+
     def environment(self) -> dict:
         env = self._device_env()
-        env.update({"fused_kernel": LOGREG_VERSION, "cluster": self.plan["FT_C"], "stages": self.plan["FT_STAGES"],
+        env.update({"fused_kernel": self.version, "cluster": self.plan["FT_C"], "stages": self.plan["FT_STAGES"],
                     "xh_buffers": self.plan["FT_XHB"], "smem_bytes": self.smem})
         return env
 

@@ -92,6 +92,44 @@ def time_variant(data, model, overrides, rung, precision, **tuning) -> dict:
             "environment": env}
 
 
+PHASES = ["wait data", "convert", "fwd+push", "wait partials", "softmax", "backward"]
+
+
+def profile_logreg(data, configs) -> list[dict]:
+    """Per-phase clock64() cycles of rung 8 logreg (one epoch after a warm one), and ablation timings."""
+    from fasttrain.engines.cuda.fused import make_session
+
+    spec = parse_model("logreg")
+    cfg = default_config(spec, precision="fp16", epochs=2)
+    plan = schedule(cfg, data.n_train)
+    job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
+    results = []
+    for tuning in configs:
+        session = make_session(job, _Opts(8), **tuning)
+        watch = Stopwatch(session.sync)
+        ms = []
+        for epoch in (1, 2):
+            t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
+                                                             plan.steps_per_epoch[epoch - 1]))
+            ms.append(t)
+        prof = session.profile() if tuning.get("prof") else None
+        session.close()
+        row = {"tuning": tuning, "epoch_ms": ms}
+        if prof is not None:
+            steps = plan.steps_per_epoch[1]
+            row["cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(PHASES)}
+            row["producer_cycles_per_step"] = {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
+                                               "issue": (prof[:, 9] / steps).round(1).tolist()}
+        results.append(row)
+        print(f"profile {tuning}: epoch ms {ms[0]:.3f} {ms[1]:.3f}", flush=True)
+        if prof is not None:
+            for name, v in row["cycles_per_step"].items():
+                print(f"   {name:14s} cycles/step per CTA: {v}", flush=True)
+            for name, v in row["producer_cycles_per_step"].items():
+                print(f"   producer {name:10s}: {v}", flush=True)
+    return results
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/record")
@@ -99,7 +137,15 @@ def main(argv=None) -> int:
     parser.add_argument("--quick", action="store_true", help="skip the 8192-wide model and the variants")
     parser.add_argument("--no-parity", action="store_true", help="skip the float64 reference runs")
     parser.add_argument("--only", default=None, help="comma-separated workload keys")
+    parser.add_argument("--profile", action="store_true", help="only the rung-8 phase profile and ablations")
     args = parser.parse_args(argv)
+    if args.profile:
+        data = load_dataset("mnist", args.data_dir)
+        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(prof=True, cluster=4), dict(cluster=7, ablate=1),
+                                    dict(cluster=7, ablate=2), dict(cluster=7, ablate=1, prof=True)])
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
+        return 0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset("mnist", args.data_dir)

@@ -42,7 +42,19 @@
 #ifndef FT_BF16
 #define FT_BF16 0
 #endif
+#ifndef FT_PROF   // 1: thread 0 of each CTA (and the producer's lane 0) accumulate clock64() per phase
+#define FT_PROF 0
+#endif
+#ifndef FT_ABL    // ablations for timing only (wrong math!): 1 = no exchange between CTAs, 2 = no wait for data
+#define FT_ABL 0
+#endif
 #include "fused_common.cuh"
+
+#if FT_PROF
+#define PROF_T(i) do { if (prof_on) { long long c_ = clock64(); pacc[i] += c_ - plast; plast = c_; } } while (0)
+#else
+#define PROF_T(i) do {} while (0)
+#endif
 
 #define NCW 8                         // consumer warps
 #define NPW FT_PW                     // producer warps
@@ -93,7 +105,8 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
              float* __restrict__ bias,        // [16] fp32 master bias, in/out
              float* __restrict__ row_loss,    // [steps*B] scratch: per-example loss (CTA rank 0 writes)
              u8* __restrict__ row_ok,         // [steps*B] scratch: per-example correct
-             double* __restrict__ out)        // [2 + steps]: loss sum, correct, mean loss per step (host-mapped)
+             double* __restrict__ out,        // [2 + steps]: loss sum, correct, mean loss per step (host-mapped)
+             long long* __restrict__ prof)    // [C][16] phase cycles (FT_PROF only)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* bar_full = reinterpret_cast<u64*>(smem + OFF_BAR);
@@ -140,6 +153,11 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
     }
     if (tid < 16) bias_s[tid] = bias[tid];
     cluster_sync_all();   // barriers initialised and visible cluster-wide before anyone pushes to them
+#if FT_PROF
+    const bool prof_on = (tid == 0) || (tid == NCT);
+    long long pacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long plast = clock64();
+#endif
 
     if (warp >= NCW) {
         // ================= producer warp(s): gather batch rows into the ring =================
@@ -147,6 +165,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
         for (int j = 0; j < steps; ++j) {
             const int st = j % STAGES;
             mbar_wait(smem_u32(&bar_empty[st]), ((j / STAGES) & 1) ^ 1);
+            PROF_T(0);
             const int base = j * B;
             const int rows = min(B, n - base);
             for (int r0 = 0; r0 < rows; r0 += NPW * 32 * 4) {
@@ -167,6 +186,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
                 }
             }
             cp_async_mbar_arrive(smem_u32(&bar_full[st]));
+            PROF_T(1);
         }
     } else {
         // ================= consumer warps =================
@@ -195,7 +215,10 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
             elem_t* xb = xh + (XHB == 2 ? p : 0) * BP * XS;
 
             // ---- 1. wait for the batch; pixels -> exact fp16/bf16 integers in xb; labels to registers ----
+#if FT_ABL != 2
             mbar_wait(smem_u32(&bar_full[st]), (s / STAGES) & 1);
+#endif
+            PROF_T(0);
             {
                 const u8* sxs = sx + (size_t)st * BP * KF;
                 const int nch = BP * ktn;   // 16-byte chunks of real features
@@ -221,6 +244,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
             }
             named_sync(1, NCT);
             if (tid == 0) mbar_arrive(smem_u32(&bar_empty[st]));   // stage free for the producer
+            PROF_T(1);
 
             // ---- 2. partial logits P = X_int[:, slice] @ W16[slice, :], pushed to every CTA ----
             // per warp and m-tile: KT k-tiles x 2 n-tiles = 2*KT mma (4096 FLOP each)
@@ -244,8 +268,13 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
                 const u32 l0 = smem_u32(recv + ((p * C + rank) * BP + r0) * NCLS + 2 * t);
                 const u32 l1 = l0 + 8 * NCLS * 4;
                 const u32 lb = smem_u32(&bar_recv[p]);
+#if FT_ABL == 1
+                {
+                    const u32 d = rank;
+#else
 #pragma unroll
                 for (int d = 0; d < C; ++d) {
+#endif
                     const u32 rb = mapa(lb, d);
                     st_async_v2(mapa(l0, d), acc[0][0], acc[0][1], rb);
                     st_async_v2(mapa(l1, d), acc[0][2], acc[0][3], rb);
@@ -257,8 +286,15 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
             }
 
             // ---- 3. all partials in: softmax, loss, accuracy, g = p - onehot ----
+            PROF_T(2);
+#if FT_ABL != 1
             mbar_wait_cluster(smem_u32(&bar_recv[p]), (s >> 1) & 1);
             if (tid == 0 && s + 2 < steps) mbar_arrive_expect_tx(smem_u32(&bar_recv[p]), RECV_TX);
+#else
+            named_sync(1, NCT);
+            __nanosleep(2000);   // st.async to ourselves lands asynchronously; crude wait (ablation only)
+#endif
+            PROF_T(3);
             const float inv255 = 1.0f / 255.0f;
 #pragma unroll
             for (int i = 0; i < MTW; ++i) {
@@ -323,6 +359,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
                 }
             }
             named_sync(1, NCT);   // gbuf complete
+            PROF_T(4);
 
             // ---- 4. dW^T = g^T @ X_int for this CTA's slice, SGD update fused in registers ----
             // A = g^T (16 classes x BP rows) from gbuf via ldmatrix.trans; per n-tile MT mma.
@@ -367,6 +404,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
                 }
             }
             if (XHB == 1) named_sync(1, NCT);   // one activation buffer: the next step's conversion must wait
+            PROF_T(5);
         }
 
         // ---- epoch end: masters back to global memory; rank 0 reduces the loss records ----
@@ -412,5 +450,10 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
             }
         }
     }
+#if FT_PROF
+    if (prof_on) {
+        for (int i = 0; i < 8; ++i) prof[rank * 16 + (tid == NCT ? 8 : 0) + i] = pacc[i];
+    }
+#endif
     cluster_sync_all();   // no CTA leaves while a peer could still write into its shared memory
 }
