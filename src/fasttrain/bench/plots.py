@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from fasttrain.bench.report import baseline_times, fmt_num, gpu_name, sweep_grid
@@ -64,11 +65,12 @@ def _machine(result: SuiteResult) -> str:
     return f"{name} · {data['name']} {data['n_train']:,}/{data['n_test']:,}{extra}"
 
 
-def _log_ticks(axis, unit: str = "") -> None:
-    """Log-scale ticks at 1, 2, 5 x 10^k written as plain numbers (1,000 not 10^3)."""
+def _log_ticks(axis, unit: str = "", decades: float = 3.0) -> None:
+    """Log-scale ticks written as plain numbers (1,000 not 10^3): at 1, 2, 5 x 10^k over a few
+    decades, at powers of ten alone over a wide span (where 1-2-5 labels would collide)."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0) if decades <= 4 else (1.0,)))
     axis.set_major_formatter(FuncFormatter(lambda v, _pos: f"{v:,.10g}{unit}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -109,17 +111,22 @@ def ladder_plot(result: SuiteResult, path: Path) -> Path | None:
     ax.axvspan(min(SEED_CUDA_MS), max(SEED_CUDA_MS), color="0.5", alpha=0.15, lw=0, zorder=0,
                label=f"seed study's CUDA rungs, {fmt_num(min(SEED_CUDA_MS))}–{fmt_num(max(SEED_CUDA_MS))} ms "
                      "(not matched to rows)")
-    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.16), fontsize=9, ncol=2)
+    fig.legend(loc="outside lower center", fontsize=9, ncol=2)
+    left = min([*p50, min(SEED_CUDA_MS)]) / 2.5
+    right = max([*(v + h for v, h in zip(p50, hi)), *(s for _, s in seeds), max(SEED_CUDA_MS)]) * 3.5
     ax.set_xscale("log")
-    _log_ticks(ax.xaxis)
+    ax.set_xlim(left, right)
+    _log_ticks(ax.xaxis, decades=math.log10(right / left))
     ax.set_yticks(y, labels)
     ax.invert_yaxis()
     ax.grid(axis="y", visible=False)
-    left = min([*p50, min(SEED_CUDA_MS)]) / 2.5
-    right = max([*(v + h for v, h in zip(p50, hi)), *(s for _, s in seeds), max(SEED_CUDA_MS)]) * 3.5
-    ax.set_xlim(left, right)
     for i, value in enumerate(p50):
-        ax.text(value * 1.05 + hi[i], i, f" {fmt_num(value)} ms", va="center", fontsize=9)
+        # the figure goes right of the whisker, and right of a seed marker that sits close to it
+        x = value * 1.05 + hi[i]
+        seed = ran[i].seed_ms
+        if seed is not None and x / 1.3 < seed < x * 4:
+            x = max(x, seed * 1.25)
+        ax.text(x, i, f" {fmt_num(value)} ms", va="center", fontsize=9)
     n = max(c.metric("epoch_ms", "n") for c in ran)
     ax.set_xlabel(f"ms per epoch (mean over the 2nd half of training; p50 of {n} run(s), whiskers p20–p80; log scale)")
     cfg = ran[0].config
