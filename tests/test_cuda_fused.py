@@ -36,7 +36,13 @@ STEP_CONFIGS = [
     dict(FT_MT=3, FT_BO=8, FT_BI=8, FT_BF16=1),
     dict(FT_MT=8, FT_BO=16, FT_BI=16, FT_BF16=0),
 ]
-CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS]
+MLP_CONFIGS = [
+    dict(FT_C=8, FT_MT=2, FT_NL=3, FT_STAGES=4, FT_BF16=0),
+    dict(FT_C=7, FT_MT=3, FT_NL=2, FT_STAGES=2, FT_BF16=1),
+    dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
+]
+CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
+    + [("fused_mlp_v1.cu", d) for d in MLP_CONFIGS]
 
 
 class Opts:
@@ -111,11 +117,21 @@ def test_fused_rungs_need_mixed_precision(tiny_data):
             make_session(make_job(tiny_data, precision="fp32"), Opts(rung))
 
 
-def test_rung8_mlp_points_at_rung7(tiny_data):
+def test_rung8_mlp_points_at_rung7_when_it_does_not_fit(tiny_data):
     from fasttrain.engines.cuda.fused import make_session
 
-    with pytest.raises(FasttrainError, match="--rung 7"):
-        make_session(make_job(tiny_data, "mlp:128x2", precision="fp16"), Opts(8))
+    for model, batch in (("mlp:256x2", 32), ("mlp:128x2", 100), ("mlp:64x7", 32)):
+        with pytest.raises(FasttrainError, match="--rung 7"):
+            make_session(make_job(tiny_data, model, precision="fp16", batch_size=batch), Opts(8))
+
+
+def test_mlp_plan_fits_shared_memory():
+    from fasttrain.engines.cuda.fused import SMEM_LIMIT, mlp_plan, mlp_smem_bytes
+
+    for model, batch in (("mlp:128x3", 32), ("mlp:100x2", 37), ("mlp:16x1", 1), ("mlp:128x6", 16), ("mlp:64x2", 64)):
+        plan = mlp_plan(parse_model(model), batch)
+        assert plan["FT_C"] * 16 >= int(model[4:].split("x")[0]) and plan["FT_C"] <= 8
+        assert plan["smem"] == mlp_smem_bytes(plan["FT_C"], plan["FT_MT"], plan["FT_NL"], plan["FT_STAGES"]) <= SMEM_LIMIT
 
 
 def test_tiles_keep_accumulators_in_registers():
@@ -159,9 +175,9 @@ def _run_both(job, rung, **tuning):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rung", [7, 8])
-def test_warm_up_does_not_train(tiny_data, rung):
-    job = make_job(tiny_data, "logreg" if rung == 8 else "mlp:100x2", precision="fp16", batch_size=37, epochs=1)
+@pytest.mark.parametrize("rung,model", [(7, "mlp:100x2"), (8, "logreg"), (8, "mlp:100x2")])
+def test_warm_up_does_not_train(tiny_data, rung, model):
+    job = make_job(tiny_data, model, precision="fp16", batch_size=37, epochs=1)
     sess = _session(job, rung)
     try:
         for (w, b), (w0, b0) in zip(sess.weights(), job.init_weights):
@@ -174,7 +190,8 @@ def test_warm_up_does_not_train(tiny_data, rung):
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
 @pytest.mark.parametrize("rung,model,cluster", [(8, "logreg", 7), (8, "logreg", 4), (7, "logreg", None),
-                                                (7, "mlp:100x2", None), (7, "mlp:128x3", None)])
+                                                (7, "mlp:100x2", None), (7, "mlp:128x3", None),
+                                                (8, "mlp:100x2", None), (8, "mlp:128x3", None), (8, "mlp:64x1", None)])
 def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, cluster):
     """batch 37 (partial last batch of 600 % 37 = 8 rows), width 100: per-step losses within a few percent."""
     lr = 0.1 if model == "logreg" else 0.05
@@ -199,6 +216,7 @@ def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, c
 @pytest.mark.parametrize("rung,model,config", [
     (8, "logreg", dict(epochs=20)),
     (7, "mlp:128x3", dict()),
+    (8, "mlp:128x3", dict()),
 ])
 def test_mnist_parity(mnist, rung, model, config):
     """The issue's acceptance: train loss per epoch within 2% of fp64, final test accuracy within 0.3 pp."""
@@ -210,7 +228,7 @@ def test_mnist_parity(mnist, rung, model, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rung,model", [(8, "logreg"), (7, "mlp:64x2")])
+@pytest.mark.parametrize("rung,model", [(8, "logreg"), (7, "mlp:64x2"), (8, "mlp:64x2")])
 def test_driver_reaches_fused_rungs(tiny_data, rung, model):
     from fasttrain.training import run
 

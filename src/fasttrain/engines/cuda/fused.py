@@ -36,6 +36,7 @@ from fasttrain.errors import FasttrainError
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
 LOGREG_VERSION = "fused_logreg_v1.cu"
+MLP_VERSION = "fused_mlp_v1.cu"
 STEP_VERSION = "fused_step_v1.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
@@ -122,10 +123,8 @@ def make_session(job: Job, options, **tuning) -> Session:
     if options.rung == 8:
         if job.spec.is_logreg:
             return PersistentLogregSession(job, options, **tuning)
-        raise FasttrainError(
-            f"engine cuda rung 8 (one persistent kernel) is implemented for logreg only, not {job.spec.name}; "
-            "use --rung 7 (fused kernels in a CUDA graph) for MLPs"
-        )
+        mlp_plan(job.spec, job.config.batch_size)  # raises with the reason when the model does not fit
+        return PersistentMlpSession(job, options, **tuning)
     if options.rung == 7:
         return FusedStepSession(job, options, **tuning)
     raise FasttrainError(f"fasttrain.engines.cuda.fused runs rungs 7 and 8, not {options.rung}")
@@ -331,6 +330,115 @@ class PersistentLogregSession(_FusedBase):
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cluster": self.plan["FT_C"], "stages": self.plan["FT_STAGES"],
                     "xh_buffers": self.plan["FT_XHB"], "smem_bytes": self.smem})
+        return env
+
+
+# ---------------------------------------------------------------------------------------------
+# Rung 8, small MLPs: one persistent cluster kernel per epoch, hidden units split over the CTAs
+# ---------------------------------------------------------------------------------------------
+
+MLP_MAX_LAYERS = 6
+
+
+def mlp_smem_bytes(cluster: int, mt: int, nl: int, stages: int) -> int:
+    """Mirror of the shared-memory layout of fused_mlp_v1.cu (checked against the module's constant)."""
+    a = lambda x: (x + 127) // 128 * 128  # noqa: E731
+    bp, hp = mt * 16, 16 * cluster
+    hs, nlm = hp + 8, max(nl - 1, 1)
+    off = a(256 + (nl + 1) * 64)
+    off = a(off + stages * bp * INPUT_DIM)
+    off = a(off + stages * bp * 4)
+    off = a(off + 16 * (INPUT_DIM + 8) * 2)
+    off = a(off + nlm * 16 * hs * 2)
+    off = a(off + 16 * hs * 2)
+    off = a(off + 2 * bp * hs * 2)
+    off = a(off + nlm * bp * hs * 2)
+    off = a(off + 7 * bp * 18 * 4)
+    off = a(off + bp * 24 * 2)
+    off = a(off + 2 * bp * 24 * 2)
+    off = a(off + nlm * cluster * bp * 16 * 4)
+    return off + 2 * 7 * 8
+
+
+def mlp_plan(spec, batch: int, stages: int | None = None) -> dict:
+    """Rung 8 MLP configuration: one CTA per 16 hidden units (cluster <= 8, so width <= 128), batch <= 64."""
+    widths = spec.hidden
+    hp = pad16(widths[0])
+    if len(set(widths)) != 1 or hp > 128:
+        raise FasttrainError(
+            f"engine cuda rung 8 keeps the whole model on one cluster of up to 8 SMs: hidden widths up to 128, "
+            f"got {spec.name}; use --rung 7 (fused kernels in a CUDA graph)"
+        )
+    if len(widths) > MLP_MAX_LAYERS:
+        raise FasttrainError(f"engine cuda rung 8 supports up to {MLP_MAX_LAYERS} hidden layers, got {len(widths)}; use --rung 7")
+    mt = math.ceil(batch / 16)
+    if mt > 4:
+        raise FasttrainError(f"engine cuda rung 8 runs MLPs with batch sizes up to 64, got {batch}; use --rung 7")
+    cluster = hp // 16
+    for s in ((stages,) if stages else (4, 3, 2)):
+        size = mlp_smem_bytes(cluster, mt, len(widths), s)
+        if size <= SMEM_LIMIT:
+            return {"FT_C": cluster, "FT_MT": mt, "FT_NL": len(widths), "FT_STAGES": s, "smem": size}
+    raise FasttrainError(f"engine cuda rung 8: {spec.name} with batch {batch} does not fit in shared memory; use --rung 7")
+
+
+class PersistentMlpSession(_FusedBase):
+    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str = MLP_VERSION):
+        super().__init__(job, options)
+        cp = self._cp
+        import cupyx
+
+        self.version = version
+        self.plan = mlp_plan(job.spec, self.batch, stages)
+        defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
+        defines["FT_BF16"] = int(job.config.precision == "bf16")
+        if prof:
+            defines["FT_PROF"] = 1
+        self.module = load_module(version, defines)
+        smem = module_int(self.module, "ft_smem_bytes")
+        if smem != self.plan["smem"]:
+            raise FasttrainError(f"internal: {version} needs {smem} bytes of shared memory, the plan says {self.plan['smem']}")
+        self.fn = self.module.get_function("mlp_epoch")
+        self.fn.max_dynamic_shared_size_bytes = smem
+        self.smem = smem
+        max_steps = max(max(job.schedule.steps_per_epoch, default=0), len(self.bounds))
+        with self.stream:
+            self.row_loss = cp.zeros(max_steps * self.batch, cp.float32)
+            self.row_ok = cp.zeros(max_steps * self.batch, cp.uint8)
+            self.prof = cp.zeros(16 * self.plan["FT_C"], cp.int64)
+            ptrs = []
+            for wt, b, _, _ in self.layers:
+                ptrs += [wt.data.ptr, b.data.ptr]
+            self.wptr = cp.asarray(np.array(ptrs, dtype=np.uint64))
+        self.out = cupyx.empty_pinned((2 + max_steps,), np.float64)
+        self.out[:] = np.nan
+        self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
+        self.stream.synchronize()
+
+    def _launch(self, order_dev, steps: int, lr: float) -> None:
+        args = (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
+                np.float32(lr), self.wptr, self.row_loss, self.row_ok, np.uint64(self.out.ctypes.data), self.prof)
+        with self.stream:
+            self.fn((self.plan["FT_C"],), (256,), args, shared_mem=self.smem)
+        self._check()
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
+        self.stream.synchronize()
+        rows = self._rows(steps)
+        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
+                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+
+    def profile(self) -> np.ndarray:
+        """Cycles per phase of the last epoch: rows = CTAs; columns 0..6 consumer thread 0 (wait data, layer 1,
+        layers 2..NL, logits+softmax, backward last, backward NL..2, backward 1), 8..9 producer lane 0."""
+        self.stream.synchronize()
+        return self.prof.get().reshape(-1, 16)
+
+    def environment(self) -> dict:
+        env = self._device_env()
+        env.update({"fused_kernel": self.version, "cluster": self.plan["FT_C"], "stages": self.plan["FT_STAGES"],
+                    "smem_bytes": self.smem})
         return env
 
 

@@ -38,7 +38,7 @@ WORKLOADS = [
     ("logreg", "logreg", dict(epochs=20, batch_size=128), 8, "ms/epoch",
      "JAX jit(lax.scan) 8.5; whole-epoch CUDA-graph PyTorch 28.5; seed's CUDA best 17", "0.3-0.6 ms/epoch",
      ("<=", 0.7), True),
-    ("mlp:128x3", "mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
+    ("mlp:128x3", "mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), 8, "ms/run",
      "JAX 0.20 s; PyTorch whole-step graph 0.55 s; pure-CUDA 1.50 s (H200)", "~15 ms", ("<=", 25.0), True),
     ("mlp:1024x3", "mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
      "JAX 0.31 s; PyTorch graph 0.89 s; pure-CUDA 1.6 s (H200)", "~40 ms", ("<=", 60.0), True),
@@ -130,6 +130,38 @@ def profile_logreg(data, configs) -> list[dict]:
     return results
 
 
+MLP_PHASES = ["wait data", "layer 1", "layers 2..", "logits+softmax", "bwd last", "bwd NL..2", "bwd 1"]
+
+
+def profile_mlp(data) -> list[dict]:
+    from fasttrain.engines.cuda.fused import make_session
+
+    spec = parse_model("mlp:128x3")
+    cfg = default_config(spec, precision="fp16", steps=3750)
+    plan = schedule(cfg, data.n_train)
+    job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
+    session = make_session(job, _Opts(8), prof=True)
+    watch = Stopwatch(session.sync)
+    ms = []
+    for epoch in (1, 2):
+        t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
+                                                         plan.steps_per_epoch[epoch - 1]))
+        ms.append(t)
+    prof = session.profile()
+    session.close()
+    steps = plan.steps_per_epoch[1]
+    row = {"model": "mlp:128x3", "epoch_ms": ms,
+           "cycles_per_step": {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(MLP_PHASES)},
+           "producer_cycles_per_step": {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
+                                        "issue": (prof[:, 9] / steps).round(1).tolist()}}
+    print(f"profile mlp:128x3 rung 8: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({steps} steps)", flush=True)
+    for name, v in row["cycles_per_step"].items():
+        print(f"   {name:14s} cycles/step per CTA: {v}", flush=True)
+    for name, v in row["producer_cycles_per_step"].items():
+        print(f"   producer {name:10s}: {v}", flush=True)
+    return [row]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/record")
@@ -143,6 +175,7 @@ def main(argv=None) -> int:
         data = load_dataset("mnist", args.data_dir)
         res = profile_logreg(data, [dict(prof=True, cluster=7), dict(prof=True, cluster=4), dict(cluster=7, ablate=1),
                                     dict(cluster=7, ablate=2), dict(cluster=7, ablate=1, prof=True)])
+        res += profile_mlp(data)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
         return 0
@@ -159,7 +192,7 @@ def main(argv=None) -> int:
             continue
         spec = parse_model(model)
         for precision in ("fp16", "bf16") if key == "logreg" else ("fp16",):
-            for r in ((8, 7) if key == "logreg" else (rung,)):
+            for r in ((8, 7) if rung == 8 else (rung,)):
                 cfg = default_config(spec, precision=precision, **overrides)
                 t0 = time.perf_counter()
                 record, _ = run("cuda", spec, cfg, data, {"rung": r})

@@ -75,6 +75,8 @@ def main(argv=None) -> int:
     if args.only in (None, "rung8"):
         ok &= check(data, "logreg", 8, "fp16", 37, args.epochs, cluster=7)
         ok &= check(data, "logreg", 8, "bf16", 37, args.epochs, cluster=4)
+        ok &= check(data, "mlp:100x2", 8, "fp16", 37, args.epochs)
+        ok &= check(data, "mlp:128x3", 8, "bf16", 32, args.epochs)
     if args.only in (None, "rung7"):
         ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs)
         ok &= check(data, "logreg", 7, "bf16", 37, args.epochs)
