@@ -149,6 +149,8 @@ def check_parity(data, model, config, rung, **options):
     ref_record, ref_weights = reference(data, model, config)
     record, weights = engine_run("cuda", model, config, data, {"rung": rung, **options})
     err = weight_error(weights, ref_weights)
+    print(f"\nparity {data.name} {model} batch {config.batch_size} rung {rung} {options or ''}: weight error {err:.2e}, "
+          f"test acc {record.final['test_acc']:.4f} vs {ref_record.final['test_acc']:.4f}")
     assert err <= 1e-3, f"rung {rung} {model}: max|W - W_ref| / max|W_ref| = {err:.2e}"
     acc, ref_acc = record.final["test_acc"], ref_record.final["test_acc"]
     assert abs(acc - ref_acc) <= 0.001 + 1e-12, f"rung {rung} {model}: test acc {acc} vs reference {ref_acc}"
@@ -159,7 +161,12 @@ def check_parity(data, model, config, rung, **options):
 @pytest.mark.parametrize("rung", RUNGS)
 @pytest.mark.parametrize("model,batch", [("logreg", 128), ("mlp:100x2", 37)])
 def test_parity_one_epoch_mnist(mnist, rung, model, batch):
-    config = default_config(parse_model(model), epochs=1, steps=None, batch_size=batch, lr=0.1 if model == "logreg" else 0.05)
+    # lr: logreg the seed's 0.1; mlp the contract's 0.003. At lr 0.02..0.1 this MLP's fp32 run leaves
+    # the fp64 one by ~1e-2 within one epoch whatever the engine: NumPy fp32 itself lands at 1.2e-2
+    # (lr 0.02), and at lr 0.05/0.1 one ulp on the logits or p = e * (1/s) for e / s moves it between
+    # 1e-6 and 4e-2 (results/cuda/NOTES.md). At lr 0.003 NumPy fp32 sits at 8.7e-5 under all of those.
+    config = default_config(parse_model(model), epochs=1, steps=None, batch_size=batch,
+                            lr=0.1 if model == "logreg" else 0.003)
     record, _ = check_parity(mnist, model, config, rung)
     row = record.epochs[0]
     ref_row = reference(mnist, model, config)[0].epochs[0]

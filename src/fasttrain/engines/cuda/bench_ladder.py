@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import time
 from pathlib import Path
@@ -32,6 +33,8 @@ def main(argv=None) -> int:
     parser.add_argument("--peers", default="torch-fast,jax")
     parser.add_argument("--epochs", type=int, default=20)
     args = parser.parse_args(argv)
+    # JAX would otherwise take 75% of the GPU's memory at import, beside CuPy's and torch's pools
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
     from fasttrain.contract import default_config, parse_model
     from fasttrain.data import load_dataset

@@ -7,7 +7,8 @@ import re
 from pathlib import Path
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
-_EXTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(\w+)\s*\(')
+# extern "C" __global__ void [__cluster_dims__(..)] [__launch_bounds__(..)] name(
+_EXTERN = re.compile(r'extern\s+"C"\s+__global__\s+void\s+(?:__\w+__\s*\([^)]*\)\s*)*(\w+)\s*\(')
 
 
 def ladder_sources() -> list[Path]:
