@@ -41,7 +41,8 @@ MLP_CONFIGS = [
     dict(FT_C=7, FT_MT=3, FT_NL=2, FT_STAGES=2, FT_BF16=1),
     dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
 ]
-CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
+CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] \
+    + [("fused_logreg_v2.cu", {k: v for k, v in d.items() if k != "FT_XHB"}) for d in LOGREG_CONFIGS] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
     + [("fused_mlp_v1.cu", d) for d in MLP_CONFIGS]
 
 
@@ -94,8 +95,10 @@ def test_logreg_plan_fits_shared_memory():
                 continue
             assert plan["smem"] <= SMEM_LIMIT
             assert plan["smem"] == logreg_smem_bytes(cluster, plan["FT_KT"], plan["FT_MT"], plan["FT_STAGES"], plan["FT_XHB"])
+            v1 = logreg_plan(batch, cluster, version="fused_logreg_v1.cu")
+            assert v1["smem"] <= SMEM_LIMIT
             assert (cluster - 1) * plan["FT_KT"] < 49 <= cluster * plan["FT_KT"]
-    assert logreg_plan(128, 7)["FT_XHB"] == 2  # the main configuration double-buffers the activations
+    assert logreg_plan(128, 7, version="fused_logreg_v1.cu")["FT_XHB"] == 2
 
 
 def test_logreg_plan_rejects_what_it_cannot_run():

@@ -35,7 +35,7 @@ from fasttrain.errors import FasttrainError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
-LOGREG_VERSION = "fused_logreg_v1.cu"
+LOGREG_VERSION = "fused_logreg_v2.cu"
 MLP_VERSION = "fused_mlp_v1.cu"
 STEP_VERSION = "fused_step_v1.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
@@ -231,17 +231,28 @@ class _FusedBase(Session):
 # ---------------------------------------------------------------------------------------------
 
 
-def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int, xhb: int) -> int:
-    """Mirror of the shared-memory layout in fused_logreg_v1.cu (checked against the module's constant)."""
+def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int, xhb: int, version: str = LOGREG_VERSION) -> int:
+    """Mirror of the shared-memory layout of fused_logreg_v1/v2.cu (checked against the module's constant)."""
     r = lambda x: (x + 127) // 128 * 128  # noqa: E731
     bp, kf = mt * 16, kt * 16
     xs = kf + 8
-    size = 512 + r(stages * bp * kf) + r(stages * bp * 4) + r(xhb * bp * xs * 2) + r(16 * xs * 2)
-    size += r(bp * 24 * 2) + r(2 * cluster * bp * NUM_CLASSES * 4)
-    return size + 2 * 8 * 8
+    if version == "fused_logreg_v1.cu":
+        size = 512 + r(stages * bp * kf) + r(stages * bp * 4) + r(xhb * bp * xs * 2) + r(16 * xs * 2)
+        size += r(bp * 24 * 2) + r(2 * cluster * bp * NUM_CLASSES * 4)
+        return size + 2 * 8 * 8
+    rpc = -(-bp // cluster)
+    off = r(512 + stages * bp * kf)
+    off = r(off + stages * bp * 4)
+    off = r(off + 2 * bp * xs * 2)
+    off = r(off + 16 * xs * 2)
+    off = r(off + bp * 24 * 2)
+    off = r(off + bp * 12 * 4)
+    off = r(off + cluster * rpc * 12 * 4)
+    return off + 2 * 8 * 8
 
 
-def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: int | None = None) -> dict:
+def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: int | None = None,
+                version: str = LOGREG_VERSION) -> dict:
     """Kernel configuration for rung 8 logreg: k-tiles per CTA, ring depth and buffers that fit in shared memory."""
     ktiles = INPUT_DIM // 16  # 49
     if not 1 <= cluster <= 8:
@@ -252,9 +263,11 @@ def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: in
     mt = math.ceil(batch / 16)
     if mt > 12:  # beyond 192 rows the ring, the activations and the partial logits outgrow shared memory
         raise FasttrainError(f"rung 8 logreg supports batch sizes up to 192, got {batch}; use --rung 7")
+    if version != "fused_logreg_v1.cu":
+        xhb = 2   # v2 always double-buffers the activations (the next batch is converted during the exchange)
     choices = [(x, s) for x in ((xhb,) if xhb else (2, 1)) for s in ((stages,) if stages else (6, 5, 4, 3, 2))]
     for x, s in choices:
-        size = logreg_smem_bytes(cluster, kt, mt, s, x)
+        size = logreg_smem_bytes(cluster, kt, mt, s, x, version)
         if size <= SMEM_LIMIT:
             return {"FT_C": cluster, "FT_KT": kt, "FT_MT": mt, "FT_STAGES": s, "FT_XHB": x,
                     "FT_PW": 1 if kt <= 8 else 2, "smem": size}
@@ -275,8 +288,10 @@ class PersistentLogregSession(_FusedBase):
         import cupyx
 
         self.version = version
-        self.plan = logreg_plan(self.batch, cluster, stages, xhb)
+        self.plan = logreg_plan(self.batch, cluster, stages, xhb, version)
         defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
+        if version != "fused_logreg_v1.cu":
+            defines.pop("FT_XHB")
         defines["FT_BF16"] = int(job.config.precision == "bf16")
         if prof:
             defines["FT_PROF"] = 1
@@ -321,8 +336,9 @@ class PersistentLogregSession(_FusedBase):
                           step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
     def profile(self) -> np.ndarray:
-        """Cycles per phase of the last epoch: rows = CTAs; columns 0..5 consumer thread 0 (wait data,
-        convert, forward+push, wait partials, softmax, backward), 8..9 producer lane 0 (wait stage, issue)."""
+        """Cycles per phase of the last epoch: rows = CTAs; columns 0..7 consumer thread 0 (v1: wait data,
+        convert, forward+push, wait partials, softmax, backward; v2: -, forward+scatter, convert next, wait
+        partials, softmax+gather, wait g, backward), 8..9 producer lane 0 (wait stage, issue)."""
         self.stream.synchronize()
         return self.prof.get().reshape(-1, 16)
 

@@ -92,7 +92,8 @@ def time_variant(data, model, overrides, rung, precision, **tuning) -> dict:
             "environment": env}
 
 
-PHASES = ["wait data", "convert", "fwd+push", "wait partials", "softmax", "backward"]
+PHASES_V1 = ["wait data", "convert", "fwd+push", "wait partials", "softmax", "backward"]
+PHASES_V2 = ["loop", "fwd+scatter", "convert next", "wait partials", "softmax+gather", "wait g", "backward"]
 
 
 def profile_logreg(data, configs) -> list[dict]:
@@ -117,7 +118,8 @@ def profile_logreg(data, configs) -> list[dict]:
         row = {"tuning": tuning, "epoch_ms": ms}
         if prof is not None:
             steps = plan.steps_per_epoch[1]
-            row["cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(PHASES)}
+            names = PHASES_V1 if tuning.get("version") == "fused_logreg_v1.cu" else PHASES_V2
+            row["cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(names)}
             row["producer_cycles_per_step"] = {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
                                                "issue": (prof[:, 9] / steps).round(1).tolist()}
         results.append(row)
@@ -173,8 +175,9 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.profile:
         data = load_dataset("mnist", args.data_dir)
-        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(prof=True, cluster=4), dict(cluster=7, ablate=1),
-                                    dict(cluster=7, ablate=2), dict(cluster=7, ablate=1, prof=True)])
+        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(prof=True, cluster=4), dict(cluster=7),
+                                    dict(cluster=6), dict(cluster=5), dict(cluster=4),
+                                    dict(cluster=7, version="fused_logreg_v1.cu")])
         res += profile_mlp(data)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
@@ -215,8 +218,8 @@ def main(argv=None) -> int:
                       + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
                       flush=True)
         if key == "logreg" and not args.quick:
-            for cluster in (4, 5, 6, 7):
-                v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster)
+            for cluster, version in ((4, "v2"), (5, "v2"), (6, "v2"), (7, "v2"), (7, "v1")):
+                v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster, version=f"fused_logreg_{version}.cu")
                 variants.append(v)
                 print(f"  variant logreg rung 8 cluster {cluster}: {v['stats']['mean_second_half']:.3f} ms/epoch "
                       f"(p50 {v['stats']['p50']:.3f})", flush=True)
@@ -263,10 +266,12 @@ def render_md(rows, variants, device, stamp) -> str:
                      f"{row['rung']}, {row['precision']} | {met} | {dev} | {acc} |")
     if variants:
         lines += ["", "Rung-8 logreg variants (fp16, same stopwatch):", "",
-                  "| cluster | stages | ms/epoch (2nd half mean) | p20 | p50 | p80 | test acc |", "| --- | --- | --- | --- | --- | --- | --- |"]
+                  "| kernel | cluster | stages | ms/epoch (2nd half mean) | p20 | p50 | p80 | test acc |",
+                  "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for v in variants:
             st = v["stats"]
-            lines.append(f"| {v['tuning'].get('cluster')} | {v['environment'].get('stages')} | {st['mean_second_half']:.3f} | "
+            lines.append(f"| {v['environment'].get('fused_kernel')} | {v['tuning'].get('cluster')} | "
+                         f"{v['environment'].get('stages')} | {st['mean_second_half']:.3f} | "
                          f"{st['p20']:.3f} | {st['p50']:.3f} | {st['p80']:.3f} | {100 * v['test_acc']:.2f}% |")
     return "\n".join(lines) + "\n"
 
