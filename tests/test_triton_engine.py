@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
@@ -211,24 +210,21 @@ def test_prepare_holds_initial_weights_and_drop_last(small_data):
 # --- GPU, real MNIST ------------------------------------------------------------------------------
 
 
-@lru_cache(maxsize=None)
-def _reference(model, steps, epochs, batch, lr, data_id):
-    spec = parse_model(model)
-    cfg = default_config(spec, steps=steps, epochs=epochs, batch_size=batch, lr=lr)
-    return reference_run(model, cfg, _MNIST[data_id])
-
-
-_MNIST: dict = {}
+_REFERENCES: dict = {}
 
 
 def _ref(mnist, model, **config):
-    _MNIST[id(mnist)] = mnist
-    return _reference(model, config.get("steps"), config.get("epochs"), config["batch_size"], config["lr"], id(mnist))
+    """The float64 reference run for (model, config), computed once per session."""
+    key = (model, tuple(sorted(config.items())))
+    if key not in _REFERENCES:
+        _REFERENCES[key] = reference_run(model, default_config(parse_model(model), **config), mnist)
+    return _REFERENCES[key]
 
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,options", [
-    ("logreg", {}), ("logreg", {"programs": 1}), ("logreg", {"mode": "graph"}), ("logreg", {"fp32_dot": "tf32x3"}),
+    ("logreg", {}), ("logreg", {"warps": 8}), ("logreg", {"programs": 1}), ("logreg", {"mode": "graph"}),
+    ("logreg", {"fp32_dot": "tf32x3"}),
     ("logreg", {"mode": "graph", "fused": False}),
     ("mlp:128x3", {}), ("mlp:128x3", {"mode": "graph"}),
 ], ids=lambda v: str(v))

@@ -55,6 +55,21 @@ def block(n: int, lo: int = 16, hi: int = 64) -> int:
     return max(lo, min(hi, next_pow2(n)))
 
 
+def fill_grid(tiles_other: int, n: int, start: int = 64, lo: int = 16, target: int = 128) -> int:
+    """The widest power-of-two tile (<= start, >= lo) along ``n`` that still gives ``target``
+    programs: small-batch GEMMs are latency-bound, so more programs in flight beat wider tiles."""
+    edge = start
+    while edge > lo and tiles_other * -(-n // edge) < target:
+        edge //= 2
+    return edge
+
+
+def k_block(prec: str, k: int) -> int:
+    """Reduction chunk: wider for 2-byte operands and long reductions (fewer serial iterations,
+    more bytes in flight per iteration), never wider than the reduction itself."""
+    return min(128 if prec in ("fp16", "bf16") else 64, max(16, next_pow2(k)))
+
+
 @triton.jit
 def mm(a, b, acc, PREC: tl.constexpr):
     """acc + a @ b at the run's precision (fp32 accumulation in every case)."""

@@ -38,6 +38,7 @@ PERSISTENT_MAX_BATCH_MLP = 64
 PERSISTENT_MAX_BATCH_LOGREG = 256
 AUTO_MLP_WIDTH = 128  # auto picks persistent for MLPs up to this width (see results/triton/)
 DEFAULT_PROGRAMS = 49  # logreg: 49 programs x 16 features
+DEFAULT_WARPS = 4
 EVAL_CHUNK = 2048
 
 
@@ -51,6 +52,8 @@ class TritonOptions:
     fp32_dot: str = option("ieee", "fp32 matrix products: ieee (exact fp32), tf32x3 (tensor cores, ~fp32 accuracy), "
                            "tf32 (tensor cores, 10-bit mantissa)", choices=("ieee", "tf32x3", "tf32"))
     fused: bool = option(True, "fused kernels (graph/eager modes); --no-fused runs the unfused version-1 kernels")
+    warps: int = option(0, f"warps per program of the persistent kernels (0 = auto: {DEFAULT_WARPS} for logreg, "
+                        "4 or 8 for MLPs by width)", choices=(0, 1, 2, 4, 8, 16))
 
 
 def _interpreting() -> bool:
@@ -129,6 +132,7 @@ class TritonSession(Session):
         self.spec, self.config, self.job = spec, cfg, job
         self.prec = options.fp32_dot if cfg.precision == "fp32" else cfg.precision
         self.fused = options.fused
+        self.warps = options.warps
         self.lr = float(cfg.lr)
         self.batch = cfg.batch_size
         self.n_train = data.n_train
@@ -239,11 +243,11 @@ class TritonSession(Session):
                 self.bar.zero_()
                 (w, b), = self.layers
                 logreg_epoch(self.x, self.y, self.idx, w, b, self.loss, self.correct, programs=self.programs,
-                             zbuf=self.zbuf, bar=self.bar, **common)
+                             zbuf=self.zbuf, bar=self.bar, num_warps=self.warps or DEFAULT_WARPS, **common)
             else:
                 (w1, b1), (wl, bl) = self.layers[0], self.layers[-1]
                 mlp_epoch(self.x, self.y, self.idx, w1, b1, self.wm, self.bm, wl, bl, self.pact, self.pdbuf,
-                          self.loss, self.correct, **common)
+                          self.loss, self.correct, num_warps=self.warps, **common)
             return
         self.loss.zero_()
         self.correct.zero_()
@@ -352,6 +356,9 @@ class TritonSession(Session):
         }
         if self.mode == "persistent" and self.spec.is_logreg:
             env["programs"] = self.programs
+            env["warps"] = self.warps or DEFAULT_WARPS
+        elif self.mode == "persistent":
+            env["warps"] = self.warps or "auto"
         return env
 
     def close(self) -> None:

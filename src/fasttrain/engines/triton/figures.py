@@ -29,17 +29,24 @@ MLP = dict(steps=5000, batch_size=32, lr=0.003)
 
 PLAN = [
     # (label, engine, model, config, precision, options)
-    ("persistent, 49 programs", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 49}),
-    ("persistent, 25 programs", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 25}),
-    ("persistent, 13 programs", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 13}),
+    ("persistent, 49 programs x 4 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 49,
+                                                                            "warps": 4}),
+    ("persistent, 49 programs x 8 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 49,
+                                                                            "warps": 8}),
+    ("persistent, 25 programs x 8 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 25,
+                                                                            "warps": 8}),
     ("persistent, 1 program", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 1}),
-    ("persistent, 49 programs, tf32x3", "triton", "logreg", LOGREG, "fp32",
-     {"mode": "persistent", "programs": 49, "fp32_dot": "tf32x3"}),
-    ("persistent, 49 programs", "triton", "logreg", LOGREG, "fp16", {"mode": "persistent", "programs": 49}),
+    ("persistent, 49 x 8, tf32x3", "triton", "logreg", LOGREG, "fp32",
+     {"mode": "persistent", "programs": 49, "warps": 8, "fp32_dot": "tf32x3"}),
+    ("persistent, 49 x 8, tf32", "triton", "logreg", LOGREG, "fp32",
+     {"mode": "persistent", "programs": 49, "warps": 8, "fp32_dot": "tf32"}),
+    ("persistent, 49 x 8", "triton", "logreg", LOGREG, "fp16", {"mode": "persistent", "programs": 49, "warps": 8}),
+    ("persistent, 49 x 8", "triton", "logreg", LOGREG, "bf16", {"mode": "persistent", "programs": 49, "warps": 8}),
     ("graph", "triton", "logreg", LOGREG, "fp32", {"mode": "graph"}),
     ("graph, unfused", "triton", "logreg", LOGREG, "fp32", {"mode": "graph", "fused": False}),
     ("eager", "triton", "logreg", LOGREG, "fp32", {"mode": "eager"}),
     ("persistent", "triton", "mlp:128x3", MLP, "fp16", {"mode": "persistent"}),
+    ("persistent, 8 warps", "triton", "mlp:128x3", MLP, "fp16", {"mode": "persistent", "warps": 8}),
     ("graph", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph"}),
     ("graph, unfused", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph", "fused": False}),
     ("eager", "triton", "mlp:128x3", MLP, "fp16", {"mode": "eager"}),
@@ -52,13 +59,14 @@ PLAN = [
     ("graph, unfused", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "fused": False}),
 ]
 
-COMPARE = {  # other engines on the same configs, their own defaults (whatever is registered and available)
-    "jax": [("logreg", LOGREG, "fp32"), ("mlp:128x3", MLP, "fp16"), ("mlp:1024x3", MLP, "fp16"),
-            ("mlp:8192x3", MLP, "fp16")],
-    "cuda": [("logreg", LOGREG, "fp32"), ("mlp:128x3", MLP, "fp16"), ("mlp:1024x3", MLP, "fp16"),
-             ("mlp:8192x3", MLP, "fp16")],
-    "torch-fast": [("logreg", LOGREG, "fp32"), ("mlp:128x3", MLP, "fp16"), ("mlp:1024x3", MLP, "fp16"),
-                   ("mlp:8192x3", MLP, "fp16")],
+COMPARE = {  # other engines on the same configs in the same process (whatever is registered and available)
+    "jax": [("logreg", LOGREG, "fp32", {}), ("mlp:128x3", MLP, "fp16", {}), ("mlp:1024x3", MLP, "fp16", {}),
+            ("mlp:8192x3", MLP, "fp16", {})],
+    "cuda": [("logreg", LOGREG, "fp32", {"rung": 6}), ("logreg", LOGREG, "fp32", {"rung": 8}),
+             ("mlp:128x3", MLP, "fp16", {"rung": 8}), ("mlp:1024x3", MLP, "fp16", {"rung": 8}),
+             ("mlp:8192x3", MLP, "fp16", {"rung": 8})],
+    "torch-fast": [("logreg", LOGREG, "fp32", {}), ("mlp:128x3", MLP, "fp16", {}), ("mlp:1024x3", MLP, "fp16", {}),
+                   ("mlp:8192x3", MLP, "fp16", {})],
 }
 
 
@@ -145,8 +153,8 @@ def main(argv=None) -> None:
             "date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "torch": torch.__version__}
     plan = [p for p in PLAN if not only or p[2] in only]
     for engine in [e for e in args.compare.split(",") if e]:
-        plan += [(f"{engine} defaults", engine, model, cfg, prec, {}) for model, cfg, prec in COMPARE.get(engine, [])
-                 if not only or model in only]
+        plan += [(f"{engine} {' '.join(f'--{k} {v}' for k, v in opts.items()) or 'defaults'}", engine, model, cfg,
+                  prec, opts) for model, cfg, prec, opts in COMPARE.get(engine, []) if not only or model in only]
     rows, records, kernels = [], [], []
     began = time.perf_counter()
 

@@ -27,7 +27,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fasttrain.engines.triton.common import batch_rows, block, load_rows_t, mm
+from fasttrain.engines.triton.common import batch_rows, block, fill_grid, k_block, load_rows_t, mm
 
 # --- input gradient with the ReLU derivative fused --------------------------------------------
 
@@ -124,7 +124,9 @@ def grad_input(d, w, h, out, *, m=None, m_max=None, prec="ieee"):
     """``out[:m] = (d[:m] @ w.T) * (h[:m] > 0)`` (blocks follow ``m_max``, as in ``linear``)."""
     m = d.shape[0] if m is None else m
     k, n = w.shape
-    bm, bk, bn = block(m_max or m, 16, 64), 64, block(n, 16, 64)
+    bm = block(m_max or m, 16, 64)
+    bk = fill_grid(triton.cdiv(m_max or m, bm), k)  # output columns per program
+    bn = min(k_block(prec, n), max(16, 4096 // bk))  # reduction chunk; W.T tile <= 4096 elements (no spills)
     grad_input_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](d, w, h, out, m, k, n, PREC=prec,
                                                                 BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
 

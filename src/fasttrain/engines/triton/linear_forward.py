@@ -24,7 +24,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fasttrain.engines.triton.common import batch_rows, block, load_rows, mm, softmax_xent_tile
+from fasttrain.engines.triton.common import batch_rows, block, fill_grid, k_block, load_rows, mm, softmax_xent_tile
 
 # --- version 1: GEMM, then bias + ReLU --------------------------------------------------------
 
@@ -131,7 +131,9 @@ def linear(x, w, b, out, *, idx=None, start=0, m=None, m_max=None, relu=True, pr
     k, n = w.shape
     idx_arg, gather = _src(x, idx)
     u8 = x.dtype.is_floating_point is False
-    bm, bn, bk = block(m_max or m, 16, 64), block(n, 16, 64), 32
+    bm = block(m_max or m, 16, 64)
+    bn = fill_grid(triton.cdiv(m_max or m, bm), n, start=block(n, 16, 64))
+    bk = k_block(prec, k)
     grid = (triton.cdiv(m, bm), triton.cdiv(n, bn))
     if version == 1:
         matmul_kernel[grid](x, idx_arg, w, out, start, m, k, n, x.stride(0), GATHER=gather, U8=u8, PREC=prec,
@@ -158,11 +160,11 @@ def linear_xent(x, w, b, y, d, loss, correct, *, idx=None, gather_x=None, start=
     gather_x = gather_y if gather_x is None else gather_x
     u8 = x.dtype.is_floating_point is False
     bn = block(n, 16, 16 if n <= 16 else 256)
-    bm = block_m or block(m_max or m, 16, 32)
+    bm = block_m or block(m_max or m, 16, 16)  # one program per 16 rows: the reduction over K is serial
     linear_xent_kernel[(triton.cdiv(m, bm),)](
         x, idx_arg, y, w, b, d, loss, correct, start, m, step, 1.0 / m, k, n, x.stride(0),
         GATHER=gather_x, GATHER_Y=gather_y, U8=u8, WRITE_GRAD=write_grad, PREC=prec, BLOCK_M=bm, BLOCK_N=bn,
-        BLOCK_K=64)
+        BLOCK_K=max(128, k_block(prec, k)) if k >= 128 else k_block(prec, k))
 
 
 # --- correctness check and benchmark ----------------------------------------------------------

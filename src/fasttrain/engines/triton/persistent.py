@@ -118,19 +118,23 @@ def logreg_split_kernel(x_ptr, y_ptr, idx_ptr, w_ptr, b_ptr, zbuf_ptr, bar_ptr, 
     w = tl.load(w_ptrs, mask=wmask, other=0.0)  # this program's W slice, in registers all epoch
     bias = tl.load(b_ptr + cols, mask=cmask, other=0.0)  # identical copy in every program
     tile = rows[:, None] * BLOCK_C + cols[None, :]
-    # step 0's batch; later batches are prefetched one step ahead
+    # step 0's batch and step 1's indices; in the loop, step s issues the pixel and label loads of
+    # step s+1 (whose indices arrived a step earlier) and the index load of step s+2, so no load
+    # waits on another inside a step and all of them complete while the step computes and waits
     m = tl.minimum(B, n_rows)
     rmask = rows < m
     src = tl.load(idx_ptr + rows, mask=rmask, other=0)
     labels = tl.load(y_ptr + src, mask=rmask, other=0)
     x = load_rows(x_ptr, src, rmask, k, kmask, K, True)
+    m1 = tl.minimum(B, n_rows - B)
+    mask1 = (rows < m1) & (1 < steps)
+    src1 = tl.load(idx_ptr + B + rows, mask=mask1, other=0)
     for s in range(steps):
-        nstart = (s + 1) * B
-        nm = tl.minimum(B, n_rows - nstart)
-        nmask = (rows < nm) & (s + 1 < steps)
-        nsrc = tl.load(idx_ptr + nstart + rows, mask=nmask, other=0)
-        nlabels = tl.load(y_ptr + nsrc, mask=nmask, other=0)
-        nx = load_rows(x_ptr, nsrc, nmask, k, kmask, K, True)
+        nlabels = tl.load(y_ptr + src1, mask=mask1, other=0)
+        nx = load_rows(x_ptr, src1, mask1, k, kmask, K, True)
+        m2 = tl.minimum(B, n_rows - (s + 2) * B)
+        mask2 = (rows < m2) & (s + 2 < steps)
+        src2 = tl.load(idx_ptr + (s + 2) * B + rows, mask=mask2, other=0)
         # partial logits of this slice: z += x[:, slice] @ W[slice, :]
         part = mm(x, w, tl.zeros((BLOCK_B, BLOCK_C), tl.float32), PREC)
         buf = zbuf_ptr + (s % 3) * (BLOCK_B * BLOCK_C)
@@ -146,7 +150,8 @@ def logreg_split_kernel(x_ptr, y_ptr, idx_ptr, w_ptr, b_ptr, zbuf_ptr, bar_ptr, 
         tl.store(correct_ptr + s, tl.sum(correct.to(tl.int32), axis=0), mask=pid == 0)
         bias -= lr * tl.sum(d, axis=0)
         w -= lr * mm(tl.trans(x), d, tl.zeros((BLOCK_K, BLOCK_C), tl.float32), PREC)  # W_slice -= lr * x.T @ d
-        x, labels, m, rmask = nx, nlabels, nm, nmask
+        x, labels, m, rmask = nx, nlabels, m1, mask1
+        src1, m1, mask1 = src2, m2, mask2
     tl.store(w_ptrs, w, mask=wmask)
     tl.store(b_ptr + cols, bias, mask=cmask & (pid == 0))
 
@@ -218,9 +223,9 @@ def mlp_epoch_kernel(x_ptr, y_ptr, idx_ptr, w1_ptr, b1_ptr, wm_ptr, bm_ptr, wl_p
         w_last = tl.load(wl_ptrs, mask=wl_mask, other=0.0)
         dh = mm(d, tl.trans(w_last), tl.zeros((BLOCK_B, BLOCK_H), tl.float32), PREC)
         d_cur = tl.where(h_top > 0, dh, 0.0)
-        gw = mm(tl.trans(h_top), d, tl.zeros((BLOCK_H, BLOCK_C), tl.float32), PREC)
+        gw_last = mm(tl.trans(h_top), d, tl.zeros((BLOCK_H, BLOCK_C), tl.float32), PREC)
         tl.debug_barrier()
-        tl.store(wl_ptrs, w_last - lr * gw, mask=wl_mask)
+        tl.store(wl_ptrs, w_last - lr * gw_last, mask=wl_mask)
         tl.store(bl_ptr + cc, bl - lr * tl.sum(d, axis=0), mask=cmask)
         # backward, middle layers in reverse: per chunk of Wm[l]'s rows, read it once for the input
         # gradient (old weights) and write it updated
@@ -231,15 +236,15 @@ def mlp_epoch_kernel(x_ptr, y_ptr, idx_ptr, w1_ptr, b1_ptr, wm_ptr, bm_ptr, wl_p
             for k0 in range(0, BLOCK_H, BLOCK_KH):
                 k = k0 + tl.arange(0, BLOCK_KH)
                 kmask = k < H
-                w_ptrs = wm_ptr + l * H * H + k[:, None] * H + hc[None, :]
-                wmask = kmask[:, None] & hmask[None, :]
-                w = tl.load(w_ptrs, mask=wmask, other=0.0)
-                a = tl.load(act_ptr + l * HB + rows[:, None] * BLOCK_H + k[None, :])
-                dp = mm(d_cur, tl.trans(w), tl.zeros((BLOCK_B, BLOCK_KH), tl.float32), PREC)  # d @ Wm[l].T
-                tl.store(out + rows[:, None] * BLOCK_H + k[None, :], tl.where(a > 0, dp, 0.0))
-                gw = mm(tl.trans(a), d_cur, tl.zeros((BLOCK_KH, BLOCK_H), tl.float32), PREC)  # h.T @ d
+                wm_ptrs = wm_ptr + l * H * H + k[:, None] * H + hc[None, :]
+                wm_mask = kmask[:, None] & hmask[None, :]
+                w_mid = tl.load(wm_ptrs, mask=wm_mask, other=0.0)
+                h_in = tl.load(act_ptr + l * HB + rows[:, None] * BLOCK_H + k[None, :])
+                dp = mm(d_cur, tl.trans(w_mid), tl.zeros((BLOCK_B, BLOCK_KH), tl.float32), PREC)  # d @ Wm[l].T
+                tl.store(out + rows[:, None] * BLOCK_H + k[None, :], tl.where(h_in > 0, dp, 0.0))
+                gw_mid = mm(tl.trans(h_in), d_cur, tl.zeros((BLOCK_KH, BLOCK_H), tl.float32), PREC)  # h.T @ d
                 tl.debug_barrier()
-                tl.store(w_ptrs, w - lr * gw, mask=wmask)
+                tl.store(wm_ptrs, w_mid - lr * gw_mid, mask=wm_mask)
             tl.store(bm_ptr + l * H + hc, bm - lr * tl.sum(d_cur, axis=0), mask=hmask)
             tl.debug_barrier()
             d_cur = tl.load(out + tile)
@@ -249,12 +254,12 @@ def mlp_epoch_kernel(x_ptr, y_ptr, idx_ptr, w1_ptr, b1_ptr, wm_ptr, bm_ptr, wl_p
             k = k0 + tl.arange(0, BLOCK_K)
             kmask = k < K
             xt = load_rows_t(x_ptr, src, rmask, k, kmask, K, True)
-            w_ptrs = w1_ptr + k[:, None] * H + hc[None, :]
-            wmask = kmask[:, None] & hmask[None, :]
-            w = tl.load(w_ptrs, mask=wmask, other=0.0)
-            gw = mm(xt, d_cur, tl.zeros((BLOCK_K, BLOCK_H), tl.float32), PREC)
+            w1_ptrs = w1_ptr + k[:, None] * H + hc[None, :]
+            w1_mask = kmask[:, None] & hmask[None, :]
+            w_first = tl.load(w1_ptrs, mask=w1_mask, other=0.0)
+            gw_first = mm(xt, d_cur, tl.zeros((BLOCK_K, BLOCK_H), tl.float32), PREC)
             tl.debug_barrier()
-            tl.store(w_ptrs, w - lr * gw, mask=wmask)
+            tl.store(w1_ptrs, w_first - lr * gw_first, mask=w1_mask)
         tl.store(b1_ptr + hc, b1 - lr * tl.sum(d_cur, axis=0), mask=hmask)
         tl.debug_barrier()
 
@@ -292,7 +297,7 @@ def mlp_block(hidden: int) -> int:
 
 
 def mlp_epoch(x, y, idx, w1, b1, wm, bm, wl, bl, act, dbuf, loss, correct, *, n_rows, batch, steps, lr,
-              prec="ieee"):
+              prec="ieee", num_warps=0):
     """Run ``steps`` SGD steps of an MLP (hidden width H <= 256, all hidden layers equal) in one launch.
 
     ``wm``/``bm``: the NH-1 middle layers stacked (NH-1, H, H) / (NH-1, H) (any tensor when NH = 1);
@@ -303,7 +308,7 @@ def mlp_epoch(x, y, idx, w1, b1, wm, bm, wl, bl, act, dbuf, loss, correct, *, n_
     mlp_epoch_kernel[(1,)](x, y, idx, w1, b1, wm, bm, wl, bl, act, dbuf, loss, correct, n_rows, batch, steps, lr,
                            K=INPUT_DIM, H=hidden, NH=n_hidden, C=NUM_CLASSES, PREC=prec, BLOCK_B=block_b,
                            BLOCK_H=block_h, BLOCK_K=64 if block_h <= 128 else 32, BLOCK_KH=32, BLOCK_C=16,
-                           num_warps=4 if block_h <= 128 else 8)
+                           num_warps=num_warps or (4 if block_h <= 128 else 8))
 
 
 # --- correctness check and benchmark ----------------------------------------------------------
@@ -397,15 +402,16 @@ def bench(steps: int = 469, prec: str = "ieee") -> list[dict]:
     b = torch.tensor(b0, dtype=torch.float32, device="cuda")
     zbuf = torch.zeros(3 * 128 * 16, device="cuda")
     bar = torch.zeros(1, dtype=torch.int32, device="cuda")
-    for programs in (1, 13, 25, 49):
+    for programs, warps in ((1, 4), (13, 4), (25, 4), (25, 8), (49, 4), (49, 8)):
         def run():
             zbuf.zero_()
             bar.zero_()
             logreg_epoch(x, y, idx, w, b, loss, correct, n_rows=n, batch=128, steps=steps, lr=1e-6, prec=prec,
-                         programs=programs, zbuf=zbuf, bar=bar)
+                         programs=programs, zbuf=zbuf, bar=bar, num_warps=warps)
         ms = do_bench(run, warmup=50, rep=300, return_mode="median")
-        rows.append({"kernel": f"logreg epoch v{1 if programs == 1 else 2}", "programs": split_programs(programs)[0]
-                     if programs > 1 else 1, "steps": steps, "prec": prec, "ms": ms, "us_per_step": ms * 1e3 / steps})
+        rows.append({"kernel": f"logreg epoch v{1 if programs == 1 else 2}, {warps} warps",
+                     "programs": split_programs(programs)[0] if programs > 1 else 1, "steps": steps, "prec": prec,
+                     "ms": ms, "us_per_step": ms * 1e3 / steps})
     return rows
 
 
