@@ -28,25 +28,28 @@ from fasttrain.data import load_dataset  # noqa: E402
 from fasttrain.environment import environment, machine_slug  # noqa: E402
 from fasttrain.training import atomic_write_text, run  # noqa: E402
 
-OFF = {"compile": "off", "cuda_graph": "off", "fused_sgd": False}
+OFF = {"step": "autograd", "compile": "off", "cuda_graph": "off", "fused_sgd": False}
+AUTOGRAD = {"step": "autograd"}
 
 # (label, engine, options, precision): the seed study's rungs one at a time, then the best settings.
 LOGREG_ROWS = [
     ("tutorial DataLoader", "torch-eager", {}, "fp32"),
     ("host-fed batches, pinned memory", "torch-fast", {**OFF, "preload": False, "pin_memory": True}, "fp32"),
     ("preload", "torch-fast", OFF, "fp32"),
-    ("preload + AMP fp16", "torch-fast", OFF, "fp16"),
+    ("preload + AMP", "torch-fast", OFF, "fp16"),
     ("preload + AMP + compile", "torch-fast", {**OFF, "compile": "default"}, "fp16"),
     ("preload + AMP + compile + fused SGD", "torch-fast", {**OFF, "compile": "default", "fused_sgd": True}, "fp16"),
-    ("... + CUDA graph per step", "torch-fast", {"compile": "default", "cuda_graph": "step", "fused_sgd": True}, "fp16"),
-    ("... + CUDA graph per epoch", "torch-fast", {"compile": "default", "cuda_graph": "epoch", "fused_sgd": True}, "fp16"),
-    ("CUDA graph per epoch, no compile", "torch-fast", {"compile": "off"}, "fp32"),
+    ("... + CUDA graph per step", "torch-fast", {**AUTOGRAD, "cuda_graph": "step"}, "fp16"),
+    ("... + CUDA graph per epoch", "torch-fast", AUTOGRAD, "fp16"),
+    ("... + whole step compiled (--step func): all on", "torch-fast", {}, "fp16"),
+    ("autograd, compile, fused SGD, CUDA graph per epoch", "torch-fast", AUTOGRAD, "fp32"),
     ("all on (default)", "torch-fast", {}, "fp32"),
     ("all on (default)", "torch-fast", {}, "bf16"),
-    ("jit(lax.scan)", "jax", {}, "fp32"),
-    ("jit(lax.scan), unroll 4", "jax", {"unroll": 4}, "fp32"),
+    ("jit(lax.scan) (default)", "jax", {}, "fp32"),
+    ("jit(lax.scan), unroll 1", "jax", {"unroll": 1}, "fp32"),
     ("jit(lax.scan), unroll 16", "jax", {"unroll": 16}, "fp32"),
-    ("jit(lax.scan)", "jax", {}, "bf16"),
+    ("jit(lax.scan) (default)", "jax", {}, "bf16"),
+    ("jit(lax.scan) (default)", "jax", {}, "fp16"),
 ]
 
 MLP_WIDTHS = (128, 1024, 8192)
@@ -59,10 +62,11 @@ def mlp_rows():
     for width in MLP_WIDTHS:
         model = f"mlp:{width}x3"
         rows += [
+            ("jit(lax.scan) (default)", "jax", {}, "fp16", model),
+            ("jit(lax.scan), unroll 1", "jax", {"unroll": 1}, "fp16", model),
             ("eager", "torch-eager", {}, "fp16", model),
+            ("autograd, compile, fused SGD, CUDA graph", "torch-fast", AUTOGRAD, "fp16", model),
             ("all on (default)", "torch-fast", {}, "fp16", model),
-            ("jit(lax.scan)", "jax", {}, "fp16", model),
-            ("jit(lax.scan), unroll 4", "jax", {"unroll": 4}, "fp16", model),
         ]
     return rows
 
@@ -95,6 +99,7 @@ def main(argv=None) -> int:
     parser.add_argument("--deadline", type=float, default=0, help="skip rows that start after this many seconds")
     parser.add_argument("--only", default="", help="comma-separated engines to run (default: all)")
     parser.add_argument("--widths", default="", help="mlp widths to run, e.g. 128,1024 (default: all three)")
+    parser.add_argument("--skip", default="", help="comma-separated row numbers (1-based) to leave out")
     args = parser.parse_args(argv)
 
     out = Path(args.out)
@@ -109,6 +114,9 @@ def main(argv=None) -> int:
         if args.widths:
             keep = {f"mlp:{w}x3" for w in args.widths.split(",")}
             rows = [r for r in rows if r[4] in keep]
+    if args.skip:
+        skip = {int(i) for i in args.skip.split(",")}
+        rows = [r for i, r in enumerate(rows, start=1) if i not in skip]
     if args.only:
         rows = [r for r in rows if r[1] in args.only.split(",")]
 

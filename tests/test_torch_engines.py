@@ -23,7 +23,7 @@ from fasttrain.training import run
 
 torch = pytest.importorskip("torch")
 
-CPU_FAST = {"device": "cpu"}  # defaults resolve to: preload, no compile, no graphs, fused SGD
+CPU_FAST = {"device": "cpu"}  # defaults resolve to: preload, --step func, no compile, no graphs
 
 
 def _parity(engine, model, data, options, **config):
@@ -44,9 +44,10 @@ def _parity(engine, model, data, options, **config):
         ("torch-eager", {"device": "cpu"}),
         ("torch-fast", CPU_FAST),
         ("torch-fast", {**CPU_FAST, "preload": False}),
-        ("torch-fast", {**CPU_FAST, "fused_sgd": False}),
+        ("torch-fast", {**CPU_FAST, "step": "autograd"}),
+        ("torch-fast", {**CPU_FAST, "step": "autograd", "fused_sgd": False}),
     ],
-    ids=["eager", "fast-preload-fused", "fast-host-fed", "fast-foreach-sgd"],
+    ids=["eager", "fast-func", "fast-func-host-fed", "fast-autograd-fused", "fast-autograd-foreach"],
 )
 def test_fp32_one_epoch_matches_reference(tiny_data, engine, options, model):
     record, ref, err = _parity(engine, model, tiny_data, options, epochs=1, batch_size=37, lr=0.05)
@@ -82,6 +83,36 @@ def test_mixed_precision_tracks_reference_on_cpu(tiny_data, engine, precision):
                                lr=0.05, precision=precision)
     assert loss_deviation(record, ref) <= 0.02
     assert 0 < err < 0.05  # half-precision GEMMs: close to the reference, but not equal to it
+
+
+@pytest.mark.parametrize("precision", ["fp16", "bf16"])
+def test_func_step_computes_what_autocast_computes(tiny_data, precision):
+    # Half weight copies refreshed by the update hold half(W32), which autocast recomputes each step;
+    # only the GEMM kernels may differ (rounding of fp16 sums), far below the 2% loss tolerance.
+    spec = parse_model("mlp:100x2")
+    cfg = default_config(spec, epochs=2, batch_size=37, lr=0.05, precision=precision)
+    _, w_func = run("torch-fast", spec, cfg, tiny_data, {**CPU_FAST, "step": "func"})
+    _, w_autograd = run("torch-fast", spec, cfg, tiny_data, {**CPU_FAST, "step": "autograd"})
+    assert weight_error(w_func, [(w.astype(np.float64), b.astype(np.float64)) for w, b in w_autograd]) <= 1e-4
+
+
+def test_func_loss_scaling_skips_overflowing_steps_like_grad_scaler(tiny_data, monkeypatch):
+    # Start at a scale of 2**40: scaled gradients overflow fp16, so steps are skipped and the scale
+    # halved until they fit, then training proceeds. GradScaler and the func step must agree on which.
+    import fasttrain.engines.torch.fast as fast
+
+    monkeypatch.setattr(fast, "FP16_INIT_SCALE", 2.0**40)
+    spec = parse_model("mlp:100x2")
+    cfg = default_config(spec, epochs=2, batch_size=37, lr=0.05, precision="fp16")
+    rec_func, w_func = run("torch-fast", spec, cfg, tiny_data, {**CPU_FAST, "step": "func"})
+    _, w_autograd = run("torch-fast", spec, cfg, tiny_data, {**CPU_FAST, "step": "autograd"})
+    init = initial_weights(spec, cfg.seed)
+    assert weight_error(w_func, [(w.astype(np.float64), b.astype(np.float64)) for w, b in w_autograd]) <= 1e-4
+    assert weight_error(w_func, init) > 1e-3  # the later steps did train
+    monkeypatch.setattr(fast, "FP16_INIT_SCALE", 2.0**10)
+    _, w_normal = run("torch-fast", spec, cfg, tiny_data, {**CPU_FAST, "step": "func"})
+    assert weight_error(w_func, w_normal) > 1e-3  # ... but fewer of them than without overflow
+    assert all(np.isfinite(loss) for loss in (row["train_loss"] for row in rec_func.epochs))
 
 
 # --- setup rules ---------------------------------------------------------------------------------
@@ -178,7 +209,8 @@ def test_compile_happens_in_setup_not_in_epochs(tiny_data):
 # --- GPU (device machine) ------------------------------------------------------------------------
 
 GPU_FAST_RUNGS = [
-    {},  # the defaults: preload, compile, whole-epoch CUDA graph, fused SGD
+    {},  # the defaults: preload, --step func, compile, whole-epoch CUDA graph
+    {"step": "autograd"},  # preload, compile, whole-epoch CUDA graph, fused SGD, GradScaler
     {"compile": "off", "cuda_graph": "step"},
     {"compile": "off", "cuda_graph": "off", "preload": False, "pin_memory": True},
 ]
@@ -187,7 +219,7 @@ GPU_FAST_RUNGS = [
 @pytest.mark.gpu
 @pytest.mark.parametrize("model", ["logreg", "mlp:100x3"])
 @pytest.mark.parametrize("engine,options", [("torch-eager", {})] + [("torch-fast", o) for o in GPU_FAST_RUNGS],
-                         ids=["eager", "fast-default", "fast-step-graph", "fast-pinned"])
+                         ids=["eager", "fast-default", "fast-autograd", "fast-step-graph", "fast-pinned"])
 def test_gpu_fp32_parity_tf32_off(tiny_data, engine, options, model):
     record, ref, err = _parity(engine, model, tiny_data, {"device": "cuda", **options}, epochs=2, batch_size=37,
                                lr=0.05)
@@ -237,7 +269,8 @@ AMP_CASES = [
 @pytest.mark.gpu
 @pytest.mark.mnist
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
-@pytest.mark.parametrize("engine,options", [("torch-eager", {}), ("torch-fast", {})], ids=["eager", "fast-default"])
+@pytest.mark.parametrize("engine,options", [("torch-eager", {}), ("torch-fast", {}), ("torch-fast", {"step": "autograd"})],
+                         ids=["eager", "fast-default", "fast-autograd"])
 @pytest.mark.parametrize("model,config", AMP_CASES, ids=[m for m, _ in AMP_CASES])
 def test_gpu_mixed_precision_on_mnist(mnist, mnist_references, engine, options, precision, model, config):
     ref = mnist_references(model, **config)

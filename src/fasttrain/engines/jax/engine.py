@@ -11,7 +11,7 @@ from fasttrain.engines.base import Engine, Job, Session, option
 @dataclass(frozen=True)
 class JaxOptions:
     device: str = option("auto", "gpu or cpu (auto: JAX's default backend)", choices=("auto", "gpu", "cpu"))
-    unroll: int = option(1, "lax.scan unroll factor: steps per loop iteration of the compiled epoch")
+    unroll: int = option(8, "lax.scan unroll factor: steps per loop iteration of the compiled epoch")
 
 
 class JaxEngine(Engine):

@@ -33,7 +33,10 @@ class TorchFastOptions:
     cuda_graph: str = option("auto", "capture and replay one step per batch or a whole epoch "
                              "(auto: epoch on CUDA with --preload)",
                              choices=("auto", "off", "step", "epoch"), flag_value="epoch")
-    fused_sgd: bool = option(True, "torch.optim.SGD(fused=True): one kernel updates every parameter")
+    fused_sgd: bool = option(True, "torch.optim.SGD(fused=True): one kernel updates every parameter (--step autograd)")
+    step: str = option("auto", "autograd: loss.backward() + optim.SGD + GradScaler; func: torch.func.grad and the "
+                       "update in one compiled function, half weight copies refreshed by the update (auto: func)",
+                       choices=("auto", "autograd", "func"))
     device: str = option("auto", "cuda or cpu (auto: cuda when torch sees a GPU)", choices=DEVICES)
 
 
@@ -55,7 +58,8 @@ class TorchEagerEngine(Engine):
 
 class TorchFastEngine(Engine):
     name = "torch-fast"
-    description = "PyTorch with each seed optimization as a flag: preload, pinned memory, AMP, compile, CUDA graphs, fused SGD"
+    description = ("PyTorch with each seed optimization as a flag: preload, pinned memory, AMP, compile, CUDA graphs, "
+                   "fused SGD, whole-step compile")
     Options = TorchFastOptions
     precisions = ("fp32", "fp64", "fp16", "bf16")
 
