@@ -257,15 +257,24 @@ def test_prepare_holds_the_initial_weights(tiny_data, rung):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("rung", RUNGS)
-def test_cli_trains_logreg_and_mlp(mnist_dir, tmp_path, rung):
+def test_cli_trains_logreg_and_mlp(mnist, mnist_dir, tmp_path, rung):
+    """``fasttrain train --engine cuda --rung N`` end to end: its saved weights and test accuracy
+    against the float64 reference of the same config (the model's CLI defaults)."""
     import json
 
-    for model, length in (("logreg", ["--epochs", "1"]), ("mlp:64x2", ["--steps", "300"])):
-        out = tmp_path / f"run-{rung}-{model.replace(':', '_')}.json"
-        cmd = [sys.executable, "-m", "fasttrain", "train", "--engine", "cuda", "--model", model, *length,
-               "--data-dir", mnist_dir, "--out", str(out), "--quiet", "--rung", str(rung)]
+    from fasttrain.training import load_weights
+
+    for model, length in (("logreg", {"epochs": 1}), ("mlp:64x2", {"steps": 300})):
+        stem = tmp_path / f"run-{rung}-{model.replace(':', '_')}"
+        flags = [w for k, v in length.items() for w in (f"--{k}", str(v))]
+        cmd = [sys.executable, "-m", "fasttrain", "train", "--engine", "cuda", "--model", model, *flags,
+               "--data-dir", mnist_dir, "--out", f"{stem}.json", "--save-weights", f"{stem}.npz", "--quiet",
+               "--rung", str(rung)]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
         assert proc.returncode == 0, proc.stderr[-2000:]
-        record = json.loads(out.read_text())
+        record = json.loads(Path(f"{stem}.json").read_text())
         assert record["engine_options"]["rung"] == rung
-        assert record["final"]["test_acc"] > (0.85 if model == "logreg" else 0.80)
+        ref_record, ref_weights = reference(mnist, model, default_config(parse_model(model), **length))
+        err = weight_error(load_weights(f"{stem}.npz"), ref_weights)
+        assert err <= 1e-3, f"CLI rung {rung} {model}: weight error {err:.2e}"
+        assert abs(record["final"]["test_acc"] - ref_record.final["test_acc"]) <= 0.001 + 1e-12

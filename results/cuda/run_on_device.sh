@@ -32,6 +32,13 @@ for stage in $STAGES; do
         echo "rung $rung: exit $? $(grep -E 'ERROR SUMMARY' /tmp/sanitizer-rung$rung.log | tail -1)"
         { echo "----- rung $rung"; tail -25 /tmp/sanitizer-rung$rung.log; } >> "$OUT/sanitizer-detail.log"
       done 2>&1 | tee "$OUT/sanitizer.log" ;;
+    racecheck)  # shared-memory races (08 bias backward) and barrier misuse, on the hand-written kernels
+      for tool in racecheck synccheck; do for rung in ${RUNGS_RACE:-0 6}; do
+        timeout ${SAN_TIMEOUT:-90} compute-sanitizer --tool $tool --error-exitcode 3 \
+          python3 -m fasttrain train --engine cuda --rung $rung --model mlp:100x2 --steps 20 --batch-size 37 \
+          --quiet > /tmp/$tool-rung$rung.log 2>&1
+        echo "$tool rung $rung: exit $? $(grep -E 'ERROR SUMMARY|RACECHECK SUMMARY' /tmp/$tool-rung$rung.log | tail -1)"
+      done; done 2>&1 | tee "$OUT/racecheck.log" ;;
   esac
 done
 echo "=== done $(date +%T)"
