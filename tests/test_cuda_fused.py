@@ -42,7 +42,7 @@ MLP_CONFIGS = [
     dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
 ]
 CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] \
-    + [("fused_logreg_v2.cu", {k: v for k, v in d.items() if k != "FT_XHB"}) for d in LOGREG_CONFIGS] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
+    + [(f"fused_logreg_v{v}.cu", {k: x for k, x in d.items() if k != "FT_XHB"}) for d in LOGREG_CONFIGS for v in (2, 3)] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
     + [("fused_mlp_v1.cu", d) for d in MLP_CONFIGS]
 
 

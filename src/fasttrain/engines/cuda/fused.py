@@ -35,7 +35,7 @@ from fasttrain.errors import FasttrainError
 
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
-LOGREG_VERSION = "fused_logreg_v2.cu"
+LOGREG_VERSION = "fused_logreg_v3.cu"
 MLP_VERSION = "fused_mlp_v1.cu"
 STEP_VERSION = "fused_step_v1.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
@@ -310,7 +310,8 @@ class PersistentLogregSession(_FusedBase):
         max_steps = max(job.schedule.steps_per_epoch) if job.schedule.n_epochs else len(self.bounds)
         max_steps = max(max_steps, len(self.bounds))
         with self.stream:
-            self.row_loss = cp.zeros(max_steps * self.batch, cp.float32)
+            # per-example (v1, v2) or per-warp (v3) loss records of each step
+            self.row_loss = cp.zeros(max_steps * (self.batch + 128), cp.float32)
             self.row_ok = cp.zeros(max_steps * self.batch, cp.uint8)
         # the kernel writes loss sum, correct count and every step's mean loss here (host memory, mapped)
         self.out = cupyx.empty_pinned((2 + max_steps,), np.float64)
