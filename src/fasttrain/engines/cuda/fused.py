@@ -36,7 +36,7 @@ from fasttrain.errors import FasttrainError
 KERNEL_DIR = Path(__file__).parent / "kernels"
 SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
 LOGREG_VERSION = "fused_logreg_v3.cu"
-MLP_VERSION = "fused_mlp_v1.cu"
+MLP_VERSION = "fused_mlp_v2.cu"
 STEP_VERSION = "fused_step_v1.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
@@ -357,28 +357,32 @@ class PersistentLogregSession(_FusedBase):
 MLP_MAX_LAYERS = 6
 
 
-def mlp_smem_bytes(cluster: int, mt: int, nl: int, stages: int) -> int:
-    """Mirror of the shared-memory layout of fused_mlp_v1.cu (checked against the module's constant)."""
+def mlp_smem_bytes(cluster: int, mt: int, nl: int, stages: int, version: str = MLP_VERSION) -> int:
+    """Mirror of the shared-memory layout of fused_mlp_v1/v2.cu (checked against the module's constant)."""
     a = lambda x: (x + 127) // 128 * 128  # noqa: E731
     bp, hp = mt * 16, 16 * cluster
     hs, nlm = hp + 8, max(nl - 1, 1)
+    h_elems = bp * hs if version == "fused_mlp_v1.cu" else cluster * bp * 24   # one activation buffer
     off = a(256 + (nl + 1) * 64)
     off = a(off + stages * bp * INPUT_DIM)
     off = a(off + stages * bp * 4)
     off = a(off + 16 * (INPUT_DIM + 8) * 2)
     off = a(off + nlm * 16 * hs * 2)
     off = a(off + 16 * hs * 2)
-    off = a(off + 2 * bp * hs * 2)
-    off = a(off + nlm * bp * hs * 2)
+    off = a(off + 2 * h_elems * 2)
+    off = a(off + nlm * h_elems * 2)
     off = a(off + 7 * bp * 18 * 4)
     off = a(off + bp * 24 * 2)
     off = a(off + 2 * bp * 24 * 2)
     off = a(off + nlm * cluster * bp * 16 * 4)
+    if version != "fused_mlp_v1.cu":
+        off = a(off + nlm * cluster * bp * 16 * 4)
     return off + 2 * 7 * 8
 
 
-def mlp_plan(spec, batch: int, stages: int | None = None) -> dict:
-    """Rung 8 MLP configuration: one CTA per 16 hidden units (cluster <= 8, so width <= 128), batch <= 64."""
+def mlp_plan(spec, batch: int, stages: int | None = None, version: str | None = None) -> dict:
+    """Rung 8 MLP configuration: one CTA per 16 hidden units (cluster <= 8, so width <= 128), batch <= 64.
+    The newest kernel version that fits in shared memory, unless ``version`` names one."""
     widths = spec.hidden
     hp = pad16(widths[0])
     if len(set(widths)) != 1 or hp > 128:
@@ -392,21 +396,22 @@ def mlp_plan(spec, batch: int, stages: int | None = None) -> dict:
     if mt > 4:
         raise FasttrainError(f"engine cuda rung 8 runs MLPs with batch sizes up to 64, got {batch}; use --rung 7")
     cluster = hp // 16
-    for s in ((stages,) if stages else (4, 3, 2)):
-        size = mlp_smem_bytes(cluster, mt, len(widths), s)
-        if size <= SMEM_LIMIT:
-            return {"FT_C": cluster, "FT_MT": mt, "FT_NL": len(widths), "FT_STAGES": s, "smem": size}
+    for v in ((version,) if version else (MLP_VERSION, "fused_mlp_v1.cu")):
+        for s in ((stages,) if stages else (4, 3, 2)):
+            size = mlp_smem_bytes(cluster, mt, len(widths), s, v)
+            if size <= SMEM_LIMIT:
+                return {"FT_C": cluster, "FT_MT": mt, "FT_NL": len(widths), "FT_STAGES": s, "smem": size, "version": v}
     raise FasttrainError(f"engine cuda rung 8: {spec.name} with batch {batch} does not fit in shared memory; use --rung 7")
 
 
 class PersistentMlpSession(_FusedBase):
-    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str = MLP_VERSION):
+    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str | None = None):
         super().__init__(job, options)
         cp = self._cp
         import cupyx
 
-        self.version = version
-        self.plan = mlp_plan(job.spec, self.batch, stages)
+        self.plan = mlp_plan(job.spec, self.batch, stages, version)
+        self.version = version = self.plan["version"]
         defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
         defines["FT_BF16"] = int(job.config.precision == "bf16")
         if prof:

@@ -165,14 +165,14 @@ def profile_logreg(data, configs) -> list[dict]:
 MLP_PHASES = ["wait data", "layer 1", "layers 2..", "logits+softmax", "bwd last", "bwd NL..2", "bwd 1"]
 
 
-def profile_mlp(data) -> list[dict]:
+def profile_mlp(data, version="fused_mlp_v2.cu") -> list[dict]:
     from fasttrain.engines.cuda.fused import make_session
 
     spec = parse_model("mlp:128x3")
     cfg = default_config(spec, precision="fp16", steps=3750)
     plan = schedule(cfg, data.n_train)
     job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
-    session = make_session(job, _Opts(8), prof=True)
+    session = make_session(job, _Opts(8), prof=True, version=version)
     watch = Stopwatch(session.sync)
     ms = []
     for epoch in (1, 2):
@@ -182,11 +182,11 @@ def profile_mlp(data) -> list[dict]:
     prof = session.profile()
     session.close()
     steps = plan.steps_per_epoch[1]
-    row = {"model": "mlp:128x3", "epoch_ms": ms,
+    row = {"model": "mlp:128x3", "version": version, "epoch_ms": ms,
            "cycles_per_step": {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(MLP_PHASES)},
            "producer_cycles_per_step": {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
                                         "issue": (prof[:, 9] / steps).round(1).tolist()}}
-    print(f"profile mlp:128x3 rung 8: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({steps} steps)", flush=True)
+    print(f"profile mlp:128x3 rung 8 {version}: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({steps} steps)", flush=True)
     for name, v in row["cycles_per_step"].items():
         print(f"   {name:14s} cycles/step per CTA: {v}", flush=True)
     for name, v in row["producer_cycles_per_step"].items():
@@ -208,7 +208,7 @@ def main(argv=None) -> int:
         res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=6), dict(cluster=5),
                                     dict(cluster=4), dict(cluster=7, version="fused_logreg_v2.cu"),
                                     dict(cluster=7, version="fused_logreg_v2.cu", prof=True)])
-        res += profile_mlp(data)
+        res += profile_mlp(data) + profile_mlp(data, "fused_mlp_v1.cu")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
         return 0

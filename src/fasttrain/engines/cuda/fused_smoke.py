@@ -77,6 +77,7 @@ def main(argv=None) -> int:
         ok &= check(data, "logreg", 8, "bf16", 37, args.epochs, cluster=4)
         ok &= check(data, "mlp:100x2", 8, "fp16", 37, args.epochs)
         ok &= check(data, "mlp:128x3", 8, "bf16", 32, args.epochs)
+        ok &= check(data, "mlp:64x2", 8, "fp16", 50, args.epochs)   # too big for v2's staging: runs v1
     if args.only in (None, "rung7"):
         ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs)
         ok &= check(data, "logreg", 7, "bf16", 37, args.epochs)
