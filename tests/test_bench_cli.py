@@ -82,6 +82,25 @@ def test_render_rewrites_reports_from_the_json(quick_run):
     assert (out / "curves.csv").is_file() and (out / "results.csv").is_file() and (out / "README.md").is_file()
 
 
+def test_merge_folds_runs_split_over_several_calls(tmp_path, capsys):
+    common = ["--quick", "--synthetic", "--engines", "numpy"]
+    assert main(["bench", "sweep", *common, "--hidden", "16", "--out", str(tmp_path / "a")]) == 0
+    assert main(["bench", "sweep", *common, "--hidden", "24", "--out", str(tmp_path / "b")]) == 0
+    assert main(["bench", "merge", str(tmp_path / "all"), str(tmp_path / "a"), str(tmp_path / "b")]) == 0
+    rows = list(csv.DictReader((tmp_path / "all" / "sweep.csv").open()))
+    assert {r["model"] for r in rows} == {"mlp:16x3", "mlp:24x3"}
+    assert (tmp_path / "all" / "README.md").is_file()
+    saved = json.loads((tmp_path / "all" / "sweep.json").read_text())
+    assert len(saved["commands"]) == 2
+    # a part from another GPU is refused, not mixed in
+    other = json.loads((tmp_path / "b" / "sweep.json").read_text())
+    other["environment"]["gpu"] = {"name": "NVIDIA H200"}
+    (tmp_path / "b" / "sweep.json").write_text(json.dumps(other))
+    capsys.readouterr()
+    assert main(["bench", "merge", str(tmp_path / "mixed"), str(tmp_path / "a"), str(tmp_path / "b")]) == 1
+    assert "different GPUs" in capsys.readouterr().err
+
+
 def test_a_crashing_engine_is_recorded_and_fails_the_command(tmp_path, capsys, monkeypatch):
     import fasttrain.training
 

@@ -1,4 +1,12 @@
-"""Timing, benchmark suites and reports (``fasttrain bench ladder|sweep|curves|all|readme``).
+"""Timing, benchmark suites and reports.
+
+Commands: ``fasttrain bench ladder|sweep|curves|all`` run the suites (``--quick`` for a short smoke
+run; ``--engines``, ``--repeats``, ``--hidden``, ``--out``; ``--list`` shows what would run and why
+not); results land in ``results/<gpu-or-cpu-slug>/`` as ``<suite>.json`` (every run record),
+``<suite>.csv`` (long format), ``<suite>.md`` and PNG plots, and a run merges with the results
+already there. ``bench merge`` folds runs split over several calls, ``bench render`` redraws the
+reports from the JSON (e.g. after a machine without matplotlib), ``bench readme`` prints (or, with
+``--into README.md``, writes) the README's Results section from committed result files.
 
 Protocol
 --------

@@ -219,6 +219,40 @@ def render(results_dir) -> None:
     write_folder_outputs(folder)
 
 
+@command.command("merge")
+@click.argument("into", type=click.Path(file_okay=False))
+@click.argument("parts", nargs=-1, required=True, type=click.Path(file_okay=False, exists=True))
+def merge_cmd(into, parts) -> None:
+    """Merge the results of runs split over several calls (PARTS folders, later ones win for a row
+    they ran) into INTO, then write its CSV, Markdown and PNG files. Parts must come from the same
+    GPU kind, data and --quick setting."""
+    from fasttrain.bench import plots, report, runner, suites
+
+    folder = Path(into)
+    folder.mkdir(parents=True, exist_ok=True)
+    merged_any = False
+    for name in suites.SUITES:
+        paths = [p for p in [folder / f"{name}.json", *(Path(d) / f"{name}.json" for d in parts)] if p.is_file()]
+        if not paths or paths == [folder / f"{name}.json"]:
+            continue
+        results = [report.load_result(p) for p in dict.fromkeys(paths)]
+        gpus = {report.gpu_name(r.environment) for r in results if r.ran()}
+        if len(gpus) > 1:
+            raise FasttrainError(f"{name}: parts measured on different GPUs ({', '.join(sorted(gpus))}); keep them in separate folders")
+        acc = results[0]
+        for part in results[1:]:
+            if (part.quick, part.dataset) != (acc.quick, acc.dataset):
+                raise FasttrainError(f"{name}: parts differ in --quick or data ({acc.dataset['name']} vs {part.dataset['name']}); "
+                                     "merge only runs of one setting")
+            acc = runner.merge(part, acc)[0]
+        written = plots.write_plots(acc, folder) + report.write_outputs(acc, folder)
+        console.print(f"{name}: merged {len(results)} file(s); wrote " + ", ".join(str(p) for p in written))
+        merged_any = True
+    if not merged_any:
+        raise FasttrainError(f"no ladder.json, sweep.json or curves.json in {', '.join(parts)}")
+    write_folder_outputs(folder)
+
+
 @command.command()
 @click.argument("results_dir", type=click.Path(file_okay=False))
 @click.option("--link-base", help="Prefix of image links (default: RESULTS_DIR/, a path from the repository root).")
