@@ -34,7 +34,7 @@ LOGREG_CONFIGS = [
 STEP_CONFIGS = [
     dict(FT_MT=2, FT_BO=64, FT_BI=64, FT_BF16=0),
     dict(FT_MT=3, FT_BO=8, FT_BI=8, FT_BF16=1),
-    dict(FT_MT=8, FT_BO=16, FT_BI=16, FT_BF16=0),
+    dict(FT_MT=8, FT_BO=16, FT_BI=8, FT_BF16=0),
 ]
 MLP_CONFIGS = [
     dict(FT_C=8, FT_MT=2, FT_NL=3, FT_STAGES=4, FT_BF16=0),
@@ -42,7 +42,7 @@ MLP_CONFIGS = [
     dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
 ]
 CASES = [("fused_logreg_v1.cu", d) for d in LOGREG_CONFIGS] \
-    + [(f"fused_logreg_v{v}.cu", {k: x for k, x in d.items() if k != "FT_XHB"}) for d in LOGREG_CONFIGS for v in (2, 3)] + [("fused_step_v1.cu", d) for d in STEP_CONFIGS] \
+    + [(f"fused_logreg_v{v}.cu", {k: x for k, x in d.items() if k != "FT_XHB"}) for d in LOGREG_CONFIGS for v in (2, 3)] + [(f"fused_step_v{v}.cu", d) for d in STEP_CONFIGS for v in (1, 2)] \
     + [(f"fused_mlp_v{v}.cu", d) for d in MLP_CONFIGS for v in (1, 2)]
 
 
@@ -144,11 +144,13 @@ def test_mlp_plan_fits_shared_memory():
 def test_tiles_keep_accumulators_in_registers():
     from fasttrain.engines.cuda.fused import _tile
 
-    assert _tile(8192, 2) == 64 and _tile(1024, 2) == 8 and _tile(784, 8) == 8
+    assert _tile(8192, 2) == 64 and _tile(1024, 2) == 8 and _tile(784, 8) == 8 and _tile(8192, 2, bwd=True) == 64
     for width in (112, 128, 784, 1024, 8192):
         for mt in (1, 2, 3, 8, 16):
             tile = _tile(width, mt)
             assert width % tile == 0 and (mt * tile // 8 <= 16 or tile == 8)
+            tile = _tile(width, mt, bwd=True)
+            assert width % tile == 0 and (16 * mt + 7 * mt * tile // 8 <= 200 or tile == 8)
 
 
 # --- GPU ------------------------------------------------------------------------------------

@@ -37,7 +37,7 @@ KERNEL_DIR = Path(__file__).parent / "kernels"
 SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
 LOGREG_VERSION = "fused_logreg_v3.cu"
 MLP_VERSION = "fused_mlp_v2.cu"
-STEP_VERSION = "fused_step_v1.cu"
+STEP_VERSION = "fused_step_v2.cu"
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
 
@@ -472,18 +472,22 @@ NW = 8
 TARGET_BLOCKS = 120  # about one block per SM of an H100 (132)
 
 
-def _tile(width: int, mt: int) -> int:
+def _tile(width: int, mt: int, bwd: bool = False) -> int:
     """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives TARGET_BLOCKS
-    blocks, else 8; capped so that the per-thread accumulators stay in registers (mt * tile/8 <= 16)."""
+    blocks, else 8; capped so that the per-thread registers do not spill: ft_fwd holds mt * tile/8
+    accumulator tiles (<= 16); ft_bwd (v2, double-buffered fragments) about 16 mt + 6 mt nj + 8 nj (<= 200)."""
     for tile in (64, 32, 16, 8):
-        if width % tile == 0 and mt * tile // 8 <= 16 and width // tile >= TARGET_BLOCKS:
+        nj = tile // 8
+        fits = (16 * mt + 6 * mt * nj + 8 * nj <= 200) if bwd else (mt * nj <= 16)
+        if width % tile == 0 and fits and width // tile >= TARGET_BLOCKS:
             return tile
     return 8
 
 
 class FusedStepSession(_FusedBase):
-    def __init__(self, job: Job, options, graph: bool = True):
+    def __init__(self, job: Job, options, graph: bool = True, version: str = STEP_VERSION):
         super().__init__(job, options)
+        self.version = version
         cp = self._cp
         bp = pad16(self.batch)
         self.bp, self.mt = bp, bp // 16
@@ -495,7 +499,7 @@ class FusedStepSession(_FusedBase):
         for i, (wt, _, _, _) in enumerate(self.layers):
             out_p, in_p = wt.shape
             bo = _tile(out_p, self.mt) if i < L - 1 else 16
-            bi = _tile(in_p, self.mt)
+            bi = _tile(in_p, self.mt, bwd=True)
             self.plan.append({"in_p": in_p, "out_p": out_p, "BO": bo, "BI": bi})
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
@@ -503,7 +507,7 @@ class FusedStepSession(_FusedBase):
         for p in self.plan:
             key = (p["BO"], p["BI"])
             if key not in mods:
-                mods[key] = load_module(STEP_VERSION, {"FT_MT": self.mt, "FT_BO": key[0], "FT_BI": key[1], "FT_BF16": bf16})
+                mods[key] = load_module(version, {"FT_MT": self.mt, "FT_BO": key[0], "FT_BI": key[1], "FT_BF16": bf16})
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
@@ -600,6 +604,6 @@ class FusedStepSession(_FusedBase):
 
     def environment(self) -> dict:
         env = self._device_env()
-        env.update({"fused_kernel": STEP_VERSION, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+        env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
                     "tiles": [{"BO": p["BO"], "BI": p["BI"]} for p in self.plan]})
         return env

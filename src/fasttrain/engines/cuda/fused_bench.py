@@ -247,6 +247,10 @@ def main(argv=None) -> int:
                 print(f"{key:11s} rung {r} {precision}: {value:10.3f} {metric}  test acc {record.final['test_acc']:.4f}"
                       + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
                       flush=True)
+        if key in ("mlp:1024x3", "mlp:8192x3") and not args.quick:
+            v = time_variant(data, model, overrides, 7, "fp16", version="fused_step_v1.cu")
+            variants.append(v)
+            print(f"  variant {model} rung 7 fused_step_v1: {v['run_ms']:.1f} ms/run", flush=True)
         if key == "logreg" and not args.quick:
             for cluster, version in ((4, "v3"), (5, "v3"), (6, "v3"), (7, "v3"), (7, "v2"), (7, "v1")):
                 v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster, version=f"fused_logreg_{version}.cu")
@@ -295,14 +299,15 @@ def render_md(rows, variants, device, stamp) -> str:
         lines.append(f"| `{row['workload']}` | {row['anchors']} | {row['floor']} | {row['target']} | {_fmt(row)} | "
                      f"{row['rung']}, {row['precision']} | {met} | {dev} | {acc} |")
     if variants:
-        lines += ["", "Rung-8 logreg variants (fp16, same stopwatch):", "",
-                  "| kernel | cluster | stages | ms/epoch (2nd half mean) | p20 | p50 | p80 | test acc |",
+        lines += ["", "Variants (fp16, same stopwatch; ms/epoch for logreg, the run's sum for MLPs in the last column):", "",
+                  "| model, kernel | cluster | stages | ms/epoch (2nd half mean) or run | epoch p20 | p50 | p80 | test acc |",
                   "| --- | --- | --- | --- | --- | --- | --- | --- |"]
         for v in variants:
             st = v["stats"]
-            lines.append(f"| {v['environment'].get('fused_kernel')} | {v['tuning'].get('cluster')} | "
-                         f"{v['environment'].get('stages')} | {st['mean_second_half']:.3f} | "
-                         f"{st['p20']:.3f} | {st['p50']:.3f} | {st['p80']:.3f} | {100 * v['test_acc']:.2f}% |")
+            main = f"{st['mean_second_half']:.3f}" if v["model"] == "logreg" else f"run {v['run_ms']:.1f} ms"
+            lines.append(f"| {v['model']} {v['environment'].get('fused_kernel')} | {v['tuning'].get('cluster', '')} | "
+                         f"{v['environment'].get('stages', '')} | {main} | {st['p20']:.3f} | {st['p50']:.3f} | "
+                         f"{st['p80']:.3f} | {100 * v['test_acc']:.2f}% |")
     return "\n".join(lines) + "\n"
 
 
