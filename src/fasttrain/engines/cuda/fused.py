@@ -298,7 +298,7 @@ class PersistentLogregSession(_FusedBase):
         if ablate:
             defines["FT_ABL"] = int(ablate)
         with self.stream:
-            self.prof = cp.zeros(16 * cluster, cp.int64)
+            self.prof = cp.zeros(32 * cluster, cp.int64)
         self.module = load_module(version, defines)
         smem = module_int(self.module, "ft_smem_bytes")
         if smem != self.plan["smem"]:
@@ -337,11 +337,10 @@ class PersistentLogregSession(_FusedBase):
                           step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
     def profile(self) -> np.ndarray:
-        """Cycles per phase of the last epoch: rows = CTAs; columns 0..7 consumer thread 0 (v1: wait data,
-        convert, forward+push, wait partials, softmax, backward; v2: -, forward+scatter, convert next, wait
-        partials, softmax+gather, wait g, backward), 8..9 producer lane 0 (wait stage, issue)."""
+        """Cycles per phase of the last epoch: rows = CTAs; columns 0..15 consumer thread 0, 16..17 producer
+        lane 0 (wait for a free stage, issue); fused_bench.LOGREG_PHASES names the columns of each version."""
         self.stream.synchronize()
-        return self.prof.get().reshape(-1, 16)
+        return self.prof.get().reshape(-1, 32)
 
     def environment(self) -> dict:
         env = self._device_env()
@@ -427,7 +426,7 @@ class PersistentMlpSession(_FusedBase):
         with self.stream:
             self.row_loss = cp.zeros(max_steps * self.batch, cp.float32)
             self.row_ok = cp.zeros(max_steps * self.batch, cp.uint8)
-            self.prof = cp.zeros(16 * self.plan["FT_C"], cp.int64)
+            self.prof = cp.zeros(32 * self.plan["FT_C"], cp.int64)
             ptrs = []
             for wt, b, _, _ in self.layers:
                 ptrs += [wt.data.ptr, b.data.ptr]
@@ -453,9 +452,9 @@ class PersistentMlpSession(_FusedBase):
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch: rows = CTAs; columns 0..6 consumer thread 0 (wait data, layer 1,
-        layers 2..NL, logits+softmax, backward last, backward NL..2, backward 1), 8..9 producer lane 0."""
+        layers 2..NL, logits+softmax, backward last, backward NL..2, backward 1), 16..17 producer lane 0."""
         self.stream.synchronize()
-        return self.prof.get().reshape(-1, 16)
+        return self.prof.get().reshape(-1, 32)
 
     def environment(self) -> dict:
         env = self._device_env()

@@ -92,8 +92,14 @@ def time_variant(data, model, overrides, rung, precision, **tuning) -> dict:
             "environment": env}
 
 
-PHASES_V1 = ["wait data", "convert", "fwd+push", "wait partials", "softmax", "backward"]
-PHASES_V2 = ["loop", "fwd+scatter", "convert next", "wait partials", "softmax+gather", "wait g", "backward"]
+LOGREG_PHASES = {
+    "fused_logreg_v1.cu": {0: "wait data", 1: "convert", 2: "fwd+push", 3: "wait partials", 4: "softmax", 5: "backward"},
+    "fused_logreg_v2.cu": {0: "loop", 1: "fwd+scatter", 2: "convert next", 3: "wait partials", 4: "softmax+gather",
+                           5: "wait g", 6: "backward"},
+    "fused_logreg_v3.cu": {0: "loop", 8: "fwd compute", 1: "fence+bar+scatter", 2: "convert next", 3: "wait partials",
+                           9: "softmax", 10: "fence+bar", 4: "gather issue+stats", 5: "wait g", 6: "backward"},
+}
+PRODUCER = {16: "wait stage", 17: "issue"}
 
 
 def _kernel_times(session, job) -> dict:
@@ -148,10 +154,11 @@ def profile_logreg(data, configs) -> list[dict]:
             print(f"   kernel time by steps (events, lr=0): {fixed}", flush=True)
         if prof is not None:
             steps = plan.steps_per_epoch[1]
-            names = PHASES_V1 if tuning.get("version") == "fused_logreg_v1.cu" else PHASES_V2
-            row["cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(names)}
-            row["producer_cycles_per_step"] = {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
-                                               "issue": (prof[:, 9] / steps).round(1).tolist()}
+            from fasttrain.engines.cuda.fused import LOGREG_VERSION
+
+            names = LOGREG_PHASES[tuning.get("version", LOGREG_VERSION)]
+            row["cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in names.items()}
+            row["producer_cycles_per_step"] = {name: (prof[:, i] / steps).round(1).tolist() for i, name in PRODUCER.items()}
         results.append(row)
         print(f"profile {tuning}: epoch ms {ms[0]:.3f} {ms[1]:.3f}", flush=True)
         if prof is not None:
@@ -184,8 +191,7 @@ def profile_mlp(data, version="fused_mlp_v2.cu") -> list[dict]:
     steps = plan.steps_per_epoch[1]
     row = {"model": "mlp:128x3", "version": version, "epoch_ms": ms,
            "cycles_per_step": {name: (prof[:, i] / steps).round(1).tolist() for i, name in enumerate(MLP_PHASES)},
-           "producer_cycles_per_step": {"wait stage": (prof[:, 8] / steps).round(1).tolist(),
-                                        "issue": (prof[:, 9] / steps).round(1).tolist()}}
+           "producer_cycles_per_step": {name: (prof[:, i] / steps).round(1).tolist() for i, name in PRODUCER.items()}}
     print(f"profile mlp:128x3 rung 8 {version}: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({steps} steps)", flush=True)
     for name, v in row["cycles_per_step"].items():
         print(f"   {name:14s} cycles/step per CTA: {v}", flush=True)

@@ -106,7 +106,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
              float* __restrict__ row_loss,    // [steps*B] scratch: per-example loss (CTA rank 0 writes)
              u8* __restrict__ row_ok,         // [steps*B] scratch: per-example correct
              double* __restrict__ out,        // [2 + steps]: loss sum, correct, mean loss per step (host-mapped)
-             long long* __restrict__ prof)    // [C][16] phase cycles (FT_PROF only)
+             long long* __restrict__ prof)    // [C][32] phase cycles (FT_PROF only)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* bar_full = reinterpret_cast<u64*>(smem + OFF_BAR);
@@ -155,7 +155,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
     cluster_sync_all();   // barriers initialised and visible cluster-wide before anyone pushes to them
 #if FT_PROF
     const bool prof_on = (tid == 0) || (tid == NCT);
-    long long pacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long pacc[16] = {};
     long long plast = clock64();
 #endif
 
@@ -452,7 +452,7 @@ logreg_epoch(const u8* __restrict__ X,        // [n][784] training pixels
     }
 #if FT_PROF
     if (prof_on) {
-        for (int i = 0; i < 8; ++i) prof[rank * 16 + (tid == NCT ? 8 : 0) + i] = pacc[i];
+        for (int i = 0; i < 16; ++i) prof[rank * 32 + (tid == NCT ? 16 : 0) + i] = pacc[i];
     }
 #endif
     cluster_sync_all();   // no CTA leaves while a peer could still write into its shared memory

@@ -147,7 +147,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     cluster_sync_all();
 #if FT_PROF
     const bool prof_on = (tid == 0) || (tid == NCT);
-    long long pacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long pacc[16] = {};
     long long plast = clock64();
 #endif
 
@@ -412,7 +412,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     }
 #if FT_PROF
     if (prof_on) {
-        for (int i = 0; i < 8; ++i) prof[rank * 16 + (tid == NCT ? 8 : 0) + i] = pacc[i];
+        for (int i = 0; i < 16; ++i) prof[rank * 32 + (tid == NCT ? 16 : 0) + i] = pacc[i];
     }
 #endif
     cluster_sync_all();   // every CTA's row_loss/row_ok writes visible to rank 0 (release/acquire, cluster scope)

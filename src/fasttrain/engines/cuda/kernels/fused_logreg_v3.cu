@@ -155,7 +155,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     cluster_sync_all();
 #if FT_PROF
     const bool prof_on = (tid == 0) || (tid == NCT);
-    long long pacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long pacc[16] = {};
     long long plast = clock64();
 #endif
 
@@ -270,6 +270,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
                     *reinterpret_cast<float2*>(m0 + 8 * PS + 8) = make_float2(acc[0][1][2] + acc[1][1][2], acc[0][1][3] + acc[1][1][3]);
                 }
             }
+            PROF_T(8);
             fence_proxy_async();      // generic stores -> visible to the bulk-copy engine
             named_sync(1, NCT);
             if (warp == 0 && lane < C) {
@@ -350,9 +351,11 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
                         pend = true;
                     }
                 }
+                PROF_T(9);
                 fence_proxy_async();  // only the writers of g need it
             }
             named_sync(1, NCT);       // own g rows written; the next batch converted by everyone
+            PROF_T(10);
             if (tid == 0 && s + 1 < steps) mbar_arrive(smem_u32(&bar_empty[(s + 1) % STAGES]));
             if (warp == 0 && lane < C && lane != (int)rank && my_rows > 0)
                 bulk_s2c(smem_u32(gbuf + r_lo * DS), smem_u32(gbuf + r_lo * DS), my_rows * DS * 2, smem_u32(bar_ag), lane);
@@ -433,7 +436,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     }
 #if FT_PROF
     if (prof_on) {
-        for (int i = 0; i < 8; ++i) prof[rank * 16 + (tid == NCT ? 8 : 0) + i] = pacc[i];
+        for (int i = 0; i < 16; ++i) prof[rank * 32 + (tid == NCT ? 16 : 0) + i] = pacc[i];
     }
 #endif
     cluster_sync_all();   // every CTA's row_loss/row_ok writes visible to rank 0 (release/acquire, cluster scope)

@@ -223,7 +223,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     cluster_sync_all();
 #if FT_PROF
     const bool prof_on = (tid == 0) || (tid == NCT);
-    long long pacc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    long long pacc[16] = {};
     long long plast = clock64();
 #endif
 
@@ -678,7 +678,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     }
 #if FT_PROF
     if (prof_on) {
-        for (int i = 0; i < 8; ++i) prof[rank * 16 + (tid == NCT ? 8 : 0) + i] = pacc[i];
+        for (int i = 0; i < 16; ++i) prof[rank * 32 + (tid == NCT ? 16 : 0) + i] = pacc[i];
     }
 #endif
     cluster_sync_all();
