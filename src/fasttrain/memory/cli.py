@@ -1,0 +1,199 @@
+"""``fasttrain memory``: the training-memory estimator, its page, the cost table and the GPU check.
+
+    fasttrain memory [--preset llama3-8b] [--heads A] ... [--mode playbook|precise] [--json]
+    fasttrain memory --html out.html
+    fasttrain memory cost [--preset llama3.1-405b] [--mfu 0.4 | --tflops 400] [--price 2]
+    fasttrain memory validate --out results/memory/validation.csv
+"""
+
+from __future__ import annotations
+
+import json
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from fasttrain.errors import FasttrainError
+
+out = Console(width=140)
+
+_SIZE_FLAGS = [("--heads", "heads", "a: attention heads"), ("--kv-heads", "kv_heads", "g: key/value heads (precise)"),
+               ("--micro-batch", "micro_batch", "b: sequences per GPU"), ("--hidden", "hidden", "h: hidden size"),
+               ("--ffn", "ffn", "h_ff: feed-forward size"), ("--layers", "layers", "L: layers"),
+               ("--seq", "seq", "s: sequence length"), ("--vocab", "vocab", "v: vocabulary"),
+               ("--tp", "tp", "t: tensor parallelism"), ("--dp", "dp", "d: data parallelism"),
+               ("--opt-bytes", "opt_bytes", "k: optimizer bytes per parameter (Adam 8)")]
+
+
+def _options(fn):
+    for flag, name, help_ in reversed(_SIZE_FLAGS):
+        fn = click.option(flag, name, type=int, help=help_)(fn)
+    decorators = [
+        click.option("--preset", help="Start from a preset (default llama3-8b); see --list-presets."),
+        click.option("--list-presets", is_flag=True, help="List the presets and exit."),
+        click.option("--mixed", is_flag=True, help="Mixed precision (bf16 + fp32 master weights)."),
+        click.option("--precision", type=click.Choice(["fp32", "mixed", "amp"]),
+                     help="fp32, mixed (widget) or amp (PyTorch autocast, precise only)."),
+        click.option("--seq-parallel", is_flag=True, help="Sequence parallelism."),
+        click.option("--recompute", type=click.Choice(["none", "selective", "full"])),
+        click.option("--zero", type=click.IntRange(0, 3), help="ZeRO stage 0..3 over --dp."),
+        click.option("--ffn-act", type=click.Choice(["relu", "gelu", "swiglu"])),
+        click.option("--attention", type=click.Choice(["eager", "flash"]), help="precise: attention kernel."),
+        click.option("--norm", type=click.Choice(["rms", "layer"]), help="precise: RMSNorm or LayerNorm."),
+        click.option("--pos", type=click.Choice(["rope", "learned"]), help="precise: position encoding."),
+        click.option("--tied/--untied", default=None, help="precise: tied input/output embeddings."),
+        click.option("--bias/--no-bias", default=None, help="precise: biases in the linear layers."),
+        click.option("--dropout/--no-dropout", default=None, help="precise: dropout (masks kept for backward)."),
+        click.option("--optimizer", type=click.Choice(["foreach", "fused"]), help="precise: AdamW implementation."),
+        click.option("--grad-buffers", is_flag=True, help="precise: gradients persist between steps (DDP, Megatron)."),
+        click.option("--workspace-mib", type=float, help="precise: cuBLAS workspaces in MiB (default 64)."),
+        click.option("--mode", type=click.Choice(["playbook", "precise"]), default="precise", show_default=True),
+        click.option("--json", "as_json", is_flag=True, help="Print the breakdown as JSON."),
+        click.option("--html", type=click.Path(dir_okay=False), help="Write the interactive page here."),
+    ]
+    for deco in reversed(decorators):
+        fn = deco(fn)
+    return fn
+
+
+def setup_from_options(opts: dict):
+    """A :class:`Setup` from CLI options: the preset, then every flag given."""
+    from fasttrain.memory.config import check, preset
+
+    changes = {name: opts[name] for _, name, _ in _SIZE_FLAGS if opts.get(name) is not None}
+    if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
+        raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
+    if opts.get("mixed"):
+        changes["precision"] = "mixed"
+    for name in ("precision", "recompute", "zero", "ffn_act", "attention", "norm", "pos", "tied", "bias", "dropout",
+                 "optimizer", "workspace_mib"):
+        if opts.get(name) is not None:
+            changes[name] = opts[name]
+    for name in ("seq_parallel", "grad_buffers"):
+        if opts.get(name):
+            changes[name] = True
+    setup = preset(opts.get("preset") or "llama3-8b", **changes)
+    return check(setup, opts.get("mode") or "precise")
+
+
+def _print_breakdown(b) -> None:
+    from fasttrain.memory.breakdown import format_gib
+    from fasttrain.memory.playbook import format_bytes
+
+    s = b.setup
+    fmt = format_bytes if b.mode == "playbook" else format_gib
+    title = (f"{b.mode} · a={s.heads} g={s.g} b={s.micro_batch} h={s.hidden} h_ff={s.ffn} L={s.layers} s={s.seq} "
+             f"v={s.vocab} · t={s.tp} d={s.dp} ZeRO-{s.zero} · {s.precision} · recompute {s.recompute} · "
+             f"{s.ffn_act}{' · SP' if s.seq_parallel else ''}")
+    table = Table(title=title, title_justify="left")
+    for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
+        table.add_column(col, justify=just)
+    for line in (x for x in b.lines if x.in_total):
+        share = f"{100 * line.bytes / b.total:.1f}%" if b.total else "-"
+        table.add_row(line.name, fmt(line.bytes), share, line.note)
+        for child in line.children:
+            table.add_row(f"  {child.name}", fmt(child.bytes), "", "")
+    table.add_row("[bold]total[/bold]", f"[bold]{fmt(b.total)}[/bold]", "100.0%", f"{b.params:,.0f} parameters")
+    for line in (x for x in b.lines if not x.in_total):
+        table.add_row(f"[dim]{line.name}[/dim]", f"[dim]{fmt(line.bytes)}[/dim]", "", f"[dim]{line.note}[/dim]")
+        for child in line.children:
+            table.add_row(f"[dim]  {child.name}[/dim]", f"[dim]{fmt(child.bytes)}[/dim]", "", "")
+    out.print(table)
+    for note in b.notes:
+        out.print(f"  {note}")
+
+
+@click.group("memory", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@_options
+@click.pass_context
+def command(ctx, **opts) -> None:
+    """Training memory per GPU: parameters, gradients, optimizer, activations (playbook or precise)."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from fasttrain.memory import estimate
+    from fasttrain.memory.config import PRESET_NOTES, PRESETS
+
+    if opts["list_presets"]:
+        for name in PRESETS:
+            out.print(f"{name:15s} {PRESET_NOTES.get(name, '')}")
+        return
+    setup = setup_from_options(opts)
+    if opts["html"]:
+        from fasttrain.memory.page import write_page
+
+        path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
+        out.print(f"page: {path}")
+        return
+    b = estimate(setup, opts["mode"])
+    if opts["as_json"]:
+        click.echo(json.dumps(b.to_dict(), indent=1))
+    else:
+        _print_breakdown(b)
+
+
+@command.command("cost")
+@click.option("--preset", "preset_name", help="llama3.1-8b, llama3.1-70b, llama3.1-405b, or any model preset.")
+@click.option("--params", type=float, help="Parameters (default: the preset's count).")
+@click.option("--tokens", type=float, help="Training tokens (default: the published count).")
+@click.option("--seq", type=int, help="Sequence length for the attention term.")
+@click.option("--mfu", type=float, help="Model FLOPs utilization, 0..1 (default 0.4).")
+@click.option("--tflops", type=float, help="Sustained TFLOP/s per GPU (instead of --mfu).")
+@click.option("--peak-tflops", type=float, default=989.4, show_default=True, help="Peak per GPU (H100 bf16 dense).")
+@click.option("--price", type=float, default=2.0, show_default=True, help="$ per GPU-hour.")
+@click.option("--json", "as_json", is_flag=True)
+def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, as_json) -> None:
+    """Compute (6 N T + attention) -> GPU-hours -> dollars; without --preset, the Llama 3.1 runs
+    and the MFU their published GPU-hours imply."""
+    from fasttrain.memory import cost as C
+    from fasttrain.memory.config import preset
+    from fasttrain.memory.precise import param_counts
+
+    if preset_name is None:
+        if params is not None or tokens is not None or seq is not None:
+            raise FasttrainError("--params/--tokens/--seq need --preset (or use a preset's own numbers)")
+        rows = C.published(peak_tflops=peak_tflops, price=price, mfu=mfu, tflops=tflops)
+    else:
+        if preset_name in C.PUBLISHED:
+            arch, tok, sq, hours = C.PUBLISHED[preset_name]
+        else:
+            arch, tok, sq, hours = preset_name, None, None, None
+        s = preset(arch)
+        n = params if params is not None else param_counts(s, 1)["total"]
+        tok = tokens if tokens is not None else tok
+        if tok is None:
+            raise FasttrainError(f"preset {preset_name!r} has no published token count; give --tokens")
+        sq = seq if seq is not None else (sq or s.seq)
+        rows = [C.cost(preset_name, n, tok, s.layers, s.hidden, sq, mfu=mfu, tflops=tflops, peak_tflops=peak_tflops,
+                       price=price, published_gpu_hours=hours if tokens is None and params is None else None)]
+    if as_json:
+        click.echo(json.dumps([r.to_dict() for r in rows], indent=1))
+        return
+    table = Table(title=f"training cost at {rows[0].tflops_sustained:.0f} TFLOP/s per GPU, ${price:g}/GPU-hour")
+    for col in ("run", "params", "tokens", "FLOPs", "GPU-hours", "cost", "published GPU-h", "implied MFU"):
+        table.add_column(col, justify="left" if col == "run" else "right")
+    for r in rows:
+        implied = "-" if r.implied_mfu is None else f"{100 * r.implied_mfu:.1f}% ({100 * r.implied_mfu_dense_only:.1f}% 6ND)"
+        table.add_row(r.name, f"{r.params / 1e9:.2f}B", f"{r.tokens / 1e12:.1f}T", f"{r.flops:.3g}",
+                      f"{r.gpu_hours / 1e6:.2f}M", f"${r.dollars / 1e6:,.1f}M",
+                      "-" if r.published_gpu_hours is None else f"{r.published_gpu_hours / 1e6:.2f}M", implied)
+    out.print(table)
+    if any(r.implied_mfu is not None for r in rows):
+        out.print(f"  implied MFU = FLOPs / (published GPU-hours x 3600 x {peak_tflops} TFLOP/s); "
+                  "the published hours cover the whole project, not only the kernels")
+
+
+@command.command("validate")
+@click.option("--out", default="results/memory/validation.csv", show_default=True, type=click.Path(dir_okay=False))
+@click.option("--cases", help="Comma-separated case names (default: all).")
+@click.option("--quick", is_flag=True, help="Three cases only.")
+@click.option("--steps", type=click.IntRange(2, 20), default=3, show_default=True)
+@click.option("--debug", "debug_dir", type=click.Path(file_okay=False), help="Write the allocator analysis here.")
+def validate_cmd(out, cases, quick, steps, debug_dir) -> None:
+    """Train small GPTs on the GPU; compare max_memory_allocated with the precise estimate."""
+    from fasttrain.memory import validate as V
+
+    names = [c.strip() for c in cases.split(",")] if cases else (list(V.QUICK) if quick else None)
+    rows, env = V.run(names, steps=steps, debug_dir=debug_dir, log=lambda m: click.echo(m))
+    csv_path, md_path = V.write(rows, env, out)
+    click.echo(f"wrote {csv_path} and {md_path}")

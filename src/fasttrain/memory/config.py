@@ -1,0 +1,203 @@
+"""What the estimator is asked about: one training setup (model shape + parallelism + precision).
+
+A :class:`Setup` holds every knob of the Ultra-Scale Playbook's memory widget (under the
+widget's letters: a, b, h, h_ff, L, s, v, k, tp, dp, zero, mixed, recomputation,
+ff_activation, seq_parallel) plus what the ``precise`` mode needs to describe a real model
+(key/value heads, norm, position encoding, tied embeddings, biases, dropout, attention kernel,
+optimizer implementation, cuBLAS workspace).
+
+Presets:
+- ``llama3-8b``, ``llama3-70b``, ``llama3-405b``: the published Llama 3 (and 3.1, same shapes)
+  architectures: Table 3 of "The Llama 3 Herd of Models" (arXiv:2407.21783) and the released
+  ``config.json`` files (vocabulary 128256 = 128000 tokens + 256 special). Default training
+  shape: micro-batch 1 of 8192 tokens, bf16 mixed precision, no parallelism.
+- ``playbook-tiny``, ``playbook-8b``, ``playbook-70b``, ``playbook-405b``: the widget's own
+  presets, value for value (``Llama 3 Tiny``/``8B``/``70B``/``405B`` in ``src/memory.js``). They are
+  NOT the real Llama 3 shapes (4h feed-forward, BERT's 30522 vocabulary, 256 tokens); they exist
+  so that ``--mode playbook`` reproduces the widget's numbers exactly.
+- ``gpt2-124m`` and ``val-*``: small GPT-style models; ``val-*`` are the GPU validation models
+  (see ``fasttrain.memory.validate``).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+
+from fasttrain.errors import FasttrainError
+
+PRECISIONS = ("fp32", "mixed", "amp")
+RECOMPUTE = ("none", "selective", "full")
+FFN_ACTS = ("relu", "gelu", "swiglu")
+NORMS = ("rms", "layer")
+POSITIONS = ("rope", "learned")
+ATTENTIONS = ("eager", "flash")
+OPTIMIZERS = ("foreach", "fused")
+MODES = ("playbook", "precise")
+
+
+@dataclass(frozen=True)
+class Setup:
+    """One training configuration, per GPU unless said otherwise.
+
+    precision: ``fp32``; ``mixed`` = the widget's mixed precision (bf16 weights, gradients and
+    activations, fp32 master weights in the optimizer: k + 4 bytes of optimizer state); ``amp`` =
+    PyTorch autocast to bf16 (fp32 weights, gradients and optimizer state; bf16 matmul inputs),
+    ``precise`` mode only.
+    """
+
+    heads: int = 32            # a: attention (query) heads
+    micro_batch: int = 1       # b: sequences per GPU per step
+    hidden: int = 4096         # h
+    ffn: int = 14336           # h_ff: feed-forward width (per gate for SwiGLU)
+    layers: int = 32           # L
+    seq: int = 8192            # s: tokens per sequence
+    vocab: int = 128256        # v
+    tp: int = 1                # t: tensor parallelism
+    dp: int = 1                # d: data parallelism (ZeRO shards over it)
+    opt_bytes: int = 8         # k: optimizer bytes per parameter (Adam: 4 + 4)
+    precision: str = "mixed"
+    seq_parallel: bool = False
+    recompute: str = "none"
+    zero: int = 0
+    ffn_act: str = "swiglu"
+    # precise-only knobs (the widget has none of these)
+    kv_heads: int | None = None     # g: key/value heads (grouped-query attention); None = heads
+    norm: str = "rms"
+    pos: str = "rope"
+    tied: bool = False
+    bias: bool = False
+    dropout: bool = False
+    attention: str = "eager"
+    optimizer: str = "foreach"
+    workspace_mib: float = 64.0     # cuBLAS workspaces: 32 MiB per (thread, stream) on Hopper, x2 threads
+    grad_buffers: bool = False      # gradients kept between steps (DDP buckets, Megatron main_grad)
+
+    @property
+    def g(self) -> int:
+        return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def mixed(self) -> bool:
+        return self.precision == "mixed"
+
+    def with_(self, **changes) -> "Setup":
+        unknown = set(changes) - {f.name for f in fields(self)}
+        if unknown:
+            raise FasttrainError(f"unknown setup field(s) {sorted(unknown)}")
+        return replace(self, **changes)
+
+    def to_dict(self) -> dict:
+        out = asdict(self)
+        out["kv_heads"] = self.g
+        return out
+
+
+_POSITIVE = ("heads", "micro_batch", "hidden", "ffn", "layers", "seq", "vocab", "tp", "dp")
+
+
+def _flag(name: str) -> str:
+    return "--" + {"micro_batch": "micro-batch", "opt_bytes": "opt-bytes", "kv_heads": "kv-heads"}.get(name, name)
+
+
+def check(setup: Setup, mode: str = "precise") -> Setup:
+    """Raise a one-line :class:`FasttrainError` (with the fix) for a setup no model can have."""
+    if mode not in MODES:
+        raise FasttrainError(f"unknown mode {mode!r}; use one of {', '.join(MODES)}")
+    for name in _POSITIVE:
+        value = getattr(setup, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise FasttrainError(f"{_flag(name)} must be a positive integer, got {value!r}")
+    if isinstance(setup.opt_bytes, bool) or not isinstance(setup.opt_bytes, int) or setup.opt_bytes < 0:
+        raise FasttrainError(f"--opt-bytes must be a non-negative integer, got {setup.opt_bytes!r}")
+    g = setup.g
+    if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
+        raise FasttrainError(f"--kv-heads must be a positive integer, got {g!r}")
+    if setup.hidden % setup.heads:
+        raise FasttrainError(f"heads ({setup.heads}) must divide the hidden size ({setup.hidden}); "
+                             f"pick --heads among the divisors of {setup.hidden}")
+    if setup.heads % setup.tp:
+        raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
+                             f"pick --tp among the divisors of {setup.heads}")
+    if setup.heads % g:
+        raise FasttrainError(f"key/value heads ({g}) must divide the heads ({setup.heads})")
+    if g % setup.tp and setup.tp % g:
+        raise FasttrainError(f"tensor parallelism t={setup.tp} and key/value heads {g}: one must divide the other")
+    if setup.ffn % setup.tp:
+        raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the feed-forward size ({setup.ffn})")
+    if (setup.hidden // setup.heads) % 2 and setup.pos == "rope" and mode == "precise":
+        raise FasttrainError(f"rotary embeddings need an even head size; hidden/heads = {setup.hidden // setup.heads}")
+    for name, allowed in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("ffn_act", FFN_ACTS),
+                          ("norm", NORMS), ("pos", POSITIONS), ("attention", ATTENTIONS), ("optimizer", OPTIMIZERS)):
+        if getattr(setup, name) not in allowed:
+            raise FasttrainError(f"{_flag(name).replace('_', '-')} must be one of {', '.join(allowed)}, "
+                                 f"got {getattr(setup, name)!r}")
+    if setup.zero not in (0, 1, 2, 3) or isinstance(setup.zero, bool):
+        raise FasttrainError(f"--zero must be 0, 1, 2 or 3, got {setup.zero!r}")
+    if not setup.workspace_mib >= 0:
+        raise FasttrainError(f"--workspace-mib must be >= 0, got {setup.workspace_mib!r}")
+    if mode == "playbook" and setup.precision == "amp":
+        raise FasttrainError("precision 'amp' (PyTorch autocast) exists only in --mode precise; "
+                             "the widget knows fp32 and --mixed")
+    return setup
+
+
+# The published Llama 3 shapes (identical for 3.1). GQA with 8 KV heads, RMSNorm, RoPE,
+# SwiGLU, no biases, untied input/output embeddings, no dropout.
+_LLAMA = dict(norm="rms", pos="rope", tied=False, bias=False, dropout=False, ffn_act="swiglu",
+              vocab=128256, kv_heads=8, micro_batch=1, seq=8192, precision="mixed", attention="flash",
+              optimizer="fused")
+# The widget assumes a GPT-2/Megatron-style model: learned positions, tied embeddings, biases,
+# LayerNorm, dropout everywhere, multi-head attention.
+_WIDGET = dict(norm="layer", pos="learned", tied=True, bias=True, dropout=True, kv_heads=None)
+
+PRESETS: dict[str, dict] = {
+    "llama3-8b": dict(_LLAMA, heads=32, hidden=4096, ffn=14336, layers=32),
+    "llama3-70b": dict(_LLAMA, heads=64, hidden=8192, ffn=28672, layers=80),
+    "llama3-405b": dict(_LLAMA, heads=128, hidden=16384, ffn=53248, layers=126),
+    # memory.js presets, value for value ("Llama 3 Tiny", "Llama 3 8B", "Llama 3 70B", "Llama 3 405B")
+    "playbook-tiny": dict(_WIDGET, heads=16, micro_batch=3, hidden=1024, ffn=4096, layers=1, seq=7, vocab=30522,
+                          opt_bytes=8, tp=1, zero=1, dp=1, precision="mixed", recompute="none", ffn_act="gelu",
+                          seq_parallel=False),
+    "playbook-8b": dict(_WIDGET, heads=32, micro_batch=32, hidden=4096, ffn=16384, layers=32, seq=256, vocab=30522,
+                        opt_bytes=8, tp=1, zero=1, dp=1, precision="mixed", recompute="none", ffn_act="swiglu",
+                        seq_parallel=False),
+    "playbook-70b": dict(_WIDGET, heads=64, micro_batch=32, hidden=8192, ffn=32768, layers=80, seq=256, vocab=30522,
+                         opt_bytes=8, tp=8, zero=1, dp=8, precision="mixed", recompute="none", ffn_act="swiglu",
+                         seq_parallel=False),
+    "playbook-405b": dict(_WIDGET, heads=128, micro_batch=32, hidden=16384, ffn=65536, layers=126, seq=256,
+                          vocab=30522, opt_bytes=8, tp=8, zero=1, dp=8, precision="mixed", recompute="none",
+                          ffn_act="swiglu", seq_parallel=False),
+    # GPT-2 small (124M): 12 x 768, 12 heads, 3072 GELU MLP, 50257 tokens, 1024 positions.
+    "gpt2-124m": dict(_WIDGET, heads=12, hidden=768, ffn=3072, layers=12, seq=1024, vocab=50257, micro_batch=8,
+                      ffn_act="gelu", precision="fp32"),
+    # GPU validation models (fasttrain.memory.validate): a Llama-style one with GQA and a
+    # GPT-2-style one (tied, learned positions, LayerNorm, GELU, dropout), and a ReLU one.
+    "val-llama": dict(_LLAMA, heads=16, kv_heads=4, hidden=1024, ffn=2816, layers=8, vocab=32000, seq=1024,
+                      micro_batch=8, precision="fp32", attention="eager", optimizer="foreach"),
+    "val-gpt": dict(_WIDGET, heads=12, hidden=768, ffn=3072, layers=6, seq=1024, vocab=50304, micro_batch=8,
+                    ffn_act="gelu", precision="fp32"),
+    "val-relu": dict(_LLAMA, heads=8, kv_heads=None, hidden=1024, ffn=4096, layers=4, vocab=16384, seq=512,
+                     micro_batch=16, ffn_act="relu", norm="layer", precision="fp32", attention="eager",
+                     optimizer="foreach"),
+}
+
+PRESET_NOTES = {
+    "llama3-8b": "Llama 3 / 3.1 8B: Table 3 of arXiv:2407.21783 and meta-llama config.json",
+    "llama3-70b": "Llama 3 / 3.1 70B: Table 3 of arXiv:2407.21783 and meta-llama config.json",
+    "llama3-405b": "Llama 3.1 405B: Table 3 of arXiv:2407.21783 and meta-llama config.json",
+    "playbook-tiny": "the widget's 'Llama 3 Tiny' preset (memory.js), not a real model",
+    "playbook-8b": "the widget's 'Llama 3 8B' preset (memory.js): 4h FFN, BERT vocabulary, s=256",
+    "playbook-70b": "the widget's 'Llama 3 70B' preset (memory.js)",
+    "playbook-405b": "the widget's 'Llama 3 405B' preset (memory.js)",
+    "gpt2-124m": "GPT-2 small (Radford et al. 2019): 12 layers, 768 wide, 12 heads",
+    "val-llama": "GPU validation model: Llama-style, GQA 16/4, 8 layers",
+    "val-gpt": "GPU validation model: GPT-2-style, 6 layers, tied, dropout",
+    "val-relu": "GPU validation model: ReLU MLP, LayerNorm, RoPE, 4 layers",
+}
+
+
+def preset(name: str, **overrides) -> Setup:
+    """The named preset as a :class:`Setup`, with ``overrides`` applied."""
+    if name not in PRESETS:
+        raise FasttrainError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
+    return Setup(**{**PRESETS[name], **overrides})

@@ -1,0 +1,98 @@
+"""The interactive page: one self-contained HTML file (inline CSS and JavaScript, no network).
+
+The formulas run in the browser from ``assets/memory.js``, a line-by-line port of
+``playbook.py``, ``precise.py`` and ``cost.py``; ``tests/test_memory_page.py`` checks every number
+it computes against the Python modules on the same setups, and drives the page's controls in
+headless Chromium. The presets, the published Llama 3.1 figures and the list of quirks and
+differences are generated into the page from the Python modules (one source of truth).
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import re
+from dataclasses import asdict
+from pathlib import Path
+
+from fasttrain.memory.config import PRESET_NOTES, PRESETS, Setup, preset
+
+ASSETS = Path(__file__).with_name("assets")
+
+
+def _numbered(doc: str, letter: str) -> list[str]:
+    """The ``Q1 ...``/``D1 ...`` items of a module docstring, each joined into one line."""
+    items, current = [], None
+    for line in doc.splitlines():
+        m = re.match(rf"^{letter}(\d+)\s+(.*)", line)
+        if m:
+            if current:
+                items.append(current)
+            current = f"{letter}{m.group(1)}: {m.group(2).strip()}"
+        elif current is not None and line.startswith("    ") and line.strip():
+            current += " " + line.strip()
+        elif current is not None:
+            items.append(current)
+            current = None
+    if current:
+        items.append(current)
+    return items
+
+
+def quirks() -> list[str]:
+    from fasttrain.memory import playbook
+
+    return _numbered(playbook.__doc__, "Q")
+
+
+def differences() -> list[str]:
+    from fasttrain.memory import precise
+
+    return _numbered(precise.__doc__, "D")
+
+
+def _setup_dict(s: Setup) -> dict:
+    d = asdict(s)
+    d["kv_heads"] = s.g
+    return d
+
+
+def render(setup: Setup | None = None, mode: str = "precise", preset_name: str = "llama3-8b") -> str:
+    """The page's HTML, starting at ``setup`` (default: the preset) in ``mode``."""
+    from fasttrain.memory.cost import PUBLISHED
+
+    if setup is None:
+        setup = preset(preset_name)
+    presets = {name: _setup_dict(preset(name)) for name in PRESETS}
+    published = {}
+    for name, (arch, tokens, _seq, hours) in PUBLISHED.items():
+        # shown when the architecture preset is selected with the published token count
+        published[arch] = {"run": name, "tokens": tokens, "gpu_hours": hours}
+    js = (ASSETS / "memory.js").read_text()
+    page = (ASSETS / "page.html").read_text()
+
+    def esc(items):
+        # ``code`` in the docstrings -> <code>code</code>, the rest escaped
+        return json.dumps([re.sub(r"``(.+?)``", r"<code>\1</code>", html.escape(x, quote=False)) for x in items])
+
+    for key, value in {
+        "/*MEMORY_JS*/": js,
+        "/*PRESETS*/": json.dumps(presets),
+        "/*PRESET_NOTES*/": json.dumps(PRESET_NOTES),
+        "/*PUBLISHED*/": json.dumps(published),
+        "/*INITIAL*/": json.dumps({"setup": _setup_dict(setup), "mode": mode,
+                                   "preset": preset_name if _setup_dict(setup) == presets.get(preset_name) else "custom"}),
+        "/*QUIRKS*/": esc(quirks()),
+        "/*DIFFS*/": esc(differences()),
+    }.items():
+        assert key in page, key
+        page = page.replace(key, value.replace("</script", "<\\/script"))
+    return page
+
+
+def write_page(path, setup: Setup | None = None, mode: str = "precise", preset: str = "llama3-8b") -> Path:
+    out = Path(path)
+    if out.parent and not out.parent.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(render(setup, mode, preset))
+    return out

@@ -1,0 +1,362 @@
+"""``precise`` mode: the peak memory of one GPU, tensor by tensor, phase by phase.
+
+Where ``playbook`` sums four numbers, ``precise`` follows one training step of the reference
+implementation (``fasttrain.memory.gpt``; validated against ``torch.cuda.max_memory_allocated``
+by ``fasttrain.memory.validate``) and reports the largest amount alive at any moment. The
+differences from the widget (D1-D14 in MODEL.md, each tested in ``tests/test_memory_precise.py``):
+
+D1  Feed-forward weights from h_ff: 2 h h_ff (ReLU/GELU) or 3 h h_ff (SwiGLU).
+D2  Untied output projection: + v h (``tied`` keeps the widget's single matrix).
+D3  Grouped-query attention: K and V projections are h x (g d), d = h / a.
+D4  Position embeddings only when learned (RoPE has none); biases and norm weights as the model
+    has them (Llama: none, and h per RMSNorm).
+D5  Tensor parallelism shards weights, gradients and optimizer state: column/row-parallel matrices
+    and the vocabulary (padded to a multiple of t) / t; norms, row-parallel biases and position
+    embeddings stay replicated. Key/value heads are replicated when t > g.
+D6  Sequence parallelism divides every activation by t, the attention scores too (Q8), and the
+    layer inputs kept by full recomputation (Q10).
+D7  Vocabulary-parallel cross-entropy: logits / t with or without sequence parallelism (Q9).
+D8  Activations as the implementation keeps them: norm inputs in the residual dtype (fp32 under
+    autocast) plus fp32 row statistics; softmax output in fp32 under autocast plus its bf16 copy;
+    dropout masks only with dropout (Llama has none); K and V repeated to all heads in eager
+    attention with GQA; with flash attention no s^2 term, but the fused QKV output, the rotated
+    q and k, the output and the fp32 log-sum-exp; autocast's bf16 copies of the weights.
+D9  Output layer: fp32 log-probabilities kept for backward; at the start of backward the
+    log-softmax gradient needs two more fp32 s b v tensors.
+D10 Phases: the total is the peak over the moments of a step (end of forward, each backward
+    stage, the optimizer step), with gradients alive only from their backward stage to the
+    optimizer step (``zero_grad(set_to_none=True)``) unless ``grad_buffers``.
+D11 Backward working memory of the layer being differentiated: the gradients of the attention
+    scores (eager), the flash-attention gradient buffers, the MLP intermediates' gradients, the
+    norm backward and the residual gradient stream.
+D12 Full recomputation: the layer being recomputed holds all its activations during its
+    backward (the widget counts only the layer inputs).
+D13 Optimizer step temporaries: PyTorch's foreach AdamW allocates one fp32 copy of the
+    parameters (sqrt of the second moment); fused AdamW none.
+D14 Framework overhead: cuBLAS workspaces (32 MiB per thread and stream on Hopper; forward and
+    autograd threads), buffers (causal mask s^2 bytes, RoPE tables) and the token ids. The CUDA
+    context (about 0.5 GiB) and allocator fragmentation are outside ``max_memory_allocated`` and
+    are not counted.
+
+Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
+buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
+"""
+
+from __future__ import annotations
+
+import math
+
+from fasttrain.memory.breakdown import Breakdown, Line
+from fasttrain.memory.config import Setup, check
+
+MiB = 1024 ** 2
+
+
+def dims(s: Setup) -> dict:
+    """Per-rank sizes: local heads, widths and vocabulary under tensor parallelism t."""
+    t = s.tp
+    d = s.hidden // s.heads
+    g_local = s.g // t if s.g % t == 0 else 1          # KV heads replicated when t > g
+    return {
+        "t": t, "r": t if s.seq_parallel else 1, "d": d,
+        "a_l": s.heads // t, "hl": (s.heads // t) * d, "kvl": g_local * d,
+        "f_l": s.ffn // t, "v_l": -(-s.vocab // t), "N": s.seq * s.micro_batch,
+    }
+
+
+def dtypes(s: Setup) -> dict:
+    """Bytes per element of each kind of tensor under the precision setting."""
+    mixed, amp = s.precision == "mixed", s.precision == "amp"
+    return {
+        "param": 2 if mixed else 4, "grad": 2 if mixed else 4, "opt": s.opt_bytes + (4 if mixed else 0),
+        "R": 2 if mixed else 4,          # residual stream (norm inputs): fp32 under autocast
+        "C": 4 if s.precision == "fp32" else 2,   # matmul inputs and everything bf16
+        "Dsm": 2 if mixed else 4,        # softmax output: autocast runs softmax in fp32
+        "cast": amp,                     # autocast makes bf16 copies (weights, softmax output, logits)
+        "stat": 4 * (1 if s.norm == "rms" else 2),  # fp32 rstd (RMSNorm) or mean + rstd (LayerNorm)
+    }
+
+
+def param_counts(s: Setup, t: int | None = None) -> dict:
+    """Parameters per rank (``t`` = tensor-parallel size; 1 gives the whole model)."""
+    t = s.tp if t is None else t
+    h, d, f = s.hidden, s.hidden // s.heads, s.ffn // t
+    hl, g_l = (s.heads // t) * d, (s.g // t if s.g % t == 0 else 1)
+    kvl, v_l = g_l * d, -(-s.vocab // t)
+    n_up = 2 if s.ffn_act == "swiglu" else 1
+    attn_w = h * (hl + 2 * kvl) + hl * h                         # fused QKV (column) + output (row)
+    mlp_w = n_up * h * f + f * h                                 # up/gate (column) + down (row)
+    attn_b = (hl + 2 * kvl) + h if s.bias else 0                 # column bias / t, row bias replicated
+    mlp_b = n_up * f + h if s.bias else 0
+    norm = h + (h if s.norm == "layer" and s.bias else 0)
+    layer = attn_w + attn_b + mlp_w + mlp_b + 2 * norm
+    embed = v_l * h
+    pos = s.seq * h if s.pos == "learned" else 0
+    head = 0 if s.tied else v_l * h
+    total = s.layers * layer + embed + pos + head + norm
+    return {"attn_w": attn_w, "attn_b": attn_b, "mlp_w": mlp_w, "mlp_b": mlp_b, "norm": norm, "layer": layer,
+            "embed": embed, "pos": pos, "head": head, "final_norm": norm, "total": total}
+
+
+def _eager_core(Dsm: int, C: int, cast: bool, dropout: bool, mask: int = 1):
+    """Eager attention core: ``(kept, events, fwd)``.
+
+    ``kept``: bytes per a s^2 b element kept for backward. ``events``: the moments of its backward
+    as (bytes per a s^2 b element alive, extra s b h/t tensors of C bytes alive beside what is
+    kept). ``fwd``: extra bytes per element during its forward.
+
+    forward: S = q k^T (C); S*scale (C); masked (C); [autocast: fp32 copy]; P = softmax (Dsm, kept);
+             [dropout: mask (kept), P_d]; [autocast: bf16 copy of P or P_d, kept by P V];
+             without dropout or autocast P itself is what P V keeps.
+    backward: P V gives dP (in the kept operand's dtype) and dV while dO and V are still alive;
+              then V is released and dO freed, dV waits; [cast dP to fp32]; [dropout backward];
+              softmax backward dS = P (dP - sum dP P) holds P, dP, dS at once; [dS back to
+              bf16]; masked_fill backward and the scale's backward each make one new C tensor.
+    """
+    pv = C if cast else Dsm                       # dtype of the operand P V keeps
+    kept = Dsm + (mask + pv if dropout else (C if cast else 0))
+    events = [(kept + pv, 2)]                     # dP, with dO and dV beside it (V still kept)
+    live = kept - (pv if (dropout or cast) else 0) + pv   # the P V operand is released (P stays if shared)
+    if cast:
+        events.append((live + Dsm, 0))            # dP cast to fp32
+        live = live - pv + Dsm
+    if dropout:
+        events.append((live + Dsm, 0))            # dP = dP_d * mask * scale
+        live = live - Dsm - mask + Dsm            # frees dP_d and the mask
+    events.append((live + Dsm, 0))                # dS: P, dP, dS alive
+    live = Dsm                                    # P and dP released
+    if cast:
+        events.append((live + C, 0))              # dS back to bf16
+    events.append((2 * C, 0))                     # masked_fill backward, then the scale's backward
+    fwd = C + (Dsm if cast else 0)                # masked scores (+ their fp32 copy) beside P
+    if dropout and cast:
+        fwd = max(fwd, Dsm)                       # fp32 dropped scores before their bf16 copy
+    return kept, events, fwd
+
+
+def layer_terms(s: Setup, mask_bytes: int = 1) -> dict:
+    """Bytes one transformer layer keeps for backward, by part, and its backward working memory.
+
+    ``mask_bytes``: a dropout mask's bytes per element: 1 (bool) with CUDA's fused dropout; the
+    CPU tests pass 4 (PyTorch's CPU dropout keeps a float mask)."""
+    D, T = dims(s), dtypes(s)
+    N, r, hl, kvl, f_l, a_l = D["N"], D["r"], D["hl"], D["kvl"], D["f_l"], D["a_l"]
+    h, R, C, Dsm, cast = s.hidden, T["R"], T["C"], T["Dsm"], T["cast"]
+    P = param_counts(s)
+    nh = N * h / r                                   # a replicated (or sequence-parallel) s b h tensor
+    unit = a_l * s.seq * s.seq * s.micro_batch       # one a s^2 b tensor on this rank
+    drop = mask_bytes if s.dropout else 0
+    rope = s.pos == "rope"
+    flash = s.attention == "flash"
+    qkv_out = C * N * (hl + 2 * kvl)                  # fused QKV output (kept whole by a view of v)
+    rotated = C * N * (hl + kvl) if rope else 0       # rotated q and k (new tensors)
+    kept_p, events_p, fwd_p = _eager_core(Dsm, C, cast, s.dropout, mask_bytes)
+    # q, k, v as q k^T and P V keep them. The batched matmuls copy an operand they cannot view
+    # as (b a) batches, which happens unless b = 1; repeating K and V for GQA copies them unless
+    # there is one KV head (a stride-0 view). RoPE makes new q and k. What is not copied is kept
+    # as a view: of the rotated q or k, or of the fused QKV output, which then stays whole.
+    b1 = s.micro_batch == 1
+    g_l = kvl // D["d"]
+    k_copied = (g_l > 1 and kvl < hl) or not b1       # also V
+    q_view_qkv = b1 and not rope
+    k_view_qkv = not k_copied and not rope
+    eager_qkv = C * N * hl * (int(not b1) + 2 * int(k_copied))
+    if b1 and rope:
+        eager_qkv += C * N * hl                       # rotated q kept itself
+    if not k_copied and rope:
+        eager_qkv += C * N * kvl                      # rotated k kept itself
+    if q_view_qkv or k_view_qkv or not k_copied:
+        eager_qkv += qkv_out                          # views of the fused output (v at least)
+    if k_copied:
+        v_release = C * N * hl                        # P V's backward frees its copy of V
+    else:
+        v_release = 0 if (q_view_qkv or k_view_qkv) else qkv_out
+    eager_core = eager_qkv + kept_p * unit
+    if s.recompute == "selective":
+        # the core recomputed from its kept inputs: only the copies are new
+        recomputed = C * N * hl * (int(not b1) + 2 * int(k_copied)) + kept_p * unit
+        v_release = C * N * hl if k_copied else 0
+    else:
+        recomputed = eager_core
+    if flash:
+        core = qkv_out + rotated + 4 * a_l * s.micro_batch * s.seq      # + fp32 log-sum-exp
+    elif s.recompute == "selective":
+        core = qkv_out + rotated                      # checkpoint keeps only its inputs q, k, v
+    else:
+        core = eager_core
+    weight_copies = 2 if cast else 0
+    norm = R * nh + T["stat"] * N / r
+    attn = {
+        "norm1": norm,
+        "qkv_input": C * nh,
+        "core": core,
+        "proj_input": C * N * hl,                     # attention output (flash: the same storage as O)
+        "dropout_mask": drop * nh,
+        "weight_copies": weight_copies * (P["attn_w"] + P["attn_b"]),
+    }
+    n_mlp = {"relu": 1, "gelu": 2, "swiglu": 4}[s.ffn_act]
+    mlp = {
+        "norm2": norm,
+        "mlp_input": C * nh,
+        "mlp_hidden": n_mlp * C * N * f_l,            # relu: y; gelu: z, gelu(z); swiglu: gate|up, silu, product
+        "dropout_mask": drop * nh,
+        "weight_copies": weight_copies * (P["mlp_w"] + P["mlp_b"]),
+    }
+    # backward working memory (beyond what is kept), per part
+    # MLP backward: step 1, the down projection's backward, makes d(hidden) while the gradient of
+    # its output is alive (a new tensor when dropout or autocast made one); step 2, the
+    # activation's backward: ReLU and SwiGLU hold two hidden-size gradients beyond what is kept,
+    # GELU one (its kept output was released in step 1).
+    # Under autocast the down projection's weight gradient is first bf16, then cast to fp32.
+    branch = C * nh if (s.dropout or cast) else 0
+    wgrad16 = 2 * (P["mlp_w"] // ({"swiglu": 3}.get(s.ffn_act, 2))) if cast else 0
+    mlp_extra = max(C * N * f_l + branch + wgrad16, {"relu": 2, "gelu": 1, "swiglu": 2}[s.ffn_act] * C * N * f_l)
+    if flash:
+        # dO beside dq, dk, dv and the fp32 row sums of dO * O
+        attn_extra = C * N * hl + C * N * (hl + 2 * kvl) + 4 * a_l * s.micro_batch * s.seq
+        if C == 2:
+            attn_extra += 4 * N * hl                  # flash-attention's fp32 dq accumulator
+        if kvl < hl:
+            attn_extra += 2 * C * N * hl              # dk, dv for every query head, then summed
+        attn_fwd = 0.0
+    else:
+        # the worst moment of the core's backward: dO and dV beside dP at P V's backward, then
+        # dV alone, with what releasing V freed
+        attn_extra = max((u - kept_p) * unit + (2 * C * N * hl if n else C * N * hl - v_release)
+                         for u, n in events_p)
+        attn_fwd = fwd_p * unit
+    stream = R * nh                                   # the residual stream's gradient
+    # norm backward: its output's gradient dy (the norm's output dtype, R) beside the new dx;
+    # RMSNorm's reference backward also holds xhat, dy*w and two fp32 temporaries (4 x 4 bytes),
+    # LayerNorm's fused kernel only dx
+    norm_extra = (4 * 4 if s.norm == "rms" else R) * nh + R * nh
+    return {"attn": attn, "mlp": mlp, "eager_core": eager_core, "recomputed_core": recomputed,
+            "mlp_extra": mlp_extra, "attn_extra": attn_extra, "attn_fwd": attn_fwd, "stream": stream,
+            "norm_extra": norm_extra, "checkpoint": R * nh, "norm": norm}
+
+
+def estimate(s: Setup, mask_bytes: int = 1) -> Breakdown:
+    """The peak bytes on one GPU during a training step, with the lines alive at that moment."""
+    check(s, "precise")
+    D, T, P = dims(s), dtypes(s), param_counts(s)
+    N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
+    C, R = T["C"], T["R"]
+    L = s.layers
+    dpz = s.dp
+    lt = layer_terms(s, mask_bytes)
+    attn_part = sum(lt["attn"].values())
+    mlp_part = sum(lt["mlp"].values())
+    full = s.recompute == "full"
+    nh = N * h / r
+
+    # --- persistent: parameters, optimizer state, buffers, inputs, workspaces -------------------
+    n_local = P["total"]
+    params_b = T["param"] * n_local / (dpz if s.zero >= 3 else 1)
+    opt_b = T["opt"] * n_local / (dpz if s.zero >= 1 else 1)
+    grad_scale = T["grad"] / (dpz if s.zero >= 2 else 1)     # bytes per parameter of gradient on this rank
+    grads_all = grad_scale * n_local
+    d_head = s.hidden // s.heads
+    buffers = (s.seq * s.seq if s.attention == "eager" else 0)            # bool causal mask
+    if s.pos == "rope":
+        buffers += 2 * s.seq * d_head * 4 + (2 * s.seq * d_head * 2 if C == 2 else 0)   # cos, sin (+ bf16)
+    inputs = 16 * N                                                        # int64 token ids and targets
+    workspace = s.workspace_mib * MiB
+    persistent = params_b + opt_b + buffers + inputs + workspace
+
+    # --- kept for backward at the end of the forward pass --------------------------------------
+    head_part = {
+        "final_norm": lt["norm"],
+        "head_input": C * nh,
+        "head_weight_copy": (2 * v_l * h) if T["cast"] else 0,
+        "log_probs": 4 * N * v_l,
+    }
+    emb_part = (mask_bytes if s.dropout else 0) * nh
+    per_layer = lt["checkpoint"] if full else attn_part + mlp_part
+    saved_all = L * per_layer + sum(head_part.values()) + emb_part
+    logits_c = C * N * v_l
+
+    zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 else 0   # gathered weights: current + prefetch
+    moments: list[tuple[str, float, float, float]] = []         # (name, kept, grads, transient)
+
+    def grads(now):
+        return grads_all if s.grad_buffers else now
+
+    # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
+    # recomputation the autocast cache still holds every layer's bf16 weight copies
+    fwd_extra = logits_c + (4 * N * v_l if C == 2 else 0)
+    if T["cast"] and full:
+        fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
+    moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
+    # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
+    moments.append(("backward: log-softmax", saved_all, grads(0), 8 * N * v_l))
+    g_now = grad_scale * (P["head"] if not s.tied else P["embed"])
+    moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
+                    logits_c + C * nh + (2 * v_l * h if T["cast"] else 0) + zero3 / 2))
+    saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
+    g_now += grad_scale * P["final_norm"]
+    moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
+    saved -= head_part["final_norm"]
+    layer_mlp_grads = grad_scale * (P["mlp_w"] + P["mlp_b"] + P["norm"])
+    layer_attn_grads = grad_scale * (P["attn_w"] + P["attn_b"] + P["norm"])
+    for i in range(L, 0, -1):
+        tag = f"layer {i}"
+        if full:
+            # recomputation: the layer's forward again, all its activations kept again
+            saved += attn_part + mlp_part - lt["checkpoint"]
+            moments.append((f"backward {tag}: recompute", saved - mlp_part, grads(g_now), lt["attn_fwd"] + zero3))
+        down = grad_scale * (D["f_l"] * h + (h if s.bias else 0))       # down projection, done first
+        moments.append((f"backward {tag}: MLP", saved - lt["mlp"]["dropout_mask"], grads(g_now + down),
+                        lt["mlp_extra"] + lt["stream"] + zero3))
+        saved -= mlp_part - lt["mlp"]["norm2"]
+        g_now += layer_mlp_grads
+        moments.append((f"backward {tag}: norm 2", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+        saved -= lt["mlp"]["norm2"]
+        extra = lt["attn_extra"] + lt["stream"] + zero3
+        if s.recompute == "selective" and s.attention == "eager":
+            extra += lt["recomputed_core"]          # the core's forward again, kept for its backward
+        proj = grad_scale * (D["hl"] * h + (h if s.bias else 0))      # output projection, done first
+        # eager: the output projection's backward has released its input before the core's
+        # (and the residual dropout's backward, first of all, its mask)
+        done = lt["attn"]["dropout_mask"] + (0 if s.attention == "flash" else lt["attn"]["proj_input"])
+        moments.append((f"backward {tag}: attention", saved - done, grads(g_now + proj), extra))
+        saved -= attn_part - lt["attn"]["norm1"]
+        g_now += layer_attn_grads
+        moments.append((f"backward {tag}: norm 1", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+        saved -= lt["attn"]["norm1"]
+    g_now += grad_scale * (P["pos"] + (P["embed"] if not s.tied else 0))
+    # tied: the embedding's gradient is added out of place to the output projection's (new + sum)
+    moments.append(("backward: embedding", saved, grads(g_now), 2 * grad_scale * P["embed"] if s.tied else 0))
+    opt_temp = 4 * n_local / (dpz if s.zero >= 1 else 1) if s.optimizer == "foreach" else 0
+    moments.append(("optimizer step", 0, grads_all, opt_temp))
+
+    peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
+    total = persistent + kept + g_peak + transient
+    activations_all = saved_all
+    lines = [
+        Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
+             + (" / d (ZeRO-3)" if s.zero >= 3 else "")),
+        Line("gradients", g_peak, f"alive at the peak; all {grads_all / MiB:,.1f} MiB at the optimizer step"),
+        Line("optimizer", opt_b, f"{T['opt']} B/param" + (" incl. fp32 master" if s.precision == "mixed" else "")
+             + (" / d (ZeRO-1)" if s.zero >= 1 else "")),
+        Line("activations", kept, f"kept for backward at the peak; {activations_all / MiB:,.1f} MiB at the end of forward"),
+        Line("temporaries", transient, f"working memory at the peak ({peak_name})"),
+        Line("buffers + token ids", buffers + inputs, "causal mask, RoPE tables, int64 ids and targets"),
+        Line("framework", workspace, "cuBLAS workspaces (PyTorch's caching allocator)"),
+    ]
+    per = {"layer inputs (checkpoints)": lt["checkpoint"]} if full else {
+        **{f"attention: {k.replace('_', ' ')}": v for k, v in lt["attn"].items()},
+        **{f"MLP: {k.replace('_', ' ')}": v for k, v in lt["mlp"].items()}}
+    children = [Line(f"{k} (x {L})", v * L) for k, v in per.items() if v]
+    children += [Line(f"output: {k.replace('_', ' ')}", v) for k, v in head_part.items() if v]
+    if emb_part:
+        children.append(Line("embedding dropout mask", emb_part))
+    lines.append(Line("activations at the end of forward", activations_all, "not part of the total unless the "
+                      "peak is there", children=children, in_total=False))
+    notes = [f"peak at: {peak_name}",
+             "total = the largest sum alive at one moment of a step (not the sum of every line's maximum)",
+             "CUDA context (~0.5 GiB) and allocator fragmentation not included"]
+    extra = {"peak_moment": peak_name,
+             "moments": [{"name": n, "bytes": persistent + k + g + x} for n, k, g, x in moments],
+             "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments)}
+    return Breakdown(mode="precise", setup=s, lines=lines, total=total, params=param_counts(s, 1)["total"],
+                     notes=notes, extra=extra)
