@@ -166,7 +166,8 @@ ENGINE_CASES = [
     ("logreg", {}),  # persistent
     ("logreg", {"mode": "eager"}),
     ("logreg", {"mode": "eager", "fused": False}),
-    ("mlp:100x2", {}),  # persistent
+    ("mlp:100x2", {}),  # auto: graph (eager without a GPU)
+    ("mlp:100x2", {"mode": "persistent"}),
     ("mlp:100x2", {"mode": "eager"}),
     ("mlp:100x2", {"mode": "eager", "fused": False}),
 ]
@@ -187,8 +188,8 @@ def test_engine_fp32_parity(small_data, model, options):
     assert [len(record.epochs), record.epochs[-1]["steps"]] == [2, 1]
     assert abs(record.final["test_loss"] - ref.final["test_loss"]) < 1e-5
     assert record.final["test_acc"] == ref.final["test_acc"]
-    assert record.environment["mode"] == options.get("mode", "persistent") or (
-        options.get("mode") == "graph" and not GPU)
+    expected = options.get("mode") or ("persistent" if model == "logreg" else "graph")
+    assert record.environment["mode"] == (expected if GPU or expected != "graph" else "eager")
 
 
 def test_prepare_holds_initial_weights_and_drop_last(small_data):
@@ -223,10 +224,9 @@ def _ref(mnist, model, **config):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,options", [
-    ("logreg", {}), ("logreg", {"warps": 8}), ("logreg", {"programs": 1}), ("logreg", {"mode": "graph"}),
-    ("logreg", {"fp32_dot": "tf32x3"}),
-    ("logreg", {"mode": "graph", "fused": False}),
-    ("mlp:128x3", {}), ("mlp:128x3", {"mode": "graph"}),
+    ("logreg", {}), ("logreg", {"warps": 4}), ("logreg", {"warps": 16}), ("logreg", {"programs": 1}),
+    ("logreg", {"mode": "graph"}), ("logreg", {"fp32_dot": "tf32x3"}), ("logreg", {"mode": "graph", "fused": False}),
+    ("mlp:128x3", {}), ("mlp:128x3", {"mode": "persistent"}),
 ], ids=lambda v: str(v))
 def test_gpu_fp32_weight_parity_one_epoch(mnist, model, options):
     batch, lr = (128, 0.1) if model == "logreg" else (32, 0.003)
@@ -242,6 +242,7 @@ def test_gpu_fp32_weight_parity_one_epoch(mnist, model, options):
 @pytest.mark.parametrize("model,config,options", [
     ("logreg", dict(epochs=5, batch_size=128, lr=0.1), {}),
     ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {}),
+    ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {"mode": "persistent"}),
     ("mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), {"mode": "graph"}),
 ], ids=lambda v: str(v))
 def test_gpu_mixed_precision_tracks_reference(mnist, precision, model, config, options):

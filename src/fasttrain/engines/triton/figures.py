@@ -29,24 +29,17 @@ MLP = dict(steps=5000, batch_size=32, lr=0.003)
 
 PLAN = [
     # (label, engine, model, config, precision, options)
-    ("persistent, 49 programs x 4 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 49,
-                                                                            "warps": 4}),
-    ("persistent, 49 programs x 8 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 49,
-                                                                            "warps": 8}),
-    ("persistent, 25 programs x 8 warps", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 25,
-                                                                            "warps": 8}),
+    *[(f"persistent, {p} programs x {w} warps{', ' + dot if dot != 'ieee' else ''}", "triton", "logreg", LOGREG, prec,
+       {"mode": "persistent", "programs": p, "warps": w, **({"fp32_dot": dot} if dot != "ieee" else {})})
+      for p, w, prec, dot in [(49, 4, "fp32", "ieee"), (49, 8, "fp32", "ieee"), (49, 16, "fp32", "ieee"),
+                              (25, 8, "fp32", "ieee"), (49, 8, "fp32", "tf32x3"), (49, 8, "fp32", "tf32"),
+                              (49, 16, "fp32", "tf32"), (49, 8, "fp16", "ieee"), (49, 16, "fp16", "ieee"),
+                              (49, 8, "bf16", "ieee")]],
     ("persistent, 1 program", "triton", "logreg", LOGREG, "fp32", {"mode": "persistent", "programs": 1}),
-    ("persistent, 49 x 8, tf32x3", "triton", "logreg", LOGREG, "fp32",
-     {"mode": "persistent", "programs": 49, "warps": 8, "fp32_dot": "tf32x3"}),
-    ("persistent, 49 x 8, tf32", "triton", "logreg", LOGREG, "fp32",
-     {"mode": "persistent", "programs": 49, "warps": 8, "fp32_dot": "tf32"}),
-    ("persistent, 49 x 8", "triton", "logreg", LOGREG, "fp16", {"mode": "persistent", "programs": 49, "warps": 8}),
-    ("persistent, 49 x 8", "triton", "logreg", LOGREG, "bf16", {"mode": "persistent", "programs": 49, "warps": 8}),
     ("graph", "triton", "logreg", LOGREG, "fp32", {"mode": "graph"}),
     ("graph, unfused", "triton", "logreg", LOGREG, "fp32", {"mode": "graph", "fused": False}),
     ("eager", "triton", "logreg", LOGREG, "fp32", {"mode": "eager"}),
     ("persistent", "triton", "mlp:128x3", MLP, "fp16", {"mode": "persistent"}),
-    ("persistent, 8 warps", "triton", "mlp:128x3", MLP, "fp16", {"mode": "persistent", "warps": 8}),
     ("graph", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph"}),
     ("graph, unfused", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph", "fused": False}),
     ("eager", "triton", "mlp:128x3", MLP, "fp16", {"mode": "eager"}),
@@ -98,19 +91,20 @@ def markdown(rows: list[dict], kernels: list[dict], meta: dict) -> str:
         "`us/step` is all training time over all steps.",
         "",
         "| engine | model | precision | variant | launches/step | ms/epoch (2nd half) | us/step | setup ms "
-        "| test acc |",
-        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |",
+        "| test acc | max abs W err / max abs W (vs fp64) |",
+        "| --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: | ---: |",
     ]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['engine']} | {r['model']} | {r['precision']} | {r['label']} | | failed: "
-                         f"{r['error'][:80]} | | | |")
+                         f"{r['error'][:80]} | | | | |")
             continue
         lps = r.get("launches_per_step")
         lines.append(
             f"| {r['engine']} | {r['model']} | {r['precision']} | {r['label']} | "
             f"{'' if lps is None else format(lps, '.3g')} | {r['avg_epoch_ms_second_half']:.2f} | "
-            f"{r['us_per_step']:.2f} | {r['setup_ms']:.0f} | {r['test_acc']:.4f} |")
+            f"{r['us_per_step']:.2f} | {r['setup_ms']:.0f} | {r['test_acc']:.4f} | "
+            f"{format(r['weight_error_vs_fp64'], '.1e') if 'weight_error_vs_fp64' in r else ''} |")
     if kernels:
         lines += ["", "## Kernels (median of `triton.testing.do_bench`)", "",
                   "| kernel | shape / config | precision | us | GFLOP/s | GB/s |", "| --- | --- | --- | ---: | ---: | ---: |"]
@@ -142,6 +136,7 @@ def main(argv=None) -> None:
     from fasttrain.contract import default_config, parse_model
     from fasttrain.data.datasets import load_dataset
     from fasttrain.engines import get_engine
+    from fasttrain.parity import reference_run, weight_error
     from fasttrain.training import run
 
     out = Path(args.out)
@@ -155,7 +150,7 @@ def main(argv=None) -> None:
     for engine in [e for e in args.compare.split(",") if e]:
         plan += [(f"{engine} {' '.join(f'--{k} {v}' for k, v in opts.items()) or 'defaults'}", engine, model, cfg,
                   prec, opts) for model, cfg, prec, opts in COMPARE.get(engine, []) if not only or model in only]
-    rows, records, kernels = [], [], []
+    rows, records, kernels, references = [], [], [], {}
     began = time.perf_counter()
 
     def save():
@@ -174,8 +169,12 @@ def main(argv=None) -> None:
                 raise RuntimeError(f"unavailable: {reason}")
             spec = parse_model(model)
             config = default_config(spec, precision=precision, eval_every=10**6, **cfg)
-            record, _ = run(engine, spec, config, data, options)
+            record, weights = run(engine, spec, config, data, options)
             row = summarize(label, engine, model, precision, options, record)
+            if model == "logreg":  # parity after 20 epochs against the float64 reference (cheap for logreg)
+                if "logreg" not in references:
+                    references["logreg"] = reference_run(model, config, data)[1]
+                row["weight_error_vs_fp64"] = weight_error(weights, references["logreg"])
             records.append(record.to_dict())
         except Exception as exc:  # record the failure, keep going
             row = {"engine": engine, "label": label, "model": model, "precision": precision, "options": options,
