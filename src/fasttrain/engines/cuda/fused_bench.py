@@ -98,6 +98,9 @@ LOGREG_PHASES = {
                            5: "wait g", 6: "backward"},
     "fused_logreg_v3.cu": {0: "loop", 8: "fwd compute", 1: "fence+bar+scatter", 2: "convert next", 3: "wait partials",
                            9: "softmax", 10: "fence+bar", 4: "gather issue+stats", 5: "wait g", 6: "backward"},
+    "fused_logreg_v4.cu": {0: "loop", 8: "fwd compute", 1: "fence+bar+scatter+stats", 2: "convert next",
+                           3: "wait partials", 9: "softmax", 10: "fence+bar", 4: "gather issue+X frags", 5: "wait g",
+                           6: "backward"},
 }
 PRODUCER = {16: "wait stage", 17: "issue"}
 
@@ -211,10 +214,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if args.profile:
         data = load_dataset("mnist", args.data_dir)
-        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=6), dict(cluster=5),
-                                    dict(cluster=4), dict(cluster=7, version="fused_logreg_v2.cu"),
-                                    dict(cluster=7, version="fused_logreg_v2.cu", prof=True)])
-        res += profile_mlp(data) + profile_mlp(data, "fused_mlp_v1.cu")
+        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=7, version="fused_logreg_v3.cu")])
+        res += profile_mlp(data, "fused_mlp_v3.cu")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
         return 0
@@ -254,11 +255,17 @@ def main(argv=None) -> int:
                       + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
                       flush=True)
         if key in ("mlp:1024x3", "mlp:8192x3") and not args.quick:
-            v = time_variant(data, model, overrides, 7, "fp16", version="fused_step_v1.cu")
-            variants.append(v)
-            print(f"  variant {model} rung 7 fused_step_v1: {v['run_ms']:.1f} ms/run", flush=True)
+            for tuning in (dict(version="fused_step_v1.cu", carveout=None), dict(version="fused_step_v2.cu")):
+                v = time_variant(data, model, overrides, 7, "fp16", **tuning)
+                variants.append(v)
+                print(f"  variant {model} rung 7 {tuning}: {v['run_ms']:.1f} ms/run", flush=True)
+        if key == "mlp:128x3" and not args.quick:
+            for version in ("fused_mlp_v1.cu", "fused_mlp_v2.cu"):
+                v = time_variant(data, model, overrides, 8, "fp16", version=version)
+                variants.append(v)
+                print(f"  variant {model} rung 8 {version}: {v['run_ms']:.1f} ms/run", flush=True)
         if key == "logreg" and not args.quick:
-            for cluster, version in ((4, "v3"), (5, "v3"), (6, "v3"), (7, "v3"), (7, "v2"), (7, "v1")):
+            for cluster, version in ((4, "v4"), (5, "v4"), (6, "v4"), (7, "v4"), (7, "v3"), (7, "v2"), (7, "v1")):
                 v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster, version=f"fused_logreg_{version}.cu")
                 variants.append(v)
                 print(f"  variant logreg rung 8 cluster {cluster}: {v['stats']['mean_second_half']:.3f} ms/epoch "
