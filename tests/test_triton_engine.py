@@ -168,11 +168,12 @@ ENGINE_CASES = [
     ("logreg", {"mode": "eager", "fused": False}),
     ("mlp:100x2", {}),  # auto: graph (eager without a GPU)
     ("mlp:100x2", {"mode": "persistent"}),
-    ("mlp:100x2", {"mode": "eager"}),
     ("mlp:100x2", {"mode": "eager", "fused": False}),
+    ("mlp:100x2", {"mode": "eager", "backward": "v3"}),
 ]
 if GPU:
-    ENGINE_CASES += [("logreg", {"mode": "graph"}), ("mlp:100x2", {"mode": "graph"}),
+    ENGINE_CASES += [("logreg", {"mode": "graph"}), ("mlp:100x2", {"mode": "eager"}),
+                     ("mlp:100x2", {"mode": "graph", "backward": "v3"}),
                      ("logreg", {"programs": 1}), ("logreg", {"programs": 13})]
 
 
@@ -243,7 +244,7 @@ def test_gpu_fp32_weight_parity_one_epoch(mnist, model, options):
     ("logreg", dict(epochs=5, batch_size=128, lr=0.1), {}),
     ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {}),
     ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {"mode": "persistent"}),
-    ("mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), {"mode": "graph"}),
+    ("mlp:1024x3", dict(steps=1000, batch_size=32, lr=0.003), {"mode": "graph"}),  # auto: backward v3
 ], ids=lambda v: str(v))
 def test_gpu_mixed_precision_tracks_reference(mnist, precision, model, config, options):
     ref, _ = _ref(mnist, model, **config)

@@ -42,6 +42,7 @@ AUTO_MLP_WIDTH = 0
 DEFAULT_PROGRAMS = 49  # logreg: 49 programs x 16 features
 DEFAULT_WARPS = 8  # measured: 2.35 ms/epoch vs 2.70 at 4 warps (H200, results/triton/)
 EVAL_CHUNK = 2048
+V3_MIN_WEIGHTS = 1 << 20  # backward v3 where W is big enough for its bytes to matter (1024 x 1024 and up)
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class TritonOptions:
     fp32_dot: str = option("ieee", "fp32 matrix products: ieee (exact fp32), tf32x3 (tensor cores, ~fp32 accuracy), "
                            "tf32 (tensor cores, 10-bit mantissa)", choices=("ieee", "tf32x3", "tf32"))
     fused: bool = option(True, "fused kernels (graph/eager modes); --no-fused runs the unfused version-1 kernels")
+    backward: str = option("auto", "hidden layers' backward in graph/eager modes: v2 = input-gradient kernel + "
+                           "fused dW/SGD kernel (W read twice); v3 = both in one pass over W (batch <= 64); "
+                           f"auto = v3 for layers of >= {V3_MIN_WEIGHTS} weights", choices=("auto", "v2", "v3"))
     warps: int = option(0, f"warps per program of the persistent kernels (0 = auto: {DEFAULT_WARPS} for logreg, "
                         "4 or 8 for MLPs by width)", choices=(0, 1, 2, 4, 8, 16))
 
@@ -94,6 +98,8 @@ class TritonEngine(Engine):
         if opts.programs > 1 and interp:
             raise FasttrainError("the interpreter runs programs one after another, so the grid barrier of "
                                  "--programs > 1 never opens; use --programs 1 without a GPU")
+        if opts.backward == "v3" and cfg.batch_size > 64:
+            raise FasttrainError("--backward v3 keeps the whole batch in one tile: batch <= 64; use --backward v2")
         if opts.mode == "persistent":
             if spec.is_logreg and cfg.batch_size > PERSISTENT_MAX_BATCH_LOGREG:
                 raise FasttrainError(f"--mode persistent supports logreg batches up to {PERSISTENT_MAX_BATCH_LOGREG}; "
@@ -135,6 +141,7 @@ class TritonSession(Session):
         self.prec = options.fp32_dot if cfg.precision == "fp32" else cfg.precision
         self.fused = options.fused
         self.warps = options.warps
+        self.backward = options.backward
         self.lr = float(cfg.lr)
         self.batch = cfg.batch_size
         self.n_train = data.n_train
@@ -258,7 +265,7 @@ class TritonSession(Session):
 
     def _step(self, k: int) -> None:
         """One SGD step of the graph/eager path: 3L-1 launches fused (more unfused)."""
-        from fasttrain.engines.triton.linear_backward import grad_input, sgd_update
+        from fasttrain.engines.triton.linear_backward import backward_fused, grad_input, sgd_update
         from fasttrain.engines.triton.linear_forward import linear, linear_xent
         from fasttrain.engines.triton.softmax_xent import softmax_xent
 
@@ -282,6 +289,9 @@ class TritonSession(Session):
             softmax_xent(self.z, self.y, self.d[-1], self.loss, self.correct, idx=self.idx, start=start, m=m, step=k)
         for l in range(n_layers - 1, -1, -1):
             w, b = self.layers[l]
+            if l > 0 and self._v3(w):  # input gradient and update in one pass over W_l
+                backward_fused(self.act[l - 1], self.d[l], w, b, self.d[l - 1], self.lr, m=m, m_max=mb, prec=prec)
+                continue
             if l > 0:  # d_{l-1} = (d_l @ W_l.T) * [h_l > 0], before W_l changes
                 grad_input(self.d[l], w, self.act[l - 1], self.d[l - 1], m=m, m_max=mb, prec=prec)
             src = self.x if l == 0 else self.act[l - 1]
@@ -289,12 +299,19 @@ class TritonSession(Session):
             sgd_update(src, self.d[l], w, b, self.lr, m=m, m_max=mb, prec=prec, version=version,
                        scratch=self.scratch[l] if self.scratch else None, **gather)
 
+    def _v3(self, w) -> bool:
+        """Backward version 3 for this hidden-input layer?"""
+        if not self.fused or self.backward == "v2" or self.batch > 64:
+            return False
+        return self.backward == "v3" or w.numel() >= V3_MIN_WEIGHTS
+
     def launches_per_step(self) -> float:
         n = len(self.layers)
         if self.mode == "persistent":
             return 1.0 / max(1, len(self.bounds))
         fwd = (n - 1) * (1 if self.fused else 2) + (1 if self.fused else 3)
         bwd = (n - 1) + n * (1 if self.fused else 3)
+        bwd -= sum(1 for w, _ in self.layers[1:] if self._v3(w))
         return float(fwd + bwd)
 
     # --- Session protocol ----------------------------------------------------------------------
@@ -352,6 +369,8 @@ class TritonSession(Session):
             "torch": torch.__version__,
             "mode": self.mode,
             "kernels": "fused" if self.fused else "unfused (version 1)",
+            "backward_v3_layers": [l for l, (w, _) in enumerate(self.layers) if l > 0 and self._v3(w)]
+            if self.mode != "persistent" else [],
             "dot_precision": self.prec,
             "launches_per_step": self.launches_per_step(),
             "cuda_graph": bool(self.graphs),

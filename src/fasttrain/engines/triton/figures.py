@@ -41,14 +41,17 @@ PLAN = [
     ("eager", "triton", "logreg", LOGREG, "fp32", {"mode": "eager"}),
     ("persistent", "triton", "mlp:128x3", MLP, "fp16", {"mode": "persistent"}),
     ("graph", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph"}),
+    ("graph, backward v3", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph", "backward": "v3"}),
     ("graph, unfused", "triton", "mlp:128x3", MLP, "fp16", {"mode": "graph", "fused": False}),
     ("eager", "triton", "mlp:128x3", MLP, "fp16", {"mode": "eager"}),
     ("persistent", "triton", "mlp:128x3", MLP, "fp32", {"mode": "persistent"}),
     ("graph", "triton", "mlp:128x3", MLP, "fp32", {"mode": "graph"}),
     ("graph", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph"}),
+    ("graph, backward v2", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph", "backward": "v2"}),
     ("graph, unfused", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph", "fused": False}),
     ("eager", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "eager"}),
     ("graph", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph"}),
+    ("graph, backward v2", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "backward": "v2"}),
     ("graph, unfused", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "fused": False}),
 ]
 
