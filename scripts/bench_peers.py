@@ -4,9 +4,12 @@
     ... --suite mlp    (mlp:128x3 / mlp:1024x3 / mlp:8192x3, 5000 steps, batch 32, lr 0.003, fp16)
 
 Every row is one ``fasttrain.training.run`` (the shared driver times it: setup apart, epochs
-synchronized); its full run record goes to ``<out>/<suite>-<gpu>.json`` and a summary line to
-``<out>/<suite>-<gpu>.csv``, both rewritten after each row so a run cut short keeps what it
+synchronized); its full run record goes to ``<out>/<suite>[-<tag>]-<gpu>.json`` and a summary line
+to the ``.csv`` beside it, both rewritten after each row so a run cut short keeps what it
 finished. A row that fails is recorded with its error, not dropped. Figures are never typed in.
+Run torch and JAX rows in separate processes (``--only torch-eager,torch-fast --tag torch`` and
+``--only jax --tag jax``): each framework's runtime threads and allocator then stay out of the
+other's timings.
 """
 
 from __future__ import annotations
@@ -62,11 +65,11 @@ def mlp_rows():
     for width in MLP_WIDTHS:
         model = f"mlp:{width}x3"
         rows += [
+            ("all on (default)", "torch-fast", {}, "fp16", model),
+            ("autograd, compile, fused SGD, CUDA graph", "torch-fast", AUTOGRAD, "fp16", model),
+            ("eager", "torch-eager", {}, "fp16", model),
             ("jit(lax.scan) (default)", "jax", {}, "fp16", model),
             ("jit(lax.scan), unroll 1", "jax", {"unroll": 1}, "fp16", model),
-            ("eager", "torch-eager", {}, "fp16", model),
-            ("autograd, compile, fused SGD, CUDA graph", "torch-fast", AUTOGRAD, "fp16", model),
-            ("all on (default)", "torch-fast", {}, "fp16", model),
         ]
     return rows
 
@@ -98,6 +101,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--deadline", type=float, default=0, help="skip rows that start after this many seconds")
     parser.add_argument("--only", default="", help="comma-separated engines to run (default: all)")
+    parser.add_argument("--tag", default="", help="added to the output file names (e.g. torch, jax)")
     parser.add_argument("--widths", default="", help="mlp widths to run, e.g. 128,1024 (default: all three)")
     parser.add_argument("--skip", default="", help="comma-separated row numbers (1-based) to leave out")
     args = parser.parse_args(argv)
@@ -105,7 +109,8 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     slug = machine_slug()
-    json_path, csv_path = out / f"{args.suite}-{slug}.json", out / f"{args.suite}-{slug}.csv"
+    stem = "-".join(part for part in (args.suite, args.tag, slug) if part)
+    json_path, csv_path = out / f"{stem}.json", out / f"{stem}.csv"
     data = load_dataset("mnist", args.data_dir)
     if args.suite == "logreg":
         rows = [(label, engine, opts, prec, "logreg") for label, engine, opts, prec in LOGREG_ROWS]

@@ -62,6 +62,11 @@ GROWTH_INTERVAL = 2000  # GradScaler's default: double the loss scale after this
 # A whole-epoch graph is captured only when its memory pool, extrapolated from a 1-step and a
 # 3-step probe capture, stays under this share of the free GPU memory; else step graphs.
 EPOCH_GRAPH_MEMORY_SHARE = 0.4
+# "global" capture is broken by a CUDA call from any thread of the process, and a JAX runtime that
+# has run in the same process keeps threads that make such calls (seen on an H200: the capture
+# failed after JAX had trained, and the CUDA context was unusable afterwards); "thread_local" only
+# forbids them on the capturing thread. Kernels reach the capturing stream from any thread either way.
+CAPTURE_MODE = "thread_local"
 
 
 def resolve_options(options, precision: str, device: torch.device) -> dict:
@@ -301,7 +306,7 @@ class FastSession(Session):
 
     def _capture(self, steps: int):
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
             for k, (start, stop) in enumerate(self.bounds[:steps]):
                 self._step((self.X, self.Y, self.order_static[start:stop]), self.stats[k])
         return graph
@@ -341,7 +346,7 @@ class FastSession(Session):
             idx = torch.arange(size, device=self.device)
             stats = torch.zeros(2, dtype=self.dtype, device=self.device)
             graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
+            with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
                 self._step((self.X, self.Y, idx), stats)
             graph.replay()
             self.step_idx[size], self.step_stats[size], self.graphs[size] = idx, stats, graph
