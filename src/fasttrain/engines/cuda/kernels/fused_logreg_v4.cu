@@ -19,7 +19,8 @@
 //       and backward fragments loaded up front (all ldmatrix, then the mma chains; the backward's X
 //       fragments are loaded before waiting for g); the per-step loss sums moved into the exchange latency of
 //       the next step; a completion flag written last into the host-mapped output (the host spins on it
-//       instead of sleeping in cudaStreamSynchronize).
+//       instead of sleeping in cudaStreamSynchronize). No bulk copy to the own CTA (compute-sanitizer's memcheck
+//       rejects a shared::cluster destination in the issuing CTA): the own partials are read from `mine`.
 //
 // The math per step (B' rows, x = pixel/255, X_int = pixels as exact integers):
 //   logits = (X_int @ W16) / 255 + b ; g = softmax(logits) - onehot(y) ; W^T -= lr/(255 B') g^T @ X_int ;
@@ -137,7 +138,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     const int r_lo = rank * RPC, my_rows = rows_of(rank);
     // per-step partial sums (loss, correct) of each softmax warp of each CTA: [steps][C][SMW][2] in row_loss
     float* step_part = row_loss + (size_t)rank * SMW * 2;   // index ((s * C) ... ) via the stride below
-    const u32 tx_rs = C * my_rows * PS * 4;               // every CTA sends us its partials of our rows
+    const u32 tx_rs = (C - 1) * my_rows * PS * 4;         // every other CTA sends us its partials of our rows
     const u32 tx_ag = (BP - my_rows) * DS * 2;            // every other CTA sends us g of its rows
 
     if (tid < STAGES) {
@@ -297,7 +298,7 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
             PROF_T(8);
             fence_proxy_async();      // generic stores -> visible to the bulk-copy engine
             named_sync(1, NCT);
-            if (lane == 0 && warp < C) {   // one issuing thread per destination, in different warps
+            if (lane == 0 && warp < C && warp != (int)rank) {   // one issuing thread per peer, in different warps
                 const int d = warp, nr = rows_of(d);
                 if (nr > 0)
                     bulk_s2c(smem_u32(rs + (rank * RPC) * PS), smem_u32(mine + d * RPC * PS), nr * PS * 4,
@@ -323,8 +324,8 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
                 float z[4] = {0.f, 0.f, 0.f, 0.f};
                 if (sm_valid) {
 #pragma unroll
-                    for (int src = 0; src < C; ++src) {
-                        const float* rp = rs + (src * RPC + srow) * PS;
+                    for (int src = 0; src < C; ++src) {   // our own partial straight from `mine` (no copy to self)
+                        const float* rp = (src == (int)rank) ? mine + (r_lo + srow) * PS : rs + (src * RPC + srow) * PS;
                         const float2 v = *reinterpret_cast<const float2*>(rp + 2 * t);
                         z[0] += v.x;
                         z[1] += v.y;
