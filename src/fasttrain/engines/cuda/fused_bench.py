@@ -211,7 +211,20 @@ def main(argv=None) -> int:
     parser.add_argument("--no-parity", action="store_true", help="skip the float64 reference runs")
     parser.add_argument("--only", default=None, help="comma-separated workload keys")
     parser.add_argument("--profile", action="store_true", help="only the rung-8 phase profile and ablations")
+    parser.add_argument("--ncu-target", default=None, metavar="MODEL",
+                        help="run 8 rung-7 steps of MODEL without a graph (a short target for ncu) and exit")
     args = parser.parse_args(argv)
+    if args.ncu_target:
+        from fasttrain.engines.cuda.fused import make_session
+
+        data = load_dataset("mnist", args.data_dir)
+        spec = parse_model(args.ncu_target)
+        cfg = default_config(spec, precision="fp16", steps=8)
+        job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
+        session = make_session(job, _Opts(7), graph=False)
+        session.train_epoch(1, epoch_order(cfg.seed, 1, data.n_train), 8)
+        session.close()
+        return 0
     if args.profile:
         data = load_dataset("mnist", args.data_dir)
         res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=7, version="fused_logreg_v3.cu")])
