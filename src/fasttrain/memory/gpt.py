@@ -34,6 +34,7 @@ def build(setup: Setup, device=None):
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
+    import torch.utils.checkpoint
     from torch.utils.checkpoint import checkpoint
 
     s = setup
@@ -182,11 +183,15 @@ def build(setup: Setup, device=None):
                 dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
                 cos, sin = self.tables(dtype)
                 cos, sin = cos[:s_], sin[:s_]
-            for block in self.blocks:
-                if s.recompute == "full":
-                    x = checkpoint(block, x, cos, sin, use_reentrant=False)
-                else:
-                    x = block(x, cos, sin)
+            # Early stop of the recomputation raises from inside the op whose saved tensor completes
+            # it; with CUDA's fused dropout last in a block that surfaced as "SystemError: dropout
+            # returned NULL" (torch 2.11). Recomputing the whole block keeps the same tensors.
+            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                for block in self.blocks:
+                    if s.recompute == "full":
+                        x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                    else:
+                        x = block(x, cos, sin)
             x = self.norm(x)
             logits = self.head(x) if self.head is not None else F.linear(x, self.tok.weight)
             return F.cross_entropy(logits.view(-1, V), targets.view(-1))

@@ -22,7 +22,9 @@ D8  Activations as the implementation keeps them: norm inputs in the residual dt
     attention with GQA; with flash attention no s^2 term, but the fused QKV output, the rotated
     q and k, the output and the fp32 log-sum-exp; autocast's bf16 copies of the weights.
 D9  Output layer: fp32 log-probabilities kept for backward; at the start of backward the
-    log-softmax gradient needs two more fp32 s b v tensors.
+    log-softmax gradient needs two more fp32 s b v tensors. Under autocast, cross_entropy keeps
+    bf16 log-probabilities and nll_loss their fp32 copy (6 bytes per logit), and the backward
+    adds one fp32 gradient.
 D10 Phases: the total is the peak over the moments of a step (end of forward, each backward
     stage, the optimizer step), with gradients alive only from their backward stage to the
     optimizer step (``zero_grad(set_to_none=True)``) unless ``grad_buffers``.
@@ -268,7 +270,10 @@ def estimate(s: Setup, mask_bytes: int = 1) -> Breakdown:
         "final_norm": lt["norm"],
         "head_input": C * nh,
         "head_weight_copy": (2 * v_l * h) if T["cast"] else 0,
-        "log_probs": 4 * N * v_l,
+        # fp32 and mixed: fp32 log-probabilities (kept by log_softmax and nll_loss alike). Autocast:
+        # cross_entropy asks log_softmax for the logits' own dtype (bf16, kept) and autocast casts
+        # that to fp32 for nll_loss, which keeps its input too.
+        "log_probs": (2 + 4 if T["cast"] else 4) * N * v_l,
     }
     emb_part = (mask_bytes if s.dropout else 0) * nh
     per_layer = lt["checkpoint"] if full else attn_part + mlp_part
@@ -283,12 +288,13 @@ def estimate(s: Setup, mask_bytes: int = 1) -> Breakdown:
 
     # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
     # recomputation the autocast cache still holds every layer's bf16 weight copies
-    fwd_extra = logits_c + (4 * N * v_l if C == 2 else 0)
+    fwd_extra = logits_c + (4 * N * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
     if T["cast"] and full:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
-    moments.append(("backward: log-softmax", saved_all, grads(0), 8 * N * v_l))
+    # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
+    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N * v_l))
     g_now = grad_scale * (P["head"] if not s.tied else P["embed"])
     moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
                     logits_c + C * nh + (2 * v_l * h if T["cast"] else 0) + zero3 / 2))

@@ -252,7 +252,7 @@ const FTMemory = (() => {
     const workspace = s.workspace_mib * MiB;
     const persistent = params_b + opt_b + buffers + inputs + workspace;
     const head_part = { final_norm: lt.norm, head_input: C * nh, head_weight_copy: T.cast ? 2 * v_l * h : 0,
-                        log_probs: 4 * N * v_l };
+                        log_probs: (T.cast ? 2 + 4 : 4) * N * v_l };
     const emb_part = (s.dropout ? maskBytes : 0) * nh;
     const per_layer = full ? lt.checkpoint : attn_part + mlp_part;
     const saved_all = L * per_layer + sum(head_part) + emb_part;
@@ -260,10 +260,10 @@ const FTMemory = (() => {
     const zero3 = s.zero >= 3 ? 2 * P.layer * T.param : 0;
     const moments = [];
     const grads = (now) => (s.grad_buffers ? grads_all : now);
-    let fwd_extra = logits_c + (C === 2 ? 4 * N * v_l : 0);
+    let fwd_extra = logits_c + (C === 2 && !T.cast ? 4 * N * v_l : 0);
     if (T.cast && full) fwd_extra += 2 * L * (P.attn_w + P.attn_b + P.mlp_w + P.mlp_b);
     moments.push(["end of forward (loss)", saved_all, grads(0), fwd_extra]);
-    moments.push(["backward: log-softmax", saved_all, grads(0), 8 * N * v_l]);
+    moments.push(["backward: log-softmax", saved_all, grads(0), (T.cast ? 4 : 8) * N * v_l]);
     let g_now = grad_scale * (!s.tied ? P.head : P.embed);
     moments.push(["backward: output projection", saved_all - head_part.log_probs, grads(g_now),
                   logits_c + C * nh + (T.cast ? 2 * v_l * h : 0) + zero3 / 2]);

@@ -1,0 +1,228 @@
+"""precise mode: each difference from the widget (D1-D14 in fasttrain/memory/precise.py), the
+published parameter counts, and the whole model checked on the CPU against the live tensor bytes
+of the reference PyTorch implementation (fasttrain.memory.gpt) counted op by op."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fasttrain.memory import Setup, estimate, preset
+from fasttrain.memory.precise import dims, layer_terms, param_counts
+
+MiB = 1024 ** 2
+
+
+@pytest.mark.parametrize("name, count", [
+    ("llama3-8b", 8_030_261_248), ("llama3-70b", 70_553_706_496), ("llama3-405b", 405_853_388_800),
+    ("gpt2-124m", 124_439_808),
+])
+def test_published_parameter_counts(name, count):
+    assert param_counts(preset(name), 1)["total"] == count
+    assert estimate(preset(name)).params == count
+
+
+SMALL = Setup(heads=4, kv_heads=2, micro_batch=2, hidden=16, ffn=24, layers=3, seq=8, vocab=50, precision="fp32",
+              ffn_act="swiglu", norm="rms", pos="rope", tied=False, bias=False, dropout=False, attention="eager",
+              optimizer="foreach", workspace_mib=0.0)
+
+
+def test_d1_feed_forward_weights_from_h_ff():
+    swiglu = param_counts(SMALL)
+    assert swiglu["mlp_w"] == 3 * 16 * 24
+    assert param_counts(SMALL.with_(ffn_act="gelu"))["mlp_w"] == 2 * 16 * 24
+    assert param_counts(SMALL.with_(ffn_act="relu"))["mlp_w"] == 2 * 16 * 24
+
+
+def test_d2_untied_output_projection():
+    assert param_counts(SMALL)["head"] == 50 * 16
+    assert param_counts(SMALL.with_(tied=True))["head"] == 0
+    assert param_counts(SMALL)["total"] - param_counts(SMALL.with_(tied=True))["total"] == 50 * 16
+
+
+def test_d3_grouped_query_attention():
+    d = 16 // 4
+    assert param_counts(SMALL)["attn_w"] == 16 * (16 + 2 * 2 * d) + 16 * 16
+    assert param_counts(SMALL.with_(kv_heads=4))["attn_w"] == 4 * 16 * 16
+
+
+def test_d4_positions_biases_and_norms():
+    p = param_counts(SMALL)
+    assert p["pos"] == 0 and p["attn_b"] == 0 and p["mlp_b"] == 0 and p["norm"] == 16
+    q = param_counts(SMALL.with_(pos="learned", bias=True, norm="layer"))
+    assert q["pos"] == 8 * 16
+    assert q["attn_b"] == (16 + 2 * 8) + 16 and q["mlp_b"] == 2 * 24 + 16 and q["norm"] == 2 * 16
+    assert p["total"] == 3 * p["layer"] + 50 * 16 + 50 * 16 + 16
+
+
+def test_d5_tensor_parallel_shards_weights_gradients_optimizer():
+    s = SMALL.with_(kv_heads=4, bias=True, vocab=51)
+    one, four = param_counts(s, 1), param_counts(s.with_(tp=4), 4)
+    assert four["attn_w"] == one["attn_w"] / 4 and four["mlp_w"] == one["mlp_w"] / 4
+    assert four["attn_b"] == (16 + 2 * 16) / 4 + 16         # column bias sharded, row bias replicated
+    assert four["norm"] == one["norm"]                        # norms replicated
+    assert four["embed"] == 13 * 16                           # vocabulary padded to 52, / 4
+    b1 = estimate(s.with_(tp=1))
+    b4 = estimate(s.with_(tp=4))
+    assert b4.line("parameters").bytes == 4 * four["total"] < b1.line("parameters").bytes
+    assert b4.line("optimizer").bytes == 8 * four["total"]
+    assert estimate(s.with_(tp=4, kv_heads=2)).params == estimate(s.with_(tp=1, kv_heads=2)).params
+    assert dims(s.with_(tp=4, kv_heads=2))["kvl"] == 16 // 4      # t > g: one KV head per rank (replicated)
+
+
+def test_d6_sequence_parallelism_divides_every_activation():
+    s = SMALL.with_(tp=2, kv_heads=4)
+    no_sp, sp = layer_terms(s), layer_terms(s.with_(seq_parallel=True))
+    for part in ("attn", "mlp"):
+        for key, value in no_sp[part].items():
+            if key in ("norm1", "norm2", "qkv_input", "mlp_input", "dropout_mask"):
+                assert sp[part][key] == value / 2, key      # replicated without SP
+            else:
+                assert sp[part][key] == value, key          # already / t (scores included: contrast Q8)
+    assert sp["checkpoint"] == no_sp["checkpoint"] / 2       # full recomputation's inputs too (contrast Q10)
+
+
+def test_d7_vocabulary_parallel_logits_without_sequence_parallelism():
+    s = SMALL.with_(tp=2, kv_heads=4, vocab=64)
+    b = estimate(s)
+    logp = next(c for c in b.line("activations at the end of forward").children if c.name == "output: log probs")
+    assert logp.bytes == 4 * 16 * 64 / 2
+
+
+def test_d8_activation_dtypes_under_autocast():
+    fp32, amp = layer_terms(SMALL), layer_terms(SMALL.with_(precision="amp"))
+    N, h = 16, 16
+    assert amp["attn"]["norm1"] == fp32["attn"]["norm1"] == 4 * N * h + 4 * N     # fp32 residual + rstd
+    assert amp["attn"]["qkv_input"] == 2 * N * h and fp32["attn"]["qkv_input"] == 4 * N * h
+    unit = 4 * 8 * 8 * 2                                                          # a s^2 b
+    assert fp32["attn"]["core"] - 3 * 4 * N * h == 4 * unit                       # fp32 softmax output
+    assert amp["attn"]["core"] - 3 * 2 * N * h == (4 + 2) * unit                  # fp32 softmax + its bf16 copy
+    assert amp["attn"]["weight_copies"] == 2 * (param_counts(SMALL)["attn_w"])
+    mixed = layer_terms(SMALL.with_(precision="mixed"))
+    assert mixed["attn"]["core"] - 3 * 2 * N * h == 2 * unit
+    drop = layer_terms(SMALL.with_(dropout=True))
+    assert drop["attn"]["core"] - fp32["attn"]["core"] == (1 + 4) * unit          # mask + dropped scores
+    flash = layer_terms(SMALL.with_(attention="flash"))
+    assert flash["attn"]["core"] == 4 * N * (16 + 2 * 8) + 4 * N * (16 + 8) + 4 * 4 * 2 * 8   # no s^2 term
+
+
+def test_d9_log_softmax_backward_needs_two_more_fp32_logits():
+    s = SMALL.with_(vocab=5000, seq=64, micro_batch=8)      # the output layer dominates
+    b = estimate(s)
+    m = {x["name"]: x["bytes"] for x in b.extra["moments"]}
+    assert b.extra["peak_moment"] == "backward: log-softmax"
+    N = 64 * 8
+    assert m["backward: log-softmax"] - m["end of forward (loss)"] == 8 * N * 5000 - 4 * N * 5000
+
+
+def test_d10_phases_gradients_alive_only_from_their_backward():
+    b = estimate(SMALL.with_(vocab=5000, seq=64, micro_batch=8))
+    assert b.line("gradients").bytes == 0               # the peak is before any gradient exists
+    g = estimate(SMALL.with_(vocab=5000, seq=64, micro_batch=8, grad_buffers=True))
+    assert g.line("gradients").bytes == 4 * g.params
+    assert g.total - b.total == pytest.approx(4 * g.params)
+    assert b.total < b.extra["all_at_once"]
+
+
+def test_d11_backward_working_memory_of_eager_attention():
+    s = SMALL.with_(seq=256, vocab=50, kv_heads=4)        # attention dominates
+    b = estimate(s)
+    assert b.extra["peak_moment"] == "backward layer 3: attention"
+    unit = 4 * 256 * 256 * 2                               # a s^2 b elements
+    # softmax backward holds P, dP and dS: beyond the kept P, two fp32 s^2 tensors (fp32), 12 - 6
+    # bytes under autocast (P fp32 + its bf16 copy kept), two bf16 ones in pure bf16
+    assert layer_terms(s)["attn_extra"] == 8 * unit
+    assert layer_terms(s.with_(precision="amp"))["attn_extra"] == 6 * unit
+    assert layer_terms(s.with_(precision="mixed"))["attn_extra"] == 4 * unit
+    # with dropout the worst moment is P V's backward: kept 4 + 1 + 4, plus dP_d, plus dO and dV
+    drop = layer_terms(s.with_(dropout=True))
+    assert drop["attn_extra"] == 4 * unit + 2 * 4 * 512 * 16
+
+
+def test_d12_full_recomputation_holds_one_layer_during_its_backward():
+    s = SMALL.with_(seq=256, layers=6)
+    full, none = estimate(s.with_(recompute="full")), estimate(s)
+    lt = layer_terms(s)
+    one_layer = sum(lt["attn"].values()) + sum(lt["mlp"].values())
+    assert full.total < none.total
+    # the peak holds one whole layer beyond the checkpoints: far above the widget's inputs-only count
+    assert full.line("activations").bytes >= sum(lt["attn"].values()) - lt["attn"]["proj_input"]
+    assert full.total - full.line("activations").bytes < none.total
+    assert one_layer > 6 * lt["checkpoint"]
+
+
+def test_d13_foreach_adamw_temporary():
+    s = SMALL.with_(hidden=256, heads=4, kv_heads=4, ffn=1024, seq=4, micro_batch=1)   # parameters dominate
+    fe, fu = estimate(s), estimate(s.with_(optimizer="fused"))
+    assert fe.extra["peak_moment"] == "optimizer step"
+    m_fe = {x["name"]: x["bytes"] for x in fe.extra["moments"]}["optimizer step"]
+    m_fu = {x["name"]: x["bytes"] for x in fu.extra["moments"]}["optimizer step"]
+    assert m_fe - m_fu == 4 * fe.params
+
+
+def test_d14_framework_buffers_and_ids():
+    b = estimate(SMALL.with_(workspace_mib=64.0))
+    assert b.line("framework").bytes == 64 * MiB
+    d = 16 // 4
+    assert b.line("buffers + token ids").bytes == 8 * 8 + 2 * 8 * d * 4 + 16 * 16     # mask, cos/sin, ids
+    flash = estimate(SMALL.with_(attention="flash", pos="learned"))
+    assert flash.line("buffers + token ids").bytes == 16 * 16
+
+
+def test_zero_stages_shard_over_dp():
+    s = SMALL.with_(dp=4)
+    base = estimate(s)
+    z1, z2, z3 = (estimate(s.with_(zero=z)) for z in (1, 2, 3))
+    assert z1.line("optimizer").bytes == base.line("optimizer").bytes / 4
+    assert z1.line("parameters").bytes == base.line("parameters").bytes
+    assert z3.line("parameters").bytes == base.line("parameters").bytes / 4
+    all_grads = lambda b: max(x["bytes"] for x in b.extra["moments"] if x["name"] == "optimizer step")
+    assert all_grads(z2) < all_grads(z1)
+
+
+def test_total_is_the_sum_of_the_lines_in_it():
+    rng = random.Random(3)
+    for _ in range(50):
+        s = SMALL.with_(precision=rng.choice(["fp32", "mixed", "amp"]), recompute=rng.choice(["none", "selective", "full"]),
+                        attention=rng.choice(["eager", "flash"]), dropout=rng.random() < .5, zero=rng.randint(0, 3),
+                        dp=rng.choice([1, 4]), seq=rng.choice([8, 64, 300]))
+        b = estimate(s)
+        assert b.total == pytest.approx(sum(l.bytes for l in b.lines if l.in_total), rel=1e-12)
+        assert b.total == pytest.approx(max(m["bytes"] for m in b.extra["moments"]), rel=1e-12)
+
+
+# --------------------------------------------------------------------------------------------
+# The model against reality, on the CPU: the reference implementation trained one step under a
+# live-tensor counter (parameters, buffers and optimizer state added). fp32 only: CPU autocast
+# has other op lists than CUDA's; CPU dropout keeps float masks (mask_bytes=4).
+
+torch = pytest.importorskip("torch")
+
+
+def _measure(setup):
+    from fasttrain.memory import validate
+
+    torch.set_num_threads(2)
+    row = validate.run_case("cpu", device="cpu", setup=setup, steps=2)
+    return row
+
+
+CPU_CASES = [
+    dict(),
+    dict(recompute="selective", seq=64),
+    dict(recompute="full", seq=64, layers=4),
+    dict(seq=96, micro_batch=1, kv_heads=4, pos="learned"),
+    dict(ffn_act="gelu", norm="layer", tied=True, bias=True, pos="learned", dropout=True, kv_heads=4),
+    dict(ffn_act="relu", ffn=256, seq=16, vocab=64),
+    dict(attention="flash", kv_heads=4, seq=64),
+    dict(hidden=128, ffn=352, seq=8, micro_batch=1, optimizer="fused"),
+]
+
+
+@pytest.mark.parametrize("changes", CPU_CASES, ids=[",".join(f"{k}={v}" for k, v in c.items()) or "base" for c in CPU_CASES])
+def test_precise_matches_live_tensor_bytes_of_the_reference_model_on_cpu(changes):
+    s = SMALL.with_(hidden=64, heads=4, kv_heads=2, ffn=176, seq=32, micro_batch=4, vocab=500, layers=3).with_(**changes)
+    row = _measure(s)
+    assert row["error"] == ""
+    assert abs(row["error_pct"]) < 2.0, row
