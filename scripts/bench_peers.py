@@ -96,9 +96,36 @@ def summary(label: str, record: dict | None, engine: str, model: str, precision:
     return row
 
 
+def summarize(folder: Path) -> str:
+    """A Markdown table of every run record in the JSON files of ``folder`` (figures copied, not typed)."""
+    lines = []
+    for path in sorted(folder.glob("*.json")):
+        doc = json.loads(path.read_text())
+        gpu = (doc["environment"].get("gpu") or {}).get("name", "no GPU")
+        lines += [f"\n### {path.name} ({doc['suite']}, {gpu})\n",
+                  "| engine | model | precision | label | options | setup ms | avg epoch ms (2nd half) | train s | "
+                  "total s | test acc |",
+                  "| --- | --- | --- | --- | --- | ---: | ---: | ---: | ---: | ---: |"]
+        for rec in doc["records"]:
+            row = summary(rec.get("label", ""), rec, rec["engine"], rec["model"]["name"], rec["config"]["precision"], {})
+            resolved = rec["environment"].get("resolved") or {}
+            opts = ", ".join(f"{k}={v}" for k, v in resolved.items() if k not in ("device", "epoch_graph_probe"))
+            if "unroll" in rec["environment"]:
+                opts = f"unroll={rec['environment']['unroll']}"
+            lines.append(f"| {rec['engine']} | {row['model']} | {row['precision']} | {row['label']} | {opts} | "
+                         f"{row['setup_ms']:.0f} | {row['avg_epoch_ms_second_half']:.2f} | {row['train_s']:.3f} | "
+                         f"{row['total_s']:.2f} | {row['final_test_acc']:.4f} |")
+        for s in doc["summary"]:
+            if s.get("error"):
+                lines.append(f"| {s['engine']} | {s['model']} | {s['precision']} | {s['label']} | {s['options']} | "
+                             f"failed: {s['error'][:120]} | | | | |")
+    return "\n".join(lines) + "\n"
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--suite", choices=("logreg", "mlp"), required=True)
+    parser.add_argument("--summarize", type=Path, help="print a Markdown table of the run records in this folder")
+    parser.add_argument("--suite", choices=("logreg", "mlp"))
     parser.add_argument("--out", default="results/peers")
     parser.add_argument("--data-dir", default=None)
     parser.add_argument("--deadline", type=float, default=0, help="skip rows that start after this many seconds")
@@ -107,6 +134,11 @@ def main(argv=None) -> int:
     parser.add_argument("--widths", default="", help="mlp widths to run, e.g. 128,1024 (default: all three)")
     parser.add_argument("--skip", default="", help="comma-separated row numbers (1-based) to leave out")
     args = parser.parse_args(argv)
+    if args.summarize:
+        sys.stdout.write(summarize(args.summarize))
+        return 0
+    if not args.suite:
+        parser.error("--suite is required (or --summarize FOLDER)")
 
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

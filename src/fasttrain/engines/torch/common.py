@@ -118,8 +118,13 @@ def export_weights(model: nn.Module) -> list[tuple[np.ndarray, np.ndarray]]:
 
 
 def to_tensor_inputs(images: np.ndarray) -> torch.Tensor:
-    """uint8 (N, 28, 28) -> uint8 (N, 784) tensor; the float conversion happens where the engine says."""
-    return torch.from_numpy(np.ascontiguousarray(images.reshape(len(images), -1)))
+    """uint8 (N, 28, 28) -> uint8 (N, 784) tensor; the float conversion happens where the engine says.
+
+    Loaded datasets are read-only arrays, which torch will not wrap: those are copied (47 MB, once)."""
+    flat = images.reshape(len(images), -1)
+    if not (flat.flags.writeable and flat.flags.c_contiguous):
+        flat = flat.copy()
+    return torch.from_numpy(flat)
 
 
 @torch.no_grad()

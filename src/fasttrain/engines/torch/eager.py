@@ -46,7 +46,8 @@ class MnistTensors(torch.utils.data.Dataset):
         return len(self.labels)
 
     def __getitem__(self, i):
-        x = torch.from_numpy(self.images[i]).to(self.dtype).div_(255.0).reshape(-1)
+        # torch.tensor copies the 784 bytes, as ToTensor does: loaded datasets are read-only arrays.
+        x = torch.tensor(self.images[i]).to(self.dtype).div_(255.0).reshape(-1)
         return x, int(self.labels[i])
 
 
