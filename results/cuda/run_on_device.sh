@@ -9,7 +9,7 @@ OUT=${OUT:-results/cuda/out}
 mkdir -p "$OUT"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data/mnist PYTHONUNBUFFERED=1
-if ! python3 -c "import nvmath.bindings.cublas" 2>/dev/null; then
+if ! python3 -c "import nvmath.bindings.cublas" 2>/dev/null && [ -d .whl/extra ]; then
     # the image's cuda-core / cuda-pathfinder may be older than nvmath-python 1.0 needs
     echo "nvmath import failed with the image's cuda-core; adding .whl/extra"; python3 -c "import nvmath" 2>&1 | tail -2
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/extra/*.whl
