@@ -176,7 +176,8 @@ def _load_plugins() -> None:
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:
-            if exc.name == module:
+            # the plugin (or its package) is absent: run without it; a missing dependency *inside* it still raises
+            if exc.name == module or module.startswith(f"{exc.name}."):
                 continue
             raise
         register(mod.command)
