@@ -244,7 +244,8 @@ def test_gpu_fp32_weight_parity_one_epoch(mnist, model, options):
     ("logreg", dict(epochs=5, batch_size=128, lr=0.1), {}),
     ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {}),
     ("mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), {"mode": "persistent"}),
-    ("mlp:1024x3", dict(steps=1000, batch_size=32, lr=0.003), {"mode": "graph"}),  # auto: backward v3
+    ("mlp:1024x3", dict(steps=1000, batch_size=32, lr=0.003), {"mode": "graph"}),
+    ("mlp:1024x3", dict(steps=1000, batch_size=32, lr=0.003), {"mode": "graph", "backward": "v3"}),
 ], ids=lambda v: str(v))
 def test_gpu_mixed_precision_tracks_reference(mnist, precision, model, config, options):
     ref, _ = _ref(mnist, model, **config)

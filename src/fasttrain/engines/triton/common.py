@@ -134,24 +134,3 @@ def softmax_xent_tile(z, cols, cmask, labels, rmask, inv_m):
     d = tl.where(rmask[:, None] & cmask[None, :], d, 0.0)
     return loss, correct, d
 
-
-@triton.jit
-def xent_grad_tile(z, cols, cmask, labels, rmask, inv_m):
-    """Only ``d = (softmax(z) - onehot(y)) * inv_m`` of :func:`softmax_xent_tile` (the part a step
-    waits for); :func:`xent_stats_tile` computes the loss and accuracy of the same tile later."""
-    z = tl.where(cmask[None, :], z, float("-inf"))
-    e = tl.exp(z - tl.max(z, axis=1)[:, None])
-    onehot = cols[None, :] == labels[:, None]
-    d = (e / tl.sum(e, axis=1)[:, None] - onehot.to(tl.float32)) * inv_m
-    return tl.where(rmask[:, None] & cmask[None, :], d, 0.0)
-
-
-@triton.jit
-def xent_stats_tile(z, cols, cmask, labels, rmask):
-    """(sum of row losses, number correct) of a logit tile, as in :func:`softmax_xent_tile`."""
-    z = tl.where(cmask[None, :], z, float("-inf"))
-    shifted = z - tl.max(z, axis=1)[:, None]
-    z_y = tl.sum(tl.where(cols[None, :] == labels[:, None], shifted, 0.0), axis=1)
-    loss = tl.where(rmask, tl.log(tl.sum(tl.exp(shifted), axis=1)) - z_y, 0.0)
-    correct = (tl.argmax(z, axis=1, tie_break_left=True) == labels) & rmask
-    return tl.sum(loss, axis=0), tl.sum(correct.to(tl.int32), axis=0)

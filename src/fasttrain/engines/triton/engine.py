@@ -1,14 +1,16 @@
 """The Triton engine: every training step written as Triton kernels, as few launches as the math
 allows, the step loop replayed from a CUDA graph.
 
-Two ways to run an epoch (``--mode``):
+Two ways to run an epoch (``--mode``; auto = persistent for logreg, graph for MLPs):
 - ``persistent`` (logreg; MLPs of width <= 256 and batch <= 64): ONE kernel launch runs every
   step of the epoch with the weights carried across steps inside the kernel
   (:mod:`.persistent`): logreg as P cooperating programs that split the 784 features and meet
-  at one grid barrier per step (``--programs``, 1 = a single program), MLPs as one program.
+  at one grid barrier per step (``--programs``, 1 = a single program), MLPs as one program
+  (correct, but slower than the graph path on an H200: 68 vs 35 us/step for mlp:128x3 fp16).
 - ``graph``: per step, (L-1) x [GEMM + bias + ReLU], the last GEMM fused with softmax +
   cross-entropy + accuracy + dlogits, then per layer the input gradient (ReLU' fused) and the
-  weight-gradient GEMM fused with the SGD update: 3L-1 launches per step
+  weight-gradient GEMM fused with the SGD update: 3L-1 launches per step (``--backward v3``
+  merges each hidden layer's two backward kernels into one pass over W: 2L)
   (:mod:`.linear_forward`, :mod:`.linear_backward`), an epoch of them captured once in a CUDA
   graph at setup and replayed. ``eager`` launches the same kernels from Python (what the graph
   buys); ``--no-fused`` runs the unfused version-1 kernels (what fusion buys).
@@ -55,9 +57,10 @@ class TritonOptions:
     fp32_dot: str = option("ieee", "fp32 matrix products: ieee (exact fp32), tf32x3 (tensor cores, ~fp32 accuracy), "
                            "tf32 (tensor cores, 10-bit mantissa)", choices=("ieee", "tf32x3", "tf32"))
     fused: bool = option(True, "fused kernels (graph/eager modes); --no-fused runs the unfused version-1 kernels")
-    backward: str = option("auto", "hidden layers' backward in graph/eager modes: v2 = input-gradient kernel + "
-                           "fused dW/SGD kernel (W read twice); v3 = both in one pass over W (batch <= 64); "
-                           f"auto = v3 for layers of >= {V3_MIN_WEIGHTS} weights", choices=("auto", "v2", "v3"))
+    backward: str = option("v2", "hidden layers' backward in graph/eager modes: v2 = input-gradient kernel + "
+                           "fused dW/SGD kernel (W read twice); v3 = both in one pass over W (batch <= 64; "
+                           "experimental: checked under the interpreter and compiled for sm_90, not yet timed on a "
+                           f"GPU); auto = v3 for layers of >= {V3_MIN_WEIGHTS} weights", choices=("auto", "v2", "v3"))
     warps: int = option(0, f"warps per program of the persistent kernels (0 = auto: {DEFAULT_WARPS} for logreg, "
                         "4 or 8 for MLPs by width)", choices=(0, 1, 2, 4, 8, 16))
 
@@ -151,7 +154,7 @@ class TritonSession(Session):
             self.mode = "eager"  # no CUDA graphs without CUDA
 
         def to_dev(a, dtype):
-            return torch.from_numpy(np.ascontiguousarray(a)).to(device=dev, dtype=dtype)
+            return torch.from_numpy(np.array(a)).to(device=dev, dtype=dtype)  # a writable copy (datasets are read-only)
 
         # data resident on the device: uint8 pixels (converted inside the kernels), int32 labels
         self.x = to_dev(data.train_images.reshape(data.n_train, -1), torch.uint8)

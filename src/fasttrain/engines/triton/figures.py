@@ -47,11 +47,11 @@ PLAN = [
     ("persistent", "triton", "mlp:128x3", MLP, "fp32", {"mode": "persistent"}),
     ("graph", "triton", "mlp:128x3", MLP, "fp32", {"mode": "graph"}),
     ("graph", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph"}),
-    ("graph, backward v2", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph", "backward": "v2"}),
+    ("graph, backward v3", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph", "backward": "v3"}),
     ("graph, unfused", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "graph", "fused": False}),
     ("eager", "triton", "mlp:1024x3", MLP, "fp16", {"mode": "eager"}),
     ("graph", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph"}),
-    ("graph, backward v2", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "backward": "v2"}),
+    ("graph, backward v3", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "backward": "v3"}),
     ("graph, unfused", "triton", "mlp:8192x3", MLP, "fp16", {"mode": "graph", "fused": False}),
 ]
 

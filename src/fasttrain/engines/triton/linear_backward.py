@@ -182,7 +182,7 @@ def grad_input(d, w, h, out, *, m=None, m_max=None, prec="ieee"):
     k, n = w.shape
     bm = block(m_max or m, 16, 64)
     bk = fill_grid(triton.cdiv(m_max or m, bm), k)  # output columns per program
-    bn = min(k_block(prec, n), max(16, 4096 // bk))  # reduction chunk; W.T tile <= 4096 elements (no spills)
+    bn = k_block(prec, n)  # reduction chunk
     grad_input_kernel[(triton.cdiv(m, bm), triton.cdiv(k, bk))](d, w, h, out, m, k, n, PREC=prec,
                                                                 BLOCK_M=bm, BLOCK_K=bk, BLOCK_N=bn)
 
