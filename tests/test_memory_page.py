@@ -232,3 +232,11 @@ def test_page_controls_end_to_end(page):
     page.screenshot(path=str(ARTIFACTS / "memory-page.png"), full_page=True)
     assert (ARTIFACTS / "memory-page.png").stat().st_size > 10_000
     assert page.errors == []
+
+
+def test_js_format_gib_equals_python(page):
+    from fasttrain.memory import format_gib
+
+    values = [0, 1, 512.5, 1023.5, 1024, 8.125 * 1024 ** 3, 1.005 * 1024 ** 2, 3 * 1024 ** 5, 2 ** 60]
+    values += [random.Random(2).uniform(1, 1e15) for _ in range(200)]
+    assert page.evaluate("(vs) => vs.map(FTMemory.formatGiB)", values) == [format_gib(v) for v in values]

@@ -130,14 +130,20 @@ def test_d11_backward_working_memory_of_eager_attention():
     b = estimate(s)
     assert b.extra["peak_moment"] == "backward layer 3: attention"
     unit = 4 * 256 * 256 * 2                               # a s^2 b elements
-    # softmax backward holds P, dP and dS: beyond the kept P, two fp32 s^2 tensors (fp32), 12 - 6
-    # bytes under autocast (P fp32 + its bf16 copy kept), two bf16 ones in pure bf16
-    assert layer_terms(s)["attn_extra"] == 8 * unit
-    assert layer_terms(s.with_(precision="amp"))["attn_extra"] == 6 * unit
-    assert layer_terms(s.with_(precision="mixed"))["attn_extra"] == 4 * unit
-    # with dropout the worst moment is P V's backward: kept 4 + 1 + 4, plus dP_d, plus dO and dV
-    drop = layer_terms(s.with_(dropout=True))
-    assert drop["attn_extra"] == 4 * unit + 2 * 4 * 512 * 16
+    # op level (what the CPU counter sees): softmax backward holds P, dP and dS, i.e. beyond the
+    # kept P two fp32 s^2 tensors (fp32), 12 - 6 bytes under autocast (P fp32 + its bf16 copy
+    # kept), two bf16 ones in pure bf16
+    op = lambda x: layer_terms(x, kernel_temps=False)["attn_extra"]
+    assert op(s) == 8 * unit
+    assert op(s.with_(precision="amp")) == 6 * unit
+    assert op(s.with_(precision="mixed")) == 4 * unit
+    # on CUDA one more softmax-dtype buffer during that call (measured on the H200)
+    assert layer_terms(s)["attn_extra"] == 12 * unit
+    assert layer_terms(s.with_(precision="amp"))["attn_extra"] == 10 * unit
+    assert layer_terms(s.with_(precision="mixed"))["attn_extra"] == 6 * unit
+    # with dropout, op level: the worst moment is P V's backward: kept 4 + 1 + 4, dP_d, dO and dV
+    assert op(s.with_(dropout=True)) == 4 * unit + 2 * 4 * 512 * 16
+    assert layer_terms(s.with_(dropout=True))["attn_extra"] == 7 * unit
 
 
 def test_d12_full_recomputation_holds_one_layer_during_its_backward():

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from decimal import ROUND_HALF_UP, Decimal
 
 
 @dataclass
@@ -41,12 +42,18 @@ class Breakdown:
                 "lines": [line.to_dict() for line in self.lines], "notes": list(self.notes), **self.extra}
 
 
+def to_fixed(x: float, digits: int) -> str:
+    """JavaScript's ``Number.prototype.toFixed``: the exact binary value rounded half away from
+    zero (Python's format rounds exact ties to even), so that the page and the CLI agree."""
+    return str(Decimal(x).quantize(Decimal(1).scaleb(-digits), rounding=ROUND_HALF_UP))
+
+
 def format_gib(value: float) -> str:
-    """Binary units with their true names (KiB, MiB, GiB, TiB), 2 decimals."""
+    """Binary units with their true names (KiB, MiB, GiB, TiB), 2 decimals rounded like the page."""
     units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"]
     i = 0
     x = float(value)
     while abs(x) >= 1024 and i < len(units) - 1:
         x /= 1024
         i += 1
-    return f"{x:.0f} B" if i == 0 else f"{x:.2f} {units[i]}"
+    return f"{to_fixed(x, 0)} B" if i == 0 else f"{to_fixed(x, 2)} {units[i]}"

@@ -41,9 +41,8 @@ Here B (``bytes_per_value``) is 2 with mixed precision, else 4.
 from __future__ import annotations
 
 import math
-from decimal import ROUND_HALF_UP, Decimal
 
-from fasttrain.memory.breakdown import Breakdown, Line
+from fasttrain.memory.breakdown import Breakdown, Line, to_fixed
 from fasttrain.memory.config import Setup, check
 
 
@@ -164,9 +163,3 @@ def format_bytes(value: float) -> str:
     i = math.floor(math.log(value) / math.log(1024))
     unit = sizes[i] if 0 <= i < len(sizes) else "undefined"
     return f"{to_fixed(value / 1024 ** i, 2)} {unit}"
-
-
-def to_fixed(x: float, digits: int) -> str:
-    """JavaScript's ``Number.prototype.toFixed``: the exact binary value rounded half away from zero."""
-    q = Decimal(1).scaleb(-digits)
-    return str(Decimal(x).quantize(q, rounding=ROUND_HALF_UP))

@@ -123,7 +123,7 @@ const FTMemory = (() => {
     const units = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
     let i = 0, x = value;
     while (Math.abs(x) >= 1024 && i < units.length - 1) { x /= 1024; i++; }
-    return i === 0 ? `${Math.round(x)} B` : `${x.toFixed(2)} ${units[i]}`;
+    return i === 0 ? `${x.toFixed(0)} B` : `${x.toFixed(2)} ${units[i]}`;
   }
 
   // ---------------------------------------------------------------- precise.py
@@ -155,14 +155,14 @@ const FTMemory = (() => {
     return { attn_w, attn_b, mlp_w, mlp_b, norm, layer, embed, pos, head, final_norm: norm,
              total: s.layers * layer + embed + pos + head + norm };
   }
-  function eagerCore(Dsm, C, cast, dropout, mask) {
+  function eagerCore(Dsm, C, cast, dropout, mask, kernelTemps) {
     const pv = cast ? C : Dsm;
     const kept = Dsm + (dropout ? mask + pv : (cast ? C : 0));
     const events = [[kept + pv, 2]];
     let live = kept - ((dropout || cast) ? pv : 0) + pv;
     if (cast) { events.push([live + Dsm, 0]); live = live - pv + Dsm; }
     if (dropout) { events.push([live + Dsm, 0]); live = live - Dsm - mask + Dsm; }
-    events.push([live + Dsm, 0]);
+    events.push([live + Dsm + (kernelTemps ? Dsm : 0), 0]);
     live = Dsm;
     if (cast) events.push([live + C, 0]);
     events.push([2 * C, 0]);
@@ -170,7 +170,7 @@ const FTMemory = (() => {
     if (dropout && cast) fwd = Math.max(fwd, Dsm);
     return [kept, events, fwd];
   }
-  function layerTerms(s, maskBytes) {
+  function layerTerms(s, maskBytes, kernelTemps) {
     const D = dims(s), T = dtypes(s);
     const N = D.N, r = D.r, hl = D.hl, kvl = D.kvl, f_l = D.f_l, a_l = D.a_l;
     const h = s.hidden, R = T.R, C = T.C, Dsm = T.Dsm, cast = T.cast;
@@ -181,7 +181,7 @@ const FTMemory = (() => {
     const rope = s.pos === "rope", flash = s.attention === "flash";
     const qkv_out = C * N * (hl + 2 * kvl);
     const rotated = rope ? C * N * (hl + kvl) : 0;
-    const [kept_p, events_p, fwd_p] = eagerCore(Dsm, C, cast, s.dropout, maskBytes);
+    const [kept_p, events_p, fwd_p] = eagerCore(Dsm, C, cast, s.dropout, maskBytes, kernelTemps);
     const b1 = s.micro_batch === 1;
     const g_l = kvl / D.d;
     const k_copied = (g_l > 1 && kvl < hl) || !b1;
@@ -231,12 +231,13 @@ const FTMemory = (() => {
              norm_extra, checkpoint: R * nh, norm };
   }
   const sum = (o) => Object.values(o).reduce((x, y) => x + y, 0);
-  function precise(s, maskBytes) {
+  function precise(s, maskBytes, kernelTemps) {
     check(s, "precise");
     maskBytes = maskBytes === undefined ? 1 : maskBytes;
+    kernelTemps = kernelTemps === undefined ? true : kernelTemps;
     const D = dims(s), T = dtypes(s), P = paramCounts(s);
     const N = D.N, r = D.r, v_l = D.v_l, h = s.hidden, C = T.C, L = s.layers, dpz = s.dp;
-    const lt = layerTerms(s, maskBytes);
+    const lt = layerTerms(s, maskBytes, kernelTemps);
     const attn_part = sum(lt.attn), mlp_part = sum(lt.mlp);
     const full = s.recompute === "full";
     const nh = N * h / r;
