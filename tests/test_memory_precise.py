@@ -232,3 +232,22 @@ def test_precise_matches_live_tensor_bytes_of_the_reference_model_on_cpu(changes
     row = _measure(s)
     assert row["error"] == ""
     assert abs(row["error_pct"]) < 2.0, row
+
+
+def test_committed_gpu_validation_is_the_current_model():
+    """results/memory/validation.csv holds the H200 measurements with this model's estimates:
+    rescoring the device run must give the committed numbers, every case within 10%."""
+    import csv
+    from pathlib import Path
+
+    from fasttrain.memory import validate
+
+    root = Path(__file__).resolve().parent.parent / "results" / "memory"
+    rows, _ = validate.rescore(str(root / "device-run-2" / "validation.json"))
+    with open(root / "validation.csv") as fh:
+        committed = list(csv.DictReader(fh))
+    assert [r["case"] for r in rows] == [c["case"] for c in committed] == [c[0] for c in validate.CASES]
+    for r, c in zip(rows, committed):
+        assert float(c["measured_mib"]) == r["measured_mib"] > 0
+        assert float(c["estimate_mib"]) == r["estimate_mib"], r["case"]
+        assert abs(r["error_pct"]) <= 10.0, r

@@ -196,8 +196,12 @@ PRESET_NOTES = {
 }
 
 
+ALIASES = {"llama3.1-8b": "llama3-8b", "llama3.1-70b": "llama3-70b", "llama3.1-405b": "llama3-405b"}
+
+
 def preset(name: str, **overrides) -> Setup:
     """The named preset as a :class:`Setup`, with ``overrides`` applied."""
+    name = ALIASES.get(name, name)
     if name not in PRESETS:
         raise FasttrainError(f"unknown preset {name!r}; use one of {', '.join(PRESETS)}")
     return Setup(**{**PRESETS[name], **overrides})
