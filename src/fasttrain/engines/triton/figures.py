@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     data = load_dataset("mnist", args.data_dir)
     only = {m for m in args.only.split(",") if m}
-    meta = {"command": "python -m fasttrain.engines.triton.figures " + " ".join(argv or os.sys.argv[1:]),
+    meta = {"command": "python -m fasttrain.engines.triton.figures " + " ".join(argv or sys.argv[1:]),
             "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
             "date": time.strftime("%Y-%m-%d"), "triton": triton.__version__, "torch": torch.__version__}
     plan = [p for p in PLAN if not only or p[2] in only]
