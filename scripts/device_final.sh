@@ -22,8 +22,8 @@ for stage in $STAGES; do
     ladder) timeout ${LADDER_TIMEOUT:-300} python3 -m fasttrain bench ladder --repeats ${REPEATS:-1} \
              --out /tmp/work/bench-ladder 2>&1 | tail -40 ;;
     sweep) timeout ${SWEEP_TIMEOUT:-300} python3 -m fasttrain bench sweep --repeats 1 \
-             --hidden ${HIDDEN:-128,1024,8192} --out /tmp/work/bench-sweep 2>&1 | tail -40 ;;
-    curves) timeout ${CURVES_TIMEOUT:-150} python3 -m fasttrain bench curves --out /tmp/work/bench-curves 2>&1 | tail -30 ;;
+             --hidden ${HIDDEN:-128,1024,8192} ${SWEEP_ENGINES:+--engines $SWEEP_ENGINES} --out /tmp/work/bench-sweep 2>&1 | tail -40 ;;
+    curves) timeout ${CURVES_TIMEOUT:-150} python3 -m fasttrain bench curves ${CURVES_ENGINES:+--engines $CURVES_ENGINES} --out /tmp/work/bench-curves 2>&1 | tail -30 ;;
   esac
   tar czf "$OUT/work.tgz" -C /tmp/work .
 done
