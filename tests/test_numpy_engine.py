@@ -81,3 +81,18 @@ def test_logreg_reaches_92_percent_on_mnist(mnist, tmp_path):
     assert record.final["test_acc"] >= 0.92
     _, acc = fasttrain.evaluate_weights(fasttrain.load_weights(tmp_path / "w.npz"), mnist)
     assert abs(acc - record.final["test_acc"]) <= 2e-4  # fp32 weights scored in fp64: at most a couple of digits flip
+
+
+def test_curve_skips_windows_with_unrecorded_losses():
+    """An engine that records losses only in some epochs gets points only for fully recorded windows."""
+    from fasttrain.training import _Curve
+
+    curve = _Curve(log_every=4)
+    curve.add_epoch(1, 6, np.arange(1.0, 7.0))     # steps 1-6: point at 4 = mean(1..4)
+    curve.add_epoch(7, 6, None)                     # steps 7-12 unrecorded: no point at 8 or 12
+    curve.add_epoch(13, 6, np.arange(13.0, 19.0))   # steps 13-18: point at 16 = mean(13..16)
+    assert curve.finish(18) == [{"step": 4, "loss": 2.5}, {"step": 16, "loss": 14.5}, {"step": 18, "loss": 17.5}]
+    partial = _Curve(log_every=4)
+    partial.add_epoch(1, 2, np.array([1.0, 2.0]))
+    partial.add_epoch(3, 2, None)                   # the window 1-4 is half unrecorded: no point
+    assert partial.finish(4) == []

@@ -42,6 +42,10 @@ def gpu_info() -> dict | None:
 
 @lru_cache(maxsize=1)
 def git_sha() -> str | None:
+    """The checkout's commit (``-dirty`` when tracked files changed); ``$FASTTRAIN_GIT_SHA`` where
+    the tree travelled without its .git (the GPU machine gets a copy of the working tree)."""
+    if os.environ.get("FASTTRAIN_GIT_SHA"):
+        return os.environ["FASTTRAIN_GIT_SHA"]
     here = Path(__file__).resolve().parent
     try:
         sha = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, timeout=10)

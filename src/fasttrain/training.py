@@ -119,16 +119,36 @@ def load_weights(path: str | os.PathLike) -> Weights:
         raise FasttrainError(f"{path}: not a fasttrain weights file ({exc})") from None
 
 
-def _curve_points(losses: np.ndarray, first_step: int, log_every: int, pending: list) -> list[dict]:
-    """Turn per-step losses into ``{step, loss}`` points every ``log_every`` steps (mean since the last point)."""
-    points = []
-    for offset, loss in enumerate(losses):
-        pending.append(float(loss))
-        step = first_step + offset
-        if step % log_every == 0:
-            points.append({"step": step, "loss": float(np.mean(pending))})
-            pending.clear()
-    return points
+class _Curve:
+    """Loss-curve points ``{step, loss}`` every ``log_every`` steps, each the mean loss of the steps
+    since the previous point. A window with a step whose loss was not recorded (an engine that
+    measures loss only every few epochs) yields no point, rather than a mean over part of it."""
+
+    def __init__(self, log_every: int):
+        self.log_every = log_every
+        self.points: list[dict] = []
+        self._pending: list[float] = []
+        self._complete = True
+
+    def add_epoch(self, first_step: int, steps: int, losses: np.ndarray | None) -> None:
+        for offset in range(steps):
+            if losses is None:
+                self._complete = False
+            else:
+                self._pending.append(float(losses[offset]))
+            step = first_step + offset
+            if step % self.log_every == 0:
+                self._flush(step)
+
+    def finish(self, last_step: int) -> list[dict]:
+        self._flush(last_step)
+        return self.points
+
+    def _flush(self, step: int) -> None:
+        if self._complete and self._pending:
+            self.points.append({"step": step, "loss": float(np.mean(self._pending))})
+        self._pending.clear()
+        self._complete = True
 
 
 EpochCallback = Callable[[dict], None]
@@ -159,14 +179,13 @@ def run(
         session.sync()  # setup ends when the device is idle, so no setup work leaks into epoch 1
         setup_ms = (time.perf_counter() - run_start) * 1e3
         watch = Stopwatch(session.sync)
-        epochs, curve, pending = [], [], []
+        epochs, curve = [], _Curve(config.log_every)
         step = 0
         for epoch, steps in enumerate(plan.steps_per_epoch, start=1):
             order = epoch_order(config.seed, epoch, data.n_train)
             train_ms, stats = watch.time_ms(lambda: session.train_epoch(epoch, order, steps))
             assert isinstance(stats, EpochStats)
-            if stats.step_losses is not None:
-                curve += _curve_points(np.asarray(stats.step_losses), step + 1, config.log_every, pending)
+            curve.add_epoch(step + 1, steps, None if stats.step_losses is None else np.asarray(stats.step_losses))
             step += steps
             last = epoch == plan.n_epochs
             test_loss = test_acc = None
@@ -186,8 +205,6 @@ def run(
             epochs.append(row)
             if on_epoch:
                 on_epoch(row)
-        if pending:
-            curve.append({"step": step, "loss": float(np.mean(pending))})
         total_ms = (time.perf_counter() - run_start) * 1e3
         weights = session.weights()
         env = environment()
@@ -207,7 +224,7 @@ def run(
         environment=env,
         setup_ms=setup_ms,
         epochs=epochs,
-        curve=curve,
+        curve=curve.finish(step),
         total_ms=total_ms,
         avg_epoch_ms_second_half=stats["mean_second_half"],
         epoch_ms=stats,
