@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import shlex
 from pathlib import Path
 
@@ -26,6 +27,7 @@ def _suite_options(fn):
         click.option("--quick", is_flag=True, help="A short smoke run (< 2 min on 2 CPU cores): fewer epochs/steps, "
                      "1 seed, first 10,000/2,000 examples, no torch.compile rows."),
         click.option("--engines", help="Only these engines, comma-separated (e.g. cuda,jax)."),
+        click.option("--rows", help="Only rows whose label contains one of these, comma-separated (e.g. 'defaults')."),
         click.option("--repeats", type=click.IntRange(1, 100), help="Runs per row, seeds 0..N-1 (default 3; --quick 1; curves: always seed 0 alone)."),
         click.option("--out", type=click.Path(file_okay=False), help="Output folder (default results/<gpu-or-cpu-slug>/)."),
         click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist."),
@@ -93,7 +95,7 @@ class _RichProgress(Progress):
 
 
 def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, out, dataset, data_dir, synthetic, fresh,
-               list_only, hidden=None) -> None:
+               list_only, hidden=None, rows=None) -> None:
     from fasttrain.bench import plots, report, runner, suites
     from fasttrain.bench.data import bench_data
     from fasttrain.environment import machine_slug
@@ -105,6 +107,12 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
     if hidden_sizes and any(h < 1 for h in hidden_sizes):
         raise FasttrainError(f"--hidden: sizes must be positive, got {hidden}")
     built = [suites.build(name, quick, repeats, hidden_sizes) for name in names]
+    row_filter = _parse_list(rows, "--rows")
+    if row_filter:  # re-run some rows; the results merge with the folder's earlier ones
+        built = [dataclasses.replace(s, rows=tuple(r for r in s.rows if any(f in r.label for f in row_filter)))
+                 for s in built]
+        if not any(s.rows for s in built):
+            raise FasttrainError(f"--rows {rows}: no row label contains that (see --list)")
 
     if list_only:
         for suite in built:
