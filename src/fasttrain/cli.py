@@ -117,7 +117,8 @@ def engines() -> None:
         opts = " ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(engine_cls.Options))
         table.add_row(name, "yes" if reason is None else f"no: {reason}", ",".join(engine_cls.precisions),
                       opts or "-", engine_cls.description)
-    out_console.print(table)
+    # piped or captured output has no terminal width: print wide rather than one word per line
+    (out_console if out_console.is_terminal else Console(width=200)).print(table)
 
 
 @cli.command("evaluate")
