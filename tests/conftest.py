@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fasttrain.data.datasets import Dataset
+from fasttrain.data.synthetic import synthetic_dataset
 
 
 @lru_cache(maxsize=1)
@@ -36,18 +37,7 @@ def pytest_collection_modifyitems(config, items):
 
 def make_synthetic(n_train: int = 600, n_test: int = 200, seed: int = 0) -> Dataset:
     """Learnable MNIST-shaped data: each class is a noisy version of its own random template."""
-    rng = np.random.default_rng(seed)
-    templates = rng.integers(0, 256, size=(10, 28, 28))
-
-    def split(n):
-        labels = rng.integers(0, 10, size=n).astype(np.uint8)
-        noise = rng.integers(-60, 61, size=(n, 28, 28))
-        images = np.clip(templates[labels] + noise, 0, 255).astype(np.uint8)
-        return images, labels
-
-    train_images, train_labels = split(n_train)
-    test_images, test_labels = split(n_test)
-    return Dataset("synthetic", train_images, train_labels, test_images, test_labels)
+    return synthetic_dataset(n_train, n_test, seed)
 
 
 @pytest.fixture(scope="session")

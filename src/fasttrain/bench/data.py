@@ -2,28 +2,15 @@
 
 from __future__ import annotations
 
-import numpy as np
-
 from fasttrain.bench.suites import QUICK_DATA
 from fasttrain.data.datasets import Dataset, load_dataset
+from fasttrain.data.synthetic import synthetic_dataset as _synthetic
 from fasttrain.errors import DataError
 
 
 def synthetic_dataset(n_train: int = 60000, n_test: int = 10000, seed: int = 0) -> Dataset:
-    """MNIST-shaped learnable data: each class a noisy copy of its own random 28x28 template.
-
-    Same shapes and dtypes as MNIST, so timings are comparable; accuracies are not."""
-    rng = np.random.default_rng(seed)
-    templates = rng.integers(0, 256, size=(10, 28, 28))
-
-    def split(n):
-        labels = rng.integers(0, 10, size=n).astype(np.uint8)
-        noise = rng.integers(-60, 61, size=(n, 28, 28))
-        return np.clip(templates[labels] + noise, 0, 255).astype(np.uint8), labels
-
-    train_images, train_labels = split(n_train)
-    test_images, test_labels = split(n_test)
-    return Dataset("synthetic", train_images, train_labels, test_images, test_labels)
+    """MNIST-sized synthetic data (see :func:`fasttrain.data.synthetic.synthetic_dataset`)."""
+    return _synthetic(n_train, n_test, seed)
 
 
 def bench_data(dataset: str = "mnist", data_dir=None, quick: bool = False, synthetic: bool = False):

@@ -15,22 +15,11 @@ import sys
 import numpy as np
 
 from fasttrain.contract import default_config, epoch_order, initial_weights, parse_model, schedule
-from fasttrain.data.datasets import Dataset
+from fasttrain.data.synthetic import synthetic_dataset
 from fasttrain.engines.base import Job
 
 
-def synthetic(n_train=600, n_test=200, seed=0) -> Dataset:
-    rng = np.random.default_rng(seed)
-    templates = rng.integers(0, 256, size=(10, 28, 28))
-
-    def split(n):
-        labels = rng.integers(0, 10, size=n).astype(np.uint8)
-        noise = rng.integers(-60, 61, size=(n, 28, 28))
-        return np.clip(templates[labels] + noise, 0, 255).astype(np.uint8), labels
-
-    a, b = split(n_train)
-    c, d = split(n_test)
-    return Dataset("synthetic", a, b, c, d)
+synthetic = synthetic_dataset  # 600 / 200 examples by default
 
 
 class _Opts:
