@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from fasttrain.contract import ModelSpec
+from fasttrain.engines.base import Session
 from fasttrain.errors import FasttrainError
 
 # GradScaler's first scale for fp16. Its default, 2**16, can overflow dW on the very first step
@@ -157,3 +158,22 @@ def check_amp(amp: str, precision: str, engine: str) -> None:
             f"engine {engine}: --amp {amp} contradicts --precision {precision}; mixed precision follows "
             f"the precision, so use {hint} (or leave --amp out)"
         )
+
+
+class TorchSession(Session):
+    """What both PyTorch sessions do alike once trained: evaluate, export weights, synchronize.
+    Subclasses set ``model``, ``test_x``, ``test_y``, ``amp_dtype``, ``dtype`` and ``device``."""
+
+    def evaluate(self) -> tuple[float, float]:
+        return evaluate(self.model, self.test_x, self.test_y, self.amp_dtype, self.dtype)
+
+    def weights(self):
+        return export_weights(self.model)
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def environment(self) -> dict:
+        return {"device": device_name(self.device), "torch": torch.__version__,
+                "cuda": torch.version.cuda if self.device.type == "cuda" else None}

@@ -18,16 +18,14 @@ import torch
 from torch import nn
 
 from fasttrain.contract import batch_bounds
-from fasttrain.engines.base import EpochStats, Job, Session
+from fasttrain.engines.base import EpochStats, Job
 from fasttrain.engines.torch.common import (
     AMP_DTYPES,
     FP16_INIT_SCALE,
     StrictMath,
+    TorchSession,
     autocast,
     build_model,
-    device_name,
-    evaluate,
-    export_weights,
     load_weights,
     resolve_device,
     to_tensor_inputs,
@@ -64,7 +62,7 @@ class EpochOrderSampler(torch.utils.data.Sampler):
         return iter(self.order.tolist())
 
 
-class EagerSession(Session):
+class EagerSession(TorchSession):
     def __init__(self, job: Job, options):
         config = job.config
         self.strict = StrictMath()
@@ -132,20 +130,6 @@ class EagerSession(Session):
         counts = np.asarray(counts)
         return EpochStats(count=int(counts.sum()), loss_sum=float(step_losses @ counts), correct=correct,
                           step_losses=step_losses)
-
-    def evaluate(self) -> tuple[float, float]:
-        return evaluate(self.model, self.test_x, self.test_y, self.amp_dtype, self.dtype)
-
-    def weights(self):
-        return export_weights(self.model)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
-    def environment(self) -> dict:
-        return {"device": device_name(self.device), "torch": torch.__version__,
-                "cuda": torch.version.cuda if self.device.type == "cuda" else None}
 
     def close(self) -> None:
         self.strict.restore()

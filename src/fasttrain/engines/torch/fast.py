@@ -40,17 +40,15 @@ import torch
 import torch.nn.functional as F
 
 from fasttrain.contract import batch_bounds, epoch_order
-from fasttrain.engines.base import EpochStats, Job, Session
+from fasttrain.engines.base import EpochStats, Job
 from fasttrain.engines.torch.common import (
     AMP_DTYPES,
     FP16_INIT_SCALE,
     StrictMath,
+    TorchSession,
     autocast,
     build_model,
     check_amp,
-    device_name,
-    evaluate,
-    export_weights,
     load_weights,
     resolve_device,
     to_tensor_inputs,
@@ -108,7 +106,7 @@ def resolve_options(options, precision: str, device: torch.device) -> dict:
     }
 
 
-class FastSession(Session):
+class FastSession(TorchSession):
     def __init__(self, job: Job, options):
         config = job.config
         self.strict = StrictMath()
@@ -402,19 +400,8 @@ class FastSession(Session):
         return EpochStats(count=int(counts.sum()), loss_sum=float(stats[:, 0] @ counts),
                           correct=int(round(stats[:, 1].sum())), step_losses=stats[:, 0].copy())
 
-    def evaluate(self) -> tuple[float, float]:
-        return evaluate(self.model, self.test_x, self.test_y, self.amp_dtype, self.dtype)
-
-    def weights(self):
-        return export_weights(self.model)
-
-    def sync(self) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-
     def environment(self) -> dict:
-        return {"device": device_name(self.device), "torch": torch.__version__,
-                "cuda": torch.version.cuda if self.device.type == "cuda" else None, "resolved": self.resolved}
+        return {**super().environment(), "resolved": self.resolved}
 
     def close(self) -> None:
         self.graphs.clear()
