@@ -8,7 +8,6 @@ import shutil
 import subprocess
 from functools import lru_cache
 
-import numpy as np
 import pytest
 
 from fasttrain.data.datasets import Dataset

@@ -11,7 +11,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from fasttrain.data import datasets as ds
 from fasttrain.data.idx import write_idx
 
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np

@@ -46,7 +46,7 @@ def test_fp32_matches_fp64_on_identical_batches(tiny_data, model):
 
 
 def test_run_record_fields(tiny_data, tmp_path):
-    record = fasttrain.train("numpy", "mlp:16x1", data=tiny_data, epochs=3, batch_size=50, lr=0.1, log_every=5,
+    fasttrain.train("numpy", "mlp:16x1", data=tiny_data, epochs=3, batch_size=50, lr=0.1, log_every=5,
                              eval_every=2, out=tmp_path / "r.json")
     data = RunRecord.load(tmp_path / "r.json").to_dict()
     for key in ("schema", "engine", "engine_options", "model", "config", "environment", "setup_ms", "epochs",

@@ -47,7 +47,6 @@ buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current +
 
 from __future__ import annotations
 
-import math
 
 from fasttrain.memory.breakdown import Breakdown, Line
 from fasttrain.memory.config import Setup, check

@@ -30,7 +30,6 @@ def _storages(obj, out):
 def make_tracker(existing=(), detail=False):
     """A dispatch mode with ``.live``, ``.peak`` and ``.peak_op`` (op name at the peak); with
     ``detail``, ``.at_peak`` lists (bytes, op that made it) of every storage alive at the peak."""
-    import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     class LiveTracker(TorchDispatchMode):

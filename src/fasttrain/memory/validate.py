@@ -19,7 +19,6 @@ from __future__ import annotations
 import csv
 import gc
 import json
-import os
 import platform
 import time
 from contextlib import nullcontext
