@@ -246,7 +246,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     check(s, "precise")
     D, T, P = dims(s), dtypes(s), param_counts(s)
     N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
-    C, R = T["C"], T["R"]
+    C = T["C"]
     L = s.layers
     dpz = s.dp
     lt = layer_terms(s, mask_bytes, kernel_temps)
