@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fasttrain.data.idx import md5_hex, parse_idx, read_idx_bytes
+from fasttrain.data.idx import md5_hex, parse_idx, read_idx_file
 from fasttrain.errors import DataError
 
 ROLES = ("train_images", "train_labels", "test_images", "test_labels")
@@ -143,7 +143,7 @@ def _locate(spec: DatasetSpec, role: str, directory: Path, data_dir) -> Path:
     raise DataError(f"{spec.title} file not found: {gz}; download it with: {download_command(spec.name, data_dir)}")
 
 
-def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes | None, content: bytes,
+def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes, content: bytes,
                     data_dir=None) -> None:
     fs = spec.files[role]
     if fs.content_md5 is not None and md5_hex(content) == fs.content_md5:
@@ -158,9 +158,10 @@ def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes 
     )
 
 
-def _read_checked(spec: DatasetSpec, role: str, path: Path) -> tuple[np.ndarray, bytes]:
-    """Read one file and check its structure (gzip, magic, sizes, 28x28 images, labels 0..9)."""
-    content = read_idx_bytes(path)
+def _read_checked(spec: DatasetSpec, role: str, path: Path) -> tuple[np.ndarray, bytes, bytes]:
+    """Read one file once and check its structure (gzip, magic, sizes, 28x28 images, labels 0..9);
+    returns (array, file bytes, decompressed content) so the checksum needs no second read."""
+    file_bytes, content = read_idx_file(path)
     array = parse_idx(content, str(path))
     if role.endswith("images"):
         if array.ndim != 3 or array.shape[1:] != IMAGE_SHAPE:
@@ -170,18 +171,13 @@ def _read_checked(spec: DatasetSpec, role: str, path: Path) -> tuple[np.ndarray,
             raise DataError(f"{path}: labels must be a 1-D IDX array, got shape {array.shape}")
         if array.size and int(array.max()) >= NUM_CLASSES:
             raise DataError(f"{path}: label {int(array.max())} is outside 0..9; the file is corrupt")
-    return array, content
-
-
-def _verify_checksum(spec: DatasetSpec, role: str, path: Path, content: bytes, data_dir=None) -> None:
-    file_bytes = path.read_bytes() if path.suffix == ".gz" else None
-    _check_checksum(spec, role, path, file_bytes, content, data_dir)
+    return array, file_bytes, content
 
 
 def _read_verified(spec: DatasetSpec, role: str, path: Path, verify: bool, data_dir=None) -> np.ndarray:
-    array, content = _read_checked(spec, role, path)
+    array, file_bytes, content = _read_checked(spec, role, path)
     if verify:
-        _verify_checksum(spec, role, path, content, data_dir)
+        _check_checksum(spec, role, path, file_bytes, content, data_dir)
     return array
 
 
@@ -228,10 +224,11 @@ def load_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None,
     directory = dataset_dir(name, data_dir)
     paths = {role: _locate(spec, role, directory, data_dir) for role in ROLES}
     checked = {role: _read_checked(spec, role, paths[role]) for role in ROLES}
-    data = Dataset(name, **{role: array for role, (array, _) in checked.items()})
+    data = Dataset(name, **{role: array for role, (array, _, _) in checked.items()})
     if verify:
         for role in ROLES:
-            _verify_checksum(spec, role, paths[role], checked[role][1], data_dir)
+            _, file_bytes, content = checked[role]
+            _check_checksum(spec, role, paths[role], file_bytes, content, data_dir)
     return data
 
 

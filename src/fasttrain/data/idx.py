@@ -20,8 +20,8 @@ from fasttrain.errors import DataError
 UBYTE = 0x08
 
 
-def read_idx_bytes(path: str | os.PathLike) -> bytes:
-    """The decompressed content of an IDX file (raw or ``.gz``), with corrupt gzip reported."""
+def read_idx_file(path: str | os.PathLike) -> tuple[bytes, bytes]:
+    """(the file's bytes, its decompressed IDX content) for a raw or ``.gz`` file, read once."""
     path = Path(path)
     try:
         raw = path.read_bytes()
@@ -30,11 +30,16 @@ def read_idx_bytes(path: str | os.PathLike) -> bytes:
     except OSError as exc:
         raise DataError(f"{path}: cannot read ({exc.strerror})") from None
     if path.suffix != ".gz":
-        return raw
+        return raw, raw
     try:
-        return gzip.decompress(raw)
+        return raw, gzip.decompress(raw)
     except (EOFError, gzip.BadGzipFile, zlib.error) as exc:
         raise DataError(f"{path}: truncated or corrupt gzip ({exc}); delete it and download again") from None
+
+
+def read_idx_bytes(path: str | os.PathLike) -> bytes:
+    """The decompressed content of an IDX file (raw or ``.gz``), with corrupt gzip reported."""
+    return read_idx_file(path)[1]
 
 
 def md5_hex(data: bytes) -> str:
