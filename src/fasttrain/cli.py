@@ -77,14 +77,13 @@ def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, ev
                 f"  train acc {_fmt(row['train_acc'], '.4f')}  test acc {_fmt(row['test_acc'], '.4f')}"
             )
 
-    config_fields = {k: v for k, v in cfg.to_dict().items()}
     if progress:
         n_epochs = cfg.epochs if cfg.steps is None else None
         progress.start()
         task = progress.add_task(f"{engine} {spec.name}", total=n_epochs)
     try:
         record = fasttrain.train(engine, spec, dataset=dataset, data_dir=data_dir, engine_options=engine_options,
-                                 on_epoch=on_epoch, out=out, save_weights_to=save_weights, **config_fields)
+                                 on_epoch=on_epoch, out=out, save_weights_to=save_weights, **cfg.to_dict())
     finally:
         if progress:
             progress.stop()
