@@ -1,7 +1,7 @@
 """The command line, a thin layer over the Python API.
 
 Errors a user can cause print one line (``error: ...``) and exit non-zero, without a traceback.
-Subcommands of other modules register themselves through :func:`register`.
+Subcommands living beside their code (bench, memory) are added by :func:`_load_plugins`.
 """
 
 from __future__ import annotations
@@ -163,11 +163,6 @@ def data_verify(dataset, data_dir) -> None:
     out_console.print(f"{dataset}: all files verified")
 
 
-def register(command: click.Command) -> None:
-    """Add a subcommand defined elsewhere (bench, memory)."""
-    cli.add_command(command)
-
-
 def _load_plugins() -> None:
     """Subcommands living beside their code: each module exposes a click command named ``command``."""
     import importlib
@@ -180,7 +175,7 @@ def _load_plugins() -> None:
             if exc.name == module or module.startswith(f"{exc.name}."):
                 continue
             raise
-        register(mod.command)
+        cli.add_command(mod.command)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -161,7 +161,6 @@ def run(
     data: Dataset,
     engine_options: dict | None = None,
     on_epoch: EpochCallback | None = None,
-    keep_session: bool = False,
 ):
     """Train ``spec`` with an engine under ``config`` on ``data``; returns ``(record, weights)``."""
     engine_cls = get_engine(engine_name)
@@ -210,8 +209,7 @@ def run(
         env = environment()
         env.update(session.environment())
     finally:
-        if not keep_session:
-            session.close()
+        session.close()
 
     epoch_ms = [row["train_ms"] for row in epochs]
     stats = summarize_epochs(epoch_ms)
