@@ -160,6 +160,23 @@ def check_amp(amp: str, precision: str, engine: str) -> None:
         )
 
 
+# CUDA-graph capture mode for every torch-driven engine (torch-fast, triton). "global" capture is
+# broken by a CUDA call from any thread of the process, and a JAX runtime that has run in the same
+# process keeps threads that make such calls (seen on an H200, for torch-fast and for triton: the
+# capture failed after JAX had trained, sometimes, and the CUDA context was unusable afterwards);
+# "thread_local" only forbids them on the capturing thread. Kernels reach the capturing stream
+# from any thread either way.
+CAPTURE_MODE = "thread_local"
+
+
+def capture_graph(record) -> torch.cuda.CUDAGraph:
+    """Capture what ``record()`` launches into a new CUDA graph (thread-local capture, see above)."""
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
+        record()
+    return graph
+
+
 class TorchSession(Session):
     """What both PyTorch sessions do alike once trained: evaluate, export weights, synchronize.
     Subclasses set ``model``, ``test_x``, ``test_y``, ``amp_dtype``, ``dtype`` and ``device``."""

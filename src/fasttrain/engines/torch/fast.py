@@ -48,6 +48,7 @@ from fasttrain.engines.torch.common import (
     TorchSession,
     autocast,
     build_model,
+    capture_graph,
     check_amp,
     load_weights,
     resolve_device,
@@ -60,11 +61,6 @@ GROWTH_INTERVAL = 2000  # GradScaler's default: double the loss scale after this
 # A whole-epoch graph is captured only when its memory pool, extrapolated from a 1-step and a
 # 3-step probe capture, stays under this share of the free GPU memory; else step graphs.
 EPOCH_GRAPH_MEMORY_SHARE = 0.4
-# "global" capture is broken by a CUDA call from any thread of the process, and a JAX runtime that
-# has run in the same process keeps threads that make such calls (seen on an H200: the capture
-# failed after JAX had trained, and the CUDA context was unusable afterwards); "thread_local" only
-# forbids them on the capturing thread. Kernels reach the capturing stream from any thread either way.
-CAPTURE_MODE = "thread_local"
 
 
 def resolve_options(options, precision: str, device: torch.device) -> dict:
@@ -303,11 +299,11 @@ class FastSession(TorchSession):
         self._restore()
 
     def _capture(self, steps: int):
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
+        def record():
             for k, (start, stop) in enumerate(self.bounds[:steps]):
                 self._step((self.X, self.Y, self.order_static[start:stop]), self.stats[k])
-        return graph
+
+        return capture_graph(record)
 
     def _epoch_graphs_fit(self) -> tuple[bool, str]:
         """Capture (never replay) 1-step and 3-step probes: the pool's growth per captured step, times
@@ -343,9 +339,7 @@ class FastSession(TorchSession):
         for size in self._batch_sizes():
             idx = torch.arange(size, device=self.device)
             stats = torch.zeros(2, dtype=self.dtype, device=self.device)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, capture_error_mode=CAPTURE_MODE):
-                self._step((self.X, self.Y, idx), stats)
+            graph = capture_graph(lambda: self._step((self.X, self.Y, idx), stats))
             graph.replay()
             self.step_idx[size], self.step_stats[size], self.graphs[size] = idx, stats, graph
 

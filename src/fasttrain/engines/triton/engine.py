@@ -226,11 +226,10 @@ class TritonSession(Session):
             torch.cuda.synchronize()
             self._restore_weights()
             if self.mode in ("graph", "persistent"):
+                from fasttrain.engines.torch.common import capture_graph
+
                 for steps in sorted(set(job.schedule.steps_per_epoch)):
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        self._run_steps(steps)
-                    self.graphs[steps] = graph
+                    self.graphs[steps] = capture_graph(lambda: self._run_steps(steps))
             torch.cuda.synchronize()
         else:
             self._run_steps(1)
