@@ -41,7 +41,14 @@ MLP_CONFIGS = [
     dict(FT_C=7, FT_MT=3, FT_NL=2, FT_STAGES=2, FT_BF16=1),
     dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
 ]
-CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS}
+GRID_CONFIGS = [
+    dict(FT_H=1024, FT_NL=3, FT_A=8, FT_B=16, FT_MT=2, FT_BF16=0),
+    dict(FT_H=512, FT_NL=3, FT_A=8, FT_B=16, FT_MT=3, FT_BF16=1),
+    dict(FT_H=256, FT_NL=1, FT_A=1, FT_B=16, FT_MT=4, FT_BF16=0),
+    dict(FT_H=768, FT_NL=3, FT_A=6, FT_B=12, FT_MT=2, FT_BF16=0),
+]
+CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS,
+           "fused_grid_v1.cu": GRID_CONFIGS}
 OLDER = {"fused_logreg_v1.cu": LOGREG_CONFIGS[0], "fused_logreg_v2.cu": LOGREG_CONFIGS[1],
          "fused_logreg_v3.cu": LOGREG_CONFIGS[2], "fused_step_v2.cu": STEP_CONFIGS[0],
          "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2]}
@@ -138,9 +145,24 @@ def test_fused_rungs_need_mixed_precision(tiny_data):
 def test_rung8_mlp_points_at_rung7_when_it_does_not_fit(tiny_data):
     from fasttrain.engines.cuda.fused import make_session
 
-    for model, batch in (("mlp:256x2", 32), ("mlp:128x2", 100), ("mlp:64x7", 32)):
+    for model, batch in (("mlp:2048x2", 32), ("mlp:128x2", 100), ("mlp:64x7", 32), ("mlp:1024x3", 64),
+                         ("mlp:300x2", 32), ("mlp:1024x7", 32)):
         with pytest.raises(FasttrainError, match="--rung 7"):
             make_session(make_job(tiny_data, model, precision="fp16", batch_size=batch), Opts(8))
+
+
+def test_grid_plan_fits_shared_memory_and_the_chip():
+    from fasttrain.engines.cuda.fused import GRID_SMS, SMEM_LIMIT, grid_plan, grid_smem_bytes
+
+    plan = grid_plan(parse_model("mlp:1024x3"), 32)
+    assert (plan["FT_A"], plan["FT_B"], plan["grid"]) == (8, 16, 128)   # 112 + 128 + 128 + 8 tiles, one CTA an SM
+    for model, batch in (("mlp:256x1", 29), ("mlp:256x2", 37), ("mlp:512x3", 64), ("mlp:768x3", 32), ("mlp:1024x3", 37)):
+        plan = grid_plan(parse_model(model), batch)
+        assert plan["grid"] <= GRID_SMS and plan["smem"] + 16 <= SMEM_LIMIT, (model, plan)
+        assert plan["smem"] == grid_smem_bytes(plan["FT_H"], plan["FT_NL"], plan["FT_A"], plan["FT_B"], plan["FT_MT"])
+        assert plan["FT_B"] % plan["FT_A"] == 0 and plan["FT_H"] // plan["FT_B"] in (16, 32, 64)
+    with pytest.raises(FasttrainError, match="--rung 7"):
+        grid_plan(parse_model("mlp:1024x3"), 32, sm_count=100)   # 128 tiles do not fit on 100 SMs
 
 
 def test_mlp_plan_fits_shared_memory():
@@ -199,7 +221,7 @@ def _run_both(job, rung, **tuning):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rung,model", [(7, "mlp:100x2"), (8, "logreg"), (8, "mlp:100x2")])
+@pytest.mark.parametrize("rung,model", [(7, "mlp:100x2"), (8, "logreg"), (8, "mlp:100x2"), (8, "mlp:256x2")])
 def test_warm_up_does_not_train(tiny_data, rung, model):
     job = make_job(tiny_data, model, precision="fp16", batch_size=37, epochs=1)
     sess = _session(job, rung)
@@ -217,6 +239,7 @@ def test_warm_up_does_not_train(tiny_data, rung, model):
     (8, "logreg", 7, 37), (8, "logreg", 4, 37), (7, "logreg", None, 37),
     (7, "mlp:100x2", None, 37), (7, "mlp:128x3", None, 37),
     (8, "mlp:100x2", None, 37), (8, "mlp:128x3", None, 29), (8, "mlp:64x1", None, 37), (8, "mlp:64x2", None, 50),
+    (8, "mlp:256x2", None, 37), (8, "mlp:512x1", None, 29), (8, "mlp:256x3", None, 50),
 ])
 def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, cluster, batch):
     """Odd batches (a partial last batch: 600 % 37 = 8, 600 % 29 = 20), width 100: losses within a few percent."""
@@ -243,6 +266,7 @@ def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, c
     (8, "logreg", dict(epochs=20)),
     (7, "mlp:128x3", dict()),
     (8, "mlp:128x3", dict()),
+    (8, "mlp:1024x3", dict(steps=600)),
 ])
 def test_mnist_parity(mnist, rung, model, config):
     """The issue's acceptance: train loss per epoch within 2% of fp64, final test accuracy within 0.3 pp."""
@@ -254,7 +278,7 @@ def test_mnist_parity(mnist, rung, model, config):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("rung,model", [(8, "logreg"), (7, "mlp:64x2"), (8, "mlp:64x2")])
+@pytest.mark.parametrize("rung,model", [(8, "logreg"), (7, "mlp:64x2"), (8, "mlp:64x2"), (8, "mlp:256x2")])
 def test_driver_reaches_fused_rungs(tiny_data, rung, model):
     from fasttrain.training import run
 

@@ -40,7 +40,7 @@ WORKLOADS = [
      ("<=", 0.7), True),
     ("mlp:128x3", "mlp:128x3", dict(steps=5000, batch_size=32, lr=0.003), 8, "ms/run",
      "JAX 0.20 s; PyTorch whole-step graph 0.55 s; pure-CUDA 1.50 s (H200)", "~15 ms", ("<=", 25.0), True),
-    ("mlp:1024x3", "mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
+    ("mlp:1024x3", "mlp:1024x3", dict(steps=5000, batch_size=32, lr=0.003), 8, "ms/run",
      "JAX 0.31 s; PyTorch graph 0.89 s; pure-CUDA 1.6 s (H200)", "~40 ms", ("<=", 60.0), True),
     ("mlp:8192x3", "mlp:8192x3", dict(steps=5000, batch_size=32, lr=0.003), 7, "ms/run",
      "JAX 5.5 s; torch.compile 8.04 s; pure-CUDA 7.7 s (H200)", "1.4 s (fp16 weights), 2.8 s (fp32 master)",
@@ -203,6 +203,39 @@ def profile_mlp(data, version="fused_mlp_v2.cu") -> list[dict]:
     return [row]
 
 
+GRID_PHASES = ["fwd 1", "fwd 2..NL", "fwd last", "bwd last", "bwd NL..2", "bwd 1"]
+
+
+def profile_grid(data, model="mlp:1024x3", steps=1875) -> list[dict]:
+    """Per-phase clock64() cycles of the rung-8 grid kernel (thread 0 of every CTA, waits included), and the
+    epoch kernel's event time by number of steps (lr = 0)."""
+    from fasttrain.engines.cuda.fused import make_session
+
+    spec = parse_model(model)
+    cfg = default_config(spec, precision="fp16", steps=2 * steps)
+    plan = schedule(cfg, data.n_train)
+    job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
+    session = make_session(job, _Opts(8), prof=True)
+    watch = Stopwatch(session.sync)
+    ms = []
+    for epoch in (1, 2):
+        t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
+                                                         plan.steps_per_epoch[epoch - 1]))
+        ms.append(t)
+    prof = session.profile()
+    kernel = _kernel_times(session, job)
+    session.close()
+    n = plan.steps_per_epoch[1]
+    row = {"model": model, "version": session.version, "grid": session.grid, "epoch_ms": ms, "kernel_ms_by_steps": kernel,
+           "cycles_per_step": {name: (prof[:, i] / n).round(1).tolist() for i, name in enumerate(GRID_PHASES)}}
+    print(f"profile {model} rung 8 {session.version} grid {session.grid}: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({n} steps); "
+          f"kernel ms by steps {kernel}", flush=True)
+    for name, v in row["cycles_per_step"].items():
+        arr = np.asarray(v)
+        print(f"   {name:10s} cycles/step: CTA0 {arr[0]:.0f}  mean {arr.mean():.0f}  max {arr.max():.0f}", flush=True)
+    return [row]
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--out", default="results/record")
@@ -211,6 +244,8 @@ def main(argv=None) -> int:
     parser.add_argument("--no-parity", action="store_true", help="skip the float64 reference runs")
     parser.add_argument("--only", default=None, help="comma-separated workload keys")
     parser.add_argument("--profile", action="store_true", help="only the rung-8 phase profile and ablations")
+    parser.add_argument("--profile-grid", default=None, metavar="MODEL",
+                        help="only the phase profile of the rung-8 grid kernel for MODEL (e.g. mlp:1024x3)")
     parser.add_argument("--ncu-target", default=None, metavar="MODEL",
                         help="run 8 rung-7 steps of MODEL without a graph (a short target for ncu) and exit")
     args = parser.parse_args(argv)
@@ -224,6 +259,12 @@ def main(argv=None) -> int:
         session = make_session(job, _Opts(7), graph=False)
         session.train_epoch(1, epoch_order(cfg.seed, 1, data.n_train), 8)
         session.close()
+        return 0
+    if args.profile_grid:
+        data = load_dataset("mnist", args.data_dir)
+        res = profile_grid(data, args.profile_grid)
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        atomic_write_text(Path(args.out) / "grid_profile.json", json.dumps(res, indent=1) + "\n")
         return 0
     if args.profile:
         data = load_dataset("mnist", args.data_dir)
