@@ -16,7 +16,8 @@ the batches with cp.async into a ring of stages, the epoch's shuffle order is up
 and the per-epoch loss and accuracy (and the mean loss of every step) are written by the kernel into
 host-mapped pinned memory, followed by a completion flag the host spins on.
 ``kernels/fused_logreg_v4.cu`` (logreg): K split over 7 CTAs, partial logits reduce-scattered and g
-all-gathered with the bulk-copy engine. ``kernels/fused_mlp_v3.cu`` (MLPs with hidden widths up to 128,
+all-gathered with the bulk-copy engine (``fused_logreg_v5.cu``, selectable with ``version=``: one all-to-all
+of the partial logits a step and a redundant softmax in every CTA; batch <= 128 with a cluster of 7). ``kernels/fused_mlp_v3.cu`` (MLPs with hidden widths up to 128,
 batch up to 64): one CTA per 16 hidden units, all-gathers of activations and reduce-scatters of dH.
 ``kernels/fused_grid_v1.cu`` (MLPs with equal hidden widths 256..1024, batch up to 64): one persistent grid of
 ~128 CTAs, each holding a 2-D tile of every layer's weights in shared memory; partial activations and
@@ -47,7 +48,7 @@ SMEM_LIMIT = 227 * 1024          # opt-in shared memory per block on sm_90
 LOGREG_VERSION = "fused_logreg_v4.cu"
 MLP_VERSION = "fused_mlp_v3.cu"
 # kernel versions that write a completion flag into the host-mapped output (the host spins on it)
-FLAGGED = {"fused_logreg_v4.cu", "fused_mlp_v3.cu", "fused_grid_v1.cu"}
+FLAGGED = {"fused_logreg_v4.cu", "fused_logreg_v5.cu", "fused_mlp_v3.cu", "fused_grid_v1.cu"}
 STEP_VERSION = "fused_step_v1.cu"   # v2 (software-pipelined backward) measured slower: 3.10 s vs 2.96 s
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
@@ -278,7 +279,7 @@ class _FusedBase(Session):
 
 
 def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int, xhb: int, version: str = LOGREG_VERSION) -> int:
-    """Mirror of the shared-memory layout of fused_logreg_v1/v2.cu (checked against the module's constant)."""
+    """Mirror of the shared-memory layout of fused_logreg_v1..v5.cu (checked against the module's constant)."""
     r = lambda x: (x + 127) // 128 * 128  # noqa: E731
     bp, kf = mt * 16, kt * 16
     xs = kf + 8
@@ -286,6 +287,15 @@ def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int, xhb: int, ver
         size = 512 + r(stages * bp * kf) + r(stages * bp * 4) + r(xhb * bp * xs * 2) + r(16 * xs * 2)
         size += r(bp * 24 * 2) + r(2 * cluster * bp * NUM_CLASSES * 4)
         return size + 2 * 8 * 8
+    if version == "fused_logreg_v5.cu":   # g of all rows, mine[2][bp][10], rx[2][cluster-1][bp][10] (fp32)
+        off = r(512 + stages * bp * kf)
+        off = r(off + stages * bp * 4)
+        off = r(off + 2 * bp * xs * 2)
+        off = r(off + 16 * xs * 2)
+        off = r(off + bp * 24 * 2)
+        off = r(off + 2 * bp * NUM_CLASSES * 4)
+        off = r(off + 2 * (cluster - 1) * bp * NUM_CLASSES * 4)
+        return off + 2 * 8 * 8
     rpc = -(-bp // cluster)
     off = r(512 + stages * bp * kf)
     off = r(off + stages * bp * 4)
@@ -317,9 +327,10 @@ def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: in
         if size <= SMEM_LIMIT:
             return {"FT_C": cluster, "FT_KT": kt, "FT_MT": mt, "FT_STAGES": s, "FT_XHB": x,
                     "FT_PW": 1 if kt <= 8 else 2, "smem": size}
+    hint = "a smaller batch" if cluster == 7 else "the default cluster of 7 or a smaller batch"
     raise FasttrainError(
-        f"rung 8 logreg with batch {batch} and a cluster of {cluster} does not fit in shared memory; "
-        "use the default cluster of 7 or a smaller batch"
+        f"rung 8 logreg ({version}) with batch {batch} and a cluster of {cluster} does not fit in shared memory; "
+        f"use {hint}"
     )
 
 

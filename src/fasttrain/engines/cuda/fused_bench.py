@@ -101,6 +101,8 @@ LOGREG_PHASES = {
     "fused_logreg_v4.cu": {0: "loop", 8: "fwd compute", 1: "fence+bar+scatter+stats", 2: "convert next",
                            3: "wait partials", 9: "softmax", 10: "fence+bar", 4: "gather issue+X frags", 5: "wait g",
                            6: "backward"},
+    "fused_logreg_v5.cu": {0: "loop", 8: "fwd compute", 1: "fence+bar+send+stats", 4: "X frags", 2: "convert next",
+                           3: "wait partials", 9: "softmax all rows", 10: "bar", 6: "backward+bar"},
 }
 PRODUCER = {16: "wait stage", 17: "issue"}
 
@@ -268,7 +270,9 @@ def main(argv=None) -> int:
         return 0
     if args.profile:
         data = load_dataset("mnist", args.data_dir)
-        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=7, version="fused_logreg_v3.cu")])
+        v5 = "fused_logreg_v5.cu"
+        res = profile_logreg(data, [dict(prof=True, cluster=7), dict(cluster=7), dict(cluster=7, version="fused_logreg_v3.cu"),
+                                    {"prof": True, "cluster": 7, "version": v5}, {"cluster": 7, "version": v5}])
         res += profile_mlp(data, "fused_mlp_v3.cu")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "fused_profile.json", json.dumps(res, indent=1) + "\n")
@@ -319,10 +323,11 @@ def main(argv=None) -> int:
                 variants.append(v)
                 print(f"  variant {model} rung 8 {version}: {v['run_ms']:.1f} ms/run", flush=True)
         if key == "logreg" and not args.quick:
-            for cluster, version in ((4, "v4"), (5, "v4"), (6, "v4"), (7, "v4"), (7, "v3"), (7, "v2"), (7, "v1")):
+            for cluster, version in ((4, "v4"), (5, "v4"), (6, "v4"), (7, "v4"), (7, "v3"), (7, "v2"), (7, "v1"),
+                                     (7, "v5"), (4, "v5")):
                 v = time_variant(data, "logreg", overrides, 8, "fp16", cluster=cluster, version=f"fused_logreg_{version}.cu")
                 variants.append(v)
-                print(f"  variant logreg rung 8 cluster {cluster}: {v['stats']['mean_second_half']:.3f} ms/epoch "
+                print(f"  variant logreg rung 8 {version} cluster {cluster}: {v['stats']['mean_second_half']:.3f} ms/epoch "
                       f"(p50 {v['stats']['p50']:.3f})", flush=True)
 
     gpu = (env.get("gpu") or {}).get("name") if isinstance(env.get("gpu"), dict) else None

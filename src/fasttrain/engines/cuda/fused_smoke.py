@@ -3,8 +3,8 @@
     python -m fasttrain.engines.cuda.fused_smoke [--steps N]
 
 Small enough to run under ``compute-sanitizer`` (memcheck, racecheck, synccheck): one epoch of
-rung 8 logreg (cluster 7 and 4, batch 37), rung 8 MLPs on a cluster (mlp:100x2, mlp:128x3, mlp:64x2) and
-on the persistent grid (mlp:256x2, mlp:256x1), and a few rung-7 steps of mlp:100x2 in fp16 and bf16.
+rung 8 logreg (cluster 7 and 4, batch 37; kernels v4 and v5), rung 8 MLPs on a cluster (mlp:100x2, mlp:128x3,
+mlp:64x2) and on the persistent grid (mlp:256x2, mlp:256x1), and a few rung-7 steps of mlp:100x2 in fp16 and bf16.
 Exits non-zero when a loss is not finite or strays more than 5% from the reference.
 """
 
@@ -58,19 +58,26 @@ def check(data, model, rung, precision, batch, epochs, **tuning) -> bool:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--epochs", type=int, default=1)
-    parser.add_argument("--only", default=None, help="rung7, rung8 or grid")
+    parser.add_argument("--only", default=None, help="rung7, rung8, grid, or logreg-v5 (only the v5 kernel's four runs)")
     args = parser.parse_args(argv)
     data = synthetic()
     ok = True
     if args.only in (None, "rung8"):
         ok &= check(data, "logreg", 8, "fp16", 37, args.epochs, cluster=7)
         ok &= check(data, "logreg", 8, "bf16", 37, args.epochs, cluster=4)
+        for cluster in (7, 4):
+            for precision in ("fp16", "bf16"):
+                ok &= check(data, "logreg", 8, precision, 37, args.epochs, cluster=cluster, version="fused_logreg_v5.cu")
         ok &= check(data, "mlp:100x2", 8, "fp16", 37, args.epochs)
         ok &= check(data, "mlp:128x3", 8, "bf16", 32, args.epochs)
         ok &= check(data, "mlp:64x2", 8, "fp16", 50, args.epochs)   # too big for v2's staging: runs v1
     if args.only in (None, "rung8", "grid"):   # the persistent grid (fused_grid_v1): widths 256..1024
         ok &= check(data, "mlp:256x2", 8, "fp16", 37, args.epochs)
         ok &= check(data, "mlp:256x1", 8, "bf16", 29, args.epochs)
+    if args.only == "logreg-v5":
+        for cluster in (7, 4):
+            for precision in ("fp16", "bf16"):
+                ok &= check(data, "logreg", 8, precision, 37, args.epochs, cluster=cluster, version="fused_logreg_v5.cu")
     if args.only in (None, "rung7"):
         ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs)
         ok &= check(data, "logreg", 7, "bf16", 37, args.epochs)
