@@ -1,0 +1,36 @@
+#!/usr/bin/env bash
+# Device runs of the fused rungs (issue 5), in stages with their own time limits; logs land in $OUT.
+# Run from the repo root on the device machine, with .whl (nvmath-python) and .data (MNIST) carried:
+#   bash scripts/device_fused.sh "smoke profile bench tests memcheck"
+# Stage options through the environment: BENCH_ONLY (fused_bench --only), PROFILE_MODEL, SMOKE_ONLY,
+# TESTS_K (pytest -k), BENCH_OUT (where fused_bench writes; copied into $OUT/bench.tgz).
+set -u
+STAGES=${1:-"smoke profile bench tests"}
+OUT=${OUT:-/tmp/device-out}
+mkdir -p "$OUT" /tmp/work
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data/mnist PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
+BENCH_OUT=${BENCH_OUT:-/tmp/work/record}
+for stage in $STAGES; do
+  echo "=== $stage $(date +%T)"
+  case $stage in
+    smoke) timeout ${SMOKE_TIMEOUT:-120} python3 -m fasttrain.engines.cuda.fused_smoke ${SMOKE_ONLY:+--only $SMOKE_ONLY} \
+             > "$OUT/smoke.log" 2>&1; echo "smoke exit $?"; tail -4 "$OUT/smoke.log" ;;
+    memcheck) timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool memcheck --error-exitcode 3 \
+             python3 -m fasttrain.engines.cuda.fused_smoke ${SMOKE_ONLY:+--only $SMOKE_ONLY} > "$OUT/memcheck.log" 2>&1
+           echo "memcheck exit $?"; grep -E "ERROR SUMMARY|SMOKE" "$OUT/memcheck.log" | tail -3 ;;
+    racecheck) timeout ${SAN_TIMEOUT:-240} compute-sanitizer --tool racecheck --racecheck-report hazard \
+             python3 -m fasttrain.engines.cuda.fused_smoke ${SMOKE_ONLY:+--only $SMOKE_ONLY} > "$OUT/racecheck.log" 2>&1
+           echo "racecheck exit $?"; grep -E "RACECHECK SUMMARY|SMOKE" "$OUT/racecheck.log" | tail -3 ;;
+    profile) timeout ${PROFILE_TIMEOUT:-90} python3 -m fasttrain.engines.cuda.fused_bench --out "$BENCH_OUT" \
+             --profile-grid ${PROFILE_MODEL:-mlp:1024x3} 2>&1 | tail -12 ;;
+    bench) timeout ${BENCH_TIMEOUT:-240} python3 -m fasttrain.engines.cuda.fused_bench --out "$BENCH_OUT" \
+             ${BENCH_ONLY:+--only $BENCH_ONLY} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench exit $?"
+           grep -vE "^\|" "$OUT/bench.log" | tail -25 ;;
+    tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs ${TESTS:-tests} \
+             ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.log" 2>&1; echo "pytest exit $?"; tail -6 "$OUT/gpu-tests.log" ;;
+  esac
+  [ -d "$BENCH_OUT" ] && tar czf "$OUT/bench.tgz" -C "$BENCH_OUT" .
+done
+echo "=== done $(date +%T)"
