@@ -49,16 +49,16 @@ MLP_CONFIGS = [
     dict(FT_C=4, FT_MT=4, FT_NL=1, FT_STAGES=2, FT_BF16=0),
 ]
 GRID_CONFIGS = [
-    dict(FT_H=1024, FT_NL=3, FT_A=8, FT_B=16, FT_MT=2, FT_BF16=0),
-    dict(FT_H=512, FT_NL=3, FT_A=8, FT_B=16, FT_MT=3, FT_BF16=1),
-    dict(FT_H=256, FT_NL=1, FT_A=1, FT_B=16, FT_MT=4, FT_BF16=0),
-    dict(FT_H=768, FT_NL=3, FT_A=6, FT_B=12, FT_MT=2, FT_BF16=0),
+    dict(FT_H=1024, FT_NL=3, FT_A=8, FT_B=16, FT_MT=2, FT_CW=8, FT_BF16=0),
+    dict(FT_H=512, FT_NL=3, FT_A=8, FT_B=16, FT_MT=3, FT_CW=4, FT_BF16=1),
+    dict(FT_H=256, FT_NL=1, FT_A=1, FT_B=16, FT_MT=4, FT_CW=4, FT_BF16=0),
+    dict(FT_H=768, FT_NL=3, FT_A=6, FT_B=12, FT_MT=2, FT_CW=16, FT_BF16=0),
 ]
 CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_logreg_v5.cu": LOGREG_V5_CONFIGS,
-           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v1.cu": GRID_CONFIGS}
+           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v2.cu": GRID_CONFIGS}
 OLDER = {"fused_logreg_v1.cu": LOGREG_CONFIGS[0], "fused_logreg_v2.cu": LOGREG_CONFIGS[1],
          "fused_logreg_v3.cu": LOGREG_CONFIGS[2], "fused_step_v2.cu": STEP_CONFIGS[0],
-         "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2]}
+         "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2], "fused_grid_v1.cu": GRID_CONFIGS[0]}
 
 
 def _strip(name, d):
@@ -183,6 +183,7 @@ def test_grid_plan_fits_shared_memory_and_the_chip():
         assert plan["grid"] <= GRID_SMS and plan["smem"] + 16 <= SMEM_LIMIT, (model, plan)
         assert plan["smem"] == grid_smem_bytes(plan["FT_H"], plan["FT_NL"], plan["FT_A"], plan["FT_B"], plan["FT_MT"])
         assert plan["FT_B"] % plan["FT_A"] == 0 and plan["FT_H"] // plan["FT_B"] in (16, 32, 64)
+        assert (plan["FT_H"] // plan["FT_B"]) % plan["FT_CW"] == 0 and plan["FT_H"] // plan["FT_CW"] <= plan["grid"]
     with pytest.raises(FasttrainError, match="--rung 7"):
         grid_plan(parse_model("mlp:1024x3"), 32, sm_count=100)   # 128 tiles do not fit on 100 SMs
 
@@ -269,6 +270,7 @@ def test_warm_up_does_not_train(tiny_data, rung, model, version):
     (8, "mlp:100x2", None, 37, None), (8, "mlp:128x3", None, 29, None), (8, "mlp:64x1", None, 37, None),
     (8, "mlp:64x2", None, 50, None),
     (8, "mlp:256x2", None, 37, None), (8, "mlp:512x1", None, 29, None), (8, "mlp:256x3", None, 50, None),
+    (8, "mlp:256x2", None, 37, "fused_grid_v1.cu"),
 ])
 def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, cluster, batch, version):
     """Odd batches (a partial last batch: 600 % 37 = 8, 600 % 29 = 20, 600 % 128 = 88), width 100: losses within

@@ -205,10 +205,10 @@ def profile_mlp(data, version="fused_mlp_v2.cu") -> list[dict]:
     return [row]
 
 
-GRID_PHASES = ["fwd 1", "fwd 2..NL", "fwd last", "bwd last", "bwd NL..2", "bwd 1"]
+GRID_PHASES = ["fwd 1", "fwd 2..NL (v2: and the reduces)", "fwd last", "bwd last", "bwd NL..2 (v1)", "bwd 1 (v2: NL..1)"]
 
 
-def profile_grid(data, model="mlp:1024x3", steps=1875) -> list[dict]:
+def profile_grid(data, model="mlp:1024x3", steps=1875, **tuning) -> list[dict]:
     """Per-phase clock64() cycles of the rung-8 grid kernel (thread 0 of every CTA, waits included), and the
     epoch kernel's event time by number of steps (lr = 0)."""
     from fasttrain.engines.cuda.fused import make_session
@@ -217,7 +217,7 @@ def profile_grid(data, model="mlp:1024x3", steps=1875) -> list[dict]:
     cfg = default_config(spec, precision="fp16", steps=2 * steps)
     plan = schedule(cfg, data.n_train)
     job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
-    session = make_session(job, _Opts(8), prof=True)
+    session = make_session(job, _Opts(8), prof=True, **tuning)
     watch = Stopwatch(session.sync)
     ms = []
     for epoch in (1, 2):
@@ -264,7 +264,7 @@ def main(argv=None) -> int:
         return 0
     if args.profile_grid:
         data = load_dataset("mnist", args.data_dir)
-        res = profile_grid(data, args.profile_grid)
+        res = profile_grid(data, args.profile_grid) + profile_grid(data, args.profile_grid, version="fused_grid_v1.cu")
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "grid_profile.json", json.dumps(res, indent=1) + "\n")
         return 0
@@ -312,6 +312,10 @@ def main(argv=None) -> int:
                 print(f"{key:11s} rung {r} {precision}: {value:10.3f} {metric}  test acc {record.final['test_acc']:.4f}"
                       + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
                       flush=True)
+        if key == "mlp:1024x3" and not args.quick:
+            v = time_variant(data, model, overrides, 8, "fp16", version="fused_grid_v1.cu")
+            variants.append(v)
+            print(f"  variant {model} rung 8 fused_grid_v1.cu: {v['run_ms']:.1f} ms/run", flush=True)
         if key in ("mlp:1024x3", "mlp:8192x3") and not args.quick:
             for tuning in (dict(version="fused_step_v1.cu", carveout=None), dict(version="fused_step_v2.cu")):
                 v = time_variant(data, model, overrides, 7, "fp16", **tuning)
