@@ -584,7 +584,7 @@ class PersistentGridSession(_FusedBase):
     The CTAs spin on each other's flags, so all of them must be resident at once: the plan uses at most one
     CTA per SM, and the session checks the device's SM count. ``prof``: per-phase clock64() counters."""
 
-    def __init__(self, job: Job, options, prof: bool = False, version: str = GRID_VERSION):
+    def __init__(self, job: Job, options, prof: bool = False, version: str = GRID_VERSION, sc_fence: bool | None = None):
         super().__init__(job, options)
         cp = self._cp
 
@@ -595,6 +595,8 @@ class PersistentGridSession(_FusedBase):
         defines["FT_BF16"] = int(job.config.precision == "bf16")
         if prof:
             defines["FT_PROF"] = 1
+        if sc_fence is not None:   # a fence.sc.gpu before every flag release (timing experiments)
+            defines["FT_SCFENCE"] = int(sc_fence)
         self.module = load_module(version, defines)
         smem = module_int(self.module, "ft_smem_bytes")
         grid = module_int(self.module, "ft_grid")

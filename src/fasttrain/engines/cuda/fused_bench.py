@@ -228,9 +228,9 @@ def profile_grid(data, model="mlp:1024x3", steps=1875, **tuning) -> list[dict]:
     kernel = _kernel_times(session, job)
     session.close()
     n = plan.steps_per_epoch[1]
-    row = {"model": model, "version": session.version, "grid": session.grid, "epoch_ms": ms, "kernel_ms_by_steps": kernel,
+    row = {"model": model, "version": session.version, "tuning": tuning, "grid": session.grid, "epoch_ms": ms, "kernel_ms_by_steps": kernel,
            "cycles_per_step": {name: (prof[:, i] / n).round(1).tolist() for i, name in enumerate(GRID_PHASES)}}
-    print(f"profile {model} rung 8 {session.version} grid {session.grid}: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({n} steps); "
+    print(f"profile {model} rung 8 {session.version} {tuning} grid {session.grid}: epoch ms {ms[0]:.3f} {ms[1]:.3f} ({n} steps); "
           f"kernel ms by steps {kernel}", flush=True)
     for name, v in row["cycles_per_step"].items():
         arr = np.asarray(v)
@@ -264,7 +264,8 @@ def main(argv=None) -> int:
         return 0
     if args.profile_grid:
         data = load_dataset("mnist", args.data_dir)
-        res = profile_grid(data, args.profile_grid) + profile_grid(data, args.profile_grid, version="fused_grid_v1.cu")
+        res = profile_grid(data, args.profile_grid)
+        res += profile_grid(data, args.profile_grid, version="fused_grid_v1.cu", sc_fence=False)
         Path(args.out).mkdir(parents=True, exist_ok=True)
         atomic_write_text(Path(args.out) / "grid_profile.json", json.dumps(res, indent=1) + "\n")
         return 0
@@ -313,9 +314,11 @@ def main(argv=None) -> int:
                       + (f"  loss dev {row['train_loss_max_rel_dev']:.4f}" if "train_loss_max_rel_dev" in row else ""),
                       flush=True)
         if key == "mlp:1024x3" and not args.quick:
-            v = time_variant(data, model, overrides, 8, "fp16", version="fused_grid_v1.cu")
-            variants.append(v)
-            print(f"  variant {model} rung 8 fused_grid_v1.cu: {v['run_ms']:.1f} ms/run", flush=True)
+            for tuning in ({"version": "fused_grid_v1.cu"}, {"version": "fused_grid_v1.cu", "sc_fence": False},
+                           {"version": "fused_grid_v2.cu", "sc_fence": True}):
+                v = time_variant(data, model, overrides, 8, "fp16", **tuning)
+                variants.append(v)
+                print(f"  variant {model} rung 8 {tuning}: {v['run_ms']:.1f} ms/run", flush=True)
         if key in ("mlp:1024x3", "mlp:8192x3") and not args.quick:
             for tuning in (dict(version="fused_step_v1.cu", carveout=None), dict(version="fused_step_v2.cu")):
                 v = time_variant(data, model, overrides, 7, "fp16", **tuning)

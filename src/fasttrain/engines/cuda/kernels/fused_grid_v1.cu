@@ -143,11 +143,18 @@ __device__ __forceinline__ u64 globaltimer() {
     return t;
 }
 
-// Every thread's writes of this phase are done (bar.sync), then thread 0 publishes them (fence + release).
+// Every thread's writes of this phase are done (bar.sync), then thread 0 publishes them with a release store
+// (cumulative over the writes the barrier ordered before it: the pattern of CUTLASS's GenericBarrier).
+// FT_SCFENCE=1 adds __threadfence() (fence.sc.gpu) before it, as v1 was first measured.
+#ifndef FT_SCFENCE
+#define FT_SCFENCE 1
+#endif
 __device__ __forceinline__ void publish(u32* flag, u32 seq) {
     __syncthreads();
     if (threadIdx.x == 0) {
+#if FT_SCFENCE
         __threadfence();
+#endif
         st_release(flag, seq);
     }
 }

@@ -10,6 +10,7 @@
 //       partials of one FT_CW-column chunk of the activation (or dZ) once and publishes it complete in fp16;
 //       consumers read complete fp16 slices. L2 traffic a hop 16 MB -> ~2 MB, at the price of a second flag
 //       round trip. The next step's order indices are loaded at the top of the step (v1 stalled on them).
+//       The flags are published with a release store alone (no fence.sc; FT_SCFENCE=1 puts it back).
 //
 // Tiling. Hidden layer l (W_l: H x H, stored W^T [out][in] fp32 in global memory) is cut into FT_A x FT_B
 // tiles of TA = H/FT_A inputs by TB = H/FT_B outputs; layer 1 (784 x H) into 7 x FT_B tiles of 112 inputs;
@@ -155,11 +156,18 @@ __device__ __forceinline__ u64 globaltimer() {
     return t;
 }
 
-// Every thread's writes of this phase are done (bar.sync), then thread 0 publishes them (fence + release).
+// Every thread's writes of this phase are done (bar.sync), then thread 0 publishes them with a release store
+// (cumulative over the writes the barrier ordered before it: the pattern of CUTLASS's GenericBarrier).
+// FT_SCFENCE=1 adds __threadfence() (fence.sc.gpu) before it, as v1 was first measured.
+#ifndef FT_SCFENCE
+#define FT_SCFENCE 0
+#endif
 __device__ __forceinline__ void publish(u32* flag, u32 seq) {
     __syncthreads();
     if (threadIdx.x == 0) {
+#if FT_SCFENCE
         __threadfence();
+#endif
         st_release(flag, seq);
     }
 }
@@ -588,14 +596,26 @@ __device__ void bwd_last(const Ctx& k, int buf, u32 seq, float scale, int rows, 
     __syncthreads();
 }
 
-// Prefetch the pixels of this CTA's layer-1 input slice: thread q < 7 B' copies 16 bytes of row q / 7, whose
-// example index `idx` (-1: padding row) the caller loaded earlier (the load's latency hides behind other work).
-__device__ __forceinline__ void prefetch_pixels(const u8* X, int idx, u8* xq, int a1) {
-    const int q = threadIdx.x;
-    if (q < BP * 7) {
-        const int r = q / 7, c16 = q % 7;
-        if (idx >= 0) cp_async16(smem_u32(xq + r * TA1 + c16 * 16), X + (size_t)idx * 784 + a1 * TA1 + c16 * 16);
-        else *reinterpret_cast<uint4*>(xq + r * TA1 + c16 * 16) = make_uint4(0u, 0u, 0u, 0u);
+// Prefetch the pixels of this CTA's layer-1 input slice: 7 B' copies of 16 bytes (up to 448 for B' = 64, so up to
+// two a thread: q = tid and tid + 256); copy q takes 16 bytes of row q / 7, whose example index idx[i] (-1: padding
+// row) the caller loaded earlier with row_indices (the loads' latency hides behind other work).
+#define PF (BP * 7 > NTHR ? 2 : 1)
+__device__ __forceinline__ void row_indices(int idx[PF], const int* order, int base, int rows) {
+#pragma unroll
+    for (int i = 0; i < PF; ++i) {
+        const int q = threadIdx.x + i * NTHR;
+        idx[i] = (q < BP * 7 && q / 7 < rows) ? order[base + q / 7] : -1;
+    }
+}
+__device__ __forceinline__ void prefetch_pixels(const u8* X, const int idx[PF], u8* xq, int a1) {
+#pragma unroll
+    for (int i = 0; i < PF; ++i) {
+        const int q = threadIdx.x + i * NTHR;
+        if (q < BP * 7) {
+            const int r = q / 7, c16 = q % 7;
+            if (idx[i] >= 0) cp_async16(smem_u32(xq + r * TA1 + c16 * 16), X + (size_t)idx[i] * 784 + a1 * TA1 + c16 * 16);
+            else *reinterpret_cast<uint4*>(xq + r * TA1 + c16 * 16) = make_uint4(0u, 0u, 0u, 0u);
+        }
     }
     cp_async_commit();
 }
@@ -635,8 +655,9 @@ grid_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __res
     const bool has1 = k.c < tiles(1);
     const int a1 = has1 ? k.c / FT_B : 0;
     if (has1 && steps > 0) {
-        const int r = threadIdx.x / 7;
-        prefetch_pixels(X, threadIdx.x < BP * 7 && r < min(batch, n) ? order[r] : -1, xq0, a1);
+        int idx[PF];
+        row_indices(idx, order, 0, min(batch, n));
+        prefetch_pixels(X, idx, xq0, a1);
     }
     move_tile<1>(k, 0);
     if constexpr (LL >= 2) move_tile<2>(k, 0);
@@ -663,10 +684,8 @@ grid_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __res
         // used later (the loads' latency hides behind the forward)
         int my_label = 0;
         if (k.c < tiles(LL) && threadIdx.x < rows) my_label = Y[order[base + threadIdx.x]];
-        int next_idx = -1;
-        const int next_rows = min(batch, n - base - batch);
-        if (has1 && s + 1 < steps && threadIdx.x < BP * 7 && threadIdx.x / 7 < next_rows)
-            next_idx = order[base + batch + threadIdx.x / 7];
+        int next_idx[PF];
+        row_indices(next_idx, order, base + batch, has1 && s + 1 < steps ? min(batch, n - base - batch) : 0);
         fwd_layer<1>(k, buf, seq, xq0 + (s & 1) * BP * TA1);    // slot s&1 of the two-slot ring holds step s
         if (has1 && s + 1 < steps) prefetch_pixels(X, next_idx, xq0 + ((s + 1) & 1) * BP * TA1, a1);
         PROF_T(0);
