@@ -55,10 +55,11 @@ GRID_CONFIGS = [
     dict(FT_H=768, FT_NL=3, FT_A=6, FT_B=12, FT_MT=2, FT_CW=16, FT_BF16=0),
 ]
 CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_logreg_v5.cu": LOGREG_V5_CONFIGS,
-           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v2.cu": GRID_CONFIGS}
+           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v3.cu": GRID_CONFIGS}
 OLDER = {"fused_logreg_v1.cu": LOGREG_CONFIGS[0], "fused_logreg_v2.cu": LOGREG_CONFIGS[1],
          "fused_logreg_v3.cu": LOGREG_CONFIGS[2], "fused_step_v2.cu": STEP_CONFIGS[0],
-         "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2], "fused_grid_v1.cu": GRID_CONFIGS[0]}
+         "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2], "fused_grid_v1.cu": GRID_CONFIGS[0],
+         "fused_grid_v2.cu": GRID_CONFIGS[1]}
 
 
 def _strip(name, d):
@@ -270,7 +271,7 @@ def test_warm_up_does_not_train(tiny_data, rung, model, version):
     (8, "mlp:100x2", None, 37, None), (8, "mlp:128x3", None, 29, None), (8, "mlp:64x1", None, 37, None),
     (8, "mlp:64x2", None, 50, None),
     (8, "mlp:256x2", None, 37, None), (8, "mlp:512x1", None, 29, None), (8, "mlp:256x3", None, 50, None),
-    (8, "mlp:256x2", None, 37, "fused_grid_v1.cu"),
+    (8, "mlp:256x2", None, 37, "fused_grid_v1.cu"), (8, "mlp:256x3", None, 50, "fused_grid_v2.cu"),
 ])
 def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, cluster, batch, version):
     """Odd batches (a partial last batch: 600 % 37 = 8, 600 % 29 = 20, 600 % 128 = 88), width 100: losses within
