@@ -46,6 +46,8 @@ MLP_VERSION = "fused_mlp_v3.cu"
 # kernel versions that write a completion flag into the host-mapped output (the host spins on it)
 FLAGGED = {"fused_logreg_v4.cu", "fused_mlp_v3.cu"}
 STEP_VERSION = "fused_step_v1.cu"   # v2 (software-pipelined backward) measured slower: 3.10 s vs 2.96 s
+STEP_V3 = "fused_step_v3.cu"        # cp.async ring in ft_bwd, deeper W prefetch in ft_fwd: not measured yet
+SM_SMEM = 228 * 1024                # shared memory per SM on sm_90 (each resident block also reserves 1 KB)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
 
@@ -506,23 +508,122 @@ NW = 8
 TARGET_BLOCKS = 120  # about one block per SM of an H100 (132)
 
 
-def _tile(width: int, mt: int, bwd: bool = False) -> int:
-    """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives TARGET_BLOCKS
+def _tile(width: int, mt: int, bwd: bool = False, min_blocks: int = TARGET_BLOCKS) -> int:
+    """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives ``min_blocks``
     blocks, else 8; capped so that the per-thread registers do not spill: ft_fwd holds mt * tile/8
     accumulator tiles (<= 16); ft_bwd (v2, double-buffered fragments) about 16 mt + 6 mt nj + 8 nj (<= 200)."""
     for tile in (64, 32, 16, 8):
         nj = tile // 8
         fits = (16 * mt + 6 * mt * nj + 8 * nj <= 200) if bwd else (mt * nj <= 16)
-        if width % tile == 0 and fits and width // tile >= TARGET_BLOCKS:
+        if width % tile == 0 and fits and width // tile >= min_blocks:
             return tile
     return 8
 
 
-class FusedStepSession(_FusedBase):
-    """``carveout``: the preferred shared-memory carveout (percent) set on every kernel, so that consecutive
-    graph nodes do not make the SMs reconfigure L1/shared memory between kernels (None: driver default)."""
+def step_bwd_smem(version: str, mt: int, bi: int, stages: int = 4) -> int:
+    """Mirror of ft_bwd's shared memory (checked against the module's ``ft_bwd_smem``). v1/v2: the H_in strip
+    [B_p][BI+8] fp16 and the dH reduction buffer [8][B_p][BI+1] fp32; v3: the strip, then the per-warp rings
+    (a stage: 16 rows of W^T at a stride of BI+8 floats (8 when BI = 8), 16 rows of g^T at B_p+8), which the
+    reduction buffer reuses."""
+    bp = 16 * mt
+    hs, red = bp * (bi + 8) * 2, NW * bp * (bi + 1) * 4
+    if version != STEP_V3:
+        return hs + red
+    ws = 8 if bi == 8 else bi + 8
+    stage = 16 * ws * 4 + 16 * (bp + 8) * 2
+    return hs + max(NW * stages * stage, red)
 
-    def __init__(self, job: Job, options, graph: bool = True, version: str = STEP_VERSION, carveout: int | None = 100):
+
+def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
+    """W k-steps ft_fwd v3 loads ahead: 4 (8 for BO = 8) for batches up to 32 when the estimate
+    4 (FU + MT) BO/8 + 30 registers fits the cap (ptxas, MT 2: BO 64 FU 4 -> 230, BO 32 FU 4 -> 126 under a
+    128 cap, BO 8 FU 8 -> 94), else v1's 2: larger batches hold more accumulators and spill sooner."""
+    if mt <= 2:
+        for fu in ((8, 4) if bo == 8 else (4,)):
+            if 4 * (fu + mt) * (bo // 8) + 30 <= _reg_cap(fwd_minb):
+                return fu
+    return 2
+
+
+def _reg_cap(minb: int) -> int:
+    """The registers a thread may use when ``minb`` blocks of 256 threads share the SM's 64K (8-register steps)."""
+    return min(255, 65536 // (minb * 256) // 8 * 8)
+
+
+def step_plan(shapes, mt: int, version: str = STEP_VERSION, bo: int | None = None, bi: int | None = None,
+              stages: int | None = None, bwd_minb: int | None = None, fwd_minb: int | None = None,
+              fu: int | None = None, osplit: int | None = None) -> list[dict]:
+    """Per-layer kernel configuration of rung 7; ``shapes`` = [(out_p, in_p)] of W^T per layer.
+
+    ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
+    tile). v3 only: ``stages`` (ring depth of ft_bwd; default the deepest of 4..2 whose ``bwd_minb`` blocks
+    fit in an SM's shared memory), ``bwd_minb`` / ``fwd_minb`` (``__launch_bounds__`` minimum blocks per SM,
+    default 1), ``fu`` (W k-steps ft_fwd loads ahead, default :func:`_default_fu`),
+    ``osplit`` (blocks over the output rows of the first layer's backward; default: chosen at launch from the
+    occupancy). The first layer needs no dH, so under v3 its backward tile is not held to TARGET_BLOCKS strips:
+    the output-row split supplies the blocks."""
+    v3 = version == STEP_V3
+    if not v3 and any(x is not None for x in (stages, bwd_minb, fwd_minb, fu, osplit)):
+        raise FasttrainError(f"stages/bwd_minb/fwd_minb/fu/osplit are tuning knobs of {STEP_V3}, not of {version}")
+    for name, val in (("bo", bo), ("bi", bi)):
+        if val is not None and val not in (8, 16, 32, 64):
+            raise FasttrainError(f"rung 7 {name} must be 8, 16, 32 or 64, got {val}")
+    bwd_minb, fwd_minb = bwd_minb or 1, fwd_minb or 1
+    plan = []
+    L = len(shapes)
+    for i, (out_p, in_p) in enumerate(shapes):
+        p_bo = bo if (bo is not None and i < L - 1 and out_p % bo == 0) else (_tile(out_p, mt) if i < L - 1 else 16)
+        if bi is not None and in_p % bi == 0:
+            p_bi = bi
+        else:
+            p_bi = _tile(in_p, mt, bwd=True, min_blocks=1 if (v3 and i == 0) else TARGET_BLOCKS)
+        entry = {"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "osplit": 1}
+        if v3:
+            fits = [k for k in ((stages,) if stages else (4, 3, 2)) if step_bwd_smem(version, mt, p_bi, k) <= SMEM_LIMIT]
+            if not fits:
+                raise FasttrainError(f"rung 7 v3: ft_bwd with BI {p_bi}, batch {16 * mt} and {stages or 2} stages "
+                                     f"needs more than {SMEM_LIMIT} bytes of shared memory")
+            # the deepest ring with which bwd_minb blocks share an SM's shared memory (else the shallowest)
+            depth = next((k for k in fits if bwd_minb * (step_bwd_smem(version, mt, p_bi, k) + 1024) <= SM_SMEM),
+                         fits[-1])
+            if i == L - 1 and i > 0:   # the last layer's ft_fwd is never launched: share the previous module
+                entry["BO"] = p_bo = plan[-1]["BO"]
+            p_fu = fu or _default_fu(mt, p_bo, fwd_minb)
+            # osplit None on the first layer: chosen at launch from the occupancy
+            entry.update({"S": depth, "MINB": bwd_minb, "FMINB": fwd_minb, "FU": p_fu,
+                          "osplit": osplit if i == 0 else 1})
+        plan.append(entry)
+    return plan
+
+
+def step_defines(p: dict, version: str, mt: int, bf16: int) -> dict:
+    defines = {"FT_MT": mt, "FT_BO": p["BO"], "FT_BI": p["BI"], "FT_BF16": bf16}
+    if version == STEP_V3:
+        defines.update({"FT_S": p["S"], "FT_MINB": p["MINB"], "FT_FMINB": p["FMINB"], "FT_FU": p["FU"]})
+    return defines
+
+
+def _blocks_per_sm(regs: int, smem: int, threads: int = NW * 32) -> int:
+    """Resident blocks an SM can hold (registers in 256-register steps per warp, shared memory + 1 KB a block)."""
+    warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // (warp_regs * (threads // 32))
+    by_smem = SM_SMEM // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // threads))
+
+
+class FusedStepSession(_FusedBase):
+    """``version``: the kernel file (``fused_step_v1.cu``; ``"v1"``/``"v2"``/``"v3"`` also accepted).
+    ``carveout``: the preferred shared-memory carveout (percent) set on every kernel, so that consecutive
+    graph nodes do not make the SMs reconfigure L1/shared memory between kernels (None: driver default).
+    ``tuning``: the tile and occupancy knobs of :func:`step_plan` (``bo``, ``bi``; v3: ``stages``,
+    ``bwd_minb``, ``fwd_minb``, ``fu``, ``osplit``); :meth:`environment` reports what each layer got."""
+
+    def __init__(self, job: Job, options, graph: bool = True, version: str = STEP_VERSION, carveout: int | None = 100,
+                 **tuning):
+        if re.fullmatch(r"v\d+", version):
+            version = f"fused_step_{version}.cu"
+        if not (KERNEL_DIR / version).is_file() or not version.startswith("fused_step_"):
+            raise FasttrainError(f"rung 7 has no kernel version {version!r} (fused_step_v1.cu, _v2, _v3)")
         super().__init__(job, options)
         self.version = version
         self.carveout = carveout
@@ -532,20 +633,16 @@ class FusedStepSession(_FusedBase):
         if self.mt > 16:
             raise FasttrainError(f"rung 7 supports batch sizes up to 256, got {self.batch}")
         bf16 = int(job.config.precision == "bf16")
-        L = len(self.layers)
-        self.plan = []
-        for i, (wt, _, _, _) in enumerate(self.layers):
-            out_p, in_p = wt.shape
-            bo = _tile(out_p, self.mt) if i < L - 1 else 16
-            bi = _tile(in_p, self.mt, bwd=True)
-            self.plan.append({"in_p": in_p, "out_p": out_p, "BO": bo, "BI": bi})
+        self.tuning = dict(tuning)
+        self.plan = step_plan([wt.shape for wt, _, _, _ in self.layers], self.mt, version, **tuning)
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
         mods = {}
         for p in self.plan:
-            key = (p["BO"], p["BI"])
+            defines = step_defines(p, version, self.mt, bf16)
+            key = tuple(sorted(defines.items()))
             if key not in mods:
-                mods[key] = load_module(version, {"FT_MT": self.mt, "FT_BO": key[0], "FT_BI": key[1], "FT_BF16": bf16})
+                mods[key] = load_module(version, defines)
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
@@ -559,6 +656,17 @@ class FusedStepSession(_FusedBase):
             p["bwd"] = p["module"].get_function("ft_bwd")
             p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
             p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
+            if version == STEP_V3 and p["bwd_smem"] != step_bwd_smem(version, self.mt, p["BI"], p["S"]):
+                raise FasttrainError(f"internal: {version} ft_bwd needs {p['bwd_smem']} bytes of shared memory, "
+                                     f"the plan says {step_bwd_smem(version, self.mt, p['BI'], p['S'])}")
+        self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+        p = self.plan[0]
+        if p["osplit"] is None:
+            # v3: the first layer needs no dH, so its output rows are split over blocks until the SMs are full
+            # (one wave: strips * osplit <= blocks an SM holds * SMs), each warp keeping >= 2 chunks
+            strips, nchunks = p["in_p"] // p["BI"], p["out_p"] // 16
+            bps = _blocks_per_sm(p["bwd"].num_regs, p["bwd_smem"])
+            p["osplit"] = max(1, min(bps * self.sms // strips, nchunks // (2 * NW)))
         if carveout is not None:
             for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd")]:
                 fn.preferred_shared_memory_carveout = int(carveout)
@@ -620,7 +728,7 @@ class FusedStepSession(_FusedBase):
                 need = l > 1
                 dzp = self.dz[l - 1] if need else self.dz[l]
                 dzpT = self.dzT[l - 1] if need else self.dzT[l]
-                p["bwd"]((p["in_p"] // p["BI"],), (NW * 32,),
+                p["bwd"]((p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
                          (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
                           wt, b, scale, scale, np_.int32(need), dzp, dzpT),
                          shared_mem=p["bwd_smem"])
@@ -646,6 +754,9 @@ class FusedStepSession(_FusedBase):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
-                    "smem_carveout": self.carveout,
-                    "tiles": [{"BO": p["BO"], "BI": p["BI"]} for p in self.plan]})
+                    "smem_carveout": self.carveout, "tuning": self.tuning,
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
+                              | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
+                                 "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
+                              for p in self.plan]})
         return env
