@@ -364,6 +364,70 @@ def test_step_v3_is_bit_identical_to_v1(tiny_data, model, batch, precision, tuni
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("logreg", 37), ("mlp:128x3", 32)])
+@pytest.mark.parametrize("await_each", [True, False])
+def test_rung8_side_stream_score_equals_a_fresh_evaluation(tiny_data, model, batch, await_each):
+    """eval_every = 1: each epoch's test loss/accuracy, scored on the side stream from a snapshot, equals the
+    float64 reference evaluation of the weights read back after that epoch. ``await_each``: evaluate() right
+    after each epoch (the driver's order); else the epochs run back to back (each score overlaps the next
+    epoch) and the scores are read at the end with scores()."""
+    from fasttrain.contract import epoch_order
+    from fasttrain.training import evaluate_weights
+
+    job = make_job(tiny_data, model, precision="fp16", batch_size=batch, epochs=3, lr=0.05, eval_every=1)
+    sess = _session(job, 8)
+    try:
+        got, ref = {}, {}
+        for epoch, steps in enumerate(job.schedule.steps_per_epoch, start=1):
+            sess.train_epoch(epoch, epoch_order(job.config.seed, epoch, job.data.n_train), steps)
+            assert sess._score_slot == epoch   # the side-stream path is the one taken
+            if await_each:
+                got[epoch] = sess.evaluate()
+            ref[epoch] = evaluate_weights(sess.weights(), job.data)
+        if not await_each:
+            got = sess.scores()
+            assert sess.evaluate() == got[3]
+    finally:
+        sess.close()
+    assert sorted(got) == [1, 2, 3]
+    n_test = len(job.data.test_labels)
+    for epoch, (ref_loss, ref_acc) in ref.items():
+        loss, acc = got[epoch]
+        assert abs(loss - ref_loss) <= 1e-4 * ref_loss, (epoch, loss, ref_loss)
+        assert abs(acc - ref_acc) <= 1.0 / n_test, (epoch, acc, ref_acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("logreg", 37), ("mlp:128x3", 32)])
+def test_rung8_side_stream_score_never_touches_training(tiny_data, model, batch):
+    """Training with a side-stream score after every epoch (not awaited: each overlaps the next epoch) leaves
+    the per-step losses and the final weights bit-identical to training without it; a session whose
+    evaluate() has no pending score (side_score=False, or no train_epoch yet) takes the synchronous path."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision="fp16", batch_size=batch, epochs=3, lr=0.05, eval_every=1)
+    runs = []
+    for side_score in (True, False):
+        sess = _session(job, 8, side_score=side_score)
+        try:
+            if not side_score:
+                assert sess._score_slot is None
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights(), sess.evaluate()))
+        finally:
+            sess.close()
+    (s1, w1, e1), (s0, w0, e0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+    # the same cuBLAS/CuPy ops on the same weights (snapshot vs live); equal up to cuBLAS's choice per stream
+    assert e1[0] == pytest.approx(e0[0], rel=1e-6) and abs(e1[1] - e0[1]) <= 1.0 / len(job.data.test_labels)
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rung,model,config", [
     (8, "logreg", dict(epochs=20)),
     (7, "mlp:128x3", dict()),

@@ -9,6 +9,10 @@ a GEMM + bias + ReLU kernel per hidden layer; the last GEMM with softmax, cross-
 ``g = p - onehot`` in its epilogue; per layer a backward kernel that reads W once, computes
 ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in registers, so dW is never
 written). Each epoch's steps are captured once into a CUDA graph and replayed.
+``kernels/fused_step_v3.cu`` (opt-in, ``version="v3"``; not the default until measured) streams W through
+per-warp cp.async rings in the backward, prefetches FU k-steps of W in the forward, splits the first
+layer's output rows over blocks, and takes the blocks per SM as a knob (:func:`step_plan`); its arithmetic
+is v1's, in the same order.
 
 Rung 8: the whole epoch is one launch of a persistent kernel on a thread-block cluster; the weights
 stay on chip (fp32 masters in registers, fp16/bf16 copies in shared memory), a producer warp prefetches
@@ -20,6 +24,16 @@ all-gathered with the bulk-copy engine. ``kernels/fused_mlp_v3.cu`` (MLPs with h
 batch up to 64): one CTA per 16 hidden units, all-gathers of activations and reduce-scatters of dH.
 Larger models at rung 8 raise a one-line error that points at rung 7 (the persistent-grid and
 weight-streaming designs of the issue for widths 1024 and 8192 are not implemented).
+Rung 8 scores the test set on a second stream: when ``train_epoch`` runs an epoch the driver will evaluate
+(every ``eval_every`` epochs and the last), it enqueues, right after the epoch kernel and before waiting for
+it, a side-stream job that waits for the kernel, copies the masters into preallocated snapshot buffers,
+scores the test set from the snapshot (the fp32 cuBLAS GEMMs and float64 loss of the synchronous
+``evaluate``) and copies (loss, correct) into pinned memory; the next epoch's launch waits only for the
+snapshot copy, and ``evaluate()`` only for the score. What overlaps, honestly: the host's enqueue of the
+score overlaps the epoch kernel; the score itself runs on the SMs the 4-8-SM cluster kernel leaves idle
+only while a later epoch runs, i.e. when the caller does not await ``evaluate()`` first. The driver
+(``training.run``) calls ``evaluate()`` right after the epoch it scores, so there the score overlaps only
+the host's bookkeeping between ``train_epoch`` and ``evaluate`` and is timed as evaluation, as before.
 NOTES-fused.md beside this file has the floors, each version's prediction and its measured outcome.
 
 CuPy provides memory, streams, graphs and NVRTC; nothing here is imported at module scope.
@@ -141,7 +155,8 @@ def make_session(job: Job, options, **tuning) -> Session:
 
 
 class _FusedBase(Session):
-    """What both rungs share: device data, the epochs' orders, evaluation and weight read-back."""
+    """What both rungs share: device data, the epochs' orders, evaluation and weight read-back; for rung 8
+    also the epoch launch-and-wait and the side-stream test score (:meth:`_schedule_score`)."""
 
     def __init__(self, job: Job, options):
         import cupy as cp
@@ -194,24 +209,110 @@ class _FusedBase(Session):
     def sync(self) -> None:
         self.stream.synchronize()
 
-    def evaluate(self) -> tuple[float, float]:
-        """Test loss and accuracy from the fp32 master weights (cuBLAS fp32 through CuPy)."""
+    def _score(self, layers):
+        """(loss sum, correct count) over the test set as a float64 device array of 2, enqueued on the current
+        stream: fp32 GEMMs (cuBLAS) + bias + ReLU, then log-softmax, loss and argmax in float64."""
         cp = self._cp
+        h = self.x_test
+        last = len(layers) - 1
+        for i, (wt, b, fan_in, fan_out) in enumerate(layers):
+            h = h @ wt[:fan_out, :fan_in].T + b[:fan_out]
+            if i < last:
+                h = cp.maximum(h, 0)
+        z = h.astype(cp.float64)
+        m = z.max(axis=1, keepdims=True)
+        lse = cp.log(cp.exp(z - m).sum(axis=1)) + m[:, 0]
+        loss = (lse - z[cp.arange(len(z)), self.y_test]).sum()
+        correct = (z.argmax(axis=1) == self.y_test).sum()
+        return cp.stack([loss, correct.astype(cp.float64)])
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy from the fp32 master weights (cuBLAS fp32 through CuPy). When the last
+        train_epoch scheduled a side-stream score (rung 8, :meth:`_schedule_score`), only that score is awaited."""
+        n = len(self.y_test)
+        if getattr(self, "_score_slot", None) is not None:
+            self._scored_ev.synchronize()
+            loss, correct = self.score_host[self._score_slot]
+            return float(loss) / n, float(correct) / n
         with self.stream:
-            h = self.x_test
-            last = len(self.layers) - 1
-            for i, (wt, b, fan_in, fan_out) in enumerate(self.layers):
-                h = h @ wt[:fan_out, :fan_in].T + b[:fan_out]
-                if i < last:
-                    h = cp.maximum(h, 0)
-            z = h.astype(cp.float64)
-            m = z.max(axis=1, keepdims=True)
-            lse = cp.log(cp.exp(z - m).sum(axis=1)) + m[:, 0]
-            loss = (lse - z[cp.arange(len(z)), self.y_test]).sum()
-            correct = (z.argmax(axis=1) == self.y_test).sum()
-            out = cp.stack([loss, correct.astype(cp.float64)]).get(stream=self.stream)
+            out = self._score(self.layers).get(stream=self.stream)
         self.stream.synchronize()
-        return float(out[0]) / len(self.y_test), float(out[1]) / len(self.y_test)
+        return float(out[0]) / n, float(out[1]) / n
+
+    # -- rung 8: the test set scored on a side stream from a snapshot of the weights --
+    def _init_side_score(self, enabled: bool) -> None:
+        """Side stream, events, snapshot buffers (one per weight array, padded like the masters) and a pinned
+        (loss sum, correct) slot per epoch; all allocated once, the snapshots on the side stream's pool."""
+        import cupyx
+
+        cp = self._cp
+        self.side_score = bool(enabled)
+        self._score_slot = None        # slot of the score evaluate() may return (None: the synchronous path)
+        self._copy_fence = False       # the next launch must wait for the last snapshot copy
+        if not self.side_score:
+            return
+        self.side = cp.cuda.Stream(non_blocking=True)
+        self._trained_ev = cp.cuda.Event(disable_timing=True)
+        self._copied_ev = cp.cuda.Event(disable_timing=True)
+        self._scored_ev = cp.cuda.Event(disable_timing=True)
+        self.stream.synchronize()      # the masters are on the device before the side stream may read them
+        with self.side:
+            self.snapshot = [(cp.empty_like(wt), cp.empty_like(b), fan_in, fan_out)
+                             for wt, b, fan_in, fan_out in self.layers]
+        self.score_host = cupyx.empty_pinned((self.job.schedule.n_epochs + 1, 2), np.float64)
+        self.score_host[:] = np.nan
+
+    def _scored(self, epoch: int) -> bool:
+        """Whether the driver evaluates after this epoch (training.run: every eval_every epochs and the last)."""
+        return epoch == self.job.schedule.n_epochs or epoch % self.config.eval_every == 0
+
+    def _before_launch(self) -> None:
+        """Every rung-8 launch writes W: it waits (on the device) for the last snapshot copy, and from now on
+        evaluate() must not return the earlier score."""
+        self._score_slot = None
+        if getattr(self, "_copy_fence", False):
+            self.stream.wait_event(self._copied_ev)
+            self._copy_fence = False
+
+    def _schedule_score(self, epoch: int) -> None:
+        """Called right after the epoch kernel is enqueued, before the host waits for it (so this enqueue
+        overlaps the kernel). On the side stream: wait for the epoch kernel, copy the masters into the
+        snapshot (device to device, ~0.05-0.5 MB for the rung-8 models), record the fence the next epoch's
+        launch waits on, score the test set from the snapshot and copy (loss sum, correct) into pinned memory."""
+        if not (self.side_score and self._scored(epoch)):
+            return
+        cp = self._cp
+        rt = cp.cuda.runtime
+        slot = epoch if 1 <= epoch < len(self.score_host) else 0
+        self._trained_ev.record(self.stream)
+        self.side.wait_event(self._trained_ev)
+        with self.side:
+            for (wt, b, _, _), (swt, sb, _, _) in zip(self.layers, self.snapshot):
+                rt.memcpyAsync(swt.data.ptr, wt.data.ptr, wt.nbytes, rt.memcpyDeviceToDevice, self.side.ptr)
+                rt.memcpyAsync(sb.data.ptr, b.data.ptr, b.nbytes, rt.memcpyDeviceToDevice, self.side.ptr)
+            self._copied_ev.record(self.side)
+            out = self._score(self.snapshot)
+            rt.memcpyAsync(self.score_host.ctypes.data + slot * 16, out.data.ptr, 16, rt.memcpyDeviceToHost,
+                           self.side.ptr)
+            self._scored_ev.record(self.side)
+        self._copy_fence = True
+        self._score_slot = slot
+
+    def scores(self) -> dict:
+        """{epoch: (test loss, test accuracy)} of every side-stream score so far (waits for the side stream)."""
+        if not getattr(self, "side_score", False):
+            return {}
+        self.side.synchronize()
+        n = len(self.y_test)
+        return {e: (float(r[0]) / n, float(r[1]) / n) for e, r in enumerate(self.score_host) if e and np.isfinite(r[0])}
+
+    def close(self) -> None:
+        # nothing may still read the snapshots (or write the pinned slots) when the buffers go back to the pools
+        if getattr(self, "side_score", False):
+            try:
+                self.side.synchronize()
+            except self._cp.cuda.runtime.CUDARuntimeError:
+                pass   # a failed device: the error that got us here is the one to report
 
     def weights(self):
         self.stream.synchronize()
@@ -251,6 +352,16 @@ class _FusedBase(Session):
         self._seq += 1.0
         self.out[2 + steps] = np.nan
         return (np.uint64(self.out.ctypes.data), np.float64(self._seq))
+
+    def _persistent_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        """One rung-8 epoch: launch (after the last snapshot copy), schedule the side-stream score when the
+        driver will evaluate this epoch, then wait for the kernel; the kernel wrote the stats into pinned memory."""
+        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)   # (after _before_launch)
+        self._schedule_score(epoch)
+        self._wait(steps)
+        rows = self._rows(steps)
+        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
+                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
     def _wait(self, steps: int) -> None:
         """Until the epoch kernel is done: spin on its completion flag (no sleep/wake-up of the host thread),
@@ -321,10 +432,12 @@ def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: in
 
 class PersistentLogregSession(_FusedBase):
     """``prof``: compile the kernel with per-phase clock64() counters (read them with :meth:`profile`);
-    ``ablate``: 1 = no exchange between CTAs, 2 = no wait for the data (timing experiments only: wrong math)."""
+    ``ablate``: 1 = no exchange between CTAs, 2 = no wait for the data (timing experiments only: wrong math);
+    ``side_score``: score the test set on a side stream from a snapshot of the weights after every epoch the
+    driver evaluates (module docstring); False: evaluate() runs on the main stream when called."""
 
     def __init__(self, job: Job, options, cluster: int = 7, stages: int | None = None, xhb: int | None = None,
-                 prof: bool = False, ablate: int = 0, version: str = LOGREG_VERSION):
+                 prof: bool = False, ablate: int = 0, version: str = LOGREG_VERSION, side_score: bool = True):
         super().__init__(job, options)
         cp = self._cp
 
@@ -358,22 +471,20 @@ class PersistentLogregSession(_FusedBase):
         # warm-up: two steps with lr = 0 (the update subtracts 0 * dW: the weights stay bit-identical)
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self.stream.synchronize()
+        self._init_side_score(side_score)
 
     def _launch(self, order_dev, steps: int, lr: float) -> None:
         wt, b, _, _ = self.layers[0]
         np_ = np
         args = (self.x_train, self.y_train, order_dev, np_.int32(self.n), np_.int32(self.batch), np_.int32(steps),
                 np_.float32(lr), wt, b, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+        self._before_launch()
         with self.stream:
             self.fn((self.plan["FT_C"],), (self.threads,), args, shared_mem=self.smem)
         self._check()
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
-        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
-        self._wait(steps)   # the kernel has written the stats into pinned memory; nothing to copy
-        rows = self._rows(steps)
-        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
-                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+        return self._persistent_epoch(epoch, order, steps)
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch: rows = CTAs; columns 0..15 consumer thread 0, 16..17 producer
@@ -443,7 +554,11 @@ def mlp_plan(spec, batch: int, stages: int | None = None, version: str | None = 
 
 
 class PersistentMlpSession(_FusedBase):
-    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str | None = None):
+    """``stages``/``version``: override the plan of :func:`mlp_plan`; ``prof``: per-phase cycle counters;
+    ``side_score``: as :class:`PersistentLogregSession`."""
+
+    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str | None = None,
+                 side_score: bool = True):
         super().__init__(job, options)
         cp = self._cp
 
@@ -472,20 +587,18 @@ class PersistentMlpSession(_FusedBase):
         self._init_out(max_steps, version)
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self.stream.synchronize()
+        self._init_side_score(side_score)
 
     def _launch(self, order_dev, steps: int, lr: float) -> None:
         args = (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
                 np.float32(lr), self.wptr, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+        self._before_launch()
         with self.stream:
             self.fn((self.plan["FT_C"],), (256,), args, shared_mem=self.smem)
         self._check()
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
-        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
-        self._wait(steps)
-        rows = self._rows(steps)
-        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
-                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+        return self._persistent_epoch(epoch, order, steps)
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch: rows = CTAs; columns 0..6 consumer thread 0 (wait data, layer 1,
