@@ -10,6 +10,7 @@ fused session through ``--engine cuda --rung 7|8``.
 
 from __future__ import annotations
 
+import itertools
 import re
 import shutil
 import subprocess
@@ -54,8 +55,24 @@ GRID_CONFIGS = [
     dict(FT_H=256, FT_NL=1, FT_A=1, FT_B=16, FT_MT=4, FT_CW=4, FT_BF16=0),
     dict(FT_H=768, FT_NL=3, FT_A=6, FT_B=12, FT_MT=2, FT_CW=16, FT_BF16=0),
 ]
+# fused_step_v3: the plans the sessions build (step_plan) for mlp:8192x3 / 1024x3 at batch 32 (default, the
+# bench variants), batch 37 / 128 / 256, bf16, and the occupancy corners the ncu finding asked for (BI 32 /
+# BI 16 tiles at 2 and 3 blocks an SM)
+STEP_V3_CONFIGS = [
+    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 64, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 4, "FT_BF16": 0},   # 8192 default
+    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 16, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 4, "FT_BF16": 0},   # 8192 first layer
+    {"FT_MT": 2, "FT_BO": 32, "FT_BI": 32, "FT_S": 3, "FT_MINB": 2, "FT_FMINB": 2, "FT_FU": 4, "FT_BF16": 0},   # 2 blocks an SM
+    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 32, "FT_S": 2, "FT_MINB": 3, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},   # BI 32, 3 blocks
+    {"FT_MT": 2, "FT_BO": 16, "FT_BI": 16, "FT_S": 3, "FT_MINB": 3, "FT_FMINB": 3, "FT_FU": 4, "FT_BF16": 1},   # BI 16, 3 blocks
+    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 64, "FT_S": 2, "FT_MINB": 2, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},   # BI 64, 2 blocks
+    {"FT_MT": 2, "FT_BO": 8, "FT_BI": 8, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 8, "FT_BF16": 0},     # 1024 default
+    {"FT_MT": 3, "FT_BO": 8, "FT_BI": 16, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 1},    # batch 37
+    {"FT_MT": 8, "FT_BO": 16, "FT_BI": 8, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},    # batch 128
+    {"FT_MT": 16, "FT_BO": 8, "FT_BI": 8, "FT_S": 3, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},    # batch 256
+]
 CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_logreg_v5.cu": LOGREG_V5_CONFIGS,
-           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v3.cu": GRID_CONFIGS}
+           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v3.cu": GRID_CONFIGS,
+           "fused_step_v3.cu": STEP_V3_CONFIGS}
 OLDER = {"fused_logreg_v1.cu": LOGREG_CONFIGS[0], "fused_logreg_v2.cu": LOGREG_CONFIGS[1],
          "fused_logreg_v3.cu": LOGREG_CONFIGS[2], "fused_step_v2.cu": STEP_CONFIGS[0],
          "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2], "fused_grid_v1.cu": GRID_CONFIGS[0],
@@ -214,6 +231,74 @@ def test_tiles_keep_accumulators_in_registers():
             assert width % tile == 0 and (16 * mt + 7 * mt * tile // 8 <= 200 or tile == 8)
 
 
+@pytest.mark.parametrize("model,batch", [("mlp:8192x3", 32), ("mlp:1024x3", 32), ("mlp:100x2", 37), ("logreg", 37),
+                                         ("mlp:128x3", 128), ("mlp:100x2", 256)])
+@pytest.mark.parametrize("tuning", [{}, {"bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2}, {"bi": 32, "bwd_minb": 2},
+                                    {"stages": 2, "fu": 2}])
+def test_step_v3_plan_fits(model, batch, tuning):
+    """Every v3 plan fits in shared memory (per block, and bwd_minb blocks an SM when the ring was chosen for it),
+    keeps the v1 default tiles where v1 would use them, and lets only the first layer split its output rows."""
+    from fasttrain.contract import INPUT_DIM
+    from fasttrain.engines.cuda.fused import (
+        SM_SMEM,
+        SMEM_LIMIT,
+        STEP_V3,
+        pad16,
+        step_bwd_smem,
+        step_defines,
+        step_plan,
+    )
+
+    spec = parse_model(model)
+    dims = [INPUT_DIM] + list(spec.hidden) + [10]
+    shapes = [(pad16(o), pad16(i)) for i, o in itertools.pairwise(dims)]
+    mt = pad16(batch) // 16
+    plan = step_plan(shapes, mt, STEP_V3, **tuning)
+    v1 = step_plan(shapes, mt)
+    assert len(plan) == len(shapes)
+    for i, (p, q) in enumerate(zip(plan, v1)):
+        assert p["in_p"] % p["BI"] == 0 and 2 <= p["S"] <= 4 and 1 <= p["FU"] <= 8
+        smem = step_bwd_smem(STEP_V3, mt, p["BI"], p["S"])
+        assert smem <= SMEM_LIMIT
+        if "stages" not in tuning and p["S"] > 2:
+            assert p["MINB"] * (smem + 1024) <= SM_SMEM
+        assert (p["osplit"] is None) if i == 0 else (p["osplit"] == 1)
+        if i < len(plan) - 1:
+            assert p["out_p"] % p["BO"] == 0
+        if 0 < i < len(plan) - 1 and not tuning:
+            assert (p["BO"], p["BI"]) == (q["BO"], q["BI"])
+        assert set(step_defines(p, STEP_V3, mt, 0)) == {"FT_MT", "FT_BO", "FT_BI", "FT_BF16", "FT_S", "FT_MINB",
+                                                          "FT_FMINB", "FT_FU"}
+
+
+def test_step_v3_knobs_belong_to_v3():
+    from fasttrain.engines.cuda.fused import step_plan
+
+    with pytest.raises(FasttrainError, match="tuning knobs"):
+        step_plan([(128, 784), (16, 128)], 2, "fused_step_v1.cu", bwd_minb=2)
+    with pytest.raises(FasttrainError, match="8, 16, 32 or 64"):
+        step_plan([(128, 784), (16, 128)], 2, "fused_step_v3.cu", bi=24)
+    assert step_plan([(128, 784), (16, 128)], 2, "fused_step_v1.cu", bi=16)[1]["BI"] == 16
+
+
+def test_step_bwd_smem_mirrors_the_kernel(tmp_path):
+    """The host's mirror of ft_bwd's shared memory equals the kernel's own constant (compiled to PTX and read
+    back from the ``ft_bwd_smem`` initializer)."""
+    if NVCC is None:
+        pytest.skip("nvcc not found")
+    from fasttrain.engines.cuda.fused import step_bwd_smem
+
+    for d in STEP_V3_CONFIGS[:4] + STEP_V3_CONFIGS[-2:]:
+        flags = [f"-D{k}={v}" for k, v in d.items()]
+        out = tmp_path / "k.ptx"
+        proc = subprocess.run([NVCC, "--ptx", "-arch=sm_90a", "-std=c++17", f"-I{KERNEL_DIR}", *flags, "-o", str(out),
+                               str(KERNEL_DIR / "fused_step_v3.cu")], capture_output=True, text=True, timeout=300,
+                              check=False)
+        assert proc.returncode == 0, proc.stderr
+        got = int(re.search(r"ft_bwd_smem\s*=\s*(\d+)", out.read_text()).group(1))
+        assert got == step_bwd_smem("fused_step_v3.cu", d["FT_MT"], d["FT_BI"], d["FT_S"]), d
+
+
 # --- GPU ------------------------------------------------------------------------------------
 
 
@@ -272,10 +357,12 @@ def test_warm_up_does_not_train(tiny_data, rung, model, version):
     (8, "mlp:64x2", None, 50, None),
     (8, "mlp:256x2", None, 37, None), (8, "mlp:512x1", None, 29, None), (8, "mlp:256x3", None, 50, None),
     (8, "mlp:256x2", None, 37, "fused_grid_v1.cu"), (8, "mlp:256x3", None, 50, "fused_grid_v2.cu"),
+    (7, "logreg", None, 37, "fused_step_v3.cu"), (7, "mlp:100x2", None, 37, "fused_step_v3.cu"),
+    (7, "mlp:128x3", None, 37, "fused_step_v3.cu"),
 ])
 def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, cluster, batch, version):
     """Odd batches (a partial last batch: 600 % 37 = 8, 600 % 29 = 20, 600 % 128 = 88), width 100: losses within
-    a few percent. ``version`` picks the rung-8 logreg kernel (None: the default)."""
+    a few percent. ``version`` picks the kernel version (None: the default)."""
     lr = 0.1 if model == "logreg" else 0.05
     job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=lr)
     tuning = {"cluster": cluster} if cluster else {}
@@ -294,6 +381,108 @@ def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, c
     err = relative_max_error([(np.float64(w), np.float64(b)) for w, b in weights], ref_weights)
     # max-norm relative weight error after 48 mixed-precision steps: fp16 ~1e-2, bf16 ~3e-2 (seen 0.028 / 0.034)
     assert err < (0.05 if precision == "fp16" else 0.10), err
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch,precision,tuning", [
+    ("mlp:128x3", 37, "fp16", {}),
+    ("mlp:128x3", 37, "bf16", {"bi": 64, "stages": 2}),
+    ("mlp:128x3", 32, "fp16", {"bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2}),
+    ("mlp:128x3", 32, "fp16", {"bi": 32, "stages": 2, "bwd_minb": 3, "fu": 1, "osplit": 3}),
+    ("mlp:256x2", 32, "fp16", {"bi": 64, "bo": 64, "fu": 4}),
+    ("mlp:100x2", 37, "fp16", {"bi": 16, "bo": 16, "bwd_minb": 3, "fwd_minb": 3}),
+    ("logreg", 37, "bf16", {}),
+    ("mlp:64x2", 200, "fp16", {}),
+])
+def test_step_v3_is_bit_identical_to_v1(tiny_data, model, batch, precision, tuning):
+    """fused_step_v3 changes where W and g are staged and how many blocks run, not the arithmetic: every output
+    and weight is the same chain of mma / FMA in the same order as in v1 (k ascending per warp, chunks in the
+    same order per warp, the same reduction over the 8 warps), and the first layer's output-row split touches
+    no sum. So per-step losses and the trained weights must equal v1's bit for bit, whatever the tiles."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=2, lr=0.05)
+    runs = []
+    for version, kw in (("fused_step_v1.cu", {}), ("fused_step_v3.cu", tuning)):
+        sess = _session(job, 7, version=version, **kw)
+        try:
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights(), sess.environment()))
+        finally:
+            sess.close()
+    (s1, w1, _), (s3, w3, env) = runs
+    assert env["fused_kernel"] == "fused_step_v3.cu"
+    assert all(t["local_bytes"] == 0 for t in env["tiles"]), env["tiles"]   # no spills in what was built
+    for a, b in zip(s1, s3):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w3):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("logreg", 37), ("mlp:128x3", 32)])
+@pytest.mark.parametrize("await_each", [True, False])
+def test_rung8_side_stream_score_equals_a_fresh_evaluation(tiny_data, model, batch, await_each):
+    """eval_every = 1: each epoch's test loss/accuracy, scored on the side stream from a snapshot, equals the
+    float64 reference evaluation of the weights read back after that epoch. ``await_each``: evaluate() right
+    after each epoch (the driver's order); else the epochs run back to back (each score overlaps the next
+    epoch) and the scores are read at the end with scores()."""
+    from fasttrain.contract import epoch_order
+    from fasttrain.training import evaluate_weights
+
+    job = make_job(tiny_data, model, precision="fp16", batch_size=batch, epochs=3, lr=0.05, eval_every=1)
+    sess = _session(job, 8)
+    try:
+        got, ref = {}, {}
+        for epoch, steps in enumerate(job.schedule.steps_per_epoch, start=1):
+            sess.train_epoch(epoch, epoch_order(job.config.seed, epoch, job.data.n_train), steps)
+            assert sess._score_slot == epoch   # the side-stream path is the one taken
+            if await_each:
+                got[epoch] = sess.evaluate()
+            ref[epoch] = evaluate_weights(sess.weights(), job.data)
+        if not await_each:
+            got = sess.scores()
+            assert sess.evaluate() == got[3]
+    finally:
+        sess.close()
+    assert sorted(got) == [1, 2, 3]
+    n_test = len(job.data.test_labels)
+    for epoch, (ref_loss, ref_acc) in ref.items():
+        loss, acc = got[epoch]
+        assert abs(loss - ref_loss) <= 1e-4 * ref_loss, (epoch, loss, ref_loss)
+        assert abs(acc - ref_acc) <= 1.0 / n_test, (epoch, acc, ref_acc)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,batch", [("logreg", 37), ("mlp:128x3", 32)])
+def test_rung8_side_stream_score_never_touches_training(tiny_data, model, batch):
+    """Training with a side-stream score after every epoch (not awaited: each overlaps the next epoch) leaves
+    the per-step losses and the final weights bit-identical to training without it; a session whose
+    evaluate() has no pending score (side_score=False, or no train_epoch yet) takes the synchronous path."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision="fp16", batch_size=batch, epochs=3, lr=0.05, eval_every=1)
+    runs = []
+    for side_score in (True, False):
+        sess = _session(job, 8, side_score=side_score)
+        try:
+            if not side_score:
+                assert sess._score_slot is None
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights(), sess.evaluate()))
+        finally:
+            sess.close()
+    (s1, w1, e1), (s0, w0, e0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+    # the same cuBLAS/CuPy ops on the same weights (snapshot vs live); equal up to cuBLAS's choice per stream
+    assert e1[0] == pytest.approx(e0[0], rel=1e-6) and abs(e1[1] - e0[1]) <= 1.0 / len(job.data.test_labels)
 
 
 @pytest.mark.gpu

@@ -9,6 +9,10 @@ a GEMM + bias + ReLU kernel per hidden layer; the last GEMM with softmax, cross-
 ``g = p - onehot`` in its epilogue; per layer a backward kernel that reads W once, computes
 ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in registers, so dW is never
 written). Each epoch's steps are captured once into a CUDA graph and replayed.
+``kernels/fused_step_v3.cu`` (opt-in, ``version="v3"``; not the default until measured) streams W through
+per-warp cp.async rings in the backward, prefetches FU k-steps of W in the forward, splits the first
+layer's output rows over blocks, and takes the blocks per SM as a knob (:func:`step_plan`); its arithmetic
+is v1's, in the same order.
 
 Rung 8: the whole epoch is one launch of a persistent kernel on a thread-block cluster; the weights
 stay on chip (fp32 masters in registers, fp16/bf16 copies in shared memory), a producer warp prefetches
@@ -24,6 +28,17 @@ batch up to 64): one CTA per 16 hidden units, all-gathers of activations and red
 gradients go through L2 with per-tile release/acquire flags, added by their consumers as they arrive. Wider models at rung 8 raise a one-line error
 that points at rung 7 (whose kernels stream the weights from memory, as the issue's h = 8192 design asks;
 they are not one launch).
+Rung 8 on a cluster (logreg, the small MLPs) scores the test set on a second stream: when ``train_epoch`` runs an epoch the driver will evaluate
+(every ``eval_every`` epochs and the last), it enqueues, right after the epoch kernel and before waiting for
+it, a side-stream job that waits for the kernel, copies the masters into preallocated snapshot buffers,
+scores the test set from the snapshot (the fp32 cuBLAS GEMMs and float64 loss of the synchronous
+``evaluate``) and copies (loss, correct) into pinned memory; the next epoch's launch waits only for the
+snapshot copy, and ``evaluate()`` only for the score. What overlaps, honestly: the host's enqueue of the
+score overlaps the epoch kernel; the score itself runs on the SMs the 4-8-SM cluster kernel leaves idle
+only while a later epoch runs, i.e. when the caller does not await ``evaluate()`` first. The driver
+(``training.run``) calls ``evaluate()`` right after the epoch it scores, so there the score overlaps only
+the host's bookkeeping between ``train_epoch`` and ``evaluate`` and is timed as evaluation, as before.
+The persistent grid does not: its CTAs take ~128 of the SMs, so there are no idle ones to score on.
 NOTES-fused.md beside this file has the floors, each version's prediction and its measured outcome.
 
 CuPy provides memory, streams, graphs and NVRTC; nothing here is imported at module scope.
@@ -50,6 +65,8 @@ MLP_VERSION = "fused_mlp_v3.cu"
 # kernel versions that write a completion flag into the host-mapped output (the host spins on it)
 FLAGGED = {"fused_logreg_v4.cu", "fused_logreg_v5.cu", "fused_mlp_v3.cu", "fused_grid_v1.cu", "fused_grid_v2.cu", "fused_grid_v3.cu"}
 STEP_VERSION = "fused_step_v1.cu"   # v2 (software-pipelined backward) measured slower: 3.10 s vs 2.96 s
+STEP_V3 = "fused_step_v3.cu"        # cp.async ring in ft_bwd, deeper W prefetch in ft_fwd: not measured yet
+SM_SMEM = 228 * 1024                # shared memory per SM on sm_90 (each resident block also reserves 1 KB)
 _INCLUDE = re.compile(r'^#include "([\w.]+)"\s*$', re.M)
 _MODULES: dict = {}
 
@@ -146,7 +163,8 @@ def make_session(job: Job, options, **tuning) -> Session:
 
 
 class _FusedBase(Session):
-    """What both rungs share: device data, the epochs' orders, evaluation and weight read-back."""
+    """What both rungs share: device data, the epochs' orders, evaluation and weight read-back; for rung 8
+    also the epoch launch-and-wait and the side-stream test score (:meth:`_schedule_score`)."""
 
     def __init__(self, job: Job, options):
         import cupy as cp
@@ -199,24 +217,110 @@ class _FusedBase(Session):
     def sync(self) -> None:
         self.stream.synchronize()
 
-    def evaluate(self) -> tuple[float, float]:
-        """Test loss and accuracy from the fp32 master weights (cuBLAS fp32 through CuPy)."""
+    def _score(self, layers):
+        """(loss sum, correct count) over the test set as a float64 device array of 2, enqueued on the current
+        stream: fp32 GEMMs (cuBLAS) + bias + ReLU, then log-softmax, loss and argmax in float64."""
         cp = self._cp
+        h = self.x_test
+        last = len(layers) - 1
+        for i, (wt, b, fan_in, fan_out) in enumerate(layers):
+            h = h @ wt[:fan_out, :fan_in].T + b[:fan_out]
+            if i < last:
+                h = cp.maximum(h, 0)
+        z = h.astype(cp.float64)
+        m = z.max(axis=1, keepdims=True)
+        lse = cp.log(cp.exp(z - m).sum(axis=1)) + m[:, 0]
+        loss = (lse - z[cp.arange(len(z)), self.y_test]).sum()
+        correct = (z.argmax(axis=1) == self.y_test).sum()
+        return cp.stack([loss, correct.astype(cp.float64)])
+
+    def evaluate(self) -> tuple[float, float]:
+        """Test loss and accuracy from the fp32 master weights (cuBLAS fp32 through CuPy). When the last
+        train_epoch scheduled a side-stream score (rung 8, :meth:`_schedule_score`), only that score is awaited."""
+        n = len(self.y_test)
+        if getattr(self, "_score_slot", None) is not None:
+            self._scored_ev.synchronize()
+            loss, correct = self.score_host[self._score_slot]
+            return float(loss) / n, float(correct) / n
         with self.stream:
-            h = self.x_test
-            last = len(self.layers) - 1
-            for i, (wt, b, fan_in, fan_out) in enumerate(self.layers):
-                h = h @ wt[:fan_out, :fan_in].T + b[:fan_out]
-                if i < last:
-                    h = cp.maximum(h, 0)
-            z = h.astype(cp.float64)
-            m = z.max(axis=1, keepdims=True)
-            lse = cp.log(cp.exp(z - m).sum(axis=1)) + m[:, 0]
-            loss = (lse - z[cp.arange(len(z)), self.y_test]).sum()
-            correct = (z.argmax(axis=1) == self.y_test).sum()
-            out = cp.stack([loss, correct.astype(cp.float64)]).get(stream=self.stream)
+            out = self._score(self.layers).get(stream=self.stream)
         self.stream.synchronize()
-        return float(out[0]) / len(self.y_test), float(out[1]) / len(self.y_test)
+        return float(out[0]) / n, float(out[1]) / n
+
+    # -- rung 8: the test set scored on a side stream from a snapshot of the weights --
+    def _init_side_score(self, enabled: bool) -> None:
+        """Side stream, events, snapshot buffers (one per weight array, padded like the masters) and a pinned
+        (loss sum, correct) slot per epoch; all allocated once, the snapshots on the side stream's pool."""
+        import cupyx
+
+        cp = self._cp
+        self.side_score = bool(enabled)
+        self._score_slot = None        # slot of the score evaluate() may return (None: the synchronous path)
+        self._copy_fence = False       # the next launch must wait for the last snapshot copy
+        if not self.side_score:
+            return
+        self.side = cp.cuda.Stream(non_blocking=True)
+        self._trained_ev = cp.cuda.Event(disable_timing=True)
+        self._copied_ev = cp.cuda.Event(disable_timing=True)
+        self._scored_ev = cp.cuda.Event(disable_timing=True)
+        self.stream.synchronize()      # the masters are on the device before the side stream may read them
+        with self.side:
+            self.snapshot = [(cp.empty_like(wt), cp.empty_like(b), fan_in, fan_out)
+                             for wt, b, fan_in, fan_out in self.layers]
+        self.score_host = cupyx.empty_pinned((self.job.schedule.n_epochs + 1, 2), np.float64)
+        self.score_host[:] = np.nan
+
+    def _scored(self, epoch: int) -> bool:
+        """Whether the driver evaluates after this epoch (training.run: every eval_every epochs and the last)."""
+        return epoch == self.job.schedule.n_epochs or epoch % self.config.eval_every == 0
+
+    def _before_launch(self) -> None:
+        """Every rung-8 launch writes W: it waits (on the device) for the last snapshot copy, and from now on
+        evaluate() must not return the earlier score."""
+        self._score_slot = None
+        if getattr(self, "_copy_fence", False):
+            self.stream.wait_event(self._copied_ev)
+            self._copy_fence = False
+
+    def _schedule_score(self, epoch: int) -> None:
+        """Called right after the epoch kernel is enqueued, before the host waits for it (so this enqueue
+        overlaps the kernel). On the side stream: wait for the epoch kernel, copy the masters into the
+        snapshot (device to device, ~0.05-0.5 MB for the rung-8 models), record the fence the next epoch's
+        launch waits on, score the test set from the snapshot and copy (loss sum, correct) into pinned memory."""
+        if not (self.side_score and self._scored(epoch)):
+            return
+        cp = self._cp
+        rt = cp.cuda.runtime
+        slot = epoch if 1 <= epoch < len(self.score_host) else 0
+        self._trained_ev.record(self.stream)
+        self.side.wait_event(self._trained_ev)
+        with self.side:
+            for (wt, b, _, _), (swt, sb, _, _) in zip(self.layers, self.snapshot):
+                rt.memcpyAsync(swt.data.ptr, wt.data.ptr, wt.nbytes, rt.memcpyDeviceToDevice, self.side.ptr)
+                rt.memcpyAsync(sb.data.ptr, b.data.ptr, b.nbytes, rt.memcpyDeviceToDevice, self.side.ptr)
+            self._copied_ev.record(self.side)
+            out = self._score(self.snapshot)
+            rt.memcpyAsync(self.score_host.ctypes.data + slot * 16, out.data.ptr, 16, rt.memcpyDeviceToHost,
+                           self.side.ptr)
+            self._scored_ev.record(self.side)
+        self._copy_fence = True
+        self._score_slot = slot
+
+    def scores(self) -> dict:
+        """{epoch: (test loss, test accuracy)} of every side-stream score so far (waits for the side stream)."""
+        if not getattr(self, "side_score", False):
+            return {}
+        self.side.synchronize()
+        n = len(self.y_test)
+        return {e: (float(r[0]) / n, float(r[1]) / n) for e, r in enumerate(self.score_host) if e and np.isfinite(r[0])}
+
+    def close(self) -> None:
+        # nothing may still read the snapshots (or write the pinned slots) when the buffers go back to the pools
+        if getattr(self, "side_score", False):
+            try:
+                self.side.synchronize()
+            except self._cp.cuda.runtime.CUDARuntimeError:
+                pass   # a failed device: the error that got us here is the one to report
 
     def weights(self):
         self.stream.synchronize()
@@ -256,6 +360,16 @@ class _FusedBase(Session):
         self._seq += 1.0
         self.out[2 + steps] = np.nan
         return (np.uint64(self.out.ctypes.data), np.float64(self._seq))
+
+    def _persistent_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        """One rung-8 epoch: launch (after the last snapshot copy), schedule the side-stream score when the
+        driver will evaluate this epoch, then wait for the kernel; the kernel wrote the stats into pinned memory."""
+        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)   # (after _before_launch)
+        self._schedule_score(epoch)
+        self._wait(steps)
+        rows = self._rows(steps)
+        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
+                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
     def _wait(self, steps: int) -> None:
         """Until the epoch kernel is done: spin on its completion flag (no sleep/wake-up of the host thread),
@@ -336,10 +450,12 @@ def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None, xhb: in
 
 class PersistentLogregSession(_FusedBase):
     """``prof``: compile the kernel with per-phase clock64() counters (read them with :meth:`profile`);
-    ``ablate``: 1 = no exchange between CTAs, 2 = no wait for the data (timing experiments only: wrong math)."""
+    ``ablate``: 1 = no exchange between CTAs, 2 = no wait for the data (timing experiments only: wrong math);
+    ``side_score``: score the test set on a side stream from a snapshot of the weights after every epoch the
+    driver evaluates (module docstring); False: evaluate() runs on the main stream when called."""
 
     def __init__(self, job: Job, options, cluster: int = 7, stages: int | None = None, xhb: int | None = None,
-                 prof: bool = False, ablate: int = 0, version: str = LOGREG_VERSION):
+                 prof: bool = False, ablate: int = 0, version: str = LOGREG_VERSION, side_score: bool = True):
         super().__init__(job, options)
         cp = self._cp
 
@@ -373,22 +489,20 @@ class PersistentLogregSession(_FusedBase):
         # warm-up: two steps with lr = 0 (the update subtracts 0 * dW: the weights stay bit-identical)
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self.stream.synchronize()
+        self._init_side_score(side_score)
 
     def _launch(self, order_dev, steps: int, lr: float) -> None:
         wt, b, _, _ = self.layers[0]
         np_ = np
         args = (self.x_train, self.y_train, order_dev, np_.int32(self.n), np_.int32(self.batch), np_.int32(steps),
                 np_.float32(lr), wt, b, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+        self._before_launch()
         with self.stream:
             self.fn((self.plan["FT_C"],), (self.threads,), args, shared_mem=self.smem)
         self._check()
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
-        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
-        self._wait(steps)   # the kernel has written the stats into pinned memory; nothing to copy
-        rows = self._rows(steps)
-        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
-                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+        return self._persistent_epoch(epoch, order, steps)
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch: rows = CTAs; columns 0..15 consumer thread 0, 16..17 producer
@@ -458,7 +572,11 @@ def mlp_plan(spec, batch: int, stages: int | None = None, version: str | None = 
 
 
 class PersistentMlpSession(_FusedBase):
-    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str | None = None):
+    """``stages``/``version``: override the plan of :func:`mlp_plan`; ``prof``: per-phase cycle counters;
+    ``side_score``: as :class:`PersistentLogregSession`."""
+
+    def __init__(self, job: Job, options, stages: int | None = None, prof: bool = False, version: str | None = None,
+                 side_score: bool = True):
         super().__init__(job, options)
         cp = self._cp
 
@@ -487,20 +605,18 @@ class PersistentMlpSession(_FusedBase):
         self._init_out(max_steps, version)
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self.stream.synchronize()
+        self._init_side_score(side_score)
 
     def _launch(self, order_dev, steps: int, lr: float) -> None:
         args = (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
                 np.float32(lr), self.wptr, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+        self._before_launch()
         with self.stream:
             self.fn((self.plan["FT_C"],), (256,), args, shared_mem=self.smem)
         self._check()
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
-        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
-        self._wait(steps)
-        rows = self._rows(steps)
-        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
-                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+        return self._persistent_epoch(epoch, order, steps)
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch: rows = CTAs; columns 0..6 consumer thread 0 (wait data, layer 1,
@@ -668,23 +784,122 @@ NW = 8
 TARGET_BLOCKS = 120  # about one block per SM of an H100 (132)
 
 
-def _tile(width: int, mt: int, bwd: bool = False) -> int:
-    """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives TARGET_BLOCKS
+def _tile(width: int, mt: int, bwd: bool = False, min_blocks: int = TARGET_BLOCKS) -> int:
+    """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives ``min_blocks``
     blocks, else 8; capped so that the per-thread registers do not spill: ft_fwd holds mt * tile/8
     accumulator tiles (<= 16); ft_bwd (v2, double-buffered fragments) about 16 mt + 6 mt nj + 8 nj (<= 200)."""
     for tile in (64, 32, 16, 8):
         nj = tile // 8
         fits = (16 * mt + 6 * mt * nj + 8 * nj <= 200) if bwd else (mt * nj <= 16)
-        if width % tile == 0 and fits and width // tile >= TARGET_BLOCKS:
+        if width % tile == 0 and fits and width // tile >= min_blocks:
             return tile
     return 8
 
 
-class FusedStepSession(_FusedBase):
-    """``carveout``: the preferred shared-memory carveout (percent) set on every kernel, so that consecutive
-    graph nodes do not make the SMs reconfigure L1/shared memory between kernels (None: driver default)."""
+def step_bwd_smem(version: str, mt: int, bi: int, stages: int = 4) -> int:
+    """Mirror of ft_bwd's shared memory (checked against the module's ``ft_bwd_smem``). v1/v2: the H_in strip
+    [B_p][BI+8] fp16 and the dH reduction buffer [8][B_p][BI+1] fp32; v3: the strip, then the per-warp rings
+    (a stage: 16 rows of W^T at a stride of BI+8 floats (8 when BI = 8), 16 rows of g^T at B_p+8), which the
+    reduction buffer reuses."""
+    bp = 16 * mt
+    hs, red = bp * (bi + 8) * 2, NW * bp * (bi + 1) * 4
+    if version != STEP_V3:
+        return hs + red
+    ws = 8 if bi == 8 else bi + 8
+    stage = 16 * ws * 4 + 16 * (bp + 8) * 2
+    return hs + max(NW * stages * stage, red)
 
-    def __init__(self, job: Job, options, graph: bool = True, version: str = STEP_VERSION, carveout: int | None = 100):
+
+def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
+    """W k-steps ft_fwd v3 loads ahead: 4 (8 for BO = 8) for batches up to 32 when the estimate
+    4 (FU + MT) BO/8 + 30 registers fits the cap (ptxas, MT 2: BO 64 FU 4 -> 230, BO 32 FU 4 -> 126 under a
+    128 cap, BO 8 FU 8 -> 94), else v1's 2: larger batches hold more accumulators and spill sooner."""
+    if mt <= 2:
+        for fu in ((8, 4) if bo == 8 else (4,)):
+            if 4 * (fu + mt) * (bo // 8) + 30 <= _reg_cap(fwd_minb):
+                return fu
+    return 2
+
+
+def _reg_cap(minb: int) -> int:
+    """The registers a thread may use when ``minb`` blocks of 256 threads share the SM's 64K (8-register steps)."""
+    return min(255, 65536 // (minb * 256) // 8 * 8)
+
+
+def step_plan(shapes, mt: int, version: str = STEP_VERSION, bo: int | None = None, bi: int | None = None,
+              stages: int | None = None, bwd_minb: int | None = None, fwd_minb: int | None = None,
+              fu: int | None = None, osplit: int | None = None) -> list[dict]:
+    """Per-layer kernel configuration of rung 7; ``shapes`` = [(out_p, in_p)] of W^T per layer.
+
+    ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
+    tile). v3 only: ``stages`` (ring depth of ft_bwd; default the deepest of 4..2 whose ``bwd_minb`` blocks
+    fit in an SM's shared memory), ``bwd_minb`` / ``fwd_minb`` (``__launch_bounds__`` minimum blocks per SM,
+    default 1), ``fu`` (W k-steps ft_fwd loads ahead, default :func:`_default_fu`),
+    ``osplit`` (blocks over the output rows of the first layer's backward; default: chosen at launch from the
+    occupancy). The first layer needs no dH, so under v3 its backward tile is not held to TARGET_BLOCKS strips:
+    the output-row split supplies the blocks."""
+    v3 = version == STEP_V3
+    if not v3 and any(x is not None for x in (stages, bwd_minb, fwd_minb, fu, osplit)):
+        raise FasttrainError(f"stages/bwd_minb/fwd_minb/fu/osplit are tuning knobs of {STEP_V3}, not of {version}")
+    for name, val in (("bo", bo), ("bi", bi)):
+        if val is not None and val not in (8, 16, 32, 64):
+            raise FasttrainError(f"rung 7 {name} must be 8, 16, 32 or 64, got {val}")
+    bwd_minb, fwd_minb = bwd_minb or 1, fwd_minb or 1
+    plan = []
+    L = len(shapes)
+    for i, (out_p, in_p) in enumerate(shapes):
+        p_bo = bo if (bo is not None and i < L - 1 and out_p % bo == 0) else (_tile(out_p, mt) if i < L - 1 else 16)
+        if bi is not None and in_p % bi == 0:
+            p_bi = bi
+        else:
+            p_bi = _tile(in_p, mt, bwd=True, min_blocks=1 if (v3 and i == 0) else TARGET_BLOCKS)
+        entry = {"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "osplit": 1}
+        if v3:
+            fits = [k for k in ((stages,) if stages else (4, 3, 2)) if step_bwd_smem(version, mt, p_bi, k) <= SMEM_LIMIT]
+            if not fits:
+                raise FasttrainError(f"rung 7 v3: ft_bwd with BI {p_bi}, batch {16 * mt} and {stages or 2} stages "
+                                     f"needs more than {SMEM_LIMIT} bytes of shared memory")
+            # the deepest ring with which bwd_minb blocks share an SM's shared memory (else the shallowest)
+            depth = next((k for k in fits if bwd_minb * (step_bwd_smem(version, mt, p_bi, k) + 1024) <= SM_SMEM),
+                         fits[-1])
+            if i == L - 1 and i > 0:   # the last layer's ft_fwd is never launched: share the previous module
+                entry["BO"] = p_bo = plan[-1]["BO"]
+            p_fu = fu or _default_fu(mt, p_bo, fwd_minb)
+            # osplit None on the first layer: chosen at launch from the occupancy
+            entry.update({"S": depth, "MINB": bwd_minb, "FMINB": fwd_minb, "FU": p_fu,
+                          "osplit": osplit if i == 0 else 1})
+        plan.append(entry)
+    return plan
+
+
+def step_defines(p: dict, version: str, mt: int, bf16: int) -> dict:
+    defines = {"FT_MT": mt, "FT_BO": p["BO"], "FT_BI": p["BI"], "FT_BF16": bf16}
+    if version == STEP_V3:
+        defines.update({"FT_S": p["S"], "FT_MINB": p["MINB"], "FT_FMINB": p["FMINB"], "FT_FU": p["FU"]})
+    return defines
+
+
+def _blocks_per_sm(regs: int, smem: int, threads: int = NW * 32) -> int:
+    """Resident blocks an SM can hold (registers in 256-register steps per warp, shared memory + 1 KB a block)."""
+    warp_regs = -(-max(regs, 1) * 32 // 256) * 256
+    by_regs = 65536 // (warp_regs * (threads // 32))
+    by_smem = SM_SMEM // (smem + 1024)
+    return max(1, min(by_regs, by_smem, 2048 // threads))
+
+
+class FusedStepSession(_FusedBase):
+    """``version``: the kernel file (``fused_step_v1.cu``; ``"v1"``/``"v2"``/``"v3"`` also accepted).
+    ``carveout``: the preferred shared-memory carveout (percent) set on every kernel, so that consecutive
+    graph nodes do not make the SMs reconfigure L1/shared memory between kernels (None: driver default).
+    ``tuning``: the tile and occupancy knobs of :func:`step_plan` (``bo``, ``bi``; v3: ``stages``,
+    ``bwd_minb``, ``fwd_minb``, ``fu``, ``osplit``); :meth:`environment` reports what each layer got."""
+
+    def __init__(self, job: Job, options, graph: bool = True, version: str = STEP_VERSION, carveout: int | None = 100,
+                 **tuning):
+        if re.fullmatch(r"v\d+", version):
+            version = f"fused_step_{version}.cu"
+        if not (KERNEL_DIR / version).is_file() or not version.startswith("fused_step_"):
+            raise FasttrainError(f"rung 7 has no kernel version {version!r} (fused_step_v1.cu, _v2, _v3)")
         super().__init__(job, options)
         self.version = version
         self.carveout = carveout
@@ -694,20 +909,16 @@ class FusedStepSession(_FusedBase):
         if self.mt > 16:
             raise FasttrainError(f"rung 7 supports batch sizes up to 256, got {self.batch}")
         bf16 = int(job.config.precision == "bf16")
-        L = len(self.layers)
-        self.plan = []
-        for i, (wt, _, _, _) in enumerate(self.layers):
-            out_p, in_p = wt.shape
-            bo = _tile(out_p, self.mt) if i < L - 1 else 16
-            bi = _tile(in_p, self.mt, bwd=True)
-            self.plan.append({"in_p": in_p, "out_p": out_p, "BO": bo, "BI": bi})
+        self.tuning = dict(tuning)
+        self.plan = step_plan([wt.shape for wt, _, _, _ in self.layers], self.mt, version, **tuning)
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
         mods = {}
         for p in self.plan:
-            key = (p["BO"], p["BI"])
+            defines = step_defines(p, version, self.mt, bf16)
+            key = tuple(sorted(defines.items()))
             if key not in mods:
-                mods[key] = load_module(version, {"FT_MT": self.mt, "FT_BO": key[0], "FT_BI": key[1], "FT_BF16": bf16})
+                mods[key] = load_module(version, defines)
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
@@ -721,6 +932,17 @@ class FusedStepSession(_FusedBase):
             p["bwd"] = p["module"].get_function("ft_bwd")
             p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
             p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
+            if version == STEP_V3 and p["bwd_smem"] != step_bwd_smem(version, self.mt, p["BI"], p["S"]):
+                raise FasttrainError(f"internal: {version} ft_bwd needs {p['bwd_smem']} bytes of shared memory, "
+                                     f"the plan says {step_bwd_smem(version, self.mt, p['BI'], p['S'])}")
+        self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+        p = self.plan[0]
+        if p["osplit"] is None:
+            # v3: the first layer needs no dH, so its output rows are split over blocks until the SMs are full
+            # (one wave: strips * osplit <= blocks an SM holds * SMs), each warp keeping >= 2 chunks
+            strips, nchunks = p["in_p"] // p["BI"], p["out_p"] // 16
+            bps = _blocks_per_sm(p["bwd"].num_regs, p["bwd_smem"])
+            p["osplit"] = max(1, min(bps * self.sms // strips, nchunks // (2 * NW)))
         if carveout is not None:
             for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd")]:
                 fn.preferred_shared_memory_carveout = int(carveout)
@@ -782,7 +1004,7 @@ class FusedStepSession(_FusedBase):
                 need = l > 1
                 dzp = self.dz[l - 1] if need else self.dz[l]
                 dzpT = self.dzT[l - 1] if need else self.dzT[l]
-                p["bwd"]((p["in_p"] // p["BI"],), (NW * 32,),
+                p["bwd"]((p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
                          (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
                           wt, b, scale, scale, np_.int32(need), dzp, dzpT),
                          shared_mem=p["bwd_smem"])
@@ -808,6 +1030,9 @@ class FusedStepSession(_FusedBase):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
-                    "smem_carveout": self.carveout,
-                    "tiles": [{"BO": p["BO"], "BI": p["BI"]} for p in self.plan]})
+                    "smem_carveout": self.carveout, "tuning": self.tuning,
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
+                              | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
+                                 "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
+                              for p in self.plan]})
         return env

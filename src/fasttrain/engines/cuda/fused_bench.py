@@ -47,6 +47,25 @@ WORKLOADS = [
      ("<=", 3000.0), False),
 ]
 
+# rung-7 variants timed beside the driver's row (fp16, same stopwatch); v2 dropped (measured slower, calls 4-5).
+# fused_step_v3 (NOTES-fused.md): default = ft_bwd ring BI 64 / 4 stages / 1 block an SM, ft_fwd BO 64 with
+# 4 k-steps of W ahead, first layer BI 16 with its output rows split over the idle SMs.
+V3 = "fused_step_v3.cu"
+STEP_VARIANTS = {
+    "mlp:8192x3": (
+        {"version": "fused_step_v1.cu"},                                      # baseline, same stopwatch
+        {"version": V3},                                                      # ring bwd + FU 4 fwd
+        {"version": V3, "fu": 2},                                             # ring bwd, fwd loads as v1 (isolates bwd)
+        {"version": V3, "bi": 32, "bwd_minb": 2},                             # bwd 2 blocks an SM, 3 stages
+        {"version": V3, "bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2},    # both kernels 2 blocks an SM
+    ),
+    "mlp:1024x3": (
+        {"version": "fused_step_v1.cu", "carveout": None},
+        {"version": V3},                                                      # BI 8 ring, fwd FU 8 (one L2 trip a warp)
+        {"version": V3, "stages": 2, "fu": 2},                                # shallow: the latency-bound control
+    ),
+}
+
 
 def _metric(record, metric: str) -> float:
     if metric == "ms/epoch":
@@ -250,6 +269,8 @@ def main(argv=None) -> int:
                         help="only the phase profile of the rung-8 grid kernel for MODEL (e.g. mlp:1024x3)")
     parser.add_argument("--ncu-target", default=None, metavar="MODEL",
                         help="run 8 rung-7 steps of MODEL without a graph (a short target for ncu) and exit")
+    parser.add_argument("--tuning", default="{}", metavar="JSON",
+                        help='session knobs for --ncu-target, e.g. \'{"version": "v3", "bi": 32, "bwd_minb": 2}\'')
     args = parser.parse_args(argv)
     if args.ncu_target:
         from fasttrain.engines.cuda.fused import make_session
@@ -258,7 +279,7 @@ def main(argv=None) -> int:
         spec = parse_model(args.ncu_target)
         cfg = default_config(spec, precision="fp16", steps=8)
         job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
-        session = make_session(job, _Opts(7), graph=False)
+        session = make_session(job, _Opts(7), graph=False, **json.loads(args.tuning))
         session.train_epoch(1, epoch_order(cfg.seed, 1, data.n_train), 8)
         session.close()
         return 0
@@ -319,11 +340,13 @@ def main(argv=None) -> int:
                 v = time_variant(data, model, overrides, 8, "fp16", **tuning)
                 variants.append(v)
                 print(f"  variant {model} rung 8 {tuning}: {v['run_ms']:.1f} ms/run", flush=True)
-        if key in ("mlp:1024x3", "mlp:8192x3") and not args.quick:
-            for tuning in (dict(version="fused_step_v1.cu", carveout=None), dict(version="fused_step_v2.cu")):
+        if key in STEP_VARIANTS and not args.quick:
+            for tuning in STEP_VARIANTS[key]:
                 v = time_variant(data, model, overrides, 7, "fp16", **tuning)
                 variants.append(v)
-                print(f"  variant {model} rung 7 {tuning}: {v['run_ms']:.1f} ms/run", flush=True)
+                tiles = v["environment"].get("tiles", [])
+                print(f"  variant {model} rung 7 {tuning}: {v['run_ms']:.1f} ms/run  test acc {v['test_acc']:.4f}  "
+                      f"tiles {tiles}", flush=True)
         if key == "mlp:128x3" and not args.quick:
             for version in ("fused_mlp_v1.cu", "fused_mlp_v2.cu"):
                 v = time_variant(data, model, overrides, 8, "fp16", version=version)
@@ -384,7 +407,9 @@ def render_md(rows, variants, device, stamp) -> str:
         for v in variants:
             st = v["stats"]
             main = f"{st['mean_second_half']:.3f}" if v["model"] == "logreg" else f"run {v['run_ms']:.1f} ms"
-            lines.append(f"| {v['model']} {v['environment'].get('fused_kernel')} | {v['tuning'].get('cluster', '')} | "
+            knobs = {k: x for k, x in v["tuning"].items() if k not in ("version", "cluster")}
+            kernel = v["environment"].get("fused_kernel") + (f" {knobs}" if knobs else "")
+            lines.append(f"| {v['model']} {kernel} | {v['tuning'].get('cluster', '')} | "
                          f"{v['environment'].get('stages', '')} | {main} | {st['p20']:.3f} | {st['p50']:.3f} | "
                          f"{st['p80']:.3f} | {100 * v['test_acc']:.2f}% |")
     return "\n".join(lines) + "\n"

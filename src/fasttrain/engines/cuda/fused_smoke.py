@@ -4,7 +4,8 @@
 
 Small enough to run under ``compute-sanitizer`` (memcheck, racecheck, synccheck): one epoch of
 rung 8 logreg (cluster 7 and 4, batch 37; kernels v4 and v5), rung 8 MLPs on a cluster (mlp:100x2, mlp:128x3,
-mlp:64x2) and on the persistent grid (mlp:256x2, mlp:256x1), and a few rung-7 steps of mlp:100x2 in fp16 and bf16.
+mlp:64x2) and on the persistent grid (mlp:256x2, mlp:256x1), a few rung-7 steps of mlp:100x2 in fp16 and bf16,
+and of fused_step_v3 (mlp:100x2 and logreg at batch 37, mlp:128x3 with BI 64 / 2 stages and BI 32 / 2 blocks an SM).
 Exits non-zero when a loss is not finite or strays more than 5% from the reference.
 """
 
@@ -81,6 +82,12 @@ def main(argv=None) -> int:
     if args.only in (None, "rung7"):
         ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs)
         ok &= check(data, "logreg", 7, "bf16", 37, args.epochs)
+        # fused_step_v3: the cp.async ring (4 and 2 stages), the first layer's output-row split, BI 64 / 32 tiles
+        ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs, version="fused_step_v3.cu")
+        ok &= check(data, "logreg", 7, "bf16", 37, args.epochs, version="fused_step_v3.cu")
+        ok &= check(data, "mlp:128x3", 7, "bf16", 37, args.epochs, version="fused_step_v3.cu", bi=64, stages=2)
+        ok &= check(data, "mlp:128x3", 7, "fp16", 32, args.epochs, version="fused_step_v3.cu", bi=32, bo=32,
+                    bwd_minb=2, fwd_minb=2, osplit=3)
     print("SMOKE", "PASS" if ok else "FAIL")
     return 0 if ok else 1
 
