@@ -71,12 +71,12 @@ STEP_V3_CONFIGS = [
     {"FT_MT": 16, "FT_BO": 8, "FT_BI": 8, "FT_S": 3, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},    # batch 256
 ]
 CURRENT = {"fused_logreg_v4.cu": LOGREG_CONFIGS, "fused_logreg_v5.cu": LOGREG_V5_CONFIGS,
-           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v3.cu": GRID_CONFIGS,
+           "fused_step_v1.cu": STEP_CONFIGS, "fused_mlp_v3.cu": MLP_CONFIGS, "fused_grid_v4.cu": GRID_CONFIGS,
            "fused_step_v3.cu": STEP_V3_CONFIGS}
 OLDER = {"fused_logreg_v1.cu": LOGREG_CONFIGS[0], "fused_logreg_v2.cu": LOGREG_CONFIGS[1],
          "fused_logreg_v3.cu": LOGREG_CONFIGS[2], "fused_step_v2.cu": STEP_CONFIGS[0],
          "fused_mlp_v1.cu": MLP_CONFIGS[1], "fused_mlp_v2.cu": MLP_CONFIGS[2], "fused_grid_v1.cu": GRID_CONFIGS[0],
-         "fused_grid_v2.cu": GRID_CONFIGS[1]}
+         "fused_grid_v2.cu": GRID_CONFIGS[1], "fused_grid_v3.cu": GRID_CONFIGS[2]}
 
 
 def _strip(name, d):
