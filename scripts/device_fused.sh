@@ -7,7 +7,7 @@
 set -u
 STAGES=${1:-"smoke profile bench tests"}
 OUT=${OUT:-/tmp/device-out}
-mkdir -p "$OUT" /tmp/work
+mkdir -p "$OUT" /tmp/work "${BENCH_OUT:-/tmp/work/record}"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data/mnist PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.max.sm --format=csv,noheader
@@ -28,6 +28,13 @@ for stage in $STAGES; do
     bench) timeout ${BENCH_TIMEOUT:-240} python3 -m fasttrain.engines.cuda.fused_bench --out "$BENCH_OUT" \
              ${BENCH_ONLY:+--only $BENCH_ONLY} ${BENCH_ARGS:-} > "$OUT/bench.log" 2>&1; echo "bench exit $?"
            grep -vE "^\|" "$OUT/bench.log" | tail -25 ;;
+    train) for spec in "8 mlp:1024x3 fp16" "8 logreg bf16" "7 mlp:8192x3 fp16"; do set -- $spec
+             timeout 120 python3 -m fasttrain train --engine cuda --rung $1 --model $2 --precision $3 --quiet \
+               --out "$BENCH_OUT/train-rung$1-${2/:/-}-$3.json" > "$BENCH_OUT/train-rung$1-${2/:/-}-$3.log" 2>&1
+             echo "fasttrain train --engine cuda --rung $1 --model $2 --precision $3: exit $?"
+             tail -3 "$BENCH_OUT/train-rung$1-${2/:/-}-$3.log"; done ;;
+    triton) timeout ${TRITON_TIMEOUT:-150} python3 -m fasttrain bench ladder --engines triton --repeats ${REPEATS:-3} \
+             --out "$BENCH_OUT/triton-ladder" 2>&1 | tail -12 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs ${TESTS:-tests} \
              ${TESTS_K:+-k "$TESTS_K"} > "$OUT/gpu-tests.log" 2>&1; echo "pytest exit $?"; tail -6 "$OUT/gpu-tests.log" ;;
   esac
