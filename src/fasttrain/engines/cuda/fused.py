@@ -269,6 +269,11 @@ class _FusedBase(Session):
                              for wt, b, fan_in, fan_out in self.layers]
         self.score_host = cupyx.empty_pinned((self.job.schedule.n_epochs + 1, 2), np.float64)
         self.score_host[:] = np.nan
+        # warm-up, part of setup: the first score compiles CuPy's elementwise/reduction kernels and creates the
+        # side stream's cuBLAS handle (seconds on a cold cache), which must not land in the first epoch's time
+        with self.side:
+            self._score(self.layers).get(stream=self.side)
+        self.side.synchronize()
 
     def _scored(self, epoch: int) -> bool:
         """Whether the driver evaluates after this epoch (training.run: every eval_every epochs and the last)."""
