@@ -171,6 +171,17 @@ def test_merge_keeps_earlier_results_for_cases_not_run_now():
     assert [c.model for c in merged.cases] == ["mlp:128x3", "mlp:128x3", "mlp:256x3", "mlp:512x3"]
 
 
+def test_merge_keeps_the_suites_row_order_when_a_part_ran_only_some_rows():
+    """A part run with --rows/--engines (here only the sweep's cuda rung 8 row) must not move its rows first."""
+    labels = [row.label for row in suites.SWEEP_ROWS]
+    first, last = labels[0], "cuda rung 8 fp16"
+    assert labels.index(first) < labels.index(last)
+    old = _result([_case(first, "mlp:128x3"), _case(last, "mlp:128x3")])
+    new = _result([_case(last, "mlp:128x3")])
+    merged, _ = runner.merge(new, old)
+    assert [c.label for c in merged.cases] == [first, last]
+
+
 def test_merge_drops_results_of_another_dataset_or_quick_setting():
     old = _result([_case("jax", "mlp:128x3")])
     assert runner.merge(_result([], dataset="synthetic"), old)[1] == 0

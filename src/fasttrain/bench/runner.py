@@ -400,7 +400,14 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
             kept += earlier.ok
         else:
             merged.append(fresh)
-    labels = list(dict.fromkeys(c.label for c in new.cases))
+    # rows in the suite's own order (a part run with --rows or --engines holds only some of them)
+    from fasttrain.bench.suites import build
+
+    try:
+        defined = [row.label for row in build(new.suite).rows]
+    except ValueError:
+        defined = []
+    labels = list(dict.fromkeys([*defined, *(c.label for c in old.cases), *(c.label for c in new.cases)]))
     merged.sort(key=lambda c: (parse_model(c.model).n_params, labels.index(c.label) if c.label in labels else len(labels)))
     new.cases = merged
     new.reference = {**old.reference, **new.reference}
