@@ -5,6 +5,8 @@
 # .whl (nvmath-python) and .data (MNIST) carried:
 #   bash scripts/device_final.sh "tests memory ladder"      # then: "sweep curves"
 # Everything lands in $OUT as at most 8 files (the device tool's limit): logs and one tarball.
+# Run records name the commit from FASTTRAIN_GIT_SHA: set it in the command (FASTTRAIN_GIT_SHA=$(git rev-parse HEAD)
+# here), since the device's copy of the tree may carry a stale .git.
 set -u
 STAGES=${1:-"tests memory ladder"}
 OUT=${OUT:-/tmp/device-out}

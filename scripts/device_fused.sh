@@ -4,6 +4,8 @@
 #   bash scripts/device_fused.sh "smoke profile bench tests memcheck"
 # Stage options through the environment: BENCH_ONLY (fused_bench --only), PROFILE_MODEL, SMOKE_ONLY,
 # TESTS_K (pytest -k), BENCH_OUT (where fused_bench writes; copied into $OUT/bench.tgz).
+# Run records name the commit from FASTTRAIN_GIT_SHA: set it in the command (FASTTRAIN_GIT_SHA=$(git rev-parse HEAD)
+# here), since the device's copy of the tree may carry a stale .git.
 set -u
 STAGES=${1:-"smoke profile bench tests"}
 OUT=${OUT:-/tmp/device-out}
