@@ -366,6 +366,11 @@ class _FusedBase(Session):
         self.out[2 + steps] = np.nan
         return (np.uint64(self.out.ctypes.data), np.float64(self._seq))
 
+    def _weight_pointers(self):
+        """[2 L] uint64 on the device: W^T_1, b_1, ..., W^T_L, b_L (the kernels' ``wptr``; enqueue on self.stream)."""
+        ptrs = [p for wt, b, _, _ in self.layers for p in (wt.data.ptr, b.data.ptr)]
+        return self._cp.asarray(np.array(ptrs, dtype=np.uint64))
+
     def _persistent_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
         """One rung-8 epoch: launch (after the last snapshot copy), schedule the side-stream score when the
         driver will evaluate this epoch, then wait for the kernel; the kernel wrote the stats into pinned memory."""
@@ -603,10 +608,7 @@ class PersistentMlpSession(_FusedBase):
             self.row_loss = cp.zeros(max_steps * self.batch, cp.float32)
             self.row_ok = cp.zeros(max_steps * self.batch, cp.uint8)
             self.prof = cp.zeros(32 * self.plan["FT_C"], cp.int64)
-            ptrs = []
-            for wt, b, _, _ in self.layers:
-                ptrs += [wt.data.ptr, b.data.ptr]
-            self.wptr = cp.asarray(np.array(ptrs, dtype=np.uint64))
+            self.wptr = self._weight_pointers()
         self._init_out(max_steps, version)
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self.stream.synchronize()
@@ -735,38 +737,34 @@ class PersistentGridSession(_FusedBase):
             self.P = cp.zeros(2 * (nl + 1) * amax * bp * h, cp.float32)
             self.Q = cp.zeros(2 * (nl + 1) * self.plan["FT_B"] * bp * h, cp.float32)
             self.DZ = cp.zeros(2 * bp * h, cp.float16)
-            self.HC = cp.zeros(2 * (nl + 1) * bp * h, cp.float16)    # v2: complete activations and dZ (fp16/bf16)
-            self.DZC = cp.zeros(2 * (nl + 1) * bp * h, cp.float16)
-            self.flags = cp.zeros(4 * (nl + 1) * grid, cp.uint32)
+            # v2 only: complete activations and dZ (fp16/bf16) and its reduce phases' flags
+            two_level = version == "fused_grid_v2.cu"
+            self.reduced = (cp.zeros(2 * (nl + 1) * bp * h, cp.float16),
+                            cp.zeros(2 * (nl + 1) * bp * h, cp.float16)) if two_level else ()
+            self.flags = cp.zeros((4 if two_level else 2) * (nl + 1) * grid, cp.uint32)
             self.done = cp.zeros(1, cp.uint32)
             self.stat_loss = cp.zeros(max_steps, cp.float32)
             self.stat_ok = cp.zeros(max_steps, cp.int32)
             self.prof = cp.zeros(8 * grid, cp.int64)
-            ptrs = []
-            for wt, b, _, _ in self.layers:
-                ptrs += [wt.data.ptr, b.data.ptr]
-            self.wptr = cp.asarray(np.array(ptrs, dtype=np.uint64))
+            self.wptr = self._weight_pointers()
         self.steps_done = 0
         self._init_out(max_steps, version)
+        self._init_side_score(False)   # no idle SMs to score on: the grid takes ~128 of them
         self._launch(self.orders[0] if self.orders is not None else self.spare_order, min(2, len(self.bounds)), 0.0)
         self._wait(min(2, len(self.bounds)))
 
     def _launch(self, order_dev, steps: int, lr: float) -> None:
         args = (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
-                np.float32(lr), np.uint32(self.steps_done), self.wptr, self.P, self.Q, self.DZ,
-                *((self.HC, self.DZC) if self.version == "fused_grid_v2.cu" else ()), self.flags,
-                self.done, self.stat_loss, self.stat_ok, *self._out_args(steps), self.prof)
+                np.float32(lr), np.uint32(self.steps_done), self.wptr, self.P, self.Q, self.DZ, *self.reduced,
+                self.flags, self.done, self.stat_loss, self.stat_ok, *self._out_args(steps), self.prof)
+        self._before_launch()
         with self.stream:
             self.fn((self.grid,), (256,), args, shared_mem=self.smem)
         self.steps_done += steps
         self._check()
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
-        self._launch(self._order_on_device(epoch, order), steps, self.config.lr)
-        self._wait(steps)
-        rows = self._rows(steps)
-        return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
-                          step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
+        return self._persistent_epoch(epoch, order, steps)
 
     def profile(self) -> np.ndarray:
         """Cycles per phase of the last epoch, thread 0 of every CTA: forward layer 1, forward 2..NL, forward last,

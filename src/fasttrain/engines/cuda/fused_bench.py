@@ -145,6 +145,16 @@ def _kernel_times(session, job) -> dict:
     return out
 
 
+def _two_epochs(session, watch, cfg, plan, data) -> list[float]:
+    """The driver's stopwatch around epochs 1 and 2 of the contract's order (ms each)."""
+    ms = []
+    for epoch in (1, 2):
+        t, _ = watch.time_ms(lambda e=epoch: session.train_epoch(e, epoch_order(cfg.seed, e, data.n_train),
+                                                                 plan.steps_per_epoch[e - 1]))
+        ms.append(t)
+    return ms
+
+
 def profile_logreg(data, configs) -> list[dict]:
     """Per-phase clock64() cycles of rung 8 logreg (one epoch after a warm one), and ablation timings."""
     from fasttrain.engines.cuda.fused import make_session
@@ -157,11 +167,7 @@ def profile_logreg(data, configs) -> list[dict]:
     for tuning in configs:
         session = make_session(job, _Opts(8), **tuning)
         watch = Stopwatch(session.sync)
-        ms = []
-        for epoch in (1, 2):
-            t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
-                                                             plan.steps_per_epoch[epoch - 1]))
-            ms.append(t)
+        ms = _two_epochs(session, watch, cfg, plan, data)
         prof = session.profile() if tuning.get("prof") else None
         fixed = _kernel_times(session, job) if not tuning.get("prof") and tuning.get("cluster") == 7 else None
         if fixed:   # host overhead of train_epoch = its wall time minus the kernel's event time
@@ -204,12 +210,7 @@ def profile_mlp(data, version="fused_mlp_v2.cu") -> list[dict]:
     plan = schedule(cfg, data.n_train)
     job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
     session = make_session(job, _Opts(8), prof=True, version=version)
-    watch = Stopwatch(session.sync)
-    ms = []
-    for epoch in (1, 2):
-        t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
-                                                         plan.steps_per_epoch[epoch - 1]))
-        ms.append(t)
+    ms = _two_epochs(session, Stopwatch(session.sync), cfg, plan, data)
     prof = session.profile()
     session.close()
     steps = plan.steps_per_epoch[1]
@@ -237,12 +238,7 @@ def profile_grid(data, model="mlp:1024x3", steps=1875, **tuning) -> list[dict]:
     plan = schedule(cfg, data.n_train)
     job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), plan)
     session = make_session(job, _Opts(8), prof=True, **tuning)
-    watch = Stopwatch(session.sync)
-    ms = []
-    for epoch in (1, 2):
-        t, _ = watch.time_ms(lambda: session.train_epoch(epoch, epoch_order(cfg.seed, epoch, data.n_train),
-                                                         plan.steps_per_epoch[epoch - 1]))
-        ms.append(t)
+    ms = _two_epochs(session, Stopwatch(session.sync), cfg, plan, data)
     prof = session.profile()
     kernel = _kernel_times(session, job)
     session.close()
