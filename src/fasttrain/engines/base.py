@@ -26,13 +26,15 @@ from fasttrain.errors import FasttrainError
 Weights = list[tuple[np.ndarray, np.ndarray]]
 
 
-def option(default, help: str, choices: tuple | None = None, flag_value: Any = None):
+def option(default, help: str, choices: tuple | None = None, flag_value: Any = None, type: type | None = None):
     """A field of an engine's ``Options`` dataclass, with its CLI help.
 
     ``choices``: the allowed values. ``flag_value``: the value the bare flag means when its
-    argument is left out (``--compile`` alone = ``--compile default``).
+    argument is left out (``--compile`` alone = ``--compile default``). ``type``: the value's type
+    when the default (``None``: "the engine decides") does not say it.
     """
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag_value": flag_value})
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag_value": flag_value,
+                                                        "type": type})
 
 
 @dataclass(frozen=True)
@@ -136,7 +138,9 @@ def option_fields(options_cls: type) -> list[dataclasses.Field]:
 
 def _coerce(engine: str, fld: dataclasses.Field, raw: Any) -> Any:
     flag = "--" + fld.name.replace("_", "-")
-    target = type(fld.default) if fld.default is not None else str
+    target = fld.metadata.get("type") or (type(fld.default) if fld.default is not None else str)
+    if raw is None and fld.default is None:
+        return None
     try:
         if target is bool and isinstance(raw, str):
             lowered = raw.lower()
