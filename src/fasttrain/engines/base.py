@@ -96,10 +96,32 @@ class Session(ABC):
 
 
 class Engine(ABC):
+    """An engine declares, besides how it trains, how the house shows it: ``order`` (its place in listings,
+    tables and plots, lower first), ``color`` (a matplotlib colormap name: its rows' hue, darker for later
+    rows), ``libraries`` (the distributions whose versions go into every run record), ``needs_gpu`` (its
+    conformance cases are marked ``gpu``), ``reference`` (the float64 reference the curves and the record
+    suite compare against; one engine) and :meth:`rows` (its lines in each benchmark suite)."""
+
     name: ClassVar[str]
     description: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    order: ClassVar[int] = 1000
+    color: ClassVar[str] = "Greys"
+    libraries: ClassVar[tuple[str, ...]] = ()
+    needs_gpu: ClassVar[bool] = False
+    reference: ClassVar[bool] = False
+    # the options the conformance suite runs this engine with on the CPU-sized checks (one case each);
+    # the default: the engine's defaults alone
+    conformance_options: ClassVar[tuple[dict, ...]] = ({},)
+    # benchmark suites this engine brings (name -> one-line help): its rows over the four benchmarks
+    suites: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        """This engine's lines (:class:`fasttrain.bench.suites.Row`) in the benchmark suite ``suite``
+        (``ladder``, ``sweep``, ``curves``, ``record``, ...); none by default."""
+        return ()
 
     def __init__(self, options=None):
         self.options = options if options is not None else self.Options()

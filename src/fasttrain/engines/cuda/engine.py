@@ -72,6 +72,17 @@ class CudaEngine(Engine):
     description = "CUDA C kernels driven from Python (CuPy, cuBLAS, cuDNN): the seed's optimization ladder"
     Options = CudaOptions
     precisions = ("fp32", "fp16", "bf16")
+    order = 40
+    color = "Greens"
+    libraries = ("cupy-cuda13x", "nvmath-python", "nvidia-cudnn-cu13")
+    needs_gpu = True
+    conformance_options = ({"rung": 0}, {"rung": 3}, {"rung": 6})   # + the fused rungs in mixed precision
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.engines.cuda.rows import rows
+
+        return rows(suite)
 
     @classmethod
     def available(cls) -> str | None:
