@@ -111,8 +111,8 @@ class Engine(ABC):
     libraries: ClassVar[tuple[str, ...]] = ()
     needs_gpu: ClassVar[bool] = False
     reference: ClassVar[bool] = False
-    # the options the conformance suite runs this engine with on the CPU-sized checks (one case each);
-    # the default: the engine's defaults alone
+    # the options the conformance suite (tests/test_conformance.py) runs this engine with, one case each; an
+    # entry's "precision" key sets the config's precision instead (default: the engine's first precision)
     conformance_options: ClassVar[tuple[dict, ...]] = ({},)
     # benchmark suites this engine brings (name -> one-line help): its rows over the four benchmarks
     suites: ClassVar[dict[str, str]] = {}

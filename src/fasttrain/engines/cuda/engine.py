@@ -76,7 +76,8 @@ class CudaEngine(Engine):
     color = "Greens"
     libraries = ("cupy-cuda13x", "nvmath-python", "nvidia-cudnn-cu13")
     needs_gpu = True
-    conformance_options = ({"rung": 0}, {"rung": 3}, {"rung": 6})   # + the fused rungs in mixed precision
+    conformance_options = ({"rung": 0}, {"rung": 3}, {"rung": 6}, {"rung": 7, "precision": "fp16"},
+                           {"rung": 8, "precision": "bf16"})
 
     @classmethod
     def rows(cls, suite: str) -> tuple:

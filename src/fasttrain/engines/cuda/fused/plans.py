@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 
-from fasttrain.contract import INPUT_DIM, NUM_CLASSES
+from fasttrain.contract import INPUT_DIM
 from fasttrain.errors import FasttrainError
 
 SMEM_LIMIT = 227 * 1024   # opt-in shared memory per block on sm_90
