@@ -23,6 +23,10 @@ from fasttrain.contract import default_config, initial_weights, parse_model, sch
 from fasttrain.engines.base import Job
 from fasttrain.errors import FasttrainError
 
+# 3 percentage points of the 200 synthetic test examples (6 of them), with room for the float
+# rounding of a difference of two ratios (0.86 - 0.83 = 0.030000000000000027)
+ACC_TOL = 0.03 + 1e-9
+
 KERNEL_DIR = Path(__file__).resolve().parents[1] / "src" / "fasttrain" / "engines" / "cuda" / "kernels"
 NVCC = shutil.which("nvcc") or ("/usr/local/bin/nvcc" if Path("/usr/local/bin/nvcc").exists() else None)
 
@@ -349,9 +353,9 @@ def test_awkward_shapes_track_the_reference(tiny_data, precision, rung, model, b
     for loss, ref_loss, acc, ref_acc, steps, ref_steps in rows:
         assert np.all(np.isfinite(steps))
         assert abs(loss - ref_loss) <= tol * ref_loss, (loss, ref_loss)
-        assert abs(acc - ref_acc) <= 0.03
+        assert abs(acc - ref_acc) <= ACC_TOL
         assert np.max(np.abs(steps - ref_steps) / ref_steps) < 5 * tol
-    assert abs(tl - rl) <= tol * rl and abs(ta - ra) <= 0.03
+    assert abs(tl - rl) <= tol * rl and abs(ta - ra) <= ACC_TOL
     from fasttrain.reference import relative_max_error
 
     err = relative_max_error([(np.float64(w), np.float64(b)) for w, b in weights], ref_weights)
@@ -451,6 +455,6 @@ def test_driver_reaches_fused_rungs(tiny_data, rung, model):
     assert record.engine_options["rung"] == rung
     for row, ref_row in zip(record.epochs, ref.epochs):
         assert abs(row["train_loss"] - ref_row["train_loss"]) <= 0.04 * ref_row["train_loss"]
-    assert abs(record.final["test_acc"] - ref.final["test_acc"]) <= 0.03
+    assert abs(record.final["test_acc"] - ref.final["test_acc"]) <= ACC_TOL
     assert record.environment.get("fused_kernel", "").startswith("fused_")
     assert len(weights) == spec.n_layers
