@@ -170,7 +170,8 @@ def data_download(dataset, data_dir, force) -> None:
     """Download a dataset (mirror fallback, retries, checksums, atomic writes)."""
     from fasttrain.data import download_dataset
 
-    for path, status in download_dataset(dataset, data_dir, force=force):
+    for path, status in download_dataset(dataset, data_dir, force=force,
+                                         log=lambda line: console.print(line, markup=False, highlight=False)):
         out_console.print(f"{path}: {status}")
 
 
