@@ -6,46 +6,14 @@ from __future__ import annotations
 import errno
 import json
 import os
-import re
 import stat
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
 from rich.console import Console
 
-from fasttrain.data.idx import write_idx
-
-
-def fasttrain_cli(*args, env=None, cwd=None, timeout=300):
-    environ = {**os.environ, **(env or {})}
-    return subprocess.run([sys.executable, "-m", "fasttrain", *map(str, args)], capture_output=True, text=True,
-                          env=environ, cwd=cwd, timeout=timeout)
-
-
-def one_line_error(result, pattern):
-    assert result.returncode != 0, result
-    assert "Traceback" not in result.stderr, result.stderr
-    lines = [line for line in result.stderr.strip().splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
-    assert re.search(pattern, lines[0]), lines[0]
-    return lines[0]
-
-
-@pytest.fixture
-def tiny_mnist(tmp_path):
-    """A tiny MNIST-shaped folder, loaded with verification off through the Python API only; for the
-    CLI the checksums would fail, so CLI tests that train use the real data or stop before loading."""
-    d = tmp_path / "data" / "mnist"
-    d.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    write_idx(d / "train-images-idx3-ubyte.gz", rng.integers(0, 256, (64, 28, 28), dtype=np.uint8))
-    write_idx(d / "train-labels-idx1-ubyte.gz", rng.integers(0, 10, 64, dtype=np.uint8))
-    write_idx(d / "t10k-images-idx3-ubyte.gz", rng.integers(0, 256, (32, 28, 28), dtype=np.uint8))
-    write_idx(d / "t10k-labels-idx1-ubyte.gz", rng.integers(0, 10, 32, dtype=np.uint8))
-    return d
+from tests_support import fasttrain_cli, one_line_error
 
 
 def tiny_data():

@@ -381,7 +381,7 @@ def _try_download(spec, role, url, directory: Path, final: Path, retries: int, p
     last = "not tried: time limit reached"
     for attempt in range(1, retries + 1):
         if time.monotonic() >= deadline:
-            return f"{last}; stopped at the {DEADLINE:.0f} s time limit"
+            return f"{last}; stopped at the time limit of the whole download"
         fd, tmp_name = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=directory)
         os.close(fd)
         tmp = Path(tmp_name)

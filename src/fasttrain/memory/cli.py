@@ -118,12 +118,12 @@ def command(ctx, **opts) -> None:
         for name in PRESETS:
             out.print(f"{name:15s} {PRESET_NOTES.get(name, '')}")
         return
-    if opts["html"]:
+    if opts["html"] is not None:
         from fasttrain.files import check_output_path
 
         check_output_path(opts["html"], "--html")  # before any work; the folder must exist already
     setup = setup_from_options(opts)
-    if opts["html"]:
+    if opts["html"] is not None:
         from fasttrain.memory.page import write_page
 
         path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
