@@ -141,4 +141,6 @@ def write_idx(path: str | os.PathLike, array: np.ndarray) -> None:
     content = encode_idx(array)
     if path.suffix == ".gz":
         content = gzip.compress(content, mtime=0)
-    path.write_bytes(content)
+    from fasttrain.files import atomic_write_bytes
+
+    atomic_write_bytes(path, content)
