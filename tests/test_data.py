@@ -172,11 +172,11 @@ def test_download_rejects_corrupt_bytes_and_leaves_no_partial_file(file_server, 
     target = tmp_path / "data"
     with pytest.raises(DataError, match="could not download train-images-idx3-ubyte.gz from any mirror"):
         ds.download_dataset("tiny", target, mirrors=(f"{base}/bad/",), retries=2, progress=False)
-    assert list((target / "tiny").iterdir()) == []  # neither the final file nor a temporary one
+    assert not (target / "tiny").exists()  # neither the final file nor a temporary one, nor the folder made for them
 
 
 def test_download_retries_then_fails_cleanly(tmp_path, tiny_spec):
     # nothing listens on this loopback port: every attempt fails with a connection error
-    with pytest.raises(DataError, match="from any mirror \\(2 attempts"):
+    with pytest.raises(DataError, match="from any mirror: tried http://127.0.0.1:9/ \\(2 attempts"):
         ds.download_dataset("tiny", tmp_path, mirrors=("http://127.0.0.1:9/",), retries=2, progress=False, timeout=2)
-    assert list((tmp_path / "tiny").iterdir()) == []
+    assert not (tmp_path / "tiny").exists()

@@ -100,8 +100,8 @@ def test_cost_for_a_preset_and_bad_cost_input():
     assert r.returncode == 0, r.stderr
     d = json.loads(r.stdout)[0]
     assert d["gpu_hours"] == pytest.approx(d["flops"] / 400e12 / 3600)
-    one_line_error(run("cost", "--mfu", 1.5), r"--mfu must be in \(0, 1\]")
-    one_line_error(run("cost", "--mfu", 0.4, "--tflops", 300), "not both")
+    one_line_error(run("cost", "--mfu", 150), r"--mfu is a percentage in \(0, 100\]")
+    one_line_error(run("cost", "--mfu", 40, "--tflops", 300), "not both")
     one_line_error(run("cost", "--preset", "val-gpt"), "no published token count")
 
 

@@ -87,6 +87,10 @@ def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, ev
     finally:
         if progress:
             progress.stop()
+    if record.diverged:
+        where = f"; the run record (with 'diverged') is in {out}" if out else ""
+        raise FasttrainError(f"training diverged at epoch {record.diverged['epoch']} ({record.diverged['what']} "
+                             f"{record.diverged['value']}); lower --lr (now {cfg.lr:g}){where}")
     if quiet:
         return
     table = Table(title=f"{engine} · {spec.name} · {cfg.precision} · batch {cfg.batch_size} · lr {cfg.lr}")
@@ -104,20 +108,39 @@ def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, ev
 @cli.command()
 def engines() -> None:
     """List the engines, whether each can run here, and why not."""
+    # piped or captured output has no terminal width: print wide rather than one word per line
+    print_engines(out_console if out_console.is_terminal else Console(width=200))
+
+
+def print_engines(target: Console) -> None:
+    """The engines as a table when the console is wide enough, else one block per engine; rich
+    wraps long cells at spaces in both, so an install hint is never cut."""
     import dataclasses
 
     from fasttrain.engines import registry
 
-    table = Table(title="fasttrain engines")
-    for column in ("engine", "available", "precisions", "options", "description"):
-        table.add_column(column)
+    rows = []
     for name, engine_cls in registry().items():
         reason = engine_cls.available()
         opts = " ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(engine_cls.Options))
-        table.add_row(name, "yes" if reason is None else f"no: {reason}", ",".join(engine_cls.precisions),
-                      opts or "-", engine_cls.description)
-    # piped or captured output has no terminal width: print wide rather than one word per line
-    (out_console if out_console.is_terminal else Console(width=200)).print(table)
+        rows.append((name, "yes" if reason is None else f"no: {reason}", ",".join(engine_cls.precisions),
+                     opts or "-", engine_cls.description))
+    if target.width >= 160:
+        table = Table(title="fasttrain engines")
+        for column in ("engine", "available", "precisions", "options", "description"):
+            table.add_column(column, overflow="fold")
+        for row in rows:
+            table.add_row(*row)
+        target.print(table)
+        return
+    from rich.padding import Padding
+    from rich.text import Text
+
+    for name, available, precisions, opts, description in rows:
+        target.print(Text.assemble((name, "bold"), f"  {precisions}"))
+        for text, style in ((f"options: {opts}", ""), (description, ""),
+                            (f"available: {available}", "" if available == "yes" else "yellow")):
+            target.print(Padding(Text(text, style=style, overflow="fold"), (0, 0, 0, 2), expand=False))
 
 
 @cli.command("evaluate")
@@ -129,7 +152,7 @@ def evaluate_cmd(weights_path, dataset, data_dir) -> None:
     import fasttrain
     from fasttrain.data import load_dataset
 
-    weights = fasttrain.load_weights(weights_path)
+    weights = fasttrain.load_weights(weights_path)  # checked: shapes chain 784 -> ... -> 10, all finite
     loss, acc = fasttrain.evaluate_weights(weights, load_dataset(dataset, data_dir))
     out_console.print(f"test loss {loss:.4f}  test acc {acc:.4f}")
 
@@ -147,7 +170,8 @@ def data_download(dataset, data_dir, force) -> None:
     """Download a dataset (mirror fallback, retries, checksums, atomic writes)."""
     from fasttrain.data import download_dataset
 
-    for path, status in download_dataset(dataset, data_dir, force=force):
+    for path, status in download_dataset(dataset, data_dir, force=force,
+                                         log=lambda line: console.print(line, markup=False, highlight=False)):
         out_console.print(f"{path}: {status}")
 
 
@@ -178,8 +202,31 @@ def _load_plugins() -> None:
         cli.add_command(mod.command)
 
 
+def _os_error_line(exc: OSError) -> str:
+    """One line for an OSError the code did not turn into a FasttrainError itself (a full disk, a
+    read-only folder, a path that is a folder): what failed, on which path, and what to do."""
+    import errno
+
+    where = f"{exc.filename}: " if exc.filename else ""
+    what = exc.strerror or str(exc) or type(exc).__name__
+    fixes = {
+        errno.ENOSPC: "free some space or write somewhere else",
+        errno.EDQUOT: "free some space or write somewhere else",
+        errno.EROFS: "the file system is read-only; write somewhere else",
+        errno.EACCES: "no permission there; choose a path you can write, or fix its permissions",
+        errno.EPERM: "no permission there; choose a path you can write, or fix its permissions",
+        errno.ENOENT: "check the path (its folder must exist)",
+        errno.EISDIR: "that path is a folder; give a file name",
+        errno.ENOTDIR: "a part of that path is a file, not a folder",
+        errno.ENAMETOOLONG: "use a shorter path",
+    }
+    fix = fixes.get(exc.errno, "check the path and the disk")
+    return f"{where}{what}; {fix}"
+
+
 def main(argv: list[str] | None = None) -> int:
     _load_plugins()
+    no_args_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
     try:
         cli.main(args=argv, prog_name="fasttrain", standalone_mode=False)
     except click.exceptions.Exit as exc:
@@ -187,6 +234,10 @@ def main(argv: list[str] | None = None) -> int:
     except click.exceptions.Abort:
         console.print("aborted")
         return 130
+    except no_args_help as exc:
+        # a group called without a subcommand: its help, as written, not squashed into an error line
+        click.echo(exc.format_message())
+        return 0
     except click.ClickException as exc:
         message = exc.format_message().replace("\n", " ")
         print(f"error: {message} (see: fasttrain {' '.join(a for a in (argv or sys.argv[1:])[:1])} --help)".replace("  ", " "),
@@ -198,6 +249,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return 130
+    except BrokenPipeError:
+        # the reader went away (``fasttrain engines | head``): nothing left to say to it
+        sys.stderr.close()
+        return 141
+    except OSError as exc:
+        # a disk or path problem the code did not foresee still gets one line, not a traceback;
+        # every file the project writes goes through a temporary name, so none is left half-written
+        print(f"error: {_os_error_line(exc)}", file=sys.stderr)
+        return 1
+    except MemoryError:
+        print("error: out of memory; use a smaller model, batch or dataset", file=sys.stderr)
+        return 1
     return 0
 
 

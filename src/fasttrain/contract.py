@@ -27,6 +27,17 @@ INPUT_DIM = 784
 NUM_CLASSES = 10
 PRECISIONS = ("fp32", "fp64", "fp16", "bf16")
 
+# Ranges checked before any work, so a typo fails in a line instead of allocating until the
+# machine runs out of memory. Generous for this project's models (MNIST-sized, up to the
+# mlp:8192x3 of the sweep), far below what would exhaust a host.
+MAX_WIDTH = 65536            # hidden width H of mlp:HxN
+MAX_DEPTH = 64               # hidden layers N of mlp:HxN
+MAX_PARAMS = 10**9           # 8 GB of float64 initial weights
+MAX_EPOCHS = 100_000
+MAX_STEPS = 10**9
+MAX_BATCH = 1 << 20
+MAX_SEED = 2**32 - 1         # seeds are uint32 words of numpy's SeedSequence
+
 
 @dataclass(frozen=True)
 class ModelSpec:
@@ -62,11 +73,20 @@ def parse_model(name: str) -> ModelSpec:
         return name
     if name == "logreg":
         return ModelSpec("logreg", (INPUT_DIM, NUM_CLASSES))
+    if not isinstance(name, str):
+        raise FasttrainError(f"model must be a name like 'logreg' or 'mlp:128x3', got {name!r}")
     match = _MLP.match(name)
     if match:
         width, depth = int(match.group(1)), int(match.group(2))
+        if width > MAX_WIDTH or depth > MAX_DEPTH:
+            raise FasttrainError(f"model {name!r}: width must be 1..{MAX_WIDTH} and depth 1..{MAX_DEPTH} "
+                                 "(e.g. mlp:128x3)")
+        spec = ModelSpec(name, (INPUT_DIM, *([width] * depth), NUM_CLASSES))
+        if spec.n_params > MAX_PARAMS:
+            raise FasttrainError(f"model {name!r} has {spec.n_params:,} parameters, more than the {MAX_PARAMS:,} "
+                                 "this tool trains; use a narrower or shallower mlp")
         if width >= 1 and depth >= 1:
-            return ModelSpec(name, (INPUT_DIM, *([width] * depth), NUM_CLASSES))
+            return spec
     raise FasttrainError(f"unknown model {name!r}; use 'logreg' or 'mlp:HxN' (e.g. mlp:128x3 = 784-128-128-128-10)")
 
 
@@ -89,17 +109,26 @@ class TrainConfig:
     drop_last: bool = False
 
     def __post_init__(self) -> None:
-        def positive(name, value):
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise FasttrainError(f"{name} must be a positive integer, got {value!r}")
+        def integer(name, value, low, high):
+            if not isinstance(value, (int, np.integer)) or isinstance(value, bool) or not low <= value <= high:
+                kind = "a positive integer" if low == 1 else f"an integer from {low}"
+                raise FasttrainError(f"{name} must be {kind} at most {high:,}, got {value!r}")
 
         if (self.epochs is None) == (self.steps is None):
             raise FasttrainError("set exactly one of epochs and steps")
-        positive("epochs" if self.steps is None else "steps", self.epochs if self.steps is None else self.steps)
-        for name in ("batch_size", "eval_every", "log_every"):
-            positive(name, getattr(self, name))
-        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
-            raise FasttrainError(f"lr must be a positive number, got {self.lr!r}")
+        if self.steps is None:
+            integer("epochs", self.epochs, 1, MAX_EPOCHS)
+        else:
+            integer("steps", self.steps, 1, MAX_STEPS)
+        integer("batch_size", self.batch_size, 1, MAX_BATCH)
+        integer("seed", self.seed, 0, MAX_SEED)
+        for name in ("eval_every", "log_every"):
+            integer(name, getattr(self, name), 1, MAX_STEPS)
+        if not (isinstance(self.lr, (int, float)) and not isinstance(self.lr, bool) and math.isfinite(self.lr)
+                and self.lr > 0):
+            raise FasttrainError(f"lr must be a positive number (finite), got {self.lr!r}")
+        if not isinstance(self.drop_last, bool):
+            raise FasttrainError(f"drop_last must be True or False, got {self.drop_last!r}")
         if self.precision not in PRECISIONS:
             raise FasttrainError(f"unknown precision {self.precision!r}; choose one of: {', '.join(PRECISIONS)}")
 
@@ -171,6 +200,9 @@ class Schedule:
 
 
 def schedule(config: TrainConfig, n_train: int) -> Schedule:
+    if config.batch_size > n_train:
+        raise FasttrainError(f"batch size {config.batch_size} is larger than the {n_train:,} training examples; "
+                             f"give --batch-size at most {n_train}")
     per_epoch = len(batch_bounds(n_train, config.batch_size, config.drop_last))
     if per_epoch == 0:
         raise FasttrainError(f"batch size {config.batch_size} with drop_last leaves no batch of {n_train} examples")

@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import json
+import math
 import os
-import tempfile
+import re
 import time
+import zipfile
+import zlib
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -27,6 +30,7 @@ from fasttrain.engines import get_engine
 from fasttrain.engines.base import EpochStats, Job, Weights, make_options, options_dict
 from fasttrain.environment import environment
 from fasttrain.errors import EngineUnavailable, FasttrainError
+from fasttrain.files import atomic_path, atomic_write_text, check_distinct_outputs, check_output_path
 
 SCHEMA = 1
 
@@ -48,14 +52,18 @@ class RunRecord:
     avg_epoch_ms_second_half: float = 0.0
     epoch_ms: dict = field(default_factory=dict)
     final: dict = field(default_factory=dict)
+    # None, or where the loss stopped being finite: {"epoch": e, "what": "train loss", ...}; training
+    # stops after that epoch (the weights are NaN or inf from then on)
+    diverged: dict | None = None
     schema: int = SCHEMA
 
     def to_dict(self) -> dict:
-        data = asdict(self)
+        data = finite_or_none(asdict(self))
         return {"schema": data.pop("schema"), **data}
 
     def save(self, path: str | os.PathLike) -> None:
-        atomic_write_text(path, json.dumps(self.to_dict(), indent=2) + "\n")
+        # allow_nan=False: the file is strict JSON (non-finite numbers are already null)
+        atomic_write_text(path, json.dumps(self.to_dict(), indent=2, allow_nan=False) + "\n")
 
     @classmethod
     def from_dict(cls, data: dict) -> "RunRecord":
@@ -68,55 +76,95 @@ class RunRecord:
         return cls.from_dict(json.loads(Path(path).read_text()))
 
 
-def atomic_write_text(path: str | os.PathLike, text: str) -> None:
-    """Write via a temporary file in the same folder and rename: no half-written file at ``path``."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent or ".")
-    try:
-        with os.fdopen(fd, "w") as handle:
-            handle.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+def finite_or_none(value):
+    """``value`` with every NaN or infinite float replaced by None, recursively: JSON has no NaN,
+    and a run record must stay readable by any JSON parser."""
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def _divergence(row: dict) -> dict | None:
+    """Where an epoch's losses stopped being finite, or None."""
+    for key in ("train_loss", "test_loss"):
+        value = row.get(key)
+        if value is not None and not math.isfinite(value):
+            return {"epoch": row["epoch"], "what": key.replace("_", " "), "value": str(value)}
+    return None
 
 
 def check_writable(path: str | os.PathLike | None, what: str) -> None:
     """Fail before training, not after, when an output path cannot be written."""
-    if path is None:
-        return
-    parent = Path(path).expanduser().resolve().parent
-    if not parent.is_dir():
-        raise FasttrainError(f"{what} {path}: folder {parent} does not exist; create it first")
-    if not os.access(parent, os.W_OK):
-        raise FasttrainError(f"{what} {path}: folder {parent} is not writable")
+    check_output_path(path, what)
 
 
 def save_weights(path: str | os.PathLike, weights: Weights) -> None:
     """``W1, b1, W2, b2, ...`` with ``W`` of shape (fan_in, fan_out), written atomically."""
-    path = Path(path)
     arrays = {}
     for i, (w, b) in enumerate(weights, start=1):
         arrays[f"W{i}"], arrays[f"b{i}"] = np.asarray(w), np.asarray(b)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".npz", dir=path.parent or ".")
-    os.close(fd)
-    try:
+    with atomic_path(path, suffix=".npz") as tmp:
         np.savez(tmp, **arrays)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def load_weights(path: str | os.PathLike) -> Weights:
+    """Weights saved by :func:`save_weights`, checked (:func:`check_weights`) before use."""
+    path = Path(path)
+    hint = "give a .npz written by fasttrain train --save-weights"
+    if path.is_dir():
+        raise FasttrainError(f"{path}: is a folder, not a weights file; {hint}")
+    if path.exists() and not path.is_file():
+        raise FasttrainError(f"{path}: not a regular file; {hint}")
     try:
-        with np.load(path) as npz:
-            n = len([k for k in npz.files if k.startswith("W")])
-            return [(npz[f"W{i}"], npz[f"b{i}"]) for i in range(1, n + 1)]
+        loaded = np.load(path, allow_pickle=False)
+        if not isinstance(loaded, np.lib.npyio.NpzFile):
+            raise ValueError("a single array, not an .npz archive")
+        with loaded as npz:
+            names = set(npz.files)
+            n = len([k for k in names if re.fullmatch(r"W\d+", k)])
+            if n == 0:
+                raise FasttrainError(f"{path}: holds no weights (no W1, b1, ...; it has: "
+                                     f"{', '.join(sorted(names)[:6]) or 'nothing'}); {hint}")
+            missing = [k for i in range(1, n + 1) for k in (f"W{i}", f"b{i}") if k not in names]
+            if missing:
+                raise FasttrainError(f"{path}: {missing[0]} is missing (layers must be W1, b1, ..., W{n}, b{n}); {hint}")
+            weights = [(npz[f"W{i}"], npz[f"b{i}"]) for i in range(1, n + 1)]
     except FileNotFoundError:
-        raise FasttrainError(f"{path}: weights file not found") from None
-    except (OSError, ValueError, KeyError) as exc:
-        raise FasttrainError(f"{path}: not a fasttrain weights file ({exc})") from None
+        raise FasttrainError(f"{path}: weights file not found; {hint}") from None
+    except FasttrainError:
+        raise
+    except (OSError, ValueError, KeyError, EOFError, zipfile.BadZipFile, zlib.error) as exc:
+        raise FasttrainError(f"{path}: not a readable fasttrain weights file, truncated or of another format "
+                             f"({type(exc).__name__}: {str(exc).split('. ')[0] or 'unreadable'}); {hint}") from None
+    check_weights(weights, str(path))
+    return weights
+
+
+def check_weights(weights: Weights, source: str = "weights") -> None:
+    """Refuse weights no model of the contract can have: ``W1`` (784, H1), ``b1`` (H1,), ...,
+    ``Wn`` (H_{n-1}, 10), ``bn`` (10,), each layer's input the previous layer's output, all finite."""
+    from fasttrain.contract import INPUT_DIM, NUM_CLASSES
+
+    fan_in = INPUT_DIM
+    for i, (w, b) in enumerate(weights, start=1):
+        for name, array in ((f"W{i}", w), (f"b{i}", b)):
+            if not np.issubdtype(array.dtype, np.floating):
+                raise FasttrainError(f"{source}: {name} holds {array.dtype} values, not floats; not fasttrain weights")
+        if w.ndim != 2 or w.shape[0] != fan_in:
+            raise FasttrainError(f"{source}: W{i} has shape {w.shape}, expected ({fan_in}, width): each layer takes "
+                                 f"the previous one's {fan_in} outputs (the first takes {INPUT_DIM} pixels)")
+        if b.shape != (w.shape[1],):
+            raise FasttrainError(f"{source}: b{i} has shape {b.shape}, expected ({w.shape[1]},) to match W{i}")
+        fan_in = w.shape[1]
+        if not (np.all(np.isfinite(w)) and np.all(np.isfinite(b))):
+            raise FasttrainError(f"{source}: W{i} or b{i} holds NaN or inf (a diverged run?); retrain with a lower --lr")
+    if fan_in != NUM_CLASSES:
+        raise FasttrainError(f"{source}: the last layer has {fan_in} outputs, but the datasets have {NUM_CLASSES} "
+                             "classes; these are not weights of a fasttrain model")
 
 
 class _Curve:
@@ -169,24 +217,31 @@ def run(
         raise EngineUnavailable(f"engine {engine_name} cannot run here: {reason}")
     engine = engine_cls(make_options(engine_cls, engine_options))
     plan = schedule(config, data.n_train)
+    if len(data.test_labels) == 0:
+        raise FasttrainError(f"{data.name}: the test set is empty; nothing to evaluate on")
     job = Job(spec, config, data, initial_weights(spec, config.seed), plan)
     engine.check(job)
 
     run_start = time.perf_counter()
     session = engine.prepare(job)
+    # overflow to inf or NaN is detected and reported as divergence below, not as NumPy warnings
+    numpy_errors = np.seterr(over="ignore", invalid="ignore", divide="ignore")
     try:
         session.sync()  # setup ends when the device is idle, so no setup work leaks into epoch 1
         setup_ms = (time.perf_counter() - run_start) * 1e3
         watch = Stopwatch(session.sync)
         epochs, curve = [], _Curve(config.log_every)
         step = 0
+        diverged = None
         for epoch, steps in enumerate(plan.steps_per_epoch, start=1):
             order = epoch_order(config.seed, epoch, data.n_train)
             train_ms, stats = watch.time_ms(lambda: session.train_epoch(epoch, order, steps))
             assert isinstance(stats, EpochStats)
             curve.add_epoch(step + 1, steps, None if stats.step_losses is None else np.asarray(stats.step_losses))
             step += steps
-            last = epoch == plan.n_epochs
+            train_loss = None if stats.loss_sum is None else stats.loss_sum / stats.count
+            diverged = _divergence({"epoch": epoch, "train_loss": train_loss})
+            last = epoch == plan.n_epochs or diverged is not None
             test_loss = test_acc = None
             eval_ms = 0.0
             if last or epoch % config.eval_every == 0:
@@ -196,19 +251,23 @@ def run(
                 "steps": steps,
                 "train_ms": train_ms,
                 "eval_ms": eval_ms,
-                "train_loss": None if stats.loss_sum is None else stats.loss_sum / stats.count,
+                "train_loss": train_loss,
                 "train_acc": None if stats.correct is None else stats.correct / stats.count,
                 "test_loss": None if test_loss is None else float(test_loss),
                 "test_acc": None if test_acc is None else float(test_acc),
             }
+            diverged = diverged or _divergence(row)
             epochs.append(row)
             if on_epoch:
                 on_epoch(row)
+            if diverged is not None:
+                break  # NaN or inf weights from here on: more epochs would time nothing meaningful
         total_ms = (time.perf_counter() - run_start) * 1e3
         weights = session.weights()
         env = environment()
         env.update(session.environment())
     finally:
+        np.seterr(**numpy_errors)
         session.close()
 
     epoch_ms = [row["train_ms"] for row in epochs]
@@ -227,6 +286,7 @@ def run(
         avg_epoch_ms_second_half=stats["mean_second_half"],
         epoch_ms=stats,
         final={"test_loss": epochs[-1]["test_loss"], "test_acc": epochs[-1]["test_acc"]},
+        diverged=diverged,
     )
     return record, weights
 
@@ -257,6 +317,7 @@ def train(
         raise EngineUnavailable(f"engine {engine} cannot run here: {reason}")
     check_writable(out, "--out")
     check_writable(save_weights_to, "--save-weights")
+    check_distinct_outputs(**{"--out": out, "--save-weights": save_weights_to})
     if data is None:
         data = load_dataset(dataset, data_dir)
     record, weights = run(engine, spec, cfg, data, engine_options, on_epoch)
@@ -271,4 +332,6 @@ def evaluate_weights(weights: Weights, data: Dataset) -> tuple[float, float]:
     """(test loss, test accuracy) of saved weights, computed in float64 by the reference."""
     from fasttrain.reference import evaluate
 
+    weights = [(np.asarray(w), np.asarray(b)) for w, b in weights]
+    check_weights(weights)
     return evaluate([(np.asarray(w, np.float64), np.asarray(b, np.float64)) for w, b in weights], data, np.float64)

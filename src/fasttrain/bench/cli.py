@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import os
 import shlex
 from pathlib import Path
 
@@ -12,6 +14,32 @@ from rich.markup import escape
 
 from fasttrain.bench.runner import Progress
 from fasttrain.errors import FasttrainError
+from fasttrain.files import check_output_folder
+
+
+@contextlib.contextmanager
+def folder_lock(folder: Path):
+    """Hold an exclusive lock on a results folder while a command writes into it: two runs into
+    one folder would each merge with the files as they were before the other's rows, and the last
+    to write would drop the other's results. The second run is refused, saying why."""
+    import fcntl
+
+    handle = open(folder / ".fasttrain-bench.lock", "a+")
+    try:
+        try:
+            fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            handle.seek(0)
+            holder = handle.read().strip() or "another process"
+            raise FasttrainError(f"{folder} is in use by another fasttrain bench ({holder}); wait for it to finish, "
+                                 "or write to another --out") from None
+        handle.seek(0)
+        handle.truncate()
+        handle.write(f"pid {os.getpid()}\n")
+        handle.flush()
+        yield
+    finally:
+        handle.close()  # closing releases the lock
 
 console = Console(stderr=True, highlight=False, soft_wrap=True)
 out_console = Console(highlight=False, soft_wrap=True)
@@ -97,10 +125,9 @@ class _RichProgress(Progress):
 
 def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, out, dataset, data_dir, synthetic, fresh,
                list_only, hidden=None, rows=None) -> None:
-    from fasttrain.bench import plots, report, runner, suites
+    from fasttrain.bench import runner, suites
     from fasttrain.bench.data import bench_data
     from fasttrain.environment import machine_slug
-    from fasttrain.training import atomic_write_text
 
     engines_filter = set(_parse_list(engines, "--engines") or []) or None
     runner.check_engines_filter(engines_filter)
@@ -123,9 +150,32 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
                 out_console.print(f"  {case.row.label:<28} {case.model:<11} {status}")
         return
 
-    folder = Path(out) if out else Path("results") / machine_slug()
-    folder.mkdir(parents=True, exist_ok=True)
-    data, info, note = bench_data(dataset, data_dir, quick, synthetic)
+    data, info, note = bench_data(dataset, data_dir, quick, synthetic)  # before any folder is made
+    folder = check_output_folder(out if out else Path("results") / machine_slug(), "--out", parents=True)
+    with folder_lock(folder):
+        _run_locked(ctx, built, folder, data, info, note, engines_filter, fresh)
+
+
+def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter, fresh: bool) -> None:
+    from fasttrain.bench import plots, report, runner
+    from fasttrain.training import atomic_write_text
+
+    olds = {}
+    for suite in built:
+        json_path = folder / f"{suite.name}.json"
+        if fresh or not json_path.exists():
+            continue
+        try:
+            old = report.load_result(json_path)
+        except FasttrainError as exc:
+            raise FasttrainError(f"{exc}; move it away, or pass --fresh to replace it") from None
+        if (old.quick, old.dataset) != (suite.quick, info):
+            raise FasttrainError(
+                f"{json_path} holds results of another setting ({report.dataset_line(old.dataset)}"
+                f"{', --quick' if old.quick else ''}) than this run ({report.dataset_line(info)}"
+                f"{', --quick' if suite.quick else ''}); merging would drop them: use another --out, or --fresh to "
+                "replace them")
+        olds[suite.name] = old
     if note:
         console.print(f"[bold yellow]warning:[/] {note}")
     console.print(f"data: {report.dataset_line(info)}; results -> {folder}/")
@@ -136,12 +186,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
     failed: list[str] = []
     for suite in built:
         json_path = folder / f"{suite.name}.json"
-        old = None
-        if not fresh and json_path.is_file():
-            try:
-                old = report.load_result(json_path)
-            except FasttrainError as exc:
-                console.print(f"[yellow]not merging with {json_path}: {escape(str(exc))}[/]")
+        old = olds.get(suite.name)
 
         def save_so_far(partial, old=old, json_path=json_path):
             # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
@@ -216,16 +261,19 @@ def render(results_dir) -> None:
     from fasttrain.bench import plots, report, suites
 
     folder = Path(results_dir)
+    if not folder.is_dir():
+        raise FasttrainError(f"{folder}: no such folder; give a folder of benchmark results")
     names = [n for n in suites.all_suites() if (folder / f"{n}.json").is_file()]
     if not names:
         raise FasttrainError(f"{folder}: no suite's results (<suite>.json) to render")
     if plots.matplotlib_or_none() is None:
         console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
-    for name in names:
-        result = report.load_result(folder / f"{name}.json")
-        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
-        console.print("wrote " + ", ".join(str(p) for p in written))
-    write_folder_outputs(folder)
+    with folder_lock(folder):
+        results = [report.load_result(folder / f"{name}.json") for name in names]  # all readable before any write
+        for result in results:
+            written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+            console.print("wrote " + ", ".join(str(p) for p in written))
+        write_folder_outputs(folder)
 
 
 @command.command("merge")
@@ -235,10 +283,14 @@ def merge_cmd(into, parts) -> None:
     """Merge the results of runs split over several calls (PARTS folders, later ones win for a row
     they ran) into INTO, then write its CSV, Markdown and PNG files. Parts must come from the same
     GPU kind, data and --quick setting."""
+    folder = check_output_folder(into, "INTO", parents=True)
+    with folder_lock(folder):
+        _merge_locked(folder, parts)
+
+
+def _merge_locked(folder: Path, parts) -> None:
     from fasttrain.bench import plots, report, runner, suites
 
-    folder = Path(into)
-    folder.mkdir(parents=True, exist_ok=True)
     merged_any = False
     for name in suites.all_suites():
         paths = [p for p in [folder / f"{name}.json", *(Path(d) / f"{name}.json" for d in parts)] if p.is_file()]

@@ -85,6 +85,14 @@ def _titles(fig, ax, main: str, result: SuiteResult) -> None:
     ax.set_title(_machine(result), loc="left", fontsize=9, color="0.35", fontweight="normal")
 
 
+def _save(fig, path) -> None:
+    """Save a figure whole or not at all (a temporary file of the same type, then a rename)."""
+    from fasttrain.files import atomic_path
+
+    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+        fig.savefig(tmp)
+
+
 def _style(plt) -> None:
     plt.rcParams.update({
         "figure.dpi": 110, "savefig.dpi": 150, "font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
@@ -135,7 +143,7 @@ def ladder_plot(result: SuiteResult, path: Path) -> Path | None:
     ax.set_xlabel(f"ms per epoch (mean over the 2nd half of training; p50 of {n} run(s), whiskers p20–p80; log scale)")
     cfg = ran[0].config
     _titles(fig, ax, f"Epoch time per engine and rung: logreg, batch {cfg['batch_size']}, {cfg['epochs']} epochs", result)
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
     return path
 
@@ -176,7 +184,7 @@ def sweep_plots(result: SuiteResult, out: Path) -> list[Path]:
     _log_ticks(ax.yaxis)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     paths.append(out / "sweep_time.png")
-    fig.savefig(paths[-1])
+    _save(fig, paths[-1])
     plt.close(fig)
 
     base = baseline_times(result)
@@ -192,7 +200,7 @@ def sweep_plots(result: SuiteResult, out: Path) -> list[Path]:
         _log_ticks(ax.yaxis, "×")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
         paths.append(out / "sweep_relative.png")
-        fig.savefig(paths[-1])
+        _save(fig, paths[-1])
         plt.close(fig)
     return paths
 
@@ -232,7 +240,7 @@ def curves_plot(result: SuiteResult, path: Path) -> Path | None:
     bottom.set_yscale("symlog", linthresh=1e-6)
     bottom.set_ylabel("loss − reference loss")
     bottom.set_xlabel("SGD step")
-    fig.savefig(path)
+    _save(fig, path)
     plt.close(fig)
     return path
 

@@ -146,14 +146,34 @@ def to_json(result: SuiteResult) -> str:
     return json.dumps(result.to_dict(), indent=1, allow_nan=False) + "\n"
 
 
+def _no_constant(name: str):
+    raise ValueError(f"it holds {name}, which is not JSON (results files write null for a missing number)")
+
+
 def load_result(path: str | Path) -> SuiteResult:
+    """A suite's results file, checked to be one: strict JSON (no NaN), an object with the fields
+    of :class:`SuiteResult`; anything else is a one-line error naming the file."""
     path = Path(path)
+    what = "not a fasttrain benchmark results file"
     try:
-        return SuiteResult.from_dict(json.loads(path.read_text()))
+        data = json.loads(path.read_bytes().decode("utf-8"), parse_constant=_no_constant)
+        if not isinstance(data, dict):
+            raise ValueError(f"it holds a JSON {type(data).__name__}, not an object")
+        if not isinstance(data.get("cases", []), list) or not all(isinstance(c, dict) for c in data.get("cases", [])):
+            raise ValueError("its 'cases' is not a list of objects")
+        result = SuiteResult.from_dict(data)
+        for field_name in ("dataset", "environment"):
+            if not isinstance(getattr(result, field_name), dict):
+                raise ValueError(f"its {field_name!r} is not an object")
+        return result
     except FileNotFoundError:
         raise FasttrainError(f"{path}: no benchmark results there; run: fasttrain bench all --out {path.parent}") from None
-    except (json.JSONDecodeError, TypeError, KeyError) as exc:
-        raise FasttrainError(f"{path}: not a fasttrain benchmark results file ({exc})") from None
+    except IsADirectoryError:
+        raise FasttrainError(f"{path}: is a folder, not a results file") from None
+    except UnicodeDecodeError:
+        raise FasttrainError(f"{path}: {what} (binary, not UTF-8 text); move it away or rerun the suite") from None
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        raise FasttrainError(f"{path}: {what} ({str(exc).splitlines()[0][:200]}); move it away or rerun the suite") from None
 
 
 # --- Markdown ------------------------------------------------------------------------------

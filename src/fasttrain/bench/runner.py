@@ -332,6 +332,14 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
             return out
         out.seeds.append(seed)
         out.records.append(record.to_dict())
+        if getattr(record, "diverged", None):
+            # a diverged run's times and scores mean nothing: the row is failed, with its record kept
+            out.status = "failed"
+            out.reason = f"training diverged at epoch {record.diverged['epoch']} ({record.diverged['what']}) on seed {seed}"
+            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model}: {escape(out.reason)}")
+            progress.advance(len(seeds) - i)
+            release_memory()
+            return out
         del record, _weights
         release_memory()
         progress.advance()

@@ -7,7 +7,9 @@ directly).
 
 Verification: each ``.gz`` has the MD5 torchvision lists. For MNIST we also know the MD5 of the
 decompressed content, which holds for any gzip of the same bytes; a file passes when either its
-``.gz`` MD5 or (where known) its content MD5 matches.
+``.gz`` MD5 or (where known) its content MD5 matches. An uncompressed copy of a dataset whose
+content MD5 we do not know (Fashion-MNIST, KMNIST) cannot be checked, so it is refused with the
+command that fetches the published ``.gz`` files, never called verified.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ import numpy as np
 
 from fasttrain.data.idx import md5_hex, parse_idx, read_idx_file
 from fasttrain.errors import DataError
+from fasttrain.files import default_file_mode
 
 ROLES = ("train_images", "train_labels", "test_images", "test_labels")
 FILENAMES = {
@@ -151,7 +154,10 @@ def _check_checksum(spec: DatasetSpec, role: str, path: Path, file_bytes: bytes,
     if file_bytes is not None and path.suffix == ".gz" and md5_hex(file_bytes) == fs.gz_md5:
         return
     if fs.content_md5 is None and path.suffix != ".gz":
-        return  # no content checksum published for an uncompressed copy: structure checks only
+        raise DataError(
+            f"{path}: an uncompressed {spec.title} file, which cannot be verified (only the published .gz files' "
+            f"checksums are known); put {fs.filename} there instead, e.g. run: {download_command(spec.name, data_dir)}"
+        )
     raise DataError(
         f"{path}: checksum mismatch (not the published {spec.title} file); delete it and run: "
         f"{download_command(spec.name, data_dir)}"
@@ -263,10 +269,10 @@ class _RichDownloadBar:
         self._progress.stop()
 
 
-def _fetch(url: str, dest: Path, progress: bool, timeout: float) -> None:
+def _fetch(url: str, dest: Path, progress: bool, timeout, description: str) -> None:
     import pooch
 
-    bar = _RichDownloadBar(dest.name.split(".tmp")[0]) if progress else False
+    bar = _RichDownloadBar(description) if progress else False
     downloader = pooch.HTTPDownloader(progressbar=bar, timeout=timeout)
     try:
         downloader(url, str(dest), None)
@@ -275,71 +281,131 @@ def _fetch(url: str, dest: Path, progress: bool, timeout: float) -> None:
             bar.close()
 
 
+# (connect, read) timeouts in seconds and tries per mirror: on a network that accepts connections but
+# never answers, each try gives up after READ_TIMEOUT s of silence, so MNIST's two mirrors fail in
+# about 2 x 2 x 8 s; DEADLINE caps the whole download however many mirrors a dataset lists.
+CONNECT_TIMEOUT = 5.0
+READ_TIMEOUT = 8.0
+RETRIES = 2
+DEADLINE = 45.0
+
+
+def _offline_hint(name: str) -> str:
+    return (f"offline? copy the {name} files into a folder and point at it with FASTTRAIN_DATA_DIR=/that/folder "
+            "or --data-dir /that/folder")
+
+
+def _created_folders(directory: Path) -> list[Path]:
+    """The folders ``directory.mkdir(parents=True)`` would create, innermost first."""
+    missing = []
+    for folder in (directory, *directory.parents):
+        if folder.exists():
+            break
+        missing.append(folder)
+    return missing
+
+
 def download_dataset(
     name: str = "mnist",
     data_dir: str | os.PathLike | None = None,
     *,
     mirrors: tuple[str, ...] | None = None,
-    retries: int = 3,
+    retries: int = RETRIES,
     progress: bool = True,
-    timeout: float = 60.0,
+    timeout: float | tuple[float, float] = (CONNECT_TIMEOUT, READ_TIMEOUT),
     force: bool = False,
+    deadline: float = DEADLINE,
+    log=None,
 ) -> list[tuple[Path, str]]:
     """Download and verify a dataset's files, trying each mirror with retries.
 
     Each file is written to a temporary name in the target folder, verified, then renamed into
     place, so a partial or unverified file never sits at the final path. Files already present
-    and valid are kept (``force`` re-downloads them).
+    and valid are kept (``force`` re-downloads them). ``log(line)`` hears of every failed try. On
+    failure the error names every mirror tried and how; folders created for the download are
+    removed again when nothing was saved in them.
     """
     spec = dataset_spec(name)
     mirrors = mirrors or spec.mirrors
     directory = dataset_dir(name, data_dir)
-    directory.mkdir(parents=True, exist_ok=True)
+    if directory.exists() and not directory.is_dir():
+        raise DataError(f"{directory} is a file, not a folder; choose another --data-dir")
+    created = _created_folders(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {directory} ({exc.strerror}); choose another folder with --data-dir "
+                        "or FASTTRAIN_DATA_DIR") from None
+    started = time.monotonic()
     report = []
-    for role in ROLES:
-        fs = spec.files[role]
-        final = directory / fs.filename
-        if final.exists() and not force:
+    try:
+        for role in ROLES:
+            fs = spec.files[role]
+            final = directory / fs.filename
+            if final.exists() and not force:
+                try:
+                    _read_verified(spec, role, final, verify=True)
+                    report.append((final, "present"))
+                    continue
+                except DataError:
+                    pass  # a bad file is replaced below
+            tried: list[str] = []
+            source = None
+            for number, mirror in enumerate(mirrors, start=1):
+                url = mirror.rstrip("/") + "/" + fs.filename
+                outcome = _try_download(spec, role, url, directory, final, retries, progress, timeout,
+                                        f"{fs.filename} (mirror {number}/{len(mirrors)}", started + deadline, log)
+                if outcome is None:
+                    source = url
+                    break
+                tried.append(f"{mirror} ({outcome})")
+            if source is None:
+                raise DataError(f"could not download {fs.filename} from any mirror: tried {'; '.join(tried) or 'none'}; "
+                                f"{_offline_hint(spec.title)}")
+            report.append((final, f"downloaded from {source}"))
+    except BaseException:
+        for folder in created:  # innermost first; only folders this call made and left empty
             try:
-                _read_verified(spec, role, final, verify=True)
-                report.append((final, "present"))
-                continue
-            except DataError:
-                pass  # a bad file is replaced below
-        errors: list[str] = []
-        source = next((url for url in (m.rstrip("/") + "/" + fs.filename for m in mirrors)
-                       if _try_download(spec, role, url, directory, final, retries, progress, timeout, errors)), None)
-        if source is None:
-            last = errors[-1] if errors else "no mirror configured"
-            raise DataError(f"could not download {fs.filename} from any mirror ({len(errors)} attempts; last: {last})")
-        report.append((final, f"downloaded from {source}"))
+                folder.rmdir()
+            except OSError:
+                break
+        raise
     return report
 
 
-def _try_download(spec, role, url, directory: Path, final: Path, retries: int, progress: bool, timeout: float,
-                  errors: list[str]) -> bool:
-    """Fetch ``url`` into a temporary file, verify it, rename it to ``final``. Network errors are
-    retried with backoff; a file that arrives but fails verification is not (the mirror is bad)."""
-    for attempt in range(retries):
+def _try_download(spec, role, url, directory: Path, final: Path, retries: int, progress: bool, timeout,
+                  description: str, deadline: float, log) -> str | None:
+    """Fetch ``url`` into a temporary file, verify it, rename it to ``final``; None on success, else
+    what went wrong. Network errors are retried with backoff until ``deadline`` (a monotonic time);
+    a file that arrives but fails verification is not retried (the mirror is bad)."""
+    last = "not tried: time limit reached"
+    for attempt in range(1, retries + 1):
+        if time.monotonic() >= deadline:
+            return f"{last}; stopped at the time limit of the whole download"
         fd, tmp_name = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=directory)
         os.close(fd)
         tmp = Path(tmp_name)
         try:
-            _fetch(url, tmp, progress, timeout)
+            _fetch(url, tmp, progress, timeout, f"{description}, attempt {attempt}/{retries})")
             verified = tmp.with_name(tmp.name + ".gz")  # verification reads the suffix
             tmp.rename(verified)
             tmp = verified
             _read_verified(spec, role, tmp, verify=True)
+            os.chmod(tmp, default_file_mode())
             os.replace(tmp, final)
-            return True
+            return None
         except DataError as exc:
-            errors.append(f"{url}: {exc}")
-            return False
+            if log:
+                log(f"{url}: attempt {attempt}/{retries}: {exc}")
+            return f"a bad file: {exc}"
         except Exception as exc:  # network errors
-            errors.append(f"{url}: {type(exc).__name__}: {exc}")
-            if attempt + 1 < retries:
-                time.sleep(0.25 * min(2.0**attempt, 8.0))
+            last = f"{attempt} attempt{'s' if attempt > 1 else ''}, last: {type(exc).__name__}"
+            if log:
+                log(f"{url}: attempt {attempt}/{retries} failed: {type(exc).__name__}: {str(exc)[:160]}")
+            if attempt < retries:
+                time.sleep(0.25 * min(2.0 ** (attempt - 1), 8.0))
         finally:
             if tmp.exists():
                 tmp.unlink()
-    return False
+    return last
+

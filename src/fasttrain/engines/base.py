@@ -26,15 +26,21 @@ from fasttrain.errors import FasttrainError
 Weights = list[tuple[np.ndarray, np.ndarray]]
 
 
-def option(default, help: str, choices: tuple | None = None, flag_value: Any = None, type: type | None = None):
+# An integer option without its own ``bounds`` must lie in this range (0 is "auto" for several).
+INT_OPTION_BOUNDS = (0, 2**31 - 1)
+
+
+def option(default, help: str, choices: tuple | None = None, flag_value: Any = None, type: type | None = None,
+           bounds: tuple[int, int] | None = None):
     """A field of an engine's ``Options`` dataclass, with its CLI help.
 
     ``choices``: the allowed values. ``flag_value``: the value the bare flag means when its
     argument is left out (``--compile`` alone = ``--compile default``). ``type``: the value's type
-    when the default (``None``: "the engine decides") does not say it.
+    when the default (``None``: "the engine decides") does not say it. ``bounds``: the inclusive
+    range of an integer option (default :data:`INT_OPTION_BOUNDS`).
     """
     return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag_value": flag_value,
-                                                        "type": type})
+                                                        "type": type, "bounds": bounds})
 
 
 @dataclass(frozen=True)
@@ -178,6 +184,10 @@ def _coerce(engine: str, fld: dataclasses.Field, raw: Any) -> Any:
     choices = fld.metadata.get("choices")
     if choices and value not in choices:
         raise FasttrainError(f"engine {engine}: {flag} must be one of {', '.join(map(str, choices))}, got {raw!r}")
+    if target is int and not choices:
+        low, high = fld.metadata.get("bounds") or INT_OPTION_BOUNDS
+        if not low <= value <= high:
+            raise FasttrainError(f"engine {engine}: {flag} must be between {low} and {high}, got {raw!r}")
     return value
 
 

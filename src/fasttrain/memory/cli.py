@@ -2,7 +2,7 @@
 
     fasttrain memory [--preset llama3-8b] [--heads A] ... [--mode playbook|precise] [--json]
     fasttrain memory --html out.html
-    fasttrain memory cost [--preset llama3.1-405b] [--mfu 0.4 | --tflops 400] [--price 2]
+    fasttrain memory cost [--preset llama3-405b] [--mfu 40 | --tflops 400] [--price 2]
     fasttrain memory validate --out results/memory/validation.csv
 """
 
@@ -118,8 +118,12 @@ def command(ctx, **opts) -> None:
         for name in PRESETS:
             out.print(f"{name:15s} {PRESET_NOTES.get(name, '')}")
         return
+    if opts["html"] is not None:
+        from fasttrain.files import check_output_path
+
+        check_output_path(opts["html"], "--html")  # before any work; the folder must exist already
     setup = setup_from_options(opts)
-    if opts["html"]:
+    if opts["html"] is not None:
         from fasttrain.memory.page import write_page
 
         path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
@@ -133,11 +137,12 @@ def command(ctx, **opts) -> None:
 
 
 @command.command("cost")
-@click.option("--preset", "preset_name", help="llama3.1-8b, llama3.1-70b, llama3.1-405b, or any model preset.")
+@click.option("--preset", "preset_name", help="Any preset of --list-presets (llama3-8b, llama3-70b and llama3-405b "
+              "come with their published token counts and GPU-hours); llama3.1-8b etc. are aliases.")
 @click.option("--params", type=float, help="Parameters (default: the preset's count).")
 @click.option("--tokens", type=float, help="Training tokens (default: the published count).")
 @click.option("--seq", type=int, help="Sequence length for the attention term.")
-@click.option("--mfu", type=float, help="Model FLOPs utilization, 0..1 (default 0.4).")
+@click.option("--mfu", help="Model FLOPs utilization in percent, as on the memory page: 40 or 40% (default 40).")
 @click.option("--tflops", type=float, help="Sustained TFLOP/s per GPU (instead of --mfu).")
 @click.option("--peak-tflops", type=float, default=989.4, show_default=True, help="Peak per GPU (H100 bf16 dense).")
 @click.option("--price", type=float, default=2.0, show_default=True, help="$ per GPU-hour.")
@@ -149,13 +154,15 @@ def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, 
     from fasttrain.memory.config import preset
     from fasttrain.memory.precise import param_counts
 
+    mfu = parse_mfu_percent(mfu)
     if preset_name is None:
         if params is not None or tokens is not None or seq is not None:
             raise FasttrainError("--params/--tokens/--seq need --preset (or use a preset's own numbers)")
         rows = C.published(peak_tflops=peak_tflops, price=price, mfu=mfu, tflops=tflops)
     else:
-        if preset_name in C.PUBLISHED:
-            arch, tok, sq, hours = C.PUBLISHED[preset_name]
+        run = C.published_run(preset_name)
+        if run is not None:
+            arch, tok, sq, hours = C.PUBLISHED[run]
         else:
             arch, tok, sq, hours = preset_name, None, None, None
         s = preset(arch)
@@ -181,6 +188,26 @@ def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, 
     if any(r.implied_mfu is not None for r in rows):
         out.print(f"  implied MFU = FLOPs / (published GPU-hours x 3600 x {peak_tflops} TFLOP/s); "
                   "the published hours cover the whole project, not only the kernels")
+
+
+def parse_mfu_percent(text: str | None) -> float | None:
+    """``--mfu`` as a fraction for :func:`fasttrain.memory.cost.cost`. The flag is a percentage (the
+    memory page's convention): ``40`` or ``40%``. A bare number below 1 is refused as ambiguous
+    (0.4 could mean 40% or 0.4%); ``0.4%`` says which."""
+    if text is None:
+        return None
+    raw = text.strip()
+    percent_sign = raw.endswith("%")
+    try:
+        value = float(raw.rstrip("%").strip())
+    except ValueError:
+        raise FasttrainError(f"--mfu expects a percentage like 40 or 40%, got {text!r}") from None
+    if not 0 < value <= 100:
+        raise FasttrainError(f"--mfu is a percentage in (0, 100], got {text!r}; e.g. --mfu 40 for 40%")
+    if value < 1 and not percent_sign:
+        raise FasttrainError(f"--mfu is a percentage: {text} would be {value}% (give --mfu {value * 100:g} for "
+                             f"{value * 100:g}%, or --mfu {text}% if {value}% is meant)")
+    return value / 100
 
 
 @command.command("validate")

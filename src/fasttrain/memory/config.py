@@ -93,6 +93,10 @@ class Setup:
 
 
 _POSITIVE = ("heads", "micro_batch", "hidden", "ffn", "layers", "seq", "vocab", "tp", "dp")
+# Upper bounds, far above any real model (Llama 3.1 405B: h 16384, h_ff 53248, L 126, v 128256) and
+# low enough that every byte count stays an exact, printable number.
+MAXIMA = {"heads": 2**16, "micro_batch": 2**20, "hidden": 2**20, "ffn": 2**22, "layers": 2**16, "seq": 2**24,
+          "vocab": 2**24, "tp": 2**16, "dp": 2**24, "opt_bytes": 64, "workspace_mib": 2**20}
 
 
 def _flag(name: str) -> str:
@@ -107,8 +111,12 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
         value = getattr(setup, name)
         if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
             raise FasttrainError(f"{_flag(name)} must be a positive integer, got {value!r}")
+        if value > MAXIMA[name]:
+            raise FasttrainError(f"{_flag(name)} must be at most {MAXIMA[name]:,}, got {value:,}")
     if isinstance(setup.opt_bytes, bool) or not isinstance(setup.opt_bytes, int) or setup.opt_bytes < 0:
         raise FasttrainError(f"--opt-bytes must be a non-negative integer, got {setup.opt_bytes!r}")
+    if setup.opt_bytes > MAXIMA["opt_bytes"]:
+        raise FasttrainError(f"--opt-bytes must be at most {MAXIMA['opt_bytes']}, got {setup.opt_bytes:,}")
     g = setup.g
     if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
         raise FasttrainError(f"--kv-heads must be a positive integer, got {g!r}")
@@ -133,8 +141,10 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                                  f"got {getattr(setup, name)!r}")
     if setup.zero not in (0, 1, 2, 3) or isinstance(setup.zero, bool):
         raise FasttrainError(f"--zero must be 0, 1, 2 or 3, got {setup.zero!r}")
-    if not setup.workspace_mib >= 0:
-        raise FasttrainError(f"--workspace-mib must be >= 0, got {setup.workspace_mib!r}")
+    if isinstance(setup.workspace_mib, bool) or not isinstance(setup.workspace_mib, int | float) \
+            or not 0 <= setup.workspace_mib <= MAXIMA["workspace_mib"]:
+        raise FasttrainError(f"--workspace-mib must be a number from 0 to {MAXIMA['workspace_mib']:,}, "
+                             f"got {setup.workspace_mib!r}")
     if mode == "playbook" and setup.precision == "amp":
         raise FasttrainError("precision 'amp' (PyTorch autocast) exists only in --mode precise; "
                              "the widget knows fp32 and --mixed")

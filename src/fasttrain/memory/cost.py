@@ -18,6 +18,7 @@ reports 38-43% for 405B pretraining.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
@@ -35,11 +36,19 @@ PUBLISHED = {
 }
 
 
+def published_run(name: str) -> str | None:
+    """The published run for a preset name as the preset list shows it (``llama3-8b``) or as the run
+    is called (``llama3.1-8b``); None for a preset without published figures."""
+    if name in PUBLISHED:
+        return name
+    return next((run for run, (arch, *_rest) in PUBLISHED.items() if arch == name), None)
+
+
 def training_flops(params: float, tokens: float, layers: int = 0, hidden: int = 0, seq: int = 0) -> dict:
     """``{"dense": 6 N T, "attention": 12 L h s T, "total": ...}``."""
     for name, value in (("params", params), ("tokens", tokens)):
-        if not value > 0:
-            raise FasttrainError(f"{name} must be positive, got {value!r}")
+        if not (value > 0 and math.isfinite(value)):
+            raise FasttrainError(f"--{name} must be positive and finite, got {value!r}")
     dense = 6.0 * params * tokens
     attention = 12.0 * layers * hidden * seq * tokens
     return {"dense": dense, "attention": attention, "total": dense + attention}
@@ -65,7 +74,10 @@ class Cost:
 def cost(name: str, params: float, tokens: float, layers: int = 0, hidden: int = 0, seq: int = 0, *,
          mfu: float | None = None, tflops: float | None = None, peak_tflops: float = H100_BF16_TFLOPS,
          price: float = DEFAULT_PRICE, published_gpu_hours: float | None = None) -> Cost:
-    """GPU-hours and dollars at a sustained throughput (``tflops``) or ``mfu`` x ``peak_tflops``."""
+    """GPU-hours and dollars at a sustained throughput (``tflops``) or ``mfu`` x ``peak_tflops``.
+
+    ``mfu`` here is a fraction (0.4), as ``implied_mfu`` in the results; the CLI's ``--mfu`` and the
+    page take the same quantity in percent (40)."""
     if mfu is not None and tflops is not None:
         raise FasttrainError("give --mfu or --tflops, not both")
     if tflops is None:
@@ -75,10 +87,12 @@ def cost(name: str, params: float, tokens: float, layers: int = 0, hidden: int =
         if not peak_tflops > 0:
             raise FasttrainError(f"--peak-tflops must be positive, got {peak_tflops!r}")
         tflops = mfu * peak_tflops
-    if not tflops > 0:
-        raise FasttrainError(f"--tflops must be positive, got {tflops!r}")
-    if not price >= 0:
-        raise FasttrainError(f"--price must be >= 0, got {price!r}")
+    if not peak_tflops > 0 or not math.isfinite(peak_tflops):
+        raise FasttrainError(f"--peak-tflops must be positive and finite, got {peak_tflops!r}")
+    if not tflops > 0 or not math.isfinite(tflops):
+        raise FasttrainError(f"--tflops must be positive and finite, got {tflops!r}")
+    if not price >= 0 or not math.isfinite(price):
+        raise FasttrainError(f"--price must be >= 0 and finite, got {price!r}")
     f = training_flops(params, tokens, layers, hidden, seq)
     hours = f["total"] / (tflops * 1e12) / 3600.0
     out = Cost(name, params, tokens, f["total"], tflops, hours, hours * price)

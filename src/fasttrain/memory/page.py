@@ -91,8 +91,10 @@ def render(setup: Setup | None = None, mode: str = "precise", preset_name: str =
 
 
 def write_page(path, setup: Setup | None = None, mode: str = "precise", preset: str = "llama3-8b") -> Path:
+    """Write the page whole or not at all, into a folder that must already exist."""
+    from fasttrain.files import atomic_write_text, check_output_path
+
+    check_output_path(path, "--html")
     out = Path(path)
-    if out.parent and not out.parent.exists():
-        out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(render(setup, mode, preset))
+    atomic_write_text(out, render(setup, mode, preset))
     return out

@@ -274,7 +274,9 @@ def write(rows: list[dict], env: dict, out: str) -> tuple[Path, Path]:
     path.parent.mkdir(parents=True, exist_ok=True)
     rescored = any("error_at_run_pct" in r for r in rows)
     fields = FIELDS + (["error_at_run_pct"] if rescored else [])
-    with open(path, "w", newline="") as fh:
+    from fasttrain.files import atomic_path, atomic_write_text
+
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:  # whole or not at all
         writer = csv.DictWriter(fh, fieldnames=fields)
         writer.writeheader()
         for row in rows:
@@ -311,8 +313,8 @@ def write(rows: list[dict], env: dict, out: str) -> tuple[Path, Path]:
                       "`python -m fasttrain memory validate --rescore` (the estimate is a function of the setup "
                       "alone; the measured column is untouched)."]
     md = path.with_suffix(".md")
-    md.write_text("\n".join(lines) + "\n")
-    path.with_suffix(".json").write_text(json.dumps({"env": env, "rows": rows}, indent=1))
+    atomic_write_text(md, "\n".join(lines) + "\n")
+    atomic_write_text(path.with_suffix(".json"), json.dumps({"env": env, "rows": rows}, indent=1))
     return path, md
 
 

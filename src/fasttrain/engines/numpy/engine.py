@@ -20,7 +20,7 @@ from fasttrain.reference import evaluate, sgd_step
 
 @dataclass(frozen=True)
 class NumpyOptions:
-    threads: int = option(0, "BLAS threads (0 = one per core)")
+    threads: int = option(0, "BLAS threads (0 = one per core)", bounds=(0, 1024))
 
 
 class NumpySession(Session):

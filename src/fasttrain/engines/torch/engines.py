@@ -19,7 +19,7 @@ def _torch_missing() -> str | None:
 @dataclass(frozen=True)
 class TorchEagerOptions:
     device: str = option("auto", "cuda or cpu (auto: cuda when torch sees a GPU)", choices=DEVICES)
-    num_workers: int = option(0, "DataLoader worker processes (the tutorials' default 0)")
+    num_workers: int = option(0, "DataLoader worker processes (the tutorials' default 0)", bounds=(0, 256))
 
 
 @dataclass(frozen=True)

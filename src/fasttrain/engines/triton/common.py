@@ -83,6 +83,14 @@ def mm(a, b, acc, PREC: tl.constexpr):
 
 
 @triton.jit
+def mask_and(mask, cond):
+    """``mask & cond`` as a boolean block of ``mask``'s shape, for a scalar ``cond`` (``pid == 0``,
+    ``s + 2 < steps``). ``block & scalar_bool`` is not a boolean block on every Triton (newer
+    interpreters refuse it as a mask), so the scalar is broadcast to the block first."""
+    return mask & (tl.zeros_like(mask.to(tl.int32)) + cond.to(tl.int32) != 0)
+
+
+@triton.jit
 def batch_rows(idx_ptr, start, rows, rmask, GATHER: tl.constexpr):
     """Which data row each batch row reads: ``idx[start + r]`` (training) or ``r`` itself."""
     if GATHER:

@@ -31,7 +31,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fasttrain.engines.triton.common import batch_rows, block, fill_grid, k_block, load_rows_t, mm
+from fasttrain.engines.triton.common import batch_rows, block, fill_grid, k_block, load_rows_t, mask_and, mm
 
 # --- input gradient with the ReLU derivative fused --------------------------------------------
 
@@ -78,7 +78,7 @@ def weight_grad_kernel(x_ptr, idx_ptr, d_ptr, dw_ptr, db_ptr, start, M, K, N, st
         acc = mm(xt, d, acc, PREC)
         dbias += tl.sum(d, axis=0)
     tl.store(dw_ptr + k[:, None] * N + cols[None, :], acc, mask=kmask[:, None] & cmask[None, :])
-    tl.store(db_ptr + cols, dbias, mask=cmask & (pid_k == 0))
+    tl.store(db_ptr + cols, dbias, mask=mask_and(cmask, pid_k == 0))
 
 
 @triton.jit
@@ -116,7 +116,7 @@ def sgd_update_kernel(x_ptr, idx_ptr, d_ptr, w_ptr, b_ptr, start, M, K, N, strid
     wmask = kmask[:, None] & cmask[None, :]
     w_ptrs = w_ptr + k[:, None] * N + cols[None, :]
     tl.store(w_ptrs, tl.load(w_ptrs, mask=wmask, other=0.0) - lr * acc, mask=wmask)
-    bmask = cmask & (pid_k == 0)
+    bmask = mask_and(cmask, pid_k == 0)
     b = tl.load(b_ptr + cols, mask=bmask, other=0.0)
     tl.store(b_ptr + cols, b - lr * dbias, mask=bmask)
 
@@ -150,7 +150,7 @@ def backward_fused_kernel(h_ptr, d_ptr, w_ptr, b_ptr, dh_ptr, M, K, N, lr, PREC:
         gw = mm(ht, d, tl.zeros((BLOCK_K, BLOCK_N), tl.float32), PREC)
         tl.debug_barrier()  # every thread has read this W tile before any writes it
         tl.store(w_ptrs, w - lr * gw, mask=wmask)
-        bmask = nmask & (pid == 0)
+        bmask = mask_and(nmask, pid == 0)
         b = tl.load(b_ptr + n, mask=bmask, other=0.0)
         tl.store(b_ptr + n, b - lr * tl.sum(d, axis=0), mask=bmask)
     mask = rmask[:, None] & kmask[None, :]

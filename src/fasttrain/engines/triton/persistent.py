@@ -38,7 +38,7 @@ import numpy as np
 import triton
 import triton.language as tl
 
-from fasttrain.engines.triton.common import load_rows, load_rows_t, mm, next_pow2, softmax_xent_tile
+from fasttrain.engines.triton.common import load_rows, load_rows_t, mask_and, mm, next_pow2, softmax_xent_tile
 
 INPUT_DIM, NUM_CLASSES = 784, 10
 
@@ -127,13 +127,13 @@ def logreg_split_kernel(x_ptr, y_ptr, idx_ptr, w_ptr, b_ptr, zbuf_ptr, bar_ptr, 
     labels = tl.load(y_ptr + src, mask=rmask, other=0)
     x = load_rows(x_ptr, src, rmask, k, kmask, K, True)
     m1 = tl.minimum(B, n_rows - B)
-    mask1 = (rows < m1) & (1 < steps)
+    mask1 = mask_and(rows < m1, 1 < steps)
     src1 = tl.load(idx_ptr + B + rows, mask=mask1, other=0)
     for s in range(steps):
         nlabels = tl.load(y_ptr + src1, mask=mask1, other=0)
         nx = load_rows(x_ptr, src1, mask1, k, kmask, K, True)
         m2 = tl.minimum(B, n_rows - (s + 2) * B)
-        mask2 = (rows < m2) & (s + 2 < steps)
+        mask2 = mask_and(rows < m2, s + 2 < steps)
         src2 = tl.load(idx_ptr + (s + 2) * B + rows, mask=mask2, other=0)
         # partial logits of this slice: z += x[:, slice] @ W[slice, :]
         part = mm(x, w, tl.zeros((BLOCK_B, BLOCK_C), tl.float32), PREC)
@@ -144,7 +144,7 @@ def logreg_split_kernel(x_ptr, y_ptr, idx_ptr, w_ptr, b_ptr, zbuf_ptr, bar_ptr, 
         # buffer (s+2)%3 was last read in step s-1, which every program finished before this
         # barrier; zero it for step s+2 (whose adds come after the next barrier)
         tl.store(zbuf_ptr + ((s + 2) % 3) * (BLOCK_B * BLOCK_C) + tile, tl.zeros((BLOCK_B, BLOCK_C), tl.float32),
-                 mask=(tile >= 0) & (pid == 0))
+                 mask=mask_and(tile >= 0, pid == 0))
         loss, correct, d = softmax_xent_tile(z + bias[None, :], cols, cmask, labels, rmask, 1.0 / m)
         tl.store(loss_ptr + s, tl.sum(loss, axis=0), mask=pid == 0)
         tl.store(correct_ptr + s, tl.sum(correct.to(tl.int32), axis=0), mask=pid == 0)
@@ -153,7 +153,7 @@ def logreg_split_kernel(x_ptr, y_ptr, idx_ptr, w_ptr, b_ptr, zbuf_ptr, bar_ptr, 
         x, labels, m, rmask = nx, nlabels, m1, mask1
         src1, m1, mask1 = src2, m2, mask2
     tl.store(w_ptrs, w, mask=wmask)
-    tl.store(b_ptr + cols, bias, mask=cmask & (pid == 0))
+    tl.store(b_ptr + cols, bias, mask=mask_and(cmask, pid == 0))
 
 
 # --- version 3: MLP, one program ------------------------------------------------------------------

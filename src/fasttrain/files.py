@@ -1,0 +1,108 @@
+"""Writing result files safely: checked before any work, written whole or not at all.
+
+Every file the project writes goes to a temporary name in the target folder and is renamed into
+place once complete, so a full disk, a crash or Ctrl-C never leaves a half-written file at the
+final path, and an earlier file at that path survives a failed write. The finished file gets the
+mode an ordinary ``open(path, "w")`` would give it (0666 less the umask), not the 0600 of the
+temporary file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+
+from fasttrain.errors import FasttrainError
+
+
+def default_file_mode() -> int:
+    """0666 less the process umask: the mode ``open(path, "w")`` creates files with."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]:
+    """Yield a temporary path beside ``path``; on success it replaces ``path``, on any error it is
+    removed and ``path`` is left as it was. ``suffix`` lets writers that look at the name
+    (``np.savez`` adds ``.npz``, matplotlib picks the format from it) see the right one."""
+    path = Path(path)
+    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent if str(path.parent) else ".")
+    os.close(fd)
+    tmp = Path(tmp_name)
+    try:
+        yield tmp
+        os.chmod(tmp, default_file_mode())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+
+
+def atomic_write_text(path: str | os.PathLike, text: str) -> None:
+    """Write ``text`` to ``path`` whole or not at all (see the module docstring)."""
+    with atomic_path(path) as tmp:
+        tmp.write_text(text)
+
+
+def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
+    with atomic_path(path) as tmp:
+        tmp.write_bytes(data)
+
+
+def check_output_path(path: str | os.PathLike | None, flag: str) -> None:
+    """Refuse, before any work, an output path that cannot become a file: empty, naming a folder
+    (``dir/`` or an existing folder), in a folder that does not exist or cannot be written."""
+    if path is None:
+        return
+    text = os.fspath(path)
+    if not text.strip():
+        raise FasttrainError(f"{flag} is empty; give a file name (e.g. {flag} run.json)")
+    if text.endswith(("/", os.sep)) or Path(text).expanduser().is_dir():
+        raise FasttrainError(f"{flag} {text}: that is a folder; give a file name inside it (e.g. {flag} "
+                             f"{os.path.join(text, 'run.json' if 'out' in flag else 'weights.npz')})")
+    parent = Path(text).expanduser().resolve().parent
+    if not parent.is_dir():
+        raise FasttrainError(f"{flag} {text}: folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise FasttrainError(f"{flag} {text}: folder {parent} is not writable; choose another path")
+
+
+def check_distinct_outputs(**paths: str | os.PathLike | None) -> None:
+    """Refuse two outputs of one command naming the same file: the second would replace the first."""
+    seen: dict[Path, str] = {}
+    for flag, path in paths.items():
+        if path is None:
+            continue
+        resolved = Path(path).expanduser().resolve()
+        if resolved in seen:
+            raise FasttrainError(f"{seen[resolved]} and {flag} name the same file {path}; the second would "
+                                 "replace the first: give them different paths")
+        seen[resolved] = flag
+
+
+def check_output_folder(path: str | os.PathLike, flag: str, parents: bool = False) -> Path:
+    """An output folder, created if missing: with its missing parents only when ``parents`` (the
+    folder itself was asked for), else only when its parent exists; refused when it is a file or
+    cannot be written."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise FasttrainError(f"{flag} is empty; give a folder")
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise FasttrainError(f"{flag} {text}: that is a file, not a folder; give a folder")
+    if not folder.exists():
+        parent = folder.resolve().parent
+        if not parents and not parent.is_dir():
+            raise FasttrainError(f"{flag} {text}: folder {parent} does not exist; create it first")
+        try:
+            folder.mkdir(parents=parents, exist_ok=True)
+        except OSError as exc:
+            raise FasttrainError(f"{flag} {text}: cannot create the folder ({exc.strerror}); choose another") from None
+    if not os.access(folder, os.W_OK):
+        raise FasttrainError(f"{flag} {text}: folder is not writable; choose another")
+    return folder
