@@ -300,20 +300,27 @@ def autocast_for(cfg: LabConfig, device):
 def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None):
     """Forward and backward over ``micro_batches`` equal slices of (x, y); the gradients add up to
     those of the mean loss over the whole batch: d/dW mean_all = sum_j (1/k) d/dW mean_j.
+    A model with ``no_sync`` (DistributedDataParallel) all-reduces only on the last micro-batch.
     Returns the mean loss (a tensor: no device synchronization)."""
     total = None
-    for xm, ym in zip(x.chunk(micro_batches), y.chunk(micro_batches)):
-        with amp():
-            loss = model(xm, ym) / micro_batches
-        (scaler.scale(loss) if scaler is not None else loss).backward()
+    no_sync = getattr(model, "no_sync", None)
+    for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
+        sync = nullcontext() if no_sync is None or j == micro_batches - 1 else no_sync()
+        with sync:
+            with amp():
+                loss = model(xm, ym) / micro_batches
+            (scaler.scale(loss) if scaler is not None else loss).backward()
         total = loss.detach() if total is None else total + loss.detach()
     return total
 
 
 class Trainer:
-    """Model, optimizer and data of one run; ``step()`` is one optimizer step."""
+    """Model, optimizer and data of one run; ``step()`` is one optimizer step.
 
-    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, log=None):
+    ``wrap(model) -> module``, if given, wraps the model after PEFT and before compilation and the
+    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module."""
+
+    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None):
         import torch
 
         from fasttrain.lab.model import GPTConfig, build
@@ -343,9 +350,10 @@ class Trainer:
         if cfg.lora_r:
             model = apply_lora(cfg, model)
         self.model = model              # the module itself (evaluation, saving, counting)
-        self.train_model = torch.compile(model, mode=None if cfg.torch_compile_mode == "default"
-                                         else cfg.torch_compile_mode) if cfg.torch_compile else model
-        self.optimizer = build_optimizer(cfg, model)
+        wrapped = wrap(model) if wrap is not None else model
+        self.train_model = torch.compile(wrapped, mode=None if cfg.torch_compile_mode == "default"
+                                         else cfg.torch_compile_mode) if cfg.torch_compile else wrapped
+        self.optimizer = build_optimizer(cfg, wrapped)
         self.amp = autocast_for(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
@@ -487,10 +495,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    """Does one training step at micro-batch ``batch`` fit? (a fresh model; two steps, so the
-    optimizer state exists; out-of-memory is caught and everything freed)."""
-    trainer = None
+def _steps_fit(cfg: LabConfig, corpus, device, batch: int) -> bool:
     try:
         trainer = Trainer(cfg, corpus, device, batch=batch)
         for x, y in trainer.batches(2):
@@ -499,9 +504,15 @@ def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
         return True
     except _oom_types():
         return False
-    finally:
-        del trainer
-        _free(device)
+
+
+def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
+    """Does training at micro-batch ``batch`` fit? (a fresh model, two steps so that the optimizer
+    state exists). Out-of-memory is caught in a frame that is gone, with its tensors, before the
+    cache is emptied."""
+    fits = _steps_fit(cfg, corpus, device, batch)
+    _free(device)
+    return fits
 
 
 def _gpu_name(device) -> str:
@@ -576,7 +587,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, corpus, device, batch=batch, log=log)
+    trainer = Trainer(cfg, corpus, device, batch=batch)
     _sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
 
@@ -625,15 +636,18 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
             if progress:
                 progress(step, cfg.max_steps)
     except _oom_types():
+        oom = True                  # handled below, once the exception (and its frames' tensors) is gone
+    else:
+        oom = False
+    if oom:
         del trainer
+        x = y = loss = None
         _free(device)
         largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
         hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
                 f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
-        raise FasttrainError(f"a per-device batch of {batch} does not fit on {_gpu_name(device)}; {hint}") from None
+        raise FasttrainError(f"a per-device batch of {batch} does not fit on {_gpu_name(device)}; {hint}")
     do_eval(cfg.max_steps)
-    if cuda:
-        train_peak = max(train_peak, 0)
     peak = train_peak if cuda else None
     kinds = dict(mem_kinds)
     record_memory = {
@@ -652,7 +666,8 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
         if cfg.lora_r:
             merge_lora(model)
         save_checkpoint(model, cfg.save, chars=corpus.chars, lab=cfg.to_dict(),
-                        extra={"val_loss": record_eval[-1]["val_loss"], "step": cfg.max_steps})
+                        extra={"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
+                               "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps})
     total_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in trainer.trainable)
     steps = percentiles(step_ms)
@@ -703,6 +718,35 @@ def _estimate(cfg: LabConfig, vocab: int, batch: int, measured) -> dict:
     if measured:
         out["error_pct"] = 100.0 * (est.total - measured) / measured
     return out
+
+
+def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, device: str = "auto",
+                        batch: int | None = None, bf16: bool = False, corpus=None) -> dict:
+    """The validation loss of a checkpoint written with ``--save``, from it alone (whole split by
+    default). ``batch`` defaults to the validation batch of the run that saved it, so the same
+    sums are formed in the same order and the recorded loss comes back exactly (same device)."""
+    from fasttrain.lab.data import load_corpus
+
+    meta = read_checkpoint(path)
+    batch = batch or meta.get("eval_batch_size") or 64
+    corpus = corpus or load_corpus(data_dir)
+    model = meta["model"]
+    cfg = LabConfig(name="eval", device=device, bf16=bf16, init_from=str(path), eval_tokens=eval_tokens,
+                    eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
+                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
+                    dropout=0.0)
+    from fasttrain.lab.model import GPTConfig
+
+    cfg = validate(config_from_model(cfg, GPTConfig.from_dict(model)))
+    dev = resolve_device(cfg)
+    trainer = Trainer(cfg, corpus, dev)
+    if cfg.prompt_tuning_tokens:
+        load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+    t = time.perf_counter()
+    loss, n = trainer.evaluate()
+    _sync(dev)
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": 1e3 * (time.perf_counter() - t),
+            "recorded_val_loss": meta.get("val_loss"), "device": _gpu_name(dev)}
 
 
 def write_record(record: dict, path) -> Path:
