@@ -318,14 +318,17 @@ class Trainer:
     """Model, optimizer and data of one run; ``step()`` is one optimizer step.
 
     ``wrap(model) -> module``, if given, wraps the model after PEFT and before compilation and the
-    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module."""
+    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module. ``rank`` of
+    ``world`` processes trains on its slice of each step's windows (data parallelism)."""
 
-    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None):
+    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, rank: int = 0,
+                 world: int = 1):
         import torch
 
         from fasttrain.lab.model import GPTConfig, build
 
         self.cfg, self.device, self.corpus = cfg, device, corpus
+        self.rank, self.world = rank, world
         self.batch = batch or cfg.per_device_train_batch_size
         self.checkpoint_meta = None
         if cfg.init_from:
@@ -366,7 +369,8 @@ class Trainer:
         return train_batches(self.corpus.train, seed=cfg.seed, batch=self.batch * cfg.gradient_accumulation_steps,
                              context=cfg.context, steps=steps, device=self.device, preload=cfg.preload,
                              num_workers=cfg.dataloader_num_workers, pin_memory=cfg.dataloader_pin_memory,
-                             prefetch_factor=cfg.dataloader_prefetch_factor, start=start)
+                             prefetch_factor=cfg.dataloader_prefetch_factor, start=start, rank=self.rank,
+                             world=self.world)
 
     def step(self, x, y):
         """One optimizer step on (x, y) (k micro-batches of b); returns the loss tensor (no sync)."""
