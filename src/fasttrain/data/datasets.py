@@ -112,7 +112,9 @@ def dataset_spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}") from None
+        from fasttrain.data.text import TEXT_DATASETS
+
+        raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join([*DATASETS, *TEXT_DATASETS])}") from None
 
 
 def data_root(data_dir: str | os.PathLike | None = None) -> Path:
@@ -240,6 +242,10 @@ def load_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None,
 
 def verify_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None) -> list[tuple[Path, str]]:
     """Check every file of a dataset (structure, counts, checksums); raises DataError on the first failure."""
+    from fasttrain.data.text import TEXT_DATASETS, verify_text
+
+    if name in TEXT_DATASETS:
+        return verify_text(name, data_dir)
     load_dataset(name, data_dir, verify=True)
     directory = dataset_dir(name, data_dir)
     return [(_locate(dataset_spec(name), role, directory, data_dir), "ok") for role in ROLES]
@@ -305,6 +311,15 @@ def _created_folders(directory: Path) -> list[Path]:
     return missing
 
 
+def _remove_created(created: list[Path]) -> None:
+    """Remove the folders a download made (innermost first) while they are empty."""
+    for folder in created:
+        try:
+            folder.rmdir()
+        except OSError:
+            break
+
+
 def download_dataset(
     name: str = "mnist",
     data_dir: str | os.PathLike | None = None,
@@ -323,8 +338,14 @@ def download_dataset(
     place, so a partial or unverified file never sits at the final path. Files already present
     and valid are kept (``force`` re-downloads them). ``log(line)`` hears of every failed try. On
     failure the error names every mirror tried and how; folders created for the download are
-    removed again when nothing was saved in them.
+    removed again when nothing was saved in them. Text corpora (Tiny Shakespeare) are one file
+    checked by SHA-256 (:mod:`fasttrain.data.text`).
     """
+    from fasttrain.data.text import TEXT_DATASETS, download_text
+
+    if name in TEXT_DATASETS:
+        return download_text(name, data_dir, urls=mirrors, retries=retries, progress=progress, timeout=timeout,
+                             force=force, deadline=deadline, log=log)
     spec = dataset_spec(name)
     mirrors = mirrors or spec.mirrors
     directory = dataset_dir(name, data_dir)
@@ -353,7 +374,7 @@ def download_dataset(
             source = None
             for number, mirror in enumerate(mirrors, start=1):
                 url = mirror.rstrip("/") + "/" + fs.filename
-                outcome = _try_download(spec, role, url, directory, final, retries, progress, timeout,
+                outcome = _try_download(_gz_verifier(spec, role), url, directory, final, retries, progress, timeout,
                                         f"{fs.filename} (mirror {number}/{len(mirrors)}", started + deadline, log)
                 if outcome is None:
                     source = url
@@ -364,20 +385,31 @@ def download_dataset(
                                 f"{_offline_hint(spec.title)}")
             report.append((final, f"downloaded from {source}"))
     except BaseException:
-        for folder in created:  # innermost first; only folders this call made and left empty
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        _remove_created(created)
         raise
     return report
 
 
-def _try_download(spec, role, url, directory: Path, final: Path, retries: int, progress: bool, timeout,
+def _gz_verifier(spec, role):
+    """A verifier for :func:`_try_download`: the file is an IDX .gz of ``spec``'s ``role``."""
+    def verify(tmp: Path) -> Path:
+        verified = tmp.with_name(tmp.name + ".gz")  # verification reads the suffix
+        tmp.rename(verified)
+        try:
+            _read_verified(spec, role, verified, verify=True)
+        except BaseException:
+            verified.unlink(missing_ok=True)
+            raise
+        return verified
+    return verify
+
+
+def _try_download(verify, url, directory: Path, final: Path, retries: int, progress: bool, timeout,
                   description: str, deadline: float, log) -> str | None:
-    """Fetch ``url`` into a temporary file, verify it, rename it to ``final``; None on success, else
-    what went wrong. Network errors are retried with backoff until ``deadline`` (a monotonic time);
-    a file that arrives but fails verification is not retried (the mirror is bad)."""
+    """Fetch ``url`` into a temporary file, ``verify(tmp) -> path`` it (raising DataError for a bad
+    file; it may rename the file and returns where it now is), rename it to ``final``; None on
+    success, else what went wrong. Network errors are retried with backoff until ``deadline`` (a
+    monotonic time); a file that arrives but fails verification is not retried (the mirror is bad)."""
     last = "not tried: time limit reached"
     for attempt in range(1, retries + 1):
         if time.monotonic() >= deadline:
@@ -387,10 +419,7 @@ def _try_download(spec, role, url, directory: Path, final: Path, retries: int, p
         tmp = Path(tmp_name)
         try:
             _fetch(url, tmp, progress, timeout, f"{description}, attempt {attempt}/{retries})")
-            verified = tmp.with_name(tmp.name + ".gz")  # verification reads the suffix
-            tmp.rename(verified)
-            tmp = verified
-            _read_verified(spec, role, tmp, verify=True)
+            tmp = verify(tmp)
             os.chmod(tmp, default_file_mode())
             os.replace(tmp, final)
             return None
