@@ -13,13 +13,15 @@ from fasttrain.memory.config import Setup
 
 
 def build_model(setup: Setup, device=None):
-    """The reference model of ``setup`` (``model(idx, targets) -> loss``). One place to re-point
-    when the model moves. With a soft prompt the model sees s + P positions (tables, mask)."""
-    from fasttrain.memory import gpt
+    """The reference model of ``setup`` (``model(idx, targets) -> loss``): the lab's model, with
+    its native soft prompt when ``prompt_tokens`` (P x h vectors prepended after the embedding,
+    their outputs cut off before the head). One place to re-point when the model moves."""
+    from dataclasses import replace
 
-    if setup.prompt_tokens:
-        setup = setup.with_(seq=setup.seq + setup.prompt_tokens)
-    return gpt.build(setup, device)
+    from fasttrain.lab import model as lab_model
+
+    config = replace(lab_model.GPTConfig.from_setup(setup), prompt_tokens=setup.prompt_tokens)
+    return lab_model.build(config, device)
 
 
 def _require(module: str, extra: str):
@@ -33,7 +35,7 @@ def _require(module: str, extra: str):
 
 def attach(model, setup: Setup):
     """Freeze the base and attach what ``setup`` trains: peft LoRA (``lora_rank``) on the
-    ``lora_targets`` linears, or ``prompt_tokens`` soft-prompt vectors. Full fine-tuning returns
+    ``lora_targets`` linears, or only the model's soft prompt (``prompt_tokens``). Full fine-tuning returns
     ``model`` unchanged. Returns the model to train."""
     if setup.lora_rank:
         peft = _require("peft", "fasttrain[lab]")
@@ -41,56 +43,9 @@ def attach(model, setup: Setup):
                                  lora_dropout=float(setup.lora_dropout), target_modules=list(setup.lora_targets))
         return peft.get_peft_model(model, config)
     if setup.prompt_tokens:
-        return PromptTuned(model, setup)
+        for name, p in model.named_parameters():
+            p.requires_grad_(name == "prompt")
     return model
-
-
-def PromptTuned(model, setup: Setup):
-    """Prompt tuning on the reference model as peft does it for a causal LM: ``P`` trainable
-    vectors (an ``nn.Embedding(P, h)`` looked up with 0..P-1) prepended to the token embeddings,
-    the targets of those positions ignored (-100); the base frozen."""
-    import torch
-    import torch.nn as nn
-    import torch.nn.functional as F
-
-    P = setup.prompt_tokens
-
-    class _PromptTuned(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.base = model
-            for p in self.base.parameters():
-                p.requires_grad_(False)
-            self.prompt = nn.Embedding(P, setup.hidden, device=model.tok.weight.device)
-
-        def forward(self, idx, targets):
-            base = self.base
-            b_, s_ = idx.shape
-            ids = torch.arange(P, device=idx.device).expand(b_, P)
-            x = torch.cat((self.prompt(ids), base.tok(idx)), dim=1)          # (b, P + s, h)
-            n = P + s_
-            if base.pos is not None:
-                x = x + base.pos(torch.arange(n, device=idx.device))
-            x = F.dropout(x, 0.1 if setup.dropout else 0.0, self.training)
-            cos = sin = None
-            if setup.pos == "rope":
-                dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
-                cos, sin = base.tables(dtype)
-                cos, sin = cos[:n], sin[:n]
-            for block in base.blocks:
-                if setup.recompute == "full":
-                    x = torch.utils.checkpoint.checkpoint(block, x, cos, sin, use_reentrant=False)
-                else:
-                    x = block(x, cos, sin)
-            x = base.norm(x)
-            logits = base.head(x) if base.head is not None else F.linear(x, base.tok.weight)
-            ignore = torch.full((b_, P), -100, dtype=targets.dtype, device=targets.device)
-            full_targets = torch.cat((ignore, targets), dim=1)
-            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), full_targets.reshape(-1), ignore_index=-100)
-
-    import torch.utils.checkpoint  # noqa: F401  (full recomputation above)
-
-    return _PromptTuned()
 
 
 def make_optimizer(params, setup: Setup, lr: float = 1e-4, foreach: bool | None = None):

@@ -49,9 +49,9 @@ D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; o
     gradients and optimizer state. A frozen linear keeps no input (only a weight's gradient needs
     it); A keeps its input (with lora_dropout its dropped copy and the mask), B keeps the r-wide
     A output. With frozen embeddings nothing before the first target in layer 1 is kept.
-D17 Soft prompt: P trainable vectors (P x h) prepended: every sequence-sized tensor has s + P
-    positions (logits too, the prompt's targets ignored); the base is frozen as in D16, but every
-    activation needs a gradient from the embedding on.
+D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
+    tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
+    the base is frozen as in D16, but every activation needs a gradient from the embedding on.
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
@@ -443,8 +443,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if s.prompt_tokens:
         # the soft prompt is prepended: every sequence-sized tensor has s + P positions
         s = s.with_(seq=s.seq + s.prompt_tokens)
-    D, T, P = dims(s), dtypes(s), param_counts(s)
+    D, T, P = dims(s), dtypes(s), param_counts(asked)
     N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
+    N_out = asked.seq * s.micro_batch                # positions with logits (the prompt's are cut off)
     C = T["C"]
     L = s.layers
     dpz = s.dp
@@ -473,20 +474,19 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     buffers = (s.seq * s.seq if s.attention == "eager" else 0)            # bool causal mask
     if s.pos == "rope":
         buffers += 2 * s.seq * d_head * 4 + (2 * s.seq * d_head * 2 if C == 2 else 0)   # cos, sin (+ bf16)
-    # int64 token ids and targets (with a prompt the targets cover its positions too, ignored)
-    inputs = 8 * s.micro_batch * text_seq + 8 * N
+    inputs = 16 * N_out                               # int64 token ids and targets
     workspace = s.workspace_mib * MiB
     persistent = params_b + opt_b + buffers + inputs + workspace
 
     # --- kept for backward at the end of the forward pass --------------------------------------
     head_part = {
         "final_norm": lt["norm"] if not (lora_only and skipped_1 and "MLP" in skipped_1) else 0,
-        "head_input": C * nh if lt["keeps"]["head"] else 0,
+        "head_input": C * N_out * h / r if lt["keeps"]["head"] else 0,
         "head_weight_copy": (2 * v_l * h) if T["cast"] else 0,
         # fp32 and mixed: fp32 log-probabilities (kept by log_softmax and nll_loss alike). Autocast:
         # cross_entropy asks log_softmax for the logits' own dtype (bf16, kept) and autocast casts
         # that to fp32 for nll_loss, which keeps its input too.
-        "log_probs": (2 + 4 if T["cast"] else 4) * N * v_l,
+        "log_probs": (2 + 4 if T["cast"] else 4) * N_out * v_l,
     }
     if lt["lora"]["head"]:
         head_part["lora"] = lt["lora"]["head"] + (2 * lora_n("head") if T["cast"] else 0)
@@ -497,7 +497,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
     n_first = L if "MLP" in skipped_1 else 1
     saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
-    logits_c = C * N * v_l
+    logits_c = C * N_out * v_l
 
     zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 else 0   # gathered weights: current + prefetch
     moments: list[tuple[str, float, float, float]] = []         # (name, kept, grads, transient)
@@ -518,16 +518,17 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
 
     # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
     # recomputation the autocast cache still holds every layer's bf16 weight copies
-    fwd_extra = logits_c + (4 * N * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
+    fwd_extra = logits_c + (4 * N_out * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
     if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
-    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N * v_l))
+    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N_out * v_l))
     g_now = grad_scale * head_g
     moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
-                    logits_c + C * nh + (2 * v_l * h if T["cast"] else 0) + zero3 / 2))
+                    logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
+                    + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += grad_scale * final_norm_g
     moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
@@ -610,5 +611,5 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
              "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments),
              "trainable_params": n_train, "param_bytes": params_b, "grad_bytes": grads_all,
              "optimizer_bytes": opt_b}
-    return Breakdown(mode="precise", setup=asked, lines=lines, total=total, params=param_counts(s, 1)["total"],
+    return Breakdown(mode="precise", setup=asked, lines=lines, total=total, params=param_counts(asked, 1)["total"],
                      notes=notes, extra=extra)

@@ -376,8 +376,9 @@ const FTMemory = (() => {
     kernelTemps = kernelTemps === undefined ? true : kernelTemps;
     const textSeq = sIn.seq;
     const s = sIn.prompt_tokens ? Object.assign({}, sIn, { seq: sIn.seq + sIn.prompt_tokens }) : sIn;
-    const D = dims(s), T = dtypes(s), P = paramCounts(s);
+    const D = dims(s), T = dtypes(s), P = paramCounts(sIn);
     const N = D.N, r = D.r, v_l = D.v_l, h = s.hidden, C = T.C, L = s.layers, dpz = s.dp;
+    const N_out = textSeq * s.micro_batch;
     const lt = layerTerms(s, maskBytes, kernelTemps);
     const attn_part = sum(lt.attn), mlp_part = sum(lt.mlp);
     const full = s.recompute === "full";
@@ -396,18 +397,18 @@ const FTMemory = (() => {
     const d_head = s.hidden / s.heads;
     let buffers = s.attention === "eager" ? s.seq * s.seq : 0;
     if (s.pos === "rope") buffers += 2 * s.seq * d_head * 4 + (C === 2 ? 2 * s.seq * d_head * 2 : 0);
-    const inputs = 8 * s.micro_batch * textSeq + 8 * N;
+    const inputs = 16 * N_out;
     const workspace = s.workspace_mib * MiB;
     const persistent = params_b + opt_b + buffers + inputs + workspace;
-    const head_part = { final_norm: loraOnly && skipped_1.has("MLP") ? 0 : lt.norm, head_input: lt.keeps.head ? C * nh : 0,
-                        head_weight_copy: T.cast ? 2 * v_l * h : 0, log_probs: (T.cast ? 2 + 4 : 4) * N * v_l };
+    const head_part = { final_norm: loraOnly && skipped_1.has("MLP") ? 0 : lt.norm, head_input: lt.keeps.head ? C * N_out * h / r : 0,
+                        head_weight_copy: T.cast ? 2 * v_l * h : 0, log_probs: (T.cast ? 2 + 4 : 4) * N_out * v_l };
     if (lt.lora.head) head_part.lora = lt.lora.head + (T.cast ? 2 * loraN("head") : 0);
     const emb_part = (s.dropout && !loraOnly ? maskBytes : 0) * nh;
     const per_layer = full ? lt.checkpoint : attn_part + mlp_part;
     const first_layer = full ? lt.checkpoint : sum(attn_1) + sum(mlp_1);
     const n_first = skipped_1.has("MLP") ? L : 1;
     const saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part) + emb_part;
-    const logits_c = C * N * v_l;
+    const logits_c = C * N_out * v_l;
     const zero3 = s.zero >= 3 ? 2 * P.layer * T.param : 0;
     const moments = [];
     const grads = (now) => (s.grad_buffers ? grads_all : now);
@@ -423,13 +424,13 @@ const FTMemory = (() => {
       proj_g = D.hl * h + (s.bias ? h : 0); attn_g = P.attn_w + P.attn_b + P.norm;
       embed_g = P.pos + (!s.tied ? P.embed : 0);
     }
-    let fwd_extra = logits_c + (C === 2 && !T.cast ? 4 * N * v_l : 0);
+    let fwd_extra = logits_c + (C === 2 && !T.cast ? 4 * N_out * v_l : 0);
     if (T.cast && full && !fz) fwd_extra += 2 * L * (P.attn_w + P.attn_b + P.mlp_w + P.mlp_b);
     moments.push(["end of forward (loss)", saved_all, grads(0), fwd_extra]);
-    moments.push(["backward: log-softmax", saved_all, grads(0), (T.cast ? 4 : 8) * N * v_l]);
+    moments.push(["backward: log-softmax", saved_all, grads(0), (T.cast ? 4 : 8) * N_out * v_l]);
     let g_now = grad_scale * head_g;
     moments.push(["backward: output projection", saved_all - head_part.log_probs, grads(g_now),
-                  logits_c + C * nh + (T.cast ? 2 * v_l * h : 0) + zero3 / 2]);
+                  logits_c + C * N_out * h / r + (T.cast ? 2 * v_l * h : 0) + zero3 / 2 + (s.prompt_tokens ? C * nh : 0)]);
     let saved = saved_all - sum(head_part) + head_part.final_norm;
     g_now += grad_scale * final_norm_g;
     moments.push(["backward: final norm", saved, grads(g_now), lt.norm_extra + zero3 / 2]);
@@ -478,7 +479,7 @@ const FTMemory = (() => {
     for (const [k, v] of Object.entries(head_part)) if (v) children.push({ name: `output: ${k.replace(/_/g, " ")}`, bytes: v });
     if (emb_part) children.push({ name: "embedding dropout mask", bytes: emb_part });
     return {
-      mode: "precise", total, params: paramCounts(s, 1).total, peak_moment: peak_name,
+      mode: "precise", total, params: paramCounts(sIn, 1).total, peak_moment: peak_name,
       lines: [
         { name: "parameters", bytes: params_b, in_total: true },
         { name: "gradients", bytes: g_peak, in_total: true },
