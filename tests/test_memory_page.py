@@ -60,6 +60,7 @@ def page(tmp_path_factory):
 def js_setup(s: Setup) -> dict:
     d = asdict(s)
     d["kv_heads"] = s.g
+    d["lora_targets"] = list(s.lora_targets)
     return d
 
 
@@ -202,6 +203,22 @@ def test_page_controls_end_to_end(page):
         if line.in_total:
             cell = page.inner_text(f"tr[data-line='{line.name}'] td.num")
             assert cell == format_gib(line.bytes), line.name
+    # what trains: optimizer kind, LoRA on a frozen base, a soft prompt
+    page.select_option("#optim", "adafactor")
+    page.select_option("#optimizer", "foreach")
+    page.fill("#lora_rank", "16")
+    page.check("#lora_targets input[value=up]")
+    s = s.with_(optim="adafactor", optimizer="foreach", lora_rank=16, lora_targets=("qkv", "proj", "up"))
+    assert _shown_total(page) == format_gib(estimate(s).total)
+    page.fill("#lora_rank", "0")
+    page.fill("#prompt_tokens", "20")
+    page.select_option("#optim", "adamw_8bit")
+    s = s.with_(lora_rank=0, prompt_tokens=20, optim="adamw_8bit")
+    assert _shown_total(page) == format_gib(estimate(s).total)
+    page.fill("#prompt_tokens", "0")
+    page.select_option("#optim", "adamw")
+    s = s.with_(prompt_tokens=0, optim="adamw")
+    assert _shown_total(page) == format_gib(estimate(s).total)
     # playbook mode: the widget's numbers and byte format
     page.click("#mode label:has-text('playbook')")
     assert _shown_total(page) == format_bytes(estimate(s, "playbook").total)

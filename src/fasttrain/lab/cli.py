@@ -22,7 +22,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sum", "fasttrain.lab.speedrun")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun")
 
 out = Console(width=160)
 err = Console(stderr=True)

@@ -74,6 +74,9 @@ def config_from_model(cfg: LabConfig, mc) -> LabConfig:
 
 # bytes of optimizer state per trainable parameter as the estimator takes it (k in its formulas)
 OPT_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "adafactor": 0, "sgd": 0}
+# the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names
+SETUP_OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
+               "adafactor": "adafactor", "sgd": "sgd"}
 
 
 def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
@@ -82,15 +85,17 @@ def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
     Maps the model shape, micro-batch, precision (fp32/tf32 -> fp32; fp16/bf16 autocast ->
     ``amp``), checkpointing, attention kernel, dropout and optimizer. Gradient accumulation keeps
     the gradients alive across micro-batches (``grad_buffers``). What the Setup cannot yet say is
-    listed in :func:`estimate_notes` (Adafactor's factored state, LoRA's frozen base, the soft
-    prompt, liger's fused cross-entropy).
+    listed in :func:`estimate_notes` (liger's fused cross-entropy, torch.compile). Optimizer kind,
+    LoRA's frozen base and the soft prompt are modelled.
     """
     from fasttrain.memory.config import Setup
 
     mc = model_config(cfg, vocab)
     return Setup(
         heads=mc.heads, kv_heads=mc.kv_heads, micro_batch=batch or cfg.per_device_train_batch_size, hidden=mc.hidden,
-        ffn=mc.ffn, layers=mc.layers, seq=mc.seq, vocab=mc.vocab, tp=1, dp=1, opt_bytes=OPT_BYTES[cfg.optim],
+        ffn=mc.ffn, layers=mc.layers, seq=mc.seq, vocab=mc.vocab, tp=1, dp=1, opt_bytes=8,
+        optim=SETUP_OPTIM[cfg.optim], lora_rank=cfg.lora_r, lora_targets=tuple(cfg.lora_target_modules),
+        lora_dropout=float(cfg.lora_dropout), prompt_tokens=cfg.prompt_tuning_tokens,
         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32", recompute=cfg.gradient_checkpointing, zero=0,
         ffn_act=mc.ffn_act, norm=mc.norm, pos=mc.pos, tied=mc.tied, bias=mc.bias, dropout=mc.dropout > 0,
         attention="flash" if cfg.attn_implementation == "sdpa" else "eager",
@@ -100,12 +105,8 @@ def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
 
 def estimate_notes(cfg: LabConfig) -> list[str]:
     notes = []
-    if cfg.optim in ("adafactor", "sgd", "adamw_8bit"):
-        notes.append(f"optimizer {cfg.optim}: state taken as {OPT_BYTES[cfg.optim]} B/param")
-    if cfg.lora_r:
-        notes.append("LoRA: estimated as full training of the base model (frozen base not modelled)")
-    if cfg.prompt_tuning_tokens:
-        notes.append("prompt tuning: estimated as full training without the prompt tokens")
+    if cfg.optim == "adamw_8bit":
+        notes.append("adamw_8bit: state counted as torchao's AdamW8bit (bitsandbytes differs slightly)")
     if cfg.use_liger_kernel:
         notes.append("liger: the fused linear cross-entropy never materializes the logits (not modelled)")
     if cfg.torch_compile:

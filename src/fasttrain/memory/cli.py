@@ -46,6 +46,13 @@ def _options(fn):
         click.option("--bias/--no-bias", default=None, help="precise: biases in the linear layers."),
         click.option("--dropout/--no-dropout", default=None, help="precise: dropout (masks kept for backward)."),
         click.option("--optimizer", type=click.Choice(["foreach", "fused"]), help="precise: AdamW implementation."),
+        click.option("--optim", help="precise: optimizer state kind: adamw, adamw_8bit (torchao), adafactor, sgd, "
+                     "sgd_momentum (also the lab's adamw_torch, adamw_torch_fused)."),
+        click.option("--lora-r", "lora_rank", type=int, help="precise: LoRA rank r on a frozen base (peft); 0 = off."),
+        click.option("--lora-targets", help="precise: comma-separated LoRA targets among qkv, proj, up, down, head "
+                     "(default qkv,proj)."),
+        click.option("--lora-dropout", type=float, help="precise: peft's lora_dropout (> 0 keeps a mask per target)."),
+        click.option("--prompt-tokens", type=int, help="precise: P trainable soft-prompt tokens on a frozen base."),
         click.option("--grad-buffers", is_flag=True, help="precise: gradients persist between steps (DDP, Megatron)."),
         click.option("--workspace-mib", type=float, help="precise: cuBLAS workspaces in MiB (default 65, measured on Hopper)."),
         click.option("--mode", type=click.Choice(["playbook", "precise"]), default="precise", show_default=True),
@@ -73,8 +80,33 @@ def setup_from_options(opts: dict):
     for name in ("seq_parallel", "grad_buffers"):
         if opts.get(name):
             changes[name] = True
+    changes.update(training_changes(opts))
     setup = preset(opts.get("preset") or "llama3-8b", **changes)
     return check(setup, opts.get("mode") or "precise")
+
+
+def training_changes(opts: dict) -> dict:
+    """Setup changes for --optim (the lab's names mapped), --lora-* and --prompt-tokens."""
+    from fasttrain.memory.config import OPTIM_ALIASES
+
+    changes = {}
+    optim = opts.get("optim")
+    if optim is not None:
+        optim = optim.strip().lower()
+        if optim in OPTIM_ALIASES:
+            optim, impl = OPTIM_ALIASES[optim]
+            if opts.get("optimizer") not in (None, impl):
+                raise FasttrainError(f"--optim {opts['optim']} and --optimizer {opts['optimizer']} contradict each other")
+            changes["optimizer"] = impl
+        elif optim in ("adamw_8bit", "adafactor") and opts.get("optimizer") is None:
+            changes["optimizer"] = "foreach"          # no fused implementation: the presets' fused does not apply
+        changes["optim"] = optim
+    for name in ("lora_rank", "lora_dropout", "prompt_tokens"):
+        if opts.get(name) is not None:
+            changes[name] = opts[name]
+    if opts.get("lora_targets") is not None:
+        changes["lora_targets"] = tuple(x.strip() for x in opts["lora_targets"].split(",") if x.strip())
+    return changes
 
 
 def _print_breakdown(b) -> None:
@@ -85,7 +117,10 @@ def _print_breakdown(b) -> None:
     fmt = format_bytes if b.mode == "playbook" else format_gib
     title = (f"{b.mode} · a={s.heads} g={s.g} b={s.micro_batch} h={s.hidden} h_ff={s.ffn} L={s.layers} s={s.seq} "
              f"v={s.vocab} · t={s.tp} d={s.dp} ZeRO-{s.zero} · {s.precision} · recompute {s.recompute} · "
-             f"{s.ffn_act}{' · SP' if s.seq_parallel else ''}")
+             f"{s.ffn_act}{' · SP' if s.seq_parallel else ''}"
+             + (f" · {s.optim}" if s.optim != "adamw" else "")
+             + (f" · LoRA r={s.lora_rank} on {','.join(s.lora_targets)}" if s.lora_rank else "")
+             + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

@@ -32,6 +32,15 @@ NORMS = ("rms", "layer")
 POSITIONS = ("rope", "learned")
 ATTENTIONS = ("eager", "flash")
 OPTIMIZERS = ("foreach", "fused")
+# what the optimizer keeps per trainable parameter (``precise``): adamw = fp32 m and v (k bytes,
+# --opt-bytes, 8 by default); adamw_8bit = torchao's AdamW8bit (block-wise 8-bit m and v);
+# adafactor = torch.optim.Adafactor (factored second moment, no first moment); sgd = nothing;
+# sgd_momentum = one momentum buffer
+OPTIMS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum")
+# the lab's (Hugging Face) optimizer names -> (optim, implementation)
+OPTIM_ALIASES = {"adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
+                 "adamw_fused": ("adamw", "fused")}
+LORA_TARGETS = ("qkv", "proj", "up", "down", "head")
 MODES = ("playbook", "precise")
 
 
@@ -71,6 +80,12 @@ class Setup:
     optimizer: str = "foreach"
     workspace_mib: float = 65.0     # cuBLAS(Lt) workspaces, measured on an H200 with torch 2.11: 2 x 32 + 1 MiB
     grad_buffers: bool = False      # gradients kept between steps (DDP buckets, Megatron main_grad)
+    # what trains, and with which optimizer (precise only)
+    optim: str = "adamw"            # optimizer state kind, one of OPTIMS
+    lora_rank: int = 0              # r: LoRA (peft) on lora_targets, base frozen; 0 = off
+    lora_targets: tuple = ("qkv", "proj")   # module kinds that get A (r x in) and B (out x r)
+    lora_dropout: float = 0.0       # peft's lora_dropout: > 0 keeps a dropped copy of A's input and its mask
+    prompt_tokens: int = 0          # P: trainable soft-prompt vectors (P x h) prepended, base frozen; 0 = off
 
     @property
     def g(self) -> int:
@@ -79,6 +94,11 @@ class Setup:
     @property
     def mixed(self) -> bool:
         return self.precision == "mixed"
+
+    @property
+    def frozen(self) -> bool:
+        """The base model is frozen (LoRA or prompt tuning): only the adapters train."""
+        return self.lora_rank > 0 or self.prompt_tokens > 0
 
     def with_(self, **changes) -> "Setup":
         unknown = set(changes) - {f.name for f in fields(self)}
@@ -89,6 +109,7 @@ class Setup:
     def to_dict(self) -> dict:
         out = asdict(self)
         out["kv_heads"] = self.g
+        out["lora_targets"] = list(self.lora_targets)
         return out
 
 
@@ -100,7 +121,9 @@ MAXIMA = {"heads": 2**16, "micro_batch": 2**20, "hidden": 2**20, "ffn": 2**22, "
 
 
 def _flag(name: str) -> str:
-    return "--" + {"micro_batch": "micro-batch", "opt_bytes": "opt-bytes", "kv_heads": "kv-heads"}.get(name, name)
+    return "--" + {"micro_batch": "micro-batch", "opt_bytes": "opt-bytes", "kv_heads": "kv-heads",
+                   "lora_rank": "lora-r", "lora_targets": "lora-targets", "lora_dropout": "lora-dropout",
+                   "prompt_tokens": "prompt-tokens"}.get(name, name)
 
 
 def check(setup: Setup, mode: str = "precise") -> Setup:
@@ -148,7 +171,39 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     if mode == "playbook" and setup.precision == "amp":
         raise FasttrainError("precision 'amp' (PyTorch autocast) exists only in --mode precise; "
                              "the widget knows fp32 and --mixed")
+    _check_training(setup, mode)
     return setup
+
+
+def _check_training(setup: Setup, mode: str) -> None:
+    """The optimizer kind and the parameter-efficient fine-tuning knobs."""
+    if setup.optim not in OPTIMS:
+        raise FasttrainError(f"--optim must be one of {', '.join(OPTIMS + tuple(OPTIM_ALIASES))}, got {setup.optim!r}")
+    for name in ("lora_rank", "prompt_tokens"):
+        value = getattr(setup, name)
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise FasttrainError(f"{_flag(name)} must be a non-negative integer, got {value!r}")
+    if isinstance(setup.lora_dropout, bool) or not isinstance(setup.lora_dropout, (int, float)) \
+            or not 0 <= setup.lora_dropout < 1:
+        raise FasttrainError(f"--lora-dropout must be in [0, 1), got {setup.lora_dropout!r}")
+    targets = setup.lora_targets
+    if isinstance(targets, str) or not all(t in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
+        raise FasttrainError(f"--lora-targets must be distinct names among {', '.join(LORA_TARGETS)}, got {targets!r}")
+    if mode == "playbook" and (setup.optim != "adamw" or setup.frozen):
+        raise FasttrainError("--optim, --lora-r and --prompt-tokens exist only in --mode precise; "
+                             "the widget knows --opt-bytes")
+    if setup.optim != "adamw" and setup.opt_bytes != 8:
+        raise FasttrainError(f"--opt-bytes is AdamW's k; --optim {setup.optim} counts its own state: drop --opt-bytes")
+    if setup.optimizer == "fused" and setup.optim in ("adamw_8bit", "adafactor"):
+        raise FasttrainError(f"--optim {setup.optim} has no fused implementation: use --optimizer foreach")
+    if setup.lora_rank and setup.prompt_tokens:
+        raise FasttrainError("give --lora-r or --prompt-tokens, not both")
+    if setup.lora_rank and not targets:
+        raise FasttrainError(f"--lora-targets is empty; name at least one of {', '.join(LORA_TARGETS)}")
+    if setup.lora_rank and "head" in targets and setup.tied:
+        raise FasttrainError("LoRA on the head needs an untied output projection (--untied), or drop 'head'")
+    if setup.frozen and setup.tp > 1:
+        raise FasttrainError("LoRA and prompt tuning are modelled on one tensor-parallel rank: use --tp 1")
 
 
 # The published Llama 3 shapes (identical for 3.1). GQA with 8 KV heads, RMSNorm, RoPE,

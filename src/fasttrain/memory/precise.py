@@ -40,6 +40,18 @@ D14 Framework overhead: cuBLAS workspaces (32 MiB per thread and stream on Hoppe
     autograd threads), buffers (causal mask s^2 bytes, RoPE tables) and the token ids. The CUDA
     context (about 0.5 GiB) and allocator fragmentation are outside ``max_memory_allocated`` and
     are not counted.
+D15 Optimizer state by kind (``optim``): AdamW k bytes per parameter (8: fp32 m and v);
+    torchao's AdamW8bit per state 1 byte per value + one fp32 scale per 256 values + a 1 KiB code
+    book, for tensors of >= 4096 values that 256 divides (others fp32); Adafactor fp32 row and
+    column second moments of each matrix, the full one of a vector, no first moment; SGD none, or
+    an fp32 momentum buffer. Temporaries: foreach Adafactor one fp32 variance estimate per tensor.
+D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; only they have
+    gradients and optimizer state. A frozen linear keeps no input (only a weight's gradient needs
+    it); A keeps its input (with lora_dropout its dropped copy and the mask), B keeps the r-wide
+    A output. With frozen embeddings nothing before the first target in layer 1 is kept.
+D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
+    tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
+    the base is frozen as in D16, but every activation needs a gradient from the embedding on.
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
@@ -98,6 +110,118 @@ def param_counts(s: Setup, t: int | None = None) -> dict:
     total = s.layers * layer + embed + pos + head + norm
     return {"attn_w": attn_w, "attn_b": attn_b, "mlp_w": mlp_w, "mlp_b": mlp_b, "norm": norm, "layer": layer,
             "embed": embed, "pos": pos, "head": head, "final_norm": norm, "total": total}
+
+
+def linear_shapes(s: Setup) -> dict:
+    """(out, in) of each linear kind of one rank: the LoRA targets' widths."""
+    D = dims(s)
+    n_up = 2 if s.ffn_act == "swiglu" else 1
+    return {"qkv": (D["hl"] + 2 * D["kvl"], s.hidden), "proj": (s.hidden, D["hl"]),
+            "up": (n_up * D["f_l"], s.hidden), "down": (s.hidden, D["f_l"]), "head": (D["v_l"], s.hidden)}
+
+
+def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
+    """Every parameter tensor of one rank in the reference model's order, as (name, shape)."""
+    h = s.hidden
+    lin = linear_shapes(s)
+    norm = [("weight", (h,))] + ([("bias", (h,))] if s.norm == "layer" and s.bias else [])
+    out = [("tok", (lin["head"][0], h))]
+    if s.pos == "learned":
+        out.append(("pos", (s.seq, h)))
+    for i in range(s.layers):
+        out += [(f"blocks.{i}.norm1.{n}", sh) for n, sh in norm]
+        for kind, part in (("qkv", "attn"), ("proj", "attn")):
+            out.append((f"blocks.{i}.{part}.{kind}.weight", lin[kind]))
+            if s.bias:
+                out.append((f"blocks.{i}.{part}.{kind}.bias", (lin[kind][0],)))
+        out += [(f"blocks.{i}.norm2.{n}", sh) for n, sh in norm]
+        for kind in ("up", "down"):
+            out.append((f"blocks.{i}.mlp.{kind}.weight", lin[kind]))
+            if s.bias:
+                out.append((f"blocks.{i}.mlp.{kind}.bias", (lin[kind][0],)))
+    out += [(f"norm.{n}", sh) for n, sh in norm]
+    if not s.tied:
+        out.append(("head.weight", lin["head"]))
+    return out
+
+
+def lora_shapes(s: Setup, kind: str) -> list[tuple]:
+    """peft's LoRA pair on one linear of ``kind``: A (r x in), B (out x r)."""
+    out_f, in_f = linear_shapes(s)[kind]
+    return [(s.lora_rank, in_f), (out_f, s.lora_rank)]
+
+
+def trainable_shapes(s: Setup) -> list[tuple]:
+    """The shapes of the tensors that train (one rank): every parameter, or the LoRA pairs of the
+    targets (peft's order: per layer qkv, proj, up, down, then the head), or the soft prompt."""
+    if s.lora_rank:
+        per_layer = [sh for kind in ("qkv", "proj", "up", "down") if kind in s.lora_targets
+                     for sh in lora_shapes(s, kind)]
+        return per_layer * s.layers + (lora_shapes(s, "head") if "head" in s.lora_targets else [])
+    if s.prompt_tokens:
+        return [(s.prompt_tokens, s.hidden)]
+    return [sh for _, sh in param_shapes(s)]
+
+
+def _numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+AO_BLOCK = 256          # torchao AdamW8bit: one fp32 scale per 256 values
+AO_MIN_NUMEL = 4096     # smaller tensors (or a size not a multiple of the block) keep fp32 state
+AO_QMAP = 256 * 4       # each quantized state tensor carries its own 256-entry fp32 code book
+
+
+def optimizer_state_bytes(s: Setup, shapes) -> float:
+    """Bytes the optimizer keeps for the trainable tensors ``shapes`` (one rank, before ZeRO).
+
+    adamw: k (``opt_bytes``, 8 = fp32 m and v) per parameter. adamw_8bit (torchao AdamW8bit):
+    per state (m, v) of a tensor of n values: n uint8 codes + 4 n/256 bytes of fp32 block scales
+    + a 1 KiB code book, if n >= 4096 and 256 divides n; else fp32 (4 n). adafactor
+    (torch.optim.Adafactor): a tensor of shape (..., R, C) keeps fp32 row and column second moments
+    (4 (prod(...) R + prod(...) C)); a 1-D tensor a full fp32 second moment; no first moment.
+    sgd: nothing; sgd_momentum: an fp32 momentum buffer. Mixed precision adds the fp32 master
+    copy (4 B per trainable parameter). The 4-byte step counters are not counted.
+    """
+    n = sum(_numel(sh) for sh in shapes)
+    master = 4 * n if s.mixed else 0
+    if s.optim == "adamw":
+        return s.opt_bytes * n + master
+    if s.optim == "sgd":
+        return master
+    if s.optim == "sgd_momentum":
+        return 4 * n + master
+    total = 0
+    for sh in shapes:
+        k = _numel(sh)
+        if s.optim == "adafactor":
+            total += 4 * (_numel(sh[:-1]) + _numel(sh[:-2]) * sh[-1]) if len(sh) >= 2 else 4 * k
+        elif k >= AO_MIN_NUMEL and k % AO_BLOCK == 0:           # adamw_8bit, quantized
+            total += 2 * (k + 4 * (k // AO_BLOCK) + AO_QMAP)
+        else:                                                  # adamw_8bit, fp32 fallback
+            total += 2 * 4 * k
+    return total + master
+
+
+def optimizer_temp_bytes(s: Setup, shapes) -> float:
+    """Working memory of one optimizer step (one rank, before ZeRO).
+
+    foreach AdamW: one fp32 copy of the parameters (sqrt of the second moment); fused AdamW and
+    SGD: none. foreach Adafactor: the variance estimate of every matrix (fp32, full size) and,
+    for the 1-D tensors, the squared gradient beside it. adamw_8bit: torchao steps one parameter
+    at a time in one compiled kernel; the fp32 m and v of the largest quantized tensor are taken
+    as its working memory (not measured)."""
+    if s.optim == "adamw":
+        return 4 * sum(_numel(sh) for sh in shapes) if s.optimizer == "foreach" else 0
+    if s.optim == "adafactor":
+        return sum(4 * _numel(sh) * (1 if len(sh) >= 2 else 2) for sh in shapes)
+    if s.optim == "adamw_8bit":
+        quantized = [_numel(sh) for sh in shapes if _numel(sh) >= AO_MIN_NUMEL and _numel(sh) % AO_BLOCK == 0]
+        return 2 * 4 * max(quantized, default=0)
+    return 0
 
 
 def _eager_core(Dsm: int, C: int, cast: bool, dropout: bool, mask: int = 1, kernel_temps: bool = True):
@@ -192,22 +316,42 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
         core = eager_core
     weight_copies = 2 if cast else 0
     norm = R * nh + T["stat"] * N / r
+    # a linear keeps its input only for its weight's gradient: with a frozen base, only where LoRA's
+    # A sits (A keeps the same input, or with lora_dropout its dropped copy and the mask)
+    keeps = {k: not s.frozen or (s.lora_rank > 0 and k in s.lora_targets) for k in LORA_KINDS}
+    lora = {k: lora_kept(s, k, mask_bytes) if s.lora_rank and k in s.lora_targets else 0 for k in LORA_KINDS}
+    lin = linear_shapes(s)
+    if s.frozen:
+        # autocast caches casts of trainable leaves only; a frozen weight's bf16 copy is made per call
+        # and kept by the matmul for d(input) (the bias needs none); LoRA's A and B are cached
+        copies = {k: weight_copies * (_numel(lin[k]) + (sum(_numel(x) for x in lora_shapes(s, k)) if lora[k] else 0))
+                  for k in LORA_KINDS}
+        attn_copies, mlp_copies = copies["qkv"] + copies["proj"], copies["up"] + copies["down"]
+    else:
+        attn_copies = weight_copies * (P["attn_w"] + P["attn_b"])
+        mlp_copies = weight_copies * (P["mlp_w"] + P["mlp_b"])
     attn = {
         "norm1": norm,
-        "qkv_input": C * nh,
+        "qkv_input": C * nh if keeps["qkv"] else 0,
         "core": core,
-        "proj_input": C * N * hl,                     # attention output (flash: the same storage as O)
+        # attention output (flash: the same storage as O, which the kernel keeps anyway)
+        "proj_input": C * N * hl if (keeps["proj"] or flash) else 0,
         "dropout_mask": drop * nh,
-        "weight_copies": weight_copies * (P["attn_w"] + P["attn_b"]),
+        "weight_copies": attn_copies,
     }
     n_mlp = {"relu": 1, "gelu": 2, "swiglu": 4}[s.ffn_act]
+    if not keeps["down"] and s.ffn_act != "relu":
+        n_mlp -= 1                                    # the down projection's input (ReLU's output is kept anyway)
     mlp = {
         "norm2": norm,
-        "mlp_input": C * nh,
+        "mlp_input": C * nh if keeps["up"] else 0,
         "mlp_hidden": n_mlp * C * N * f_l,            # relu: y; gelu: z, gelu(z); swiglu: gate|up, silu, product
         "dropout_mask": drop * nh,
-        "weight_copies": weight_copies * (P["mlp_w"] + P["mlp_b"]),
+        "weight_copies": mlp_copies,
     }
+    if s.lora_rank:
+        attn["lora"] = lora["qkv"] + lora["proj"]
+        mlp["lora"] = lora["up"] + lora["down"]
     # backward working memory (beyond what is kept), per part
     # MLP backward: step 1, the down projection's backward, makes d(hidden) while the gradient of
     # its output is alive (a new tensor when dropout or autocast made one); step 2, the
@@ -215,7 +359,7 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     # GELU one (its kept output was released in step 1).
     # Under autocast the down projection's weight gradient is first bf16, then cast to fp32.
     branch = C * nh if (s.dropout or cast) else 0
-    wgrad16 = 2 * (P["mlp_w"] // ({"swiglu": 3}.get(s.ffn_act, 2))) if cast else 0
+    wgrad16 = 2 * (P["mlp_w"] // ({"swiglu": 3}.get(s.ffn_act, 2))) if cast and not s.frozen else 0
     mlp_extra = max(C * N * f_l + branch + wgrad16, {"relu": 2, "gelu": 1, "swiglu": 2}[s.ffn_act] * C * N * f_l)
     if flash:
         # dO beside dq, dk, dv and the fp32 row sums of dO * O
@@ -236,16 +380,72 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     # RMSNorm's reference backward also holds xhat, dy*w and two fp32 temporaries (4 x 4 bytes),
     # LayerNorm's fused kernel only dx
     norm_extra = (4 * 4 if s.norm == "rms" else R) * nh + R * nh
+    # LoRA's backward: d(input) through A (N x in) made beside the base's, then added
+    lora_back = {k: C * N * lin[k][1] if lora[k] else 0 for k in LORA_KINDS}
     return {"attn": attn, "mlp": mlp, "eager_core": eager_core, "recomputed_core": recomputed,
-            "mlp_extra": mlp_extra, "attn_extra": attn_extra, "attn_fwd": attn_fwd, "stream": stream,
-            "norm_extra": norm_extra, "checkpoint": R * nh, "norm": norm}
+            "mlp_extra": mlp_extra + max(lora_back["up"], lora_back["down"]),
+            "attn_extra": attn_extra + max(lora_back["qkv"], lora_back["proj"]), "attn_fwd": attn_fwd,
+            "stream": stream, "norm_extra": norm_extra, "checkpoint": R * nh, "norm": norm,
+            "keeps": keeps, "lora": lora}
+
+
+LORA_KINDS = ("qkv", "proj", "up", "down", "head")
+
+
+def lora_kept(s: Setup, kind: str, mask_bytes: int = 1) -> float:
+    """What peft's LoRA on one linear keeps beyond the base: B's input (A's output, N x r) and,
+    with lora_dropout, the dropout mask of A's input (A keeps the dropped copy instead of x)."""
+    T = dtypes(s)
+    N = s.seq * s.micro_batch
+    in_f = linear_shapes(s)[kind][1]
+    return T["C"] * N * s.lora_rank + (mask_bytes * N * in_f if s.lora_dropout > 0 else 0)
+
+
+def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
+    """Layer 1 under LoRA alone (frozen embeddings): nothing before the first LoRA target requires
+    a gradient, so autograd keeps nothing there and its backward stops at that target.
+    Returns layer 1's (attn, mlp) kept dicts and the backward stages that do not run."""
+    attn, mlp = dict(lt["attn"]), dict(lt["mlp"])
+    order = [k for k in ("qkv", "proj", "up", "down") if k in s.lora_targets]
+    if not s.lora_rank or s.prompt_tokens:
+        return attn, mlp, set()
+    first = order[0] if order else "head"
+    T = dtypes(s)
+    C, N = T["C"], s.seq * s.micro_batch
+    lin = linear_shapes(s)
+    copy = lambda k: (2 * _numel(lin[k])) if T["cast"] else 0      # a frozen weight's bf16 copy
+    attn["norm1"] = 0
+    attn["weight_copies"] -= copy("qkv")
+    skipped = {"norm 1"}
+    if first in ("proj", "up", "down", "head"):
+        attn["core"] = 0
+        skipped.add("attention core")
+    if first in ("up", "down", "head"):
+        attn.update(proj_input=0, dropout_mask=0)
+        attn["weight_copies"] -= copy("proj")
+        mlp["norm2"] = 0
+        skipped |= {"attention", "norm 2"}
+    if first in ("down", "head"):
+        mlp["mlp_hidden"] = C * N * lin["down"][1] if first == "down" else 0    # only down's input, by A
+        mlp["weight_copies"] -= copy("up")
+    if first == "head":
+        mlp = {k: 0 for k in mlp}
+        attn = {k: 0 for k in attn}
+        skipped.add("MLP")
+    return attn, mlp, skipped
 
 
 def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakdown:
     """The peak bytes on one GPU during a training step, with the lines alive at that moment."""
     check(s, "precise")
-    D, T, P = dims(s), dtypes(s), param_counts(s)
+    asked = s
+    text_seq = s.seq
+    if s.prompt_tokens:
+        # the soft prompt is prepended: every sequence-sized tensor has s + P positions
+        s = s.with_(seq=s.seq + s.prompt_tokens)
+    D, T, P = dims(s), dtypes(s), param_counts(asked)
     N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
+    N_out = asked.seq * s.micro_batch                # positions with logits (the prompt's are cut off)
     C = T["C"]
     L = s.layers
     dpz = s.dp
@@ -254,35 +454,50 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     mlp_part = sum(lt["mlp"].values())
     full = s.recompute == "full"
     nh = N * h / r
+    frozen = s.frozen
+    lora_only = s.lora_rank > 0
+    attn_1, mlp_1, skipped_1 = _first_layer(s, lt)
+
+    def lora_n(kind):        # LoRA parameters on one linear of ``kind``
+        return sum(_numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
 
     # --- persistent: parameters, optimizer state, buffers, inputs, workspaces -------------------
     n_local = P["total"]
-    params_b = T["param"] * n_local / (dpz if s.zero >= 3 else 1)
-    opt_b = T["opt"] * n_local / (dpz if s.zero >= 1 else 1)
+    train_shapes = trainable_shapes(s)
+    n_train = sum(_numel(x) for x in train_shapes)
+    n_adapters = n_train if frozen else 0
+    params_b = T["param"] * (n_local + n_adapters) / (dpz if s.zero >= 3 else 1)
+    opt_b = optimizer_state_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     grad_scale = T["grad"] / (dpz if s.zero >= 2 else 1)     # bytes per parameter of gradient on this rank
-    grads_all = grad_scale * n_local
+    grads_all = grad_scale * n_train
     d_head = s.hidden // s.heads
     buffers = (s.seq * s.seq if s.attention == "eager" else 0)            # bool causal mask
     if s.pos == "rope":
         buffers += 2 * s.seq * d_head * 4 + (2 * s.seq * d_head * 2 if C == 2 else 0)   # cos, sin (+ bf16)
-    inputs = 16 * N                                                        # int64 token ids and targets
+    inputs = 16 * N_out                               # int64 token ids and targets
     workspace = s.workspace_mib * MiB
     persistent = params_b + opt_b + buffers + inputs + workspace
 
     # --- kept for backward at the end of the forward pass --------------------------------------
     head_part = {
-        "final_norm": lt["norm"],
-        "head_input": C * nh,
+        "final_norm": lt["norm"] if not (lora_only and skipped_1 and "MLP" in skipped_1) else 0,
+        "head_input": C * N_out * h / r if lt["keeps"]["head"] else 0,
         "head_weight_copy": (2 * v_l * h) if T["cast"] else 0,
         # fp32 and mixed: fp32 log-probabilities (kept by log_softmax and nll_loss alike). Autocast:
         # cross_entropy asks log_softmax for the logits' own dtype (bf16, kept) and autocast casts
         # that to fp32 for nll_loss, which keeps its input too.
-        "log_probs": (2 + 4 if T["cast"] else 4) * N * v_l,
+        "log_probs": (2 + 4 if T["cast"] else 4) * N_out * v_l,
     }
-    emb_part = (mask_bytes if s.dropout else 0) * nh
+    if lt["lora"]["head"]:
+        head_part["lora"] = lt["lora"]["head"] + (2 * lora_n("head") if T["cast"] else 0)
+    # the embedding's dropout mask: kept when its output requires a gradient
+    emb_part = (mask_bytes if s.dropout and not lora_only else 0) * nh
     per_layer = lt["checkpoint"] if full else attn_part + mlp_part
-    saved_all = L * per_layer + sum(head_part.values()) + emb_part
-    logits_c = C * N * v_l
+    # (full recomputation: the checkpoint holds every layer's input, the first one's too)
+    first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
+    n_first = L if "MLP" in skipped_1 else 1
+    saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
+    logits_c = C * N_out * v_l
 
     zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 else 0   # gathered weights: current + prefetch
     moments: list[tuple[str, float, float, float]] = []         # (name, kept, grads, transient)
@@ -290,63 +505,86 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     def grads(now):
         return grads_all if s.grad_buffers else now
 
+    if frozen:
+        head_g, final_norm_g = lora_n("head"), 0
+        down_g, mlp_g = lora_n("down"), lora_n("up") + lora_n("down")
+        proj_g, attn_g = lora_n("proj"), lora_n("qkv") + lora_n("proj")
+        embed_g = n_train if s.prompt_tokens else 0
+    else:
+        head_g, final_norm_g = (P["head"] if not s.tied else P["embed"]), P["final_norm"]
+        down_g, mlp_g = D["f_l"] * h + (h if s.bias else 0), P["mlp_w"] + P["mlp_b"] + P["norm"]
+        proj_g, attn_g = D["hl"] * h + (h if s.bias else 0), P["attn_w"] + P["attn_b"] + P["norm"]
+        embed_g = P["pos"] + (P["embed"] if not s.tied else 0)
+
     # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
     # recomputation the autocast cache still holds every layer's bf16 weight copies
-    fwd_extra = logits_c + (4 * N * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
-    if T["cast"] and full:
+    fwd_extra = logits_c + (4 * N_out * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
+    if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
-    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N * v_l))
-    g_now = grad_scale * (P["head"] if not s.tied else P["embed"])
+    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N_out * v_l))
+    g_now = grad_scale * head_g
     moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
-                    logits_c + C * nh + (2 * v_l * h if T["cast"] else 0) + zero3 / 2))
+                    logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
+                    + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
-    g_now += grad_scale * P["final_norm"]
+    g_now += grad_scale * final_norm_g
     moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
     saved -= head_part["final_norm"]
-    layer_mlp_grads = grad_scale * (P["mlp_w"] + P["mlp_b"] + P["norm"])
-    layer_attn_grads = grad_scale * (P["attn_w"] + P["attn_b"] + P["norm"])
     for i in range(L, 0, -1):
         tag = f"layer {i}"
+        # LoRA on the head alone: no layer needs a gradient, every layer is like layer 1
+        first_like = i == 1 or "MLP" in skipped_1
+        attn_i, mlp_i = (attn_1, mlp_1) if first_like else (lt["attn"], lt["mlp"])
+        skip = skipped_1 if first_like else set()
+        a_part, m_part = sum(attn_i.values()), sum(mlp_i.values())
         if full:
             # recomputation: the layer's forward again, all its activations kept again
-            saved += attn_part + mlp_part - lt["checkpoint"]
-            moments.append((f"backward {tag}: recompute", saved - mlp_part, grads(g_now), lt["attn_fwd"] + zero3))
-        down = grad_scale * (D["f_l"] * h + (h if s.bias else 0))       # down projection, done first
-        moments.append((f"backward {tag}: MLP", saved - lt["mlp"]["dropout_mask"], grads(g_now + down),
-                        lt["mlp_extra"] + lt["stream"] + zero3))
-        saved -= mlp_part - lt["mlp"]["norm2"]
-        g_now += layer_mlp_grads
-        moments.append((f"backward {tag}: norm 2", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
-        saved -= lt["mlp"]["norm2"]
-        extra = lt["attn_extra"] + lt["stream"] + zero3
-        if s.recompute == "selective" and s.attention == "eager":
-            extra += lt["recomputed_core"]          # the core's forward again, kept for its backward
-        proj = grad_scale * (D["hl"] * h + (h if s.bias else 0))      # output projection, done first
-        # eager: the output projection's backward has released its input before the core's
-        # (and the residual dropout's backward, first of all, its mask)
-        done = lt["attn"]["dropout_mask"] + (0 if s.attention == "flash" else lt["attn"]["proj_input"])
-        moments.append((f"backward {tag}: attention", saved - done, grads(g_now + proj), extra))
-        saved -= attn_part - lt["attn"]["norm1"]
-        g_now += layer_attn_grads
-        moments.append((f"backward {tag}: norm 1", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
-        saved -= lt["attn"]["norm1"]
-    g_now += grad_scale * (P["pos"] + (P["embed"] if not s.tied else 0))
+            saved += a_part + m_part - lt["checkpoint"]
+            moments.append((f"backward {tag}: recompute", saved - m_part, grads(g_now), lt["attn_fwd"] + zero3))
+        if "MLP" not in skip:
+            moments.append((f"backward {tag}: MLP", saved - mlp_i["dropout_mask"], grads(g_now + grad_scale * down_g),
+                            lt["mlp_extra"] + lt["stream"] + zero3))
+        saved -= m_part - mlp_i["norm2"]
+        g_now += grad_scale * mlp_g
+        if "norm 2" not in skip:
+            moments.append((f"backward {tag}: norm 2", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+        saved -= mlp_i["norm2"]
+        if "attention" not in skip:
+            extra = lt["attn_extra"] + lt["stream"] + zero3
+            if s.recompute == "selective" and s.attention == "eager" and "attention core" not in skip:
+                extra += lt["recomputed_core"]          # the core's forward again, kept for its backward
+            # eager: the output projection's backward has released its input before the core's
+            # (and the residual dropout's backward, first of all, its mask)
+            done = attn_i["dropout_mask"] + (0 if s.attention == "flash" else attn_i["proj_input"])
+            moments.append((f"backward {tag}: attention", saved - done, grads(g_now + grad_scale * proj_g), extra))
+        saved -= a_part - attn_i["norm1"]
+        g_now += grad_scale * attn_g
+        if "norm 1" not in skip:
+            moments.append((f"backward {tag}: norm 1", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+        saved -= attn_i["norm1"]
+    g_now += grad_scale * embed_g
     # tied: the embedding's gradient is added out of place to the output projection's (new + sum)
-    moments.append(("backward: embedding", saved, grads(g_now), 2 * grad_scale * P["embed"] if s.tied else 0))
-    opt_temp = 4 * n_local / (dpz if s.zero >= 1 else 1) if s.optimizer == "foreach" else 0
+    if not lora_only:
+        moments.append(("backward: embedding", saved, grads(g_now),
+                        2 * grad_scale * P["embed"] if s.tied and not frozen else 0))
+    opt_temp = optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     moments.append(("optimizer step", 0, grads_all, opt_temp))
 
     peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
     total = persistent + kept + g_peak + transient
     activations_all = saved_all
+    trained = ("" if not frozen else f" + {n_adapters:,.0f} trainable ("
+               + ("LoRA r=" + str(s.lora_rank) if lora_only else f"{s.prompt_tokens} prompt tokens") + ")")
     lines = [
         Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
-             + (" / d (ZeRO-3)" if s.zero >= 3 else "")),
+             + (" (frozen)" if frozen else "") + trained + (" / d (ZeRO-3)" if s.zero >= 3 else "")),
         Line("gradients", g_peak, f"alive at the peak; all {grads_all / MiB:,.1f} MiB at the optimizer step"),
-        Line("optimizer", opt_b, f"{T['opt']} B/param" + (" incl. fp32 master" if s.precision == "mixed" else "")
+        Line("optimizer", opt_b, (f"{T['opt']} B/param" if s.optim == "adamw" else
+                                  f"{s.optim}: {opt_b * (dpz if s.zero >= 1 else 1) / max(n_train, 1):.3g} B/param")
+             + (" incl. fp32 master" if s.precision == "mixed" else "")
              + (" / d (ZeRO-1)" if s.zero >= 1 else "")),
         Line("activations", kept, f"kept for backward at the peak; {activations_all / MiB:,.1f} MiB at the end of forward"),
         Line("temporaries", transient, f"working memory at the peak ({peak_name})"),
@@ -357,6 +595,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         **{f"attention: {k.replace('_', ' ')}": v for k, v in lt["attn"].items()},
         **{f"MLP: {k.replace('_', ' ')}": v for k, v in lt["mlp"].items()}}
     children = [Line(f"{k} (x {L})", v * L) for k, v in per.items() if v]
+    if first_layer != per_layer:
+        children.append(Line(("every layer" if n_first > 1 else "layer 1") + ": not kept (no gradient needed "
+                             "before the first LoRA target)", n_first * (first_layer - per_layer)))
     children += [Line(f"output: {k.replace('_', ' ')}", v) for k, v in head_part.items() if v]
     if emb_part:
         children.append(Line("embedding dropout mask", emb_part))
@@ -367,6 +608,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
              "CUDA context (~0.5 GiB) and allocator fragmentation not included"]
     extra = {"peak_moment": peak_name,
              "moments": [{"name": n, "bytes": persistent + k + g + x} for n, k, g, x in moments],
-             "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments)}
-    return Breakdown(mode="precise", setup=s, lines=lines, total=total, params=param_counts(s, 1)["total"],
+             "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments),
+             "trainable_params": n_train, "param_bytes": params_b, "grad_bytes": grads_all,
+             "optimizer_bytes": opt_b}
+    return Breakdown(mode="precise", setup=asked, lines=lines, total=total, params=param_counts(asked, 1)["total"],
                      notes=notes, extra=extra)

@@ -9,7 +9,11 @@ const FTMemory = (() => {
     precision: ["fp32", "mixed", "amp"], recompute: ["none", "selective", "full"], ffn_act: ["relu", "gelu", "swiglu"],
     norm: ["rms", "layer"], pos: ["rope", "learned"], attention: ["eager", "flash"], optimizer: ["foreach", "fused"],
   };
-  const FLAG = { micro_batch: "--micro-batch", opt_bytes: "--opt-bytes", kv_heads: "--kv-heads", ffn_act: "--ffn-act" };
+  const OPTIMS = ["adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum"];
+  const OPTIM_ALIASES = ["adamw_torch", "adamw_torch_fused", "adamw_fused"];
+  const LORA_KINDS = ["qkv", "proj", "up", "down", "head"];
+  const FLAG = { micro_batch: "--micro-batch", opt_bytes: "--opt-bytes", kv_heads: "--kv-heads", ffn_act: "--ffn-act",
+                 lora_rank: "--lora-r", prompt_tokens: "--prompt-tokens" };
   const flag = (name) => FLAG[name] || "--" + name;
   const kvHeads = (s) => (s.kv_heads === null || s.kv_heads === undefined ? s.heads : s.kv_heads);
   const isInt = (x) => typeof x === "number" && Number.isInteger(x);
@@ -35,7 +39,26 @@ const FTMemory = (() => {
     if (![0, 1, 2, 3].includes(s.zero)) throw new Error(`--zero must be 0, 1, 2 or 3, got ${s.zero}`);
     if (!(s.workspace_mib >= 0)) throw new Error(`--workspace-mib must be >= 0, got ${s.workspace_mib}`);
     if (mode === "playbook" && s.precision === "amp") throw new Error("precision 'amp' (PyTorch autocast) exists only in --mode precise; the widget knows fp32 and --mixed");
+    checkTraining(s, mode);
     return s;
+  }
+  const frozen = (s) => s.lora_rank > 0 || s.prompt_tokens > 0;
+  function checkTraining(s, mode) {
+    if (!OPTIMS.includes(s.optim)) throw new Error(`--optim must be one of ${OPTIMS.concat(OPTIM_ALIASES).join(", ")}, got '${s.optim}'`);
+    for (const name of ["lora_rank", "prompt_tokens"]) {
+      if (!isInt(s[name]) || s[name] < 0) throw new Error(`${flag(name)} must be a non-negative integer, got ${s[name]}`);
+    }
+    if (typeof s.lora_dropout !== "number" || !(s.lora_dropout >= 0 && s.lora_dropout < 1)) throw new Error(`--lora-dropout must be in [0, 1), got ${s.lora_dropout}`);
+    const targets = s.lora_targets;
+    if (!Array.isArray(targets) || !targets.every((x) => LORA_KINDS.includes(x)) || new Set(targets).size !== targets.length)
+      throw new Error(`--lora-targets must be distinct names among ${LORA_KINDS.join(", ")}, got ${JSON.stringify(targets)}`);
+    if (mode === "playbook" && (s.optim !== "adamw" || frozen(s))) throw new Error("--optim, --lora-r and --prompt-tokens exist only in --mode precise; the widget knows --opt-bytes");
+    if (s.optim !== "adamw" && s.opt_bytes !== 8) throw new Error(`--opt-bytes is AdamW's k; --optim ${s.optim} counts its own state: drop --opt-bytes`);
+    if (s.optimizer === "fused" && (s.optim === "adamw_8bit" || s.optim === "adafactor")) throw new Error(`--optim ${s.optim} has no fused implementation: use --optimizer foreach`);
+    if (s.lora_rank && s.prompt_tokens) throw new Error("give --lora-r or --prompt-tokens, not both");
+    if (s.lora_rank && !targets.length) throw new Error(`--lora-targets is empty; name at least one of ${LORA_KINDS.join(", ")}`);
+    if (s.lora_rank && targets.includes("head") && s.tied) throw new Error("LoRA on the head needs an untied output projection (--untied), or drop 'head'");
+    if (frozen(s) && s.tp > 1) throw new Error("LoRA and prompt tuning are modelled on one tensor-parallel rank: use --tp 1");
   }
 
   // ---------------------------------------------------------------- playbook.py
@@ -155,6 +178,73 @@ const FTMemory = (() => {
     return { attn_w, attn_b, mlp_w, mlp_b, norm, layer, embed, pos, head, final_norm: norm,
              total: s.layers * layer + embed + pos + head + norm };
   }
+  const numel = (shape) => shape.reduce((x, y) => x * y, 1);
+  function linearShapes(s) {
+    const D = dims(s), nUp = s.ffn_act === "swiglu" ? 2 : 1;
+    return { qkv: [D.hl + 2 * D.kvl, s.hidden], proj: [s.hidden, D.hl], up: [nUp * D.f_l, s.hidden],
+             down: [s.hidden, D.f_l], head: [D.v_l, s.hidden] };
+  }
+  function paramShapes(s) {
+    const h = s.hidden, lin = linearShapes(s);
+    const norm = s.norm === "layer" && s.bias ? [[h], [h]] : [[h]];
+    const out = [[lin.head[0], h]];
+    if (s.pos === "learned") out.push([s.seq, h]);
+    for (let i = 0; i < s.layers; i++) {
+      out.push(...norm);
+      for (const k of ["qkv", "proj"]) { out.push(lin[k]); if (s.bias) out.push([lin[k][0]]); }
+      out.push(...norm);
+      for (const k of ["up", "down"]) { out.push(lin[k]); if (s.bias) out.push([lin[k][0]]); }
+    }
+    out.push(...norm);
+    if (!s.tied) out.push(lin.head);
+    return out;
+  }
+  function loraShapes(s, kind) {
+    const [o, i] = linearShapes(s)[kind];
+    return [[s.lora_rank, i], [o, s.lora_rank]];
+  }
+  function trainableShapes(s) {
+    if (s.lora_rank) {
+      const perLayer = [];
+      for (const k of ["qkv", "proj", "up", "down"]) if (s.lora_targets.includes(k)) perLayer.push(...loraShapes(s, k));
+      const out = [];
+      for (let i = 0; i < s.layers; i++) out.push(...perLayer);
+      if (s.lora_targets.includes("head")) out.push(...loraShapes(s, "head"));
+      return out;
+    }
+    if (s.prompt_tokens) return [[s.prompt_tokens, s.hidden]];
+    return paramShapes(s);
+  }
+  const AO_BLOCK = 256, AO_MIN_NUMEL = 4096, AO_QMAP = 256 * 4;
+  function optimizerStateBytes(s, shapes) {
+    const n = shapes.reduce((x, sh) => x + numel(sh), 0);
+    const master = s.precision === "mixed" ? 4 * n : 0;
+    if (s.optim === "adamw") return s.opt_bytes * n + master;
+    if (s.optim === "sgd") return master;
+    if (s.optim === "sgd_momentum") return 4 * n + master;
+    let total = 0;
+    for (const sh of shapes) {
+      const k = numel(sh);
+      if (s.optim === "adafactor") total += sh.length >= 2 ? 4 * (numel(sh.slice(0, -1)) + numel(sh.slice(0, -2)) * sh[sh.length - 1]) : 4 * k;
+      else if (k >= AO_MIN_NUMEL && k % AO_BLOCK === 0) total += 2 * (k + 4 * Math.floor(k / AO_BLOCK) + AO_QMAP);
+      else total += 2 * 4 * k;
+    }
+    return total + master;
+  }
+  function optimizerTempBytes(s, shapes) {
+    if (s.optim === "adamw") return s.optimizer === "foreach" ? 4 * shapes.reduce((x, sh) => x + numel(sh), 0) : 0;
+    if (s.optim === "adafactor") return shapes.reduce((x, sh) => x + 4 * numel(sh) * (sh.length >= 2 ? 1 : 2), 0);
+    if (s.optim === "adamw_8bit") {
+      let m = 0;
+      for (const sh of shapes) { const k = numel(sh); if (k >= AO_MIN_NUMEL && k % AO_BLOCK === 0 && k > m) m = k; }
+      return 2 * 4 * m;
+    }
+    return 0;
+  }
+  function loraKept(s, kind, maskBytes) {
+    const T = dtypes(s), N = s.seq * s.micro_batch, inF = linearShapes(s)[kind][1];
+    return T.C * N * s.lora_rank + (s.lora_dropout > 0 ? maskBytes * N * inF : 0);
+  }
   function eagerCore(Dsm, C, cast, dropout, mask, kernelTemps) {
     const pv = cast ? C : Dsm;
     const kept = Dsm + (dropout ? mask + pv : (cast ? C : 0));
@@ -203,13 +293,31 @@ const FTMemory = (() => {
     else core = eager_core;
     const wc = cast ? 2 : 0;
     const norm = R * nh + T.stat * N / r;
-    const attn = { norm1: norm, qkv_input: C * nh, core, proj_input: C * N * hl, dropout_mask: drop * nh,
-                   weight_copies: wc * (P.attn_w + P.attn_b) };
-    const nMlp = { relu: 1, gelu: 2, swiglu: 4 }[s.ffn_act];
-    const mlp = { norm2: norm, mlp_input: C * nh, mlp_hidden: nMlp * C * N * f_l, dropout_mask: drop * nh,
-                  weight_copies: wc * (P.mlp_w + P.mlp_b) };
+    const fz = frozen(s);
+    const keeps = {}, lora = {};
+    for (const k of LORA_KINDS) {
+      const on = s.lora_rank > 0 && s.lora_targets.includes(k);
+      keeps[k] = !fz || on;
+      lora[k] = on ? loraKept(s, k, maskBytes) : 0;
+    }
+    const lin = linearShapes(s);
+    let attnCopies, mlpCopies;
+    if (fz) {
+      const copies = {};
+      for (const k of LORA_KINDS) copies[k] = wc * (numel(lin[k]) + (lora[k] ? loraShapes(s, k).reduce((x, sh) => x + numel(sh), 0) : 0));
+      attnCopies = copies.qkv + copies.proj; mlpCopies = copies.up + copies.down;
+    } else {
+      attnCopies = wc * (P.attn_w + P.attn_b); mlpCopies = wc * (P.mlp_w + P.mlp_b);
+    }
+    const attn = { norm1: norm, qkv_input: keeps.qkv ? C * nh : 0, core, proj_input: (keeps.proj || flash) ? C * N * hl : 0,
+                   dropout_mask: drop * nh, weight_copies: attnCopies };
+    let nMlp = { relu: 1, gelu: 2, swiglu: 4 }[s.ffn_act];
+    if (!keeps.down && s.ffn_act !== "relu") nMlp -= 1;
+    const mlp = { norm2: norm, mlp_input: keeps.up ? C * nh : 0, mlp_hidden: nMlp * C * N * f_l, dropout_mask: drop * nh,
+                  weight_copies: mlpCopies };
+    if (s.lora_rank) { attn.lora = lora.qkv + lora.proj; mlp.lora = lora.up + lora.down; }
     const branch = (s.dropout || cast) ? C * nh : 0;
-    const wgrad16 = cast ? 2 * (P.mlp_w / (s.ffn_act === "swiglu" ? 3 : 2)) : 0;
+    const wgrad16 = cast && !fz ? 2 * (P.mlp_w / (s.ffn_act === "swiglu" ? 3 : 2)) : 0;
     const mlp_extra = Math.max(C * N * f_l + branch + wgrad16, { relu: 2, gelu: 1, swiglu: 2 }[s.ffn_act] * C * N * f_l);
     let attn_extra, attn_fwd;
     if (flash) {
@@ -227,78 +335,135 @@ const FTMemory = (() => {
     }
     const stream = R * nh;
     const norm_extra = (s.norm === "rms" ? 4 * 4 : R) * nh + R * nh;
-    return { attn, mlp, eager_core, recomputed_core: recomputed, mlp_extra, attn_extra, attn_fwd, stream,
-             norm_extra, checkpoint: R * nh, norm };
+    const loraBack = {};
+    for (const k of LORA_KINDS) loraBack[k] = lora[k] ? C * N * lin[k][1] : 0;
+    return { attn, mlp, eager_core, recomputed_core: recomputed, mlp_extra: mlp_extra + Math.max(loraBack.up, loraBack.down),
+             attn_extra: attn_extra + Math.max(loraBack.qkv, loraBack.proj), attn_fwd, stream,
+             norm_extra, checkpoint: R * nh, norm, keeps, lora };
+  }
+  function firstLayer(s, lt) {
+    let attn = Object.assign({}, lt.attn), mlp = Object.assign({}, lt.mlp);
+    const order = ["qkv", "proj", "up", "down"].filter((k) => s.lora_targets.includes(k));
+    if (!s.lora_rank || s.prompt_tokens) return [attn, mlp, new Set()];
+    const first = order.length ? order[0] : "head";
+    const T = dtypes(s), C = T.C, N = s.seq * s.micro_batch, lin = linearShapes(s);
+    const copy = (k) => (T.cast ? 2 * numel(lin[k]) : 0);
+    attn.norm1 = 0;
+    attn.weight_copies -= copy("qkv");
+    const skipped = new Set(["norm 1"]);
+    if (["proj", "up", "down", "head"].includes(first)) { attn.core = 0; skipped.add("attention core"); }
+    if (["up", "down", "head"].includes(first)) {
+      attn.proj_input = 0; attn.dropout_mask = 0;
+      attn.weight_copies -= copy("proj");
+      mlp.norm2 = 0;
+      skipped.add("attention"); skipped.add("norm 2");
+    }
+    if (first === "down" || first === "head") {
+      mlp.mlp_hidden = first === "down" ? C * N * lin.down[1] : 0;
+      mlp.weight_copies -= copy("up");
+    }
+    if (first === "head") {
+      for (const k of Object.keys(mlp)) mlp[k] = 0;
+      for (const k of Object.keys(attn)) attn[k] = 0;
+      skipped.add("MLP");
+    }
+    return [attn, mlp, skipped];
   }
   const sum = (o) => Object.values(o).reduce((x, y) => x + y, 0);
-  function precise(s, maskBytes, kernelTemps) {
-    check(s, "precise");
+  function precise(sIn, maskBytes, kernelTemps) {
+    check(sIn, "precise");
     maskBytes = maskBytes === undefined ? 1 : maskBytes;
     kernelTemps = kernelTemps === undefined ? true : kernelTemps;
-    const D = dims(s), T = dtypes(s), P = paramCounts(s);
+    const textSeq = sIn.seq;
+    const s = sIn.prompt_tokens ? Object.assign({}, sIn, { seq: sIn.seq + sIn.prompt_tokens }) : sIn;
+    const D = dims(s), T = dtypes(s), P = paramCounts(sIn);
     const N = D.N, r = D.r, v_l = D.v_l, h = s.hidden, C = T.C, L = s.layers, dpz = s.dp;
+    const N_out = textSeq * s.micro_batch;
     const lt = layerTerms(s, maskBytes, kernelTemps);
     const attn_part = sum(lt.attn), mlp_part = sum(lt.mlp);
     const full = s.recompute === "full";
     const nh = N * h / r;
+    const fz = frozen(s), loraOnly = s.lora_rank > 0;
+    const [attn_1, mlp_1, skipped_1] = firstLayer(s, lt);
+    const loraN = (k) => (loraOnly && s.lora_targets.includes(k) ? loraShapes(s, k).reduce((x, sh) => x + numel(sh), 0) : 0);
     const n_local = P.total;
-    const params_b = T.param * n_local / (s.zero >= 3 ? dpz : 1);
-    const opt_b = T.opt * n_local / (s.zero >= 1 ? dpz : 1);
+    const trainShapes = trainableShapes(s);
+    const n_train = trainShapes.reduce((x, sh) => x + numel(sh), 0);
+    const n_adapters = fz ? n_train : 0;
+    const params_b = T.param * (n_local + n_adapters) / (s.zero >= 3 ? dpz : 1);
+    const opt_b = optimizerStateBytes(s, trainShapes) / (s.zero >= 1 ? dpz : 1);
     const grad_scale = T.grad / (s.zero >= 2 ? dpz : 1);
-    const grads_all = grad_scale * n_local;
+    const grads_all = grad_scale * n_train;
     const d_head = s.hidden / s.heads;
     let buffers = s.attention === "eager" ? s.seq * s.seq : 0;
     if (s.pos === "rope") buffers += 2 * s.seq * d_head * 4 + (C === 2 ? 2 * s.seq * d_head * 2 : 0);
-    const inputs = 16 * N;
+    const inputs = 16 * N_out;
     const workspace = s.workspace_mib * MiB;
     const persistent = params_b + opt_b + buffers + inputs + workspace;
-    const head_part = { final_norm: lt.norm, head_input: C * nh, head_weight_copy: T.cast ? 2 * v_l * h : 0,
-                        log_probs: (T.cast ? 2 + 4 : 4) * N * v_l };
-    const emb_part = (s.dropout ? maskBytes : 0) * nh;
+    const head_part = { final_norm: loraOnly && skipped_1.has("MLP") ? 0 : lt.norm, head_input: lt.keeps.head ? C * N_out * h / r : 0,
+                        head_weight_copy: T.cast ? 2 * v_l * h : 0, log_probs: (T.cast ? 2 + 4 : 4) * N_out * v_l };
+    if (lt.lora.head) head_part.lora = lt.lora.head + (T.cast ? 2 * loraN("head") : 0);
+    const emb_part = (s.dropout && !loraOnly ? maskBytes : 0) * nh;
     const per_layer = full ? lt.checkpoint : attn_part + mlp_part;
-    const saved_all = L * per_layer + sum(head_part) + emb_part;
-    const logits_c = C * N * v_l;
+    const first_layer = full ? lt.checkpoint : sum(attn_1) + sum(mlp_1);
+    const n_first = skipped_1.has("MLP") ? L : 1;
+    const saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part) + emb_part;
+    const logits_c = C * N_out * v_l;
     const zero3 = s.zero >= 3 ? 2 * P.layer * T.param : 0;
     const moments = [];
     const grads = (now) => (s.grad_buffers ? grads_all : now);
-    let fwd_extra = logits_c + (C === 2 && !T.cast ? 4 * N * v_l : 0);
-    if (T.cast && full) fwd_extra += 2 * L * (P.attn_w + P.attn_b + P.mlp_w + P.mlp_b);
+    let head_g, final_norm_g, down_g, mlp_g, proj_g, attn_g, embed_g;
+    if (fz) {
+      head_g = loraN("head"); final_norm_g = 0;
+      down_g = loraN("down"); mlp_g = loraN("up") + loraN("down");
+      proj_g = loraN("proj"); attn_g = loraN("qkv") + loraN("proj");
+      embed_g = s.prompt_tokens ? n_train : 0;
+    } else {
+      head_g = !s.tied ? P.head : P.embed; final_norm_g = P.final_norm;
+      down_g = D.f_l * h + (s.bias ? h : 0); mlp_g = P.mlp_w + P.mlp_b + P.norm;
+      proj_g = D.hl * h + (s.bias ? h : 0); attn_g = P.attn_w + P.attn_b + P.norm;
+      embed_g = P.pos + (!s.tied ? P.embed : 0);
+    }
+    let fwd_extra = logits_c + (C === 2 && !T.cast ? 4 * N_out * v_l : 0);
+    if (T.cast && full && !fz) fwd_extra += 2 * L * (P.attn_w + P.attn_b + P.mlp_w + P.mlp_b);
     moments.push(["end of forward (loss)", saved_all, grads(0), fwd_extra]);
-    moments.push(["backward: log-softmax", saved_all, grads(0), (T.cast ? 4 : 8) * N * v_l]);
-    let g_now = grad_scale * (!s.tied ? P.head : P.embed);
+    moments.push(["backward: log-softmax", saved_all, grads(0), (T.cast ? 4 : 8) * N_out * v_l]);
+    let g_now = grad_scale * head_g;
     moments.push(["backward: output projection", saved_all - head_part.log_probs, grads(g_now),
-                  logits_c + C * nh + (T.cast ? 2 * v_l * h : 0) + zero3 / 2]);
+                  logits_c + C * N_out * h / r + (T.cast ? 2 * v_l * h : 0) + zero3 / 2 + (s.prompt_tokens ? C * nh : 0)]);
     let saved = saved_all - sum(head_part) + head_part.final_norm;
-    g_now += grad_scale * P.final_norm;
+    g_now += grad_scale * final_norm_g;
     moments.push(["backward: final norm", saved, grads(g_now), lt.norm_extra + zero3 / 2]);
     saved -= head_part.final_norm;
-    const layer_mlp_grads = grad_scale * (P.mlp_w + P.mlp_b + P.norm);
-    const layer_attn_grads = grad_scale * (P.attn_w + P.attn_b + P.norm);
     for (let i = L; i > 0; i--) {
       const tag = `layer ${i}`;
+      const firstLike = i === 1 || skipped_1.has("MLP");
+      const attn_i = firstLike ? attn_1 : lt.attn, mlp_i = firstLike ? mlp_1 : lt.mlp;
+      const skip = firstLike ? skipped_1 : new Set();
+      const a_part = sum(attn_i), m_part = sum(mlp_i);
       if (full) {
-        saved += attn_part + mlp_part - lt.checkpoint;
-        moments.push([`backward ${tag}: recompute`, saved - mlp_part, grads(g_now), lt.attn_fwd + zero3]);
+        saved += a_part + m_part - lt.checkpoint;
+        moments.push([`backward ${tag}: recompute`, saved - m_part, grads(g_now), lt.attn_fwd + zero3]);
       }
-      const down = grad_scale * (D.f_l * h + (s.bias ? h : 0));
-      moments.push([`backward ${tag}: MLP`, saved - lt.mlp.dropout_mask, grads(g_now + down), lt.mlp_extra + lt.stream + zero3]);
-      saved -= mlp_part - lt.mlp.norm2;
-      g_now += layer_mlp_grads;
-      moments.push([`backward ${tag}: norm 2`, saved, grads(g_now), lt.norm_extra + lt.stream + zero3]);
-      saved -= lt.mlp.norm2;
-      let extra = lt.attn_extra + lt.stream + zero3;
-      if (s.recompute === "selective" && s.attention === "eager") extra += lt.recomputed_core;
-      const proj = grad_scale * (D.hl * h + (s.bias ? h : 0));
-      const done = lt.attn.dropout_mask + (s.attention === "flash" ? 0 : lt.attn.proj_input);
-      moments.push([`backward ${tag}: attention`, saved - done, grads(g_now + proj), extra]);
-      saved -= attn_part - lt.attn.norm1;
-      g_now += layer_attn_grads;
-      moments.push([`backward ${tag}: norm 1`, saved, grads(g_now), lt.norm_extra + lt.stream + zero3]);
-      saved -= lt.attn.norm1;
+      if (!skip.has("MLP")) moments.push([`backward ${tag}: MLP`, saved - mlp_i.dropout_mask, grads(g_now + grad_scale * down_g), lt.mlp_extra + lt.stream + zero3]);
+      saved -= m_part - mlp_i.norm2;
+      g_now += grad_scale * mlp_g;
+      if (!skip.has("norm 2")) moments.push([`backward ${tag}: norm 2`, saved, grads(g_now), lt.norm_extra + lt.stream + zero3]);
+      saved -= mlp_i.norm2;
+      if (!skip.has("attention")) {
+        let extra = lt.attn_extra + lt.stream + zero3;
+        if (s.recompute === "selective" && s.attention === "eager" && !skip.has("attention core")) extra += lt.recomputed_core;
+        const done = attn_i.dropout_mask + (s.attention === "flash" ? 0 : attn_i.proj_input);
+        moments.push([`backward ${tag}: attention`, saved - done, grads(g_now + grad_scale * proj_g), extra]);
+      }
+      saved -= a_part - attn_i.norm1;
+      g_now += grad_scale * attn_g;
+      if (!skip.has("norm 1")) moments.push([`backward ${tag}: norm 1`, saved, grads(g_now), lt.norm_extra + lt.stream + zero3]);
+      saved -= attn_i.norm1;
     }
-    g_now += grad_scale * (P.pos + (!s.tied ? P.embed : 0));
-    moments.push(["backward: embedding", saved, grads(g_now), s.tied ? 2 * grad_scale * P.embed : 0]);
-    const opt_temp = s.optimizer === "foreach" ? 4 * n_local / (s.zero >= 1 ? dpz : 1) : 0;
+    g_now += grad_scale * embed_g;
+    if (!loraOnly) moments.push(["backward: embedding", saved, grads(g_now), s.tied && !fz ? 2 * grad_scale * P.embed : 0]);
+    const opt_temp = optimizerTempBytes(s, trainShapes) / (s.zero >= 1 ? dpz : 1);
     moments.push(["optimizer step", 0, grads_all, opt_temp]);
     let best = moments[0];
     for (const m of moments) if (m[1] + m[2] + m[3] > best[1] + best[2] + best[3]) best = m;
@@ -310,10 +475,11 @@ const FTMemory = (() => {
       ...Object.entries(lt.attn).map(([k, v]) => ({ [`attention: ${k.replace(/_/g, " ")}`]: v })),
       ...Object.entries(lt.mlp).map(([k, v]) => ({ [`MLP: ${k.replace(/_/g, " ")}`]: v })));
     const children = Object.entries(per).filter(([, v]) => v).map(([k, v]) => ({ name: `${k} (x ${L})`, bytes: v * L }));
+    if (first_layer !== per_layer) children.push({ name: (n_first > 1 ? "every layer" : "layer 1") + ": not kept (no gradient needed before the first LoRA target)", bytes: n_first * (first_layer - per_layer) });
     for (const [k, v] of Object.entries(head_part)) if (v) children.push({ name: `output: ${k.replace(/_/g, " ")}`, bytes: v });
     if (emb_part) children.push({ name: "embedding dropout mask", bytes: emb_part });
     return {
-      mode: "precise", total, params: paramCounts(s, 1).total, peak_moment: peak_name,
+      mode: "precise", total, params: paramCounts(sIn, 1).total, peak_moment: peak_name,
       lines: [
         { name: "parameters", bytes: params_b, in_total: true },
         { name: "gradients", bytes: g_peak, in_total: true },
@@ -326,6 +492,7 @@ const FTMemory = (() => {
       ],
       moments: moments.map(([n, k, g, x]) => ({ name: n, bytes: persistent + k + g + x })),
       all_at_once: persistent + grads_all + saved_all + maxTransient,
+      trainable_params: n_train, param_bytes: params_b, grad_bytes: grads_all, optimizer_bytes: opt_b,
     };
   }
 
@@ -343,6 +510,6 @@ const FTMemory = (() => {
   }
 
   function estimate(s, mode) { return mode === "playbook" ? playbook(s) : precise(s); }
-  return { check, playbook, precise, estimate, formatBytes, formatGiB, paramCounts, pbParamCount, trainingFlops, cost, kvHeads };
+  return { check, playbook, precise, estimate, OPTIMS, LORA_KINDS, formatBytes, formatGiB, paramCounts, pbParamCount, trainingFlops, cost, kvHeads };
 })();
 if (typeof module !== "undefined") module.exports = FTMemory;
