@@ -1,6 +1,6 @@
 """precise mode: each difference from the widget (D1-D14 in fasttrain/memory/precise.py), the
 published parameter counts, and the whole model checked on the CPU against the live tensor bytes
-of the reference PyTorch implementation (fasttrain.memory.gpt) counted op by op."""
+of the reference PyTorch implementation (fasttrain.lab.model) counted op by op."""
 
 from __future__ import annotations
 

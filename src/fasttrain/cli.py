@@ -140,7 +140,8 @@ def data() -> None:
 
 
 @data.command("download")
-@click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist.")
+@click.option("--dataset", default="mnist", show_default=True,
+              help="mnist, fashion-mnist, kmnist or tinyshakespeare.")
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Data root.")
 @click.option("--force", is_flag=True, help="Download even files that are present and valid.")
 def data_download(dataset, data_dir, force) -> None:
@@ -167,7 +168,7 @@ def _load_plugins() -> None:
     """Subcommands living beside their code: each module exposes a click command named ``command``."""
     import importlib
 
-    for module in ("fasttrain.bench.cli", "fasttrain.memory.cli"):
+    for module in ("fasttrain.bench.cli", "fasttrain.memory.cli", "fasttrain.lab.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

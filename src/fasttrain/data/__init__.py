@@ -1,4 +1,4 @@
-"""Datasets (MNIST, Fashion-MNIST, KMNIST) and the IDX format."""
+"""Datasets (MNIST, Fashion-MNIST, KMNIST; the Tiny Shakespeare text corpus) and the IDX format."""
 
 from fasttrain.data.datasets import (
     DATASETS,

@@ -109,7 +109,9 @@ def dataset_spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join(DATASETS)}") from None
+        from fasttrain.data.text import TEXT_DATASETS
+
+        raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join([*DATASETS, *TEXT_DATASETS])}") from None
 
 
 def data_root(data_dir: str | os.PathLike | None = None) -> Path:
@@ -234,6 +236,10 @@ def load_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None,
 
 def verify_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None) -> list[tuple[Path, str]]:
     """Check every file of a dataset (structure, counts, checksums); raises DataError on the first failure."""
+    from fasttrain.data.text import TEXT_DATASETS, verify_text
+
+    if name in TEXT_DATASETS:
+        return verify_text(name, data_dir)
     load_dataset(name, data_dir, verify=True)
     directory = dataset_dir(name, data_dir)
     return [(_locate(dataset_spec(name), role, directory, data_dir), "ok") for role in ROLES]
@@ -289,8 +295,14 @@ def download_dataset(
 
     Each file is written to a temporary name in the target folder, verified, then renamed into
     place, so a partial or unverified file never sits at the final path. Files already present
-    and valid are kept (``force`` re-downloads them).
+    and valid are kept (``force`` re-downloads them). Text corpora (Tiny Shakespeare) are one
+    file checked by SHA-256 (:mod:`fasttrain.data.text`).
     """
+    from fasttrain.data.text import TEXT_DATASETS, download_text
+
+    if name in TEXT_DATASETS:
+        return download_text(name, data_dir, urls=mirrors, retries=retries, progress=progress, timeout=timeout,
+                             force=force)
     spec = dataset_spec(name)
     mirrors = mirrors or spec.mirrors
     directory = dataset_dir(name, data_dir)

@@ -1,7 +1,7 @@
 """``precise`` mode: the peak memory of one GPU, tensor by tensor, phase by phase.
 
 Where ``playbook`` sums four numbers, ``precise`` follows one training step of the reference
-implementation (``fasttrain.memory.gpt``; validated against ``torch.cuda.max_memory_allocated``
+implementation (``fasttrain.lab.model``; validated against ``torch.cuda.max_memory_allocated``
 by ``fasttrain.memory.validate``) and reports the largest amount alive at any moment. The
 differences from the widget (D1-D14 in MODEL.md, each tested in ``tests/test_memory_precise.py``):
 

@@ -1,7 +1,7 @@
 """Check the ``precise`` estimate against a GPU: train the reference GPT for a few steps and
 compare ``torch.cuda.max_memory_allocated`` with the estimate, case by case.
 
-Every case trains ``fasttrain.memory.gpt`` with plain PyTorch and AdamW (foreach, PyTorch's
+Every case trains ``fasttrain.lab.model`` with plain PyTorch and AdamW (foreach, PyTorch's
 default on CUDA, unless the case says fused) for ``steps`` steps on fixed random tokens: fp32 or
 bf16 autocast, eager or flash attention (``F.scaled_dot_product_attention``), without or with
 activation checkpointing (selective: the attention core; full: every block). The peak covers all
@@ -142,7 +142,7 @@ def run_case(name: str, steps: int = 3, debug: bool = False, device: str = "cuda
     """
     import torch
 
-    from fasttrain.memory import gpt
+    from fasttrain.lab import model as gpt
 
     setup = setup or case_setup(name)
     dev = torch.device(device)

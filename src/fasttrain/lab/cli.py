@@ -1,0 +1,212 @@
+"""``fasttrain lab``: train the lab's transformer on Tiny Shakespeare with any set of techniques.
+
+    fasttrain lab --preset tiny --max-steps 20 --bf16 --gradient-checkpointing --out run.json
+    fasttrain lab pitfall --preset shakespeare-char        # a step timed without / with synchronization
+
+Every option is a field of :class:`fasttrain.lab.config.LabConfig` (flag = field name with dashes,
+as in Hugging Face ``TrainingArguments``); options not given keep the preset's value.
+Subcommands live in their own modules, each exposing a click command named ``command``: add the
+module's name to ``SUBCOMMANDS`` to register one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+
+import click
+from rich.console import Console
+from rich.table import Table
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
+                                  LabConfig, preset)
+
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sum", "fasttrain.lab.speedrun", "fasttrain.lab.eval_cli",
+                                "fasttrain.lab.distributed")
+
+out = Console(width=160)
+err = Console(stderr=True)
+
+HELP = {
+    "style": "gpt2 (LayerNorm, learned positions, GELU, tied) or llama (RMSNorm, RoPE, SwiGLU, GQA).",
+    "layers": "Transformer blocks.", "heads": "Attention heads.", "kv_heads": "Key/value heads (llama: GQA).",
+    "width": "Hidden size.", "ffn": "Feed-forward width (default 4 w; llama 8/3 w).",
+    "context": "Tokens per sequence.", "vocab_size": "Vocabulary (default: the corpus' 65 characters).",
+    "pad_vocab_to_multiple_of": "Pad the vocabulary to a multiple of N (e.g. 64).",
+    "dropout": "Dropout probability.", "bias": "Biases in linear layers and LayerNorm.",
+    "per_device_train_batch_size": "Sequences per micro-batch.",
+    "gradient_accumulation_steps": "Micro-batches per optimizer step.",
+    "auto_find_batch_size": "Find the largest micro-batch that fits, by trying (GPU).",
+    "max_steps": "Optimizer steps.", "learning_rate": "Peak learning rate.", "min_lr": "Learning rate at the end.",
+    "warmup_steps": "Linear warm-up steps.", "weight_decay": "Decoupled weight decay (matrices only).",
+    "adam_beta1": "AdamW beta1.", "adam_beta2": "AdamW beta2.", "adam_epsilon": "AdamW epsilon.",
+    "max_grad_norm": "Gradient clipping norm (0: off).", "optim": "Optimizer.",
+    "fp16": "Autocast to fp16 with a GradScaler.", "bf16": "Autocast to bf16.", "tf32": "TF32 matmuls.",
+    "gradient_checkpointing": "Recompute activations: full (every block) or selective (attention core).",
+    "torch_compile": "torch.compile the model.", "torch_compile_mode": "torch.compile mode.",
+    "attn_implementation": "eager (PyTorch ops) or sdpa (scaled_dot_product_attention, flash).",
+    "use_liger_kernel": "liger-kernel's RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear cross-entropy (GPU).",
+    "preload": "Keep the corpus on the device and cut batches there.",
+    "dataloader_num_workers": "DataLoader worker processes.", "dataloader_pin_memory": "Pin host batches.",
+    "dataloader_prefetch_factor": "Batches each worker loads ahead.", "data_dir": "Data root (default: "
+    "$FASTTRAIN_DATA_DIR or ~/.cache/fasttrain); holds tinyshakespeare/input.txt.",
+    "torch_empty_cache_steps": "torch.cuda.empty_cache() every N steps.",
+    "eval_interval": "Validation every N steps (0: only at the end).",
+    "eval_tokens": "Validation token budget (default: the whole split).",
+    "eval_batch_size": "Sequences per validation batch.", "log_interval": "Loss-curve point every N steps.",
+    "timing_warmup_steps": "First steps timed apart (compilation, warm-up).", "seed": "Seed.",
+    "device": "auto, cpu, cuda or cuda:N.", "lora_r": "LoRA rank (0: off).", "lora_alpha": "LoRA alpha.",
+    "lora_dropout": "LoRA dropout.", "lora_target_modules": "Comma-separated: qkv, proj, up, down, head.",
+    "prompt_tuning_tokens": "Trainable soft-prompt tokens (base frozen).",
+    "init_from": "Start from a checkpoint written with --save (fine-tuning).",
+    "save": "Write the trained model to this folder (model.safetensors + config.json).",
+}
+CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES}
+SKIP = {"name"}
+
+
+def config_options(fn):
+    """One click option per LabConfig field; every default is None (= keep the preset's value)."""
+    for f in reversed(dataclasses.fields(LabConfig)):
+        if f.name in SKIP:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        help_ = HELP.get(f.name, "")
+        if f.name == "gradient_checkpointing":
+            # --gradient-checkpointing alone means full
+            opt = click.option(flag, f.name, type=click.Choice(CHECKPOINTING), is_flag=False, flag_value="full",
+                               default=None, help=help_ + " [none|full|selective; alone: full]")
+        elif isinstance(f.default, bool):
+            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_)
+        elif f.name in CHOICES:
+            opt = click.option(flag, f.name, type=click.Choice(CHOICES[f.name]), default=None, help=help_)
+        elif f.name == "lora_target_modules":
+            opt = click.option(flag, f.name, default=None, help=help_)
+        elif f.name in ("dropout", "learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
+                        "adam_epsilon", "max_grad_norm", "lora_alpha", "lora_dropout"):
+            opt = click.option(flag, f.name, type=float, default=None, help=help_)
+        elif f.name in ("data_dir", "init_from", "save", "device"):
+            opt = click.option(flag, f.name, type=str, default=None, help=help_)
+        else:
+            opt = click.option(flag, f.name, type=int, default=None, help=help_)
+        fn = opt(fn)
+    fn = click.option("--preset", "preset_name", default="shakespeare-char", show_default=True,
+                      help=f"Start from a preset: {', '.join(PRESETS)}.")(fn)
+    return fn
+
+
+def config_from(preset_name: str, options: dict) -> LabConfig:
+    given = {k: v for k, v in options.items() if v is not None}
+    if isinstance(given.get("lora_target_modules"), str):
+        given["lora_target_modules"] = tuple(t.strip() for t in given["lora_target_modules"].split(",") if t.strip())
+    return preset(preset_name, **given)
+
+
+def _mib(value) -> str:
+    return "-" if value is None else f"{value / 2**20:,.1f}"
+
+
+def print_summary(record: dict) -> None:
+    cfg = record["config"]
+    mem, est = record["memory"], record["estimate"]
+    title = (f"{cfg['name']} · {record['device']} · {record['precision']} · batch "
+             f"{record['batch']['per_device_train_batch_size']}x{record['batch']['gradient_accumulation_steps']} · "
+             f"{cfg['optim']} · {record['params']['trainable']:,}/{record['params']['total']:,} params trained")
+    table = Table(title=title)
+    for col in ("setup ms", "warm-up ms", "p50 step ms", "mean step ms", "tokens/s", "peak MiB", "reserved MiB",
+                "estimate MiB", "est. error", "train loss", "val loss"):
+        table.add_column(col, justify="right")
+    s = record["step_ms"]
+    err_pct = est.get("error_pct")
+    table.add_row(f"{record['setup_ms']:.0f}", f"{sum(record['warmup_ms']):.0f}",
+                  "-" if s["p50"] is None else f"{s['p50']:.2f}", "-" if s["mean"] is None else f"{s['mean']:.2f}",
+                  "-" if record["tokens_per_s"] is None else f"{record['tokens_per_s']:,.0f}",
+                  _mib(mem["peak_allocated_bytes"]), _mib(mem["peak_reserved_bytes"]), _mib(est.get("precise_bytes")),
+                  "-" if err_pct is None else f"{err_pct:+.1f}%",
+                  "-" if record["final"]["train_loss"] is None else f"{record['final']['train_loss']:.4f}",
+                  f"{record['final']['val_loss']:.4f}")
+    out.print(table)
+    kinds = mem["by_kind"]
+    out.print("memory by kind (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in kinds.items()))
+
+
+@click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@config_options
+@click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
+@click.option("--list-presets", is_flag=True, help="List the presets and exit.")
+@click.option("--quiet", is_flag=True, help="No progress or table.")
+@click.pass_context
+def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
+    """Train the lab's transformer on Tiny Shakespeare and measure speed, memory and loss."""
+    if ctx.invoked_subcommand is not None:
+        return
+    if list_presets:
+        for name in PRESETS:
+            out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
+        return
+    from fasttrain.lab.train import run, write_record
+
+    cfg = config_from(preset_name, options)
+    progress = None
+    log = None if quiet else (lambda line: err.print(line))
+    if not quiet:
+        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+        bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
+                       TimeElapsedColumn(), console=err, transient=True)
+        task = bar.add_task(f"lab {cfg.name}", total=cfg.max_steps)
+        progress = lambda step, total: bar.update(task, completed=step)  # noqa: E731
+        bar.start()
+    try:
+        record = run(cfg, log=log, progress=progress)
+    finally:
+        if not quiet:
+            bar.stop()
+    if out_path:
+        write_record(record, out_path)
+    if not quiet:
+        print_summary(record)
+        if out_path:
+            out.print(f"run record: {out_path}")
+        if cfg.save:
+            out.print(f"checkpoint: {cfg.save}")
+
+
+@command.command("pitfall")
+@config_options
+@click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
+def pitfall(preset_name, repeats, **options) -> None:
+    """Time one training step without and with device synchronization, side by side."""
+    from fasttrain.lab.train import timing_pitfall
+
+    cfg = config_from(preset_name, options)
+    res = timing_pitfall(cfg, repeats=repeats)
+    table = Table(title=f"one training step of {cfg.name} on {res['device']}: {repeats} repeats")
+    table.add_column("timed", justify="left")
+    for col in ("p20 ms", "p50 ms", "p80 ms"):
+        table.add_column(col, justify="right")
+    for label, key in (("perf_counter around the step", "without_sync_ms"),
+                       ("synchronize, step, synchronize", "with_sync_ms")):
+        r = res[key]
+        table.add_row(label, f"{r['p20']:.2f}", f"{r['p50']:.2f}", f"{r['p80']:.2f}")
+    out.print(table)
+    out.print("Without synchronization the clock stops when the CPU has queued the GPU's kernels, "
+              "not when they have run.")
+
+
+def _load_subcommands() -> None:
+    for module in SUBCOMMANDS:
+        try:
+            mod = importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name == module:      # not written yet: run without it
+                continue
+            raise
+        if hasattr(mod, "command"):
+            command.add_command(mod.command)
+
+
+_load_subcommands()
+
+__all__ = ["command", "config_options", "config_from", "FasttrainError"]
