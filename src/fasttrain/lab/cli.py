@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab import distributed
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
@@ -133,6 +134,7 @@ def print_summary(record: dict) -> None:
 
 @click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @config_options
+@distributed.parallel_options
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
 @click.option("--list-presets", is_flag=True, help="List the presets and exit.")
 @click.option("--quiet", is_flag=True, help="No progress or table.")
@@ -147,7 +149,16 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         return
     from fasttrain.lab.train import run, write_record
 
+    parallel, launch = distributed.parallel_from_options(options)
     cfg = config_from(preset_name, options)
+    if launch is not None:
+        # this process only starts torchrun; every worker runs this command without the launcher's options
+        distributed.check_launch(launch.nproc_per_node, cfg.device, parallel.strategy)
+        distributed.check_config(cfg, parallel)
+        distributed.launch(launch, distributed.worker_argv(ctx, skip=distributed.LAUNCH_OPTIONS))
+        return
+    main = distributed.env_rank() == 0          # several processes: rank 0 alone prints and writes
+    quiet = quiet or not main
     progress = None
     log = None if quiet else (lambda line: err.print(line))
     if not quiet:
@@ -159,14 +170,16 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         progress = lambda step, total: bar.update(task, completed=step)  # noqa: E731
         bar.start()
     try:
-        record = run(cfg, log=log, progress=progress)
+        record = run(cfg, log=log, progress=progress, parallel=parallel)
     finally:
         if not quiet:
             bar.stop()
-    if out_path:
+    if out_path and main:
         write_record(record, out_path)
     if not quiet:
         print_summary(record)
+        for line in distributed.summary_lines(record):
+            out.print(line)
         if out_path:
             out.print(f"run record: {out_path}")
         if cfg.save:

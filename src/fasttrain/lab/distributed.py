@@ -122,6 +122,7 @@ class World:
     reshard_after_forward: bool = True
     timeout_s: float = 1800.0
     mesh: object = None
+    owns_group: bool = False        # this run created the process group (and destroys it at the end)
 
     @property
     def distributed(self) -> bool:
@@ -177,6 +178,22 @@ def check_model_fits(cfg, world_size: int, strategy: str) -> None:
         if value % world_size:
             raise FasttrainError(f"tensor parallelism over {world_size} ranks needs {name} ({value}) divisible by "
                                  f"{world_size}; change the model or the number of processes")
+
+
+def check_config(cfg, parallel: ParallelConfig) -> None:
+    """Techniques that do not combine with a strategy, refused before any process group exists."""
+    s = parallel.strategy
+    if s == "none":
+        return None
+    if cfg.auto_find_batch_size:
+        raise FasttrainError("--auto-find-batch-size searches on one GPU; run it there without --strategy and "
+                             "pass the batch it finds as --per-device-train-batch-size")
+    if cfg.fp16 and s in ("fsdp", "tp"):
+        raise FasttrainError(f"--fp16 (GradScaler) is not supported with --strategy {s}; use --bf16")
+    if s == "tp" and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
+        raise FasttrainError("--strategy tp splits the plain attention and MLP layers; it does not combine with "
+                             "LoRA, prompt tuning or --use-liger-kernel: use ddp or fsdp")
+    return None
 
 
 def gpu_count() -> int:
@@ -255,7 +272,8 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
         device = f"cuda:{local_rank}"
         torch.cuda.set_device(local_rank)
     backend = _backend_for(device, parallel.ddp_backend)
-    if not dist.is_initialized():
+    owns_group = not dist.is_initialized()
+    if owns_group:
         kwargs = {"device_id": torch.device(device)} if backend == "nccl" else {}
         try:
             dist.init_process_group(backend, timeout=timedelta(seconds=parallel.ddp_timeout), **kwargs)
@@ -264,7 +282,7 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
                                  f"MASTER_ADDR/MASTER_PORT and that all {world_size} processes started") from None
     world = World(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device,
                   strategy=parallel.strategy, reshard_after_forward=parallel.reshard_after_forward,
-                  timeout_s=parallel.ddp_timeout)
+                  timeout_s=parallel.ddp_timeout, owns_group=owns_group)
     if parallel.strategy in ("fsdp", "tp"):
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -275,7 +293,7 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
 def shutdown(world: World) -> None:
     import torch.distributed as dist
 
-    if world.distributed and dist.is_initialized():
+    if world.owns_group and dist.is_initialized():
         dist.destroy_process_group()
 
 
@@ -624,3 +642,81 @@ def worker_argv(ctx, skip: tuple[str, ...]) -> list[str]:
                 item = ",".join(str(x) for x in item)
             argv += [param.opts[0], str(item)]
     return argv
+
+
+def local_optimizer(optimizer):
+    """The optimizer whose state lives on this rank (ZeRO keeps its shard's in ``.optim``)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
+# --- the command line ---------------------------------------------------------------------------
+
+LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
+PARALLEL_OPTIONS = ("strategy", "reshard_after_forward", "global_batch_size", "ddp_backend", "ddp_timeout")
+
+
+def parallel_options(fn):
+    """``fasttrain lab``'s options for several processes (click decorators)."""
+    import click
+
+    decorators = [
+        click.option("--strategy", type=click.Choice(STRATEGIES), default="none", show_default=True,
+                     help="Several processes: ddp, zero1 (ZeroRedundancyOptimizer), fsdp (FSDP2), tp (tensor "
+                          "parallelism over all ranks)."),
+        click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
+                     help="fsdp: free the gathered parameters after the forward (ZeRO-3) or keep them (ZeRO-2)."),
+        click.option("--global-batch-size", type=int, default=None,
+                     help="Sequences per optimizer step over all ranks (sets --per-device-train-batch-size)."),
+        click.option("--ddp-backend", type=click.Choice(BACKENDS), default=None,
+                     help="Process-group backend (default: nccl on GPUs, gloo on the CPU)."),
+        click.option("--ddp-timeout", type=float, default=1800.0, show_default=True,
+                     help="Seconds a collective waits for the other ranks before the run stops."),
+        click.option("--nproc-per-node", type=int, default=None,
+                     help="Start this many processes through torchrun (one per GPU)."),
+        click.option("--nnodes", default=None, help="torchrun: number of machines (or MIN:MAX)."),
+        click.option("--node-rank", type=int, default=None, help="torchrun: this machine's rank."),
+        click.option("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the rendezvous (several machines)."),
+    ]
+    for deco in reversed(decorators):
+        fn = deco(fn)
+    return fn
+
+
+def parallel_from_options(options: dict) -> tuple[ParallelConfig, Launch | None]:
+    """Take the parallel and launcher options out of ``options`` (in place)."""
+    values = {name: options.pop(name, None) for name in PARALLEL_OPTIONS + LAUNCH_OPTIONS}
+    parallel = validate_parallel(ParallelConfig(
+        strategy=values["strategy"] or "none",
+        reshard_after_forward=True if values["reshard_after_forward"] is None else values["reshard_after_forward"],
+        global_batch_size=values["global_batch_size"], ddp_backend=values["ddp_backend"],
+        ddp_timeout=1800.0 if values["ddp_timeout"] is None else values["ddp_timeout"]))
+    launch_spec = None
+    if values["nproc_per_node"] is not None:
+        launch_spec = Launch(nproc_per_node=values["nproc_per_node"], nnodes=values["nnodes"] or "1",
+                             node_rank=values["node_rank"], rdzv_endpoint=values["rdzv_endpoint"])
+    elif values["nnodes"] or values["rdzv_endpoint"] or values["node_rank"] is not None:
+        raise FasttrainError("--nnodes, --node-rank and --rdzv-endpoint go with --nproc-per-node N")
+    return parallel, launch_spec
+
+
+def env_rank() -> int:
+    """This process's rank as torchrun set it (0 when not started by torchrun)."""
+    try:
+        return int(os.environ.get("RANK", "0"))
+    except ValueError:
+        return 0
+
+
+def summary_lines(record: dict) -> list[str]:
+    """The per-rank part of a run record, for the terminal."""
+    d = record.get("distributed")
+    if not d:
+        return []
+    mib = 2 ** 20
+    est = record.get("estimate", {}).get("precise_bytes")
+    peaks = ", ".join("-" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / mib:,.1f}"
+                      for r in d["per_rank"])
+    lines = [f"{d['label']} over {d['world_size']} processes ({d['backend']}, dp {d['dp']}, tp {d['tp']}): "
+             f"global batch {d['global_batch_size']}, {record['tokens_per_s'] or 0:,.0f} tokens/s for the world",
+             f"peak MiB per rank: {peaks}" + ("" if est is None else f"; estimator per GPU: {est / mib:,.1f}")]
+    return lines
