@@ -158,24 +158,42 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
     return AdamW8bit(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
 
 
-def tensor_bytes(t) -> int:
-    """Bytes a tensor holds; tensor subclasses (torchao's quantized state) through their inner tensors."""
+def _leaves(t):
+    """The plain tensors holding ``t``'s data (tensor subclasses such as torchao's quantized
+    optimizer state through their inner tensors; a DTensor -- FSDP, tensor parallelism --
+    through this rank's shard)."""
     if hasattr(t, "to_local") and hasattr(t, "placements"):
-        return tensor_bytes(t.to_local())         # a DTensor (FSDP, tensor parallelism): this rank's shard
+        yield from _leaves(t.to_local())
+        return
     if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Parameter":
         names, _ = t.__tensor_flatten__()
-        return sum(tensor_bytes(getattr(t, n)) for n in names)
-    return t.numel() * t.element_size()
+        for n in names:
+            yield from _leaves(getattr(t, n))
+    else:
+        yield t
+
+
+def tensor_bytes(t) -> int:
+    """Bytes a tensor holds."""
+    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(t))
 
 
 def optimizer_state_bytes(opt, include_scalars: bool = True) -> int:
+    """Bytes of every tensor in ``opt.state``, storage shared between entries counted once
+    (torchao's 8-bit states share one 256-entry code table)."""
     import torch
 
-    total = 0
+    seen, total = set(), 0
     for state in opt.state.values():
         for v in state.values():
-            if isinstance(v, torch.Tensor) and (include_scalars or v.dim() > 0):
-                total += tensor_bytes(v)
+            if not isinstance(v, torch.Tensor) or (not include_scalars and v.dim() == 0):
+                continue
+            for leaf in _leaves(v):
+                key = (leaf.untyped_storage().data_ptr(), leaf.device) if leaf.numel() else None
+                if key is not None and key in seen:
+                    continue
+                seen.add(key)
+                total += leaf.numel() * leaf.element_size()
     return total
 
 
