@@ -153,8 +153,7 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
     cfg = config_from(preset_name, options)
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
-        distributed.check_launch(launch.nproc_per_node, cfg.device, parallel.strategy)
-        distributed.check_config(cfg, parallel)
+        distributed.check_before_launch(cfg, parallel, launch)
         distributed.launch(launch, distributed.worker_argv(ctx, skip=distributed.LAUNCH_OPTIONS))
         return
     main = distributed.env_rank() == 0          # several processes: rank 0 alone prints and writes

@@ -218,6 +218,19 @@ def check_launch(nproc_per_node: int, device: str, strategy: str) -> None:
                                  f"{'' if gpus else ''} or --device cpu (gloo)")
 
 
+def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
+    """Everything that can be refused before torchrun starts a process (one machine: the world
+    size is known, so the batch and the heads are checked here too)."""
+    check_launch(spec.nproc_per_node, cfg.device, parallel.strategy)
+    check_config(cfg, parallel)
+    if parallel.ddp_backend == "nccl" and cfg.device == "cpu":
+        raise FasttrainError("--ddp-backend nccl needs CUDA GPUs; on the CPU use --ddp-backend gloo")
+    if str(spec.nnodes) == "1":
+        world = spec.nproc_per_node
+        check_model_fits(cfg, world, parallel.strategy)
+        resolve_batch(cfg, parallel, 1 if parallel.strategy == "tp" else world)
+
+
 # --- the process group -----------------------------------------------------------------------------
 
 def _backend_for(device: str, wanted: str | None) -> str:
@@ -720,3 +733,65 @@ def summary_lines(record: dict) -> list[str]:
              f"global batch {d['global_batch_size']}, {record['tokens_per_s'] or 0:,.0f} tokens/s for the world",
              f"peak MiB per rank: {peaks}" + ("" if est is None else f"; estimator per GPU: {est / mib:,.1f}")]
     return lines
+
+
+def _dist_group():
+    import click
+
+    @click.group("dist")
+    def group() -> None:
+        """The lab on several GPUs: the strategy sweep and its report (tables, plots)."""
+
+    @group.command("sweep")
+    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the records.")
+    @click.option("--presets", default="shakespeare-char,char-100m", show_default=True, help="Comma-separated.")
+    @click.option("--nproc-per-node", "nproc", type=int, default=2, show_default=True, help="GPUs of the N-GPU runs.")
+    @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
+                  help="Comma-separated: ddp, zero1, fsdp-zero2, fsdp-zero3, tp.")
+    @click.option("--max-steps", type=int, default=60, show_default=True, help="Steps of every run.")
+    @click.option("--bf16/--no-bf16", default=True, show_default=True, help="Also 1 GPU and fsdp-zero3 in bf16.")
+    @click.option("--data-dir", default=None, help="Data root (holds tinyshakespeare/input.txt).")
+    @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+                  help="cpu: gloo processes (a smoke test of the sweep; timings mean nothing).")
+    @click.option("--dry-run", is_flag=True, help="Print the command lines only.")
+    def sweep_cmd(out_dir, presets, nproc, strategies, max_steps, bf16, data_dir, device, dry_run) -> None:
+        """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
+        from fasttrain.lab import scaling
+
+        if not dry_run:
+            check_launch(nproc, device, "ddp")
+        extra = (["--data-dir", data_dir] if data_dir else []) + ["--device", device]
+        runs = scaling.plan([p.strip() for p in presets.split(",") if p.strip()], nproc, max_steps,
+                            [s.strip() for s in strategies.split(",") if s.strip()], bf16=bf16, extra=extra)
+        if dry_run:
+            from pathlib import Path
+
+            for run in runs:
+                click.echo(" ".join(scaling.command_line(run, Path(out_dir))[1:]))
+            return
+        status = scaling.sweep(runs, out_dir, log=lambda line: click.echo(line, err=True))
+        result = scaling.report(out_dir)
+        click.echo(result["markdown"].read_text())
+        failed = [s["name"] for s in status if s["exit"]]
+        if failed:
+            raise FasttrainError(f"{len(failed)} of {len(status)} runs failed ({', '.join(failed)}); their logs are "
+                                 f"in {out_dir}")
+
+    @group.command("report")
+    @click.argument("folder", type=click.Path(file_okay=False))
+    @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where to write (default: FOLDER).")
+    def report_cmd(folder, out_dir) -> None:
+        """scaling.csv, scaling.md and plots from a folder of run records."""
+        from fasttrain.lab import scaling
+
+        result = scaling.report(folder, out_dir)
+        click.echo(result["markdown"].read_text())
+
+    return group
+
+
+def __getattr__(name):
+    # ``command`` (``fasttrain lab dist``) is built on first access: click stays unimported otherwise
+    if name == "command":
+        return _dist_group()
+    raise AttributeError(name)
