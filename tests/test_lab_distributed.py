@@ -129,6 +129,25 @@ def _same_function(tmp_path, device: str, rel: float) -> None:
             assert set(mine) == set(theirs)
             for name, w in theirs.items():
                 torch.testing.assert_close(mine[name], w, rtol=10 * rel, atol=10 * rel, msg=lambda m: f"{key} {name}: {m}")
+    # the report over these records: one row per run, the loss difference against one process
+    from fasttrain.lab import scaling
+
+    folder = tmp_path / "records"
+    folder.mkdir()
+    for style, rec in ref.items():
+        (folder / f"{style}.1gpu.json").write_text(json.dumps(rec, default=str))
+    for key, rec in records.items():
+        strategy, stage, style = key.split("-")
+        label = f"fsdp-{stage}" if strategy == "fsdp" else strategy
+        (folder / f"{style}.{label}.json").write_text(json.dumps(rec))
+    result = scaling.report(folder)
+    table = {(r["preset"], r["strategy"]): r for r in result["rows"]}
+    assert len(table) == len(CASES) + 2
+    for (preset_name, label), row in table.items():
+        if label != "1gpu":
+            assert row["world"] == 2 and row["efficiency"] > 0 and row["max_rel_loss_diff"] < rel, (preset_name, label)
+    assert "| tp | 2 | 1 x 2 | 16 |" in result["markdown"].read_text()
+    assert result["csv"].read_text().startswith("preset,strategy,world,device,precision,global_batch,metric,rank,")
     # training moved: the curves are not flat
     assert ref["gpt2"]["loss_curve"][0]["loss"] - ref["gpt2"]["loss_curve"][-1]["loss"] > 0.05
     # sharding shows in the memory by kind: ZeRO-1 halves the optimizer state, FSDP the parameters too
@@ -303,3 +322,60 @@ def test_worker_command_line_drops_the_launcher_options():
                  ["--no-reshard-after-forward"], ["--global-batch-size", "16"], ["--out", "r.json"]):
         i = argv.index(part[0])
         assert argv[i:i + len(part)] == part, argv
+
+
+def _data_root():
+    from pathlib import Path
+
+    for root in (os.environ.get("FASTTRAIN_DATA_DIR"), str(Path(__file__).resolve().parents[3] / "shared" / "data"),
+                 "/work/shared/data"):
+        if root and os.path.isfile(os.path.join(root, "tinyshakespeare", "input.txt")):
+            return root
+    pytest.skip("Tiny Shakespeare not found (set FASTTRAIN_DATA_DIR)")
+
+
+def _fasttrain(args, env_extra=None, timeout=120):
+    import subprocess
+    from pathlib import Path
+
+    src = str(Path(D.__file__).resolve().parents[2])
+    env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", ""), **(env_extra or {})}
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        env.pop(name, None)
+    return subprocess.run([sys.executable, "-m", "fasttrain", *args], env=env, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_fasttrain_lab_starts_torchrun_itself(tmp_path):
+    """``fasttrain lab --nproc-per-node 2``: torchrun's launcher, 2 gloo workers, rank 0 writes the
+    record; the loss curve is the one process's at the same global batch."""
+    root = _data_root()
+    common = ["lab", "--preset", "tiny", "--max-steps", "3", "--device", "cpu", "--eval-tokens", "512",
+              "--data-dir", root, "--gradient-accumulation-steps", "2"]
+    two = _fasttrain([*common, "--strategy", "zero1", "--nproc-per-node", "2", "--global-batch-size", "16",
+                      "--out", str(tmp_path / "two.json")])
+    assert two.returncode == 0, two.stderr[-2000:]
+    assert "zero1 over 2 processes (gloo, dp 2, tp 1): global batch 16" in two.stdout
+    assert two.stdout.count("val loss") == 1                 # rank 0 alone prints
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+
+    one = run(preset("tiny", max_steps=3, device="cpu", eval_tokens=512, data_dir=root, gradient_accumulation_steps=2,
+                     per_device_train_batch_size=8))
+    rec = json.loads((tmp_path / "two.json").read_text())
+    assert rec["distributed"]["multicast_off"] == D.MULTICAST_OFF     # what the workers' environment held
+    assert [p["loss"] for p in rec["loss_curve"]] == pytest.approx([p["loss"] for p in one["loss_curve"]], rel=1e-5)
+
+
+def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path):
+    root = _data_root()
+    # a world the model cannot split is caught before launch; a failure only the workers see
+    # (here: the rendezvous' world has 2 processes while the command asks for tensor parallelism
+    # of a model whose checkpoint does not exist) ends the launch with one line of the launcher
+    res = _fasttrain(["lab", "--preset", "tiny", "--max-steps", "3", "--device", "cpu", "--quiet", "--data-dir", root,
+                      "--strategy", "ddp", "--nproc-per-node", "2", "--init-from", str(tmp_path / "missing")])
+    assert res.returncode == 1
+    lines = [line for line in res.stderr.splitlines() if line.strip()]
+    assert lines[-1].startswith("error: rank ") and "torchrun stopped the others" in lines[-1], res.stderr
+    assert any("is not a lab checkpoint" in line for line in lines[:-1])
+    assert "Traceback" not in res.stderr

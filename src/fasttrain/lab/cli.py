@@ -147,8 +147,6 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         for name in PRESETS:
             out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
         return
-    from fasttrain.lab.train import run, write_record
-
     parallel, launch = distributed.parallel_from_options(options)
     cfg = config_from(preset_name, options)
     if launch is not None:
@@ -158,6 +156,13 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         return
     main = distributed.env_rank() == 0          # several processes: rank 0 alone prints and writes
     quiet = quiet or not main
+    with distributed.rank_prefixed_errors():
+        _train(cfg, parallel, out_path, quiet, main)
+
+
+def _train(cfg, parallel, out_path, quiet, main) -> None:
+    from fasttrain.lab.train import run, write_record
+
     progress = None
     log = None if quiet else (lambda line: err.print(line))
     if not quiet:

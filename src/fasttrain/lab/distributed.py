@@ -712,6 +712,17 @@ def parallel_from_options(options: dict) -> tuple[ParallelConfig, Launch | None]
     return parallel, launch_spec
 
 
+@contextlib.contextmanager
+def rank_prefixed_errors():
+    """In one of several processes, an error line says which rank it comes from."""
+    try:
+        yield
+    except FasttrainError as exc:
+        if launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not str(exc).startswith("rank "):
+            raise FasttrainError(f"rank {env_rank()}: {exc}") from None
+        raise
+
+
 def env_rank() -> int:
     """This process's rank as torchrun set it (0 when not started by torchrun)."""
     try:

@@ -222,6 +222,10 @@ def _fmt(value, spec) -> str:
     return "-" if value is None else format(value, spec)
 
 
+def _pct(value) -> str:
+    return "-" if value is None else f"{value:+.1f}%"
+
+
 def markdown(table: list[dict]) -> str:
     lines = []
     for preset in dict.fromkeys(r["preset"] for r in table):
@@ -235,7 +239,7 @@ def markdown(table: list[dict]) -> str:
             peaks = " / ".join(f"{p:,.0f}" for p in r["peak_mib_per_rank"]) or "-"
             lines.append(f"| {r['strategy']} | {r['world']} | {r['dp']} x {r['tp']} | {r['global_batch']} | "
                          f"{r['per_device_batch']} | {r['precision']} | {peaks} | {_fmt(r['estimate_mib'], ',.0f')} | "
-                         f"{_fmt(r['estimate_error_pct'], '+.1f')}% | {_fmt(r['tokens_per_s'], ',.0f')} | "
+                         f"{_pct(r['estimate_error_pct'])} | {_fmt(r['tokens_per_s'], ',.0f')} | "
                          f"{_fmt(r['efficiency'], '.2f')} | {_fmt(r['max_loss_diff'], '.2e')} | "
                          f"{_fmt(r['val_loss'], '.4f')} |")
         lines.append("")
@@ -262,8 +266,12 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
     for ax, preset in zip(axes[0], presets):
         sub = [r for r in table if r["preset"] == preset and r["peak_mib"] is not None]
         xs = range(len(sub))
-        ax.bar([x - 0.2 for x in xs], [r["peak_mib"] for r in sub], 0.4, label="measured (max over GPUs)")
-        ax.bar([x + 0.2 for x in xs], [r["estimate_mib"] or 0 for r in sub], 0.4, label="estimator (precise)")
+        ax.bar([x - 0.2 for x in xs], [r["peak_mib"] for r in sub], 0.4, color="tab:blue",
+               label="measured (max over GPUs)")
+        ax.bar([x + 0.2 for x in xs], [r["estimate_mib"] or 0 for r in sub], 0.4, color="tab:orange",
+               label="estimator (precise)")
+        if not sub:
+            ax.text(0.5, 0.5, "no GPU peaks (CPU runs)", ha="center", transform=ax.transAxes)
         ax.set_xticks(list(xs), [r["strategy"] for r in sub], rotation=30, ha="right")
         ax.set_ylabel("peak MiB per GPU")
         ax.set_title(preset)
@@ -286,19 +294,28 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
     fig.savefig(out_dir / "throughput.png", dpi=120)
     written.append(out_dir / "throughput.png")
     plt.close(fig)
-    fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
-    for ax, preset in zip(axes[0], presets):
+    # top: the curves; bottom: loss(N GPUs) - loss(1 GPU) step by step, where the reduction order shows
+    fig, axes = plt.subplots(2, len(presets), figsize=(6 * len(presets), 7), squeeze=False, sharex="col")
+    for col, preset in enumerate(presets):
+        top, bottom = axes[0][col], axes[1][col]
         for stem, rec in runs.items():
             p, label = _label(stem)
             if p != preset or label in ("ddp-weak",):
                 continue
             curve = rec["loss_curve"]
-            ax.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=label,
-                    lw=2.5 if label.startswith("1gpu") else 1, ls="-" if label.startswith("1gpu") else "--")
-        ax.set_xlabel("step")
-        ax.set_ylabel("training loss")
-        ax.set_title(f"{preset}: N GPUs against 1 at the same global batch")
-        ax.legend(fontsize=7)
+            top.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=label,
+                     lw=2.5 if label.startswith("1gpu") else 1, ls="-" if label.startswith("1gpu") else "--")
+            base = runs.get(f"{preset}.{'1gpu-bf16' if label.endswith('bf16') else '1gpu'}")
+            if base is not None and base is not rec:
+                ref = {c["step"]: c["loss"] for c in base["loss_curve"]}
+                steps = [c["step"] for c in curve if c["step"] in ref]
+                bottom.plot(steps, [c["loss"] - ref[c["step"]] for c in curve if c["step"] in ref], label=label, lw=1)
+        top.set_ylabel("training loss")
+        top.set_title(f"{preset}: N GPUs against 1 at the same global batch")
+        top.legend(fontsize=7)
+        bottom.axhline(0.0, color="black", lw=0.5)
+        bottom.set_xlabel("step")
+        bottom.set_ylabel("loss(N GPUs) - loss(1 GPU)")
     fig.tight_layout()
     fig.savefig(out_dir / "loss.png", dpi=120)
     written.append(out_dir / "loss.png")
