@@ -165,9 +165,9 @@ def test_checkpoint_then_lora_prompt_and_full_fine_tuning(corpus, tmp_path):
     ck = tmp_path / "pre"
     pre = lab.run(tiny(style="llama", kv_heads=1, save=str(ck)), corpus=corpus)
     assert (ck / "model.safetensors").exists() and json.loads((ck / "config.json").read_text())["model"]["norm"] == "rms"
-    # the saved model alone reproduces the recorded validation loss
-    trainer = lab.Trainer(tiny(init_from=str(ck), max_steps=1), corpus, torch.device("cpu"))
-    assert trainer.evaluate()[0] == pytest.approx(pre["final"]["val_loss"], abs=1e-6)
+    # the saved model alone reproduces the recorded validation loss, exactly
+    again = lab.evaluate_checkpoint(ck, eval_tokens=256, device="cpu", corpus=corpus)
+    assert again["val_loss"] == pre["final"]["val_loss"] == again["recorded_val_loss"]
     runs = {}
     for name, kw in {"full": {}, "lora": dict(lora_r=2), "prompt": dict(prompt_tuning_tokens=4)}.items():
         runs[name] = lab.run(tiny(init_from=str(ck), **kw), corpus=corpus)
@@ -411,6 +411,20 @@ def test_cli_bad_input_is_one_line_without_output_file(fake_corpus, tmp_path, ca
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and message in lines[0], stderr
     assert "Traceback" not in stderr and not out.exists()
+
+
+def test_cli_eval_of_a_saved_checkpoint(fake_corpus, tmp_path, capsys):
+    pytest.importorskip("safetensors")
+    ck = tmp_path / "ck"
+    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+                            "--eval-tokens", "300", "--save", str(ck), "--out", str(tmp_path / "r.json")], capsys)
+    assert code == 0, stderr
+    recorded = json.loads((tmp_path / "r.json").read_text())["final"]["val_loss"]
+    code, stdout, stderr = _cli(["lab", "eval", str(ck), "--device", "cpu", "--eval-tokens", "300"], capsys)
+    assert code == 0, stderr
+    assert f"val loss {recorded:.6f}" in stdout and f"recorded at save: {recorded:.6f}" in stdout
+    code, _, stderr = _cli(["lab", "eval", str(tmp_path / "nothing")], capsys)
+    assert code == 1 and "is not a lab checkpoint" in stderr
 
 
 def test_cli_missing_data_is_one_line(tmp_path, capsys):

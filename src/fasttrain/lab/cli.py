@@ -23,8 +23,7 @@ from fasttrain.lab import distributed
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sum", "fasttrain.lab.speedrun", "fasttrain.lab.eval_cli",
-                                "fasttrain.lab.distributed")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sum", "fasttrain.lab.speedrun", "fasttrain.lab.distributed")
 
 out = Console(width=160)
 err = Console(stderr=True)
@@ -210,6 +209,22 @@ def pitfall(preset_name, repeats, **options) -> None:
     out.print(table)
     out.print("Without synchronization the clock stops when the CPU has queued the GPU's kernels, "
               "not when they have run.")
+
+
+@command.command("eval")
+@click.argument("checkpoint", type=click.Path())
+@click.option("--data-dir", help="Data root holding tinyshakespeare/input.txt.")
+@click.option("--eval-tokens", type=int, help="Token budget (default: the whole validation split).")
+@click.option("--device", default="auto", show_default=True)
+@click.option("--bf16", is_flag=True, help="Evaluate under bf16 autocast.")
+def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16) -> None:
+    """The validation loss of a checkpoint written with --save, recomputed from it alone."""
+    from fasttrain.lab.train import evaluate_checkpoint
+
+    res = evaluate_checkpoint(checkpoint, data_dir, eval_tokens=eval_tokens, device=device, bf16=bf16)
+    recorded = res["recorded_val_loss"]
+    out.print(f"val loss {res['val_loss']:.6f} over {res['tokens']:,} characters ({res['ms']:.0f} ms, {res['device']})"
+              + ("" if recorded is None else f"; recorded at save: {recorded:.6f}"))
 
 
 def _load_subcommands() -> None:

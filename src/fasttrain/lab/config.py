@@ -198,7 +198,7 @@ _BABY_GPT = dict(
 
 PRESETS: dict[str, dict] = {
     "tiny": dict(style="gpt2", layers=2, heads=2, width=32, context=32, dropout=0.0, per_device_train_batch_size=8,
-                 max_steps=20, learning_rate=1e-3, min_lr=1e-4, warmup_steps=2, eval_interval=10, eval_tokens=4096,
+                 max_steps=20, learning_rate=1e-2, min_lr=1e-3, warmup_steps=2, eval_interval=10, eval_tokens=4096,
                  log_interval=1, timing_warmup_steps=2),
     "shakespeare-char": dict(_BABY_GPT),
     "char-100m": dict(style="llama", layers=16, heads=12, kv_heads=4, width=768, ffn=2048, context=1024, dropout=0.0,

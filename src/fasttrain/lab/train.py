@@ -309,11 +309,18 @@ def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scale
     """Forward and backward over ``micro_batches`` equal slices of (x, y); the gradients add up to
     those of the mean loss over the whole batch: d/dW mean_all = sum_j (1/k) d/dW mean_j.
     ``sync(last)``: a context around micro-batch j's forward and backward (several processes:
-    gradients are reduced over the ranks only on the last). Returns the mean loss (a tensor: no
-    device synchronization)."""
+    gradients are reduced over the ranks only on the last); without it a model with ``no_sync``
+    (DistributedDataParallel) all-reduces only on the last micro-batch. Returns the mean loss (a
+    tensor: no device synchronization)."""
     total = None
+    no_sync = getattr(model, "no_sync", None)
     for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-        with sync(j == micro_batches - 1) if sync is not None else nullcontext():
+        last = j == micro_batches - 1
+        if sync is not None:
+            context = sync(last)
+        else:
+            context = nullcontext() if no_sync is None or last else no_sync()
+        with context:
             with amp():
                 loss = model(xm, ym) / micro_batches
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -322,9 +329,14 @@ def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scale
 
 
 class Trainer:
-    """Model, optimizer and data of one run; ``step()`` is one optimizer step."""
+    """Model, optimizer and data of one run; ``step()`` is one optimizer step.
 
-    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, log=None, world=None):
+    ``wrap(model) -> module``, if given, wraps the model after PEFT and before compilation and the
+    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module. ``world``
+    (:class:`~fasttrain.lab.distributed.World`): this process's rank and strategy; without ``wrap``
+    the strategy wraps the model."""
+
+    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, world=None):
         import torch
 
         from fasttrain.lab import distributed as D
@@ -357,11 +369,11 @@ class Trainer:
             model = apply_lora(cfg, model)
         # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
         # (before the optimizer is built: it must hold the sharded parameters)
-        wrapped = D.wrap_model(model, world, mixed_bf16=cfg.bf16)
+        wrapped = wrap(model) if wrap is not None else D.wrap_model(model, world, mixed_bf16=cfg.bf16)
         self.model = model              # the module itself (evaluation, saving, counting)
         self.train_model = torch.compile(wrapped, mode=None if cfg.torch_compile_mode == "default"
                                          else cfg.torch_compile_mode) if cfg.torch_compile else wrapped
-        self.optimizer = D.wrap_optimizer(build_optimizer(cfg, model, world=world), world)
+        self.optimizer = D.wrap_optimizer(build_optimizer(cfg, wrapped, world=world), world)
         # FSDP's mixed-precision policy computes in bf16 itself: no autocast on top
         self.amp = nullcontext if (world.strategy == "fsdp" and cfg.bf16) else autocast_for(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
@@ -526,10 +538,7 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    """Does one training step at micro-batch ``batch`` fit? (a fresh model; two steps, so the
-    optimizer state exists; out-of-memory is caught and everything freed)."""
-    trainer = None
+def _steps_fit(cfg: LabConfig, corpus, device, batch: int) -> bool:
     try:
         trainer = Trainer(cfg, corpus, device, batch=batch)
         for x, y in trainer.batches(2):
@@ -538,9 +547,15 @@ def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
         return True
     except _oom_types():
         return False
-    finally:
-        del trainer
-        _free(device)
+
+
+def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
+    """Does training at micro-batch ``batch`` fit? (a fresh model, two steps so that the optimizer
+    state exists). Out-of-memory is caught in a frame that is gone, with its tensors, before the
+    cache is emptied."""
+    fits = _steps_fit(cfg, corpus, device, batch)
+    _free(device)
+    return fits
 
 
 def _gpu_name(device) -> str:
@@ -640,7 +655,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, corpus, device, batch=batch, log=log, world=world)
+    trainer = Trainer(cfg, corpus, device, batch=batch, world=world)
     _sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
 
@@ -690,7 +705,12 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
             if progress:
                 progress(step, cfg.max_steps)
     except _oom_types():
+        oom = True                  # handled below, once the exception (and its frames' tensors) is gone
+    else:
+        oom = False
+    if oom:
         del trainer
+        x = y = loss = None
         _free(device)
         if world.distributed:
             raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
@@ -700,10 +720,8 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
         hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
                 f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
-        raise FasttrainError(f"a per-device batch of {batch} does not fit on {_gpu_name(device)}; {hint}") from None
+        raise FasttrainError(f"a per-device batch of {batch} does not fit on {_gpu_name(device)}; {hint}")
     do_eval(cfg.max_steps)
-    if cuda:
-        train_peak = max(train_peak, 0)
     peak = train_peak if cuda else None
     kinds = dict(mem_kinds)
     record_memory = {
@@ -722,7 +740,8 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     if cfg.save:
         if cfg.lora_r:
             merge_lora(model)
-        extra = {"val_loss": record_eval[-1]["val_loss"], "step": cfg.max_steps}
+        extra = {"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
+                 "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps}
         if world.distributed:
             # the whole model gathered on every rank (FSDP's shards), written by rank 0 alone
             state = D.full_state_dict(trainer.train_model, world)
@@ -805,6 +824,35 @@ def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict |
     if measured:
         out["error_pct"] = 100.0 * (est.total - measured) / measured
     return out
+
+
+def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, device: str = "auto",
+                        batch: int | None = None, bf16: bool = False, corpus=None) -> dict:
+    """The validation loss of a checkpoint written with ``--save``, from it alone (whole split by
+    default). ``batch`` defaults to the validation batch of the run that saved it, so the same
+    sums are formed in the same order and the recorded loss comes back exactly (same device)."""
+    from fasttrain.lab.data import load_corpus
+
+    meta = read_checkpoint(path)
+    batch = batch or meta.get("eval_batch_size") or 64
+    corpus = corpus or load_corpus(data_dir)
+    model = meta["model"]
+    cfg = LabConfig(name="eval", device=device, bf16=bf16, init_from=str(path), eval_tokens=eval_tokens,
+                    eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
+                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
+                    dropout=0.0)
+    from fasttrain.lab.model import GPTConfig
+
+    cfg = validate(config_from_model(cfg, GPTConfig.from_dict(model)))
+    dev = resolve_device(cfg)
+    trainer = Trainer(cfg, corpus, dev)
+    if cfg.prompt_tuning_tokens:
+        load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+    t = time.perf_counter()
+    loss, n = trainer.evaluate()
+    _sync(dev)
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": 1e3 * (time.perf_counter() - t),
+            "recorded_val_loss": meta.get("val_loss"), "device": _gpu_name(dev)}
 
 
 def write_record(record: dict, path) -> Path:
