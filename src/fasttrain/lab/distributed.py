@@ -214,8 +214,8 @@ def check_launch(nproc_per_node: int, device: str, strategy: str) -> None:
     if device in ("cuda",) or (device == "auto" and gpus) or str(device).startswith("cuda:"):
         if nproc_per_node > gpus:
             raise FasttrainError(f"--strategy {strategy} with {nproc_per_node} processes per node needs "
-                                 f"{nproc_per_node} GPUs; this machine has {gpus}; use --nproc-per-node {max(gpus, 1)}"
-                                 f"{'' if gpus else ''} or --device cpu (gloo)")
+                                 f"{nproc_per_node} GPUs; this machine has {gpus}; use --nproc-per-node {max(gpus, 1)} "
+                                 f"or --device cpu (gloo)")
 
 
 def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
