@@ -451,3 +451,16 @@ def test_cli_help_lists_the_trainingarguments_flags(capsys):
                  "--lora-target-modules", "--prompt-tuning-tokens", "--attn-implementation", "--use-liger-kernel",
                  "--pad-vocab-to-multiple-of", "--init-from", "--save"):
         assert flag in stdout, flag
+
+
+def test_runs_without_the_optional_libraries(fake_corpus, monkeypatch, tmp_path, capsys):
+    import sys
+
+    for name in ("peft", "liger_kernel", "torchao", "safetensors", "bitsandbytes"):
+        monkeypatch.setitem(sys.modules, name, None)
+    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+                            "--gradient-checkpointing", "selective", "--out", str(tmp_path / "r.json")], capsys)
+    assert code == 0, stderr
+    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--save", str(tmp_path / "ck")],
+                           capsys)
+    assert code == 1 and "safetensors" in stderr and not (tmp_path / "ck").exists()

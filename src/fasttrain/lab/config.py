@@ -183,6 +183,9 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError("--preload keeps the corpus on the device: drop the --dataloader-* flags")
     if cfg.lora_r and cfg.prompt_tuning_tokens:
         raise FasttrainError("give --lora-r or --prompt-tuning-tokens, not both")
+    if cfg.lora_r and cfg.use_liger_kernel and "head" in cfg.lora_target_modules:
+        raise FasttrainError("liger's fused cross-entropy reads the output weight directly: drop 'head' from "
+                             "--lora-target-modules or --use-liger-kernel")
     if cfg.lora_r and not cfg.lora_target_modules:
         raise FasttrainError("--lora-target-modules is empty; name at least one of qkv, proj, up, down, head")
     if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):

@@ -614,6 +614,11 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
             import peft  # noqa: F401
         except ImportError as exc:
             raise _missing("peft (LoRA)", exc) from None
+    if cfg.save or cfg.init_from:                   # fail before training, not after it
+        try:
+            import safetensors.torch  # noqa: F401
+        except ImportError as exc:
+            raise _missing("safetensors (--save, --init-from)", exc) from None
     corpus = corpus or load_corpus(cfg.data_dir)
     if cfg.init_from:
         meta = read_checkpoint(cfg.init_from)
@@ -642,6 +647,10 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     cuda = device.type == "cuda"
     batch = cfg.per_device_train_batch_size
     auto = None
+    if cfg.auto_find_batch_size and not cuda:
+        auto = {"requested": batch, "found": batch, "search_ms": 0.0,
+                "note": "no GPU: nothing runs out of memory, the batch is kept"}
+        log(f"auto-find-batch-size: no GPU, keeping {batch}")
     if cfg.auto_find_batch_size and cuda:
         t0 = time.perf_counter()
         found = find_batch_size(batch, lambda b: probe_batch(cfg, corpus, device, b))
@@ -684,9 +693,11 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
             torch.cuda.reset_peak_memory_stats(device)
 
     try:
-        for i, (x, y) in enumerate(trainer.batches(cfg.max_steps)):
+        batches = trainer.batches(cfg.max_steps)
+        for i in range(cfg.max_steps):
             _sync(device)
             t = time.perf_counter()
+            x, y = next(batches)        # loading is inside the timed step: preload vs DataLoader is measured
             loss = trainer.step(x, y)
             _sync(device)
             ms = 1e3 * (time.perf_counter() - t)
@@ -772,8 +783,15 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
                        "max_peak_allocated_bytes": max((r["peak_allocated_bytes"] or 0) for r in ranks) or None,
                        "tokens_per_s_world": tokens_per_s,
                        "multicast_off": {k: os.environ.get(k) for k in D.MULTICAST_OFF}}
+    notes = []
+    if cfg.gradient_checkpointing == "selective" and cfg.attn_implementation == "sdpa":
+        notes.append("selective checkpointing recomputes the eager attention core; with sdpa (which keeps no "
+                     "s^2 scores) it changes nothing")
+    if cfg.use_liger_kernel:
+        notes.append("liger: RMSNorm or LayerNorm, RoPE (llama), SwiGLU (llama) and the fused linear cross-entropy")
     record = {
         "kind": "lab-run",
+        "schema": 1,
         "config": cfg.to_dict(),
         "model": trainer.model_config.to_dict(),
         "environment": environment(),
@@ -795,7 +813,9 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         "eval": record_eval,
         "final": {"train_loss": loss_curve[-1]["loss"] if loss_curve else None,
                   "val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"]},
-        "timing": "each step: device synchronized before and after (perf_counter); the first "
+        "notes": notes,
+        "timing": "each step (its batch's loading included): device synchronized before and after "
+                  "(perf_counter); the first "
                   f"{cfg.timing_warmup_steps} steps (compilation, warm-up) reported apart in warmup_ms; "
                   "validation timed apart (eval_ms)",
     }
