@@ -19,10 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab import distributed
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.distributed")
 
 out = Console(width=160)
 err = Console(stderr=True)
@@ -132,6 +133,7 @@ def print_summary(record: dict) -> None:
 
 @click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @config_options
+@distributed.parallel_options
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
 @click.option("--list-presets", is_flag=True, help="List the presets and exit.")
 @click.option("--quiet", is_flag=True, help="No progress or table.")
@@ -144,9 +146,22 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         for name in PRESETS:
             out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
         return
+    parallel, launch = distributed.parallel_from_options(options)
+    cfg = config_from(preset_name, options)
+    if launch is not None:
+        # this process only starts torchrun; every worker runs this command without the launcher's options
+        distributed.check_before_launch(cfg, parallel, launch)
+        distributed.launch(launch, distributed.worker_argv(ctx, skip=distributed.LAUNCH_OPTIONS))
+        return
+    main = distributed.env_rank() == 0          # several processes: rank 0 alone prints and writes
+    quiet = quiet or not main
+    with distributed.rank_prefixed_errors():
+        _train(cfg, parallel, out_path, quiet, main)
+
+
+def _train(cfg, parallel, out_path, quiet, main) -> None:
     from fasttrain.lab.train import run, write_record
 
-    cfg = config_from(preset_name, options)
     progress = None
     log = None if quiet else (lambda line: err.print(line))
     if not quiet:
@@ -158,14 +173,16 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         progress = lambda step, total: bar.update(task, completed=step)  # noqa: E731
         bar.start()
     try:
-        record = run(cfg, log=log, progress=progress)
+        record = run(cfg, log=log, progress=progress, parallel=parallel)
     finally:
         if not quiet:
             bar.stop()
-    if out_path:
+    if out_path and main:
         write_record(record, out_path)
     if not quiet:
         print_summary(record)
+        for line in distributed.summary_lines(record):
+            out.print(line)
         if out_path:
             out.print(f"run record: {out_path}")
         if cfg.save:

@@ -122,7 +122,7 @@ def _missing(library: str, exc: ImportError) -> FasttrainError:
     return FasttrainError(f"{library} is not installed ({exc.name} missing); install the lab extra: {LAB_EXTRA}")
 
 
-def build_optimizer(cfg: LabConfig, model, lr: float | None = None):
+def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
     """``cfg.optim`` over the trainable parameters; weight decay on matrices (dim >= 2) only."""
     import torch
 
@@ -132,6 +132,10 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None):
     rest = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if world is not None and world.strategy == "tp":
+        from fasttrain.lab.distributed import split_param_groups
+
+        groups = split_param_groups(groups)
     betas = (cfg.adam_beta1, cfg.adam_beta2)
     if cfg.optim == "adamw_torch":
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
@@ -157,7 +161,11 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None):
 
 def _leaves(t):
     """The plain tensors holding ``t``'s data (tensor subclasses such as torchao's quantized
-    optimizer state through their inner tensors)."""
+    optimizer state through their inner tensors; a DTensor -- FSDP, tensor parallelism --
+    through this rank's shard)."""
+    if hasattr(t, "to_local") and hasattr(t, "placements"):
+        yield from _leaves(t.to_local())
+        return
     if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Parameter":
         names, _ = t.__tensor_flatten__()
         for n in names:
@@ -298,16 +306,22 @@ def autocast_for(cfg: LabConfig, device):
     return nullcontext
 
 
-def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None):
+def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None, sync=None):
     """Forward and backward over ``micro_batches`` equal slices of (x, y); the gradients add up to
     those of the mean loss over the whole batch: d/dW mean_all = sum_j (1/k) d/dW mean_j.
-    A model with ``no_sync`` (DistributedDataParallel) all-reduces only on the last micro-batch.
-    Returns the mean loss (a tensor: no device synchronization)."""
+    ``sync(last)``: a context around micro-batch j's forward and backward (several processes:
+    gradients are reduced over the ranks only on the last); without it a model with ``no_sync``
+    (DistributedDataParallel) all-reduces only on the last micro-batch. Returns the mean loss (a
+    tensor: no device synchronization)."""
     total = None
     no_sync = getattr(model, "no_sync", None)
     for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-        sync = nullcontext() if no_sync is None or j == micro_batches - 1 else no_sync()
-        with sync:
+        last = j == micro_batches - 1
+        if sync is not None:
+            context = sync(last)
+        else:
+            context = nullcontext() if no_sync is None or last else no_sync()
+        with context:
             with amp():
                 loss = model(xm, ym) / micro_batches
             (scaler.scale(loss) if scaler is not None else loss).backward()
@@ -319,17 +333,18 @@ class Trainer:
     """Model, optimizer and data of one run; ``step()`` is one optimizer step.
 
     ``wrap(model) -> module``, if given, wraps the model after PEFT and before compilation and the
-    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module. ``rank`` of
-    ``world`` processes trains on its slice of each step's windows (data parallelism)."""
+    optimizer (data or model parallelism); ``self.model`` stays the unwrapped module. ``world``
+    (:class:`~fasttrain.lab.distributed.World`): this process's rank and strategy; without ``wrap``
+    the strategy wraps the model."""
 
-    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, rank: int = 0,
-                 world: int = 1):
+    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, world=None):
         import torch
 
+        from fasttrain.lab import distributed as D
         from fasttrain.lab.model import GPTConfig, build
 
+        self.world = world = world or D.World()
         self.cfg, self.device, self.corpus = cfg, device, corpus
-        self.rank, self.world = rank, world
         self.batch = batch or cfg.per_device_train_batch_size
         self.checkpoint_meta = None
         if cfg.init_from:
@@ -353,12 +368,15 @@ class Trainer:
             freeze_for_prompt_tuning(model)
         if cfg.lora_r:
             model = apply_lora(cfg, model)
+        # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
+        # (before the optimizer is built: it must hold the sharded parameters)
+        wrapped = wrap(model) if wrap is not None else D.wrap_model(model, world, mixed_bf16=cfg.bf16)
         self.model = model              # the module itself (evaluation, saving, counting)
-        wrapped = wrap(model) if wrap is not None else model
         self.train_model = torch.compile(wrapped, mode=None if cfg.torch_compile_mode == "default"
                                          else cfg.torch_compile_mode) if cfg.torch_compile else wrapped
-        self.optimizer = build_optimizer(cfg, wrapped)
-        self.amp = autocast_for(cfg, device)
+        self.optimizer = D.wrap_optimizer(build_optimizer(cfg, wrapped, world=world), world)
+        # FSDP's mixed-precision policy computes in bf16 itself: no autocast on top
+        self.amp = nullcontext if (world.strategy == "fsdp" and cfg.bf16) else autocast_for(cfg, device)
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.step_index = 0
@@ -367,26 +385,44 @@ class Trainer:
         from fasttrain.lab.data import train_batches
 
         cfg = self.cfg
-        return train_batches(self.corpus.train, seed=cfg.seed, batch=self.batch * cfg.gradient_accumulation_steps,
-                             context=cfg.context, steps=steps, device=self.device, preload=cfg.preload,
-                             num_workers=cfg.dataloader_num_workers, pin_memory=cfg.dataloader_pin_memory,
-                             prefetch_factor=cfg.dataloader_prefetch_factor, start=start, rank=self.rank,
-                             world=self.world)
+        k, dp = cfg.gradient_accumulation_steps, self.world.dp
+        batches = train_batches(self.corpus.train, seed=cfg.seed, batch=self.batch * k * dp,
+                                context=cfg.context, steps=steps, device=self.device, preload=cfg.preload,
+                                num_workers=cfg.dataloader_num_workers, pin_memory=cfg.dataloader_pin_memory,
+                                prefetch_factor=cfg.dataloader_prefetch_factor, start=start)
+        if dp == 1:
+            return batches
+        # every rank draws the global step (k micro-batches of dp b windows, as one process at
+        # batch dp b would) and keeps its b rows of each micro-batch
+        rank, b = self.world.dp_rank, self.batch
+
+        def mine(t):
+            return t.view(k, dp, b, -1)[:, rank].reshape(k * b, -1)
+        return ((mine(x), mine(y)) for x, y in batches)
 
     def step(self, x, y):
         """One optimizer step on (x, y) (k micro-batches of b); returns the loss tensor (no sync)."""
         import torch
+
+        from fasttrain.lab import distributed as D
 
         cfg = self.cfg
         lr = lr_at(cfg, self.step_index)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.train_model.train()
-        loss = accumulate_gradients(self.train_model, x, y, cfg.gradient_accumulation_steps, self.amp, self.scaler)
+        world = self.world
+        sync = None if not world.distributed else (
+            lambda last: D.sync_gradients(self.train_model, world, last))
+        loss = accumulate_gradients(self.train_model, x, y, cfg.gradient_accumulation_steps, self.amp, self.scaler,
+                                    sync)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.max_grad_norm:
-            torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
+            if world.distributed:
+                D.clip_grad_norm(self.train_model, cfg.max_grad_norm, world)
+            else:
+                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
@@ -458,10 +494,13 @@ def memory_by_kind(trainer: Trainer) -> dict:
     measured on the tensors themselves."""
     model = trainer.model
     params = sum(tensor_bytes(p) for p in model.parameters())
-    grads = sum(p.numel() * p.element_size() for p in trainer.trainable)
+    # a gradient has its parameter's shape (and, sharded, its shard: the bytes on this rank)
+    grads = sum(tensor_bytes(p) for p in trainer.trainable)
     buffers = sum(tensor_bytes(b) for b in model.buffers())
-    return {"parameters": params, "gradients": grads, "optimizer_state": optimizer_state_bytes(trainer.optimizer),
-            "buffers": buffers}
+    from fasttrain.lab.distributed import local_optimizer
+
+    return {"parameters": params, "gradients": grads,
+            "optimizer_state": optimizer_state_bytes(local_optimizer(trainer.optimizer)), "buffers": buffers}
 
 
 def _oom_types():
@@ -531,19 +570,39 @@ def _gpu_name(device) -> str:
 
 # --- the run -------------------------------------------------------------------------------------
 
-def run(cfg: LabConfig, *, log=None, progress=None, corpus=None) -> dict:
+def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None) -> dict:
     """Train ``cfg`` and return the run record (see the module docstring).
 
-    ``log(str)``: progress lines; ``progress(step, total)``: called after each step."""
+    ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
+    ``parallel`` (:class:`~fasttrain.lab.distributed.ParallelConfig`): the strategy when this
+    process is one of several started by torchrun; every rank returns the same record."""
     import torch
 
     from fasttrain.environment import environment
+    from fasttrain.lab import distributed as D
     from fasttrain.lab.data import load_corpus
 
     validate(cfg)
     log = log or (lambda s: None)
     wall0 = time.perf_counter()
-    device = resolve_device(cfg)
+    parallel = D.validate_parallel(parallel or D.ParallelConfig())
+    D.check_config(cfg, parallel)
+    world = D.init_world(parallel, cfg.device)
+    try:
+        device = torch.device(world.device) if world.distributed else resolve_device(cfg)
+        cfg = D.resolve_batch(cfg, parallel, world.dp)
+        D.check_model_fits(cfg, world.world_size, world.strategy)
+        with D.collective_errors(world):
+            return _run_on(cfg, device, log, progress, corpus, wall0, environment, world)
+    finally:
+        D.shutdown(world)
+
+
+def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> dict:
+    import torch
+
+    from fasttrain.lab.data import load_corpus
+
     if cfg.use_liger_kernel and device.type != "cuda":
         raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); drop it on the CPU")
     if cfg.use_liger_kernel:
@@ -567,18 +626,23 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None) -> dict:
         from fasttrain.lab.model import GPTConfig
 
         cfg = config_from_model(cfg, GPTConfig.from_dict(meta["model"]))
+        from fasttrain.lab.distributed import check_model_fits
+
+        check_model_fits(cfg, world.world_size, world.strategy)
     matmul_precision = torch.get_float32_matmul_precision()
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
     torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
     torch.backends.cudnn.allow_tf32 = cfg.tf32
     try:
-        return _run(cfg, corpus, device, log, progress, wall0, environment)
+        return _run(cfg, corpus, device, log, progress, wall0, environment, world)
     finally:
         torch.set_float32_matmul_precision(matmul_precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
 
 
-def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
+def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
+    from fasttrain.lab import distributed as D
+
     import torch
 
     cuda = device.type == "cuda"
@@ -601,7 +665,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
         _free(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, corpus, device, batch=batch)
+    trainer = Trainer(cfg, corpus, device, batch=batch, world=world)
     _sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
 
@@ -610,7 +674,8 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
     warmup_ms, step_ms = [], []
     train_peak = reserved_peak = 0
     eval_ms_total = 0.0
-    tokens_per_step = batch * cfg.gradient_accumulation_steps * cfg.context
+    # tokens per optimizer step over all data-parallel ranks (one process: dp = 1)
+    tokens_per_step = batch * cfg.gradient_accumulation_steps * cfg.context * world.dp
 
     def do_eval(step):
         nonlocal train_peak, reserved_peak, eval_ms_total
@@ -640,7 +705,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
             (warmup_ms if i < cfg.timing_warmup_steps else step_ms).append(ms)
             step = i + 1
             if step % cfg.log_interval == 0 or step == cfg.max_steps:
-                value = loss.item()
+                value = D.all_mean(loss.item(), world)      # the global batch's loss
                 if not math.isfinite(value):
                     raise FasttrainError(f"the loss became {value} at step {step}; lower --learning-rate"
                                          + (" or use --bf16 instead of --fp16" if cfg.fp16 else ""))
@@ -659,6 +724,11 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
         del trainer
         x = y = loss = None
         _free(device)
+        if world.distributed:
+            raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
+                                 f"{_gpu_name(device)} under --strategy {world.strategy}; lower "
+                                 f"--per-device-train-batch-size (find the largest on one GPU with "
+                                 f"--auto-find-batch-size)") from None
         largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
         hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
                 f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
@@ -675,18 +745,45 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
     }
     if cuda:
         kinds["activations"] = peak - sum(kinds.values())
-    estimate = _estimate(cfg, corpus.vocab_size, batch, peak)
+    estimate = _estimate(cfg, corpus.vocab_size, batch, peak,
+                         parallel=D.estimator_parallelism(world, cfg.bf16) if world.distributed else None)
 
     model = trainer.model
     if cfg.save:
         if cfg.lora_r:
             merge_lora(model)
-        save_checkpoint(model, cfg.save, chars=corpus.chars, lab=cfg.to_dict(),
-                        extra={"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
-                               "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps})
+        extra = {"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
+                 "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps}
+        if world.distributed:
+            # the whole model gathered on every rank (FSDP's shards), written by rank 0 alone
+            state = D.full_state_dict(trainer.train_model, world)
+            if world.is_main:
+                from fasttrain.lab.model import build
+
+                whole = build(trainer.model_config, "cpu", seed=cfg.seed)
+                whole.load_state_dict(state)
+                save_checkpoint(whole, cfg.save, chars=corpus.chars, lab=cfg.to_dict(), extra=extra)
+            D.barrier(world)
+        else:
+            save_checkpoint(model, cfg.save, chars=corpus.chars, lab=cfg.to_dict(), extra=extra)
+    # parameters of the whole model (a sharded DTensor counts its global shape)
     total_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in trainer.trainable)
     steps = percentiles(step_ms)
+    distributed = None
+    tokens_per_s = tokens_per_step / (steps["mean"] / 1e3) if steps["mean"] else None
+    if world.distributed:
+        ranks = D.gather({"rank": world.rank, "device": _gpu_name(device), "peak_allocated_bytes": peak,
+                          "peak_reserved_bytes": reserved_peak if cuda else None, "by_kind": kinds,
+                          "step_ms": steps}, world)
+        # the world moves at the pace of its slowest rank
+        slowest = max((r["step_ms"]["mean"] or 0.0) for r in ranks)
+        tokens_per_s = tokens_per_step / (slowest / 1e3) if slowest else None
+        distributed = {**world.describe(), "global_batch_size": batch * cfg.gradient_accumulation_steps * world.dp,
+                       "per_rank": ranks,
+                       "max_peak_allocated_bytes": max((r["peak_allocated_bytes"] or 0) for r in ranks) or None,
+                       "tokens_per_s_world": tokens_per_s,
+                       "multicast_off": {k: os.environ.get(k) for k in D.MULTICAST_OFF}}
     notes = []
     if cfg.gradient_checkpointing == "selective" and cfg.attn_implementation == "sdpa":
         notes.append("selective checkpointing recomputes the eager attention core; with sdpa (which keeps no "
@@ -707,7 +804,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
         "setup_ms": setup_ms,
         "warmup_ms": warmup_ms,
         "step_ms": steps,
-        "tokens_per_s": tokens_per_step / (steps["mean"] / 1e3) if steps["mean"] else None,
+        "tokens_per_s": tokens_per_s,
         "train_ms": sum(warmup_ms) + sum(step_ms),
         "eval_ms": eval_ms_total,
         "wall_ms": 1e3 * (time.perf_counter() - wall0),
@@ -725,15 +822,20 @@ def _run(cfg, corpus, device, log, progress, wall0, environment) -> dict:
     }
     if cfg.save:
         record["saved"] = str(cfg.save)
+    if distributed:
+        record["distributed"] = distributed
     del trainer, model
     _free(device)
     return record
 
 
-def _estimate(cfg: LabConfig, vocab: int, batch: int, measured) -> dict:
+def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict | None = None) -> dict:
+    """The estimator's per-GPU prediction; ``parallel``: the strategy's Setup fields (dp, zero, tp...)."""
     from fasttrain.memory import estimate
 
     setup = lab_setup(cfg, vocab, batch)
+    if parallel:
+        setup = setup.with_(**{**parallel, "grad_buffers": setup.grad_buffers or parallel.get("grad_buffers", False)})
     try:
         est = estimate(setup, "precise")
     except FasttrainError as exc:
