@@ -472,3 +472,17 @@ def test_runs_without_the_optional_libraries(fake_corpus, monkeypatch, tmp_path,
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--save", str(tmp_path / "ck")],
                            capsys)
     assert code == 1 and "safetensors" in stderr and not (tmp_path / "ck").exists()
+
+
+def test_every_optimizer_follows_the_learning_rate_schedule(corpus):
+    """The schedule sets each step's lr on every optimizer, torchao's 8-bit AdamW included (it keeps
+    lr as a tensor and refuses a float: seen on the GPU)."""
+    pytest.importorskip("torchao")
+    from fasttrain.lab.train import Trainer, lr_at
+
+    cfg = tiny(optim="adamw_8bit", max_steps=3, warmup_steps=2)
+    trainer = Trainer(cfg, corpus, torch.device("cpu"))
+    for step, (x, y) in zip(range(2), trainer.batches(2)):
+        trainer.step(x, y)
+        lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
+        assert lrs == pytest.approx([lr_at(cfg, step)] * len(lrs))

@@ -409,7 +409,10 @@ class Trainer:
         cfg = self.cfg
         lr = lr_at(cfg, self.step_index)
         for group in self.optimizer.param_groups:
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)       # torchao's 8-bit AdamW keeps lr as a tensor and refuses a float
+            else:
+                group["lr"] = lr
         self.train_model.train()
         world = self.world
         sync = None if not world.distributed else (
