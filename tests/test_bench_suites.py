@@ -35,12 +35,41 @@ class FakeEngine(Engine):
 
 
 def test_suite_rows_are_consistent():
-    labels = [row.label for row in suites.LADDER_ROWS]
+    """The rows come from the engines; every ladder label is unique, the seed figures sit on rows, each suite
+    with speed-up columns has its baseline, and every row names a registered engine."""
+    from fasttrain.engines import registry
+
+    ladder, sweep, record = suites.ladder().rows, suites.sweep().rows, suites.record().rows
+    labels = [row.label for row in ladder]
     assert len(labels) == len(set(labels))
-    assert set(suites.SEED_MS) <= set(labels)  # every seed figure sits on a ladder row
-    assert {row.engine for row in suites.LADDER_ROWS + suites.SWEEP_ROWS} <= set(runner.PLANNED_ENGINES)
-    assert suites.SWEEP_BASELINE in [row.label for row in suites.SWEEP_ROWS]
-    assert [f"cuda rung {n}" for n in range(9)] == [label for label in labels if label.startswith("cuda")]
+    assert [row.label for row in ladder if row.seed_ms is not None] == ["numpy", "torch-eager", "torch-fast +compile"]
+    assert {row.engine for row in ladder + sweep + record} <= set(registry())
+    assert len(suites.sweep().baselines()) == 1 and len(suites.ladder().baselines()) == 1
+    assert [f"cuda rung {n}" for n in range(7)] + ["cuda rung 7 fp16", "cuda rung 8 fp16"] == \
+        [label for label in labels if label.startswith("cuda")]
+    keys = [c.key for c in suites.record().cases()]
+    assert len(keys) == len(set(keys))   # a row label once per model
+
+
+def test_record_suite_holds_the_fused_rungs_to_their_targets():
+    record = suites.record()
+    assert record.models == ("logreg", "mlp:128x3", "mlp:1024x3", "mlp:8192x3") and record.reference
+    assert record.reference_models == ("logreg", "mlp:128x3", "mlp:1024x3")
+    targets = {(c.row.label, c.model): c.row.target_ms for c in record.cases() if c.row.target_ms}
+    assert targets == {("cuda rung 8 fp16", "logreg"): 0.7, ("cuda rung 8 fp16", "mlp:128x3"): 25.0,
+                       ("cuda rung 8 fp16", "mlp:1024x3"): 60.0, ("cuda rung 7 fp16", "mlp:8192x3"): 3000.0}
+    assert {c.model for c in record.cases() if c.row.baseline} == set(record.models)   # a JAX row beside each
+    assert record.config_for("logreg")["epochs"] == 20 and record.config_for("mlp:128x3")["steps"] == 5000
+    assert record.metric_for("logreg") == "epoch_ms" and record.metric_for("mlp:8192x3") == "train_ms"
+    quick = suites.record(quick=True)
+    assert "mlp:8192x3" not in quick.models and quick.config_for("mlp:128x3")["steps"] == 100
+
+
+def test_suites_are_registered_and_engines_bring_their_own():
+    names = suites.all_suites()
+    assert {"ladder", "sweep", "curves", "record", "peers", "triton"} <= set(names)
+    triton = suites.build("triton")
+    assert triton.rows and {row.engine for row in triton.rows} == {"triton"}
 
 
 def test_suite_settings_follow_the_issue():
@@ -82,7 +111,7 @@ def test_plan_gives_a_reason_for_every_skipped_row():
     reasons = {case.row.label: reason for case, reason in runner.plan(suite)}
     assert reasons["numpy"] is None
     assert "does not support precision fp16" in reasons["numpy fp16"]
-    assert "not built yet" in reasons["ghost"]
+    assert "not registered" in reasons["ghost"]
     assert reasons["slow"] == "too slow for --quick"
     assert "has no option --rung" in reasons["numpy bad flag"]
     only = {case.row.label: reason for case, reason in runner.plan(suite, {"jax"})}
@@ -107,7 +136,7 @@ def test_run_suite_repeats_over_seeds_and_keeps_skips(tiny_data):
     assert [r["config"]["seed"] for r in ok.records] == [0, 1]
     assert ok.metrics["epoch_ms"]["n"] == 2 and ok.metrics["test_acc"]["mean"] > 0.5
     assert ok.records[0]["final"] != ok.records[1]["final"] or ok.records[0]["epochs"] != ok.records[1]["epochs"]
-    assert ghost.status == "skipped" and "not built yet" in ghost.reason and not ghost.records
+    assert ghost.status == "skipped" and "not registered" in ghost.reason and not ghost.records
     assert result.commands == ["fasttrain bench ladder"] and result.dataset["n_train"] == 600
 
 
@@ -173,7 +202,7 @@ def test_merge_keeps_earlier_results_for_cases_not_run_now():
 
 def test_merge_keeps_the_suites_row_order_when_a_part_ran_only_some_rows():
     """A part run with --rows/--engines (here only the sweep's cuda rung 8 row) must not move its rows first."""
-    labels = [row.label for row in suites.SWEEP_ROWS]
+    labels = [row.label for row in suites.sweep().rows]
     first, last = labels[0], "cuda rung 8 fp16"
     assert labels.index(first) < labels.index(last)
     old = _result([_case(first, "mlp:128x3"), _case(last, "mlp:128x3")])

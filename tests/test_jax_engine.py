@@ -7,14 +7,11 @@ loss within 2% of the reference and the final test accuracy within 0.5 pp.
 
 from __future__ import annotations
 
-import numpy as np
 import pytest
 
-from fasttrain.contract import default_config, initial_weights, parse_model, schedule
-from fasttrain.engines import get_engine
-from fasttrain.engines.base import Job, make_options
+from fasttrain.contract import default_config, parse_model
 from fasttrain.errors import FasttrainError
-from fasttrain.parity import loss_deviation, reference_run, weight_error
+from fasttrain.parity import loss_deviation, parity_run, reference_run, weight_error
 from fasttrain.training import run
 
 pytest.importorskip("jax")
@@ -23,11 +20,7 @@ CPU = {"device": "cpu"}
 
 
 def _parity(model, data, options, **config):
-    spec = parse_model(model)
-    cfg = default_config(spec, **config)
-    ref_record, ref_weights = reference_run(spec, cfg, data)
-    record, weights = run("jax", spec, cfg, data, options)
-    return record, ref_record, weights, ref_weights
+    return parity_run("jax", model, data, options, **config)
 
 
 @pytest.mark.parametrize("model", ["logreg", "mlp:100x2"])
@@ -65,17 +58,6 @@ def test_mixed_precision_tracks_reference_on_cpu(tiny_data, precision):
                                                 precision=precision)
     assert loss_deviation(record, ref) <= 0.02
     assert 0 < weight_error(weights, ref_weights) < 0.05  # half-precision GEMMs: close, not equal
-
-
-def test_warm_up_does_not_train(tiny_data):
-    spec = parse_model("mlp:100x2")
-    cfg = default_config(spec, epochs=1, batch_size=37, lr=0.5)
-    job = Job(spec, cfg, tiny_data, initial_weights(spec, cfg.seed), schedule(cfg, tiny_data.n_train))
-    engine_cls = get_engine("jax")
-    session = engine_cls(make_options(engine_cls, CPU)).prepare(job)
-    for (w, b), (w0, b0) in zip(session.weights(), job.init_weights):
-        np.testing.assert_array_equal(w, w0.astype(np.float32))
-        np.testing.assert_array_equal(b, b0.astype(np.float32))
 
 
 def test_bad_options(tiny_data):

@@ -70,11 +70,6 @@ def test_saved_weights_reload_to_the_recorded_accuracy(tiny_data, tmp_path):
     assert acc == record.final["test_acc"] and loss == pytest.approx(record.final["test_loss"], rel=1e-12)
 
 
-def test_numpy_rejects_mixed_precision(tiny_data):
-    with pytest.raises(fasttrain.FasttrainError, match="does not support precision fp16"):
-        fasttrain.train("numpy", "logreg", data=tiny_data, epochs=1, precision="fp16")
-
-
 @pytest.mark.mnist
 def test_logreg_reaches_92_percent_on_mnist(mnist, tmp_path):
     record = fasttrain.train("numpy", "logreg", data=mnist, epochs=20, save_weights_to=tmp_path / "w.npz")

@@ -18,7 +18,7 @@ from fasttrain.contract import default_config, epoch_order, initial_weights, par
 from fasttrain.engines import get_engine
 from fasttrain.engines.base import Job, make_options
 from fasttrain.errors import FasttrainError
-from fasttrain.parity import loss_deviation, reference_run, weight_error
+from fasttrain.parity import loss_deviation, parity_run, reference_run, weight_error
 from fasttrain.training import run
 
 torch = pytest.importorskip("torch")
@@ -27,10 +27,7 @@ CPU_FAST = {"device": "cpu"}  # defaults resolve to: preload, --step func, no co
 
 
 def _parity(engine, model, data, options, **config):
-    spec = parse_model(model)
-    cfg = default_config(spec, **config)
-    ref_record, ref_weights = reference_run(spec, cfg, data)
-    record, weights = run(engine, spec, cfg, data, options)
+    record, ref_record, weights, ref_weights = parity_run(engine, model, data, options, **config)
     return record, ref_record, weight_error(weights, ref_weights)
 
 
@@ -122,20 +119,6 @@ def _job(model, data, **config):
     spec = parse_model(model)
     cfg = default_config(spec, **config)
     return Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
-
-
-@pytest.mark.parametrize("engine", ["torch-eager", "torch-fast"])
-def test_prepared_session_holds_initial_weights(tiny_data, engine):
-    # prepare() runs warm-up steps; they must not leave the weights trained.
-    job = _job("mlp:100x2", tiny_data, epochs=1, batch_size=37, lr=0.5, precision="fp16")
-    engine_cls = get_engine(engine)
-    session = engine_cls(make_options(engine_cls, {"device": "cpu"})).prepare(job)
-    try:
-        for (w, b), (w0, b0) in zip(session.weights(), job.init_weights):
-            np.testing.assert_array_equal(w, w0.astype(np.float32))
-            np.testing.assert_array_equal(b, b0.astype(np.float32))
-    finally:
-        session.close()
 
 
 def test_strict_fp32_switches_are_set_and_restored(tiny_data):

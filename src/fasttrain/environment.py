@@ -9,7 +9,7 @@ from functools import lru_cache
 from importlib import metadata
 from pathlib import Path
 
-LIBRARIES = ("numpy", "torch", "jax", "jaxlib", "triton", "cupy-cuda13x", "nvmath-python", "nvidia-cudnn-cu13")
+CORE_LIBRARIES = ("numpy",)   # every engine's own libraries come from its class (Engine.libraries)
 
 
 def _cpu_model() -> str:
@@ -58,9 +58,16 @@ def git_sha() -> str | None:
     return sha.stdout.strip() + ("-dirty" if dirty.stdout.strip() else "")
 
 
+def libraries() -> tuple[str, ...]:
+    from fasttrain.engines import registry
+
+    names = [*CORE_LIBRARIES, *(lib for engine_cls in registry().values() for lib in engine_cls.libraries)]
+    return tuple(dict.fromkeys(names))
+
+
 def library_versions() -> dict[str, str]:
     versions = {}
-    for name in LIBRARIES:
+    for name in libraries():
         try:
             versions[name] = metadata.version(name)
         except metadata.PackageNotFoundError:

@@ -23,6 +23,18 @@ def engine_run(engine: str, model: ModelSpec | str, config: TrainConfig, data: D
     return run(engine, spec, config, data, options)
 
 
+def parity_run(engine: str, model: ModelSpec | str, data: Dataset, options: dict | None = None, **config):
+    """``(record, reference record, weights, reference weights)``: ``engine`` and the fp64 reference trained
+    on the same weights and batches under ``default_config(model, **config)``."""
+    from fasttrain.contract import default_config
+
+    spec = parse_model(model) if isinstance(model, str) else model
+    cfg = default_config(spec, **config)
+    ref_record, ref_weights = reference_run(spec, cfg, data)
+    record, weights = run(engine, spec, cfg, data, options)
+    return record, ref_record, weights, ref_weights
+
+
 def weight_error(weights, reference_weights) -> float:
     """``max|W - W_ref| / max|W_ref|``."""
     return relative_max_error(weights, reference_weights)

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fasttrain.bench.timing import Stopwatch, summarize_epochs
+from fasttrain.timing import Stopwatch, summarize_epochs
 from fasttrain.contract import (
     ModelSpec,
     TrainConfig,
@@ -33,7 +33,7 @@ SCHEMA = 1
 
 @dataclass
 class RunRecord:
-    """One training run (JSON ``schema: 1``); see :mod:`fasttrain.bench.timing` for what is timed."""
+    """One training run (JSON ``schema: 1``); see :mod:`fasttrain.timing` for what is timed."""
 
     engine: str
     engine_options: dict

@@ -11,7 +11,7 @@ reports from the JSON (e.g. after a machine without matplotlib), ``bench readme`
 Protocol
 --------
 What is timed. Every run goes through the shared driver (:func:`fasttrain.training.run`), so every
-engine is measured the same way (:mod:`fasttrain.bench.timing` is the one definition): an epoch's
+engine is measured the same way (:mod:`fasttrain.timing` is the one definition): an epoch's
 time runs from just before ``train_epoch`` is called to the end of its device work, with the
 session's ``sync()`` (a device synchronization on GPUs) before the clock is read at both ends.
 Test-set evaluation is timed apart (``eval_ms``) and is not in the epoch time.

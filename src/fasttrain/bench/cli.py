@@ -19,7 +19,8 @@ out_console = Console(highlight=False, soft_wrap=True)
 
 @click.group("bench", context_settings={"help_option_names": ["-h", "--help"]})
 def command() -> None:
-    """Benchmark suites: the ladder table, the hidden-size sweep, the loss curves; CSV, JSON, Markdown, PNG."""
+    """Benchmark suites (the ladder table, the hidden-size sweep, the loss curves, the record table, the peers,
+    and the suites engines bring), one output format: long CSV, JSON, Markdown, PNG."""
 
 
 def _suite_options(fn):
@@ -167,7 +168,7 @@ def write_folder_outputs(folder: Path) -> None:
     from fasttrain.bench.readme import readme_section
     from fasttrain.training import atomic_write_text
 
-    results = [report.load_result(folder / f"{n}.json") for n in suites.SUITES if (folder / f"{n}.json").is_file()]
+    results = [report.load_result(folder / f"{n}.json") for n in suites.all_suites() if (folder / f"{n}.json").is_file()]
     atomic_write_text(folder / "results.csv", report.to_csv(results))
     atomic_write_text(folder / "README.md", readme_section(folder, link_base="", heading="# Benchmark results"))
     console.print(f"wrote {folder / 'results.csv'}, {folder / 'README.md'}")
@@ -215,9 +216,9 @@ def render(results_dir) -> None:
     from fasttrain.bench import plots, report, suites
 
     folder = Path(results_dir)
-    names = [n for n in suites.SUITES if (folder / f"{n}.json").is_file()]
+    names = [n for n in suites.all_suites() if (folder / f"{n}.json").is_file()]
     if not names:
-        raise FasttrainError(f"{folder}: no ladder.json, sweep.json or curves.json to render")
+        raise FasttrainError(f"{folder}: no suite's results (<suite>.json) to render")
     if plots.matplotlib_or_none() is None:
         console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
     for name in names:
@@ -239,7 +240,7 @@ def merge_cmd(into, parts) -> None:
     folder = Path(into)
     folder.mkdir(parents=True, exist_ok=True)
     merged_any = False
-    for name in suites.SUITES:
+    for name in suites.all_suites():
         paths = [p for p in [folder / f"{name}.json", *(Path(d) / f"{name}.json" for d in parts)] if p.is_file()]
         if not paths or paths == [folder / f"{name}.json"]:
             continue
@@ -257,7 +258,7 @@ def merge_cmd(into, parts) -> None:
         console.print(f"{name}: merged {len(results)} file(s); wrote " + ", ".join(str(p) for p in written))
         merged_any = True
     if not merged_any:
-        raise FasttrainError(f"no ladder.json, sweep.json or curves.json in {', '.join(parts)}")
+        raise FasttrainError(f"no suite's results (<suite>.json) in {', '.join(parts)}")
     write_folder_outputs(folder)
 
 
@@ -276,3 +277,27 @@ def readme(results_dir, link_base, into) -> None:
         console.print(f"wrote the results section of {into} from {results_dir}")
     else:
         click.echo(section, nl=False)
+
+
+def _suite_command(name: str, help: str):
+    """``fasttrain bench <name>`` for a registered suite that has no command of its own above."""
+
+    @command.command(name, help=help)
+    @_suite_options
+    @_hidden_option
+    @click.pass_context
+    def run(ctx, **kwargs) -> None:
+        run_suites(ctx, [name], **kwargs)
+
+    return run
+
+
+def _add_suite_commands() -> None:
+    from fasttrain.bench.suites import all_suites
+
+    for name, (_builder, help) in all_suites().items():
+        if name not in command.commands:
+            _suite_command(name, help)
+
+
+_add_suite_commands()

@@ -12,10 +12,10 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fasttrain.bench.report import baseline_times, fmt_num, gpu_name, sweep_grid
+from fasttrain.bench.report import baseline_labels, baseline_times, fmt_num, gpu_name, sweep_grid
 from fasttrain.bench.runner import SuiteResult
 from fasttrain.bench.stats import ratio
-from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, SWEEP_BASELINE
+from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE
 
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'fasttrain[plot]')"
 
@@ -32,12 +32,16 @@ def matplotlib_or_none():
     return plt
 
 
-# One hue per engine family, darker for later rungs, so a row keeps its colour in every plot.
-_FAMILY = {"numpy": "Greys", "torch-eager": "Oranges", "torch-fast": "Reds", "jax": "Purples", "cuda": "Greens",
-           "triton": "Blues"}
+def _colormap(engine: str) -> str:
+    """The engine's own colormap (``Engine.color``); grey for an engine no longer registered."""
+    from fasttrain.engines import registry
+
+    engine_cls = registry().get(engine)
+    return engine_cls.color if engine_cls is not None else "Greys"
 
 
 def colors(labels_engines: list[tuple[str, str]]) -> dict[str, tuple]:
+    """One hue per engine (its declared colormap), darker for later rows, so a row keeps its colour in every plot."""
     import matplotlib
 
     by_engine: dict[str, list[str]] = {}
@@ -47,7 +51,7 @@ def colors(labels_engines: list[tuple[str, str]]) -> dict[str, tuple]:
             by_engine[engine].append(label)
     out = {}
     for engine, labels in by_engine.items():
-        cmap = matplotlib.colormaps[_FAMILY.get(engine, "Greys")]
+        cmap = matplotlib.colormaps[_colormap(engine)]
         for i, label in enumerate(labels):
             shade = 0.55 if len(labels) == 1 else 0.4 + 0.5 * i / (len(labels) - 1)
             out[label] = cmap(shade)
@@ -177,8 +181,8 @@ def sweep_plots(result: SuiteResult, out: Path) -> list[Path]:
 
     base = baseline_times(result)
     if base:
-        fig, ax = _sweep_axes(plt, result, f"speed-up over {SWEEP_BASELINE} (its time / the row's time)",
-                              f"Speed relative to PyTorch eager: {steps}, batch {cfg['batch_size']}, lr {cfg['lr']}")
+        fig, ax = _sweep_axes(plt, result, f"speed-up over {baseline_labels(result)[0]} (its time / the row's time)",
+                              f"Speed relative to {baseline_labels(result)[0]}: {steps}, batch {cfg['batch_size']}, lr {cfg['lr']}")
         ax.axhline(1.0, color="black", lw=0.8, ls="--")
         for label in labels:
             hs = [h for h in hidden if (label, h) in p50 and h in base]
@@ -238,6 +242,8 @@ def write_plots(result: SuiteResult, out: Path) -> list[Path]:
         paths = [ladder_plot(result, out / "ladder.png")]
     elif result.suite == "sweep":
         paths = sweep_plots(result, out)
-    else:
+    elif result.suite == "curves":
         paths = [curves_plot(result, out / "curves.png")]
+    else:   # the suites of several workloads are tables only
+        paths = []
     return [p for p in paths if p is not None]

@@ -11,7 +11,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from fasttrain.bench.report import load_result, machine_line, to_markdown
-from fasttrain.bench.suites import SUITES
+from fasttrain.bench.suites import all_suites
 from fasttrain.errors import FasttrainError
 from fasttrain.training import atomic_write_text
 
@@ -39,7 +39,7 @@ def readme_section(results_dir: str | Path, link_base: str | None = None, headin
     folder = Path(results_dir)
     if not folder.is_dir():
         raise FasttrainError(f"{folder}: no such folder; run `fasttrain bench all --out {folder}` first")
-    results = [load_result(folder / f"{name}.json") for name in SUITES if (folder / f"{name}.json").is_file()]
+    results = [load_result(folder / f"{name}.json") for name in all_suites() if (folder / f"{name}.json").is_file()]
     if not results:
         raise FasttrainError(f"{folder}: no ladder.json, sweep.json or curves.json; run `fasttrain bench all --out {folder}`")
     base = link_base if link_base is not None else folder.as_posix().rstrip("/") + "/"

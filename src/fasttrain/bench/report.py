@@ -13,7 +13,7 @@ from pathlib import Path
 
 from fasttrain.bench.runner import NOT_SELECTED, CaseResult, SuiteResult
 from fasttrain.bench.stats import ratio
-from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, SWEEP_BASELINE
+from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, build
 from fasttrain.contract import parse_model
 from fasttrain.errors import FasttrainError
 from fasttrain.training import atomic_write_text
@@ -49,6 +49,23 @@ def fmt_pct(value: float | None) -> str:
 
 def fmt_ratio(value: float | None) -> str:
     return "-" if value is None else f"{fmt_num(value)}×"
+
+
+def baseline_labels(result: SuiteResult) -> list[str]:
+    """The rows the speed-up columns divide by: as recorded, else as the suite defines them today."""
+    if result.baselines:
+        return list(result.baselines)
+    try:
+        return build(result.suite).baselines()
+    except ValueError:
+        return []
+
+
+def baseline_case(result: SuiteResult, case: CaseResult) -> CaseResult | None:
+    """The baseline row that ran on ``case``'s model, in its precision where there is one."""
+    labels = baseline_labels(result)
+    same_model = [c for c in result.ran() if c.label in labels and c.model == case.model]
+    return next((c for c in same_model if c.precision == case.precision), same_model[0] if same_model else None)
 
 
 def _env(case: CaseResult) -> dict:
@@ -197,8 +214,8 @@ def _images(images: list[tuple[str, str]] | None) -> list[str]:
 
 def ladder_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
     ran = result.ran()
-    eager = next((c for c in ran if c.engine == "torch-eager"), None)
-    eager_ms = eager.metric("epoch_ms") if eager else None
+    base = next((c for c in ran if c.label in baseline_labels(result)), None)
+    base_ms = base.metric("epoch_ms") if base else None
     rows, prev = [], None
     for i, case in enumerate(ran, start=1):
         ms = case.metric("epoch_ms")
@@ -207,20 +224,20 @@ def ladder_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = 
             str(i), case.label, case.precision, f"**{fmt_num(ms)}**", spread,
             fmt_num(case.metric("total_ms") / 1e3), fmt_num(case.metric("setup_ms") / 1e3),
             fmt_pct(case.metric("test_acc", "mean")),
-            fmt_ratio(ratio(prev, ms)), fmt_ratio(ratio(eager_ms, ms)),
+            fmt_ratio(ratio(prev, ms)), fmt_ratio(ratio(base_ms, ms)),
             fmt_num(case.seed_ms) if case.seed_ms is not None else "",
         ])
         prev = ms
     n = max((c.metric("epoch_ms", "n") or 0 for c in ran), default=0)
     table = _table(
         ["#", "engine / rung", "precision", "ms/epoch (2nd half, p50)", "p20–p80", "total s", "setup s",
-         "test acc", "× prev", "× torch-eager", f"seed study ms/epoch ({SEED_NOTE})"],
+         "test acc", "× prev", f"× {base.label if base else 'baseline'}", f"seed study ms/epoch ({SEED_NOTE})"],
         rows, "rllrrrrrrrr",
     )
     notes = [
         f"ms/epoch: mean epoch time over the second half of training, median over {n} run(s) (p20–p80 across runs); "
         "total: wall time of the whole run (setup, epochs, evaluation); setup: upload, compilation, warm-up "
-        "(not in ms/epoch); test acc: mean over seeds; × prev / × torch-eager: speedup of ms/epoch.",
+        "(not in ms/epoch); test acc: mean over seeds; × prev / × baseline: speedup of ms/epoch.",
         f"The seed study's column was {SEED_NOTE}: orientation only, not a comparison with the rows here. "
         f"Its CUDA ladder ({', '.join(fmt_num(v) for v in SEED_CUDA_MS)} ms/epoch) has six figures for our seven "
         "rungs 0–6, so they are not matched to rows.",
@@ -244,7 +261,8 @@ def sweep_grid(result: SuiteResult, value) -> tuple[list[str], list[int], dict[t
 
 def baseline_times(result: SuiteResult) -> dict[int, float]:
     _labels, _hidden, grid = sweep_grid(result, lambda c: c.metric("train_ms"))
-    return {h: v for (label, h), v in grid.items() if label == SWEEP_BASELINE and v}
+    labels = baseline_labels(result)
+    return {h: v for (label, h), v in grid.items() if label in labels[:1] and v}
 
 
 def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
@@ -268,7 +286,7 @@ def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
         parts.append("Training time, seconds (all steps; p50 across seeds; setup and evaluation excluded):\n\n"
                      + _table(head, grid_rows(lambda l, h: time_cell(times, l, h)), "l" + "r" * len(hidden)))
         if base:
-            parts.append(f"Speed relative to {SWEEP_BASELINE} (its time / the row's time; > 1 is faster):\n\n"
+            parts.append(f"Speed relative to {baseline_labels(result)[0]} (its time / the row's time; > 1 is faster):\n\n"
                          + _table(head, grid_rows(lambda l, h: fmt_ratio(ratio(base.get(h), times.get((l, h))))),
                                   "l" + "r" * len(hidden)))
         parts.append("Setup (upload, compilation, warm-up), seconds:\n\n"
@@ -314,6 +332,75 @@ def curves_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = 
     return "\n\n".join(parts) + "\n"
 
 
+def _metric_cell(case: CaseResult, metric: str) -> str:
+    value = case.metric(metric)
+    if value is None:
+        return "-"
+    return f"{fmt_num(value)} ms" if metric == "epoch_ms" else f"{fmt_num(value / 1e3)} s"
+
+
+def _spread(case: CaseResult, metric: str) -> str:
+    lo, hi = case.metric(metric, "p20"), case.metric(metric, "p80")
+    scale = 1.0 if metric == "epoch_ms" else 1e-3
+    return "-" if lo is None else f"{fmt_num(lo * scale)}–{fmt_num(hi * scale)}"
+
+
+def table_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    """A suite of several workloads (record, peers, triton, and any suite without its own layout): per model,
+    its figure (ms per epoch or s per run, p50 with p20–p80), setup, test accuracy, the speed-up over the
+    baseline row, and, where the suite ran the fp64 reference, the parity and the target columns."""
+    try:
+        suite = build(result.suite, result.quick)
+    except ValueError:
+        suite = None
+    rows_by_key = {(r.label, m): r for m in (suite.models if suite else ()) for r in (suite.rows if suite else ())}
+    has_target = any(r.target_ms is not None for r in rows_by_key.values())
+    parts = [f"### {result.title}", header(result), *_images(images)]
+    ran = result.ran()
+    head = ["model", "row", "precision", "figure (p50)", "p20–p80", "setup s", "test acc", "× baseline"]
+    if has_target:
+        head[5:5] = ["target", "met"]
+    if result.reference:
+        head += ["max rel. train-loss dev. vs fp64", "Δ test acc vs fp64 (pp)"]
+    lines = []
+    for case in ran:
+        metric = suite.metric_for(case.model) if suite else "epoch_ms"
+        base = baseline_case(result, case)
+        speedup = None if base is None or base is case else ratio(base.metric(metric), case.metric(metric))
+        line = [case.model, case.label, case.precision, f"**{_metric_cell(case, metric)}**", _spread(case, metric),
+                fmt_num(case.metric("setup_ms") / 1e3), fmt_pct(case.metric("test_acc", "mean")),
+                "(baseline)" if base is case else fmt_ratio(speedup)]
+        if has_target:
+            row = rows_by_key.get(case.key)
+            target = None if row is None else row.target_ms
+            unit = 1.0 if metric == "epoch_ms" else 1e-3
+            if target is None:
+                line[5:5] = ["", ""]
+            else:
+                shown = f"<= {fmt_num(target * unit)} {'ms' if metric == 'epoch_ms' else 's'}"
+                line[5:5] = [shown + (f" (floor {row.floor})" if row.floor else ""),
+                             "yes" if case.metric(metric) <= target else "**no**"]
+        if result.reference:
+            dev = case.deviation or {}
+            rel, diff = dev.get("train_loss_max_rel"), dev.get("test_acc_diff_pp")
+            line += ["-" if rel is None else f"{100 * rel:.2f}%", "-" if diff is None else f"{diff:+.2f}"]
+        lines.append(line)
+    if lines:
+        parts.append(_table(head, lines, "lll" + "r" * (len(head) - 3)))
+        parts.append("*figure: the mean epoch time over the second half of training (ms) for logreg, the training "
+                     "time of the whole run (s) for the MLPs; p50 across seeds with p20–p80; setup (upload, "
+                     "compilation, warm-up) apart; × baseline: the baseline row's figure over this row's, same model "
+                     "and precision"
+                     + ("; parity: the seed-0 run against the float64 reference on the same weights and batches"
+                        if result.reference else "") + ".*")
+    else:
+        parts.append("*No row ran on this machine.*")
+    skipped = skipped_list(result)
+    if skipped:
+        parts.append("Rows not run here:\n\n" + skipped)
+    return "\n\n".join(parts) + "\n"
+
+
 MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown}
 
 
@@ -329,8 +416,9 @@ def to_markdown(result: SuiteResult, image_dir: Path | None = None, link_base: s
     """The suite's Markdown; with ``image_dir``, links to the plots found there (as ``link_base/<name>``)."""
     images = None
     if image_dir is not None:
-        images = [(alt, f"{link_base}{name}") for alt, name in PLOTS[result.suite] if (image_dir / name).is_file()]
-    return MARKDOWN[result.suite](result, images)
+        images = [(alt, f"{link_base}{name}") for alt, name in PLOTS.get(result.suite, ())
+                  if (image_dir / name).is_file()]
+    return MARKDOWN.get(result.suite, table_markdown)(result, images)
 
 
 def write_outputs(result: SuiteResult, out: Path) -> list[Path]:

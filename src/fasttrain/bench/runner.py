@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import gc
-import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -27,9 +26,7 @@ from fasttrain.data.datasets import Dataset
 from fasttrain.errors import FasttrainError
 
 SCHEMA = 1
-# Engines the suites name; a row for one of these that is not in the registry is "not built yet".
 NOT_SELECTED = "not selected (--engines)"
-PLANNED_ENGINES = ("numpy", "torch-eager", "torch-fast", "jax", "cuda", "triton")
 
 
 def utc_now() -> str:
@@ -90,8 +87,9 @@ class SuiteResult:
     environment: dict
     repeats: int
     cases: list[CaseResult] = field(default_factory=list)
-    reference: dict = field(default_factory=dict)  # curves: model -> NumPy fp64 run record
+    reference: dict = field(default_factory=dict)  # curves, record: model -> the fp64 reference's run record
     commands: list[str] = field(default_factory=list)  # every command whose cases are in here, oldest first
+    baselines: list[str] = field(default_factory=list)  # labels of the rows the speed-up columns divide by
     schema: int = SCHEMA
 
     def to_dict(self) -> dict:
@@ -160,7 +158,7 @@ def skip_reason(case: Case, engines_filter: set[str] | None = None) -> str | Non
         return NOT_SELECTED
     engines = registry()
     if row.engine not in engines:
-        return f"engine {row.engine} is not built yet (no package in fasttrain.engines provides it)"
+        return f"engine {row.engine} is not registered (no package in fasttrain.engines provides it)"
     engine_cls = engines[row.engine]
     reason = engine_cls.available()
     if reason:
@@ -191,7 +189,7 @@ def check_engines_filter(names: set[str] | None) -> None:
 
     if not names:
         return
-    known = set(registry()) | set(PLANNED_ENGINES)
+    known = set(registry())
     unknown = sorted(names - known)
     if unknown:
         raise FasttrainError(f"--engines: unknown engine {unknown[0]!r}; choose from: {', '.join(sorted(known))}")
@@ -235,12 +233,6 @@ class Progress:
         """The suite is over."""
 
 
-def share_the_device() -> None:
-    """Engines of one suite share one process and one GPU: JAX must not grab 75% of the GPU's
-    memory up front (its default), or the engines after it would run short. Call before JAX loads."""
-    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
-
-
 def release_memory() -> None:
     """Hand cached device memory back between rows, so one engine's pool does not crowd the next."""
     gc.collect()
@@ -271,29 +263,32 @@ def run_suite(
 
     ``on_case(result)`` is called after each case that ran, with the results so far (the CLI saves
     them, so a run cut short keeps what it finished)."""
+    from fasttrain.engines import reference_engine
     from fasttrain.environment import environment
     from fasttrain.training import run as train_run
 
-    share_the_device()
     runner = runner or train_run
     progress = progress or Progress()
     planned = plan(suite, engines_filter)
     runnable = [case for case, reason in planned if reason is None]
     seeds = list(range(suite.repeats))
-    n_ref = len({case.model for case in runnable}) if suite.reference else 0
+    ref_models = sorted({case.model for case in runnable if suite.reference_models is None
+                         or case.model in suite.reference_models}, key=lambda m: parse_model(m).n_params) \
+        if suite.reference else []
     result = SuiteResult(suite.name, suite.title, suite.quick, command, utc_now(),
                          dataset_info or {"name": data.name, "n_train": data.n_train, "n_test": len(data.test_labels)},
-                         environment(), suite.repeats, commands=[command] if command else [])
-    progress.start(len(runnable) * len(seeds) + n_ref, suite.name)
+                         environment(), suite.repeats, commands=[command] if command else [],
+                         baselines=suite.baselines())
+    progress.start(len(runnable) * len(seeds) + len(ref_models), suite.name)
     told = set()
     try:
-        if suite.reference:
-            for model in sorted({case.model for case in runnable}, key=lambda m: parse_model(m).n_params):
-                progress.describe(f"{suite.name}: numpy fp64 reference {model}")
-                config = default_config(parse_model(model), **{**suite.config, "precision": "fp64", "seed": 0})
-                record, _ = runner("numpy", parse_model(model), config, data, {})
-                result.reference[model] = record.to_dict()
-                progress.advance()
+        for model in ref_models:
+            reference = reference_engine()
+            progress.describe(f"{suite.name}: {reference} fp64 reference {model}")
+            config = default_config(parse_model(model), **{**suite.config_for(model), "precision": "fp64", "seed": 0})
+            record, _ = runner(reference, parse_model(model), config, data, {})
+            result.reference[model] = record.to_dict()
+            progress.advance()
         for case, reason in planned:
             if reason is not None:
                 if reason != NOT_SELECTED and (case.row.label, reason) not in told:  # once per row, not per model
@@ -348,7 +343,7 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
 
 
 def _deviation(record: dict, reference: dict) -> dict:
-    """How far a run is from the NumPy fp64 reference on the same seed (:mod:`fasttrain.parity`)."""
+    """How far a run is from the fp64 reference on the same seed (:mod:`fasttrain.parity`)."""
     from fasttrain.parity import curve_deviation, loss_deviation
     from fasttrain.training import RunRecord
 
@@ -366,7 +361,7 @@ def _summary_line(suite: Suite, case: CaseResult) -> str:
     n = case.metrics["epoch_ms"]["n"]
     acc = case.metric("test_acc", "mean")
     acc_text = "-" if acc is None else f"{100 * acc:.2f}%"
-    if suite.name == "sweep":
+    if suite.metric_for(case.model) == "train_ms":
         timing = f"train {case.metric('train_ms') / 1e3:.3f} s"
     else:
         timing = f"epoch {case.metric('epoch_ms'):.2f} ms"
@@ -411,6 +406,7 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
     merged.sort(key=lambda c: (parse_model(c.model).n_params, labels.index(c.label) if c.label in labels else len(labels)))
     new.cases = merged
     new.reference = {**old.reference, **new.reference}
+    new.baselines = new.baselines or old.baselines
     if kept:
         new.commands = list(dict.fromkeys([*old.commands, *new.commands]))
     return new, kept

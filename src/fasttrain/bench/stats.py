@@ -1,7 +1,7 @@
 """Figures from run records, and their statistics across repeated runs.
 
 Per run (one record): ``epoch_ms`` = mean epoch time over the second half of training, recomputed
-from the record's epochs with :func:`fasttrain.bench.timing.second_half_mean`; ``train_ms`` = the
+from the record's epochs with :func:`fasttrain.timing.second_half_mean`; ``train_ms`` = the
 sum of all epochs' times (every SGD step, no setup, no evaluation); ``setup_ms``; ``total_ms``;
 ``test_acc`` = the final test accuracy. Across runs (seeds): p20/p50/p80 (NumPy's linear
 interpolation), the mean and ``n``.
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from fasttrain.bench.timing import percentiles, second_half_mean
+from fasttrain.timing import percentiles, second_half_mean
 
 # metric -> (unit, how to read it from a run record as a dict)
 METRICS: dict[str, tuple[str, object]] = {

@@ -1,9 +1,9 @@
 """The benchmark suites, as data.
 
 A suite is a list of :class:`Row` (label, engine, engine options, config overrides) crossed with
-a list of models. Rows name engines that may not exist yet, or not run on this machine: the
-runner skips those with the engine's own reason, and they appear by themselves once the engine
-is built. Nothing here imports an engine.
+a list of models. The rows come from the engines (``Engine.rows(suite)``), so a new engine brings
+its own lines and nothing here names one; rows that cannot run on this machine are skipped by the
+runner with the engine's own reason.
 
 ``OFF`` in a row's options means "this flag switched off", whatever the engine calls that
 (``False`` for a boolean flag, ``off``/``none`` for a flag with choices), so a rung can name every
@@ -12,6 +12,7 @@ flag explicitly and measure exactly one optimization more than the row above it.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
 from fasttrain.contract import parse_model
@@ -25,28 +26,23 @@ class _Off:
 OFF = _Off()
 
 SEED_NOTE = "measured elsewhere, unknown GPU"
-COMPILE_NOTE = "left out of --quick: torch.compile takes a minute or more to compile"
-
-# The seed study's figures (ms per epoch, logreg, batch 128): measured elsewhere on an unknown GPU.
-# Rows whose seed counterpart is unambiguous carry their figure in the ladder's seed column.
-SEED_MS = {
-    "numpy": 12500.0,
-    "torch-eager": 10500.0,
-    "torch-fast +compile": 600.0,  # "+ torch.compile(), pinned memory, AMP, preloading dataset"
-}
-# The seed's CUDA ladder has six figures for our seven rungs 0..6; which rung each belongs to is not
-# known, so they are shown beside the table (and as a band in the plot), not matched to rows.
+# The seed study's CUDA ladder: six figures (ms per epoch, logreg, batch 128, unknown GPU) for seven rungs, so
+# they are shown beside the ladder (a band in its plot), not matched to rows.
 SEED_CUDA_MS = (38.0, 27.0, 20.7, 19.0, 18.0, 17.0)
 
 
 @dataclass(frozen=True)
 class Row:
-    """One line of a suite: an engine with its flags and config overrides.
+    """One line of a suite: an engine with its flags and config overrides (engines declare their rows).
 
     ``rung``: the short name of the optimization step (``"3"``, ``"+amp"``); ``overrides``:
     :class:`~fasttrain.contract.TrainConfig` fields this row changes (e.g. precision);
-    ``max_hidden``: the largest hidden width this row runs at (a slow CPU baseline);
-    ``quick``: ``False`` leaves the row out of ``--quick`` (the reason is ``quick_note``).
+    ``max_hidden``: the largest hidden width this row runs at (a slow CPU baseline); ``models``: the
+    only models this row runs on (None: every model of the suite); ``quick``: ``False`` leaves the row
+    out of ``--quick`` (the reason is ``quick_note``); ``seed_ms``: the seed study's figure for this
+    row (measured elsewhere); ``baseline``: the row the others are compared with (the speed-up
+    columns); ``target_ms`` / ``floor``: the goal this row's figure is held to and the estimated floor
+    (the record suite).
     """
 
     label: str
@@ -55,12 +51,13 @@ class Row:
     options: dict = field(default_factory=dict)
     overrides: dict = field(default_factory=dict)
     max_hidden: int | None = None
+    models: tuple[str, ...] | None = None
     quick: bool = True
     quick_note: str = ""
-
-    @property
-    def seed_ms(self) -> float | None:
-        return SEED_MS.get(self.label)
+    seed_ms: float | None = None
+    baseline: bool = False
+    target_ms: float | None = None
+    floor: str = ""
 
     @property
     def precision(self) -> str:
@@ -83,6 +80,12 @@ class Case:
 
 @dataclass(frozen=True)
 class Suite:
+    """Rows crossed with models. ``model_config``: config overrides of one model (a suite of several
+    workloads); ``metric`` / ``model_metric``: the figure its tables lead with (``epoch_ms``: mean epoch
+    time over the second half; ``train_ms``: the whole run's training time), per model where they differ;
+    ``reference``: also run the float64 reference engine on ``reference_models`` (None: every model) and
+    hold each row's seed-0 run against it."""
+
     name: str
     title: str
     rows: tuple[Row, ...]
@@ -90,7 +93,20 @@ class Suite:
     config: dict
     repeats: int
     quick: bool = False
-    reference: bool = False  # curves: also run the NumPy fp64 reference per model
+    reference: bool = False
+    model_config: dict = field(default_factory=dict)
+    reference_models: tuple[str, ...] | None = None
+    metric: str = "epoch_ms"
+    model_metric: dict = field(default_factory=dict)
+
+    def config_for(self, model: str) -> dict:
+        return {**self.config, **self.model_config.get(model, {})}
+
+    def metric_for(self, model: str) -> str:
+        return self.model_metric.get(model, self.metric)
+
+    def baselines(self) -> list[str]:
+        return list(dict.fromkeys(row.label for row in self.rows if row.baseline))
 
     def cases(self) -> list[Case]:
         cases = []
@@ -98,102 +114,124 @@ class Suite:
             spec = parse_model(model)
             width = max(spec.hidden, default=0)
             for row in self.rows:
+                if row.models is not None and model not in row.models:
+                    continue
                 if row.max_hidden is not None and width > row.max_hidden:
                     continue
-                cases.append(Case(self.name, row, model, {**self.config, **row.overrides}))
+                cases.append(Case(self.name, row, model, {**self.config_for(model), **row.overrides}))
         return cases
 
 
-# torch-fast rungs: every flag named, each rung switches on one more (the seed's "+ torch.compile(),
-# pinned memory, AMP, preloading dataset" is the +compile rung). pin_memory only matters without
-# preload; it stays on throughout, as in the seed's optimized version. torch-fast's mixed precision
-# follows the config's precision, so the +amp rungs set precision fp16 and name amp to match.
-_TF_BASE = dict(preload=True, pin_memory=True, amp=OFF, compile=OFF, cuda_graph=OFF, fused_sgd=OFF)
-_FP16 = {"precision": "fp16"}
+def engine_rows(suite: str) -> tuple[Row, ...]:
+    """Every registered engine's rows of ``suite``, engines in display order."""
+    from fasttrain.engines import registry
+
+    return tuple(row for engine_cls in registry().values() for row in engine_cls.rows(suite))
 
 
-def _torch_fast(label: str, rung: str, overrides: dict | None = None, quick: bool = True, **changes) -> Row:
-    return Row(label, "torch-fast", rung, {**_TF_BASE, **changes}, dict(overrides or {}), quick=quick,
-               quick_note="" if quick else COMPILE_NOTE)
+# --- the suites ------------------------------------------------------------------------------
+# A suite is a builder registered under its name: `fasttrain bench <name>` runs it (the CLI makes one
+# command per entry), `bench render/merge` and the folder's README pick its files up. Adding a suite is
+# adding a builder here (or, from another module, calling `register`) and, in the engines, its rows; an
+# engine can also bring a suite of its own (`Engine.suites`), run over the four benchmarks.
+
+SuiteBuilder = Callable[..., Suite]
+SUITES: dict[str, tuple[SuiteBuilder, str]] = {}
 
 
-LADDER_ROWS: tuple[Row, ...] = (
-    Row("numpy", "numpy", "-"),
-    Row("torch-eager", "torch-eager", "-"),
-    _torch_fast("torch-fast preload", "preload"),
-    _torch_fast("torch-fast +amp", "+amp", _FP16, amp="fp16"),
-    _torch_fast("torch-fast +compile", "+compile", _FP16, False, amp="fp16", compile="default"),
-    # fused SGD first: with fp16, GradScaler's unfused step reads an overflow flag on the host every
-    # step, which a CUDA graph cannot capture.
-    _torch_fast("torch-fast +fused-sgd", "+fused-sgd", _FP16, False, amp="fp16", compile="default", fused_sgd=True),
-    _torch_fast("torch-fast +cuda-graph", "+cuda-graph", _FP16, False, amp="fp16", compile="default",
-                fused_sgd=True, cuda_graph="epoch"),
-    # The engine's own best setting (every flag on its default), in fp32 like the rows above it.
-    Row("torch-fast (defaults)", "torch-fast", "defaults", quick=False, quick_note=COMPILE_NOTE),
-    Row("jax", "jax", "-"),
-    *(Row(f"cuda rung {n}", "cuda", str(n), {"rung": n}) for n in range(7)),
-    Row("cuda rung 7", "cuda", "7", {"rung": 7}, _FP16),
-    Row("cuda rung 8", "cuda", "8", {"rung": 8}, _FP16),
-    Row("triton", "triton", "-"),
-)
+def register(name: str, help: str):
+    """Register ``builder(quick, repeats, hidden) -> Suite`` as the suite ``name`` (``help``: its one line)."""
 
-SWEEP_ROWS: tuple[Row, ...] = (
-    # A CPU baseline; above h=1024 it would take minutes per run.
-    Row("numpy fp32", "numpy", "-", max_hidden=1024),
-    Row("torch-eager fp16", "torch-eager", "-", {}, _FP16),
-    Row("torch-fast compiled fp16", "torch-fast", "compile",
-        {**_TF_BASE, "amp": "fp16", "compile": "reduce-overhead"}, _FP16, quick=False, quick_note=COMPILE_NOTE),
-    Row("torch-fast CUDA graph fp16", "torch-fast", "cuda-graph",
-        {**_TF_BASE, "amp": "fp16", "fused_sgd": True, "cuda_graph": "epoch"}, _FP16),
-    # The engine's own best setting (compiled functional step in a CUDA graph): the strongest PyTorch peer.
-    Row("torch-fast (defaults) fp16", "torch-fast", "defaults", {}, _FP16, quick=False, quick_note=COMPILE_NOTE),
-    Row("jax fp16", "jax", "-", {}, _FP16),
-    Row("cuda rung 6 fp32", "cuda", "6", {"rung": 6}),
-    Row("cuda rung 7 fp16", "cuda", "7", {"rung": 7}, _FP16),
-    Row("cuda rung 8 fp16", "cuda", "8", {"rung": 8}, _FP16),
-    Row("triton fp16", "triton", "-", {}, _FP16),
-)
+    def wrap(builder: SuiteBuilder) -> SuiteBuilder:
+        SUITES[name] = (builder, help)
+        return builder
+
+    return wrap
+
 
 SWEEP_HIDDEN = (128, 256, 512, 1024, 2048, 4096, 8192)
 QUICK_HIDDEN = (128, 256, 512)
-# The relative-speed plot divides the baseline's time by each row's (the reference project's pair of graphs).
-SWEEP_BASELINE = "torch-eager fp16"
-
 QUICK_DATA = (10000, 2000)  # --quick trains on the first 10,000 / 2,000 examples
+LOGREG = dict(epochs=20, steps=None, batch_size=128, lr=0.1)
+MLP = dict(epochs=None, steps=5000, batch_size=32, lr=0.003)
+WORKLOADS = ("logreg", "mlp:128x3", "mlp:1024x3", "mlp:8192x3")   # the seed study's four benchmarks
 
 
-def ladder(quick: bool = False, repeats: int | None = None) -> Suite:
+def _workloads(quick: bool) -> tuple[tuple[str, ...], dict]:
+    """The four benchmarks and their configs (--quick: the first three, 2 epochs or 100 steps)."""
+    logreg = {**LOGREG, "epochs": 2} if quick else LOGREG
+    mlp = {**MLP, "steps": 100} if quick else MLP
+    models = WORKLOADS[:3] if quick else WORKLOADS
+    return models, {m: (logreg if m == "logreg" else mlp) for m in models}
+
+
+@register("ladder", "The seed study's table: every engine and rung on logreg, 20 epochs, batch 128.")
+def ladder(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
     config = dict(epochs=3 if quick else 20, steps=None, batch_size=128, lr=0.1)
-    return Suite("ladder", "Ladder: logreg, batch 128, lr 0.1", LADDER_ROWS, ("logreg",), config,
+    return Suite("ladder", "Ladder: logreg, batch 128, lr 0.1", engine_rows("ladder"), ("logreg",), config,
                  repeats or (1 if quick else 3), quick)
 
 
+@register("sweep", "Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16, 3 seeds.")
 def sweep(quick: bool = False, repeats: int | None = None, hidden: tuple[int, ...] | None = None) -> Suite:
     hidden = tuple(hidden or (QUICK_HIDDEN if quick else SWEEP_HIDDEN))
     config = dict(epochs=None, steps=100 if quick else 5000, batch_size=32, lr=0.003)
-    return Suite("sweep", "Sweep: mlp:Hx3, batch 32, lr 0.003", SWEEP_ROWS, tuple(f"mlp:{h}x3" for h in hidden),
-                 config, repeats or (1 if quick else 3), quick)
+    return Suite("sweep", "Sweep: mlp:Hx3, batch 32, lr 0.003", engine_rows("sweep"), tuple(f"mlp:{h}x3" for h in hidden),
+                 config, repeats or (1 if quick else 3), quick, metric="train_ms")
 
 
-def curves(quick: bool = False) -> Suite:
+@register("curves", "Loss curves of every engine on seed 0 against the float64 reference.")
+def curves(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
     # One seed, every ladder row, loss every few steps; test accuracy only at the end.
     epochs = 1 if quick else 3
     config = dict(epochs=epochs, steps=None, batch_size=128, lr=0.1, log_every=5 if quick else 10, eval_every=epochs)
-    return Suite("curves", "Loss curves: logreg, batch 128, lr 0.1, seed 0", LADDER_ROWS, ("logreg",), config,
+    return Suite("curves", "Loss curves: logreg, batch 128, lr 0.1, seed 0", engine_rows("ladder"), ("logreg",), config,
                  1, quick, reference=True)
 
 
-SUITES = ("ladder", "sweep", "curves")
+@register("record", "The record table: the fastest rows on the four benchmarks against their targets, the "
+                    "float64 parity beside them and the speed-up over the baseline rows, in one process.")
+def record(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
+    models, configs = _workloads(quick)
+    return Suite("record", "Record: the four benchmarks against their targets", engine_rows("record"), models, {},
+                 repeats or (1 if quick else 3), quick, reference=True, model_config=configs,
+                 reference_models=tuple(m for m in models if m != "mlp:8192x3"),   # fp64 NumPy at 8192: hours
+                 metric="train_ms", model_metric={"logreg": "epoch_ms"})
+
+
+# the peer frameworks' settings one at a time on the four benchmarks
+register("peers", "The peer frameworks' settings, one at a time, on the four benchmarks.")(
+    lambda quick=False, repeats=None, hidden=None: workload_suite("peers", "Peers: each framework setting on the "
+                                                                  "four benchmarks")(quick, repeats, hidden))
+
+
+def workload_suite(name: str, title: str) -> SuiteBuilder:
+    """A suite of the four benchmarks whose rows come from the engines (what an engine's own suite is)."""
+
+    def builder(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
+        models, configs = _workloads(quick)
+        return Suite(name, title, engine_rows(name), models, {}, repeats or (1 if quick else 3), quick,
+                     model_config=configs, metric="train_ms", model_metric={"logreg": "epoch_ms"})
+
+    return builder
+
+
+def all_suites() -> dict[str, tuple[SuiteBuilder, str]]:
+    """The suites registered here and those the engines bring (``Engine.suites``: name -> one-line help)."""
+    from fasttrain.engines import registry
+
+    out = dict(SUITES)
+    for engine_cls in registry().values():
+        for name, help in engine_cls.suites.items():
+            out.setdefault(name, (workload_suite(name, help.rstrip(".")), help))
+    return out
 
 
 def build(name: str, quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
-    if name == "ladder":
-        return ladder(quick, repeats)
-    if name == "sweep":
-        return sweep(quick, repeats, hidden)
-    if name == "curves":
-        return curves(quick)
-    raise ValueError(name)
+    suites = all_suites()
+    if name not in suites:
+        raise ValueError(name)
+    return suites[name][0](quick, repeats, hidden)
 
 
 def with_rows(suite: Suite, rows) -> Suite:

@@ -26,13 +26,15 @@ from fasttrain.errors import FasttrainError
 Weights = list[tuple[np.ndarray, np.ndarray]]
 
 
-def option(default, help: str, choices: tuple | None = None, flag_value: Any = None):
+def option(default, help: str, choices: tuple | None = None, flag_value: Any = None, type: type | None = None):
     """A field of an engine's ``Options`` dataclass, with its CLI help.
 
     ``choices``: the allowed values. ``flag_value``: the value the bare flag means when its
-    argument is left out (``--compile`` alone = ``--compile default``).
+    argument is left out (``--compile`` alone = ``--compile default``). ``type``: the value's type
+    when the default (``None``: "the engine decides") does not say it.
     """
-    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag_value": flag_value})
+    return dataclasses.field(default=default, metadata={"help": help, "choices": choices, "flag_value": flag_value,
+                                                        "type": type})
 
 
 @dataclass(frozen=True)
@@ -94,10 +96,32 @@ class Session(ABC):
 
 
 class Engine(ABC):
+    """An engine declares, besides how it trains, how the house shows it: ``order`` (its place in listings,
+    tables and plots, lower first), ``color`` (a matplotlib colormap name: its rows' hue, darker for later
+    rows), ``libraries`` (the distributions whose versions go into every run record), ``needs_gpu`` (its
+    conformance cases are marked ``gpu``), ``reference`` (the float64 reference the curves and the record
+    suite compare against; one engine) and :meth:`rows` (its lines in each benchmark suite)."""
+
     name: ClassVar[str]
     description: ClassVar[str]
     Options: ClassVar[type] = NoOptions
     precisions: ClassVar[tuple[str, ...]] = ("fp32",)
+    order: ClassVar[int] = 1000
+    color: ClassVar[str] = "Greys"
+    libraries: ClassVar[tuple[str, ...]] = ()
+    needs_gpu: ClassVar[bool] = False
+    reference: ClassVar[bool] = False
+    # the options the conformance suite (tests/test_conformance.py) runs this engine with, one case each; an
+    # entry's "precision" key sets the config's precision instead (default: the engine's first precision)
+    conformance_options: ClassVar[tuple[dict, ...]] = ({},)
+    # benchmark suites this engine brings (name -> one-line help): its rows over the four benchmarks
+    suites: ClassVar[dict[str, str]] = {}
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        """This engine's lines (:class:`fasttrain.bench.suites.Row`) in the benchmark suite ``suite``
+        (``ladder``, ``sweep``, ``curves``, ``record``, ...); none by default."""
+        return ()
 
     def __init__(self, options=None):
         self.options = options if options is not None else self.Options()
@@ -136,7 +160,9 @@ def option_fields(options_cls: type) -> list[dataclasses.Field]:
 
 def _coerce(engine: str, fld: dataclasses.Field, raw: Any) -> Any:
     flag = "--" + fld.name.replace("_", "-")
-    target = type(fld.default) if fld.default is not None else str
+    target = fld.metadata.get("type") or (type(fld.default) if fld.default is not None else str)
+    if raw is None and fld.default is None:
+        return None
     try:
         if target is bool and isinstance(raw, str):
             lowered = raw.lower()

@@ -3,7 +3,8 @@
 Python on the host (CuPy for memory, streams, events, pinned memory and NVRTC), CUDA C on the
 device (``kernels/NN_*.cu``), cuBLAS through nvmath-python, cuDNN's softmax through ctypes.
 ``--rung N`` picks the rung: 0..6 are fp32 and live in :mod:`.ladder_session` (its docstring
-lists what each rung adds); 7 and 8 are the fused mixed-precision kernels of :mod:`.fused`.
+lists what each rung adds); 7 and 8 are the fused mixed-precision kernels of :mod:`.fused`,
+tuned by the typed ``--step-*`` (rung 7) and ``--logreg-*``/``--mlp-*``/``--grid-*`` (rung 8) options.
 """
 
 from __future__ import annotations
@@ -32,6 +33,34 @@ class CudaOptions:
     rung: int = option(6, "ladder rung: 0 baseline .. 6 CUDA graphs (fp32); 7-8 fused kernels (fp16/bf16 too)",
                        choices=tuple(range(9)))
     debug: bool = option(False, "check every launch for errors (synchronizes after each one: slow)")
+    # rung 7: tiles and occupancy of the fused step kernels (unset: the plan's choice, see fused.plans.step_plan)
+    step_bo: int | None = option(None, "rung 7: output columns per forward block", choices=(8, 16, 32, 64), type=int)
+    step_bi: int | None = option(None, "rung 7: input features per backward block", choices=(8, 16, 32, 64), type=int)
+    step_stages: int | None = option(None, "rung 7: cp.async ring depth of the backward", choices=(2, 3, 4), type=int)
+    step_bwd_minb: int | None = option(None, "rung 7: minimum backward blocks per SM (__launch_bounds__)",
+                                       choices=(1, 2, 3, 4), type=int)
+    step_fwd_minb: int | None = option(None, "rung 7: minimum forward blocks per SM (__launch_bounds__)",
+                                       choices=(1, 2, 3, 4), type=int)
+    step_fu: int | None = option(None, "rung 7: k-steps of W the forward loads ahead", choices=(1, 2, 4, 8), type=int)
+    step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
+    step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)")
+    step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
+    # rung 8: the persistent kernels
+    logreg_cluster: int = option(7, "rung 8 logreg: CTAs of the cluster that split the features",
+                                 choices=(4, 5, 6, 7, 8))
+    logreg_stages: int | None = option(None, "rung 8 logreg: depth of the pixel ring (unset: the deepest that fits)",
+                                       choices=(2, 3, 4, 5, 6), type=int)
+    mlp_stages: int | None = option(None, "rung 8 MLPs up to width 128: depth of the pixel ring", choices=(2, 3, 4),
+                                    type=int)
+    mlp_layout: str = option("auto", "rung 8 MLPs up to width 128: blocked exchanges, the compact fallback, or "
+                             "auto (blocked where it fits)", choices=("auto", "blocked", "compact"))
+    grid_sc_fence: bool = option(False, "rung 8 MLPs of width 256..1024: a fence.sc before every flag release")
+    side_score: bool = option(True, "rung 8 on a cluster: score the test set on a side stream")
+
+
+RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
+                 "step_carveout", "step_graph")
+RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 
 def _one_line(text: str) -> str:
@@ -43,6 +72,18 @@ class CudaEngine(Engine):
     description = "CUDA C kernels driven from Python (CuPy, cuBLAS, cuDNN): the seed's optimization ladder"
     Options = CudaOptions
     precisions = ("fp32", "fp16", "bf16")
+    order = 40
+    color = "Greens"
+    libraries = ("cupy-cuda13x", "nvmath-python", "nvidia-cudnn-cu13")
+    needs_gpu = True
+    conformance_options = ({"rung": 0}, {"rung": 3}, {"rung": 6}, {"rung": 7, "precision": "fp16"},
+                           {"rung": 8, "precision": "bf16"})
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.engines.cuda.rows import rows
+
+        return rows(suite)
 
     @classmethod
     def available(cls) -> str | None:
@@ -59,6 +100,16 @@ class CudaEngine(Engine):
         if count < 1:
             return "no CUDA device found; run on a machine with an NVIDIA GPU"
         return None
+
+    def check_config(self, spec, config) -> None:
+        super().check_config(spec, config)
+        rung = self.options.rung
+        defaults = CudaOptions()
+        for names, wanted in ((RUNG7_OPTIONS, 7), (RUNG8_OPTIONS, 8)):
+            changed = [n for n in names if getattr(self.options, n) != getattr(defaults, n)]
+            if changed and rung != wanted:
+                raise FasttrainError(f"engine cuda: --{changed[0].replace('_', '-')} is an option of --rung {wanted}, "
+                                     f"not of --rung {rung}")
 
     def check(self, job: Job) -> None:
         super().check(job)

@@ -67,6 +67,20 @@ class NumpyEngine(Engine):
     description = "NumPy on the CPU, vectorized batches; fp64 is the reference every engine is held to"
     Options = NumpyOptions
     precisions = ("fp32", "fp64")
+    order = 0
+    color = "Greys"
+    reference = True
+    conformance_options = ({"threads": 1},)
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.bench.suites import Row
+
+        if suite == "ladder":
+            return (Row("numpy", "numpy", "-", seed_ms=12500.0),)   # the seed study's figure, measured elsewhere
+        if suite == "sweep":   # a CPU baseline; above h=1024 it would take minutes per run
+            return (Row("numpy fp32", "numpy", "-", max_hidden=1024),)
+        return ()
 
     def prepare(self, job: Job) -> Session:
         return NumpySession(job, self.options.threads or os.cpu_count() or 1)

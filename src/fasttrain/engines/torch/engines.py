@@ -45,6 +45,16 @@ class TorchEagerEngine(Engine):
     description = "PyTorch as the tutorials write it: DataLoader, nn.Sequential, autograd, optim.SGD, no compile"
     Options = TorchEagerOptions
     precisions = ("fp32", "fp64", "fp16", "bf16")
+    order = 10
+    color = "Oranges"
+    libraries = ("torch",)
+    conformance_options = ({"device": "cpu"},)
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.engines.torch.rows import eager_rows
+
+        return eager_rows(suite)
 
     @classmethod
     def available(cls) -> str | None:
@@ -62,6 +72,16 @@ class TorchFastEngine(Engine):
                    "fused SGD, whole-step compile")
     Options = TorchFastOptions
     precisions = ("fp32", "fp64", "fp16", "bf16")
+    order = 20
+    color = "Reds"
+    libraries = ("torch",)
+    conformance_options = ({"device": "cpu"}, {"device": "cpu", "step": "autograd"})
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.engines.torch.rows import fast_rows
+
+        return fast_rows(suite)
 
     @classmethod
     def available(cls) -> str | None:

@@ -75,6 +75,18 @@ class TritonEngine(Engine):
                    "kernels; CUDA graph replay")
     Options = TritonOptions
     precisions = ("fp32", "fp16", "bf16")
+    order = 50
+    color = "Blues"
+    libraries = ("triton", "torch")
+    needs_gpu = True
+    conformance_options = ({"mode": "persistent"}, {"mode": "graph"})
+    suites = {"triton": "Triton: its modes, program counts and precisions on the four benchmarks."}
+
+    @classmethod
+    def rows(cls, suite: str) -> tuple:
+        from fasttrain.engines.triton.rows import rows
+
+        return rows(suite)
 
     @classmethod
     def available(cls) -> str | None:

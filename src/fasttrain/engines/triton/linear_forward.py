@@ -1,7 +1,7 @@
 """Forward kernels: a layer ``z = x @ W + b`` (ReLU on hidden layers), and the last layer fused
 with softmax, cross-entropy, accuracy and the output gradient.
 
-Versions (llm.c ``dev/cuda`` style; each is checked against float64 NumPy by :func:`check` and
+Versions (each is checked against float64 NumPy by :func:`check` and
 timed by :func:`bench`):
   version 1: plain tiled GEMM ``z = x @ W``, then a second kernel adds ``b`` and applies ReLU
              (two launches, ``z`` makes a round trip through device memory).

@@ -186,3 +186,61 @@ __device__ __forceinline__ float warp_sum(float v) {
     for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
     return v;
 }
+
+// ---- the end of a persistent epoch kernel: the epoch's results in host-mapped memory -------------------
+// `out` is pinned host memory of [2 + steps + 1] doubles: out[0] the epoch's loss sum, out[1] its correct
+// count, out[2 + s] the mean loss of step s, and last out[2 + steps] = flag, the value the host spins on.
+// Each of `np` participants (warps or threads) sums its share of the steps into red[i] (loss) and
+// red[np + i] (correct); after a barrier over all of them, one thread publishes the totals.
+
+// One warp's share: steps s = warp, warp + nwarps, ...; `entry(s, r, loss, correct)` adds entry r of step s
+// (`records` entries a step; 0: one entry a row of the step's batch); lane 0 writes the step's mean loss.
+template <class Entry>
+__device__ __forceinline__ void ft_warp_step_stats(double* out, double* red, int steps, int batch, int n,
+                                                   int records, int warp, int nwarps, int lane, Entry entry) {
+    double wl = 0.0, wc = 0.0;
+    for (int s = warp; s < steps; s += nwarps) {
+        const int rows = min(batch, n - s * batch);
+        float l = 0.f, c = 0.f;
+        for (int r = lane; r < (records > 0 ? records : rows); r += 32) entry(s, r, l, c);
+        l = warp_sum(l);
+        c = warp_sum(c);
+        if (lane == 0) out[2 + s] = (double)l / rows;
+        wl += l;
+        wc += c;
+    }
+    if (lane == 0) {
+        red[warp] = wl;
+        red[nwarps + warp] = wc;
+    }
+}
+
+// One thread's share: steps s = tid, tid + nthreads, ...; `step(s, loss, correct)` gives step s's sums.
+template <class Step>
+__device__ __forceinline__ void ft_thread_step_stats(double* out, double* red, int steps, int batch, int n,
+                                                     int tid, int nthreads, Step step) {
+    double wl = 0.0, wc = 0.0;
+    for (int s = tid; s < steps; s += nthreads) {
+        float l = 0.f, c = 0.f;
+        step(s, l, c);
+        out[2 + s] = (double)l / min(batch, n - s * batch);
+        wl += l;
+        wc += c;
+    }
+    red[tid] = wl;
+    red[nthreads + tid] = wc;
+}
+
+// The totals of the np participants, then the completion flag (after a system-scope fence, so the host
+// never sees the flag before the figures).
+__device__ __forceinline__ void ft_publish_epoch(double* out, const double* red, int np, int steps, double flag) {
+    double loss = 0.0, correct = 0.0;
+    for (int i = 0; i < np; ++i) {
+        loss += red[i];
+        correct += red[np + i];
+    }
+    out[0] = loss;
+    out[1] = correct;
+    __threadfence_system();
+    out[2 + steps] = flag;
+}

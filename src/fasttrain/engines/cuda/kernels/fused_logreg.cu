@@ -1,6 +1,7 @@
-// fused_logreg_v4.cu: rung 8 for logreg, one persistent kernel per epoch on a thread-block cluster.
+// fused_logreg.cu: rung 8 for logreg, one persistent kernel per epoch on a thread-block cluster.
 //
-// Version history (llm.c dev/cuda style; NOTES-fused.md has the prediction and outcome of each):
+// Version history (this file is the last; the earlier ones live in dev/cuda/ beside NOTES-fused.md,
+// which has the prediction and the measured outcome of each):
 //   v1  K-split over the cluster; partial logits pushed to every CTA with per-thread st.async (all-to-all,
 //       35 KB into each CTA a step); every CTA does the whole softmax. Measured (H200): 2.8 ms/epoch, the
 //       pushes alone ~5000 cycles a step (7 bytes/cycle), and they slow the producer's cp.async too.
@@ -29,7 +30,7 @@
 //
 // Compile-time configuration (-D): FT_C cluster size, FT_KT k-tiles per CTA (ceil(49/C)), FT_MT m-tiles per
 // batch (<= 12), FT_STAGES ring depth, FT_BF16, FT_PW producer warps, FT_PROF. (Two activation buffers always.)
-// Compile alone: nvcc --ptx -arch=sm_90 fused_logreg_v4.cu
+// Compile alone: nvcc --ptx -arch=sm_90 fused_logreg.cu
 #ifndef FT_C
 #define FT_C 7
 #endif
@@ -462,30 +463,12 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     }
 #endif
     cluster_sync_all();   // every CTA's row_loss/row_ok writes visible to rank 0 (release/acquire, cluster scope)
-    if (rank == 0 && warp < NCW) {
-        double wl = 0.0, wc = 0.0;
-        for (int s = warp; s < steps; s += NCW) {
-            const int rows = min(B, n - s * B);
-            float l = 0.f, c = 0.f;
-            for (int r = lane; r < C * SMW; r += 32) {
-                l += __ldcg(row_loss + ((size_t)s * C * SMW + r) * 2);
-                c += __ldcg(row_loss + ((size_t)s * C * SMW + r) * 2 + 1);
-            }
-            l = warp_sum(l);
-            c = warp_sum(c);
-            if (lane == 0) out[2 + s] = (double)l / rows;
-            wl += l;
-            wc += c;
-        }
-        if (lane == 0) { red[warp] = wl; red[NCW + warp] = wc; }
+    if (rank == 0 && warp < NCW) {   // per step, C * SMW (loss, correct) records of the warps of every CTA
+        ft_warp_step_stats(out, red, steps, B, n, C * SMW, warp, NCW, lane, [&](int s, int r, float& l, float& c) {
+            l += __ldcg(row_loss + ((size_t)s * C * SMW + r) * 2);
+            c += __ldcg(row_loss + ((size_t)s * C * SMW + r) * 2 + 1);
+        });
         named_sync(1, NCT);
-        if (tid == 0) {
-            double L = 0.0, A = 0.0;
-            for (int w = 0; w < NCW; ++w) { L += red[w]; A += red[NCW + w]; }
-            out[0] = L;
-            out[1] = A;
-            __threadfence_system();
-            out[2 + steps] = flag;   // last: the host may stop waiting once it reads this value
-        }
+        if (tid == 0) ft_publish_epoch(out, red, NCW, steps, flag);
     }
 }

@@ -1,6 +1,7 @@
-// fused_step_v3.cu: rung 7, fused tensor-core training step for any MLP (and logreg), captured in a CUDA graph.
+// fused_step.cu: rung 7, fused tensor-core training step for any MLP (and logreg), captured in a CUDA graph.
 //
-// Version history (llm.c dev/cuda style; NOTES-fused.md has the prediction and outcome of each):
+// Version history (this file is the last; the earlier ones live in dev/cuda/ beside NOTES-fused.md,
+// which has the prediction and the measured outcome of each):
 //   v1  Per step: ft_gather (batch rows -> fp16/bf16), one ft_fwd per hidden layer (GEMM + bias + ReLU,
 //       K split over 8 warps), ft_fwd_last (last GEMM split over blocks, the last block to finish does
 //       bias + softmax + loss + accuracy + g = p - onehot), one ft_bwd per layer (the weight-gradient GEMM
@@ -32,7 +33,7 @@
 // block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16; v3: FT_S ring stages of ft_bwd (>= 2),
 // FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W that
 // ft_fwd loads ahead.
-// Compile alone: nvcc --ptx -arch=sm_90a fused_step_v3.cu (the defaults below: batch 32, 64-wide tiles, fp16)
+// Compile alone: nvcc --ptx -arch=sm_90a fused_step.cu (the defaults below: batch 32, 64-wide tiles, fp16)
 #ifndef FT_MT
 #define FT_MT 2
 #endif

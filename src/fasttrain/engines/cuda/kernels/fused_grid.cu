@@ -1,11 +1,12 @@
-// fused_grid_v4.cu: rung 8 for wider MLPs (hidden width 256..1024): one persistent grid per epoch, every
+// fused_grid.cu: rung 8 for wider MLPs (hidden width 256..1024): one persistent grid per epoch, every
 // layer's weights resident in shared memory as 2-D tiles spread over ~128 SMs, no grid-wide barrier.
 //
-// Version history (llm.c dev/cuda style; NOTES-fused.md has the prediction and outcome of each):
+// Version history (this file is the last; the earlier ones live in dev/cuda/ beside NOTES-fused.md,
+// which has the prediction and the measured outcome of each):
 //   v1  2-D weight tiles resident in shared memory (fp32 master + fp16/bf16 copy), exchanges through L2 with
 //       one release flag per tile and phase; a consumer acquires exactly the flags of the tiles it reads.
 //       Measured (H200): mlp:1024x3 126-128 ms a run (25 us a step, 8 hops of ~3 us).
-//   v2  (fused_grid_v2.cu) a reduce phase between producers and consumers: 131 ms, slower: the hop is latency
+//   v2  (dev/cuda/fused_grid_v2.cu) a reduce phase between producers and consumers: 131 ms, slower: the hop is latency
 //       (release, poll, read round trips), not L2 bandwidth. Without v1's fence.sc before each release, v1: 121 ms.
 //   v3  v1's single-level exchange with: release-only flags (no fence.sc); each warp waits for the producers of
 //       one input row tile at a time and adds their partials as they arrive (the reads of the early producers
@@ -46,7 +47,7 @@
 //
 // Compile-time configuration (-D): FT_H padded hidden width, FT_NL hidden layers, FT_A / FT_B tile counts of
 // the hidden layers (FT_B % FT_A == 0), FT_MT batch m-tiles, FT_BF16, FT_PROF.
-// Compile alone: nvcc --ptx -arch=sm_90 fused_grid_v1.cu (defaults: mlp:1024x3, batch 32, fp16)
+// Compile alone: nvcc --ptx -arch=sm_90 fused_grid.cu (defaults: mlp:1024x3, batch 32, fp16)
 #ifndef FT_H
 #define FT_H 1024
 #endif
@@ -700,25 +701,14 @@ grid_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __res
     __syncthreads();
     if (!last_cta) return;
     __threadfence();
-    double wl = 0.0, wc = 0.0;
-    for (int s = threadIdx.x; s < steps; s += NTHR) {
-        const int rows = min(batch, n - s * batch);
-        const float l = __ldcg(stat_loss + s);
-        out[2 + s] = (double)l / rows;
-        wl += l;
-        wc += __ldcg(stat_ok + s);
-    }
     double* red = reinterpret_cast<double*>(smem + OFF_RED);
-    red[threadIdx.x] = wl;
-    red[NTHR + threadIdx.x] = wc;
+    ft_thread_step_stats(out, red, steps, batch, n, threadIdx.x, NTHR, [&](int s, float& l, float& c) {
+        l = __ldcg(stat_loss + s);
+        c = (float)__ldcg(stat_ok + s);
+    });
     __syncthreads();
     if (threadIdx.x == 0) {
-        double L = 0.0, Acc = 0.0;
-        for (int i = 0; i < NTHR; ++i) { L += red[i]; Acc += red[NTHR + i]; }
-        out[0] = L;
-        out[1] = Acc;
-        *done = 0u;
-        __threadfence_system();
-        out[2 + steps] = flag;
+        *done = 0u;   // the counter is ready for the next launch
+        ft_publish_epoch(out, red, NTHR, steps, flag);
     }
 }

@@ -1,6 +1,7 @@
-// fused_mlp_v3.cu: rung 8 for small MLPs (hidden width <= 128), one persistent kernel per epoch on a cluster.
+// fused_mlp.cu: rung 8 for small MLPs (hidden width <= 128), one persistent kernel per epoch on a cluster.
 //
-// Version history (llm.c dev/cuda style; NOTES-fused.md has the prediction and outcome of each):
+// Version history (this file is the last; the earlier ones live in dev/cuda/ beside NOTES-fused.md,
+// which has the prediction and the measured outcome of each):
 //   v1  N-split over a cluster of FT_C = HP/16 CTAs: CTA r owns hidden units [16r, 16r+16) of every hidden
 //       layer (rows of W_l^T, fp32 master in registers, fp16/bf16 copy in shared memory); the last layer
 //       (HP x 10) is replicated in every CTA. One producer warp gathers each batch (all 784 pixels, uint8)
@@ -30,8 +31,11 @@
 // 3 * 8 KB pushed (all-gathers, fp16) and 2 * 16 KB (reduce-scatters, fp32) over DSMEM.
 //
 // Compile-time configuration (-D): FT_C cluster size (= HP/16, <= 8), FT_MT batch m-tiles (<= 4), FT_NL hidden
-// layers, FT_STAGES ring depth, FT_BF16, FT_PROF.
-// Compile alone: nvcc --ptx -arch=sm_90 fused_mlp_v3.cu (defaults: mlp:128x3, batch 32, fp16)
+// layers, FT_STAGES ring depth, FT_BF16, FT_PROF; FT_COMPACT=1 builds the fallback: v1's exchanges (st.async
+// pushes into one [BP][HS] activation buffer and straight into the peers' partials), which need less shared
+// memory than v3's blocks and staging; the host takes it where v3 does not fit (deeper or wider models at
+// batch 48..64).
+// Compile alone: nvcc --ptx -arch=sm_90 fused_mlp.cu (defaults: mlp:128x3, batch 32, fp16)
 #ifndef FT_C
 #define FT_C 8
 #endif
@@ -49,6 +53,9 @@
 #endif
 #ifndef FT_PROF
 #define FT_PROF 0
+#endif
+#ifndef FT_COMPACT
+#define FT_COMPACT 0
 #endif
 #include "fused_common.cuh"
 
@@ -74,6 +81,15 @@
 #define HS (HP + 8)                 // row stride of the weight copies
 #define HB 24                       // row stride of a 16-unit activation block (48 bytes)
 #define HBLK (BP * HB)              // elements of one block; H = [HP/16 blocks][BP][HB]
+#if FT_COMPACT
+// one activation buffer [BP][HS]: element (row, unit) at row * HS + unit; a CTA's 16 units at rank * 16
+#define HBUF (BP * HS)
+#define HAT(h, row, unit) ((h) + (row) * HS + (unit))
+#else
+// an activation buffer in 16-unit blocks [HP/16][BP][HB]: element (row, unit) in block unit / 16
+#define HBUF (C * HBLK)
+#define HAT(h, row, unit) ((h) + ((unit) >> 4) * HBLK + (row) * HB + ((unit) & 15))
+#endif
 #define GS 24
 #define DS 24
 #define RS 18                       // row stride of the split-K scratch (floats)
@@ -92,17 +108,23 @@
 #define OFF_W1 A128(OFF_SY + STAGES * BP * 4)        // elem [16][W1S]
 #define OFF_WL A128(OFF_W1 + 16 * W1S * 2)           // elem [NLM][16][HS]
 #define OFF_WT A128(OFF_WL + NLM * 16 * HS * 2)      // elem [16][HS] (last layer, all of it)
-#define OFF_H1 A128(OFF_WT + 16 * HS * 2)            // elem [2][C][BP][HB]
-#define OFF_HL A128(OFF_H1 + 2 * C * HBLK * 2)       // elem [NLM][C][BP][HB]
-#define OFF_RED A128(OFF_HL + NLM * C * HBLK * 2)    // float [NCW][BP][RS]
+#define OFF_H1 A128(OFF_WT + 16 * HS * 2)            // elem [2][HBUF]
+#define OFF_HL A128(OFF_H1 + 2 * HBUF * 2)           // elem [NLM][HBUF]
+#define OFF_RED A128(OFF_HL + NLM * HBUF * 2)        // float [NCW][BP][RS]
 #define OFF_G A128(OFF_RED + NCW * BP * RS * 4)      // elem [BP][GS]
 #define OFF_DZ A128(OFF_G + BP * GS * 2)             // elem [2][BP][DS]
 #define OFF_RB A128(OFF_DZ + 2 * BP * DS * 2)        // float [NLM][C][BP][16]
+#if FT_COMPACT
+#define OFF_ST A128(OFF_RB + NLM * C * BP * 16 * 4)  // double [2][NCW]
+#define TXF (BP * HP * 2)                            // bytes a CTA receives per all-gather (its own push included)
+#define TXB (C * BP * 16 * 4)                        // bytes a CTA receives per reduce-scatter (likewise)
+#else
 #define OFF_MB A128(OFF_RB + NLM * C * BP * 16 * 4)  // float [NLM][C][BP][16] own partials, by destination
 #define OFF_ST A128(OFF_MB + NLM * C * BP * 16 * 4)  // double [2][NCW]
-#define SMEM_BYTES (OFF_ST + 2 * NCW * 8)
 #define TXF ((C - 1) * HBLK * 2)                     // bytes a CTA receives per all-gather
 #define TXB ((C - 1) * BP * 16 * 4)                  // bytes a CTA receives per reduce-scatter
+#endif
+#define SMEM_BYTES (OFF_ST + 2 * NCW * 8)
 
 extern "C" __constant__ int ft_smem_bytes = SMEM_BYTES;
 
@@ -137,8 +159,10 @@ __device__ __forceinline__ void bulk_s2c(u32 dst_local, u32 src, u32 size, u32 b
                  :: "r"(mapa(dst_local, rank)), "r"(src), "r"(size), "r"(mapa(bar_local, rank)) : "memory");
 }
 
-// h = relu(sum_w red * scale + bias) for this CTA's 16 units, into its own block `blk` (fenced for the copies)
-__device__ __forceinline__ void reduce_store(const float* red, const float* bias16, float scale, elem_t* blk, int tid) {
+// all-gather of one layer's activations: h = relu(sum_w red * scale + bias) for this CTA's 16 units, into
+// `hbuf` of every CTA of the cluster (the receivers' mbarrier `bar` counts the bytes)
+__device__ __forceinline__ void all_gather_h(const float* red, const float* bias16, float scale, elem_t* hbuf,
+                                             u32 bar, u32 rank, int tid, int warp, int lane) {
     for (int q = tid; q < BP * 8; q += NCT) {
         const int row = q >> 3, cp = q & 7;
         float z0 = 0.f, z1 = 0.f;
@@ -148,16 +172,25 @@ __device__ __forceinline__ void reduce_store(const float* red, const float* bias
             z0 += v.x;
             z1 += v.y;
         }
-        *reinterpret_cast<u32*>(blk + row * HB + 2 * cp) =
-            pack2(fmaxf(z0 * scale + bias16[2 * cp], 0.f), fmaxf(z1 * scale + bias16[2 * cp + 1], 0.f));
+        const u32 h = pack2(fmaxf(z0 * scale + bias16[2 * cp], 0.f), fmaxf(z1 * scale + bias16[2 * cp + 1], 0.f));
+#if FT_COMPACT
+        // pushed to every CTA, itself included, one st.async a pair
+        const u32 local = smem_u32(HAT(hbuf, row, rank * 16 + 2 * cp));
+#pragma unroll
+        for (int d = 0; d < C; ++d) st_async_u32(mapa(local, d), h, mapa(bar, d));
+#else
+        *reinterpret_cast<u32*>(HAT(hbuf, row, rank * 16 + 2 * cp)) = h;
+#endif
     }
+#if !FT_COMPACT
+    // the own block, once complete, to every peer by the bulk-copy engine (lane 0 of warp d % NCW sends to d)
     fence_proxy_async();
-}
-// all-gather: the own block to every peer (after the named barrier that follows reduce_store)
-__device__ __forceinline__ void gather_issue(const elem_t* blk, u32 bar, u32 rank, int warp, int lane) {
+    named_sync(1, NCT);
+    const elem_t* blk = hbuf + rank * HBLK;
     if (lane == 0)
         for (int d = warp; d < C; d += NCW)
             if (d != (int)rank) bulk_s2c(smem_u32(blk), smem_u32(blk), HBLK * 2, bar, d);
+#endif
 }
 
 extern "C" __global__ void __cluster_dims__(C, 1, 1) __launch_bounds__(NTHREADS, 1)
@@ -187,7 +220,9 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     elem_t* gbuf = reinterpret_cast<elem_t*>(smem + OFF_G);
     elem_t* dzs = reinterpret_cast<elem_t*>(smem + OFF_DZ);
     float* rb = reinterpret_cast<float*>(smem + OFF_RB);
+#if !FT_COMPACT
     float* mb = reinterpret_cast<float*>(smem + OFF_MB);
+#endif
     double* stat = reinterpret_cast<double*>(smem + OFF_ST);
 
     const int tid = threadIdx.x;
@@ -336,7 +371,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
             const int rows = min(B, n - s * B);
             const float scale = lr / (float)rows;
             const u8* xs = sx + (size_t)st * BP * NFEAT;
-            elem_t* h1p = h1 + par * C * HBLK;
+            elem_t* h1p = h1 + par * HBUF;
             mbar_wait(smem_u32(&bar_full[st]), (s / STAGES) & 1);
             PROF_T(0);
 
@@ -361,9 +396,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                 }
                 store_red(red, acc, warp, g, t);
                 named_sync(1, NCT);
-                reduce_store(red, bias_s, inv255, h1p + rank * HBLK, tid);
-                named_sync(1, NCT);
-                gather_issue(h1p + rank * HBLK, smem_u32(&bar_f1[par]), rank, warp, lane);
+                all_gather_h(red, bias_s, inv255, h1p, smem_u32(&bar_f1[par]), rank, tid, warp, lane);
                 mbar_wait_cluster(smem_u32(&bar_f1[par]), (s >> 1) & 1);
                 if (tid == 0 && s + 2 < steps) mbar_arrive_expect_tx(smem_u32(&bar_f1[par]), TXF);
             }
@@ -371,8 +404,8 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
             // ---- forward layers 2..NL ----
 #pragma unroll
             for (int l = 2; l <= NL; ++l) {
-                const elem_t* hp = (l == 2) ? h1p : hl + (l - 3) * C * HBLK;
-                elem_t* ho = hl + (l - 2) * C * HBLK;
+                const elem_t* hp = (l == 2) ? h1p : hl + (l - 3) * HBUF;
+                elem_t* ho = hl + (l - 2) * HBUF;
                 const elem_t* wl = wls + (l - 2) * 16 * HS;
                 float acc[MT][2][4] = {};
                 for (int kt = warp; kt < KH; kt += NCW) {
@@ -381,21 +414,19 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         u32 a[4];
-                        ldsm_x4(a, smem_u32(hp + kt * HBLK + (mt * 16 + (lane & 15)) * HB + (lane >> 4) * 8));
+                        ldsm_x4(a, smem_u32(HAT(hp, mt * 16 + (lane & 15), kt * 16 + (lane >> 4) * 8)));
                         mma16816(acc[mt][0], a, b[0], b[1]);
                         mma16816(acc[mt][1], a, b[2], b[3]);
                     }
                 }
                 store_red(red, acc, warp, g, t);
                 named_sync(1, NCT);
-                reduce_store(red, bias_s + (l - 1) * 16, 1.0f, ho + rank * HBLK, tid);
-                named_sync(1, NCT);
-                gather_issue(ho + rank * HBLK, smem_u32(&bar_fb[l]), rank, warp, lane);
+                all_gather_h(red, bias_s + (l - 1) * 16, 1.0f, ho, smem_u32(&bar_fb[l]), rank, tid, warp, lane);
                 mbar_wait_cluster(smem_u32(&bar_fb[l]), s & 1);
                 if (tid == 0 && s + 1 < steps) mbar_arrive_expect_tx(smem_u32(&bar_fb[l]), TXF);
             }
             PROF_T(2);
-            const elem_t* hN = (NL == 1) ? h1p : hl + (NL - 2) * C * HBLK;
+            const elem_t* hN = (NL == 1) ? h1p : hl + (NL - 2) * HBUF;
 
             // ---- logits (replicated), softmax, loss, accuracy, g = p - onehot ----
             {
@@ -406,7 +437,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
 #pragma unroll
                     for (int mt = 0; mt < MT; ++mt) {
                         u32 a[4];
-                        ldsm_x4(a, smem_u32(hN + kt * HBLK + (mt * 16 + (lane & 15)) * HB + (lane >> 4) * 8));
+                        ldsm_x4(a, smem_u32(HAT(hN, mt * 16 + (lane & 15), kt * 16 + (lane >> 4) * 8)));
                         mma16816(acc[mt][0], a, b[0], b[1]);
                         mma16816(acc[mt][1], a, b[2], b[3]);
                     }
@@ -465,7 +496,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
 #pragma unroll
                     for (int h = 0; h < 2; ++h) {
                         const int row = mt * 16 + g + 8 * h, col = nt * 8 + 2 * t;
-                        const float2 hv = unpack2(*reinterpret_cast<const u32*>(hN + rank * HBLK + row * HB + col));
+                        const float2 hv = unpack2(*reinterpret_cast<const u32*>(HAT(hN, row, rank * 16 + col)));
                         *reinterpret_cast<u32*>(dzc + row * DS + col) =
                             pack2(hv.x > 0.f ? acc[2 * h] : 0.f, hv.y > 0.f ? acc[2 * h + 1] : 0.f);
                     }
@@ -487,7 +518,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
 #pragma unroll
                         for (int kk = 0; kk < MT; ++kk) {
                             u32 b0, b1;
-                            ldsm_x2_t(b0, b1, smem_u32(hN + (j >> 1) * HBLK + (kk * 16 + (lane & 15)) * HB + (j & 1) * 8));
+                            ldsm_x2_t(b0, b1, smem_u32(HAT(hN, kk * 16 + (lane & 15), j * 8)));
                             mma16816(acc, afr[kk], b0, b1);
                         }
 #pragma unroll
@@ -515,9 +546,11 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                 const elem_t* dzc = dzs + (l & 1) * BP * DS;
                 elem_t* dzn = dzs + ((l - 1) & 1) * BP * DS;
                 elem_t* wl = wls + (l - 2) * 16 * HS;
-                const elem_t* hp = (l == 2) ? h1p : hl + (l - 3) * C * HBLK;
+                const elem_t* hp = (l == 2) ? h1p : hl + (l - 3) * HBUF;
                 float* rbl = rb + (l - 2) * C * BP * 16;
+#if !FT_COMPACT
                 float* mbl = mb + (l - 2) * C * BP * 16;
+#endif
                 const u32 bar = smem_u32(&bar_bb[l]);
                 // (i) partial dH_{l-1} = dZ_l[:, own] @ W_l^T[own, :] (old W), columns of CTA d pushed to CTA d
                 for (int q = warp; q < MT * NHT; q += NCW) {
@@ -527,6 +560,16 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                     ldsm_x2_t(b0, b1, smem_u32(wl + (lane & 15) * HS + j * 8));
                     float acc[4] = {0.f, 0.f, 0.f, 0.f};
                     mma16816(acc, a, b0, b1);
+#if FT_COMPACT
+                    // pushed straight into block [rank] of CTA d = j/2's partials, one st.async a pair
+                    const u32 d = j >> 1;
+                    const u32 l0 = smem_u32(rbl + (rank * BP + mt * 16 + g) * 16 + (j & 1) * 8 + 2 * t);
+                    const u32 rbar = mapa(bar, d);
+                    st_async_v2(mapa(l0, d), acc[0], acc[1], rbar);
+                    st_async_v2(mapa(l0 + 8 * 16 * 4, d), acc[2], acc[3], rbar);
+                }
+                named_sync(1, NCT);   // W_l reads done before the update overwrites the copy
+#else
                     // staged by destination CTA d = j/2: block [d][row][16]
                     float* m0 = mbl + ((j >> 1) * BP + mt * 16 + g) * 16 + (j & 1) * 8 + 2 * t;
                     *reinterpret_cast<float2*>(m0) = make_float2(acc[0], acc[1]);
@@ -538,6 +581,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                     for (int d = warp; d < C; d += NCW)
                         if (d != (int)rank)
                             bulk_s2c(smem_u32(rbl + rank * BP * 16), smem_u32(mbl + d * BP * 16), BP * 16 * 4, bar, d);
+#endif
                 // (ii) dW_l^T[own, :] = dZ_l[:, own]^T @ h_{l-1}
                 {
                     u32 afr[MT][4];
@@ -555,7 +599,7 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
 #pragma unroll
                             for (int kk = 0; kk < MT; ++kk) {
                                 u32 b0, b1;
-                                ldsm_x2_t(b0, b1, smem_u32(hp + (j >> 1) * HBLK + (kk * 16 + (lane & 15)) * HB + (j & 1) * 8));
+                                ldsm_x2_t(b0, b1, smem_u32(HAT(hp, kk * 16 + (lane & 15), j * 8)));
                                 mma16816(acc, afr[kk], b0, b1);
                             }
 #pragma unroll
@@ -580,16 +624,22 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                 if (tid == 0 && s + 1 < steps) mbar_arrive_expect_tx(bar, TXB);
                 for (int q = tid; q < BP * 8; q += NCT) {
                     const int row = q >> 3, cp = q & 7;
+#if FT_COMPACT
+                    float z0 = 0.f, z1 = 0.f;   // the own partial arrived by its own push
+#else
                     const float2 mine = *reinterpret_cast<const float2*>(mbl + (rank * BP + row) * 16 + 2 * cp);
                     float z0 = mine.x, z1 = mine.y;
+#endif
 #pragma unroll
                     for (int src = 0; src < C; ++src) {
+#if !FT_COMPACT
                         if (src == (int)rank) continue;
+#endif
                         const float2 v = *reinterpret_cast<const float2*>(rbl + (src * BP + row) * 16 + 2 * cp);
                         z0 += v.x;
                         z1 += v.y;
                     }
-                    const float2 hv = unpack2(*reinterpret_cast<const u32*>(hp + rank * HBLK + row * HB + 2 * cp));
+                    const float2 hv = unpack2(*reinterpret_cast<const u32*>(HAT(hp, row, rank * 16 + 2 * cp)));
                     *reinterpret_cast<u32*>(dzn + row * DS + 2 * cp) = pack2(hv.x > 0.f ? z0 : 0.f, hv.y > 0.f ? z1 : 0.f);
                 }
                 named_sync(1, NCT);
@@ -686,30 +736,13 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
                         reinterpret_cast<float*>(wptr[2 * NL + 1])[g + 8] = btm[1];
                     }
                 }
-                double wl = 0.0, wc = 0.0;
-                for (int s = warp; s < steps; s += NCW) {
-                    const int rows = min(B, n - s * B);
-                    float l = 0.f, c = 0.f;
-                    for (int r = lane; r < rows; r += 32) {
-                        l += row_loss[(size_t)s * B + r];
-                        c += (float)row_ok[(size_t)s * B + r];
-                    }
-                    l = warp_sum(l);
-                    c = warp_sum(c);
-                    if (lane == 0) out[2 + s] = (double)l / rows;
-                    wl += l;
-                    wc += c;
-                }
-                if (lane == 0) { stat[warp] = wl; stat[NCW + warp] = wc; }
+                // one (loss, correct) record a row of each step's batch
+                ft_warp_step_stats(out, stat, steps, B, n, 0, warp, NCW, lane, [&](int s, int r, float& l, float& c) {
+                    l += row_loss[(size_t)s * B + r];
+                    c += (float)row_ok[(size_t)s * B + r];
+                });
                 named_sync(1, NCT);
-                if (tid == 0) {
-                    double L = 0.0, A = 0.0;
-                    for (int w = 0; w < NCW; ++w) { L += stat[w]; A += stat[NCW + w]; }
-                    out[0] = L;
-                    out[1] = A;
-                    __threadfence_system();
-                    out[2 + steps] = flag;   // last: the host may stop waiting once it reads this value
-                }
+                if (tid == 0) ft_publish_epoch(out, stat, NCW, steps, flag);
             }
         }
     }

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# What produced the files in results/cuda/: run on the GPU machine from the repo root, with
+# What produced the files in results/cuda/ (rungs 0..6): run on the GPU machine from the repo root, with
 # .whl (nvmath-python) and .data (MNIST) beside it.  Stages: stack bench tests sanitizer.
-#   bash results/cuda/run_on_device.sh "stack bench tests sanitizer"
+#   bash dev/device/run_ladder_checks.sh "stack bench tests sanitizer"
 # Logs and results go to $OUT (or results/cuda/out when OUT is unset).
 set -u
 STAGES=${1:-"stack bench tests sanitizer"}
@@ -20,8 +20,8 @@ python3 -c "import nvmath; print('nvmath', nvmath.__version__)"
 for stage in $STAGES; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    stack) timeout 90 python3 -m fasttrain.engines.cuda.stack_check 2>&1 | tee "$OUT/stack.log" ;;
-    bench) timeout ${BENCH_TIMEOUT:-240} python3 -m fasttrain.engines.cuda.bench_ladder --out "$OUT/ladder" 2>&1 | tail -40 ;;
+    stack) timeout 90 python3 dev/cuda/stack_check.py 2>&1 | tee "$OUT/stack.log" ;;
+    bench) timeout ${BENCH_TIMEOUT:-240} python3 -m fasttrain bench ladder --engines cuda,torch-fast,jax --out "$OUT/ladder" 2>&1 | tail -40 ;;
     tests) timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -rs -p no:cacheprovider ${TEST_ARGS:-} \
              tests/test_cuda_engine.py tests/test_cuda_compile.py 2>&1 | tee "$OUT/pytest.log" | tail -40 ;;
     sanitizer)  # one log for all rungs ($OUT brings back few files)

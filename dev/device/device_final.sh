@@ -3,7 +3,7 @@
 # suites, in stages that each have their own time limit (the suites save after every row, so a
 # stage cut short keeps what it finished). Run from the repo root on the device machine, with
 # .whl (nvmath-python) and .data (MNIST) carried:
-#   bash scripts/device_final.sh "tests memory ladder"      # then: "sweep curves"
+#   bash dev/device/device_final.sh "tests memory ladder"      # then: "sweep curves"
 # Everything lands in $OUT as at most 8 files (the device tool's limit): logs and one tarball.
 # Run records name the commit from FASTTRAIN_GIT_SHA: set it in the command (FASTTRAIN_GIT_SHA=$(git rev-parse HEAD)
 # here), since the device's copy of the tree may carry a stale .git.

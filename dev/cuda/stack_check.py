@@ -1,4 +1,4 @@
-"""Check the ladder's library stack on this machine: ``python -m fasttrain.engines.cuda.stack_check``.
+"""Check the ladder's library stack on this machine: ``PYTHONPATH=src python3 dev/cuda/stack_check.py``.
 
 Each check prints one line (ok / FAIL and why) and the whole run exits non-zero on a failure:
   - the numbered kernels compile under NVRTC;

@@ -1,0 +1,205 @@
+"""Host code of the fused kernels' earlier versions: each is the package's session with what that version
+did differently (its plan, its shared-memory layout, its buffers, no completion flag before v4/v3).
+Each version's design, prediction and measured outcome: dev/cuda/NOTES-fused.md."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+
+from fasttrain.bench.suites import Row
+from fasttrain.contract import INPUT_DIM, NUM_CLASSES
+from fasttrain.engines.cuda.fused import make_session
+from fasttrain.engines.cuda.fused.persistent import PersistentGridSession, PersistentLogregSession, PersistentMlpSession
+from fasttrain.engines.cuda.fused.plans import NW, SMEM_LIMIT, TARGET_BLOCKS, _align128, _tile, logreg_smem_bytes, mlp_plan
+from fasttrain.engines.cuda.fused.step import FusedStepSession
+from fasttrain.errors import FasttrainError
+
+DEV = Path(__file__).resolve().parents[2]   # dev/cuda: the kernel files
+
+
+class _DevDefines:
+    """--prof / --ablate of the dev engine as compile-time defines."""
+
+    def extra_defines(self) -> dict:
+        out = dict(super().extra_defines())
+        if self.options.prof:
+            out["FT_PROF"] = 1
+        if getattr(self.options, "ablate", 0):
+            out["FT_ABL"] = int(self.options.ablate)
+        return out
+
+
+class _Unflagged:
+    """Kernels from before the completion flag: they take no flag argument; the host waits on the stream."""
+
+    def _out_args(self, steps: int) -> tuple:
+        return (np.uint64(self.out.ctypes.data),)
+
+    def _wait(self, steps: int) -> None:
+        self.stream.synchronize()
+
+
+# --- rung 7: fused_step_v1 / v2 (v3 is the package's fused_step.cu) ------------------------------------
+
+
+class StepV1(FusedStepSession):
+    """v1/v2: tiles only (no ring, no occupancy knobs); ft_bwd's smem = the H_in strip + the dH reduction."""
+
+    def tuning_options(self) -> dict:
+        return {k: v for k, v in {"bo": self.options.step_bo, "bi": self.options.step_bi}.items() if v is not None}
+
+    def make_plan(self, shapes) -> list[dict]:
+        bo, bi, last = self.tuning.get("bo"), self.tuning.get("bi"), len(shapes) - 1
+        plan = []
+        for i, (out_p, in_p) in enumerate(shapes):
+            p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (_tile(out_p, self.mt) if i < last else 16)
+            p_bi = bi if (bi is not None and in_p % bi == 0) else _tile(in_p, self.mt, bwd=True,
+                                                                        min_blocks=TARGET_BLOCKS)
+            plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "osplit": 1})
+        return plan
+
+    def defines(self, p: dict, bf16: int) -> dict:
+        return {"FT_MT": self.mt, "FT_BO": p["BO"], "FT_BI": p["BI"], "FT_BF16": bf16}
+
+    def bwd_smem(self, p: dict) -> int:
+        bp = 16 * self.mt
+        return bp * (p["BI"] + 8) * 2 + NW * bp * (p["BI"] + 1) * 4
+
+
+# --- rung 8 logreg: v1, v2, v3 (no flag), v5 (all-to-all; the package's fused_logreg.cu is v4) -------------
+
+
+def logreg_v1_smem(cluster, kt, mt, stages, xhb) -> int:
+    bp, kf = mt * 16, kt * 16
+    xs = kf + 8
+    size = 512 + _align128(stages * bp * kf) + _align128(stages * bp * 4) + _align128(xhb * bp * xs * 2) \
+        + _align128(16 * xs * 2) + _align128(bp * 24 * 2) + _align128(2 * cluster * bp * NUM_CLASSES * 4)
+    return size + 2 * 8 * 8
+
+
+def logreg_v5_smem(cluster, kt, mt, stages) -> int:
+    bp, kf = mt * 16, kt * 16
+    xs = kf + 8
+    off = _align128(512 + stages * bp * kf)
+    for size in (stages * bp * 4, 2 * bp * xs * 2, 16 * xs * 2, bp * 24 * 2, 2 * bp * NUM_CLASSES * 4,
+                 2 * (cluster - 1) * bp * NUM_CLASSES * 4):
+        off = _align128(off + size)
+    return off + 2 * 8 * 8
+
+
+class LogregOld(_DevDefines, PersistentLogregSession):
+    def make_plan(self) -> dict:
+        version, cluster, batch = self.kernel.name, self.options.logreg_cluster, self.batch
+        kt, mt = math.ceil(INPUT_DIM // 16 / cluster), math.ceil(batch / 16)
+        for xhb in ((2, 1) if version == "fused_logreg_v1.cu" else (2,)):
+            for s in ((self.options.logreg_stages,) if self.options.logreg_stages else (6, 5, 4, 3, 2)):
+                if version == "fused_logreg_v1.cu":
+                    size = logreg_v1_smem(cluster, kt, mt, s, xhb)
+                elif version == "fused_logreg_v5.cu":
+                    size = logreg_v5_smem(cluster, kt, mt, s)
+                else:
+                    size = logreg_smem_bytes(cluster, kt, mt, s)
+                if size <= SMEM_LIMIT:
+                    plan = {"FT_C": cluster, "FT_KT": kt, "FT_MT": mt, "FT_STAGES": s, "FT_PW": 1 if kt <= 8 else 2,
+                            "smem": size}
+                    if version == "fused_logreg_v1.cu":
+                        plan["FT_XHB"] = xhb
+                    return plan
+        raise FasttrainError(f"{version}: batch {batch} with a cluster of {cluster} does not fit in shared memory")
+
+
+class LogregUnflagged(_Unflagged, LogregOld):
+    pass
+
+
+# --- rung 8 small MLPs: v1 (the compact exchanges, no flag), v2 (bulk copies, no flag) ---------------------
+
+
+class MlpOld(_Unflagged, _DevDefines, PersistentMlpSession):
+    def make_plan(self) -> dict:
+        layout = "compact" if self.kernel.name == "fused_mlp_v1.cu" else "blocked"
+        plan = mlp_plan(self.spec, self.batch, self.options.mlp_stages, layout)
+        plan.pop("FT_COMPACT")
+        return plan
+
+
+# --- rung 8 grid: v1, v3 (the package's buffers), v2 (a reduce phase: its own buffers and flags) -----------
+
+
+class GridOld(_DevDefines, PersistentGridSession):
+    def make_plan(self) -> dict:
+        plan = super().make_plan()
+        if self.kernel.name == "fused_grid_v2.cu":   # the narrowest even chunk width that needs <= grid reducers
+            h, tb = plan["FT_H"], plan["FT_H"] // plan["FT_B"]
+            plan["FT_CW"] = next(d for d in range(2, tb + 1, 2) if tb % d == 0 and h // d <= plan["grid"])
+        return plan
+
+    def allocate(self) -> None:
+        super().allocate()
+        if self.kernel.name == "fused_grid_v2.cu":   # complete activations and dZ, and the reduce phases' flags
+            cp, h, nl, bp = self._cp, self.plan["FT_H"], self.plan["FT_NL"], 16 * self.plan["FT_MT"]
+            self.reduced = (cp.zeros(2 * (nl + 1) * bp * h, cp.float16), cp.zeros(2 * (nl + 1) * bp * h, cp.float16))
+            self.flags = cp.zeros(4 * (nl + 1) * self.plan["grid"], cp.uint32)
+
+    def exchange_buffers(self) -> tuple:
+        return super().exchange_buffers() + getattr(self, "reduced", ())
+
+
+# --- which session a kernel file gets ---------------------------------------------------------------
+
+SESSIONS = {
+    "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1,
+    "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
+    "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
+    "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,
+    "fused_grid_v1.cu": GridOld, "fused_grid_v2.cu": GridOld, "fused_grid_v3.cu": GridOld,
+}
+WINNERS = {PersistentLogregSession: LogregOld, PersistentGridSession: GridOld}   # for --prof of the package's
+
+
+def make_dev_session(job, options):
+    if not options.kernel:
+        return _winner_session(job, options)
+    session_cls = SESSIONS.get(options.kernel)
+    if session_cls is None:
+        raise FasttrainError(f"no dev kernel {options.kernel!r}; choose one of: {', '.join(SESSIONS)}")
+    kernel = DEV / options.kernel
+
+    class Version(session_cls):
+        pass
+
+    Version.kernel = kernel
+    return Version(job, options)
+
+
+def _winner_session(job, options):
+    """The package's kernel, built with the dev defines (--prof, --ablate) where asked."""
+    if not (options.prof or options.ablate) or options.rung == 7:
+        return make_session(job, options)
+    if job.spec.is_logreg:
+        base = LogregOld
+    elif max(job.spec.hidden) <= 128:
+        base = type("MlpProf", (_DevDefines, PersistentMlpSession), {})
+    else:
+        base = GridOld
+    return base(job, options)
+
+
+def record_rows() -> tuple[Row, ...]:
+    """The earlier versions on the record's workloads, beside the package's rows (fp16)."""
+    fp16 = {"precision": "fp16"}
+    slow = dict(quick=False, quick_note="left out of --quick: an earlier kernel version")
+
+    def row(label, model, **options):
+        return Row(f"cuda-dev {label} fp16", "cuda-dev", str(options["rung"]), options, fp16, models=(model,), **slow)
+
+    rows = [row(f"logreg {v} cluster {c}", "logreg", rung=8, kernel=f"fused_logreg_{v}.cu", logreg_cluster=c)
+            for v, c in (("v1", 7), ("v2", 7), ("v3", 7), ("v5", 7), ("v5", 4))]
+    rows += [row("mlp v1", "mlp:128x3", rung=8, kernel="fused_mlp_v1.cu"),
+             row("mlp v2", "mlp:128x3", rung=8, kernel="fused_mlp_v2.cu")]
+    rows += [row(f"grid {v}", "mlp:1024x3", rung=8, kernel=f"fused_grid_{v}.cu") for v in ("v1", "v2", "v3")]
+    rows += [row("step v1", m, rung=7, kernel="fused_step_v1.cu") for m in ("mlp:1024x3", "mlp:8192x3")]
+    return tuple(rows)

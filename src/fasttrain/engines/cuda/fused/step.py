@@ -1,0 +1,186 @@
+"""Rung 7: the fused step kernels of ``kernels/fused_step.cu``, each epoch captured once into a CUDA graph.
+
+One training step is ``2L + 1`` kernels: the gather of the batch; a GEMM + bias + ReLU kernel per hidden
+layer (each block streams its W^T columns with FU k-steps of loads ahead); the last GEMM with softmax,
+cross-entropy, accuracy and ``g = p - onehot`` in its epilogue; per layer a backward kernel that streams W
+through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in
+registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
+until the SMs are full. Tiles and occupancy come from :func:`~fasttrain.engines.cuda.fused.plans.step_plan`;
+the engine's ``--step-*`` options override them (what each layer got is in the run record's environment).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from fasttrain.contract import INPUT_DIM
+from fasttrain.engines.base import EpochStats, Job
+from fasttrain.engines.cuda.fused.base import FusedSession
+from fasttrain.engines.cuda.fused.build import KERNEL_DIR, load_module, module_int
+from fasttrain.engines.cuda.fused.plans import NW, blocks_per_sm, pad16, step_bwd_smem, step_defines, step_plan
+from fasttrain.errors import FasttrainError
+
+
+class FusedStepSession(FusedSession):
+    """Rung 7 for any model. The tuning options (``--step-bo``, ``--step-bi``, ``--step-stages``,
+    ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``) go to :func:`step_plan`;
+    ``--step-carveout`` is the preferred shared-memory carveout (percent) set on every kernel, so that
+    consecutive graph nodes do not make the SMs reconfigure L1/shared memory between kernels (-1: the
+    driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph."""
+
+    kernel = KERNEL_DIR / "fused_step.cu"
+
+    def __init__(self, job: Job, options):
+        super().__init__(job, options)
+        self.version = self.kernel.name
+        carveout = None if options.step_carveout < 0 else options.step_carveout
+        self.carveout = carveout
+        cp = self._cp
+        bp = pad16(self.batch)
+        self.bp, self.mt = bp, bp // 16
+        if self.mt > 16:
+            raise FasttrainError(f"rung 7 supports batch sizes up to 256, got {self.batch}")
+        bf16 = int(job.config.precision == "bf16")
+        self.tuning = self.tuning_options()
+        self.plan = self.make_plan([wt.shape for wt, _, _, _ in self.layers])
+        last_in = self.layers[-1][0].shape[1]
+        self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
+        mods = {}
+        for p in self.plan:
+            defines = self.defines(p, bf16)
+            key = tuple(sorted(defines.items()))
+            if key not in mods:
+                mods[key] = load_module(self.kernel, defines)
+            p["module"] = mods[key]
+        m0 = self.plan[0]["module"]
+        self.k_gather = m0.get_function("ft_gather")
+        self.k_last = m0.get_function("ft_fwd_last")
+        self.last_smem = module_int(m0, "ft_last_smem")
+        self.k_last.max_dynamic_shared_size_bytes = self.last_smem
+        for p in self.plan:
+            p["fwd"] = p["module"].get_function("ft_fwd")
+            p["fwd_smem"] = module_int(p["module"], "ft_fwd_smem")
+            p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
+            p["bwd"] = p["module"].get_function("ft_bwd")
+            p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
+            p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
+            if p["bwd_smem"] != self.bwd_smem(p):
+                raise FasttrainError(f"internal: {self.version} ft_bwd needs {p['bwd_smem']} bytes of shared memory, "
+                                     f"the plan says {self.bwd_smem(p)}")
+        self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
+        p = self.plan[0]
+        if p["osplit"] is None:
+            # the first layer needs no dH, so its output rows are split over blocks until the SMs are full
+            # (one wave: strips * osplit <= blocks an SM holds * SMs), each warp keeping >= 2 chunks
+            strips, nchunks = p["in_p"] // p["BI"], p["out_p"] // 16
+            bps = blocks_per_sm(p["bwd"].num_regs, p["bwd_smem"])
+            p["osplit"] = max(1, min(bps * self.sms // strips, nchunks // (2 * NW)))
+        if carveout is not None:
+            for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd")]:
+                fn.preferred_shared_memory_carveout = int(carveout)
+        edt = cp.float16  # bf16 has no CuPy dtype: the buffers are raw 2-byte storage
+        max_steps = max(max(job.schedule.steps_per_epoch, default=0), len(self.bounds))
+        with self.stream:
+            self.h = [cp.zeros((bp, INPUT_DIM), edt)] + [cp.zeros((bp, p["out_p"]), edt) for p in self.plan[:-1]]
+            self.dz = [None] + [cp.zeros((bp, p["out_p"]), edt) for p in self.plan]       # dz[l], l = 1..L
+            self.dzT = [None] + [cp.zeros((p["out_p"], bp), edt) for p in self.plan]
+            self.yb = cp.zeros(bp, cp.int32)
+            self.part = cp.zeros((self.split, bp, 16), cp.float32)
+            self.counter = cp.zeros(1, cp.uint32)
+            self.stat_loss = cp.zeros(max_steps, cp.float32)
+            self.stat_ok = cp.zeros(max_steps, cp.int32)
+            self.order_cur = cp.zeros(self.n, cp.int32)
+        self.use_graph = graph = options.step_graph
+        # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
+        first = self.orders[0] if self.orders is not None else self.spare_order
+        with self.stream:
+            self.order_cur[...] = first
+        for k in range(min(2, len(self.bounds))):
+            self._step(k, 0.0)
+        self.stream.synchronize()
+        self.graphs = {}
+        if graph:
+            for steps in sorted(set(job.schedule.steps_per_epoch)):
+                self.stream.begin_capture()
+                try:
+                    for k in range(steps):
+                        self._step(k, self.config.lr)
+                finally:
+                    g = self.stream.end_capture()
+                g.upload(self.stream)
+                self.graphs[steps] = g
+        self.stream.synchronize()
+
+    # -- what a kernel version decides (the history in dev/cuda overrides these) --
+    def tuning_options(self) -> dict:
+        o = self.options
+        knobs = {"bo": o.step_bo, "bi": o.step_bi, "stages": o.step_stages, "bwd_minb": o.step_bwd_minb,
+                 "fwd_minb": o.step_fwd_minb, "fu": o.step_fu, "osplit": o.step_osplit}
+        return {k: v for k, v in knobs.items() if v is not None}
+
+    def make_plan(self, shapes) -> list[dict]:
+        return step_plan(shapes, self.mt, **self.tuning)
+
+    def defines(self, p: dict, bf16: int) -> dict:
+        return step_defines(p, self.mt, bf16)
+
+    def bwd_smem(self, p: dict) -> int:
+        return step_bwd_smem(self.mt, p["BI"], p["S"])
+
+    def _step(self, k: int, lr: float) -> None:
+        """Enqueue step k of the epoch (batch order_cur[k*B : k*B + rows]) on the stream."""
+        np_ = np
+        start, stop = self.bounds[k]
+        rows = stop - start
+        scale = np_.float32(lr / rows)
+        L = len(self.plan)
+        with self.stream:
+            self.k_gather((self.bp,), (64,), (self.x_train, self.y_train, self.order_cur, np_.int32(start),
+                                              np_.int32(rows), self.h[0], self.yb))
+            for i in range(L - 1):
+                p, (wt, b, _, _) = self.plan[i], self.layers[i]
+                p["fwd"]((p["out_p"] // p["BO"],), (NW * 32,),
+                         (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1], np_.int32(p["out_p"])),
+                         shared_mem=p["fwd_smem"])
+            p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
+            self.k_last((self.split,), (NW * 32,),
+                        (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k),
+                         self.part, self.counter, self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
+                        shared_mem=self.last_smem)
+            for l in range(L, 0, -1):
+                p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
+                need = l > 1
+                dzp = self.dz[l - 1] if need else self.dz[l]
+                dzpT = self.dzT[l - 1] if need else self.dzT[l]
+                p["bwd"]((p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
+                         (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
+                          wt, b, scale, scale, np_.int32(need), dzp, dzpT),
+                         shared_mem=p["bwd_smem"])
+        if self.debug and not self.stream.is_capturing():
+            self._check()
+
+    def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
+        src = self._order_on_device(epoch, order)
+        with self.stream:
+            self.order_cur[...] = src
+        if self.use_graph and steps in self.graphs:
+            self.graphs[steps].launch(self.stream)
+        else:
+            for k in range(steps):
+                self._step(k, self.config.lr)
+        loss = self.stat_loss[:steps].get(stream=self.stream)
+        ok = self.stat_ok[:steps].get(stream=self.stream)
+        self.stream.synchronize()
+        rows = np.asarray(self._rows(steps), np.float64)
+        return EpochStats(count=int(rows.sum()), loss_sum=float(loss.astype(np.float64).sum()),
+                          correct=int(ok.sum()), step_losses=loss.astype(np.float64) / rows)
+
+    def environment(self) -> dict:
+        env = self._device_env()
+        env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+                    "smem_carveout": self.carveout, "tuning": self.tuning,
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
+                              | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
+                                 "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
+                              for p in self.plan]})
+        return env
