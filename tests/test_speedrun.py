@@ -79,6 +79,9 @@ def test_rung_and_seed_parsing():
     assert sr.parse_rungs(None) == list(range(len(sr.LADDER)))
     assert sr.parse_seeds("3", 1337) == [1337, 1338, 1339]
     assert sr.parse_seeds("7,", 0) == [7] and sr.parse_seeds("5,1", 0) == [5, 1]
+    assert sr.parse_rung_seeds("0=1,4-5=2") == {0: 1, 4: 2, 5: 2}
+    rows = sr.plan([0, 4, 7], [1, 2, 3], rung_seeds={4: 2}, baseline_seeds=1)
+    assert [r.seeds for r in rows] == [[1], [1, 2], [1, 2, 3]]
     assert sr.parse_assignments("learning_rate=2e-3,bf16=false,eval_tokens=none,max_steps=10") == \
         {"learning_rate": 2e-3, "bf16": False, "eval_tokens": None, "max_steps": 10}
 
@@ -94,6 +97,8 @@ def test_rung_and_seed_parsing():
     (lambda: sr.parse_assignments("no_such_field=1"), "unknown lab setting 'no_such_field'"),
     (lambda: sr.parse_variant("nocolon"), "NAME:FIELD=VALUE"),
     (lambda: sr.plan([0], [1, 2], baseline_seeds=3), "--baseline-seeds must be between 1 and"),
+    (lambda: sr.parse_rung_seeds("0=x"), "RUNG=COUNT"),
+    (lambda: sr.plan([0, 3], [1, 2], rung_seeds={3: 0}), "--rung-seeds for rung 3 must be between"),
     (lambda: sr.plan([0], [1], sets={"dropout": 1.5}), "--dropout must be in [0, 1)"),
 ])
 def test_bad_input_is_a_one_line_error(call, message):
@@ -206,6 +211,14 @@ def test_cli_speedrun_then_lab_eval(fake_corpus, tmp_path, capsys):
     assert code == 0, stderr
     text = readme.read_text()
     assert "old" not in text and "fasttrain lab speedrun readme" in text and "| 2 | bf16 |" in text
+
+
+def test_budget_skips_what_would_start_too_late_and_the_table_says_so(corpus, tmp_path):
+    rows = sr.plan([0, 2], [0, 1], base_preset="tiny", sets=SMALL)
+    res = sr.run_ladder(rows, target=TARGET, corpus=corpus, budget_s=1e-9, out=str(tmp_path))
+    assert [r.get("skipped") for r in res["rows"]] == ["budget", "budget"]
+    assert not any(r["summary"]["counts"] for r in res["rows"])
+    assert "not run (out of --budget-s)" in (tmp_path / "ladder.md").read_text()
 
 
 def test_cli_list_shows_every_rung(capsys):

@@ -204,25 +204,46 @@ class Row:
     index: int | None = None
 
 
+def parse_rung_seeds(text: str | None) -> dict[int, int]:
+    """"0=1,5-6=2" -> {0: 1, 5: 2, 6: 2}: fewer seeds for some rungs (names allowed)."""
+    out: dict[int, int] = {}
+    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
+        rungs, sep, count = item.partition("=")
+        try:
+            n = int(count)
+        except ValueError:
+            n = 0
+        if not sep or n < 1:
+            raise FasttrainError(f"--rung-seeds {item!r}: write RUNG=COUNT (e.g. 0=1,5=1), COUNT >= 1")
+        for i in parse_rungs(rungs):
+            out[i] = n
+    return out
+
+
 def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, baseline_seeds: int | None = None,
-         variants: list[tuple[str, dict]] = (), sets: dict | None = None, device: str | None = None,
-         data_dir: str | None = None) -> list[Row]:
-    """The rows to run: each chosen rung's configuration (validated now, before anything trains)."""
+         rung_seeds: dict[int, int] | None = None, variants: list[tuple[str, dict]] = (), sets: dict | None = None,
+         device: str | None = None, data_dir: str | None = None) -> list[Row]:
+    """The rows to run: each chosen rung's configuration (validated now, before anything trains).
+    ``rung_seeds`` (and ``baseline_seeds``, for rung 0) run some rungs on the first few seeds only."""
     sets = dict(sets or {})
+    rung_seeds = dict(rung_seeds or {})
+    if baseline_seeds is not None:
+        rung_seeds[0] = baseline_seeds
+    for i, n in rung_seeds.items():
+        if not 1 <= n <= len(seeds):
+            which = "--baseline-seeds" if i == 0 and n == baseline_seeds else f"--rung-seeds for rung {i}"
+            raise FasttrainError(f"{which} must be between 1 and the number of seeds ({len(seeds)}), got {n}")
     if device is not None:
         sets["device"] = device
     if data_dir is not None:
         sets["data_dir"] = data_dir
-    if baseline_seeds is not None and not 1 <= baseline_seeds <= len(seeds):
-        raise FasttrainError(f"--baseline-seeds must be between 1 and the number of seeds ({len(seeds)}), "
-                             f"got {baseline_seeds}")
     rows: list[Row] = []
     prev = -1
     for i in rungs:
         steps = LADDER[prev + 1: i + 1] if i > prev else LADDER[i: i + 1]
         change = LADDER[0].change if i == 0 else " + ".join(r.change for r in steps)
         cfg = preset(base_preset, **{**cumulative_overrides(i), **sets}).with_(name=LADDER[i].name)
-        row_seeds = seeds[:baseline_seeds] if (i == 0 and baseline_seeds) else list(seeds)
+        row_seeds = list(seeds[:rung_seeds.get(i, len(seeds))])
         rows.append(Row(str(i), LADDER[i].name, change, cfg, row_seeds, len(seeds), i))
         prev = i
     top = rungs[-1]
@@ -322,7 +343,7 @@ def _free(device) -> None:
 
 
 def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_steps: int,
-            stop_rung_on_miss: bool = True, keep_states: bool = False, log=None) -> dict:
+            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None) -> dict:
     """Every seed of one row in one compiled model: setup (build, compile, warm-up) once, then per
     seed a reset and a timed run. Returns the row's record (with ``states``, the final weights
     per seed on the CPU, when ``keep_states``)."""
@@ -336,6 +357,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     wall0 = time.perf_counter()
     runs: list[dict] = []
     states: dict[int, dict] = {}
+    out_of_budget = False
     with tf32_matmuls(cfg.tf32):
         t = time.perf_counter()
         trainer = Trainer(cfg, corpus, device)
@@ -348,6 +370,10 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
         setup_s = time.perf_counter() - t
         log(f"[{row.label} {row.name}] setup (build, compile, {warm} warm-up steps, one validation) {setup_s:.1f} s")
         for k, seed in enumerate(row.seeds):
+            if deadline is not None and time.perf_counter() >= deadline:
+                out_of_budget = True
+                log(f"[{row.label} {row.name}] out of --budget-s: seeds {row.seeds[k:]} not run")
+                break
             seed_wall0 = time.perf_counter()
             t = time.perf_counter()
             if k:
@@ -376,7 +402,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     return {"label": row.label, "index": row.index, "name": row.name, "change": row.change, "config": cfg.to_dict(),
             "model": model_config, "seeds": list(row.seeds), "planned_seeds": row.planned_seeds, "setup_s": setup_s,
             "warmup_steps": warm, "wall_s": time.perf_counter() - wall0, "runs": runs, "eval": eval_record,
-            "states": states}
+            "states": states, **({"skipped": "budget"} if out_of_budget else {})}
 
 
 # --- statistics over seeds -------------------------------------------------------------------------
@@ -396,7 +422,7 @@ def summarize(row: dict) -> dict:
     """The row's figures over seeds; ``counts`` only if every planned seed ran and reached the target."""
     runs = row["runs"]
     reached = [r for r in runs if r["reached"]]
-    counts = bool(runs) and len(reached) == len(row["seeds"]) and "error" not in row
+    counts = bool(runs) and len(reached) == len(row["seeds"]) and "error" not in row and "skipped" not in row
     # a lower bound of the median time to target: a seed that missed trained train_s without reaching
     bound = _pct([r["time_to_target_s"] if r["reached"] else r["train_s"] for r in runs])
     return {
@@ -444,8 +470,9 @@ def step_speedup(earlier: dict | None, row: dict) -> float | None:
 
 def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
                stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
-               command: str | None = None, log=None) -> dict:
-    """Run every row, write the results after each (``out``) and the fastest row's model (``save``)."""
+               command: str | None = None, budget_s: float | None = None, log=None) -> dict:
+    """Run every row, write the results after each (``out``) and the fastest row's model (``save``).
+    ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
     from fasttrain.environment import environment
     from fasttrain.lab.data import load_corpus
     from fasttrain.lab.train import resolve_device
@@ -454,6 +481,8 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         raise FasttrainError(f"--target must be a positive number of nats per character, got {target!r}")
     if max_train_s is not None and max_train_s < 0:
         raise FasttrainError(f"--max-train-s must be >= 0 (0: no cap), got {max_train_s}")
+    if budget_s is not None and budget_s < 0:
+        raise FasttrainError(f"--budget-s must be >= 0 (0: none), got {budget_s}")
     if patience_steps < 0:
         raise FasttrainError(f"--patience-steps must be >= 0 (0: never stop early), got {patience_steps}")
     if not rows:
@@ -464,6 +493,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
             if not parent.is_dir():
                 raise FasttrainError(f"{what} {path}: folder {parent} does not exist; create it first")
     log = log or (lambda s: None)
+    deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
     device = resolve_device(rows[0].cfg)
     import torch
@@ -471,7 +501,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
     result = {
         "kind": "lab-speedrun", "target": target, "command": command, "environment": environment(),
         "torch": torch.__version__, "device": _device_name(device), "started": _now(),
-        "settings": {"max_train_s": max_train_s, "patience_steps": patience_steps,
+        "settings": {"max_train_s": max_train_s, "patience_steps": patience_steps, "budget_s": budget_s,
                      "stop_rung_on_miss": stop_rung_on_miss, "seeds": max((r.seeds for r in rows), key=len)},
         "data": {"chars": len(corpus.chars), "train_chars": int(len(corpus.train)), "val_chars": int(len(corpus.val)),
                  "split": "first 90% of the characters train, last 10% validate"},
@@ -480,8 +510,15 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
     best_row, best_state = None, None
     for row in rows:
         try:
-            rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                          stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, log=log)
+            if deadline is not None and time.perf_counter() >= deadline:
+                log(f"[{row.label} {row.name}] out of --budget-s: not run")
+                rec = {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
+                       "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
+                       "setup_s": None, "wall_s": None, "runs": [], "states": {}, "skipped": "budget"}
+            else:
+                rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                              stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, deadline=deadline,
+                              log=log)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
@@ -561,7 +598,7 @@ def _ratio(value: float | None, lower_bound: bool = False) -> str:
 
 
 def baseline_row(result: dict) -> dict | None:
-    rows = [r for r in result["rows"] if "error" not in r]
+    rows = [r for r in result["rows"] if "error" not in r and r["runs"]]
     return next((r for r in rows if r["index"] == 0), rows[0] if rows else None)
 
 
@@ -576,6 +613,8 @@ def ladder_markdown(result: dict) -> str:
         tt = s["time_to_target_s"]
         if "error" in row:
             time_cell = f"failed: {row['error'][:80]}"
+        elif not row["runs"]:
+            time_cell = "not run (out of --budget-s)"
         elif tt:
             time_cell = f"**{_num(tt['p50'])}**"
         else:
@@ -586,7 +625,7 @@ def ladder_markdown(result: dict) -> str:
         x_base, base_lb = speedup(base, row) if base is not row else (None, False)
         seeds_cell = f"{s['seeds_reached']}/{len(row['seeds'])}"
         if s["seeds_run"] < len(row["seeds"]):
-            seeds_cell += f" ({s['seeds_run']} ran)"
+            seeds_cell += f" ({s['seeds_run']} ran" + (", out of budget)" if row.get("skipped") else ")")
         if len(row["seeds"]) < DEFAULT_SEEDS:
             seeds_cell += " †"
             few = True
@@ -598,7 +637,7 @@ def ladder_markdown(result: dict) -> str:
             _num(row.get("setup_s")), _num(s["eval_s"] and s["eval_s"]["p50"]), _num(row.get("wall_s")),
             f"{s['best_val_loss']['p50']:.4f}" if s["best_val_loss"] else "-", seeds_cell,
         ])
-        if "error" not in row:
+        if "error" not in row and row["runs"]:
             prev = row
     header = ["#", "rung", "change (since the row above)", "ms/step", f"time to ≤ {target} (s, median)", "p20–p80",
               "steps", "× prev", f"× {base['name'] if base else 'baseline'}", "step × base", "setup s", "eval s",
@@ -742,6 +781,9 @@ def _rung_list() -> str:
                               "default all. Each rung includes every change before it.")
 @click.option("--seeds", help=f"A count (default {DEFAULT_SEEDS}, from the preset's seed) or a comma-separated list.")
 @click.option("--baseline-seeds", type=int, help="Fewer seeds for rung 0 (the slow one); marked † in the table.")
+@click.option("--rung-seeds", help="Fewer seeds for some rungs, RUNG=COUNT[,...] (e.g. 0=1,1-5=1); marked †.")
+@click.option("--budget-s", type=float, default=0.0, show_default=True,
+              help="Start no rung or seed after this many seconds (0: no budget); what ran is written.")
 @click.option("--target", type=float, default=TARGET, show_default=True,
               help="Validation loss (nats per character, whole validation split) to reach.")
 @click.option("--max-train-s", type=float, default=300.0, show_default=True,
@@ -766,8 +808,8 @@ def _rung_list() -> str:
 @click.option("--list", "list_rungs", is_flag=True, help="List the rungs and exit.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.pass_context
-def command(ctx, rungs, seeds, baseline_seeds, target, max_train_s, patience_steps, stop_rung_on_miss, variants,
-            sets, base_preset, device, data_dir, out_dir, save, list_rungs, quiet) -> None:
+def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max_train_s, patience_steps,
+            stop_rung_on_miss, variants, sets, base_preset, device, data_dir, out_dir, save, list_rungs, quiet) -> None:
     """The Shakespeare speedrun: time to validation loss 1.47, one change per rung."""
     if ctx.invoked_subcommand is not None:
         return
@@ -787,10 +829,11 @@ def command(ctx, rungs, seeds, baseline_seeds, target, max_train_s, patience_ste
     for text in sets:
         overrides.update(parse_assignments(text))
     rows = plan(chosen, seed_list, base_preset=base_preset, baseline_seeds=baseline_seeds,
+                rung_seeds=parse_rung_seeds(rung_seeds),
                 variants=[parse_variant(v) for v in variants], sets=overrides, device=device, data_dir=data_dir)
     log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
     result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                        stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir,
+                        stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
                         command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
                         if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
