@@ -247,6 +247,15 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(fake_corpus, tmp_path, cap
     assert not out.exists()
 
 
+def test_cli_save_without_a_counted_rung_says_so_after_the_table(fake_corpus, tmp_path, capsys):
+    out, ck = tmp_path / "out", tmp_path / "ck"
+    code, stdout, stderr = _cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0", "--seeds", "1",
+                                 "--target", "0.01", "--set", "max_steps=5,eval_interval=5,eval_tokens=256",
+                                 "--device", "cpu", "--quiet", "--out", str(out), "--save", str(ck)], capsys)
+    assert code == 1 and stderr.startswith("error: no rung reached 0.01") and stderr.count("\n") == 1
+    assert "not reached (max_steps)" in stdout and (out / "ladder.md").exists() and not ck.exists()
+
+
 def test_readme_of_a_folder_without_results_is_one_line(tmp_path, capsys):
     code, _, stderr = _cli(["lab", "speedrun", "readme", str(tmp_path)], capsys)
     assert code == 1 and stderr.startswith("error:") and "speedrun.json: no such file" in stderr

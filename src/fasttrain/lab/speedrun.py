@@ -471,7 +471,8 @@ def step_speedup(earlier: dict | None, row: dict) -> float | None:
 def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
                stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
                command: str | None = None, budget_s: float | None = None, log=None) -> dict:
-    """Run every row, write the results after each (``out``) and the fastest row's model (``save``).
+    """Run every row, write the results after each (``out``) and the fastest row's model (``save``;
+    ``result["saved"]`` stays None when no row reached the target on every seed).
     ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
     from fasttrain.environment import environment
     from fasttrain.lab.data import load_corpus
@@ -548,9 +549,6 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         log(f"saved {best_row['name']} seed {best_state[0]['seed']} to {save}")
     if out:
         write_results(result, out)
-    if save and best_row is None:
-        raise FasttrainError(f"no rung reached {target} on every seed: nothing saved to {save} "
-                             f"(raise --max-train-s or choose other rungs)")
     return result
 
 
@@ -680,7 +678,8 @@ def _scored(result: dict) -> str:
     tokens = {e["tokens"] for row in result["rows"] for run in row["runs"] for e in run["evals"]}
     if not tokens or tokens == {total}:
         return f"the whole validation split ({total:,} predicted characters)"
-    return f"the first {', '.join(f'{t:,}' for t in sorted(tokens))} of the {total:,} validation characters (a budget)"
+    return (f"the first {', '.join(f'{t:,}' for t in sorted(tokens))} of the {total:,} predicted validation "
+            "characters (a token budget)")
 
 
 CSV_COLUMNS = ("suite", "row", "rung", "metric", "unit", "p20", "p50", "p80", "n", "counts", "seeds_reached", "seeds",
@@ -839,6 +838,9 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
     if out_dir:
         out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)
+    if save and not result["saved"]:
+        raise FasttrainError(f"no rung reached {target} on every seed: nothing saved to {save} "
+                             f"(raise --max-train-s or choose other rungs)")
 
 
 @command.command("readme")
