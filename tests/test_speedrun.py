@@ -276,3 +276,19 @@ def test_gpu_cuda_graph_rung_reaches_a_loose_target_and_the_checkpoint_reevaluat
     assert meta["eval"]["device_type"] == "cuda" and meta["eval"]["bf16"] and meta["eval"]["tf32"]
     again = lab.evaluate_checkpoint(tmp_path / "ck", device="cuda", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"]
+
+
+def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
+    cfg = sr.plan([10], [0], base_preset="tiny", sets=SMALL)[0].cfg
+    trainer = lab.Trainer(cfg, corpus, torch.device("cpu"))
+    muon, adamw = trainer.optimizer.optimizers
+    named = dict(trainer.model.named_parameters())
+    in_muon = {n for n, p in named.items() if any(p is q for g in muon.param_groups for q in g["params"])}
+    assert in_muon == {n for n, p in named.items() if n.startswith("blocks.") and p.dim() == 2}
+    assert len(trainer.optimizer.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
+    trainer.step(*next(trainer.batches(1)))
+    assert all(g["lr"] == lab.lr_at(cfg, 0) for g in trainer.optimizer.param_groups)
+    rec = lab.run(cfg.with_(max_steps=2, eval_interval=0), corpus=corpus)      # the lab's own loop takes it too
+    hidden = sum(p.numel() for n, p in named.items() if n in in_muon)
+    rest = sum(p.numel() for n, p in named.items() if n not in in_muon)
+    assert rec["memory"]["by_kind"]["optimizer_state"] == 4 * hidden + 8 * rest + 4 * (len(named) - len(in_muon))

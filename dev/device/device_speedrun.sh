@@ -78,7 +78,7 @@ for stage in $STAGES; do
       cache=${TORCHINDUCTOR_CACHE_DIR:-/tmp/torchinductor_$(whoami)}
       [ -d "$cache" ] && echo "inductor cache: warm ($cache exists)" || echo "inductor cache: cold"
       t0=$(date +%s.%N)
-      timeout ${STAGE_TIMEOUT:-240} $SPEEDRUN --rungs ${RUNG:-eval-every-50} --seeds ${SEEDS:-1,} \
+      timeout ${STAGE_TIMEOUT:-240} $SPEEDRUN --rungs ${RUNG:-eval-every-50} --seeds ${SEEDS:-1} \
         --max-train-s ${MAX_TRAIN_S:-60} --out "$WORK/process" --save "$WORK/ck-process" --quiet \
         > "$OUT/process.log" 2>&1
       rc=$?
