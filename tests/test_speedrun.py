@@ -141,7 +141,7 @@ def test_patience_stops_a_run_that_no_longer_improves(corpus):
 def test_speedups_divide_medians_and_bound_a_row_that_missed():
     def row(counts, p50=None, bound=None, ms=10.0):
         return {"summary": {"counts": counts, "time_to_target_s": {"p50": p50} if counts else None,
-                            "time_to_target_lower_bound_s": bound, "ms_per_step": {"p50": ms}}}
+                            "missed_train_s": bound, "ms_per_step": {"p50": ms}}}
     assert sr.speedup(row(True, 8.0), row(True, 2.0)) == (4.0, False)
     assert sr.speedup(row(False, bound=30.0), row(True, 3.0)) == (10.0, True)
     assert sr.speedup(row(True, 8.0), row(False)) == (None, False)

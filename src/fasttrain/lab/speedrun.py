@@ -25,8 +25,8 @@ What is timed, per rung and seed:
 
 A rung counts only if every seed reaches the target; its figure is the median over seeds. Speed-ups
 divide by the rows measured in the same invocation (the baseline is rung 0 when it ran); where the
-row divided by missed the target, the ratio is a lower bound (``≥``): that row trained that long
-without reaching it.
+row divided by does not count, the ratio is a lower bound (``≥``): its shortest run that missed
+trained that long without reaching the target.
 """
 
 from __future__ import annotations
@@ -423,12 +423,13 @@ def summarize(row: dict) -> dict:
     runs = row["runs"]
     reached = [r for r in runs if r["reached"]]
     counts = bool(runs) and len(reached) == len(row["seeds"]) and "error" not in row and "skipped" not in row
-    # a lower bound of the median time to target: a seed that missed trained train_s without reaching
-    bound = _pct([r["time_to_target_s"] if r["reached"] else r["train_s"] for r in runs])
+    # a row that does not count has no time to target; what is known is that each run that missed
+    # trained train_s without reaching it (the shortest such run bounds a speed-up over this row)
+    missed = [r["train_s"] for r in runs if not r["reached"]]
     return {
         "counts": counts, "seeds_run": len(runs), "seeds_reached": len(reached),
         "time_to_target_s": _pct([r["time_to_target_s"] for r in reached]) if counts else None,
-        "time_to_target_lower_bound_s": None if counts or bound is None else bound["p50"],
+        "missed_train_s": min(missed) if missed else None,
         "steps_to_target": _pct([r["steps_to_target"] for r in reached]) if counts else None,
         "ms_per_step": _pct([r["ms_per_step"] for r in runs]),
         "train_s": _pct([r["train_s"] for r in runs]),
@@ -455,8 +456,8 @@ def speedup(earlier: dict | None, row: dict) -> tuple[float | None, bool]:
     s = earlier["summary"]
     if s["counts"]:
         return s["time_to_target_s"]["p50"] / mine, False
-    if s["time_to_target_lower_bound_s"]:
-        return s["time_to_target_lower_bound_s"] / mine, True
+    if s["missed_train_s"]:
+        return s["missed_train_s"] / mine, True
     return None, False
 
 
@@ -657,8 +658,8 @@ def ladder_markdown(result: dict) -> str:
         f"first validation over {_scored(result)} at or below "
         f"{target}; median over seeds, p20–p80 across seeds. A rung counts only if every seed reaches the target. "
         "ms/step: training time over the steps run. × prev / × baseline: ratio of median times to target, measured "
-        "in this one invocation; ≥ marks a lower bound where the row divided by missed the target (it trained that "
-        "long without reaching it). step × base: ratio of ms/step. setup: build, compilation and warm-up steps "
+        "in this one invocation; ≥ marks a lower bound where the row divided by does not count: a run of it "
+        "trained that long (the shortest such run) without reaching the target. step × base: ratio of ms/step. setup: build, compilation and warm-up steps "
         "(parameters restored after), once per rung. eval: validation time per seed, apart from training. "
         f"wall: the whole rung, every seed. Runs stop at the target, the schedule's end, {settings.get('max_train_s')} s "
         f"of training, or {settings.get('patience_steps')} steps without a new best validation loss (over-fitting).*",
