@@ -540,14 +540,14 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         result["process_wall_s"] = process_age_s()
         if out:
             write_results(result, out)
-    result["finished"] = _now()
-    result["process_wall_s"] = process_age_s()
     result["fastest"] = None if best_row is None else {
         "label": best_row["label"], "name": best_row["name"],
         "time_to_target_s": best_row["summary"]["time_to_target_s"]["p50"], "seed": best_state[0]["seed"]}
     if save and best_row is not None:
         result["saved"] = save_fastest(save, best_row, *best_state, corpus=corpus, target=target)
         log(f"saved {best_row['name']} seed {best_state[0]['seed']} to {save}")
+    result["finished"] = _now()
+    result["process_wall_s"] = process_age_s()
     if out:
         write_results(result, out)
     return result
