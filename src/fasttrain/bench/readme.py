@@ -55,18 +55,18 @@ def readme_section(results_dir: str | Path, link_base: str | None = None, headin
     return "\n\n".join(parts) + "\n"
 
 
-def write_into(readme: str | Path, section: str) -> None:
-    """Replace what lies between the START and END marker lines of ``readme`` with ``section``."""
+def write_into(readme: str | Path, section: str, *, start: str = START, end: str = END) -> None:
+    """Replace what lies between the ``start`` and ``end`` marker lines of ``readme`` with ``section``."""
     path = Path(readme)
     try:
         text = path.read_text()
     except FileNotFoundError:
         raise FasttrainError(f"{path}: no such file") from None
     lines = text.splitlines(keepends=True)
-    starts = [i for i, line in enumerate(lines) if line.strip() == START]
-    ends = [i for i, line in enumerate(lines) if line.strip() == END]
+    starts = [i for i, line in enumerate(lines) if line.strip() == start]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
     if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
-        raise FasttrainError(f"{path}: needs exactly one line {START} and, below it, one line {END} "
+        raise FasttrainError(f"{path}: needs exactly one line {start} and, below it, one line {end} "
                              "around the place for the results")
     new = "".join(lines[: starts[0] + 1]) + section.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
     atomic_write_text(path, new)

@@ -214,17 +214,30 @@ def pitfall(preset_name, repeats, **options) -> None:
 @command.command("eval")
 @click.argument("checkpoint", type=click.Path())
 @click.option("--data-dir", help="Data root holding tinyshakespeare/input.txt.")
-@click.option("--eval-tokens", type=int, help="Token budget (default: the whole validation split).")
+@click.option("--eval-tokens", type=int, help="Token budget (default: as the checkpoint's own evaluation; "
+              "without a record, the whole validation split).")
 @click.option("--device", default="auto", show_default=True)
-@click.option("--bf16", is_flag=True, help="Evaluate under bf16 autocast.")
-def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16) -> None:
+@click.option("--bf16/--no-bf16", default=None, help="bf16 autocast (default: as recorded in the checkpoint).")
+@click.option("--tf32/--no-tf32", default=None, help="TF32 matmuls (default: as recorded in the checkpoint).")
+@click.option("--batch", type=int, help="Validation windows per forward (default: as recorded).")
+def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> None:
     """The validation loss of a checkpoint written with --save, recomputed from it alone."""
     from fasttrain.lab.train import evaluate_checkpoint
 
-    res = evaluate_checkpoint(checkpoint, data_dir, eval_tokens=eval_tokens, device=device, bf16=bf16)
+    if batch is not None and batch < 1:
+        raise FasttrainError(f"--batch must be a positive integer, got {batch}")
+    res = evaluate_checkpoint(checkpoint, data_dir, eval_tokens=eval_tokens, device=device, bf16=bf16, tf32=tf32,
+                              batch=batch)
     recorded = res["recorded_val_loss"]
-    out.print(f"val loss {res['val_loss']:.6f} over {res['tokens']:,} characters ({res['ms']:.0f} ms, {res['device']})"
-              + ("" if recorded is None else f"; recorded at save: {recorded:.6f}"))
+    s = res["settings"]
+    precision = "bf16 autocast" if s["bf16"] else "fp16 autocast" if s["fp16"] else "tf32" if s["tf32"] else "fp32"
+    out.print(f"val loss {res['val_loss']:.6f} over {res['tokens']:,} characters ({res['ms']:.0f} ms, {res['device']}, "
+              f"{precision}, batch {s['eval_batch_size']})"
+              + ("" if recorded is None else f"; recorded at save: {recorded:.6f}"
+                 + (" (identical)" if res["val_loss"] == recorded else f" (differs by {res['val_loss'] - recorded:+.2e})")))
+    if res.get("recorded_device") and res["recorded_device"] != res["device"]:
+        out.print(f"note: recorded on {res['recorded_device']}; another device sums in another order, so expect "
+                  "differences in the last digits")
 
 
 def _load_subcommands() -> None:

@@ -22,7 +22,7 @@ from dataclasses import asdict, dataclass, fields, replace
 from fasttrain.errors import FasttrainError
 
 STYLES = ("gpt2", "llama")
-OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "adamw_8bit", "sgd")
+OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "adamw_8bit", "sgd", "muon")
 CHECKPOINTING = ("none", "full", "selective")
 ATTENTIONS = ("eager", "sdpa")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -172,6 +172,8 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
     if cfg.fp16 and cfg.bf16:
         raise FasttrainError("give --fp16 or --bf16, not both")
+    if cfg.fp16 and cfg.optim == "muon":
+        raise FasttrainError("--optim muon steps two optimizers, which the fp16 GradScaler cannot unscale; use --bf16")
     if not cfg.learning_rate > 0 or not 0 <= cfg.min_lr <= cfg.learning_rate:
         raise FasttrainError(f"need --learning-rate > 0 and 0 <= --min-lr <= --learning-rate "
                              f"(got {cfg.learning_rate}, {cfg.min_lr})")

@@ -340,15 +340,21 @@ def _classes() -> dict:
                 dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
                 cos, sin = self.tables(dtype)
                 cos, sin = cos[:s_ + P], sin[:s_ + P]
-            # Early stop of the recomputation raises from inside the op whose saved tensor completes
-            # it; with CUDA's fused dropout last in a block that surfaced as "SystemError: dropout
-            # returned NULL" (torch 2.11). Recomputing the whole block keeps the same tensors.
-            with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+            if c.recompute == "none":
+                # (no recomputation, no context manager: torch.compile traces the forward as one graph)
                 for block in self.blocks:
-                    if c.recompute == "full":
-                        x = checkpoint(block, x, cos, sin, use_reentrant=False)
-                    else:
-                        x = block(x, cos, sin)
+                    x = block(x, cos, sin)
+            else:
+                # Early stop of the recomputation raises from inside the op whose saved tensor
+                # completes it; with CUDA's fused dropout last in a block that surfaced as
+                # "SystemError: dropout returned NULL" (torch 2.11). Recomputing the whole block
+                # keeps the same tensors.
+                with torch.utils.checkpoint.set_checkpoint_early_stop(False):
+                    for block in self.blocks:
+                        if c.recompute == "full":
+                            x = checkpoint(block, x, cos, sin, use_reentrant=False)
+                        else:
+                            x = block(x, cos, sin)
             x = self.norm(x)
             if P:
                 x = x[:, P:]

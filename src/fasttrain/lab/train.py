@@ -27,7 +27,7 @@ import os
 import shutil
 import tempfile
 import time
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from dataclasses import replace
 from pathlib import Path
 
@@ -73,10 +73,12 @@ def config_from_model(cfg: LabConfig, mc) -> LabConfig:
 
 
 # bytes of optimizer state per trainable parameter as the estimator takes it (k in its formulas)
-OPT_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "adafactor": 0, "sgd": 0}
-# the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names
+OPT_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "adafactor": 0, "sgd": 0, "muon": 4}
+# the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names; Muon keeps
+# one fp32 momentum per hidden-matrix entry, which the estimator counts as SGD with momentum (the
+# AdamW-trained embeddings and norms, a few percent of the parameters, are counted the same way)
 SETUP_OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
-               "adafactor": "adafactor", "sgd": "sgd"}
+               "adafactor": "adafactor", "sgd": "sgd", "muon": "sgd_momentum"}
 
 
 def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
@@ -107,6 +109,9 @@ def estimate_notes(cfg: LabConfig) -> list[str]:
     notes = []
     if cfg.optim == "adamw_8bit":
         notes.append("adamw_8bit: state counted as torchao's AdamW8bit (bitsandbytes differs slightly)")
+    if cfg.optim == "muon":
+        notes.append("muon: state counted as one fp32 momentum per parameter (the AdamW part's second moment "
+                     "on embeddings and norms is not counted)")
     if cfg.use_liger_kernel:
         notes.append("liger: the fused linear cross-entropy never materializes the logits (not modelled)")
     if cfg.torch_compile:
@@ -147,6 +152,8 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
         return torch.optim.Adafactor(groups, lr=lr)
     if cfg.optim == "sgd":
         return torch.optim.SGD(groups, lr=lr)        # no momentum (as TrainingArguments' "sgd"): no state
+    if cfg.optim == "muon":
+        return build_muon(cfg, model, lr)
     # adamw_8bit: block-wise quantized moments (2 x 1 byte + one fp32 scale per block of 256)
     try:
         from torchao.optim import AdamW8bit
@@ -157,6 +164,68 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
             raise _missing("torchao (or bitsandbytes) for --optim adamw_8bit", exc) from None
         return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
     return AdamW8bit(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
+
+
+class OptimizerGroup:
+    """Several optimizers stepped as one: ``param_groups`` and ``state`` are their union, so the
+    learning-rate schedule and the state count see a single optimizer."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+
+    @property
+    def param_groups(self) -> list:
+        return [g for opt in self.optimizers for g in opt.param_groups]
+
+    @property
+    def state(self) -> dict:
+        merged = {}
+        for opt in self.optimizers:
+            merged.update(opt.state)
+        return merged
+
+    def step(self) -> None:
+        for opt in self.optimizers:
+            opt.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state: dict) -> None:
+        for opt, s in zip(self.optimizers, state["optimizers"]):
+            opt.load_state_dict(s)
+
+
+def build_muon(cfg: LabConfig, model, lr: float):
+    """Muon for the blocks' 2-D weight matrices, AdamW for the rest (embeddings, norms, biases).
+
+    Muon: momentum M <- mu M + G, update O = NewtonSchulz5(G + mu M) (Nesterov), the nearest
+    semi-orthogonal matrix to it; ``match_rms_adamw`` scales O by 0.2 sqrt(max(rows, cols)) so
+    its RMS matches AdamW's and one learning rate (and schedule) serves both optimizers."""
+    import torch
+
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    hidden = [p for n, p in named if p.dim() == 2 and ".blocks." in f".{n}"]
+    hidden_ids = {id(p) for p in hidden}
+    rest = [p for _, p in named if id(p) not in hidden_ids]
+    if not hidden:
+        raise FasttrainError("--optim muon found no trainable 2-D matrices in the transformer blocks")
+    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, momentum=0.95,
+                            adjust_lr_fn="match_rms_adamw")
+    decay = [p for p in rest if p.dim() >= 2]
+    other = [p for p in rest if p.dim() < 2]
+    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0})
+              if g["params"]]
+    if not groups:
+        return OptimizerGroup(muon)
+    fused = all(p.device.type == "cuda" for p in rest)
+    adamw = torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
+                              fused=fused or None)
+    return OptimizerGroup(muon, adamw)
 
 
 def _leaves(t):
@@ -380,6 +449,28 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
         self.trainable = [p for p in model.parameters() if p.requires_grad]
         self.step_index = 0
+        self.cuda_graphs = cfg.torch_compile and cfg.torch_compile_mode == "reduce-overhead" and device.type == "cuda"
+
+    def reset(self, seed: int | None = None) -> None:
+        """Back to the start of a run (of ``seed``, default the configured one) without rebuilding:
+        the initial weights a fresh Trainer would draw are copied into the same parameter tensors
+        (so compiled code and captured CUDA graphs stay valid), a new optimizer, step 0. The global
+        generator (dropout) is left as a fresh build leaves it. Runs from scratch only."""
+        import torch
+
+        from fasttrain.lab.model import build
+
+        cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
+        if cfg.init_from or cfg.lora_r or cfg.prompt_tuning_tokens:
+            raise FasttrainError("Trainer.reset restarts runs from scratch only (no --init-from, LoRA or prompt tuning)")
+        fresh = build(self.model_config, self.device, seed=cfg.seed)
+        with torch.no_grad():
+            self.model.load_state_dict(fresh.state_dict())
+        del fresh
+        self.cfg = cfg
+        self.optimizer = build_optimizer(cfg, self.model)
+        self.scaler = torch.amp.GradScaler(self.device.type) if cfg.fp16 else None
+        self.step_index = 0
 
     def batches(self, steps: int, start: int = 0):
         from fasttrain.lab.data import train_batches
@@ -407,6 +498,9 @@ class Trainer:
         from fasttrain.lab import distributed as D
 
         cfg = self.cfg
+        if self.cuda_graphs:
+            # a new iteration: CUDA-graph outputs of the previous step may now be overwritten
+            torch.compiler.cudagraph_mark_step_begin()
         lr = lr_at(cfg, self.step_index)
         for group in self.optimizer.param_groups:
             if isinstance(group["lr"], torch.Tensor):
@@ -632,15 +726,33 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
         from fasttrain.lab.distributed import check_model_fits
 
         check_model_fits(cfg, world.world_size, world.strategy)
+    with tf32_matmuls(cfg.tf32):
+        return _run(cfg, corpus, device, log, progress, wall0, environment, world)
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool):
+    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores inside, restored on exit."""
+    import torch
+
     matmul_precision = torch.get_float32_matmul_precision()
     cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if cfg.tf32 else "highest")
-    torch.backends.cudnn.allow_tf32 = cfg.tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
     try:
-        return _run(cfg, corpus, device, log, progress, wall0, environment, world)
+        yield
     finally:
         torch.set_float32_matmul_precision(matmul_precision)
         torch.backends.cudnn.allow_tf32 = cudnn_tf32
+
+
+def eval_settings(cfg: LabConfig, batch: int, device) -> dict:
+    """What an evaluation's numbers depend on, stored with a checkpoint so that ``lab eval``
+    forms the same sums in the same order and dtype: the validation batch (windows per forward),
+    the token budget, autocast, TF32 and the device it ran on."""
+    return {"eval_batch_size": cfg.eval_batch_size or batch, "eval_tokens": cfg.eval_tokens, "bf16": cfg.bf16,
+            "fp16": cfg.fp16, "tf32": cfg.tf32, "device_type": device.type, "device": _gpu_name(device),
+            "attn_implementation": cfg.attn_implementation}
 
 
 def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
@@ -756,7 +868,8 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         if cfg.lora_r:
             merge_lora(model)
         extra = {"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
-                 "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps}
+                 "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps,
+                 "eval": eval_settings(cfg, batch, device)}
         if world.distributed:
             # the whole model gathered on every rank (FSDP's shards), written by rank 0 alone
             state = D.full_state_dict(trainer.train_model, world)
@@ -851,32 +964,46 @@ def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict |
 
 
 def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, device: str = "auto",
-                        batch: int | None = None, bf16: bool = False, corpus=None) -> dict:
-    """The validation loss of a checkpoint written with ``--save``, from it alone (whole split by
-    default). ``batch`` defaults to the validation batch of the run that saved it, so the same
-    sums are formed in the same order and the recorded loss comes back exactly (same device)."""
+                        batch: int | None = None, bf16: bool | None = None, tf32: bool | None = None,
+                        corpus=None) -> dict:
+    """The validation loss of a checkpoint written with ``--save``, from it alone.
+
+    Every setting left ``None`` comes from the checkpoint's record of its own evaluation
+    (:func:`eval_settings`): the validation batch, the token budget (default the whole split),
+    autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
+    same kind of device the recorded loss comes back exactly."""
     from fasttrain.lab.data import load_corpus
 
     meta = read_checkpoint(path)
-    batch = batch or meta.get("eval_batch_size") or 64
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
     corpus = corpus or load_corpus(data_dir)
     model = meta["model"]
-    cfg = LabConfig(name="eval", device=device, bf16=bf16, init_from=str(path), eval_tokens=eval_tokens,
-                    eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
+    cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
+                    eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
                     prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
                     dropout=0.0)
     from fasttrain.lab.model import GPTConfig
 
     cfg = validate(config_from_model(cfg, GPTConfig.from_dict(model)))
     dev = resolve_device(cfg)
-    trainer = Trainer(cfg, corpus, dev)
-    if cfg.prompt_tuning_tokens:
-        load_weights(trainer.model, path)           # the trained prompt, not a fresh one
-    t = time.perf_counter()
-    loss, n = trainer.evaluate()
-    _sync(dev)
-    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": 1e3 * (time.perf_counter() - t),
-            "recorded_val_loss": meta.get("val_loss"), "device": _gpu_name(dev)}
+    with tf32_matmuls(tf32):
+        trainer = Trainer(cfg, corpus, dev)
+        if cfg.prompt_tuning_tokens:
+            load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+        t = time.perf_counter()
+        loss, n = trainer.evaluate()
+        _sync(dev)
+        ms = 1e3 * (time.perf_counter() - t)
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
+            "recorded_val_loss": meta.get("val_loss"), "device": _gpu_name(dev),
+            "recorded_device": recorded.get("device"),
+            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
+                         "tf32": tf32}}
 
 
 def write_record(record: dict, path) -> Path:

@@ -1,0 +1,864 @@
+"""``fasttrain lab speedrun``: the Shakespeare speedrun ladder.
+
+Each rung is the ``shakespeare-char`` preset plus the overrides of every rung up to it (plain
+:class:`~fasttrain.lab.config.LabConfig` fields, gpt-fast style), so each adds one change to the
+rung before it. Rung 0 is the preset as users run it: eager PyTorch, fp32, AdamW, batches cut on
+the CPU. A run of a rung trains until the first validation over the **whole** validation split
+at or below the target (1.47 nats per character), the end of its schedule, a training-time cap,
+or ``patience`` steps without a new best validation loss (over-fitting: the loss only rises after).
+
+What is timed, per rung and seed:
+
+- training time: from a device synchronization before the first step to one after the step of
+  each evaluation, summed over the segments between evaluations (batch cutting, forward,
+  backward, optimizer, learning-rate schedule included; evaluation excluded). The time to target
+  is the training time up to the first evaluation at or below the target; ms/step is the
+  training time over the steps run;
+- evaluation time (every validation, synchronized), reported apart;
+- setup, once per rung: building the model, compiling and warming up (``timing_warmup_steps``
+  training steps and one validation, which compile the step and capture its CUDA graphs); the
+  warm-up trains the same parameters, so they are then restored in place (:meth:`Trainer.reset`:
+  the initial weights of the seed copied into the same tensors, a fresh optimizer, step 0) and
+  compiled code and CUDA graphs stay valid for every seed. ``reset_s`` is that restoration, per seed;
+- wall time of the rung (setup, every seed's training and evaluations) and of the whole process
+  (from the interpreter's start, read from /proc on Linux).
+
+A rung counts only if every seed reaches the target; its figure is the median over seeds. Speed-ups
+divide by the rows measured in the same invocation (the baseline is rung 0 when it ran); where the
+row divided by does not count, the ratio is a lower bound (``≥``): its shortest run that missed
+trained that long without reaching the target.
+"""
+
+from __future__ import annotations
+
+import csv
+import datetime as _dt
+import gc
+import io
+import json
+import math
+import os
+import shlex
+import sys
+import time
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+
+import click
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import LabConfig, preset
+
+TARGET = 1.47
+BASE_PRESET = "shakespeare-char"
+DEFAULT_SEEDS = 3
+README_START, README_END = "<!-- speedrun-results:start -->", "<!-- speedrun-results:end -->"
+
+
+@dataclass(frozen=True)
+class Rung:
+    name: str
+    change: str              # what this rung adds to the one before, one line
+    overrides: dict          # the LabConfig fields it sets
+
+
+LADDER: tuple[Rung, ...] = (
+    Rung("baseline", "the shakespeare-char preset as users run it: eager PyTorch, fp32, AdamW (for-each), "
+                     "batches cut on the CPU and copied over", {}),
+    Rung("tf32", "TF32 tensor cores for the fp32 matmuls", dict(tf32=True)),
+    Rung("bf16", "bf16 autocast", dict(bf16=True)),
+    Rung("sdpa", "scaled_dot_product_attention (flash) instead of eager attention", dict(attn_implementation="sdpa")),
+    Rung("fused-adamw", "fused AdamW (one kernel for all parameters)", dict(optim="adamw_torch_fused")),
+    Rung("preload", "the corpus on the GPU, batches cut there", dict(preload=True)),
+    Rung("compile", "torch.compile (inductor, default mode)", dict(torch_compile=True)),
+    Rung("cuda-graphs", "torch.compile mode reduce-overhead: the step replayed as CUDA graphs",
+         dict(torch_compile_mode="reduce-overhead")),
+    Rung("schedule-2000", "cosine schedule ends at step 2000 (where over-fitting starts) instead of 5000",
+         dict(max_steps=2000)),
+    Rung("eval-every-50", "validation every 50 steps instead of 250 (the crossing is seen sooner)",
+         dict(eval_interval=50)),
+    Rung("muon", "Muon for the blocks' matrices (AdamW for embeddings and norms)", dict(optim="muon")),
+)
+
+
+def rung_names() -> list[str]:
+    return [r.name for r in LADDER]
+
+
+def cumulative_overrides(index: int) -> dict:
+    merged: dict = {}
+    for rung in LADDER[: index + 1]:
+        merged.update(rung.overrides)
+    return merged
+
+
+# --- parsing the command's input -----------------------------------------------------------------
+
+def parse_rungs(text: str | None) -> list[int]:
+    """``None``/"all" -> every rung; else comma-separated indices, names or ranges ``a-b`` (in ladder order)."""
+    if text is None or text.strip() == "all":
+        return list(range(len(LADDER)))
+    names = rung_names()
+    chosen: list[int] = []
+    for item in (t.strip() for t in text.split(",")):
+        if not item:
+            continue
+        if item in names:
+            chosen.append(names.index(item))
+            continue
+        lo, sep, hi = item.partition("-")
+        try:
+            first, last = (int(lo), int(hi)) if sep and lo.isdigit() else (int(item), int(item))
+        except ValueError:
+            first = last = -1
+        if not (0 <= first <= last < len(LADDER)):
+            raise FasttrainError(f"unknown rung {item!r}; use 0-{len(LADDER) - 1} or one of {', '.join(names)} "
+                                 f"(comma-separated; see: fasttrain lab speedrun --list)")
+        chosen.extend(range(first, last + 1))
+    if not chosen:
+        raise FasttrainError("--rungs is empty; name at least one rung (see: fasttrain lab speedrun --list)")
+    return sorted(set(chosen))
+
+
+def parse_seeds(text: str | None, first: int) -> list[int]:
+    """"3" -> three seeds from ``first``; "1337,42" -> those seeds (a list of one: "42,")."""
+    text = str(DEFAULT_SEEDS) if text is None else str(text).strip()
+    bad = FasttrainError(f"--seeds {text!r}: give a count (e.g. 3) or a comma-separated list of distinct "
+                         f"non-negative integers (e.g. 1337,1338)")
+    if "," not in text:
+        try:
+            count = int(text)
+        except ValueError:
+            raise bad from None
+        if count < 1:
+            raise bad
+        return [first + i for i in range(count)]
+    try:
+        seeds = [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise bad from None
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise bad
+    return seeds
+
+
+def _field_value(name: str, raw: str):
+    by_name = {f.name: f for f in fields(LabConfig)}
+    if name not in by_name:
+        raise FasttrainError(f"unknown lab setting {name!r} in an override; settings are LabConfig fields "
+                             f"(see: fasttrain lab --help, flag names with underscores)")
+    raw = raw.strip()
+    default = by_name[name].default
+    if raw.lower() in ("none", "null"):
+        return None
+    if isinstance(default, bool):
+        if raw.lower() in ("1", "true", "yes", "on"):
+            return True
+        if raw.lower() in ("0", "false", "no", "off"):
+            return False
+        raise FasttrainError(f"override {name}={raw!r}: give true or false")
+    if isinstance(default, tuple):
+        return tuple(t for t in raw.split("+") if t)
+    for kind in (int, float):
+        try:
+            return kind(raw)
+        except ValueError:
+            pass
+    return raw
+
+
+def parse_assignments(text: str) -> dict:
+    """"learning_rate=2e-3,max_steps=1200" -> {field: value}; values typed as the field's default."""
+    out = {}
+    for item in (t for t in text.split(",") if t.strip()):
+        key, sep, value = item.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise FasttrainError(f"override {item!r}: write FIELD=VALUE (e.g. learning_rate=2e-3)")
+        out[key] = _field_value(key, value)
+    return out
+
+
+def parse_variant(text: str) -> tuple[str, dict]:
+    """"NAME:field=value,..." -> (NAME, overrides)."""
+    name, sep, body = text.partition(":")
+    name = name.strip()
+    if not sep or not name or not body.strip():
+        raise FasttrainError(f"--variant {text!r}: write NAME:FIELD=VALUE[,FIELD=VALUE...] "
+                             f"(e.g. lr-2e-3:learning_rate=2e-3,min_lr=2e-4)")
+    return name, parse_assignments(body)
+
+
+# --- the plan ----------------------------------------------------------------------------------
+
+@dataclass
+class Row:
+    """One row of the ladder table: a rung (or a variant of the last rung chosen) and its seeds."""
+
+    label: str               # "3" for a rung, the variant's name otherwise
+    name: str
+    change: str              # what changed since the row above (every rung in between, for a gap)
+    cfg: LabConfig
+    seeds: list[int]
+    planned_seeds: int       # the seeds the other rows get (a row with fewer is marked)
+    index: int | None = None
+
+
+def parse_rung_seeds(text: str | None) -> dict[int, int]:
+    """"0=1,5-6=2" -> {0: 1, 5: 2, 6: 2}: fewer seeds for some rungs (names allowed)."""
+    out: dict[int, int] = {}
+    for item in (t.strip() for t in (text or "").split(",") if t.strip()):
+        rungs, sep, count = item.partition("=")
+        try:
+            n = int(count)
+        except ValueError:
+            n = 0
+        if not sep or n < 1:
+            raise FasttrainError(f"--rung-seeds {item!r}: write RUNG=COUNT (e.g. 0=1,5=1), COUNT >= 1")
+        for i in parse_rungs(rungs):
+            out[i] = n
+    return out
+
+
+def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, baseline_seeds: int | None = None,
+         rung_seeds: dict[int, int] | None = None, variants: list[tuple[str, dict]] = (), sets: dict | None = None,
+         device: str | None = None, data_dir: str | None = None) -> list[Row]:
+    """The rows to run: each chosen rung's configuration (validated now, before anything trains).
+    ``rung_seeds`` (and ``baseline_seeds``, for rung 0) run some rungs on the first few seeds only."""
+    sets = dict(sets or {})
+    rung_seeds = dict(rung_seeds or {})
+    if baseline_seeds is not None:
+        rung_seeds[0] = baseline_seeds
+    for i, n in rung_seeds.items():
+        if not 1 <= n <= len(seeds):
+            which = "--baseline-seeds" if i == 0 and n == baseline_seeds else f"--rung-seeds for rung {i}"
+            raise FasttrainError(f"{which} must be between 1 and the number of seeds ({len(seeds)}), got {n}")
+    if device is not None:
+        sets["device"] = device
+    if data_dir is not None:
+        sets["data_dir"] = data_dir
+    rows: list[Row] = []
+    prev = -1
+    for i in rungs:
+        steps = LADDER[prev + 1: i + 1] if i > prev else LADDER[i: i + 1]
+        change = LADDER[0].change if i == 0 else " + ".join(r.change for r in steps)
+        cfg = preset(base_preset, **{**cumulative_overrides(i), **sets}).with_(name=LADDER[i].name)
+        row_seeds = list(seeds[:rung_seeds.get(i, len(seeds))])
+        rows.append(Row(str(i), LADDER[i].name, change, cfg, row_seeds, len(seeds), i))
+        prev = i
+    top = rungs[-1]
+    names = {r.name for r in rows}
+    for name, overrides in variants:
+        if name in names or name.isdigit():
+            raise FasttrainError(f"--variant name {name!r} is taken; give each variant its own name")
+        names.add(name)
+        change = f"rung {top} ({LADDER[top].name}) with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
+        cfg = preset(base_preset, **{**cumulative_overrides(top), **overrides, **sets}).with_(name=name)
+        rows.append(Row(name, name, change, cfg, list(seeds), len(seeds)))
+    return rows
+
+
+# --- timing one run ------------------------------------------------------------------------------
+
+def process_age_s() -> float | None:
+    """Seconds since this process started (interpreter start and imports included), from /proc."""
+    try:
+        start_ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError, AttributeError):
+        return None
+
+
+def _sync(device) -> None:
+    from fasttrain.lab.train import _sync as sync
+
+    sync(device)
+
+
+def train_to_target(trainer, *, target: float, max_train_s: float, patience_steps: int, log=None) -> dict:
+    """One run from ``trainer``'s current (fresh) state until the target, the schedule's end, the
+    training-time cap or ``patience_steps`` without a new best validation loss."""
+    cfg, device = trainer.cfg, trainer.device
+    log = log or (lambda s: None)
+    evals: list[dict] = []
+    train_s = eval_s = 0.0
+    best, best_step = math.inf, 0
+    hit = None
+    stop = "max_steps"
+    step = 0
+    batches = trainer.batches(cfg.max_steps)
+    _sync(device)
+    t0 = time.perf_counter()
+    for i, (x, y) in enumerate(batches):
+        loss = trainer.step(x, y)
+        step = i + 1
+        if not (step == cfg.max_steps or (cfg.eval_interval and step % cfg.eval_interval == 0)):
+            continue
+        _sync(device)
+        train_s += time.perf_counter() - t0
+        train_loss = float(loss)
+        t = time.perf_counter()
+        val, tokens = trainer.evaluate()
+        _sync(device)
+        ms = 1e3 * (time.perf_counter() - t)
+        eval_s += ms / 1e3
+        evals.append({"step": step, "train_s": train_s, "val_loss": val, "train_loss": train_loss, "tokens": tokens,
+                      "ms": ms})
+        log(f"  step {step:>5}  {train_s:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
+        if not (math.isfinite(val) and math.isfinite(train_loss)):
+            stop = "diverged"
+            break
+        if val < best:
+            best, best_step = val, step
+        if val <= target:
+            hit = {"step": step, "train_s": train_s, "val_loss": val}
+            stop = "target"
+            break
+        if max_train_s and train_s >= max_train_s:
+            stop = "time_cap"
+            break
+        if patience_steps and step - best_step >= patience_steps:
+            stop = "over-fitting"
+            break
+        _sync(device)
+        t0 = time.perf_counter()
+    return {
+        "seed": cfg.seed, "reached": hit is not None, "stop": stop,
+        "time_to_target_s": hit["train_s"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        "steps": step, "train_s": train_s, "ms_per_step": 1e3 * train_s / step if step else None,
+        "eval_s": eval_s, "evals": evals, "best_val_loss": best if evals else None, "best_step": best_step,
+        "final_val_loss": evals[-1]["val_loss"] if evals else None,
+        "final_val_tokens": evals[-1]["tokens"] if evals else None,
+    }
+
+
+def _free(device) -> None:
+    import torch
+
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_steps: int,
+            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None) -> dict:
+    """Every seed of one row in one compiled model: setup (build, compile, warm-up) once, then per
+    seed a reset and a timed run. Returns the row's record (with ``states``, the final weights
+    per seed on the CPU, when ``keep_states``)."""
+    import torch
+
+    from fasttrain.lab.train import Trainer, eval_settings, resolve_device, tf32_matmuls
+
+    log = log or (lambda s: None)
+    cfg = row.cfg.with_(seed=row.seeds[0])
+    device = resolve_device(cfg)
+    wall0 = time.perf_counter()
+    runs: list[dict] = []
+    states: dict[int, dict] = {}
+    out_of_budget = False
+    with tf32_matmuls(cfg.tf32):
+        t = time.perf_counter()
+        trainer = Trainer(cfg, corpus, device)
+        warm = max(1, cfg.timing_warmup_steps)
+        for x, y in trainer.batches(warm):
+            trainer.step(x, y)
+        trainer.evaluate()
+        trainer.reset(row.seeds[0])         # the warm-up trained these parameters: back to the seed's start
+        _sync(device)
+        setup_s = time.perf_counter() - t
+        log(f"[{row.label} {row.name}] setup (build, compile, {warm} warm-up steps, one validation) {setup_s:.1f} s")
+        for k, seed in enumerate(row.seeds):
+            if deadline is not None and time.perf_counter() >= deadline:
+                out_of_budget = True
+                log(f"[{row.label} {row.name}] out of --budget-s: seeds {row.seeds[k:]} not run")
+                break
+            seed_wall0 = time.perf_counter()
+            t = time.perf_counter()
+            if k:
+                trainer.reset(seed)
+            _sync(device)
+            reset_s = time.perf_counter() - t
+            log(f"[{row.label} {row.name}] seed {seed}")
+            rec = train_to_target(trainer, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                                  log=log)
+            rec.update(reset_s=reset_s, wall_s=time.perf_counter() - seed_wall0)
+            runs.append(rec)
+            log(f"[{row.label} {row.name}] seed {seed}: "
+                + (f"{target} reached at step {rec['steps_to_target']} after {rec['time_to_target_s']:.2f} s"
+                   if rec["reached"] else f"not reached ({rec['stop']}; best {rec['best_val_loss']:.4f})")
+                + f", {rec['ms_per_step']:.2f} ms/step")
+            if keep_states:
+                states[seed] = {n: v.detach().to("cpu", copy=True) for n, v in trainer.model.state_dict().items()}
+            if not rec["reached"] and stop_rung_on_miss:
+                break
+        eval_record = eval_settings(cfg, trainer.batch, device)
+        model_config = trainer.model_config.to_dict()
+    del trainer
+    if cfg.torch_compile:
+        torch.compiler.reset()          # the next rung's model compiles afresh (no stale guards, no cache limit)
+    _free(device)
+    return {"label": row.label, "index": row.index, "name": row.name, "change": row.change, "config": cfg.to_dict(),
+            "model": model_config, "seeds": list(row.seeds), "planned_seeds": row.planned_seeds, "setup_s": setup_s,
+            "warmup_steps": warm, "wall_s": time.perf_counter() - wall0, "runs": runs, "eval": eval_record,
+            "states": states, **({"skipped": "budget"} if out_of_budget else {})}
+
+
+# --- statistics over seeds -------------------------------------------------------------------------
+
+def _pct(values) -> dict | None:
+    import numpy as np
+
+    vals = [v for v in values if v is not None]
+    if not vals:
+        return None
+    a = np.asarray(vals, dtype=float)
+    return {"p20": float(np.percentile(a, 20)), "p50": float(np.percentile(a, 50)),
+            "p80": float(np.percentile(a, 80)), "n": len(vals)}
+
+
+def summarize(row: dict) -> dict:
+    """The row's figures over seeds; ``counts`` only if every planned seed ran and reached the target."""
+    runs = row["runs"]
+    reached = [r for r in runs if r["reached"]]
+    counts = bool(runs) and len(reached) == len(row["seeds"]) and "error" not in row and "skipped" not in row
+    # a row that does not count has no time to target; what is known is that each run that missed
+    # trained train_s without reaching it (the shortest such run bounds a speed-up over this row)
+    missed = [r["train_s"] for r in runs if not r["reached"]]
+    return {
+        "counts": counts, "seeds_run": len(runs), "seeds_reached": len(reached),
+        "time_to_target_s": _pct([r["time_to_target_s"] for r in reached]) if counts else None,
+        "missed_train_s": min(missed) if missed else None,
+        "steps_to_target": _pct([r["steps_to_target"] for r in reached]) if counts else None,
+        "ms_per_step": _pct([r["ms_per_step"] for r in runs]),
+        "train_s": _pct([r["train_s"] for r in runs]),
+        "eval_s": _pct([r["eval_s"] for r in runs]),
+        "eval_ms_each": _pct([e["ms"] for r in runs for e in r["evals"]]),
+        "reset_s": _pct([r["reset_s"] for r in runs]),
+        "wall_s_per_seed": _pct([r["wall_s"] for r in runs]),
+        "best_val_loss": _pct([r["best_val_loss"] for r in runs]),
+        "stops": [r["stop"] for r in runs],
+    }
+
+
+def median_run(row: dict) -> dict | None:
+    """The run whose time to target is the median of the row's (the lower one for an even count)."""
+    runs = sorted((r for r in row["runs"] if r["reached"]), key=lambda r: r["time_to_target_s"])
+    return runs[(len(runs) - 1) // 2] if runs else None
+
+
+def speedup(earlier: dict | None, row: dict) -> tuple[float | None, bool]:
+    """(ratio of median times to target earlier/row, is_lower_bound)."""
+    if earlier is None or not row["summary"]["counts"]:
+        return None, False
+    mine = row["summary"]["time_to_target_s"]["p50"]
+    s = earlier["summary"]
+    if s["counts"]:
+        return s["time_to_target_s"]["p50"] / mine, False
+    if s["missed_train_s"]:
+        return s["missed_train_s"] / mine, True
+    return None, False
+
+
+def step_speedup(earlier: dict | None, row: dict) -> float | None:
+    a = earlier and earlier["summary"]["ms_per_step"]
+    b = row["summary"]["ms_per_step"]
+    return a["p50"] / b["p50"] if a and b else None
+
+
+# --- the whole ladder ------------------------------------------------------------------------------
+
+def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
+               stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
+               command: str | None = None, budget_s: float | None = None, log=None) -> dict:
+    """Run every row, write the results after each (``out``) and the fastest row's model (``save``;
+    ``result["saved"]`` stays None when no row reached the target on every seed).
+    ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
+    from fasttrain.environment import environment
+    from fasttrain.lab.data import load_corpus
+    from fasttrain.lab.train import resolve_device
+
+    if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
+        raise FasttrainError(f"--target must be a positive number of nats per character, got {target!r}")
+    if max_train_s is not None and max_train_s < 0:
+        raise FasttrainError(f"--max-train-s must be >= 0 (0: no cap), got {max_train_s}")
+    if budget_s is not None and budget_s < 0:
+        raise FasttrainError(f"--budget-s must be >= 0 (0: none), got {budget_s}")
+    if patience_steps < 0:
+        raise FasttrainError(f"--patience-steps must be >= 0 (0: never stop early), got {patience_steps}")
+    if not rows:
+        raise FasttrainError("nothing to run: no rung chosen")
+    for path, what in ((out, "--out"), (save, "--save")):
+        if path is not None:
+            parent = Path(path).expanduser().resolve().parent
+            if not parent.is_dir():
+                raise FasttrainError(f"{what} {path}: folder {parent} does not exist; create it first")
+    log = log or (lambda s: None)
+    deadline = time.perf_counter() + budget_s if budget_s else None
+    corpus = corpus or load_corpus(rows[0].cfg.data_dir)
+    device = resolve_device(rows[0].cfg)
+    import torch
+
+    result = {
+        "kind": "lab-speedrun", "target": target, "command": command, "environment": environment(),
+        "torch": torch.__version__, "device": _device_name(device), "started": _now(),
+        "settings": {"max_train_s": max_train_s, "patience_steps": patience_steps, "budget_s": budget_s,
+                     "stop_rung_on_miss": stop_rung_on_miss, "seeds": max((r.seeds for r in rows), key=len)},
+        "data": {"chars": len(corpus.chars), "train_chars": int(len(corpus.train)), "val_chars": int(len(corpus.val)),
+                 "split": "first 90% of the characters train, last 10% validate"},
+        "rows": [], "saved": None,
+    }
+    best_row, best_state = None, None
+    for row in rows:
+        try:
+            if deadline is not None and time.perf_counter() >= deadline:
+                log(f"[{row.label} {row.name}] out of --budget-s: not run")
+                rec = {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
+                       "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
+                       "setup_s": None, "wall_s": None, "runs": [], "states": {}, "skipped": "budget"}
+            else:
+                rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                              stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, deadline=deadline,
+                              log=log)
+        except FasttrainError:
+            raise
+        except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
+            msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
+            log(f"[{row.label} {row.name}] failed: {msg}")
+            rec = {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
+                   "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
+                   "setup_s": None, "wall_s": None, "runs": [], "states": {}, "error": msg}
+            _free(device)
+        states = rec.pop("states")
+        rec["summary"] = summarize(rec)
+        result["rows"].append(rec)
+        if rec["summary"]["counts"] and (best_row is None or rec["summary"]["time_to_target_s"]["p50"]
+                                         < best_row["summary"]["time_to_target_s"]["p50"]):
+            best_row, pick = rec, median_run(rec)
+            best_state = (pick, states.get(pick["seed"]))
+        result["process_wall_s"] = process_age_s()
+        if out:
+            write_results(result, out)
+    result["fastest"] = None if best_row is None else {
+        "label": best_row["label"], "name": best_row["name"],
+        "time_to_target_s": best_row["summary"]["time_to_target_s"]["p50"], "seed": best_state[0]["seed"]}
+    if save and best_row is not None:
+        result["saved"] = save_fastest(save, best_row, *best_state, corpus=corpus, target=target)
+        log(f"saved {best_row['name']} seed {best_state[0]['seed']} to {save}")
+    result["finished"] = _now()
+    result["process_wall_s"] = process_age_s()
+    if out:
+        write_results(result, out)
+    return result
+
+
+def save_fastest(path, row: dict, run: dict, state: dict, *, corpus, target: float) -> dict:
+    """The final model of ``run`` (weights as trained, fp32) with what its evaluation used."""
+    from fasttrain.lab.model import GPTConfig, build
+    from fasttrain.lab.train import save_checkpoint
+
+    model = build(GPTConfig.from_dict(row["model"]), "cpu")
+    model.load_state_dict(state)
+    extra = {"val_loss": run["final_val_loss"], "val_tokens": run["final_val_tokens"],
+             "eval_batch_size": row["eval"]["eval_batch_size"], "step": run["steps"], "eval": row["eval"],
+             "split": {"train_fraction": 0.9, "train_chars": int(len(corpus.train)),
+                       "val_chars": int(len(corpus.val))},
+             "speedrun": {"rung": row["name"], "label": row["label"], "seed": run["seed"], "target": target,
+                          "time_to_target_s": run["time_to_target_s"], "steps_to_target": run["steps_to_target"]}}
+    lab = dict(row["config"], seed=run["seed"])
+    save_checkpoint(model, path, chars=corpus.chars, lab=lab, extra=extra)
+    return {"path": str(path), "rung": row["name"], "seed": run["seed"], "val_loss": run["final_val_loss"]}
+
+
+def _now() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def _device_name(device) -> str:
+    from fasttrain.lab.train import _gpu_name
+
+    return _gpu_name(device)
+
+
+# --- result files ------------------------------------------------------------------------------------
+
+def _num(v, digits: int = 3) -> str:
+    if v is None:
+        return "-"
+    if abs(v) >= 10 ** digits:
+        return f"{v:,.0f}"
+    text = f"{v:.{digits}g}"
+    return f"{v:.2e}" if "e" in text else text
+
+
+def _ratio(value: float | None, lower_bound: bool = False) -> str:
+    return "-" if value is None else ("≥ " if lower_bound else "") + f"{_num(value)}×"
+
+
+def baseline_row(result: dict) -> dict | None:
+    rows = [r for r in result["rows"] if "error" not in r and r["runs"]]
+    return next((r for r in rows if r["index"] == 0), rows[0] if rows else None)
+
+
+def ladder_markdown(result: dict) -> str:
+    """The ladder table with its header (GPU, command, target) and the definitions of its columns."""
+    target = result["target"]
+    base = baseline_row(result)
+    rows_md, prev = [], None
+    few = False
+    for row in result["rows"]:
+        s = row["summary"]
+        tt = s["time_to_target_s"]
+        if "error" in row:
+            time_cell = f"failed: {row['error'][:80]}"
+        elif not row["runs"]:
+            time_cell = "not run (out of --budget-s)"
+        elif tt:
+            time_cell = f"**{_num(tt['p50'])}**"
+        else:
+            stops = ", ".join(sorted(set(s["stops"]))) or "-"
+            time_cell = f"not reached ({stops})"
+        spread = f"{_num(tt['p20'])}–{_num(tt['p80'])}" if tt else "-"
+        x_prev, prev_lb = speedup(prev, row)
+        x_base, base_lb = speedup(base, row) if base is not row else (None, False)
+        seeds_cell = f"{s['seeds_reached']}/{len(row['seeds'])}"
+        if s["seeds_run"] < len(row["seeds"]):
+            seeds_cell += f" ({s['seeds_run']} ran" + (", out of budget)" if row.get("skipped") else ")")
+        if len(row["seeds"]) < DEFAULT_SEEDS:
+            seeds_cell += " †"
+            few = True
+        ms = s["ms_per_step"]
+        rows_md.append([
+            row["label"], row["name"], row["change"], _num(ms and ms["p50"]), time_cell, spread,
+            _num(s["steps_to_target"] and s["steps_to_target"]["p50"]),
+            _ratio(x_prev, prev_lb), _ratio(x_base, base_lb), _ratio(step_speedup(base, row)),
+            _num(row.get("setup_s")), _num(s["eval_s"] and s["eval_s"]["p50"]), _num(row.get("wall_s")),
+            f"{s['best_val_loss']['p50']:.4f}" if s["best_val_loss"] else "-", seeds_cell,
+        ])
+        if "error" not in row and row["runs"]:
+            prev = row
+    header = ["#", "rung", "change (since the row above)", "ms/step", f"time to ≤ {target} (s, median)", "p20–p80",
+              "steps", "× prev", f"× {base['name'] if base else 'baseline'}", "step × base", "setup s", "eval s",
+              "wall s", "best val loss", "seeds reached"]
+    align = "rll" + "r" * (len(header) - 3)
+    seps = {"l": "---", "r": "---:"}
+    lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(seps[a] for a in align) + " |"]
+    lines += ["| " + " | ".join(c.replace("|", "\\|") for c in r) + " |" for r in rows_md]
+    env = result.get("environment") or {}
+    gpu = (env.get("gpu") or {}).get("name") or result.get("device")
+    settings = result.get("settings", {})
+    parts = [
+        f"### Shakespeare speedrun: training time to validation loss ≤ {target}",
+        f"GPU: **{gpu}** · torch {result.get('torch')} · git {env.get('git_sha') or '?'} · {result.get('started')}"
+        + (f" · whole process {result['process_wall_s']:.0f} s" if result.get("process_wall_s") else ""),
+        f"Command: `{result.get('command') or 'fasttrain lab speedrun'}`",
+        "\n".join(lines),
+        "*Time to target: training time (device synchronized; batches, forward, backward, optimizer) up to the "
+        f"first validation over {_scored(result)} at or below "
+        f"{target}; median over seeds, p20–p80 across seeds. A rung counts only if every seed reaches the target. "
+        "ms/step: training time over the steps run. × prev / × baseline: ratio of median times to target, measured "
+        "in this one invocation; ≥ marks a lower bound where the row divided by does not count: a run of it "
+        "trained that long (the shortest such run) without reaching the target. step × base: ratio of ms/step. setup: build, compilation and warm-up steps "
+        "(parameters restored after), once per rung. eval: validation time per seed, apart from training. "
+        f"wall: the whole rung, every seed. Runs stop at the target, the schedule's end, {settings.get('max_train_s')} s "
+        f"of training, or {settings.get('patience_steps')} steps without a new best validation loss (over-fitting).*",
+    ]
+    if few:
+        parts.append(f"*† fewer seeds than the {DEFAULT_SEEDS} of a full row (to save device time).*")
+    if result.get("saved"):
+        sv = result["saved"]
+        parts.append(f"*Saved: the final model of rung {sv['rung']} (seed {sv['seed']}, validation loss "
+                     f"{sv['val_loss']:.6f}); check it with `fasttrain lab eval {sv['path']}`.*")
+    return "\n\n".join(parts) + "\n"
+
+
+def _scored(result: dict) -> str:
+    """What each validation scored: the whole split, or the token budget a run was given."""
+    total = result["data"]["val_chars"] - 1
+    tokens = {e["tokens"] for row in result["rows"] for run in row["runs"] for e in run["evals"]}
+    if not tokens or tokens == {total}:
+        return f"the whole validation split ({total:,} predicted characters)"
+    return (f"the first {', '.join(f'{t:,}' for t in sorted(tokens))} of the {total:,} predicted validation "
+            "characters (a token budget)")
+
+
+CSV_COLUMNS = ("suite", "row", "rung", "metric", "unit", "p20", "p50", "p80", "n", "counts", "seeds_reached", "seeds",
+               "target", "gpu", "torch", "git_sha", "timestamp")
+METRICS = (("time_to_target_s", "s"), ("steps_to_target", "steps"), ("ms_per_step", "ms"), ("train_s", "s"),
+           ("eval_s", "s"), ("eval_ms_each", "ms"), ("reset_s", "s"), ("wall_s_per_seed", "s"),
+           ("best_val_loss", "nats/char"))
+
+
+def to_csv(result: dict) -> str:
+    """Long format: one line per row and metric, p20/p50/p80 over seeds."""
+    env = result.get("environment") or {}
+    gpu = (env.get("gpu") or {}).get("name") or result.get("device")
+    buf = io.StringIO()
+    writer = csv.DictWriter(buf, fieldnames=CSV_COLUMNS, lineterminator="\n")
+    writer.writeheader()
+    base = baseline_row(result)
+    for row in result["rows"]:
+        s = row["summary"]
+        common = {"suite": "speedrun", "row": row["label"], "rung": row["name"], "counts": s["counts"],
+                  "seeds_reached": s["seeds_reached"], "seeds": len(row["seeds"]), "target": result["target"],
+                  "gpu": gpu, "torch": result.get("torch"), "git_sha": env.get("git_sha"),
+                  "timestamp": result.get("started")}
+        extra = [("setup_s", "s", row.get("setup_s")), ("rung_wall_s", "s", row.get("wall_s"))]
+        x_base, lb = speedup(base, row) if base is not row else (None, False)
+        extra.append(("speedup_vs_baseline_lower_bound" if lb else "speedup_vs_baseline", "x", x_base))
+        for metric, unit in METRICS:
+            p = s.get(metric)
+            if p:
+                writer.writerow({**common, "metric": metric, "unit": unit, "p20": p["p20"], "p50": p["p50"],
+                                 "p80": p["p80"], "n": p["n"]})
+        for metric, unit, value in extra:
+            if value is not None:
+                writer.writerow({**common, "metric": metric, "unit": unit, "p20": value, "p50": value, "p80": value,
+                                 "n": 1})
+    return buf.getvalue()
+
+
+def write_results(result: dict, out) -> list[Path]:
+    """``speedrun.json`` (everything), ``speedrun.csv``, ``ladder.md`` and ``runs/<row>-<rung>-seed<S>.json``
+    (one run record per rung and seed), each written whole or not at all."""
+    from fasttrain.training import atomic_write_text
+
+    folder = Path(out)
+    (folder / "runs").mkdir(parents=True, exist_ok=True)
+    written = []
+    for row in result["rows"]:
+        for run in row["runs"]:
+            rec = {"kind": "lab-speedrun-run", "target": result["target"], "row": row["label"], "rung": row["name"],
+                   "change": row["change"], "config": dict(row["config"], seed=run["seed"]), "model": row.get("model"),
+                   "setup_s_of_rung": row.get("setup_s"), "environment": result.get("environment"),
+                   "torch": result.get("torch"), "device": result.get("device"), **run}
+            path = folder / "runs" / f"{int(row['label']):02d}-{row['name']}-seed{run['seed']}.json" \
+                if row["label"].isdigit() else folder / "runs" / f"v-{row['name']}-seed{run['seed']}.json"
+            atomic_write_text(path, json.dumps(rec, indent=1, default=str) + "\n")
+            written.append(path)
+    for name, text in (("speedrun.json", json.dumps(result, indent=1, default=str) + "\n"),
+                       ("speedrun.csv", to_csv(result)), ("ladder.md", ladder_markdown(result))):
+        atomic_write_text(folder / name, text)
+        written.append(folder / name)
+    return written
+
+
+def load_result(folder) -> dict:
+    path = Path(folder) / "speedrun.json"
+    try:
+        result = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no such file; run `fasttrain lab speedrun --out {folder}` first") from None
+    except ValueError:
+        raise FasttrainError(f"{path}: not a speedrun result (unreadable JSON)") from None
+    if result.get("kind") != "lab-speedrun":
+        raise FasttrainError(f"{path}: not a speedrun result (kind {result.get('kind')!r})")
+    return result
+
+
+def readme_section(folder) -> str:
+    """The README's speedrun section from a result folder (every figure read from its files)."""
+    result = load_result(folder)
+    return (f"Generated by `fasttrain lab speedrun readme {Path(folder).as_posix()}` from "
+            f"[`{Path(folder).as_posix()}/speedrun.json`]({Path(folder).as_posix()}/speedrun.json) "
+            f"(run records per rung and seed in `runs/`, long-format CSV in `speedrun.csv`).\n\n"
+            + ladder_markdown(result))
+
+
+# --- the command -----------------------------------------------------------------------------------
+
+def _rung_list() -> str:
+    lines = []
+    for i, rung in enumerate(LADDER):
+        sets = ", ".join(f"{k}={v}" for k, v in rung.overrides.items()) or "(the preset)"
+        lines.append(f"{i:>2}  {rung.name:14s} {sets:42s} {rung.change}")
+    return "\n".join(lines)
+
+
+@click.group("speedrun", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.option("--rungs", help="Rungs to run: indices, names or ranges, comma-separated (e.g. 0,5,8 or 0-3,cuda-graphs); "
+                              "default all. Each rung includes every change before it.")
+@click.option("--seeds", help=f"A count (default {DEFAULT_SEEDS}, from the preset's seed) or a comma-separated list.")
+@click.option("--baseline-seeds", type=int, help="Fewer seeds for rung 0 (the slow one); marked † in the table.")
+@click.option("--rung-seeds", help="Fewer seeds for some rungs, RUNG=COUNT[,...] (e.g. 0=1,1-5=1); marked †.")
+@click.option("--budget-s", type=float, default=0.0, show_default=True,
+              help="Start no rung or seed after this many seconds (0: no budget); what ran is written.")
+@click.option("--target", type=float, default=TARGET, show_default=True,
+              help="Validation loss (nats per character, whole validation split) to reach.")
+@click.option("--max-train-s", type=float, default=300.0, show_default=True,
+              help="Training-time cap per run (seconds; 0: none); a run that hits it misses the target.")
+@click.option("--patience-steps", type=int, default=1000, show_default=True,
+              help="Stop a run after this many steps without a new best validation loss (0: never).")
+@click.option("--stop-rung-on-miss/--all-seeds-on-miss", default=True, show_default=True,
+              help="Skip a rung's remaining seeds once one misses (it cannot count any more).")
+@click.option("--variant", "variants", multiple=True,
+              help="An extra row: the last chosen rung with overrides, NAME:FIELD=VALUE[,...] (repeatable), "
+                   "e.g. lr-2e-3:learning_rate=2e-3,min_lr=2e-4.")
+@click.option("--set", "sets", multiple=True,
+              help="Overrides for every row, FIELD=VALUE[,...] (e.g. eval_batch_size=128).")
+@click.option("--preset", "base_preset", default=BASE_PRESET, show_default=True,
+              help="The preset the ladder starts from (tiny: a CPU smoke run).")
+@click.option("--device", help="auto, cpu, cuda or cuda:N (default: the preset's, auto).")
+@click.option("--data-dir", help="Data root holding tinyshakespeare/input.txt.")
+@click.option("--out", "out_dir", type=click.Path(file_okay=False),
+              help="Write speedrun.json, speedrun.csv, ladder.md and runs/*.json here.")
+@click.option("--save", type=click.Path(file_okay=False),
+              help="Write the fastest rung's final model here (model.safetensors + config.json).")
+@click.option("--list", "list_rungs", is_flag=True, help="List the rungs and exit.")
+@click.option("--quiet", is_flag=True, help="No progress lines.")
+@click.pass_context
+def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max_train_s, patience_steps,
+            stop_rung_on_miss, variants, sets, base_preset, device, data_dir, out_dir, save, list_rungs, quiet) -> None:
+    """The Shakespeare speedrun: time to validation loss 1.47, one change per rung."""
+    if ctx.invoked_subcommand is not None:
+        return
+    from rich.console import Console
+
+    out = Console(width=200)
+    if list_rungs:
+        out.print(_rung_list(), markup=False, highlight=False)
+        return
+    err = Console(stderr=True)
+    if not (math.isfinite(target) and target > 0):
+        raise FasttrainError(f"--target must be a positive number of nats per character, got {target}")
+    chosen = parse_rungs(rungs)
+    first_seed = preset(base_preset).seed
+    seed_list = parse_seeds(seeds, first_seed)
+    overrides: dict = {}
+    for text in sets:
+        overrides.update(parse_assignments(text))
+    rows = plan(chosen, seed_list, base_preset=base_preset, baseline_seeds=baseline_seeds,
+                rung_seeds=parse_rung_seeds(rung_seeds),
+                variants=[parse_variant(v) for v in variants], sets=overrides, device=device, data_dir=data_dir)
+    log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
+    result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                        stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
+                        command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
+                        if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
+    out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
+    if out_dir:
+        out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)
+    if save and not result["saved"]:
+        raise FasttrainError(f"no rung reached {target} on every seed: nothing saved to {save} "
+                             f"(raise --max-train-s or choose other rungs)")
+
+
+@command.command("readme")
+@click.argument("results_dir", type=click.Path())
+@click.option("--into", type=click.Path(dir_okay=False),
+              help=f"Replace the text between the lines {README_START} and {README_END} of this file.")
+def readme(results_dir, into) -> None:
+    """Print (or write into a README) the speedrun section generated from a result folder."""
+    section = readme_section(results_dir)
+    if into:
+        from fasttrain.bench.readme import write_into
+
+        write_into(into, section, start=README_START, end=README_END)
+        click.echo(f"wrote the speedrun section into {into}")
+    else:
+        click.echo(section, nl=False)
+
+
+__all__ = ["LADDER", "TARGET", "Rung", "Row", "command", "ladder_markdown", "parse_rungs", "parse_seeds", "plan",
+           "readme_section", "run_ladder", "to_csv", "train_to_target", "write_results"]
