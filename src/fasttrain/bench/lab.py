@@ -199,7 +199,7 @@ def row_config(base, row: LabRow, steps: int, warmup: int):
     total_base = warmup + steps
     factor = base_tokens / cfg.batch_tokens
     total = max(warmup + 1, round(total_base * factor))
-    lr_warmup = max(1, round(0.1 * total_base * factor))
+    lr_warmup = max(1, round(max(1, round(0.1 * total_base)) * factor))
     return cfg.with_(max_steps=total, warmup_steps=lr_warmup, timing_warmup_steps=warmup,
                      log_interval=max(1, total // 100), eval_interval=0)
 
