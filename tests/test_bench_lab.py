@@ -227,3 +227,32 @@ def test_bench_lab_list_shows_rows_and_skips(capsys):
     code, out, err = _cli(["bench", "lab", "--preset", "tiny", "--device", "cpu", "--list"], capsys)
     assert code == 0, err
     assert "baseline" in out and "skip" in out and "liger" in out and "sweep" in out
+
+
+def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeypatch, tmp_path):
+    # no GPU runs out of memory here: a probe that "fits" below 13 sequences stands in for the GPU
+    from fasttrain.bench import plots, report
+    from fasttrain.bench.runner import Progress, SuiteResult
+    from fasttrain.lab import train as lab_train
+
+    probed = []
+
+    def probe(cfg, corpus, device, batch):
+        probed.append(batch)
+        return batch < 13
+
+    monkeypatch.setattr(bench_lab, "SWEEP_PRESET", "tiny")
+    monkeypatch.setattr(bench_lab, "SWEEP_OVERRIDES", {})
+    monkeypatch.setattr(lab_train, "probe_batch", probe)
+    plan = bench_lab.LabPlan("tiny", 2, 1, 1, [], True, 2, device="cpu")
+    result = SuiteResult("lab", "t", False, "", "", bench_lab.dataset_info(corpus, plan), {}, 1)
+    bench_lab._sweep(plan, result, corpus, lab_train.run, Progress(), True, None)
+    assert [c.options["per_device_train_batch_size"] for c in bench_lab.sweep_cases(result)] == [4, 8]
+    edge = bench_lab.sweep_edge(result)
+    assert edge.options == {"first_oom": 16, "largest_fit": 12, "first_oom_bisected": 13}
+    assert probed == [4, 8, 16, 12, 14, 13]
+    md = bench_lab.markdown(result)
+    assert "Batch-size sweep up to the out-of-memory edge" in md and "largest batch that fits is in [12, 13)" in md
+    assert report.to_csv([result]).count("sweep batch") >= 2
+    if plots.matplotlib_or_none() is not None:
+        assert (tmp_path / "lab_batch_sweep.png") in bench_lab.write_plots(result, tmp_path)

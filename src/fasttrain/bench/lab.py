@@ -198,9 +198,11 @@ def row_config(base, row: LabRow, steps: int, warmup: int):
     base_tokens = base.batch_tokens
     total_base = warmup + steps
     factor = base_tokens / cfg.batch_tokens
-    total = max(warmup + 1, round(total_base * factor))
+    # a row with f x the baseline's tokens per step runs 1/f the steps; it keeps at least one timed
+    # step by shortening its warm-up, and only below 2 steps does it train more than the budget
+    total = max(2, round(total_base * factor))
     lr_warmup = max(1, round(max(1, round(0.1 * total_base)) * factor))
-    return cfg.with_(max_steps=total, warmup_steps=lr_warmup, timing_warmup_steps=warmup,
+    return cfg.with_(max_steps=total, warmup_steps=lr_warmup, timing_warmup_steps=min(warmup, total - 1),
                      log_interval=max(1, total // 100), eval_interval=0)
 
 
@@ -566,7 +568,6 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
     for r in table:
         case = r["case"]
         spread = f"{fmt_num(case.metric('step_ms', 'p20'))}–{fmt_num(case.metric('step_ms', 'p80'))}"
-        est, err = case.metric("estimate_precise"), case.metric("estimate_error")
         lecture = r["lecture"]
         detail.append([
             r["technique"], case.label, case.precision, fmt_num(case.metric("tokens_per_s")),
@@ -578,7 +579,7 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
             _yes(r["speed_tick"]), _yes(r["memory_tick"]),
             "-" if lecture is None else f"{lecture[0]} · {lecture[1]}",
             _row_agree(r),
-            "-" if est is None else f"{fmt_num(est)}" + ("" if err is None else f" ({err:+.1f}%)"),
+            _estimate_cell(case),
         ])
     if detail:
         n = max((c.metric("tokens_per_s", "n") or 0 for c in result.ran()), default=0)
@@ -599,14 +600,17 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
             "agree: the row's measured ticks against them (a row shows one side of a technique: a smaller batch "
             "buys memory, a larger one speed, so the technique's verdict above is the one to read). estimator: "
             "the memory estimator's `precise` prediction of the peak, error against the measured peak.*")
+    over = _over_budget(result, table)
+    if over:
+        parts.append(f"*Trained more tokens than the budget (too few steps at their batch for a warm-up and one "
+                     f"timed step; their loss change is not at equal tokens): {', '.join(over)}.*")
     sweep = sweep_cases(result)
     edge = sweep_edge(result)
     if sweep:
         srows = [[str(c.options.get("per_device_train_batch_size")), fmt_num(c.metric("tokens_per_s")),
                   fmt_num(c.metric("step_ms")), _mib_cell(c.metric("peak_allocated")),
                   _mib_cell(c.metric("peak_reserved")),
-                  "-" if c.metric("estimate_precise") is None else
-                  f"{fmt_num(c.metric('estimate_precise'))} ({c.metric('estimate_error'):+.1f}%)"] for c in sweep]
+                  _estimate_cell(c)] for c in sweep]
         cfg = sweep[0].config
         parts.append(f"Batch-size sweep up to the out-of-memory edge: preset `{sweep[0].model}` "
                      f"({sweep[0].precision}, "
@@ -624,6 +628,28 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
     if not result.ran():
         parts.append("*No row ran on this machine.*")
     return "\n\n".join(parts) + "\n"
+
+
+def _over_budget(result: SuiteResult, table: list[dict]) -> list[str]:
+    base = next((r["case"] for r in table if r["case"].label == "baseline"), None)
+    if base is None:
+        return []
+
+    def tokens(case):
+        c = case.config
+        return c["max_steps"] * c["per_device_train_batch_size"] * c["gradient_accumulation_steps"] * c["context"]
+
+    budget = tokens(base)
+    return [r["case"].label for r in table if tokens(r["case"]) > 1.05 * budget]
+
+
+def _estimate_cell(case: CaseResult) -> str:
+    from fasttrain.bench.report import fmt_num
+
+    est, err = case.metric("estimate_precise"), case.metric("estimate_error")
+    if est is None:
+        return "-"
+    return fmt_num(est) + ("" if err is None else f" ({err:+.1f}%)")
 
 
 def _change(value) -> str:
