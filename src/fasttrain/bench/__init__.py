@@ -1,6 +1,7 @@
 """Timing, benchmark suites and reports.
 
-Commands: ``fasttrain bench ladder|sweep|curves|all`` run the suites (``--quick`` for a short smoke
+Commands: ``fasttrain bench ladder|sweep|curves|all`` run the suites (``bench lab``: the lecture's table
+of single-GPU techniques measured on the lab's transformer, :mod:`fasttrain.bench.lab`) (``--quick`` for a short smoke
 run; ``--engines``, ``--repeats``, ``--hidden``, ``--out``; ``--list`` shows what would run and why
 not); results land in ``results/<gpu-or-cpu-slug>/`` as ``<suite>.json`` (every run record),
 ``<suite>.csv`` (long format), ``<suite>.md`` and PNG plots, and a run merges with the results

@@ -331,6 +331,102 @@ def readme(results_dir, link_base, into) -> None:
         click.echo(section, nl=False)
 
 
+@command.command("lab")
+@click.option("--preset", default="shakespeare-char", show_default=True,
+              help="The lab preset of the main table (tiny, shakespeare-char, char-100m).")
+@click.option("--steps", type=click.IntRange(1, 100000), default=100, show_default=True,
+              help="Timed steps of the baseline row; every row trains the baseline's token budget "
+                   "((warmup + steps) x its tokens per step).")
+@click.option("--warmup", type=click.IntRange(1, 1000), default=5, show_default=True,
+              help="First steps of every row timed apart (compilation, autotuning, allocator growth).")
+@click.option("--rows", help="Only rows whose label or technique contains one of these, comma-separated "
+                             "(e.g. 'batch,compile,PEFT'; 'sweep' for the batch-size sweep); their pair rows come along.")
+@click.option("--repeats", type=click.IntRange(1, 100), default=1, show_default=True,
+              help="Runs per row (seeds preset seed + 0..N-1); tables give the median and n.")
+@click.option("--sweep-steps", type=click.IntRange(1, 10000), default=10, show_default=True,
+              help="Timed steps per batch size of the sweep (char-100m, bf16).")
+@click.option("--out", type=click.Path(file_okay=False), help="Output folder (default results/<gpu-or-cpu-slug>/).")
+@click.option("--data-dir", type=click.Path(file_okay=False),
+              help="Data root holding tinyshakespeare/input.txt (default: $FASTTRAIN_DATA_DIR or ~/.cache/fasttrain).")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
+@click.option("--fresh", is_flag=True, help="Discard earlier lab results in --out instead of merging with them.")
+@click.option("--list", "list_only", is_flag=True, help="Show the rows, and which would be skipped and why; run nothing.")
+@click.pass_context
+def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, device, fresh, list_only) -> None:
+    """The lecture's table of single-GPU techniques, measured on the lab's transformer: speed, memory and
+    validation loss of every technique against one baseline, the estimator's prediction beside each peak,
+    and a batch-size sweep to the out-of-memory edge (runs for minutes on a GPU)."""
+    from fasttrain.bench import lab as bench_lab
+    from fasttrain.lab.config import PRESETS
+    from fasttrain.lab.config import preset as lab_preset
+
+    if preset not in PRESETS:
+        raise FasttrainError(f"unknown --preset {preset!r}; use one of {', '.join(PRESETS)}")
+    base = lab_preset(preset, device=device)
+    wanted = _parse_list(rows, "--rows")
+    chosen = bench_lab.select_rows(bench_lab.lab_rows(base.per_device_train_batch_size), wanted)
+    plan = bench_lab.LabPlan(preset, steps, warmup, repeats, chosen, bench_lab.sweep_selected(wanted), sweep_steps,
+                             data_dir=data_dir, device=device)
+    if list_only:
+        from fasttrain.lab.train import resolve_device
+
+        cuda = resolve_device(base).type == "cuda"
+        out_console.print(f"[bold]lab[/]: {bench_lab.title(preset)}; {plan.repeats} seed(s) per row")
+        for row in plan.rows:
+            reason = bench_lab.skip_reason(row, cuda)
+            status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {escape(reason)}"
+            out_console.print(f"  {row.technique:<24} {row.label:<28} {status}")
+        if plan.sweep:
+            status = "[green]runs[/]" if cuda else "[yellow]skip[/]: needs a CUDA GPU"
+            out_console.print(f"  {bench_lab.SWEEP_RUNG:<24} {bench_lab.SWEEP_PRESET + ' bf16':<28} {status}")
+        return
+    from fasttrain.environment import machine_slug
+    from fasttrain.lab.data import load_corpus
+
+    corpus = load_corpus(data_dir)      # missing or corrupt data: one line, before any folder is made
+    folder = check_output_folder(out if out else Path("results") / machine_slug(), "--out", parents=True)
+    with folder_lock(folder):
+        _run_lab_locked(ctx, plan, folder, corpus, fresh)
+
+
+def _run_lab_locked(ctx, plan, folder: Path, corpus, fresh: bool) -> None:
+    from fasttrain.bench import lab as bench_lab
+    from fasttrain.bench import plots, report, runner
+
+    json_path = folder / "lab.json"
+    old = None
+    if json_path.exists() and not fresh:
+        try:
+            old = report.load_result(json_path)
+        except FasttrainError as exc:
+            raise FasttrainError(f"{exc}; move it away, or pass --fresh to replace it") from None
+        setting = bench_lab.dataset_info(corpus, plan)
+        if old.dataset != setting:
+            raise FasttrainError(f"{json_path} holds lab results of another setting (preset {old.dataset.get('preset')}, "
+                                 f"{old.dataset.get('steps')} steps) than this run (preset {plan.preset}, {plan.steps} "
+                                 "steps); merging would mix them: use another --out, or --fresh to replace them")
+    console.print(f"lab: preset {plan.preset}, {plan.steps} timed steps per baseline row; results -> {folder}/")
+    if plots.matplotlib_or_none() is None:
+        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+
+    def save_so_far(partial):
+        # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
+        report.write_outputs(runner.merge(partial, old)[0], folder)
+
+    result = bench_lab.run_lab(plan, progress=_RichProgress(), on_case=save_so_far, command=_command_line(ctx),
+                               corpus=corpus)
+    result, kept = runner.merge(result, old)
+    if kept:
+        console.print(f"kept {kept} earlier result(s) from {json_path} (rows not run now; --fresh drops them)")
+    written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+    click.echo(report.to_markdown(result))
+    console.print("wrote " + ", ".join(str(p) for p in written))
+    write_folder_outputs(folder)
+    failed = [c.label for c in result.cases if c.status == "failed"]
+    if failed:
+        raise FasttrainError(f"{len(failed)} lab row(s) failed: {'; '.join(failed)} (tracebacks in {json_path})")
+
+
 def _suite_command(name: str, help: str):
     """``fasttrain bench <name>`` for a registered suite that has no command of its own above."""
 

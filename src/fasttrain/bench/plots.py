@@ -252,6 +252,10 @@ def write_plots(result: SuiteResult, out: Path) -> list[Path]:
         paths = sweep_plots(result, out)
     elif result.suite == "curves":
         paths = [curves_plot(result, out / "curves.png")]
+    elif result.suite == "lab":
+        from fasttrain.bench.lab import write_plots as lab_plots
+
+        paths = lab_plots(result, out)
     else:   # the suites of several workloads are tables only
         paths = []
     return [p for p in paths if p is not None]

@@ -421,7 +421,13 @@ def table_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
     return "\n\n".join(parts) + "\n"
 
 
-MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown}
+def lab_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    from fasttrain.bench.lab import markdown
+
+    return markdown(result, images)
+
+
+MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown, "lab": lab_markdown}
 
 
 PLOTS = {  # the PNG files each suite writes (fasttrain.bench.plots), with their alt text
@@ -429,6 +435,9 @@ PLOTS = {  # the PNG files each suite writes (fasttrain.bench.plots), with their
     "sweep": [("training time against hidden size", "sweep_time.png"),
               ("speed relative to PyTorch eager against hidden size", "sweep_relative.png")],
     "curves": [("loss curves of every engine against the NumPy fp64 reference", "curves.png")],
+    "lab": [("memory against throughput of every configuration", "lab_scatter.png"),
+            ("throughput against batch size up to the out-of-memory edge", "lab_batch_sweep.png"),
+            ("training loss against tokens seen, every row", "lab_loss_curves.png")],
 }
 
 

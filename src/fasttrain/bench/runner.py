@@ -382,6 +382,14 @@ def _summary_line(suite: Suite, case: CaseResult) -> str:
 # --- merging with earlier results ----------------------------------------------------------
 
 
+def _model_size(name: str) -> int:
+    """Parameters of an MNIST model name; 0 for another suite's workload (the lab's presets)."""
+    try:
+        return parse_model(name).n_params
+    except FasttrainError:
+        return 0
+
+
 def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
     """Fold earlier results of the same suite into ``new``; returns (result, cases kept from ``old``).
 
@@ -411,7 +419,7 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
     except ValueError:
         defined = []
     labels = list(dict.fromkeys([*defined, *(c.label for c in old.cases), *(c.label for c in new.cases)]))
-    merged.sort(key=lambda c: (parse_model(c.model).n_params, labels.index(c.label) if c.label in labels else len(labels)))
+    merged.sort(key=lambda c: (_model_size(c.model), labels.index(c.label) if c.label in labels else len(labels)))
     new.cases = merged
     new.reference = {**old.reference, **new.reference}
     new.baselines = new.baselines or old.baselines

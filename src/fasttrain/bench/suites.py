@@ -205,6 +205,19 @@ register("peers", "The peer frameworks' settings, one at a time, on the four ben
                                                                   "four benchmarks")(quick, repeats, hidden))
 
 
+@register("lab", "The lecture's table of single-GPU techniques, measured on the lab's transformer (speed, "
+                 "memory, loss, the estimator), with a batch-size sweep to the out-of-memory edge.")
+def lab(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
+    # the rows as data (labels, techniques); the lab's own runner (fasttrain.bench.lab) runs them
+    from fasttrain.bench.lab import lab_rows, title
+    from fasttrain.lab.config import PRESETS
+
+    preset = "shakespeare-char"
+    rows = tuple(Row(r.label, "lab", rung=r.technique, baseline=r.label == "baseline")
+                 for r in lab_rows(PRESETS[preset]["per_device_train_batch_size"]))
+    return Suite("lab", title(preset), rows, (preset,), {}, repeats or 1, quick)
+
+
 def workload_suite(name: str, title: str) -> SuiteBuilder:
     """A suite of the four benchmarks whose rows come from the engines (what an engine's own suite is)."""
 

@@ -1,0 +1,784 @@
+"""``fasttrain bench lab``: the lecture's table of single-GPU techniques, measured on the lab's transformer.
+
+One row per technique setting, each a :class:`~fasttrain.lab.config.LabConfig` override of one
+baseline: the preset (``shakespeare-char`` by default) in fp32, eager attention, PyTorch's AdamW
+(its default implementation: foreach on CUDA), batches from a ``DataLoader`` with 0 workers, no
+checkpointing, no compilation, no PEFT (:data:`BASELINE` names every one of those switches).
+
+Every row trains the same token budget: the baseline runs ``warmup + steps`` optimizer steps; a row
+that moves ``f`` times fewer tokens per step runs ``f`` times more steps (and its learning-rate
+warm-up is ``f`` times longer), so the validation loss is compared at equal tokens seen. The first
+``warmup`` steps of every row are timed apart (compilation, autotuning, the allocator's growth);
+tokens/s is over the other steps. The PEFT rows fine-tune a checkpoint the suite pretrains first
+(the baseline's own model) and are compared with full fine-tuning of the same checkpoint.
+
+Per row: speed ratio (tokens/s over the pair's), memory ratio (peak ``max_memory_allocated`` over
+the pair's), the validation-loss change, measured ticks (:func:`tick`: speed "yes" at >= 1.10x,
+memory "yes" at <= 0.90x), the lecture's ticks beside them and whether they agree. A technique's
+verdict (:func:`technique_verdicts`) is "yes" when any of its rows measured "yes": the lecture's
+"yes" means "this technique can buy it" (a smaller batch buys memory, a larger one speed).
+
+A batch-size sweep on a larger preset (``char-100m``, bf16) doubles the batch until the GPU runs out
+of memory (``torch.cuda.OutOfMemoryError``, caught in a probe), then bisects for the edge.
+
+Results go through the bench's one output format: ``lab.json`` (a :class:`SuiteResult` whose cases
+hold the lab's run records), the long CSV, ``lab.md`` and PNG plots, written into a locked folder.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from fasttrain.bench.runner import CaseResult, Progress, SuiteResult, utc_now
+from fasttrain.errors import FasttrainError
+
+SPEED_YES = 1.10          # tokens/s at least 1.10x the pair's: the technique buys speed
+MEMORY_YES = 0.90         # peak allocated at most 0.90x the pair's: the technique buys memory
+MIB = 2 ** 20
+
+# the lecture's table: technique -> (training speed, memory); "no / yes": it depends (either agrees)
+LECTURE: dict[str, tuple[str, str]] = {
+    "batch size": ("yes", "yes"),
+    "gradient accumulation": ("no", "yes"),
+    "gradient checkpointing": ("no", "yes"),
+    "mixed precision": ("yes", "no / yes"),
+    "optimizers": ("yes", "yes"),
+    "data preloading": ("yes", "no"),
+    "torch_empty_cache_steps": ("no", "yes"),
+    "torch.compile": ("yes", "no"),
+    "PEFT": ("no", "yes"),
+    "efficient kernels": ("yes", "yes"),
+}
+
+# the baseline's switches, named so that no row inherits a default by accident
+BASELINE = dict(fp16=False, bf16=False, tf32=False, attn_implementation="eager", optim="adamw_torch",
+                preload=False, dataloader_num_workers=0, dataloader_pin_memory=False,
+                dataloader_prefetch_factor=None, gradient_checkpointing="none", gradient_accumulation_steps=1,
+                torch_compile=False, torch_empty_cache_steps=0, use_liger_kernel=False, pad_vocab_to_multiple_of=0,
+                lora_r=0, prompt_tuning_tokens=0, auto_find_batch_size=False)
+
+SWEEP_PRESET = "char-100m"
+SWEEP_START = 4
+SWEEP_MAX = 4096
+SWEEP_OVERRIDES = dict(bf16=True)     # the preset's eager attention: its s^2 scores bring the edge early
+SWEEP_RUNG = "batch-size sweep"
+
+
+@dataclass(frozen=True)
+class LabRow:
+    """One setting: ``overrides`` of the baseline; ``pair``: the row it is compared with;
+    ``gpu_only``: why it does not run on the CPU (None: it does); ``finetune``: it starts from the
+    suite's pretrained checkpoint."""
+
+    label: str
+    technique: str
+    overrides: dict = field(default_factory=dict)
+    pair: str = "baseline"
+    gpu_only: str | None = None
+    finetune: bool = False
+
+
+NEEDS_CUDA = "needs a CUDA GPU"
+
+
+def lab_rows(batch: int) -> list[LabRow]:
+    """The table's rows for a preset whose batch is ``batch`` (batch sizes are /4 and x4 of it)."""
+    small, large = max(1, batch // 4), batch * 4
+    return [
+        LabRow("baseline", "baseline"),
+        LabRow(f"batch {small}", "batch size", {"per_device_train_batch_size": small}),
+        LabRow(f"batch {large}", "batch size", {"per_device_train_batch_size": large}),
+        LabRow(f"accumulate 4 x {small}", "gradient accumulation",
+               {"per_device_train_batch_size": small, "gradient_accumulation_steps": 4}),
+        LabRow("checkpointing full", "gradient checkpointing", {"gradient_checkpointing": "full"}),
+        LabRow("checkpointing selective", "gradient checkpointing", {"gradient_checkpointing": "selective"}),
+        LabRow("fp16", "mixed precision", {"fp16": True},
+               gpu_only=f"{NEEDS_CUDA} (fp16 autocast with a GradScaler is a GPU technique)"),
+        LabRow("bf16", "mixed precision", {"bf16": True}),
+        LabRow("tf32", "mixed precision", {"tf32": True}, gpu_only=f"{NEEDS_CUDA} (TF32 tensor cores)"),
+        LabRow("adafactor", "optimizers", {"optim": "adafactor"}),
+        LabRow("adamw_8bit", "optimizers", {"optim": "adamw_8bit"},
+               gpu_only=f"{NEEDS_CUDA} (8-bit AdamW's kernels are CUDA)"),
+        LabRow("sgd", "optimizers", {"optim": "sgd"}),
+        LabRow("preload", "data preloading", {"preload": True}),
+        LabRow("workers 2 + pin + prefetch", "data preloading",
+               {"dataloader_num_workers": 2, "dataloader_pin_memory": True, "dataloader_prefetch_factor": 2},
+               gpu_only=f"{NEEDS_CUDA} (pinned memory is for copies to a GPU)"),
+        LabRow("empty cache every step", "torch_empty_cache_steps", {"torch_empty_cache_steps": 1},
+               gpu_only=f"{NEEDS_CUDA} (the CUDA caching allocator)"),
+        LabRow("empty cache every 10", "torch_empty_cache_steps", {"torch_empty_cache_steps": 10},
+               gpu_only=f"{NEEDS_CUDA} (the CUDA caching allocator)"),
+        LabRow("compile", "torch.compile", {"torch_compile": True},
+               gpu_only=f"{NEEDS_CUDA} here (compiling on the CPU takes minutes: not a smoke run)"),
+        LabRow("compile reduce-overhead", "torch.compile",
+               {"torch_compile": True, "torch_compile_mode": "reduce-overhead"},
+               gpu_only=f"{NEEDS_CUDA} (CUDA graphs)"),
+        LabRow("full fine-tune", "PEFT", {}, pair="full fine-tune", finetune=True),
+        LabRow("LoRA r=8 qkv,proj", "PEFT", {"lora_r": 8, "lora_target_modules": ("qkv", "proj")},
+               pair="full fine-tune", finetune=True),
+        LabRow("prompt tuning 16", "PEFT", {"prompt_tuning_tokens": 16}, pair="full fine-tune", finetune=True),
+        LabRow("sdpa attention", "efficient kernels", {"attn_implementation": "sdpa"}),
+        LabRow("liger kernels", "efficient kernels", {"use_liger_kernel": True},
+               gpu_only=f"{NEEDS_CUDA} (liger-kernel's kernels are Triton)"),
+        LabRow("adamw fused", "efficient kernels", {"optim": "adamw_torch_fused"}),
+        LabRow("vocab padded to 64", "efficient kernels", {"pad_vocab_to_multiple_of": 64}),
+    ]
+
+
+# --- ticks --------------------------------------------------------------------------------------
+
+def tick(speed_ratio: float | None, memory_ratio: float | None) -> tuple[str | None, str | None]:
+    """Measured ticks: speed "yes" when tokens/s >= SPEED_YES x the pair's, memory "yes" when the
+    peak is <= MEMORY_YES x the pair's; None when the ratio was not measured (no GPU: no peak)."""
+    speed = None if speed_ratio is None else ("yes" if speed_ratio >= SPEED_YES else "no")
+    memory = None if memory_ratio is None else ("yes" if memory_ratio <= MEMORY_YES else "no")
+    return speed, memory
+
+
+def agrees(measured: str | None, lecture: str) -> bool | None:
+    """Does a measured tick agree with the lecture's? ("no / yes" agrees with either; None: not measured)."""
+    if measured is None:
+        return None
+    return measured in {word.strip() for word in lecture.split("/")}
+
+
+def technique_verdicts(rows: list[dict]) -> list[dict]:
+    """Per technique: "yes" when any of its rows measured "yes" (the technique can buy it), "no"
+    when every measured row said "no", None when none was measured; and the lecture's tick beside.
+    ``rows``: dicts with ``technique``, ``speed_tick``, ``memory_tick``."""
+    out = []
+    for technique, (lecture_speed, lecture_memory) in LECTURE.items():
+        mine = [r for r in rows if r["technique"] == technique]
+        verdict = {"technique": technique, "rows": len(mine),
+                   "lecture_speed": lecture_speed, "lecture_memory": lecture_memory}
+        for axis in ("speed", "memory"):
+            ticks = [r[f"{axis}_tick"] for r in mine if r[f"{axis}_tick"] is not None]
+            measured = None if not ticks else ("yes" if "yes" in ticks else "no")
+            best = [r["label"] for r in mine if r[f"{axis}_tick"] == "yes"]
+            verdict[axis] = measured
+            verdict[f"{axis}_rows"] = best
+            verdict[f"{axis}_agree"] = agrees(measured, verdict[f"lecture_{axis}"])
+        out.append(verdict)
+    return out
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+def select_rows(rows: list[LabRow], wanted: list[str] | None) -> list[LabRow]:
+    """Rows whose label or technique contains one of ``wanted``; the pair rows the chosen ones need come along."""
+    if not wanted:
+        return list(rows)
+    chosen = {r.label for r in rows if any(w.lower() in (r.label + " " + r.technique).lower() for w in wanted)}
+    if not chosen and not any("sweep" in w.lower() for w in wanted):
+        raise FasttrainError(f"--rows {','.join(wanted)}: no row label or technique contains that "
+                             "(see fasttrain bench lab --list)")
+    chosen |= {r.pair for r in rows if r.label in chosen}
+    return [r for r in rows if r.label in chosen]
+
+
+def sweep_selected(wanted: list[str] | None) -> bool:
+    return not wanted or any("sweep" in w.lower() for w in wanted)
+
+
+def skip_reason(row: LabRow, cuda: bool) -> str | None:
+    if not cuda and row.gpu_only:
+        return row.gpu_only
+    return None
+
+
+def row_config(base, row: LabRow, steps: int, warmup: int):
+    """The row's LabConfig: the baseline with the row's overrides, trained on the baseline's token
+    budget of ``(warmup + steps)`` steps; the learning-rate warm-up (a tenth of the budget) and the
+    cosine decay are stretched in the same proportion, so every row sees the same schedule over tokens."""
+    cfg = base.with_(**row.overrides)
+    base_tokens = base.batch_tokens
+    total_base = warmup + steps
+    factor = base_tokens / cfg.batch_tokens
+    # a row with f x the baseline's tokens per step runs 1/f the steps; it keeps at least one timed
+    # step by shortening its warm-up, and only below 2 steps does it train more than the budget
+    total = max(2, round(total_base * factor))
+    lr_warmup = max(1, round(max(1, round(0.1 * total_base)) * factor))
+    return cfg.with_(max_steps=total, warmup_steps=lr_warmup, timing_warmup_steps=min(warmup, total - 1),
+                     log_interval=max(1, total // 100), eval_interval=0)
+
+
+# --- figures from records -----------------------------------------------------------------------
+
+def _summary(values) -> dict:
+    from fasttrain.bench.stats import summarize
+
+    return summarize(values)
+
+
+def case_metrics(records: list[dict]) -> dict:
+    """The case's figures across its runs (seeds)."""
+    def entry(unit, values):
+        return {"unit": unit, **_summary(values)}
+
+    # one run: percentiles over its timed steps (n = steps); several: across the runs' medians (n = runs)
+    if len(records) == 1:
+        step_ms = {"unit": "ms", **{k: records[0]["step_ms"][k] for k in ("p20", "p50", "p80", "mean", "n")}}
+    else:
+        step_ms = entry("ms", [r["step_ms"]["p50"] for r in records])
+    out = {
+        "step_ms": step_ms,
+        "tokens_per_s": entry("tokens/s", [r["tokens_per_s"] for r in records]),
+        "warmup_ms": entry("ms", [sum(r["warmup_ms"]) for r in records]),
+        "val_loss": entry("nats/char", [r["final"]["val_loss"] for r in records]),
+        "peak_allocated": entry("MiB", [_mib(r["memory"]["peak_allocated_bytes"]) for r in records]),
+        "peak_reserved": entry("MiB", [_mib(r["memory"]["peak_reserved_bytes"]) for r in records]),
+        "estimate_precise": entry("MiB", [_mib(r["estimate"].get("precise_bytes")) for r in records]),
+        "estimate_error": entry("%", [r["estimate"].get("error_pct") for r in records]),
+    }
+    return out
+
+
+def _mib(value):
+    return None if value is None else value / MIB
+
+
+def _one(unit: str, value) -> dict:
+    return {"unit": unit, "p20": value, "p50": value, "p80": value, "mean": value, "n": 0 if value is None else 1}
+
+
+def derive(result: SuiteResult) -> list[dict]:
+    """Ratios, loss change and ticks of every row that ran, against its pair (stored in each
+    case's metrics, so the CSV holds them); returns the row table as dicts."""
+    by_label = {c.label: c for c in result.ran()}
+    table = []
+    for case in result.ran():
+        if case.rung == SWEEP_RUNG:
+            continue
+        pair_label = case.options.get("_pair", "baseline")
+        pair = by_label.get(pair_label)
+        speed = memory = loss = None
+        if pair is not None and pair is not case:
+            speed = _ratio(case.metric("tokens_per_s"), pair.metric("tokens_per_s"))
+            memory = _ratio(case.metric("peak_allocated"), pair.metric("peak_allocated"))
+            a, b = case.metric("val_loss"), pair.metric("val_loss")
+            loss = None if a is None or b is None else a - b
+        speed_tick, memory_tick = tick(speed, memory) if pair is not case else (None, None)
+        case.metrics["speed_ratio"] = _one("x", speed)
+        case.metrics["memory_ratio"] = _one("x", memory)
+        case.metrics["val_loss_change"] = _one("nats/char", loss)
+        case.metrics["speed_tick"] = _one("yes=1", None if speed_tick is None else float(speed_tick == "yes"))
+        case.metrics["memory_tick"] = _one("yes=1", None if memory_tick is None else float(memory_tick == "yes"))
+        lecture = LECTURE.get(case.rung)
+        table.append({"label": case.label, "technique": case.rung, "pair": pair_label, "speed_ratio": speed,
+                      "memory_ratio": memory, "val_loss_change": loss, "speed_tick": speed_tick,
+                      "memory_tick": memory_tick, "lecture": lecture,
+                      "speed_agree": agrees(speed_tick, lecture[0]) if lecture else None,
+                      "memory_agree": agrees(memory_tick, lecture[1]) if lecture else None, "case": case})
+    return table
+
+
+def _ratio(a, b):
+    return None if a is None or b is None or b == 0 else a / b
+
+
+# --- running ------------------------------------------------------------------------------------
+
+@dataclass
+class LabPlan:
+    preset: str
+    steps: int
+    warmup: int
+    repeats: int
+    rows: list[LabRow]
+    sweep: bool
+    sweep_steps: int
+    data_dir: str | None = None
+    device: str = "auto"
+
+
+def _case(row_label: str, rung: str, model: str, cfg, status: str, reason: str | None = None,
+          options: dict | None = None) -> CaseResult:
+    return CaseResult(suite="lab", label=row_label, engine="lab", rung=rung, model=model,
+                      precision=cfg.precision if cfg is not None else "fp32", options=options or {},
+                      config=cfg.to_dict() if cfg is not None else {}, seed_ms=None, status=status, reason=reason,
+                      timestamp=utc_now())
+
+
+def _jsonable(overrides: dict) -> dict:
+    return {k: list(v) if isinstance(v, tuple) else v for k, v in overrides.items()}
+
+
+def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callable[[SuiteResult], None] | None = None,
+            command: str = "", corpus=None, runner=None) -> SuiteResult:
+    """Run the plan's rows (and the sweep), ``plan.repeats`` seeds each; ``on_case(result)`` after
+    every row (the CLI saves the results so far: a run cut short keeps its rows)."""
+    from fasttrain.environment import environment
+    from fasttrain.lab import train as lab_train
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.data import load_corpus
+
+    runner = runner or lab_train.run
+    progress = progress or Progress()
+    corpus = corpus or load_corpus(plan.data_dir)
+    base = preset(plan.preset, **BASELINE, data_dir=plan.data_dir, device=plan.device)
+    cuda = lab_train.resolve_device(base).type == "cuda"
+    result = SuiteResult("lab", title(plan.preset), False, command, utc_now(), dataset_info(corpus, plan),
+                         environment(), plan.repeats, commands=[command] if command else [], baselines=["baseline"])
+    runnable = [r for r in plan.rows if skip_reason(r, cuda) is None]
+    progress.start(len(runnable) * plan.repeats + (1 if plan.sweep else 0), "lab")
+    workdir = Path(tempfile.mkdtemp(prefix="fasttrain-bench-lab-"))
+    checkpoint = workdir / "pretrained"
+    try:
+        needs_checkpoint = any(r.finetune for r in runnable)
+        for row in plan.rows:
+            reason = skip_reason(row, cuda)
+            cfg = row_config(base, row, plan.steps, plan.warmup)
+            options = {**_jsonable(row.overrides), "_pair": row.pair}
+            if reason:
+                progress.log(f"[yellow]skip[/] lab {row.label}: {reason}")
+                result.cases.append(_case(row.label, row.technique, plan.preset, cfg, "skipped", reason, options))
+                continue
+            if row.finetune:
+                if not checkpoint.exists():
+                    _pretrain(base, plan, checkpoint, corpus, runner, progress)
+                cfg = cfg.with_(init_from=str(checkpoint))
+            elif row.label == "baseline" and needs_checkpoint:
+                cfg = cfg.with_(save=str(checkpoint))     # the baseline's model is the PEFT rows' checkpoint
+            result.cases.append(_run_row(row.label, row.technique, plan.preset, cfg, options, plan.repeats,
+                                         corpus, runner, progress))
+            if on_case:
+                derive(result)
+                on_case(result)
+        if plan.sweep:
+            _sweep(plan, result, corpus, runner, progress, cuda, on_case)
+    finally:
+        progress.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    derive(result)
+    return result
+
+
+def _pretrain(base, plan: LabPlan, checkpoint: Path, corpus, runner, progress: Progress) -> None:
+    cfg = row_config(base, LabRow("pretrain", "PEFT"), plan.steps, plan.warmup).with_(save=str(checkpoint))
+    progress.describe("lab: pretraining the checkpoint the PEFT rows fine-tune")
+    runner(cfg, corpus=corpus)
+    progress.log(f"pretrained {cfg.max_steps} steps -> the PEFT rows' checkpoint")
+
+
+def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, progress: Progress) -> CaseResult:
+    from fasttrain.bench.runner import release_memory
+
+    out = _case(label, technique, model, cfg, "ok", options=options)
+    for i in range(repeats):
+        seed = cfg.seed + i
+
+        def step_progress(step, steps, i=i):
+            if step == 1 or step % 10 == 0 or step == steps:
+                progress.describe(f"lab: {label} (seed {seed}) step {step}/{steps}")
+
+        try:
+            record = runner(cfg.with_(seed=seed, save=cfg.save if i == 0 else None), corpus=corpus,
+                            progress=step_progress)
+        except FasttrainError as exc:
+            release_memory()
+            out.status, out.reason = "skipped", str(exc)
+            progress.log(f"[yellow]skip[/] lab {label}: {exc}")
+            progress.advance(repeats - i)
+            return out
+        except Exception as exc:  # noqa: BLE001 - one broken row must not lose the rest of the table
+            import traceback
+
+            release_memory()
+            out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
+            out.traceback = traceback.format_exc()
+            progress.log(f"[red]FAILED[/] lab {label}: {out.reason}")
+            progress.advance(repeats - i)
+            return out
+        out.seeds.append(seed)
+        out.records.append(record)
+        del record
+        release_memory()
+        progress.advance()
+    out.config = cfg.with_(save=None, init_from=None).to_dict() | {"init_from": "pretrained" if cfg.init_from else None}
+    out.metrics = case_metrics(out.records)
+    peak = out.metric("peak_allocated")
+    progress.log(f"[green]ok[/] lab {label}: {_fmt(out.metric('tokens_per_s'))} tokens/s, "
+                 f"step p50 {_fmt(out.metric('step_ms'))} ms"
+                 + (f", peak {_fmt(peak)} MiB" if peak is not None else "")
+                 + f", val loss {out.metric('val_loss'):.4f}")
+    return out
+
+
+def _fmt(v) -> str:
+    from fasttrain.bench.report import fmt_num
+
+    return fmt_num(v)
+
+
+def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progress, cuda: bool, on_case) -> None:
+    """Throughput against batch size on the sweep preset: double from SWEEP_START while a two-step
+    probe fits, run each that fits, then bisect between the last fit and the first
+    out-of-memory to within an eighth."""
+    from fasttrain.bench.runner import release_memory
+    from fasttrain.lab import train as lab_train
+    from fasttrain.lab.config import preset
+
+    sweep_base = preset(SWEEP_PRESET, **{**BASELINE, **SWEEP_OVERRIDES}, data_dir=plan.data_dir, device=plan.device)
+    warm = min(plan.warmup, 3)
+    if not cuda:
+        reason = "the batch-size sweep needs a CUDA GPU (nothing runs out of memory here)"
+        progress.log(f"[yellow]skip[/] lab sweep: {reason}")
+        result.cases.append(_case("sweep", SWEEP_RUNG, SWEEP_PRESET, sweep_base, "skipped", reason))
+        progress.advance()
+        return
+    device = lab_train.resolve_device(sweep_base)
+    last_fit, first_oom = 0, None
+    batch = SWEEP_START
+    while batch <= SWEEP_MAX:
+        cfg = sweep_base.with_(per_device_train_batch_size=batch, max_steps=warm + plan.sweep_steps,
+                               timing_warmup_steps=warm, warmup_steps=1, eval_interval=0, eval_tokens=8 * sweep_base.context,
+                               eval_batch_size=min(batch, 8), log_interval=1)
+        progress.describe(f"lab: sweep {SWEEP_PRESET} batch {batch}: probing")
+        if not lab_train.probe_batch(cfg, corpus, device, batch):
+            first_oom = batch
+            break
+        label = f"sweep batch {batch}"
+        case = _run_row(label, SWEEP_RUNG, SWEEP_PRESET, cfg, {"per_device_train_batch_size": batch}, 1, corpus,
+                        runner, Progress())
+        result.cases.append(case)
+        if case.ok:
+            last_fit = batch
+            progress.log(f"[green]ok[/] lab sweep batch {batch}: {_fmt(case.metric('tokens_per_s'))} tokens/s, "
+                         f"peak {_fmt(case.metric('peak_allocated'))} MiB")
+        else:
+            first_oom = batch
+            break
+        if on_case:
+            on_case(result)
+        batch *= 2
+        release_memory()
+    # the edge: bisect between the last batch that fit and the first that did not
+    if first_oom is not None and last_fit:
+        lo, hi = last_fit, first_oom
+        while hi - lo > max(1, lo // 8):
+            mid = (lo + hi) // 2
+            progress.describe(f"lab: sweep edge, probing batch {mid}")
+            if lab_train.probe_batch(sweep_base, corpus, device, mid):
+                lo = mid
+            else:
+                hi = mid
+        reason = (f"torch.cuda.OutOfMemoryError at batch {first_oom}; the largest batch that fits is in "
+                  f"[{lo}, {hi}) (bisected by two-step probes)")
+        edge = _case("sweep out-of-memory edge", SWEEP_RUNG, SWEEP_PRESET,
+                     sweep_base.with_(per_device_train_batch_size=first_oom), "oom", reason,
+                     {"first_oom": first_oom, "largest_fit": lo, "first_oom_bisected": hi})
+        result.cases.append(edge)
+        progress.log(f"[yellow]edge[/] lab sweep: {reason}")
+    elif first_oom is None:
+        progress.log(f"lab sweep: no out-of-memory up to batch {SWEEP_MAX}")
+    progress.advance()
+    if on_case:
+        on_case(result)
+
+
+def title(preset_name: str) -> str:
+    return f"The lecture's table, measured: {preset_name}, every technique against one baseline"
+
+
+def dataset_info(corpus, plan: LabPlan) -> dict:
+    """The data and the setting of the run (two runs merge only when they agree on both)."""
+    return {"name": "tinyshakespeare", "n_train": int(len(corpus.train)), "n_test": int(len(corpus.val)),
+            "unit": "characters", "preset": plan.preset, "steps": plan.steps, "warmup": plan.warmup,
+            "sweep_preset": SWEEP_PRESET, "sweep_steps": plan.sweep_steps}
+
+
+def sweep_edge(result: SuiteResult) -> CaseResult | None:
+    return next((c for c in result.cases if c.rung == SWEEP_RUNG and c.status == "oom"), None)
+
+
+def sweep_cases(result: SuiteResult) -> list[CaseResult]:
+    return sorted((c for c in result.ran() if c.rung == SWEEP_RUNG),
+                  key=lambda c: c.options.get("per_device_train_batch_size", 0))
+
+
+__all__ = ["LECTURE", "BASELINE", "SPEED_YES", "MEMORY_YES", "LabRow", "LabPlan", "lab_rows", "tick", "agrees",
+           "technique_verdicts", "run_lab", "derive"]
+
+
+# --- Markdown -----------------------------------------------------------------------------------
+
+def _yes(value: str | None) -> str:
+    return "-" if value is None else ("**yes**" if value == "yes" else "no")
+
+
+def _agree(value: bool | None) -> str:
+    return "-" if value is None else ("agrees" if value else "**differs**")
+
+
+def _mib_cell(value) -> str:
+    from fasttrain.bench.report import fmt_num
+
+    return "-" if value is None else fmt_num(value)
+
+
+def setting_line(result: SuiteResult) -> str:
+    data = result.dataset
+    base = next((c for c in result.ran() if c.label == "baseline"), None)
+    cfg = base.config if base else next((c.config for c in result.cases if c.config and c.rung != SWEEP_RUNG), {})
+    if not cfg:
+        return ""
+    tokens = (data.get("steps", 0) + data.get("warmup", 0)) * cfg["per_device_train_batch_size"] * \
+        cfg["gradient_accumulation_steps"] * cfg["context"]
+    seeds = f"{result.repeats} seed(s)"
+    return (f"preset `{data.get('preset')}` (context {cfg['context']}, batch {cfg['per_device_train_batch_size']}, "
+            f"lr {cfg['learning_rate']}); every row trains {tokens:,} tokens (the baseline's "
+            f"{data.get('warmup', 0)} + {data.get('steps', 0)} steps), the first {data.get('warmup', 0)} steps timed "
+            f"apart; {seeds} per row")
+
+
+def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    from fasttrain.bench.report import _images, _table, fmt_num, machine_line, skipped_list, versions
+
+    table = derive(result)
+    env = result.environment
+    data = result.dataset
+    parts = [f"### {result.title}"]
+    lines = [*(f"- Command: `{c}`" for c in (result.commands or [result.command]) if c),
+             f"- Data: Tiny Shakespeare, characters ({data['n_train']:,} train / {data['n_test']:,} validation)",
+             f"- Setting: {setting_line(result)}",
+             "- Baseline: fp32, eager attention, AdamW (torch's default implementation: foreach on CUDA), "
+             "batches from a DataLoader with 0 workers, no checkpointing, no compilation",
+             f"- Machine: {machine_line(env)}",
+             f"- Software: Python {env.get('python', '?')}; {versions(env)}; git {env.get('git_sha') or '?'}",
+             f"- Run: {result.timestamp}"]
+    parts.append("\n".join(lines))
+    parts += _images(images)
+    verdicts = technique_verdicts(table)
+    rows = []
+    for v in verdicts:
+        if not v["rows"]:
+            continue
+        rows.append([v["technique"], v["lecture_speed"], _yes(v["speed"]) + _which(v["speed_rows"]),
+                     _agree(v["speed_agree"]), v["lecture_memory"], _yes(v["memory"]) + _which(v["memory_rows"]),
+                     _agree(v["memory_agree"])])
+    if rows:
+        parts.append("The lecture's table, measured (a technique is \"yes\" when any of its rows is):\n\n" + _table(
+            ["technique", "lecture: speed", "measured: speed", "", "lecture: memory", "measured: memory", ""],
+            rows, "lllllll"))
+    detail = []
+    for r in table:
+        case = r["case"]
+        spread = f"{fmt_num(case.metric('step_ms', 'p20'))}–{fmt_num(case.metric('step_ms', 'p80'))}"
+        lecture = r["lecture"]
+        detail.append([
+            r["technique"], case.label, case.precision, fmt_num(case.metric("tokens_per_s")),
+            f"{fmt_num(case.metric('step_ms'))} ({spread})", fmt_num(case.metric("warmup_ms") / 1e3),
+            _ratio_cell(r["speed_ratio"], r["pair"], case.label), _mib_cell(case.metric("peak_allocated")),
+            _ratio_cell(r["memory_ratio"], r["pair"], case.label),
+            _change(r["val_loss_change"]),
+            f"{case.metric('val_loss'):.3f}" if case.metric("val_loss") is not None else "-",
+            _yes(r["speed_tick"]), _yes(r["memory_tick"]),
+            "-" if lecture is None else f"{lecture[0]} · {lecture[1]}",
+            _row_agree(r),
+            _estimate_cell(case),
+        ])
+    if detail:
+        n = max((c.metric("tokens_per_s", "n") or 0 for c in result.ran()), default=0)
+        parts.append("Every row:\n\n" + _table(
+            ["technique", "row", "precision", "tokens/s", "ms/step p50 (p20–p80)", "warm-up s", "× speed",
+             "peak MiB", "× memory", "Δ val loss", "val loss", "speed", "memory", "lecture", "agree",
+             "estimator MiB (error)"], detail, "lll" + "r" * 13))
+        parts.append(
+            f"*tokens/s: the timed steps' tokens over their mean time (device synchronized around every step, "
+            f"the step's batch loading included), {'median over ' + str(n) + ' seeds' if n > 1 else 'one run (n=1)'}; "
+            "ms/step: p50 with p20–p80 over the timed steps of one run (several seeds: across their medians); "
+            "warm-up: the first steps (compilation, autotuning), not in tokens/s. × speed = tokens/s over the "
+            "pair's; × memory = peak `max_memory_allocated` over the pair's (the pair: the baseline, or full "
+            "fine-tuning of the same checkpoint for the PEFT rows). Δ val loss: this row's validation loss minus "
+            "the pair's, over the whole validation split after the same number of training tokens. Measured "
+            f"ticks: speed **yes** when × speed >= {SPEED_YES:.2f}, memory **yes** when × memory <= {MEMORY_YES:.2f}. "
+            "lecture: its ticks for the row's technique (speed · memory; \"no / yes\": it depends, either agrees); "
+            "agree: the row's measured ticks against them (a row shows one side of a technique: a smaller batch "
+            "buys memory, a larger one speed, so the technique's verdict above is the one to read). estimator: "
+            "the memory estimator's `precise` prediction of the peak, error against the measured peak.*")
+    over = _over_budget(result, table)
+    if over:
+        parts.append(f"*Trained more tokens than the budget (too few steps at their batch for a warm-up and one "
+                     f"timed step; their loss change is not at equal tokens): {', '.join(over)}.*")
+    sweep = sweep_cases(result)
+    edge = sweep_edge(result)
+    if sweep:
+        srows = [[str(c.options.get("per_device_train_batch_size")), fmt_num(c.metric("tokens_per_s")),
+                  fmt_num(c.metric("step_ms")), _mib_cell(c.metric("peak_allocated")),
+                  _mib_cell(c.metric("peak_reserved")),
+                  _estimate_cell(c)] for c in sweep]
+        cfg = sweep[0].config
+        parts.append(f"Batch-size sweep up to the out-of-memory edge: preset `{sweep[0].model}` "
+                     f"({sweep[0].precision}, "
+                     f"{cfg['attn_implementation']} attention, context {cfg['context']}), "
+                     f"{data.get('sweep_steps')} timed steps per batch:\n\n"
+                     + _table(["batch", "tokens/s", "ms/step p50", "peak allocated MiB", "peak reserved MiB",
+                               "estimator MiB (error)"], srows, "rrrrrr"))
+    if edge is not None:
+        parts.append(f"*Out-of-memory edge: {edge.reason}.*")
+    skipped = [c for c in result.cases if c.status in ("skipped", "failed")]
+    if skipped:
+        sub = SuiteResult(result.suite, result.title, result.quick, result.command, result.timestamp, result.dataset,
+                          result.environment, result.repeats, cases=skipped)
+        parts.append("Rows not run here:\n\n" + skipped_list(sub))
+    if not result.ran():
+        parts.append("*No row ran on this machine.*")
+    return "\n\n".join(parts) + "\n"
+
+
+def _over_budget(result: SuiteResult, table: list[dict]) -> list[str]:
+    base = next((r["case"] for r in table if r["case"].label == "baseline"), None)
+    if base is None:
+        return []
+
+    def tokens(case):
+        c = case.config
+        return c["max_steps"] * c["per_device_train_batch_size"] * c["gradient_accumulation_steps"] * c["context"]
+
+    budget = tokens(base)
+    return [r["case"].label for r in table if tokens(r["case"]) > 1.05 * budget]
+
+
+def _estimate_cell(case: CaseResult) -> str:
+    from fasttrain.bench.report import fmt_num
+
+    est, err = case.metric("estimate_precise"), case.metric("estimate_error")
+    if est is None:
+        return "-"
+    return fmt_num(est) + ("" if err is None else f" ({err:+.1f}%)")
+
+
+def _change(value) -> str:
+    if value is None:
+        return "-"
+    return "0.000" if abs(value) < 5e-4 else f"{value:+.3f}"
+
+
+def _which(labels: list[str]) -> str:
+    return f" ({', '.join(labels)})" if labels else ""
+
+
+def _ratio_cell(value, pair: str, label: str) -> str:
+    from fasttrain.bench.report import fmt_num
+
+    if pair == label:
+        return "(pair)" if label != "baseline" else "(baseline)"
+    return "-" if value is None else f"{fmt_num(value)}×"
+
+
+def _row_agree(r: dict) -> str:
+    marks = [a for a in (r["speed_agree"], r["memory_agree"]) if a is not None]
+    if not marks:
+        return "-"
+    words = []
+    for axis in ("speed", "memory"):
+        a = r[f"{axis}_agree"]
+        if a is not None:
+            words.append(f"{axis} {'✓' if a else '✗'}")
+    return ", ".join(words)
+
+
+# --- plots --------------------------------------------------------------------------------------
+
+def write_plots(result: SuiteResult, out: Path) -> list[Path]:
+    from fasttrain.bench import plots
+
+    plt = plots.matplotlib_or_none()
+    if plt is None:
+        return []
+    plots._style(plt)
+    paths = [_scatter(plt, result, out / "lab_scatter.png"), _sweep_plot(plt, result, out / "lab_batch_sweep.png"),
+             _curves(plt, result, out / "lab_loss_curves.png")]
+    return [p for p in paths if p is not None]
+
+
+def _palette(labels: list[str]) -> dict:
+    import matplotlib
+
+    cmap = matplotlib.colormaps["tab20"]
+    return {label: cmap(i % 20) for i, label in enumerate(labels)}
+
+
+def _scatter(plt, result: SuiteResult, path: Path) -> Path | None:
+    from fasttrain.bench import plots
+
+    cases = [c for c in result.ran() if c.metric("peak_allocated") is not None and c.metric("tokens_per_s")]
+    if not cases:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 7), layout="constrained")
+    techniques = list(dict.fromkeys(c.rung for c in cases))
+    palette = _palette(techniques)
+    for technique in techniques:
+        mine = [c for c in cases if c.rung == technique]
+        ax.scatter([c.metric("peak_allocated") for c in mine], [c.metric("tokens_per_s") for c in mine], s=46,
+                   color=palette[technique], edgecolor="black", linewidth=0.5, label=technique, zorder=3,
+                   marker="*" if technique == "baseline" else "o")
+        for c in mine:
+            ax.annotate(c.label, (c.metric("peak_allocated"), c.metric("tokens_per_s")), fontsize=7.5,
+                        xytext=(4, 3), textcoords="offset points")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("peak memory allocated, MiB (log)")
+    ax.set_ylabel("training throughput, tokens/s (log)")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5)
+    plots._titles(fig, ax, "Memory against throughput: every configuration (up and left is better)", result)
+    plots._save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _sweep_plot(plt, result: SuiteResult, path: Path) -> Path | None:
+    from fasttrain.bench import plots
+
+    sweep = sweep_cases(result)
+    if not sweep:
+        return None
+    batches = [c.options["per_device_train_batch_size"] for c in sweep]
+    fig, ax = plt.subplots(figsize=(10, 5.8), layout="constrained")
+    ax.plot(batches, [c.metric("tokens_per_s") for c in sweep], marker="o", lw=1.8, color="tab:blue",
+            label="tokens/s")
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(batches, [str(b) for b in batches])
+    ax.set_xlabel(f"batch size (sequences of {sweep[0].config['context']} tokens)")
+    ax.set_ylabel("tokens/s", color="tab:blue")
+    mem = ax.twinx()
+    mem.plot(batches, [c.metric("peak_allocated") / 1024 if c.metric("peak_allocated") else None for c in sweep],
+             marker="s", lw=1.2, ls="--", color="tab:red", label="peak allocated GiB")
+    mem.set_ylabel("peak allocated, GiB", color="tab:red")
+    mem.grid(False)
+    edge = sweep_edge(result)
+    if edge is not None:
+        ax.axvline(edge.options["first_oom"], color="black", ls=":", lw=1.2)
+        ax.text(edge.options["first_oom"], ax.get_ylim()[0], f" out of memory at {edge.options['first_oom']}\n"
+                f" (largest fit {edge.options['largest_fit']})", fontsize=8.5, va="bottom")
+    plots._titles(fig, ax, f"Throughput against batch size up to the out-of-memory edge: {sweep[0].model}", result)
+    plots._save(fig, path)
+    plt.close(fig)
+    return path
+
+
+def _curves(plt, result: SuiteResult, path: Path) -> Path | None:
+    from fasttrain.bench import plots
+
+    cases = [c for c in result.ran() if c.rung != SWEEP_RUNG and c.records and c.records[0].get("loss_curve")]
+    if not cases:
+        return None
+    fig, ax = plt.subplots(figsize=(11, 6.5), layout="constrained")
+    palette = _palette([c.label for c in cases])
+    for c in cases:
+        record = c.records[0]
+        per_step = record["batch"]["tokens_per_step"]
+        curve = record["loss_curve"]
+        ax.plot([p["step"] * per_step / 1e6 for p in curve], [p["loss"] for p in curve], lw=1.1,
+                color=palette[c.label], label=c.label, ls="--" if c.rung == "PEFT" else "-")
+    ax.set_xlabel("training tokens seen, millions")
+    ax.set_ylabel("training loss, nats/char")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7.5, ncol=1)
+    plots._titles(fig, ax, "Loss curves at the same token budget (PEFT rows dashed: fine-tuning)", result)
+    plots._save(fig, path)
+    plt.close(fig)
+    return path

@@ -1,0 +1,258 @@
+"""``fasttrain bench lab`` on the CPU: the tick and agreement logic on given numbers, the rows'
+token budget and selection, and a run of the tiny preset writing the bench's one output format."""
+
+from __future__ import annotations
+
+import csv
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from fasttrain.bench import lab as bench_lab  # noqa: E402
+from fasttrain.bench.report import CSV_COLUMNS  # noqa: E402
+from fasttrain.errors import FasttrainError  # noqa: E402
+from fasttrain.lab.config import preset  # noqa: E402
+from fasttrain.lab.data import corpus_from_text  # noqa: E402
+
+
+# --- ticks on given numbers ---------------------------------------------------------------------
+
+@pytest.mark.parametrize("speed, memory, expected", [
+    (1.10, 0.90, ("yes", "yes")),         # the thresholds themselves count as yes
+    (1.0999, 0.9001, ("no", "no")),
+    (3.0, 1.5, ("yes", "no")),            # faster but hungrier (a larger batch)
+    (0.4, 0.3, ("no", "yes")),            # slower but leaner (checkpointing)
+    (None, None, (None, None)),           # not measured (no GPU: no peak)
+    (1.2, None, ("yes", None)),
+])
+def test_tick_thresholds(speed, memory, expected):
+    assert bench_lab.tick(speed, memory) == expected
+
+
+def test_agreement_with_the_lecture():
+    assert bench_lab.agrees("yes", "yes") is True
+    assert bench_lab.agrees("no", "yes") is False
+    assert bench_lab.agrees("yes", "no") is False
+    assert bench_lab.agrees("no", "no / yes") is True     # "it depends": either agrees
+    assert bench_lab.agrees("yes", "no / yes") is True
+    assert bench_lab.agrees(None, "yes") is None
+
+
+def _row(technique, label, speed, memory):
+    return {"technique": technique, "label": label, "speed_tick": speed, "memory_tick": memory}
+
+
+def test_a_technique_is_yes_when_any_of_its_rows_is():
+    rows = [_row("batch size", "batch 16", "no", "yes"), _row("batch size", "batch 256", "yes", "no"),
+            _row("gradient checkpointing", "full", "no", "yes"), _row("gradient checkpointing", "selective", "no", "no"),
+            _row("torch.compile", "compile", "yes", "yes"),
+            _row("mixed precision", "bf16", "yes", "no"),
+            _row("data preloading", "preload", "no", None)]
+    v = {d["technique"]: d for d in bench_lab.technique_verdicts(rows)}
+    assert (v["batch size"]["speed"], v["batch size"]["memory"]) == ("yes", "yes")
+    assert v["batch size"]["speed_rows"] == ["batch 256"] and v["batch size"]["memory_rows"] == ["batch 16"]
+    assert v["batch size"]["speed_agree"] and v["batch size"]["memory_agree"]
+    assert v["gradient checkpointing"]["speed_agree"] and v["gradient checkpointing"]["memory_agree"]
+    # the lecture says compile buys no memory: a measured yes differs
+    assert v["torch.compile"]["speed_agree"] is True and v["torch.compile"]["memory_agree"] is False
+    assert v["mixed precision"]["memory_agree"] is True           # "no / yes"
+    assert v["data preloading"]["speed_agree"] is False and v["data preloading"]["memory"] is None
+    assert v["PEFT"]["rows"] == 0 and v["PEFT"]["speed"] is None and v["PEFT"]["speed_agree"] is None
+
+
+def test_every_technique_of_the_lecture_has_a_row():
+    techniques = {r.technique for r in bench_lab.lab_rows(64)}
+    assert set(bench_lab.LECTURE) <= techniques
+    labels = [r.label for r in bench_lab.lab_rows(64)]
+    assert len(labels) == len(set(labels))
+    assert {"batch 16", "batch 256", "accumulate 4 x 16"} <= set(labels)
+
+
+# --- the plan -----------------------------------------------------------------------------------
+
+def test_rows_train_the_baselines_token_budget():
+    base = preset("shakespeare-char", **bench_lab.BASELINE)
+    rows = {r.label: r for r in bench_lab.lab_rows(base.per_device_train_batch_size)}
+    cfg = {label: bench_lab.row_config(base, rows[label], steps=40, warmup=5)
+           for label in ("baseline", "batch 16", "batch 256", "accumulate 4 x 16", "bf16")}
+    budget = 45 * 64 * 256
+    for label, c in cfg.items():
+        assert c.max_steps * c.batch_tokens == pytest.approx(budget, rel=0.05), label
+        assert c.timing_warmup_steps == 5 and c.eval_interval == 0
+    assert cfg["batch 16"].max_steps == 4 * cfg["baseline"].max_steps
+    assert cfg["batch 16"].warmup_steps == 4 * cfg["baseline"].warmup_steps     # the schedule over tokens
+    assert cfg["accumulate 4 x 16"].max_steps == cfg["baseline"].max_steps
+    assert cfg["bf16"].bf16 and not cfg["baseline"].bf16 and cfg["baseline"].attn_implementation == "eager"
+
+
+def test_row_selection_brings_the_pair_along():
+    rows = bench_lab.lab_rows(64)
+    chosen = [r.label for r in bench_lab.select_rows(rows, ["LoRA"])]
+    assert chosen == ["full fine-tune", "LoRA r=8 qkv,proj"]
+    assert [r.label for r in bench_lab.select_rows(rows, ["compile"])] == ["baseline", "compile", "compile reduce-overhead"]
+    assert bench_lab.select_rows(rows, ["sweep"]) == [] and bench_lab.sweep_selected(["sweep"])
+    assert not bench_lab.sweep_selected(["batch"])
+    with pytest.raises(FasttrainError, match="no row"):
+        bench_lab.select_rows(rows, ["nothing-like-this"])
+
+
+def test_cpu_skips_the_gpu_rows_with_a_reason():
+    rows = {r.label: r for r in bench_lab.lab_rows(64)}
+    for label in ("fp16", "liger kernels", "adamw_8bit", "workers 2 + pin + prefetch", "empty cache every step"):
+        assert "CUDA" in bench_lab.skip_reason(rows[label], cuda=False)
+        assert bench_lab.skip_reason(rows[label], cuda=True) is None
+    assert bench_lab.skip_reason(rows["bf16"], cuda=False) is None
+
+
+# --- runs ---------------------------------------------------------------------------------------
+
+def _text(n=20000, seed=0):
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
+    out = []
+    while sum(map(len, out)) < n:
+        out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
+    return "".join(out)
+
+
+@pytest.fixture(scope="module")
+def corpus():
+    return corpus_from_text(_text())
+
+
+@pytest.fixture
+def fake_corpus(monkeypatch, corpus):
+    import fasttrain.lab.data as data
+
+    monkeypatch.setattr(data, "load_corpus", lambda data_dir=None, name="tinyshakespeare": corpus)
+
+
+def _cli(args, capsys):
+    from fasttrain.cli import main
+
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def test_bench_lab_on_the_cpu_writes_csv_markdown_and_readme(fake_corpus, tmp_path, capsys):
+    out = tmp_path / "res"
+    code, stdout, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
+                              "--rows", "baseline,batch,LoRA,fp16,sweep", "--out", str(out)], capsys)
+    assert code == 0, err
+    for name in ("lab.json", "lab.csv", "lab.md", "results.csv", "README.md"):
+        assert (out / name).is_file(), name
+    with open(out / "lab.csv") as fh:
+        lines = list(csv.DictReader(fh))
+    assert tuple(lines[0].keys()) == CSV_COLUMNS
+    by = {(r["label"], r["metric"]): r for r in lines}
+    assert {r["suite"] for r in lines} == {"lab"} and {r["model"] for r in lines} == {"tiny"}
+    for metric in ("tokens_per_s", "step_ms", "val_loss", "estimate_precise", "warmup_ms"):
+        assert float(by[("baseline", metric)]["p50"]) > 0, metric
+    # a larger batch at the same budget: the ratio is the two tokens/s divided
+    speed = float(by[("batch 32", "speed_ratio")]["p50"])
+    assert speed == pytest.approx(float(by[("batch 32", "tokens_per_s")]["p50"])
+                                  / float(by[("baseline", "tokens_per_s")]["p50"]), rel=1e-4)
+    assert by[("batch 32", "speed_tick")]["p50"] == ("1" if speed >= bench_lab.SPEED_YES else "0")
+    assert by[("batch 32", "memory_ratio")]["p50"] == ""          # no GPU: no peak, no memory tick
+    # LoRA is compared with full fine-tuning of the same checkpoint
+    lora = float(by[("LoRA r=8 qkv,proj", "speed_ratio")]["p50"])
+    assert lora == pytest.approx(float(by[("LoRA r=8 qkv,proj", "tokens_per_s")]["p50"])
+                                 / float(by[("full fine-tune", "tokens_per_s")]["p50"]), rel=1e-4)
+    result = json.loads((out / "lab.json").read_text())
+    cases = {c["label"]: c for c in result["cases"]}
+    assert cases["fp16"]["status"] == "skipped" and "CUDA" in cases["fp16"]["reason"]
+    assert cases["sweep"]["status"] == "skipped"
+    assert cases["LoRA r=8 qkv,proj"]["records"][0]["params"]["trainable"] < \
+        cases["full fine-tune"]["records"][0]["params"]["trainable"]
+    # equal token budget: batch 2 ran 4 x the baseline's steps
+    assert cases["batch 2"]["config"]["max_steps"] == 4 * cases["baseline"]["config"]["max_steps"]
+    md = (out / "lab.md").read_text()
+    assert "The lecture's table, measured" in md and "| batch size | yes |" in md
+    assert ">= 1.10" in md and "<= 0.90" in md and "one run (n=1)" in md
+    assert "fp16: needs a CUDA GPU" in md
+    assert "lab_loss_curves.png" in md or not (out / "lab_loss_curves.png").exists()
+    assert "The lecture's table, measured" in stdout
+    # the README section generator picks the lab up
+    code, readme, err = _cli(["bench", "readme", str(out)], capsys)
+    assert code == 0, err
+    assert "The lecture's table, measured" in readme
+
+    # a second run of other rows merges; another setting is refused with one line
+    code, _, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
+                         "--rows", "adafactor", "--out", str(out)], capsys)
+    assert code == 0, err
+    labels = [c["label"] for c in json.loads((out / "lab.json").read_text())["cases"]]
+    assert "adafactor" in labels and "LoRA r=8 qkv,proj" in labels
+    code, _, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "4", "--device", "cpu", "--rows", "baseline",
+                         "--out", str(out)], capsys)
+    assert code != 0 and "another setting" in err and "Traceback" not in err
+
+
+def test_a_run_cut_short_keeps_its_finished_rows(corpus):
+    from fasttrain.lab import train as lab_train
+
+    calls = []
+
+    def runner(cfg, **kw):
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        calls.append(cfg)
+        return lab_train.run(cfg, **kw)
+
+    saved = []
+    rows = bench_lab.select_rows(bench_lab.lab_rows(8), ["batch"])
+    plan = bench_lab.LabPlan("tiny", 2, 1, 1, rows, False, 2, device="cpu")
+    with pytest.raises(KeyboardInterrupt):
+        bench_lab.run_lab(plan, on_case=lambda r: saved.append([c.label for c in r.ran()]), corpus=corpus,
+                          runner=runner)
+    assert saved[-1] == ["baseline", "batch 2"]
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--preset", "nope"], "unknown --preset"),
+    (["--preset", "tiny", "--rows", "zzz"], "no row"),
+    (["--preset", "tiny", "--steps", "0"], "--steps"),
+])
+def test_bench_lab_bad_input_is_one_line(fake_corpus, tmp_path, capsys, args, message):
+    code, _, err = _cli(["bench", "lab", "--device", "cpu", "--out", str(tmp_path / "r"), *args], capsys)
+    assert code != 0 and message in err and "Traceback" not in err
+    assert not (tmp_path / "r" / "lab.json").exists()
+
+
+def test_bench_lab_list_shows_rows_and_skips(capsys):
+    code, out, err = _cli(["bench", "lab", "--preset", "tiny", "--device", "cpu", "--list"], capsys)
+    assert code == 0, err
+    assert "baseline" in out and "skip" in out and "liger" in out and "sweep" in out
+
+
+def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeypatch, tmp_path):
+    # no GPU runs out of memory here: a probe that "fits" below 13 sequences stands in for the GPU
+    from fasttrain.bench import plots, report
+    from fasttrain.bench.runner import Progress, SuiteResult
+    from fasttrain.lab import train as lab_train
+
+    probed = []
+
+    def probe(cfg, corpus, device, batch):
+        probed.append(batch)
+        return batch < 13
+
+    monkeypatch.setattr(bench_lab, "SWEEP_PRESET", "tiny")
+    monkeypatch.setattr(bench_lab, "SWEEP_OVERRIDES", {})
+    monkeypatch.setattr(lab_train, "probe_batch", probe)
+    plan = bench_lab.LabPlan("tiny", 2, 1, 1, [], True, 2, device="cpu")
+    result = SuiteResult("lab", "t", False, "", "", bench_lab.dataset_info(corpus, plan), {}, 1)
+    bench_lab._sweep(plan, result, corpus, lab_train.run, Progress(), True, None)
+    assert [c.options["per_device_train_batch_size"] for c in bench_lab.sweep_cases(result)] == [4, 8]
+    edge = bench_lab.sweep_edge(result)
+    assert edge.options == {"first_oom": 16, "largest_fit": 12, "first_oom_bisected": 13}
+    assert probed == [4, 8, 16, 12, 14, 13]
+    md = bench_lab.markdown(result)
+    assert "Batch-size sweep up to the out-of-memory edge" in md and "largest batch that fits is in [12, 13)" in md
+    assert report.to_csv([result]).count("sweep batch") >= 2
+    if plots.matplotlib_or_none() is not None:
+        assert (tmp_path / "lab_batch_sweep.png") in bench_lab.write_plots(result, tmp_path)
