@@ -65,6 +65,18 @@ def test_bench_readme_into_replaces_only_the_marked_section(quick_run, tmp_path,
     assert "needs exactly one line <!-- bench-results:start -->" in capsys.readouterr().err
 
 
+def test_bench_readme_marker_fills_a_second_section_and_leaves_the_first(quick_run, tmp_path, capsys):
+    _rc, out = quick_run
+    readme = tmp_path / "README.md"
+    first = "<!-- bench-results:start -->\nmain numbers\n<!-- bench-results:end -->\n"
+    readme.write_text(first + "## Lab\n<!-- lab-results:start -->\nstale figures\n<!-- lab-results:end -->\n")
+    assert main(["bench", "readme", str(out), "--marker", "lab-results", "--into", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith(first) and "<!-- lab-results:start -->\n### Results" in text and "stale figures" not in text
+    assert main(["bench", "readme", str(out), "--marker", "lab results!", "--into", str(readme)]) == 1
+    assert "--marker" in capsys.readouterr().err
+
+
 def test_rerun_of_one_size_keeps_the_others(quick_run):
     _rc, out = quick_run
     assert main(["bench", "sweep", "--quick", "--synthetic", "--engines", "numpy", "--hidden", "16", "--out", str(out)]) == 0

@@ -318,14 +318,21 @@ def _merge_locked(folder: Path, parts) -> None:
 @click.argument("results_dir", type=click.Path(file_okay=False))
 @click.option("--link-base", help="Prefix of image links (default: RESULTS_DIR/, a path from the repository root).")
 @click.option("--into", "into", type=click.Path(dir_okay=False),
-              help="Write it into this file between <!-- bench-results:start --> and <!-- bench-results:end -->.")
-def readme(results_dir, link_base, into) -> None:
+              help="Write it into this file between <!-- MARKER:start --> and <!-- MARKER:end -->.")
+@click.option("--marker", default="bench-results", show_default=True,
+              help="The marker lines' name, so that one README holds several generated sections "
+                   "(e.g. lab-results for the lab's folder).")
+def readme(results_dir, link_base, into, marker) -> None:
     """Print the README's Results section from the result files in RESULTS_DIR."""
     from fasttrain.bench.readme import readme_section, write_into
 
-    section = readme_section(results_dir, link_base)
+    if not marker.replace("-", "").isalnum():
+        raise FasttrainError(f"--marker {marker!r}: use letters, digits and '-' only")
+    # a section inside another one (the lab's, under its own heading) takes the next level down
+    section = readme_section(results_dir, link_base, heading="## Results" if marker == "bench-results" else
+                             "### Results")
     if into:
-        write_into(into, section)
+        write_into(into, section, start=f"<!-- {marker}:start -->", end=f"<!-- {marker}:end -->")
         console.print(f"wrote the results section of {into} from {results_dir}")
     else:
         click.echo(section, nl=False)
