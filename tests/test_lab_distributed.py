@@ -19,6 +19,7 @@ import torch.multiprocessing as mp  # noqa: E402
 
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import distributed as D  # noqa: E402
+from fasttrain.lab import dist_launch as L  # noqa: E402
 
 WORLD = 2
 
@@ -221,12 +222,12 @@ def test_unknown_strategy_backend_and_missing_backend():
 
 
 def test_more_processes_than_gpus_is_refused(monkeypatch):
-    monkeypatch.setattr(D, "gpu_count", lambda: 1)
+    monkeypatch.setattr(L, "gpu_count", lambda: 1)
     with pytest.raises(FasttrainError, match="needs 2 GPUs; this machine has 1"):
-        D.check_launch(2, "cuda", "ddp")
-    D.check_launch(2, "cpu", "ddp")                 # gloo processes on the CPU: any number
+        L.check_launch(2, "cuda", "ddp")
+    L.check_launch(2, "cpu", "ddp")                 # gloo processes on the CPU: any number
     with pytest.raises(FasttrainError, match="needs --strategy"):
-        D.check_launch(2, "cpu", "none")
+        L.check_launch(2, "cpu", "none")
 
 
 def test_world_size_must_divide_the_batch_and_the_heads():
@@ -261,12 +262,12 @@ def test_estimator_parallelism_by_strategy():
 
 
 def test_launcher_flags_and_multicast_off():
-    assert D.Launch(2).torchrun_args() == ["--nproc-per-node", "2", "--nnodes", "1", "--max-restarts", "0",
+    assert L.Launch(2).torchrun_args() == ["--nproc-per-node", "2", "--nnodes", "1", "--max-restarts", "0",
                                            "--standalone"]
-    multi = D.Launch(8, nnodes="2", rdzv_endpoint="node0:29400").torchrun_args()
+    multi = L.Launch(8, nnodes="2", rdzv_endpoint="node0:29400").torchrun_args()
     assert multi[-6:] == ["--rdzv-backend", "c10d", "--rdzv-endpoint", "node0:29400", "--rdzv-id", "fasttrain-lab"]
     with pytest.raises(FasttrainError, match="needs --rdzv-endpoint"):
-        D.Launch(8, nnodes="2").torchrun_args()
+        L.Launch(8, nnodes="2").torchrun_args()
     env = D.multicast_off({})
     assert env == {"NCCL_NVLS_ENABLE": "0", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1", "NVSHMEM_DISABLE_NVLS": "1"}
 
@@ -302,7 +303,7 @@ def test_cli_bad_parallel_input_is_one_line(tmp_path, capsys, args, message):
 
 
 def test_more_gpus_than_exist_is_one_line(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(D, "gpu_count", lambda: 1)
+    monkeypatch.setattr(L, "gpu_count", lambda: 1)
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cuda", "--quiet", "--strategy", "ddp",
                             "--nproc-per-node", "2"], capsys)
     assert code == 1 and "needs 2 GPUs; this machine has 1" in stderr and stderr.count("\n") == 1
@@ -316,7 +317,7 @@ def test_worker_command_line_drops_the_launcher_options():
     ctx = command.make_context("lab", ["--preset", "tiny", "--bf16", "--gradient-checkpointing", "--strategy", "fsdp",
                                        "--no-reshard-after-forward", "--nproc-per-node", "2", "--global-batch-size",
                                        "16", "--out", "r.json"], parent=click.Context(click.Group("fasttrain")))
-    argv = D.worker_argv(ctx, skip=D.LAUNCH_OPTIONS)
+    argv = L.worker_argv(ctx, skip=L.LAUNCH_OPTIONS)
     assert argv[0] == "lab" and "--nproc-per-node" not in argv
     for part in (["--preset", "tiny"], ["--bf16"], ["--gradient-checkpointing", "full"], ["--strategy", "fsdp"],
                  ["--no-reshard-after-forward"], ["--global-batch-size", "16"], ["--out", "r.json"]):

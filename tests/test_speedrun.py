@@ -17,6 +17,7 @@ torch = pytest.importorskip("torch")
 
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import speedrun as sr  # noqa: E402
+from fasttrain.lab import speedrun_report as report  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 from fasttrain.lab.data import corpus_from_text  # noqa: E402
 
@@ -142,10 +143,10 @@ def test_speedups_divide_medians_and_bound_a_row_that_missed():
     def row(counts, p50=None, bound=None, ms=10.0):
         return {"summary": {"counts": counts, "time_to_target_s": {"p50": p50} if counts else None,
                             "missed_train_s": bound, "ms_per_step": {"p50": ms}}}
-    assert sr.speedup(row(True, 8.0), row(True, 2.0)) == (4.0, False)
-    assert sr.speedup(row(False, bound=30.0), row(True, 3.0)) == (10.0, True)
-    assert sr.speedup(row(True, 8.0), row(False)) == (None, False)
-    assert sr.step_speedup(row(True, 1.0, ms=30.0), row(True, 1.0, ms=10.0)) == 3.0
+    assert report.speedup(row(True, 8.0), row(True, 2.0)) == (4.0, False)
+    assert report.speedup(row(False, bound=30.0), row(True, 3.0)) == (10.0, True)
+    assert report.speedup(row(True, 8.0), row(False)) == (None, False)
+    assert report.step_speedup(row(True, 1.0, ms=30.0), row(True, 1.0, ms=10.0)) == 3.0
 
 
 # --- the whole code path ----------------------------------------------------------------------
@@ -206,7 +207,7 @@ def test_cli_speedrun_then_lab_eval(fake_corpus, tmp_path, capsys):
     assert code == 0, stderr
     assert f"val loss {recorded:.6f}" in stdout and "(identical)" in stdout
     readme = tmp_path / "README.md"
-    readme.write_text(f"# x\n\n{sr.README_START}\nold\n{sr.README_END}\n")
+    readme.write_text(f"# x\n\n{report.README_START}\nold\n{report.README_END}\n")
     code, _, stderr = _cli(["lab", "speedrun", "readme", str(out), "--into", str(readme)], capsys)
     assert code == 0, stderr
     text = readme.read_text()

@@ -19,11 +19,11 @@ from rich.console import Console
 from rich.table import Table
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import distributed
+from fasttrain.lab import dist_launch
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.distributed")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch")
 
 out = Console(width=160)
 err = Console(stderr=True)
@@ -133,7 +133,7 @@ def print_summary(record: dict) -> None:
 
 @click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @config_options
-@distributed.parallel_options
+@dist_launch.parallel_options
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
 @click.option("--list-presets", is_flag=True, help="List the presets and exit.")
 @click.option("--quiet", is_flag=True, help="No progress or table.")
@@ -146,16 +146,16 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         for name in PRESETS:
             out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
         return
-    parallel, launch = distributed.parallel_from_options(options)
+    parallel, launch = dist_launch.parallel_from_options(options)
     cfg = config_from(preset_name, options)
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
-        distributed.check_before_launch(cfg, parallel, launch)
-        distributed.launch(launch, distributed.worker_argv(ctx, skip=distributed.LAUNCH_OPTIONS))
+        dist_launch.check_before_launch(cfg, parallel, launch)
+        dist_launch.launch(launch, dist_launch.worker_argv(ctx, skip=dist_launch.LAUNCH_OPTIONS))
         return
-    main = distributed.env_rank() == 0          # several processes: rank 0 alone prints and writes
+    main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     quiet = quiet or not main
-    with distributed.rank_prefixed_errors():
+    with dist_launch.rank_prefixed_errors():
         _train(cfg, parallel, out_path, quiet, main)
 
 
@@ -181,7 +181,7 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
         write_record(record, out_path)
     if not quiet:
         print_summary(record)
-        for line in distributed.summary_lines(record):
+        for line in dist_launch.summary_lines(record):
             out.print(line)
         if out_path:
             out.print(f"run record: {out_path}")

@@ -41,13 +41,16 @@ not bit for bit.) ``--global-batch-size B`` sets ``per_device_train_batch_size =
 
 NVLink multicast (NVLS) stays off everywhere: :data:`MULTICAST_OFF` is set in this process and in
 the environment torchrun passes to its workers.
+
+This module is what every process runs (its place in the world, the strategies, the collectives);
+starting the processes, the command-line options and ``fasttrain lab dist`` are in
+:mod:`fasttrain.lab.dist_launch`.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import logging
 import os
 from dataclasses import dataclass
 
@@ -200,35 +203,6 @@ def gpu_count() -> int:
     import torch
 
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
-
-
-def check_launch(nproc_per_node: int, device: str, strategy: str) -> None:
-    """Refuse a launch that cannot run here (more processes than GPUs, no strategy)."""
-    if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
-        raise FasttrainError(f"--nproc-per-node must be a positive integer, got {nproc_per_node!r}")
-    if strategy == "none":
-        raise FasttrainError("--nproc-per-node needs --strategy ddp, zero1, fsdp or tp")
-    if device == "cpu":
-        return
-    gpus = gpu_count()
-    if device in ("cuda",) or (device == "auto" and gpus) or str(device).startswith("cuda:"):
-        if nproc_per_node > gpus:
-            raise FasttrainError(f"--strategy {strategy} with {nproc_per_node} processes per node needs "
-                                 f"{nproc_per_node} GPUs; this machine has {gpus}; use --nproc-per-node {max(gpus, 1)} "
-                                 f"or --device cpu (gloo)")
-
-
-def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
-    """Everything that can be refused before torchrun starts a process (one machine: the world
-    size is known, so the batch and the heads are checked here too)."""
-    check_launch(spec.nproc_per_node, cfg.device, parallel.strategy)
-    check_config(cfg, parallel)
-    if parallel.ddp_backend == "nccl" and cfg.device == "cpu":
-        raise FasttrainError("--ddp-backend nccl needs CUDA GPUs; on the CPU use --ddp-backend gloo")
-    if str(spec.nnodes) == "1":
-        world = spec.nproc_per_node
-        check_model_fits(cfg, world, parallel.strategy)
-        resolve_batch(cfg, parallel, 1 if parallel.strategy == "tp" else world)
 
 
 # --- the process group -----------------------------------------------------------------------------
@@ -460,6 +434,11 @@ def wrap_optimizer(optimizer, world: World):
     return zero
 
 
+def local_optimizer(optimizer):
+    """The optimizer whose state lives on this rank (ZeRO keeps its shard's in ``.optim``)."""
+    return getattr(optimizer, "optim", optimizer)
+
+
 def sync_gradients(model, world: World, last_micro_batch: bool):
     """A context for one micro-batch's backward: gradients are reduced only on the last one."""
     if world.strategy in ("ddp", "zero1") and not last_micro_batch:
@@ -567,242 +546,3 @@ def estimator_parallelism(world: World, bf16: bool = False) -> dict:
         return out
     return {"dp": 1, "zero": 0, "tp": world.tp}
 
-
-# --- the launcher -------------------------------------------------------------------------------
-
-@dataclass
-class Launch:
-    """torchrun's own flags, as ``fasttrain lab`` passes them on."""
-
-    nproc_per_node: int
-    nnodes: str = "1"
-    node_rank: int | None = None
-    rdzv_endpoint: str | None = None
-    rdzv_id: str = "fasttrain-lab"
-    max_restarts: int = 0
-
-    def torchrun_args(self) -> list[str]:
-        args = ["--nproc-per-node", str(self.nproc_per_node), "--nnodes", str(self.nnodes),
-                "--max-restarts", str(self.max_restarts)]
-        if self.rdzv_endpoint:
-            args += ["--rdzv-backend", "c10d", "--rdzv-endpoint", self.rdzv_endpoint, "--rdzv-id", self.rdzv_id]
-        elif str(self.nnodes) == "1":
-            args += ["--standalone"]
-        else:
-            raise FasttrainError("--nnodes > 1 needs --rdzv-endpoint HOST:PORT (the same on every node)")
-        if self.node_rank is not None:
-            args += ["--node-rank", str(self.node_rank)]
-        return args
-
-
-def launch(spec: Launch, worker_args: list[str]) -> None:
-    """Run ``python -m fasttrain <worker_args>`` in ``nproc_per_node`` processes through torchrun's
-    launcher (the elastic agent: rendezvous, environment, restart policy), in this process.
-
-    A failed worker stops the others (torchrun's policy); the failure comes back as one line."""
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.run import parse_args, run
-
-    # the workers inherit this process's environment: multicast off there too
-    multicast_off()
-    os.environ.setdefault("OMP_NUM_THREADS", "1")        # what torchrun sets anyway, without its banner
-    args = parse_args([*spec.torchrun_args(), "-m", "fasttrain", *worker_args])
-    # the agent logs each failure with a traceback-like report; the line below says it once
-    agent_log = logging.getLogger("torch.distributed.elastic")
-    level = agent_log.level
-    agent_log.setLevel(logging.CRITICAL)
-    try:
-        run(args)
-    except ChildFailedError as exc:
-        rank, failure = exc.get_first_failure()
-        how = f"was stopped by {failure.signal_name()}" if failure.exitcode < 0 else \
-            f"exited with code {failure.exitcode}"
-        raise FasttrainError(f"rank {rank} of the {spec.nproc_per_node}-process run {how} first and torchrun "
-                             f"stopped the others; its error is printed above") from None
-    finally:
-        agent_log.setLevel(level)
-
-
-def worker_argv(ctx, skip: tuple[str, ...]) -> list[str]:
-    """The command line of a click command, rebuilt from its parsed values without ``skip``
-    (the launcher's own options): what every worker runs."""
-    import click
-
-    names = [ctx.info_name]
-    parent = ctx.parent
-    while parent is not None and parent.parent is not None:       # up to, not including, the root group
-        names.insert(0, parent.info_name)
-        parent = parent.parent
-    argv = list(names)
-    for param in ctx.command.params:
-        if not isinstance(param, click.Option) or param.name in skip or param.expose_value is False:
-            continue
-        value = ctx.params.get(param.name)
-        source = ctx.get_parameter_source(param.name)
-        if source is not None and source.name == "DEFAULT":
-            continue
-        if param.is_flag and not param.count:
-            if param.secondary_opts:
-                argv.append(param.opts[0] if value else param.secondary_opts[0])
-            elif value:
-                argv.append(param.opts[0])
-            continue
-        values = value if param.multiple else [value]
-        for item in values:
-            if item is None:
-                continue
-            if isinstance(item, (tuple, list)):
-                item = ",".join(str(x) for x in item)
-            argv += [param.opts[0], str(item)]
-    return argv
-
-
-def local_optimizer(optimizer):
-    """The optimizer whose state lives on this rank (ZeRO keeps its shard's in ``.optim``)."""
-    return getattr(optimizer, "optim", optimizer)
-
-
-# --- the command line ---------------------------------------------------------------------------
-
-LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
-PARALLEL_OPTIONS = ("strategy", "reshard_after_forward", "global_batch_size", "ddp_backend", "ddp_timeout")
-
-
-def parallel_options(fn):
-    """``fasttrain lab``'s options for several processes (click decorators)."""
-    import click
-
-    decorators = [
-        click.option("--strategy", type=click.Choice(STRATEGIES), default="none", show_default=True,
-                     help="Several processes: ddp, zero1 (ZeroRedundancyOptimizer), fsdp (FSDP2), tp (tensor "
-                          "parallelism over all ranks)."),
-        click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
-                     help="fsdp: free the gathered parameters after the forward (ZeRO-3) or keep them (ZeRO-2)."),
-        click.option("--global-batch-size", type=int, default=None,
-                     help="Sequences per optimizer step over all ranks (sets --per-device-train-batch-size)."),
-        click.option("--ddp-backend", type=click.Choice(BACKENDS), default=None,
-                     help="Process-group backend (default: nccl on GPUs, gloo on the CPU)."),
-        click.option("--ddp-timeout", type=float, default=1800.0, show_default=True,
-                     help="Seconds a collective waits for the other ranks before the run stops."),
-        click.option("--nproc-per-node", type=int, default=None,
-                     help="Start this many processes through torchrun (one per GPU)."),
-        click.option("--nnodes", default=None, help="torchrun: number of machines (or MIN:MAX)."),
-        click.option("--node-rank", type=int, default=None, help="torchrun: this machine's rank."),
-        click.option("--rdzv-endpoint", default=None, help="torchrun: HOST:PORT of the rendezvous (several machines)."),
-    ]
-    for deco in reversed(decorators):
-        fn = deco(fn)
-    return fn
-
-
-def parallel_from_options(options: dict) -> tuple[ParallelConfig, Launch | None]:
-    """Take the parallel and launcher options out of ``options`` (in place)."""
-    values = {name: options.pop(name, None) for name in PARALLEL_OPTIONS + LAUNCH_OPTIONS}
-    parallel = validate_parallel(ParallelConfig(
-        strategy=values["strategy"] or "none",
-        reshard_after_forward=True if values["reshard_after_forward"] is None else values["reshard_after_forward"],
-        global_batch_size=values["global_batch_size"], ddp_backend=values["ddp_backend"],
-        ddp_timeout=1800.0 if values["ddp_timeout"] is None else values["ddp_timeout"]))
-    launch_spec = None
-    if values["nproc_per_node"] is not None:
-        launch_spec = Launch(nproc_per_node=values["nproc_per_node"], nnodes=values["nnodes"] or "1",
-                             node_rank=values["node_rank"], rdzv_endpoint=values["rdzv_endpoint"])
-    elif values["nnodes"] or values["rdzv_endpoint"] or values["node_rank"] is not None:
-        raise FasttrainError("--nnodes, --node-rank and --rdzv-endpoint go with --nproc-per-node N")
-    return parallel, launch_spec
-
-
-@contextlib.contextmanager
-def rank_prefixed_errors():
-    """In one of several processes, an error line says which rank it comes from."""
-    try:
-        yield
-    except FasttrainError as exc:
-        if launched_by_torchrun() and int(os.environ.get("WORLD_SIZE", "1")) > 1 and not str(exc).startswith("rank "):
-            raise FasttrainError(f"rank {env_rank()}: {exc}") from None
-        raise
-
-
-def env_rank() -> int:
-    """This process's rank as torchrun set it (0 when not started by torchrun)."""
-    try:
-        return int(os.environ.get("RANK", "0"))
-    except ValueError:
-        return 0
-
-
-def summary_lines(record: dict) -> list[str]:
-    """The per-rank part of a run record, for the terminal."""
-    d = record.get("distributed")
-    if not d:
-        return []
-    mib = 2 ** 20
-    est = record.get("estimate", {}).get("precise_bytes")
-    peaks = ", ".join("-" if r["peak_allocated_bytes"] is None else f"{r['peak_allocated_bytes'] / mib:,.1f}"
-                      for r in d["per_rank"])
-    lines = [f"{d['label']} over {d['world_size']} processes ({d['backend']}, dp {d['dp']}, tp {d['tp']}): "
-             f"global batch {d['global_batch_size']}, {record['tokens_per_s'] or 0:,.0f} tokens/s for the world",
-             f"peak MiB per rank: {peaks}" + ("" if est is None else f"; estimator per GPU: {est / mib:,.1f}")]
-    return lines
-
-
-def _dist_group():
-    import click
-
-    @click.group("dist")
-    def group() -> None:
-        """The lab on several GPUs: the strategy sweep and its report (tables, plots)."""
-
-    @group.command("sweep")
-    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the records.")
-    @click.option("--presets", default="shakespeare-char,char-100m", show_default=True, help="Comma-separated.")
-    @click.option("--nproc-per-node", "nproc", type=int, default=2, show_default=True, help="GPUs of the N-GPU runs.")
-    @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
-                  help="Comma-separated: ddp, zero1, fsdp-zero2, fsdp-zero3, tp.")
-    @click.option("--max-steps", type=int, default=60, show_default=True, help="Steps of every run.")
-    @click.option("--bf16/--no-bf16", default=True, show_default=True, help="Also 1 GPU and fsdp-zero3 in bf16.")
-    @click.option("--data-dir", default=None, help="Data root (holds tinyshakespeare/input.txt).")
-    @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-                  help="cpu: gloo processes (a smoke test of the sweep; timings mean nothing).")
-    @click.option("--dry-run", is_flag=True, help="Print the command lines only.")
-    def sweep_cmd(out_dir, presets, nproc, strategies, max_steps, bf16, data_dir, device, dry_run) -> None:
-        """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
-        from fasttrain.lab import scaling
-
-        if not dry_run:
-            check_launch(nproc, device, "ddp")
-        extra = (["--data-dir", data_dir] if data_dir else []) + ["--device", device]
-        runs = scaling.plan([p.strip() for p in presets.split(",") if p.strip()], nproc, max_steps,
-                            [s.strip() for s in strategies.split(",") if s.strip()], bf16=bf16, extra=extra)
-        if dry_run:
-            from pathlib import Path
-
-            for run in runs:
-                click.echo(" ".join(scaling.command_line(run, Path(out_dir))[1:]))
-            return
-        status = scaling.sweep(runs, out_dir, log=lambda line: click.echo(line, err=True))
-        result = scaling.report(out_dir)
-        click.echo(result["markdown"].read_text())
-        failed = [s["name"] for s in status if s["exit"]]
-        if failed:
-            raise FasttrainError(f"{len(failed)} of {len(status)} runs failed ({', '.join(failed)}); their logs are "
-                                 f"in {out_dir}")
-
-    @group.command("report")
-    @click.argument("folder", type=click.Path(file_okay=False))
-    @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where to write (default: FOLDER).")
-    def report_cmd(folder, out_dir) -> None:
-        """scaling.csv, scaling.md and plots from a folder of run records."""
-        from fasttrain.lab import scaling
-
-        result = scaling.report(folder, out_dir)
-        click.echo(result["markdown"].read_text())
-
-    return group
-
-
-def __getattr__(name):
-    # ``command`` (``fasttrain lab dist``) is built on first access: click stays unimported otherwise
-    if name == "command":
-        return _dist_group()
-    raise AttributeError(name)
