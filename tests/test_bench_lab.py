@@ -12,6 +12,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fasttrain.bench import lab as bench_lab  # noqa: E402
+from fasttrain.bench import lab_report  # noqa: E402
 from fasttrain.bench.report import CSV_COLUMNS  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.config import preset  # noqa: E402
@@ -251,8 +252,8 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
     edge = bench_lab.sweep_edge(result)
     assert edge.options == {"first_oom": 16, "largest_fit": 12, "first_oom_bisected": 13}
     assert probed == [4, 8, 16, 12, 14, 13]
-    md = bench_lab.markdown(result)
+    md = lab_report.markdown(result)
     assert "Batch-size sweep up to the out-of-memory edge" in md and "largest batch that fits is in [12, 13)" in md
     assert report.to_csv([result]).count("sweep batch") >= 2
     if plots.matplotlib_or_none() is not None:
-        assert (tmp_path / "lab_batch_sweep.png") in bench_lab.write_plots(result, tmp_path)
+        assert (tmp_path / "lab_batch_sweep.png") in lab_report.write_plots(result, tmp_path)

@@ -325,7 +325,7 @@ def test_lab_setup_maps_the_configuration():
     assert (s.precision, s.recompute, s.attention, s.grad_buffers) == ("amp", "selective", "flash", True)
     big = lab.lab_setup(preset("char-100m"))
     assert big.g == 4 and big.norm == "rms"
-    from fasttrain.memory.precise import param_counts
+    from fasttrain.memory.training_state import param_counts
 
     assert 95e6 < param_counts(big)["total"] < 110e6
 

@@ -9,7 +9,8 @@ import random
 import pytest
 
 from fasttrain.memory import Setup, estimate, preset
-from fasttrain.memory.precise import dims, layer_terms, param_counts
+from fasttrain.memory.precise import layer_terms
+from fasttrain.memory.training_state import dims, param_counts
 
 MiB = 1024 ** 2
 

@@ -19,7 +19,7 @@ import pytest
 from fasttrain.errors import FasttrainError
 from fasttrain.memory import Setup, estimate, preset
 from fasttrain.memory.precise import estimate as precise_estimate
-from fasttrain.memory.precise import optimizer_state_bytes, param_counts, param_shapes, trainable_shapes
+from fasttrain.memory.training_state import optimizer_state_bytes, param_counts, param_shapes, trainable_shapes
 
 SMALL = Setup(heads=4, kv_heads=2, micro_batch=4, hidden=64, ffn=176, layers=2, seq=32, vocab=500, precision="fp32",
               ffn_act="swiglu", norm="rms", pos="rope", tied=False, bias=False, dropout=False, attention="eager",

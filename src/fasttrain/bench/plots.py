@@ -253,7 +253,7 @@ def write_plots(result: SuiteResult, out: Path) -> list[Path]:
     elif result.suite == "curves":
         paths = [curves_plot(result, out / "curves.png")]
     elif result.suite == "lab":
-        from fasttrain.bench.lab import write_plots as lab_plots
+        from fasttrain.bench.lab_report import write_plots as lab_plots
 
         paths = lab_plots(result, out)
     else:   # the suites of several workloads are tables only

@@ -422,7 +422,7 @@ def table_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
 
 
 def lab_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
-    from fasttrain.bench.lab import markdown
+    from fasttrain.bench.lab_report import markdown
 
     return markdown(result, images)
 

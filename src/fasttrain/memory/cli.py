@@ -187,7 +187,7 @@ def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, 
     and the MFU their published GPU-hours imply."""
     from fasttrain.memory import cost as C
     from fasttrain.memory.config import preset
-    from fasttrain.memory.precise import param_counts
+    from fasttrain.memory.training_state import param_counts
 
     mfu = parse_mfu_percent(mfu)
     if preset_name is None:

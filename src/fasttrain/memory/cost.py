@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 from fasttrain.memory.config import preset
-from fasttrain.memory.precise import param_counts
+from fasttrain.memory.training_state import param_counts
 
 H100_BF16_TFLOPS = 989.4      # H100 SXM dense bf16 tensor-core peak (NVIDIA datasheet: 1979 with sparsity)
 DEFAULT_PRICE = 2.0           # $ per GPU-hour

@@ -1,9 +1,9 @@
 """The interactive page: one self-contained HTML file (inline CSS and JavaScript, no network).
 
 The formulas run in the browser from ``assets/memory.js``, a line-by-line port of
-``playbook.py``, ``precise.py`` and ``cost.py``; ``tests/test_memory_page.py`` checks every number
-it computes against the Python modules on the same setups, and drives the page's controls in
-headless Chromium. The presets, the published Llama 3.1 figures and the list of quirks and
+``playbook.py``, ``precise.py`` (with ``training_state.py``) and ``cost.py``;
+``tests/test_memory_page.py`` checks every number it computes against the Python modules on
+the same setups, and drives the page's controls in headless Chromium. The presets, the published Llama 3.1 figures and the list of quirks and
 differences are generated into the page from the Python modules (one source of truth).
 """
 

@@ -1,4 +1,5 @@
-// fasttrain.memory in the browser: a line-by-line port of playbook.py, precise.py and cost.py.
+// fasttrain.memory in the browser: a line-by-line port of playbook.py, precise.py (with
+// training_state.py) and cost.py.
 // One source of truth: tests/test_memory_page.py evaluates every function here in headless
 // Chromium on random and preset setups and compares each number with the Python module.
 // Setup objects use the Python field names (heads, kv_heads, micro_batch, hidden, ffn, ...).
@@ -149,7 +150,7 @@ const FTMemory = (() => {
     return i === 0 ? `${x.toFixed(0)} B` : `${x.toFixed(2)} ${units[i]}`;
   }
 
-  // ---------------------------------------------------------------- precise.py
+  // ---------------------------------------------------------------- training_state.py
   function dims(s) {
     const t = s.tp, d = s.hidden / s.heads, g = kvHeads(s);
     const gl = g % t === 0 ? g / t : 1;
@@ -241,6 +242,7 @@ const FTMemory = (() => {
     }
     return 0;
   }
+  // ---------------------------------------------------------------- precise.py
   function loraKept(s, kind, maskBytes) {
     const T = dtypes(s), N = s.seq * s.micro_batch, inF = linearShapes(s)[kind][1];
     return T.C * N * s.lora_rank + (s.lora_dropout > 0 ? maskBytes * N * inF : 0);

@@ -1,0 +1,170 @@
+"""The training state of one rank, as ``precise`` counts it: per-rank sizes and bytes per element,
+the parameters (counts and shapes, D1-D5), the tensors that train (every parameter, peft's LoRA
+pairs on a frozen base, or a soft prompt: D16, D17) and what the optimizer keeps and borrows for
+them by kind (AdamW, torchao AdamW8bit, Adafactor, SGD: D13, D15).
+
+The activations, the phases of a step and the peak are :mod:`fasttrain.memory.precise`'s; the
+D-numbers refer to its list of differences from the widget.
+"""
+
+from __future__ import annotations
+
+from fasttrain.memory.config import Setup
+
+
+def dims(s: Setup) -> dict:
+    """Per-rank sizes: local heads, widths and vocabulary under tensor parallelism t."""
+    t = s.tp
+    d = s.hidden // s.heads
+    g_local = s.g // t if s.g % t == 0 else 1          # KV heads replicated when t > g
+    return {
+        "t": t, "r": t if s.seq_parallel else 1, "d": d,
+        "a_l": s.heads // t, "hl": (s.heads // t) * d, "kvl": g_local * d,
+        "f_l": s.ffn // t, "v_l": -(-s.vocab // t), "N": s.seq * s.micro_batch,
+    }
+
+
+def dtypes(s: Setup) -> dict:
+    """Bytes per element of each kind of tensor under the precision setting."""
+    mixed, amp = s.precision == "mixed", s.precision == "amp"
+    return {
+        "param": 2 if mixed else 4, "grad": 2 if mixed else 4, "opt": s.opt_bytes + (4 if mixed else 0),
+        "R": 2 if mixed else 4,          # residual stream (norm inputs): fp32 under autocast
+        "C": 4 if s.precision == "fp32" else 2,   # matmul inputs and everything bf16
+        "Dsm": 2 if mixed else 4,        # softmax output: autocast runs softmax in fp32
+        "cast": amp,                     # autocast makes bf16 copies (weights, softmax output, logits)
+        "stat": 4 * (1 if s.norm == "rms" else 2),  # fp32 rstd (RMSNorm) or mean + rstd (LayerNorm)
+    }
+
+
+def param_counts(s: Setup, t: int | None = None) -> dict:
+    """Parameters per rank (``t`` = tensor-parallel size; 1 gives the whole model)."""
+    t = s.tp if t is None else t
+    h, d, f = s.hidden, s.hidden // s.heads, s.ffn // t
+    hl, g_l = (s.heads // t) * d, (s.g // t if s.g % t == 0 else 1)
+    kvl, v_l = g_l * d, -(-s.vocab // t)
+    n_up = 2 if s.ffn_act == "swiglu" else 1
+    attn_w = h * (hl + 2 * kvl) + hl * h                         # fused QKV (column) + output (row)
+    mlp_w = n_up * h * f + f * h                                 # up/gate (column) + down (row)
+    attn_b = (hl + 2 * kvl) + h if s.bias else 0                 # column bias / t, row bias replicated
+    mlp_b = n_up * f + h if s.bias else 0
+    norm = h + (h if s.norm == "layer" and s.bias else 0)
+    layer = attn_w + attn_b + mlp_w + mlp_b + 2 * norm
+    embed = v_l * h
+    pos = s.seq * h if s.pos == "learned" else 0
+    head = 0 if s.tied else v_l * h
+    total = s.layers * layer + embed + pos + head + norm
+    return {"attn_w": attn_w, "attn_b": attn_b, "mlp_w": mlp_w, "mlp_b": mlp_b, "norm": norm, "layer": layer,
+            "embed": embed, "pos": pos, "head": head, "final_norm": norm, "total": total}
+
+
+def linear_shapes(s: Setup) -> dict:
+    """(out, in) of each linear kind of one rank: the LoRA targets' widths."""
+    D = dims(s)
+    n_up = 2 if s.ffn_act == "swiglu" else 1
+    return {"qkv": (D["hl"] + 2 * D["kvl"], s.hidden), "proj": (s.hidden, D["hl"]),
+            "up": (n_up * D["f_l"], s.hidden), "down": (s.hidden, D["f_l"]), "head": (D["v_l"], s.hidden)}
+
+
+def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
+    """Every parameter tensor of one rank in the reference model's order, as (name, shape)."""
+    h = s.hidden
+    lin = linear_shapes(s)
+    norm = [("weight", (h,))] + ([("bias", (h,))] if s.norm == "layer" and s.bias else [])
+    out = [("tok", (lin["head"][0], h))]
+    if s.pos == "learned":
+        out.append(("pos", (s.seq, h)))
+    for i in range(s.layers):
+        out += [(f"blocks.{i}.norm1.{n}", sh) for n, sh in norm]
+        for kind, part in (("qkv", "attn"), ("proj", "attn")):
+            out.append((f"blocks.{i}.{part}.{kind}.weight", lin[kind]))
+            if s.bias:
+                out.append((f"blocks.{i}.{part}.{kind}.bias", (lin[kind][0],)))
+        out += [(f"blocks.{i}.norm2.{n}", sh) for n, sh in norm]
+        for kind in ("up", "down"):
+            out.append((f"blocks.{i}.mlp.{kind}.weight", lin[kind]))
+            if s.bias:
+                out.append((f"blocks.{i}.mlp.{kind}.bias", (lin[kind][0],)))
+    out += [(f"norm.{n}", sh) for n, sh in norm]
+    if not s.tied:
+        out.append(("head.weight", lin["head"]))
+    return out
+
+
+def lora_shapes(s: Setup, kind: str) -> list[tuple]:
+    """peft's LoRA pair on one linear of ``kind``: A (r x in), B (out x r)."""
+    out_f, in_f = linear_shapes(s)[kind]
+    return [(s.lora_rank, in_f), (out_f, s.lora_rank)]
+
+
+def trainable_shapes(s: Setup) -> list[tuple]:
+    """The shapes of the tensors that train (one rank): every parameter, or the LoRA pairs of the
+    targets (peft's order: per layer qkv, proj, up, down, then the head), or the soft prompt."""
+    if s.lora_rank:
+        per_layer = [sh for kind in ("qkv", "proj", "up", "down") if kind in s.lora_targets
+                     for sh in lora_shapes(s, kind)]
+        return per_layer * s.layers + (lora_shapes(s, "head") if "head" in s.lora_targets else [])
+    if s.prompt_tokens:
+        return [(s.prompt_tokens, s.hidden)]
+    return [sh for _, sh in param_shapes(s)]
+
+
+def numel(shape) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+AO_BLOCK = 256          # torchao AdamW8bit: one fp32 scale per 256 values
+AO_MIN_NUMEL = 4096     # smaller tensors (or a size not a multiple of the block) keep fp32 state
+AO_QMAP = 256 * 4       # each quantized state tensor carries its own 256-entry fp32 code book
+
+
+def optimizer_state_bytes(s: Setup, shapes) -> float:
+    """Bytes the optimizer keeps for the trainable tensors ``shapes`` (one rank, before ZeRO).
+
+    adamw: k (``opt_bytes``, 8 = fp32 m and v) per parameter. adamw_8bit (torchao AdamW8bit):
+    per state (m, v) of a tensor of n values: n uint8 codes + 4 n/256 bytes of fp32 block scales
+    + a 1 KiB code book, if n >= 4096 and 256 divides n; else fp32 (4 n). adafactor
+    (torch.optim.Adafactor): a tensor of shape (..., R, C) keeps fp32 row and column second moments
+    (4 (prod(...) R + prod(...) C)); a 1-D tensor a full fp32 second moment; no first moment.
+    sgd: nothing; sgd_momentum: an fp32 momentum buffer. Mixed precision adds the fp32 master
+    copy (4 B per trainable parameter). The 4-byte step counters are not counted.
+    """
+    n = sum(numel(sh) for sh in shapes)
+    master = 4 * n if s.mixed else 0
+    if s.optim == "adamw":
+        return s.opt_bytes * n + master
+    if s.optim == "sgd":
+        return master
+    if s.optim == "sgd_momentum":
+        return 4 * n + master
+    total = 0
+    for sh in shapes:
+        k = numel(sh)
+        if s.optim == "adafactor":
+            total += 4 * (numel(sh[:-1]) + numel(sh[:-2]) * sh[-1]) if len(sh) >= 2 else 4 * k
+        elif k >= AO_MIN_NUMEL and k % AO_BLOCK == 0:           # adamw_8bit, quantized
+            total += 2 * (k + 4 * (k // AO_BLOCK) + AO_QMAP)
+        else:                                                  # adamw_8bit, fp32 fallback
+            total += 2 * 4 * k
+    return total + master
+
+
+def optimizer_temp_bytes(s: Setup, shapes) -> float:
+    """Working memory of one optimizer step (one rank, before ZeRO).
+
+    foreach AdamW: one fp32 copy of the parameters (sqrt of the second moment); fused AdamW and
+    SGD: none. foreach Adafactor: the variance estimate of every matrix (fp32, full size) and,
+    for the 1-D tensors, the squared gradient beside it. adamw_8bit: torchao steps one parameter
+    at a time in one compiled kernel; the fp32 m and v of the largest quantized tensor are taken
+    as its working memory (not measured)."""
+    if s.optim == "adamw":
+        return 4 * sum(numel(sh) for sh in shapes) if s.optimizer == "foreach" else 0
+    if s.optim == "adafactor":
+        return sum(4 * numel(sh) * (1 if len(sh) >= 2 else 2) for sh in shapes)
+    if s.optim == "adamw_8bit":
+        quantized = [numel(sh) for sh in shapes if numel(sh) >= AO_MIN_NUMEL and numel(sh) % AO_BLOCK == 0]
+        return 2 * 4 * max(quantized, default=0)
+    return 0
