@@ -271,7 +271,7 @@ def process_age_s() -> float | None:
 
 
 def _sync(device) -> None:
-    from fasttrain.lab.train import _sync as sync
+    from fasttrain.lab.measure import sync
 
     sync(device)
 
@@ -349,7 +349,9 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     per seed on the CPU, when ``keep_states``)."""
     import torch
 
-    from fasttrain.lab.train import Trainer, eval_settings, resolve_device, tf32_matmuls
+    from fasttrain.lab.checkpoint import eval_settings
+    from fasttrain.lab.measure import tf32_matmuls
+    from fasttrain.lab.train import Trainer, resolve_device
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -556,7 +558,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
 def save_fastest(path, row: dict, run: dict, state: dict, *, corpus, target: float) -> dict:
     """The final model of ``run`` (weights as trained, fp32) with what its evaluation used."""
     from fasttrain.lab.model import GPTConfig, build
-    from fasttrain.lab.train import save_checkpoint
+    from fasttrain.lab.checkpoint import save_checkpoint
 
     model = build(GPTConfig.from_dict(row["model"]), "cpu")
     model.load_state_dict(state)
@@ -576,7 +578,7 @@ def _now() -> str:
 
 
 def _device_name(device) -> str:
-    from fasttrain.lab.train import _gpu_name
+    from fasttrain.lab.measure import gpu_name as _gpu_name
 
     return _gpu_name(device)
 
