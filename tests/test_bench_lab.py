@@ -234,6 +234,7 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
     # no GPU runs out of memory here: a probe that "fits" below 13 sequences stands in for the GPU
     from fasttrain.bench import plots, report
     from fasttrain.bench.runner import Progress, SuiteResult
+    from fasttrain.lab import batchsize
     from fasttrain.lab import train as lab_train
 
     probed = []
@@ -244,7 +245,7 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
 
     monkeypatch.setattr(bench_lab, "SWEEP_PRESET", "tiny")
     monkeypatch.setattr(bench_lab, "SWEEP_OVERRIDES", {})
-    monkeypatch.setattr(lab_train, "probe_batch", probe)
+    monkeypatch.setattr(batchsize, "probe_batch", probe)
     plan = bench_lab.LabPlan("tiny", 2, 1, 1, [], True, 2, device="cpu")
     result = SuiteResult("lab", "t", False, "", "", bench_lab.dataset_info(corpus, plan), {}, 1)
     bench_lab._sweep(plan, result, corpus, lab_train.run, Progress(), True, None)

@@ -18,6 +18,11 @@ from fasttrain.lab.config import LabConfig, preset  # noqa: E402
 from fasttrain.lab.data import (corpus_from_text, eval_windows, load_corpus, train_batches,  # noqa: E402
                                 windows)
 from fasttrain.lab.model import GPTConfig, build  # noqa: E402
+from fasttrain.lab import adapters as lab_adapters  # noqa: E402
+from fasttrain.lab import batchsize as lab_batchsize  # noqa: E402
+from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
+from fasttrain.lab import optim as lab_optim  # noqa: E402
+from fasttrain.lab import pitfall as lab_pitfall  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 
 SHAKESPEARE_SHA = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
@@ -120,12 +125,12 @@ def test_lora_freezes_the_base_and_trains_r_times_in_plus_out_per_target():
     model, cfg = _model("llama", lora_r=4, lora_target_modules=("qkv", "proj", "down"))
     linears = {n: m for n, m in model.named_modules() if n.rsplit(".", 1)[-1] in ("qkv", "proj", "down")}
     expected = sum(4 * (m.in_features + m.out_features) for m in linears.values())
-    model = lab.apply_lora(cfg, model)
+    model = lab_adapters.apply_lora(cfg, model)
     trainable = {n: p for n, p in model.named_parameters() if p.requires_grad}
     assert trainable and all("lora_" in n for n in trainable)
     assert sum(p.numel() for p in trainable.values()) == expected
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
-    opt = lab.build_optimizer(cfg, model)
+    opt = lab_optim.build_optimizer(cfg, model)
     x, y = _xy(v=cfg.vocab_size or 40)
     for _ in range(2):
         model(x, y).backward()
@@ -134,23 +139,23 @@ def test_lora_freezes_the_base_and_trains_r_times_in_plus_out_per_target():
     for n, p in model.named_parameters():
         if not p.requires_grad:
             assert torch.equal(p, frozen[n]), n
-    assert lab.optimizer_state_bytes(opt, include_scalars=False) == 8 * expected
+    assert lab_optim.optimizer_state_bytes(opt, include_scalars=False) == 8 * expected
 
 
 def test_lora_unknown_target_is_one_line():
     pytest.importorskip("peft")
     model, cfg = _model("gpt2", lora_r=2, lora_target_modules=("head",))
     with pytest.raises(FasttrainError, match="tied model has no separate head"):
-        lab.apply_lora(cfg, model)
+        lab_adapters.apply_lora(cfg, model)
 
 
 def test_prompt_tuning_trains_only_the_prompt(corpus):
     model, cfg = _model("llama", prompt_tuning_tokens=5)
-    lab.freeze_for_prompt_tuning(model)
+    lab_adapters.freeze_for_prompt_tuning(model)
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     assert trainable == ["prompt"] and model.prompt.shape == (5, cfg.width)
     before = {n: p.detach().clone() for n, p in model.named_parameters()}
-    opt = lab.build_optimizer(cfg, model)
+    opt = lab_optim.build_optimizer(cfg, model)
     x, y = _xy()
     model(x, y).backward()
     opt.step()
@@ -166,7 +171,7 @@ def test_checkpoint_then_lora_prompt_and_full_fine_tuning(corpus, tmp_path):
     pre = lab.run(tiny(style="llama", kv_heads=1, save=str(ck)), corpus=corpus)
     assert (ck / "model.safetensors").exists() and json.loads((ck / "config.json").read_text())["model"]["norm"] == "rms"
     # the saved model alone reproduces the recorded validation loss, exactly
-    again = lab.evaluate_checkpoint(ck, eval_tokens=256, device="cpu", corpus=corpus)
+    again = lab_checkpoint.evaluate_checkpoint(ck, eval_tokens=256, device="cpu", corpus=corpus)
     assert again["val_loss"] == pre["final"]["val_loss"] == again["recorded_val_loss"]
     runs = {}
     for name, kw in {"full": {}, "lora": dict(lora_r=2), "prompt": dict(prompt_tuning_tokens=4)}.items():
@@ -185,7 +190,7 @@ def _state_after_step(optim, shapes=((64, 256), (256,))):
     m = torch.nn.Module()
     for i, p in enumerate(params):
         m.register_parameter(f"p{i}", p)
-    opt = lab.build_optimizer(tiny(optim=optim), m)
+    opt = lab_optim.build_optimizer(tiny(optim=optim), m)
     for p in params:
         p.grad = torch.randn_like(p)
     opt.step()
@@ -201,7 +206,7 @@ def _state_after_step(optim, shapes=((64, 256), (256,))):
 def test_optimizer_state_bytes_per_parameter(optim, bytes_fn):
     opt = _state_after_step(optim)
     expected = bytes_fn(64, 256) + bytes_fn(256, 1)
-    assert lab.optimizer_state_bytes(opt, include_scalars=False) == expected
+    assert lab_optim.optimizer_state_bytes(opt, include_scalars=False) == expected
 
 
 def test_adamw_8bit_state_is_two_bytes_per_parameter_plus_block_scales():
@@ -211,7 +216,7 @@ def test_adamw_8bit_state_is_two_bytes_per_parameter_plus_block_scales():
     # table(s); the 256-vector is below torchao's 4096-element threshold and stays fp32 (8 B/param)
     n = 64 * 256
     quantized = 2 * (n + 4 * n // 256)
-    got = lab.optimizer_state_bytes(opt, include_scalars=False)
+    got = lab_optim.optimizer_state_bytes(opt, include_scalars=False)
     assert quantized + 8 * 256 <= got <= quantized + 8 * 256 + 2 * 256 * 4
 
 
@@ -337,22 +342,22 @@ def test_find_batch_size_halves_then_bisects():
         tried.append(b)
         return b <= 37
 
-    assert lab.find_batch_size(256, fits) == 37
+    assert lab_batchsize.find_batch_size(256, fits) == 37
     assert tried[:4] == [256, 128, 64, 32]
-    assert lab.find_batch_size(16, lambda b: True) == 16
-    assert lab.find_batch_size(16, lambda b: False) == 0
+    assert lab_batchsize.find_batch_size(16, lambda b: True) == 16
+    assert lab_batchsize.find_batch_size(16, lambda b: False) == 0
 
 
 def test_timing_pitfall_reports_both_ways(corpus):
-    res = lab.timing_pitfall(tiny(), repeats=2, warmup=1, corpus=corpus)
+    res = lab_pitfall.timing_pitfall(tiny(), repeats=2, warmup=1, corpus=corpus)
     assert res["with_sync_ms"]["n"] == res["without_sync_ms"]["n"] == 2
 
 
 def test_lr_schedule_warms_up_then_decays_to_min_lr():
     cfg = preset("shakespeare-char")
-    assert lab.lr_at(cfg, 0) < lab.lr_at(cfg, 50) < lab.lr_at(cfg, 99) <= cfg.learning_rate
-    assert lab.lr_at(cfg, 100) == pytest.approx(cfg.learning_rate)
-    assert lab.lr_at(cfg, cfg.max_steps) == pytest.approx(cfg.min_lr)
+    assert lab_optim.lr_at(cfg, 0) < lab_optim.lr_at(cfg, 50) < lab_optim.lr_at(cfg, 99) <= cfg.learning_rate
+    assert lab_optim.lr_at(cfg, 100) == pytest.approx(cfg.learning_rate)
+    assert lab_optim.lr_at(cfg, cfg.max_steps) == pytest.approx(cfg.min_lr)
 
 
 # --- the CLI and bad input ---------------------------------------------------------------------------
@@ -478,7 +483,8 @@ def test_every_optimizer_follows_the_learning_rate_schedule(corpus):
     """The schedule sets each step's lr on every optimizer, torchao's 8-bit AdamW included (it keeps
     lr as a tensor and refuses a float: seen on the GPU)."""
     pytest.importorskip("torchao")
-    from fasttrain.lab.train import Trainer, lr_at
+    from fasttrain.lab.optim import lr_at
+    from fasttrain.lab.train import Trainer
 
     cfg = tiny(optim="adamw_8bit", max_steps=3, warmup_steps=2)
     trainer = Trainer(cfg, corpus, torch.device("cpu"))

@@ -17,6 +17,8 @@ torch = pytest.importorskip("torch")
 
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import speedrun as sr  # noqa: E402
+from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
+from fasttrain.lab import optim as lab_optim  # noqa: E402
 from fasttrain.lab import speedrun_report as report  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 from fasttrain.lab.data import corpus_from_text  # noqa: E402
@@ -189,7 +191,7 @@ def test_ladder_on_a_tiny_budget_writes_results_and_a_checkpoint_lab_eval_reprod
     assert meta["chars"] == corpus.chars and meta["split"]["val_chars"] == len(corpus.val)
     assert meta["eval"]["eval_batch_size"] == 8 and meta["eval"]["eval_tokens"] == 512
     assert meta["speedrun"]["rung"] == res["fastest"]["name"] == res["saved"]["rung"]
-    again = lab.evaluate_checkpoint(ck, device="cpu", corpus=corpus)
+    again = lab_checkpoint.evaluate_checkpoint(ck, device="cpu", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"] == res["saved"]["val_loss"] and again["val_loss"] <= TARGET
 
 
@@ -275,7 +277,7 @@ def test_gpu_cuda_graph_rung_reaches_a_loose_target_and_the_checkpoint_reevaluat
     assert all(r["summary"]["counts"] for r in res["rows"]), [r.get("error") or r["summary"] for r in res["rows"]]
     meta = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert meta["eval"]["device_type"] == "cuda" and meta["eval"]["bf16"] and meta["eval"]["tf32"]
-    again = lab.evaluate_checkpoint(tmp_path / "ck", device="cuda", corpus=corpus)
+    again = lab_checkpoint.evaluate_checkpoint(tmp_path / "ck", device="cuda", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"]
 
 
@@ -288,7 +290,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
     assert in_muon == {n for n, p in named.items() if n.startswith("blocks.") and p.dim() == 2}
     assert len(trainer.optimizer.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
     trainer.step(*next(trainer.batches(1)))
-    assert all(g["lr"] == lab.lr_at(cfg, 0) for g in trainer.optimizer.param_groups)
+    assert all(g["lr"] == lab_optim.lr_at(cfg, 0) for g in trainer.optimizer.param_groups)
     rec = lab.run(cfg.with_(max_steps=2, eval_interval=0), corpus=corpus)      # the lab's own loop takes it too
     hidden = sum(p.numel() for n, p in named.items() if n in in_muon)
     rest = sum(p.numel() for n, p in named.items() if n not in in_muon)

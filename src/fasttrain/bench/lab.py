@@ -420,6 +420,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
     probe fits, run each that fits, then bisect between the last fit and the first
     out-of-memory to within an eighth."""
     from fasttrain.bench.runner import release_memory
+    from fasttrain.lab import batchsize
     from fasttrain.lab import train as lab_train
     from fasttrain.lab.config import preset
 
@@ -439,7 +440,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
                                timing_warmup_steps=warm, warmup_steps=1, eval_interval=0, eval_tokens=8 * sweep_base.context,
                                eval_batch_size=min(batch, 8), log_interval=1)
         progress.describe(f"lab: sweep {SWEEP_PRESET} batch {batch}: probing")
-        if not lab_train.probe_batch(cfg, corpus, device, batch):
+        if not batchsize.probe_batch(cfg, corpus, device, batch):
             first_oom = batch
             break
         label = f"sweep batch {batch}"
@@ -463,7 +464,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
         while hi - lo > max(1, lo // 8):
             mid = (lo + hi) // 2
             progress.describe(f"lab: sweep edge, probing batch {mid}")
-            if lab_train.probe_batch(sweep_base, corpus, device, mid):
+            if batchsize.probe_batch(sweep_base, corpus, device, mid):
                 lo = mid
             else:
                 hi = mid

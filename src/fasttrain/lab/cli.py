@@ -160,7 +160,8 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
 
 
 def _train(cfg, parallel, out_path, quiet, main) -> None:
-    from fasttrain.lab.train import run, write_record
+    from fasttrain.lab.checkpoint import write_record
+    from fasttrain.lab.train import run
 
     progress = None
     log = None if quiet else (lambda line: err.print(line))
@@ -194,7 +195,7 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
 @click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
 def pitfall(preset_name, repeats, **options) -> None:
     """Time one training step without and with device synchronization, side by side."""
-    from fasttrain.lab.train import timing_pitfall
+    from fasttrain.lab.pitfall import timing_pitfall
 
     cfg = config_from(preset_name, options)
     res = timing_pitfall(cfg, repeats=repeats)
@@ -222,7 +223,7 @@ def pitfall(preset_name, repeats, **options) -> None:
 @click.option("--batch", type=int, help="Validation windows per forward (default: as recorded).")
 def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> None:
     """The validation loss of a checkpoint written with --save, recomputed from it alone."""
-    from fasttrain.lab.train import evaluate_checkpoint
+    from fasttrain.lab.checkpoint import evaluate_checkpoint
 
     if batch is not None and batch < 1:
         raise FasttrainError(f"--batch must be a positive integer, got {batch}")

@@ -21,6 +21,13 @@ from dataclasses import asdict, dataclass, fields, replace
 
 from fasttrain.errors import FasttrainError
 
+LAB_EXTRA = 'pip install -e ".[lab]"'
+
+
+def missing_extra(library: str, exc: ImportError) -> FasttrainError:
+    return FasttrainError(f"{library} is not installed ({exc.name} missing); install the lab extra: {LAB_EXTRA}")
+
+
 STYLES = ("gpt2", "llama")
 OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "adamw_8bit", "sgd", "muon")
 CHECKPOINTING = ("none", "full", "selective")

@@ -268,7 +268,7 @@ def process_age_s() -> float | None:
 
 
 def _sync(device) -> None:
-    from fasttrain.lab.train import _sync as sync
+    from fasttrain.lab.measure import sync
 
     sync(device)
 
@@ -346,7 +346,9 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     per seed on the CPU, when ``keep_states``)."""
     import torch
 
-    from fasttrain.lab.train import Trainer, eval_settings, resolve_device, tf32_matmuls
+    from fasttrain.lab.checkpoint import eval_settings
+    from fasttrain.lab.measure import tf32_matmuls
+    from fasttrain.lab.train import Trainer, resolve_device
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -493,7 +495,7 @@ def _now() -> str:
 
 
 def _device_name(device) -> str:
-    from fasttrain.lab.train import _gpu_name
+    from fasttrain.lab.measure import gpu_name as _gpu_name
 
     return _gpu_name(device)
 

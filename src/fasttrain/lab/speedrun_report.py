@@ -92,7 +92,7 @@ def step_speedup(earlier: dict | None, row: dict) -> float | None:
 def save_fastest(path, row: dict, run: dict, state: dict, *, corpus, target: float) -> dict:
     """The final model of ``run`` (weights as trained, fp32) with what its evaluation used."""
     from fasttrain.lab.model import GPTConfig, build
-    from fasttrain.lab.train import save_checkpoint
+    from fasttrain.lab.checkpoint import save_checkpoint
 
     model = build(GPTConfig.from_dict(row["model"]), "cpu")
     model.load_state_dict(state)

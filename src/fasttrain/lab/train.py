@@ -20,21 +20,19 @@
 
 from __future__ import annotations
 
-import gc
-import json
 import math
 import os
-import shutil
-import tempfile
 import time
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import replace
-from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.config import LabConfig, validate
-
-LAB_EXTRA = 'pip install -e ".[lab]"'
+from fasttrain.lab.adapters import apply_lora, freeze_for_prompt_tuning, merge_lora
+from fasttrain.lab.batchsize import find_batch_size, probe_batch
+from fasttrain.lab.checkpoint import eval_settings, load_weights, read_checkpoint, save_checkpoint
+from fasttrain.lab.config import LabConfig, missing_extra, validate
+from fasttrain.lab.measure import free_memory, gpu_name, memory_by_kind, oom_types, percentiles, sync, tf32_matmuls
+from fasttrain.lab.optim import build_optimizer, lr_at
 
 
 # --- configuration -> model, memory setup ------------------------------------------------------
@@ -72,8 +70,6 @@ def config_from_model(cfg: LabConfig, mc) -> LabConfig:
                      vocab_size=mc.vocab, pad_vocab_to_multiple_of=0, bias=mc.bias)
 
 
-# bytes of optimizer state per trainable parameter as the estimator takes it (k in its formulas)
-OPT_BYTES = {"adamw_torch": 8, "adamw_torch_fused": 8, "adamw_8bit": 2, "adafactor": 0, "sgd": 0, "muon": 4}
 # the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names; Muon keeps
 # one fp32 momentum per hidden-matrix entry, which the estimator counts as SGD with momentum (the
 # AdamW-trained embeddings and norms, a few percent of the parameters, are counted the same way)
@@ -121,251 +117,7 @@ def estimate_notes(cfg: LabConfig) -> list[str]:
     return notes
 
 
-# --- optimizer, PEFT, checkpoints --------------------------------------------------------------
-
-def _missing(library: str, exc: ImportError) -> FasttrainError:
-    return FasttrainError(f"{library} is not installed ({exc.name} missing); install the lab extra: {LAB_EXTRA}")
-
-
-def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
-    """``cfg.optim`` over the trainable parameters; weight decay on matrices (dim >= 2) only."""
-    import torch
-
-    lr = cfg.learning_rate if lr is None else lr
-    params = [p for p in model.parameters() if p.requires_grad]
-    decay = [p for p in params if p.dim() >= 2]
-    rest = [p for p in params if p.dim() < 2]
-    groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
-    groups = [g for g in groups if g["params"]]
-    if world is not None and world.strategy == "tp":
-        from fasttrain.lab.distributed import split_param_groups
-
-        groups = split_param_groups(groups)
-    betas = (cfg.adam_beta1, cfg.adam_beta2)
-    if cfg.optim == "adamw_torch":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
-    if cfg.optim == "adamw_torch_fused":
-        return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon, fused=True)
-    if cfg.optim == "adafactor":
-        # torch's Adafactor: factored second moment (a row and a column vector per matrix), no
-        # first moment; lr caps the relative step size
-        return torch.optim.Adafactor(groups, lr=lr)
-    if cfg.optim == "sgd":
-        return torch.optim.SGD(groups, lr=lr)        # no momentum (as TrainingArguments' "sgd"): no state
-    if cfg.optim == "muon":
-        return build_muon(cfg, model, lr)
-    # adamw_8bit: block-wise quantized moments (2 x 1 byte + one fp32 scale per block of 256)
-    try:
-        from torchao.optim import AdamW8bit
-    except ImportError as exc:
-        try:
-            import bitsandbytes as bnb
-        except ImportError:
-            raise _missing("torchao (or bitsandbytes) for --optim adamw_8bit", exc) from None
-        return bnb.optim.AdamW8bit(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
-    return AdamW8bit(groups, lr=lr, betas=betas, eps=cfg.adam_epsilon)
-
-
-class OptimizerGroup:
-    """Several optimizers stepped as one: ``param_groups`` and ``state`` are their union, so the
-    learning-rate schedule and the state count see a single optimizer."""
-
-    def __init__(self, *optimizers):
-        self.optimizers = optimizers
-
-    @property
-    def param_groups(self) -> list:
-        return [g for opt in self.optimizers for g in opt.param_groups]
-
-    @property
-    def state(self) -> dict:
-        merged = {}
-        for opt in self.optimizers:
-            merged.update(opt.state)
-        return merged
-
-    def step(self) -> None:
-        for opt in self.optimizers:
-            opt.step()
-
-    def zero_grad(self, set_to_none: bool = True) -> None:
-        for opt in self.optimizers:
-            opt.zero_grad(set_to_none=set_to_none)
-
-    def state_dict(self) -> dict:
-        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
-
-    def load_state_dict(self, state: dict) -> None:
-        for opt, s in zip(self.optimizers, state["optimizers"]):
-            opt.load_state_dict(s)
-
-
-def build_muon(cfg: LabConfig, model, lr: float):
-    """Muon for the blocks' 2-D weight matrices, AdamW for the rest (embeddings, norms, biases).
-
-    Muon: momentum M <- mu M + G, update O = NewtonSchulz5(G + mu M) (Nesterov), the nearest
-    semi-orthogonal matrix to it; ``match_rms_adamw`` scales O by 0.2 sqrt(max(rows, cols)) so
-    its RMS matches AdamW's and one learning rate (and schedule) serves both optimizers."""
-    import torch
-
-    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    hidden = [p for n, p in named if p.dim() == 2 and ".blocks." in f".{n}"]
-    hidden_ids = {id(p) for p in hidden}
-    rest = [p for _, p in named if id(p) not in hidden_ids]
-    if not hidden:
-        raise FasttrainError("--optim muon found no trainable 2-D matrices in the transformer blocks")
-    muon = torch.optim.Muon(hidden, lr=lr, weight_decay=cfg.weight_decay, momentum=0.95,
-                            adjust_lr_fn="match_rms_adamw")
-    decay = [p for p in rest if p.dim() >= 2]
-    other = [p for p in rest if p.dim() < 2]
-    groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0})
-              if g["params"]]
-    if not groups:
-        return OptimizerGroup(muon)
-    fused = all(p.device.type == "cuda" for p in rest)
-    adamw = torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                              fused=fused or None)
-    return OptimizerGroup(muon, adamw)
-
-
-def _leaves(t):
-    """The plain tensors holding ``t``'s data (tensor subclasses such as torchao's quantized
-    optimizer state through their inner tensors; a DTensor -- FSDP, tensor parallelism --
-    through this rank's shard)."""
-    if hasattr(t, "to_local") and hasattr(t, "placements"):
-        yield from _leaves(t.to_local())
-        return
-    if hasattr(t, "__tensor_flatten__") and type(t).__name__ != "Parameter":
-        names, _ = t.__tensor_flatten__()
-        for n in names:
-            yield from _leaves(getattr(t, n))
-    else:
-        yield t
-
-
-def tensor_bytes(t) -> int:
-    """Bytes a tensor holds."""
-    return sum(leaf.numel() * leaf.element_size() for leaf in _leaves(t))
-
-
-def optimizer_state_bytes(opt, include_scalars: bool = True) -> int:
-    """Bytes of every tensor in ``opt.state``, storage shared between entries counted once
-    (torchao's 8-bit states share one 256-entry code table)."""
-    import torch
-
-    seen, total = set(), 0
-    for state in opt.state.values():
-        for v in state.values():
-            if not isinstance(v, torch.Tensor) or (not include_scalars and v.dim() == 0):
-                continue
-            for leaf in _leaves(v):
-                key = (leaf.untyped_storage().data_ptr(), leaf.device) if leaf.numel() else None
-                if key is not None and key in seen:
-                    continue
-                seen.add(key)
-                total += leaf.numel() * leaf.element_size()
-    return total
-
-
-def apply_lora(cfg: LabConfig, model):
-    """LoRA through peft: each target ``nn.Linear`` W (out x in) gains A (r x in) and B (out x r),
-    y = W x + (alpha / r) B A x, with W frozen; r (in + out) trainable parameters per target."""
-    try:
-        from peft import LoraConfig, inject_adapter_in_model
-    except ImportError as exc:
-        raise _missing("peft (LoRA)", exc) from None
-    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules() if type(m).__name__ == "Linear"}
-    unknown = [t for t in cfg.lora_target_modules if t not in names]
-    if unknown:
-        hint = " (a tied model has no separate head)" if "head" in unknown else ""
-        raise FasttrainError(f"unknown --lora-target-modules {','.join(unknown)}{hint}; "
-                             f"this model has {', '.join(sorted(names))}")
-    lora = LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                      target_modules=list(cfg.lora_target_modules))
-    return inject_adapter_in_model(lora, model)
-
-
-def merge_lora(model):
-    """Fold every LoRA adapter into its base weight (W += (alpha / r) B A) and drop the wrappers."""
-    for name, module in list(model.named_modules()):
-        if hasattr(module, "base_layer") and hasattr(module, "merge"):
-            module.merge()
-            parent_name, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent_name) if parent_name else model, child, module.base_layer)
-    return model
-
-
-def freeze_for_prompt_tuning(model) -> None:
-    for name, p in model.named_parameters():
-        p.requires_grad_(name == "prompt")
-
-
-def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = None) -> Path:
-    """A folder with ``model.safetensors`` (weights) and ``config.json`` (the model's config, the
-    vocabulary, the lab configuration), written to a temporary folder and renamed into place."""
-    try:
-        from safetensors.torch import save_model
-    except ImportError as exc:
-        raise _missing("safetensors (--save)", exc) from None
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
-    try:
-        save_model(model, str(tmp / "model.safetensors"))
-        meta = {"format": "fasttrain-lab-checkpoint-1", "model": model.config.to_dict(), "chars": chars,
-                "lab": lab, **(extra or {})}
-        (tmp / "config.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
-    return final
-
-
-def read_checkpoint(path) -> dict:
-    p = Path(path)
-    cfg_file, weights = p / "config.json", p / "model.safetensors"
-    if not cfg_file.exists() or not weights.exists():
-        raise FasttrainError(f"{p} is not a lab checkpoint (needs config.json and model.safetensors); "
-                             f"write one with: fasttrain lab --save {p}")
-    try:
-        meta = json.loads(cfg_file.read_text())
-        meta["model"]
-    except (ValueError, KeyError):
-        raise FasttrainError(f"{cfg_file}: not a lab checkpoint config (unreadable JSON)") from None
-    return meta
-
-
-def load_weights(model, path) -> None:
-    try:
-        from safetensors.torch import load_model
-    except ImportError as exc:
-        raise _missing("safetensors (--init-from)", exc) from None
-    try:
-        missing, unexpected = load_model(model, str(Path(path) / "model.safetensors"), strict=False)
-    except Exception as exc:
-        raise FasttrainError(f"{path}: cannot load the weights ({type(exc).__name__}: {str(exc)[:120]})") from None
-    if set(missing) - {"prompt"} or unexpected:
-        raise FasttrainError(f"{path}: weights do not match the model (missing {sorted(missing)[:3]}, "
-                             f"unexpected {sorted(unexpected)[:3]})")
-
-
 # --- the step ------------------------------------------------------------------------------------
-
-def lr_at(cfg: LabConfig, step: int) -> float:
-    """Linear warm-up to ``learning_rate``, then cosine decay to ``min_lr`` at ``max_steps``."""
-    if step < cfg.warmup_steps:
-        return cfg.learning_rate * (step + 1) / (cfg.warmup_steps + 1)
-    span = max(1, cfg.max_steps - cfg.warmup_steps)
-    ratio = min(1.0, (step - cfg.warmup_steps) / span)
-    return cfg.min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (cfg.learning_rate - cfg.min_lr)
-
 
 def autocast_for(cfg: LabConfig, device):
     import torch
@@ -567,104 +319,6 @@ class Trainer:
         return float(total / count), count
 
 
-# --- measuring ---------------------------------------------------------------------------------
-
-def _sync(device) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def percentiles(values: list[float]) -> dict:
-    import numpy as np
-
-    if not values:
-        return {"p20": None, "p50": None, "p80": None, "mean": None, "n": 0}
-    a = np.asarray(values, dtype=float)
-    return {"p20": float(np.percentile(a, 20)), "p50": float(np.percentile(a, 50)),
-            "p80": float(np.percentile(a, 80)), "mean": float(a.mean()), "n": len(values)}
-
-
-def memory_by_kind(trainer: Trainer) -> dict:
-    """Bytes of parameters, gradients (one per trainable parameter), optimizer state and buffers,
-    measured on the tensors themselves."""
-    model = trainer.model
-    params = sum(tensor_bytes(p) for p in model.parameters())
-    # a gradient has its parameter's shape (and, sharded, its shard: the bytes on this rank)
-    grads = sum(tensor_bytes(p) for p in trainer.trainable)
-    buffers = sum(tensor_bytes(b) for b in model.buffers())
-    from fasttrain.lab.distributed import local_optimizer
-
-    return {"parameters": params, "gradients": grads,
-            "optimizer_state": optimizer_state_bytes(local_optimizer(trainer.optimizer)), "buffers": buffers}
-
-
-def _oom_types():
-    import torch
-
-    return (torch.cuda.OutOfMemoryError,) if hasattr(torch.cuda, "OutOfMemoryError") else ()
-
-
-def find_batch_size(start: int, fits) -> int:
-    """The largest batch <= ``start`` for which ``fits(batch)`` holds: halve until one fits, then
-    bisect between it and the smallest batch known not to fit. 0 when not even 1 fits."""
-    hi_fail = None
-    b = start
-    while b >= 1 and not fits(b):
-        hi_fail, b = b, b // 2
-    if b < 1:
-        return 0
-    lo = b
-    if hi_fail is None:
-        return lo
-    while hi_fail - lo > 1:
-        mid = (lo + hi_fail) // 2
-        if fits(mid):
-            lo = mid
-        else:
-            hi_fail = mid
-    return lo
-
-
-def _free(device) -> None:
-    gc.collect()
-    if device.type == "cuda":
-        import torch
-
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-
-
-def _steps_fit(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    try:
-        trainer = Trainer(cfg, corpus, device, batch=batch)
-        for x, y in trainer.batches(2):
-            trainer.step(x, y)
-        _sync(device)
-        return True
-    except _oom_types():
-        return False
-
-
-def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    """Does training at micro-batch ``batch`` fit? (a fresh model, two steps so that the optimizer
-    state exists). Out-of-memory is caught in a frame that is gone, with its tensors, before the
-    cache is emptied."""
-    fits = _steps_fit(cfg, corpus, device, batch)
-    _free(device)
-    return fits
-
-
-def _gpu_name(device) -> str:
-    import torch
-
-    if device.type != "cuda":
-        return "cpu"
-    props = torch.cuda.get_device_properties(device)
-    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
-
-
 # --- the run -------------------------------------------------------------------------------------
 
 def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None) -> dict:
@@ -706,17 +360,17 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
         try:
             import liger_kernel  # noqa: F401
         except ImportError as exc:
-            raise _missing("liger-kernel (--use-liger-kernel)", exc) from None
+            raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
     if cfg.lora_r:
         try:
             import peft  # noqa: F401
         except ImportError as exc:
-            raise _missing("peft (LoRA)", exc) from None
+            raise missing_extra("peft (LoRA)", exc) from None
     if cfg.save or cfg.init_from:                   # fail before training, not after it
         try:
             import safetensors.torch  # noqa: F401
         except ImportError as exc:
-            raise _missing("safetensors (--save, --init-from)", exc) from None
+            raise missing_extra("safetensors (--save, --init-from)", exc) from None
     corpus = corpus or load_corpus(cfg.data_dir)
     if cfg.init_from:
         meta = read_checkpoint(cfg.init_from)
@@ -728,31 +382,6 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
         check_model_fits(cfg, world.world_size, world.strategy)
     with tf32_matmuls(cfg.tf32):
         return _run(cfg, corpus, device, log, progress, wall0, environment, world)
-
-
-@contextmanager
-def tf32_matmuls(enabled: bool):
-    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores inside, restored on exit."""
-    import torch
-
-    matmul_precision = torch.get_float32_matmul_precision()
-    cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(matmul_precision)
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
-
-
-def eval_settings(cfg: LabConfig, batch: int, device) -> dict:
-    """What an evaluation's numbers depend on, stored with a checkpoint so that ``lab eval``
-    forms the same sums in the same order and dtype: the validation batch (windows per forward),
-    the token budget, autocast, TF32 and the device it ran on."""
-    return {"eval_batch_size": cfg.eval_batch_size or batch, "eval_tokens": cfg.eval_tokens, "bf16": cfg.bf16,
-            "fp16": cfg.fp16, "tf32": cfg.tf32, "device_type": device.type, "device": _gpu_name(device),
-            "attn_implementation": cfg.attn_implementation}
 
 
 def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
@@ -771,17 +400,17 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         t0 = time.perf_counter()
         found = find_batch_size(batch, lambda b: probe_batch(cfg, corpus, device, b))
         if found == 0:
-            raise FasttrainError(f"not even a batch of 1 fits on {_gpu_name(device)}; try --gradient-checkpointing "
+            raise FasttrainError(f"not even a batch of 1 fits on {gpu_name(device)}; try --gradient-checkpointing "
                                  f"full, --bf16 or a smaller model")
         auto = {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
         log(f"auto-find-batch-size: {found} (from {batch})")
         batch = found
     if cuda:
-        _free(device)
+        free_memory(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, corpus, device, batch=batch, world=world)
-    _sync(device)
+    sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
 
     record_eval = []
@@ -795,12 +424,12 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     def do_eval(step):
         nonlocal train_peak, reserved_peak, eval_ms_total
         if cuda:
-            _sync(device)
+            sync(device)
             train_peak = max(train_peak, torch.cuda.max_memory_allocated(device))
             reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(device))
         t = time.perf_counter()
         val, n = trainer.evaluate()
-        _sync(device)
+        sync(device)
         ms = 1e3 * (time.perf_counter() - t)
         eval_ms_total += ms
         record_eval.append({"step": step, "val_loss": val, "tokens": n, "ms": ms})
@@ -811,11 +440,11 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     try:
         batches = trainer.batches(cfg.max_steps)
         for i in range(cfg.max_steps):
-            _sync(device)
+            sync(device)
             t = time.perf_counter()
             x, y = next(batches)        # loading is inside the timed step: preload vs DataLoader is measured
             loss = trainer.step(x, y)
-            _sync(device)
+            sync(device)
             ms = 1e3 * (time.perf_counter() - t)
             (warmup_ms if i < cfg.timing_warmup_steps else step_ms).append(ms)
             step = i + 1
@@ -831,23 +460,23 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
                 do_eval(step)
             if progress:
                 progress(step, cfg.max_steps)
-    except _oom_types():
+    except oom_types():
         oom = True                  # handled below, once the exception (and its frames' tensors) is gone
     else:
         oom = False
     if oom:
         del trainer
         x = y = loss = None
-        _free(device)
+        free_memory(device)
         if world.distributed:
             raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
-                                 f"{_gpu_name(device)} under --strategy {world.strategy}; lower "
+                                 f"{gpu_name(device)} under --strategy {world.strategy}; lower "
                                  f"--per-device-train-batch-size (find the largest on one GPU with "
                                  f"--auto-find-batch-size)") from None
         largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
         hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
                 f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
-        raise FasttrainError(f"a per-device batch of {batch} does not fit on {_gpu_name(device)}; {hint}")
+        raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; {hint}")
     do_eval(cfg.max_steps)
     peak = train_peak if cuda else None
     kinds = dict(mem_kinds)
@@ -889,7 +518,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     distributed = None
     tokens_per_s = tokens_per_step / (steps["mean"] / 1e3) if steps["mean"] else None
     if world.distributed:
-        ranks = D.gather({"rank": world.rank, "device": _gpu_name(device), "peak_allocated_bytes": peak,
+        ranks = D.gather({"rank": world.rank, "device": gpu_name(device), "peak_allocated_bytes": peak,
                           "peak_reserved_bytes": reserved_peak if cuda else None, "by_kind": kinds,
                           "step_ms": steps}, world)
         # the world moves at the pace of its slowest rank
@@ -912,7 +541,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         "config": cfg.to_dict(),
         "model": trainer.model_config.to_dict(),
         "environment": environment(),
-        "device": _gpu_name(device),
+        "device": gpu_name(device),
         "precision": cfg.precision,
         "batch": {"per_device_train_batch_size": batch, "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
                   "tokens_per_step": tokens_per_step, "auto_find_batch_size": auto},
@@ -941,7 +570,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     if distributed:
         record["distributed"] = distributed
     del trainer, model
-    _free(device)
+    free_memory(device)
     return record
 
 
@@ -961,96 +590,3 @@ def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict |
     if measured:
         out["error_pct"] = 100.0 * (est.total - measured) / measured
     return out
-
-
-def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, device: str = "auto",
-                        batch: int | None = None, bf16: bool | None = None, tf32: bool | None = None,
-                        corpus=None) -> dict:
-    """The validation loss of a checkpoint written with ``--save``, from it alone.
-
-    Every setting left ``None`` comes from the checkpoint's record of its own evaluation
-    (:func:`eval_settings`): the validation batch, the token budget (default the whole split),
-    autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
-    same kind of device the recorded loss comes back exactly."""
-    from fasttrain.lab.data import load_corpus
-
-    meta = read_checkpoint(path)
-    recorded = meta.get("eval") or {}
-    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
-    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
-    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
-    fp16 = recorded.get("fp16", False) and not bf16
-    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
-    corpus = corpus or load_corpus(data_dir)
-    model = meta["model"]
-    cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
-                    eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
-                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
-                    dropout=0.0)
-    from fasttrain.lab.model import GPTConfig
-
-    cfg = validate(config_from_model(cfg, GPTConfig.from_dict(model)))
-    dev = resolve_device(cfg)
-    with tf32_matmuls(tf32):
-        trainer = Trainer(cfg, corpus, dev)
-        if cfg.prompt_tuning_tokens:
-            load_weights(trainer.model, path)           # the trained prompt, not a fresh one
-        t = time.perf_counter()
-        loss, n = trainer.evaluate()
-        _sync(dev)
-        ms = 1e3 * (time.perf_counter() - t)
-    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
-            "recorded_val_loss": meta.get("val_loss"), "device": _gpu_name(dev),
-            "recorded_device": recorded.get("device"),
-            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
-                         "tf32": tf32}}
-
-
-def write_record(record: dict, path) -> Path:
-    """JSON written to a temporary file beside ``path`` and renamed into place."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh, indent=1, default=str)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return final
-
-
-# --- the timing pitfall ------------------------------------------------------------------------
-
-def timing_pitfall(cfg: LabConfig, *, repeats: int = 5, warmup: int = 3, corpus=None) -> dict:
-    """One training step timed two ways, ``repeats`` times each after ``warmup`` steps:
-    ``perf_counter`` around the step alone (measures how long the CPU took to *enqueue* the GPU's
-    work: kernels launch asynchronously) and with ``torch.cuda.synchronize()`` before and after
-    (measures the work). On the CPU both are the same: it computes synchronously."""
-    from fasttrain.lab.data import load_corpus
-
-    validate(cfg)
-    device = resolve_device(cfg)
-    corpus = corpus or load_corpus(cfg.data_dir)
-    trainer = Trainer(cfg, corpus, device)
-    batches = trainer.batches(warmup + 2 * repeats)
-    for _ in range(warmup):
-        trainer.step(*next(batches))
-    _sync(device)
-    unsynced, synced = [], []
-    for _ in range(repeats):
-        x, y = next(batches)
-        t = time.perf_counter()
-        trainer.step(x, y)                       # no synchronization: the clock stops at the launch
-        unsynced.append(1e3 * (time.perf_counter() - t))
-        _sync(device)                            # (let the queued work finish before the next case)
-        x, y = next(batches)
-        _sync(device)
-        t = time.perf_counter()
-        trainer.step(x, y)
-        _sync(device)
-        synced.append(1e3 * (time.perf_counter() - t))
-    return {"device": _gpu_name(device), "config": cfg.name, "repeats": repeats,
-            "without_sync_ms": percentiles(unsynced), "with_sync_ms": percentiles(synced),
-            "without_sync_all_ms": unsynced, "with_sync_all_ms": synced}

@@ -1,0 +1,80 @@
+"""Measuring on the device: synchronization, percentiles, memory by kind, the device's name,
+TF32 matmuls, out-of-memory errors and giving cached memory back."""
+
+from __future__ import annotations
+
+import gc
+from contextlib import contextmanager
+
+from fasttrain.lab.optim import optimizer_state_bytes, tensor_bytes
+
+
+def sync(device) -> None:
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def percentiles(values: list[float]) -> dict:
+    import numpy as np
+
+    if not values:
+        return {"p20": None, "p50": None, "p80": None, "mean": None, "n": 0}
+    a = np.asarray(values, dtype=float)
+    return {"p20": float(np.percentile(a, 20)), "p50": float(np.percentile(a, 50)),
+            "p80": float(np.percentile(a, 80)), "mean": float(a.mean()), "n": len(values)}
+
+
+def memory_by_kind(trainer) -> dict:
+    """Bytes of parameters, gradients (one per trainable parameter), optimizer state and buffers,
+    measured on the tensors themselves."""
+    model = trainer.model
+    params = sum(tensor_bytes(p) for p in model.parameters())
+    # a gradient has its parameter's shape (and, sharded, its shard: the bytes on this rank)
+    grads = sum(tensor_bytes(p) for p in trainer.trainable)
+    buffers = sum(tensor_bytes(b) for b in model.buffers())
+    from fasttrain.lab.distributed import local_optimizer
+
+    return {"parameters": params, "gradients": grads,
+            "optimizer_state": optimizer_state_bytes(local_optimizer(trainer.optimizer)), "buffers": buffers}
+
+
+def oom_types():
+    import torch
+
+    return (torch.cuda.OutOfMemoryError,) if hasattr(torch.cuda, "OutOfMemoryError") else ()
+
+
+def free_memory(device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+
+
+def gpu_name(device) -> str:
+    import torch
+
+    if device.type != "cuda":
+        return "cpu"
+    props = torch.cuda.get_device_properties(device)
+    return f"{props.name} ({props.total_memory / 2**30:.0f} GiB)"
+
+
+@contextmanager
+def tf32_matmuls(enabled: bool):
+    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores inside, restored on exit."""
+    import torch
+
+    matmul_precision = torch.get_float32_matmul_precision()
+    cudnn_tf32 = torch.backends.cudnn.allow_tf32
+    torch.set_float32_matmul_precision("high" if enabled else "highest")
+    torch.backends.cudnn.allow_tf32 = enabled
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(matmul_precision)
+        torch.backends.cudnn.allow_tf32 = cudnn_tf32
