@@ -57,3 +57,20 @@ def mnist(mnist_dir):
     from fasttrain.data import load_dataset
 
     return load_dataset("mnist", mnist_dir)
+
+
+@pytest.fixture(scope="session")
+def corpus():
+    """The lab's corpus of a toy text (tests_support.toy_text): no download, seconds to train on."""
+    from fasttrain.lab.data import corpus_from_text
+    from tests_support import toy_text
+
+    return corpus_from_text(toy_text())
+
+
+@pytest.fixture
+def fake_corpus(monkeypatch, corpus):
+    """``load_corpus`` returns the toy corpus (the CLI paths find no Tiny Shakespeare needed)."""
+    import fasttrain.lab.data as data
+
+    monkeypatch.setattr(data, "load_corpus", lambda data_dir=None, name="tinyshakespeare": corpus)

@@ -6,17 +6,16 @@ from __future__ import annotations
 import csv
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests_support import run_cli  # noqa: E402
 from fasttrain.bench import lab as bench_lab  # noqa: E402
 from fasttrain.bench import lab_report  # noqa: E402
 from fasttrain.bench.report import CSV_COLUMNS  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.config import preset  # noqa: E402
-from fasttrain.lab.data import corpus_from_text  # noqa: E402
 
 
 # --- ticks on given numbers ---------------------------------------------------------------------
@@ -110,38 +109,10 @@ def test_cpu_skips_the_gpu_rows_with_a_reason():
 
 # --- runs ---------------------------------------------------------------------------------------
 
-def _text(n=20000, seed=0):
-    rng = np.random.default_rng(seed)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    out = []
-    while sum(map(len, out)) < n:
-        out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
-    return "".join(out)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return corpus_from_text(_text())
-
-
-@pytest.fixture
-def fake_corpus(monkeypatch, corpus):
-    import fasttrain.lab.data as data
-
-    monkeypatch.setattr(data, "load_corpus", lambda data_dir=None, name="tinyshakespeare": corpus)
-
-
-def _cli(args, capsys):
-    from fasttrain.cli import main
-
-    code = main(args)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
 
 def test_bench_lab_on_the_cpu_writes_csv_markdown_and_readme(fake_corpus, tmp_path, capsys):
     out = tmp_path / "res"
-    code, stdout, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
+    code, stdout, err = run_cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
                               "--rows", "baseline,batch,LoRA,fp16,sweep", "--out", str(out)], capsys)
     assert code == 0, err
     for name in ("lab.json", "lab.csv", "lab.md", "results.csv", "README.md"):
@@ -178,17 +149,17 @@ def test_bench_lab_on_the_cpu_writes_csv_markdown_and_readme(fake_corpus, tmp_pa
     assert "lab_loss_curves.png" in md or not (out / "lab_loss_curves.png").exists()
     assert "The lecture's table, measured" in stdout
     # the README section generator picks the lab up
-    code, readme, err = _cli(["bench", "readme", str(out)], capsys)
+    code, readme, err = run_cli(["bench", "readme", str(out)], capsys)
     assert code == 0, err
     assert "The lecture's table, measured" in readme
 
     # a second run of other rows merges; another setting is refused with one line
-    code, _, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
+    code, _, err = run_cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",
                          "--rows", "adafactor", "--out", str(out)], capsys)
     assert code == 0, err
     labels = [c["label"] for c in json.loads((out / "lab.json").read_text())["cases"]]
     assert "adafactor" in labels and "LoRA r=8 qkv,proj" in labels
-    code, _, err = _cli(["bench", "lab", "--preset", "tiny", "--steps", "4", "--device", "cpu", "--rows", "baseline",
+    code, _, err = run_cli(["bench", "lab", "--preset", "tiny", "--steps", "4", "--device", "cpu", "--rows", "baseline",
                          "--out", str(out)], capsys)
     assert code != 0 and "another setting" in err and "Traceback" not in err
 
@@ -219,13 +190,13 @@ def test_a_run_cut_short_keeps_its_finished_rows(corpus):
     (["--preset", "tiny", "--steps", "0"], "--steps"),
 ])
 def test_bench_lab_bad_input_is_one_line(fake_corpus, tmp_path, capsys, args, message):
-    code, _, err = _cli(["bench", "lab", "--device", "cpu", "--out", str(tmp_path / "r"), *args], capsys)
+    code, _, err = run_cli(["bench", "lab", "--device", "cpu", "--out", str(tmp_path / "r"), *args], capsys)
     assert code != 0 and message in err and "Traceback" not in err
     assert not (tmp_path / "r" / "lab.json").exists()
 
 
 def test_bench_lab_list_shows_rows_and_skips(capsys):
-    code, out, err = _cli(["bench", "lab", "--preset", "tiny", "--device", "cpu", "--list"], capsys)
+    code, out, err = run_cli(["bench", "lab", "--preset", "tiny", "--device", "cpu", "--list"], capsys)
     assert code == 0, err
     assert "baseline" in out and "skip" in out and "liger" in out and "sweep" in out
 

@@ -13,11 +13,11 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests_support import run_cli, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.config import LabConfig, preset  # noqa: E402
-from fasttrain.lab.data import (corpus_from_text, eval_windows, load_corpus, train_batches,  # noqa: E402
-                                windows)
-from fasttrain.lab.model import GPTConfig, build  # noqa: E402
+from fasttrain.lab.data import eval_windows, load_corpus, train_batches, windows  # noqa: E402
+from fasttrain.lab.model import build  # noqa: E402
 from fasttrain.lab import adapters as lab_adapters  # noqa: E402
 from fasttrain.lab import batchsize as lab_batchsize  # noqa: E402
 from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
@@ -26,21 +26,6 @@ from fasttrain.lab import pitfall as lab_pitfall  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 
 SHAKESPEARE_SHA = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
-
-
-def _text(n=20000, seed=0):
-    # a learnable toy language: words from a small vocabulary with punctuation
-    rng = np.random.default_rng(seed)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    out = []
-    while sum(map(len, out)) < n:
-        out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
-    return "".join(out)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return corpus_from_text(_text())
 
 
 def tiny(**kw) -> LabConfig:
@@ -254,7 +239,7 @@ def test_validation_windows_predict_every_character_once():
 def test_char_corpus_split_and_round_trip(corpus):
     assert len(corpus.train) == int(0.9 * (len(corpus.train) + len(corpus.val)))
     w = windows(corpus.train, np.array([0, 5]), 8)
-    assert corpus.decode(w[0]) == _text()[:9]
+    assert corpus.decode(w[0]) == toy_text()[:9]
 
 
 def _shakespeare_root():
@@ -287,7 +272,7 @@ def test_download_writes_only_a_verified_file(tmp_path, monkeypatch):
     from fasttrain.data import datasets, text
     from fasttrain.errors import DataError
 
-    good = _text().encode()
+    good = toy_text().encode()
     monkeypatch.setitem(text.TEXT_DATASETS, "tinyshakespeare",
                         text.TEXT_DATASETS["tinyshakespeare"].__class__(
                             "tinyshakespeare", "Tiny Shakespeare", "input.txt",
@@ -362,24 +347,10 @@ def test_lr_schedule_warms_up_then_decays_to_min_lr():
 
 # --- the CLI and bad input ---------------------------------------------------------------------------
 
-def _cli(args, capsys):
-    from fasttrain.cli import main
-
-    code = main(args)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
-
-
-@pytest.fixture
-def fake_corpus(monkeypatch, corpus):
-    import fasttrain.lab.data as data
-
-    monkeypatch.setattr(data, "load_corpus", lambda data_dir=None, name="tinyshakespeare": corpus)
-
 
 def test_cli_trains_tiny_with_several_techniques(fake_corpus, tmp_path, capsys):
     out = tmp_path / "run.json"
-    code, stdout, stderr = _cli(["lab", "--preset", "tiny", "--max-steps", "4", "--device", "cpu",
+    code, stdout, stderr = run_cli(["lab", "--preset", "tiny", "--max-steps", "4", "--device", "cpu",
                                  "--per-device-train-batch-size", "4", "--gradient-accumulation-steps", "2",
                                  "--gradient-checkpointing", "--optim", "adafactor", "--preload",
                                  "--style", "llama", "--kv-heads", "1", "--attn-implementation", "sdpa",
@@ -392,7 +363,7 @@ def test_cli_trains_tiny_with_several_techniques(fake_corpus, tmp_path, capsys):
 
 
 def test_cli_dataloader_workers_and_fp16_autocast(fake_corpus, tmp_path, capsys):
-    code, stdout, stderr = _cli(["lab", "--preset", "tiny", "--max-steps", "2", "--device", "cpu", "--quiet",
+    code, stdout, stderr = run_cli(["lab", "--preset", "tiny", "--max-steps", "2", "--device", "cpu", "--quiet",
                                  "--dataloader-num-workers", "1", "--dataloader-prefetch-factor", "2",
                                  "--bf16", "--out", str(tmp_path / "r.json")], capsys)
     assert code == 0, stderr
@@ -400,7 +371,7 @@ def test_cli_dataloader_workers_and_fp16_autocast(fake_corpus, tmp_path, capsys)
 
 
 def test_cli_pitfall(fake_corpus, capsys):
-    code, stdout, stderr = _cli(["lab", "pitfall", "--preset", "tiny", "--device", "cpu", "--repeats", "2"], capsys)
+    code, stdout, stderr = run_cli(["lab", "pitfall", "--preset", "tiny", "--device", "cpu", "--repeats", "2"], capsys)
     assert code == 0, stderr
     assert "synchronize" in stdout
 
@@ -418,7 +389,7 @@ def test_cli_pitfall(fake_corpus, capsys):
 ])
 def test_cli_bad_input_is_one_line_without_output_file(fake_corpus, tmp_path, capsys, args, message):
     out = tmp_path / "run.json"
-    code, stdout, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", *args, "--out", str(out)]
+    code, stdout, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", *args, "--out", str(out)]
                                 if args[0] != "--preset" else ["lab", *args, "--quiet", "--out", str(out)], capsys)
     assert code != 0
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -429,19 +400,19 @@ def test_cli_bad_input_is_one_line_without_output_file(fake_corpus, tmp_path, ca
 def test_cli_eval_of_a_saved_checkpoint(fake_corpus, tmp_path, capsys):
     pytest.importorskip("safetensors")
     ck = tmp_path / "ck"
-    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
                             "--eval-tokens", "300", "--save", str(ck), "--out", str(tmp_path / "r.json")], capsys)
     assert code == 0, stderr
     recorded = json.loads((tmp_path / "r.json").read_text())["final"]["val_loss"]
-    code, stdout, stderr = _cli(["lab", "eval", str(ck), "--device", "cpu", "--eval-tokens", "300"], capsys)
+    code, stdout, stderr = run_cli(["lab", "eval", str(ck), "--device", "cpu", "--eval-tokens", "300"], capsys)
     assert code == 0, stderr
     assert f"val loss {recorded:.6f}" in stdout and f"recorded at save: {recorded:.6f}" in stdout
-    code, _, stderr = _cli(["lab", "eval", str(tmp_path / "nothing")], capsys)
+    code, _, stderr = run_cli(["lab", "eval", str(tmp_path / "nothing")], capsys)
     assert code == 1 and "is not a lab checkpoint" in stderr
 
 
 def test_cli_missing_data_is_one_line(tmp_path, capsys):
-    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--data-dir", str(tmp_path)],
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--data-dir", str(tmp_path)],
                            capsys)
     assert code == 1 and stderr.startswith("error: Tiny Shakespeare file not found") and stderr.count("\n") == 1
 
@@ -450,12 +421,12 @@ def test_missing_optional_library_names_the_extra(fake_corpus, monkeypatch, caps
     import sys
 
     monkeypatch.setitem(sys.modules, "peft", None)          # import peft -> ImportError
-    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--lora-r", "2"], capsys)
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--lora-r", "2"], capsys)
     assert code == 1 and 'pip install -e ".[lab]"' in stderr and stderr.count("\n") == 1
 
 
 def test_cli_help_lists_the_trainingarguments_flags(capsys):
-    code, stdout, _ = _cli(["lab", "--help"], capsys)
+    code, stdout, _ = run_cli(["lab", "--help"], capsys)
     assert code == 0
     for flag in ("--per-device-train-batch-size", "--auto-find-batch-size", "--gradient-accumulation-steps",
                  "--gradient-checkpointing", "--fp16", "--bf16", "--tf32", "--optim", "--preload",
@@ -471,10 +442,10 @@ def test_runs_without_the_optional_libraries(fake_corpus, monkeypatch, tmp_path,
 
     for name in ("peft", "liger_kernel", "torchao", "safetensors", "bitsandbytes"):
         monkeypatch.setitem(sys.modules, name, None)
-    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
                             "--gradient-checkpointing", "selective", "--out", str(tmp_path / "r.json")], capsys)
     assert code == 0, stderr
-    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--save", str(tmp_path / "ck")],
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--save", str(tmp_path / "ck")],
                            capsys)
     assert code == 1 and "safetensors" in stderr and not (tmp_path / "ck").exists()
 

@@ -10,50 +10,20 @@ import csv
 import io
 import json
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
+from tests_support import run_cli  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import speedrun as sr  # noqa: E402
 from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
 from fasttrain.lab import speedrun_report as report  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
-from fasttrain.lab.data import corpus_from_text  # noqa: E402
 
 TARGET = 2.2           # the tiny model reaches it on the synthetic corpus after ~10 steps
 SMALL = dict(max_steps=20, eval_interval=5, eval_tokens=512, device="cpu", torch_compile=False)
-
-
-def _text(n=20000, seed=0):
-    rng = np.random.default_rng(seed)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    out = []
-    while sum(map(len, out)) < n:
-        out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
-    return "".join(out)
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return corpus_from_text(_text())
-
-
-@pytest.fixture
-def fake_corpus(monkeypatch, corpus):
-    import fasttrain.lab.data as data
-
-    monkeypatch.setattr(data, "load_corpus", lambda data_dir=None, name="tinyshakespeare": corpus)
-
-
-def _cli(args, capsys):
-    from fasttrain.cli import main
-
-    code = main(args)
-    cap = capsys.readouterr()
-    return code, cap.out, cap.err
 
 
 # --- the ladder's definition -------------------------------------------------------------------
@@ -198,19 +168,19 @@ def test_ladder_on_a_tiny_budget_writes_results_and_a_checkpoint_lab_eval_reprod
 def test_cli_speedrun_then_lab_eval(fake_corpus, tmp_path, capsys):
     pytest.importorskip("safetensors")
     out, ck = tmp_path / "out", tmp_path / "ck"
-    code, stdout, stderr = _cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0,bf16", "--seeds", "1",
+    code, stdout, stderr = run_cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0,bf16", "--seeds", "1",
                                  "--target", str(TARGET), "--set", "max_steps=20,eval_interval=5,eval_tokens=512",
                                  "--device", "cpu", "--variant", "hot:learning_rate=2e-2", "--quiet",
                                  "--out", str(out), "--save", str(ck)], capsys)
     assert code == 0, stderr
     assert "| 2 | bf16 |" in stdout and "| hot | hot |" in stdout and "rung 2 (bf16) with learning_rate=0.02" in stdout
     recorded = json.loads((ck / "config.json").read_text())["val_loss"]
-    code, stdout, stderr = _cli(["lab", "eval", str(ck), "--device", "cpu"], capsys)
+    code, stdout, stderr = run_cli(["lab", "eval", str(ck), "--device", "cpu"], capsys)
     assert code == 0, stderr
     assert f"val loss {recorded:.6f}" in stdout and "(identical)" in stdout
     readme = tmp_path / "README.md"
     readme.write_text(f"# x\n\n{report.README_START}\nold\n{report.README_END}\n")
-    code, _, stderr = _cli(["lab", "speedrun", "readme", str(out), "--into", str(readme)], capsys)
+    code, _, stderr = run_cli(["lab", "speedrun", "readme", str(out), "--into", str(readme)], capsys)
     assert code == 0, stderr
     text = readme.read_text()
     assert "old" not in text and "fasttrain lab speedrun readme" in text and "| 2 | bf16 |" in text
@@ -225,7 +195,7 @@ def test_budget_skips_what_would_start_too_late_and_the_table_says_so(corpus, tm
 
 
 def test_cli_list_shows_every_rung(capsys):
-    code, stdout, _ = _cli(["lab", "speedrun", "--list"], capsys)
+    code, stdout, _ = run_cli(["lab", "speedrun", "--list"], capsys)
     assert code == 0 and all(r.name in stdout for r in sr.LADDER)
 
 
@@ -242,7 +212,7 @@ def test_cli_list_shows_every_rung(capsys):
 ])
 def test_cli_bad_input_is_one_line_and_writes_nothing(fake_corpus, tmp_path, capsys, args, message):
     out = tmp_path / "out"
-    code, _, stderr = _cli(["lab", "speedrun", "--preset", "tiny", "--device", "cpu", "--quiet", "--out", str(out),
+    code, _, stderr = run_cli(["lab", "speedrun", "--preset", "tiny", "--device", "cpu", "--quiet", "--out", str(out),
                             *args], capsys)
     assert code == 1
     lines = [line for line in stderr.splitlines() if line.strip()]
@@ -252,7 +222,7 @@ def test_cli_bad_input_is_one_line_and_writes_nothing(fake_corpus, tmp_path, cap
 
 def test_cli_save_without_a_counted_rung_says_so_after_the_table(fake_corpus, tmp_path, capsys):
     out, ck = tmp_path / "out", tmp_path / "ck"
-    code, stdout, stderr = _cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0", "--seeds", "1",
+    code, stdout, stderr = run_cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0", "--seeds", "1",
                                  "--target", "0.01", "--set", "max_steps=5,eval_interval=5,eval_tokens=256",
                                  "--device", "cpu", "--quiet", "--out", str(out), "--save", str(ck)], capsys)
     assert code == 1 and stderr.startswith("error: no rung reached 0.01") and stderr.count("\n") == 1
@@ -260,7 +230,7 @@ def test_cli_save_without_a_counted_rung_says_so_after_the_table(fake_corpus, tm
 
 
 def test_readme_of_a_folder_without_results_is_one_line(tmp_path, capsys):
-    code, _, stderr = _cli(["lab", "speedrun", "readme", str(tmp_path)], capsys)
+    code, _, stderr = run_cli(["lab", "speedrun", "readme", str(tmp_path)], capsys)
     assert code == 1 and stderr.startswith("error:") and "speedrun.json: no such file" in stderr
 
 

@@ -1,4 +1,5 @@
-"""Helpers shared by the hardening tests: run the CLI in a subprocess, check a one-line error."""
+"""Helpers shared by the tests: run the CLI (in a subprocess or in-process), check a one-line error, a toy
+text corpus for the lab."""
 
 from __future__ import annotations
 
@@ -22,3 +23,24 @@ def one_line_error(result, pattern):
     assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
     assert re.search(pattern, lines[0]), lines[0]
     return lines[0]
+
+
+def run_cli(args, capsys):
+    """``fasttrain ARGS`` in this process: (exit code, stdout, stderr)."""
+    from fasttrain.cli import main
+
+    code = main(args)
+    cap = capsys.readouterr()
+    return code, cap.out, cap.err
+
+
+def toy_text(n=20000, seed=0):
+    """A learnable toy language for the lab's tests: words from a small vocabulary with punctuation."""
+    import numpy as np
+
+    rng = np.random.default_rng(seed)
+    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
+    out = []
+    while sum(map(len, out)) < n:
+        out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
+    return "".join(out)
