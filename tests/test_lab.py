@@ -221,14 +221,6 @@ def test_preload_and_dataloader_give_the_same_batches(corpus, workers, pin):
     assert not torch.equal(other[0][0], pre[0][0])
 
 
-def test_ranks_together_see_the_windows_of_one_process(corpus):
-    kw = dict(seed=3, context=16, steps=2, device="cpu", preload=True)
-    whole = list(train_batches(corpus.train, batch=8, **kw))
-    parts = [list(train_batches(corpus.train, batch=4, rank=r, world=2, **kw)) for r in range(2)]
-    for step in range(2):
-        assert torch.equal(torch.cat([parts[0][step][0], parts[1][step][0]]), whole[step][0])
-
-
 def test_validation_windows_predict_every_character_once():
     wins = eval_windows(np.zeros(1001, dtype=np.uint8), 64)
     assert sum(n for _, n in wins) == 1000 and wins[-1] == (960, 40)

@@ -78,21 +78,12 @@ def windows(ids: np.ndarray, offsets: np.ndarray, context: int) -> np.ndarray:
     return ids[offsets[:, None] + np.arange(context + 1)].astype(np.int64)
 
 
-def rank_offsets(seed: int, step: int, batch: int, context: int, n_tokens: int, rank: int = 0,
-                 world: int = 1) -> np.ndarray:
-    """This rank's ``batch`` window starts of a step: slice ``rank`` of the step's ``world * batch``
-    draws, so ``world`` processes together see exactly the windows one process would at
-    ``world`` times the batch."""
-    return step_offsets(seed, step, world * batch, context, n_tokens)[rank * batch:(rank + 1) * batch]
-
-
 class StepBatches:
     """Map-style dataset: item ``i`` is step ``i``'s ``(x, y)``, each (k b, context) int64."""
 
-    def __init__(self, ids: np.ndarray, seed: int, batch: int, context: int, steps: int, start: int = 0,
-                 rank: int = 0, world: int = 1):
+    def __init__(self, ids: np.ndarray, seed: int, batch: int, context: int, steps: int, start: int = 0):
         self.ids, self.seed, self.batch, self.context = ids, seed, batch, context
-        self.steps, self.start, self.rank, self.world = steps, start, rank, world
+        self.steps, self.start = steps, start
 
     def __len__(self) -> int:
         return self.steps
@@ -100,23 +91,22 @@ class StepBatches:
     def __getitem__(self, i: int):
         import torch
 
-        w = torch.from_numpy(windows(self.ids, rank_offsets(self.seed, self.start + i, self.batch, self.context,
-                                                             len(self.ids), self.rank, self.world), self.context))
+        w = torch.from_numpy(windows(self.ids, step_offsets(self.seed, self.start + i, self.batch, self.context,
+                                                             len(self.ids)), self.context))
         return w[:, :-1].contiguous(), w[:, 1:].contiguous()
 
 
 def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps: int, device, preload: bool,
-                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None, start: int = 0,
-                  rank: int = 0, world: int = 1):
-    """An iterator over ``steps`` steps' ``(x, y)`` on ``device``; ``batch`` = windows per step on
-    this rank (of ``world``: see :func:`rank_offsets`)."""
+                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None, start: int = 0):
+    """An iterator over ``steps`` steps' ``(x, y)`` on ``device``; ``batch`` = windows per step (under
+    data parallelism every rank draws the global step and keeps its rows: ``lab.train.Trainer``)."""
     import torch
 
     if preload:
         # the corpus (1 byte a character) and every step's window starts go to the device once,
         # here, at setup; a step is then one gather on the device, no host work and no copy
         corpus = torch.from_numpy(ids).to(device)
-        starts = torch.from_numpy(np.stack([rank_offsets(seed, start + i, batch, context, len(ids), rank, world)
+        starts = torch.from_numpy(np.stack([step_offsets(seed, start + i, batch, context, len(ids))
                                             for i in range(steps)]) if steps else np.zeros((0, batch), np.int64))
         starts = starts.to(device)
         ramp = torch.arange(context + 1, device=device)
@@ -127,7 +117,7 @@ def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps
                 yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
         return gen()
     loader = torch.utils.data.DataLoader(
-        StepBatches(ids, seed, batch, context, steps, start, rank, world), batch_size=None, shuffle=False,
+        StepBatches(ids, seed, batch, context, steps, start), batch_size=None, shuffle=False,
         num_workers=num_workers, pin_memory=pin_memory and torch.device(device).type == "cuda",
         prefetch_factor=prefetch_factor if num_workers else None, persistent_workers=False)
     non_blocking = pin_memory
