@@ -203,7 +203,14 @@ def test_page_controls_end_to_end(page):
         if line.in_total:
             cell = page.inner_text(f"tr[data-line='{line.name}'] td.num")
             assert cell == format_gib(line.bytes), line.name
-    # what trains: optimizer kind, LoRA on a frozen base, a soft prompt
+    # what trains: optimizer kind, LoRA on a frozen base, a soft prompt (modelled on one tensor-parallel rank:
+    # with t = 4 the page says so, as the CLI does)
+    page.fill("#lora_rank", "16")
+    assert "modelled on one tensor-parallel rank" in page.inner_text("#error")
+    page.fill("#lora_rank", "0")
+    _set_number(page, "tp", 1)
+    s = s.with_(tp=1)
+    assert _shown_total(page) == format_gib(estimate(s).total)
     page.select_option("#optim", "adafactor")
     page.select_option("#optimizer", "foreach")
     page.fill("#lora_rank", "16")
