@@ -389,6 +389,36 @@ def test_cli_bad_input_is_one_line_without_output_file(fake_corpus, tmp_path, ca
     assert "Traceback" not in stderr and not out.exists()
 
 
+@pytest.mark.parametrize("where,message", [
+    (["--out", ""], "--out is empty"),
+    (["--out", "{tmp}/"], "is a directory"),      # click refuses it as the option is parsed
+    (["--out", "{tmp}/missing/run.json"], "does not exist; create it first"),
+    (["--save", "{tmp}/missing/ck"], "does not exist; create it first"),
+    (["--save", "{tmp}/a-file"], "that is a file, not a folder"),
+])
+def test_cli_output_paths_are_checked_before_training(fake_corpus, tmp_path, capsys, monkeypatch, where, message):
+    import fasttrain.lab.train as train
+
+    (tmp_path / "a-file").write_text("keep me")
+    monkeypatch.setattr(train, "Trainer", None)       # training must not start
+    args = [w.format(tmp=tmp_path) for w in where]
+    code, stdout, stderr = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", *args], capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and message in lines[0], stderr
+    assert not (tmp_path / "missing").exists() and (tmp_path / "a-file").read_text() == "keep me"
+
+
+def test_cli_run_record_is_strict_json_with_the_usual_mode(fake_corpus, tmp_path, capsys):
+    from fasttrain.files import default_file_mode
+
+    out = tmp_path / "run.json"
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--max-steps", "2", "--device", "cpu", "--quiet",
+                               "--out", str(out)], capsys)
+    assert code == 0, stderr
+    assert out.stat().st_mode & 0o777 == default_file_mode()
+    json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"non-JSON constant {c}"))
+
+
 def test_cli_eval_of_a_saved_checkpoint(fake_corpus, tmp_path, capsys):
     pytest.importorskip("safetensors")
     ck = tmp_path / "ck"

@@ -54,6 +54,30 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         tmp.write_bytes(data)
 
 
+def save_figure(fig, path: str | os.PathLike, **savefig_options) -> None:
+    """A matplotlib figure saved whole or not at all (a temporary file of the same type, then a rename)."""
+    with atomic_path(path, suffix=Path(path).suffix) as tmp:
+        fig.savefig(tmp, **savefig_options)
+
+
+def check_new_folder(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse, before any work, a folder to be written that cannot be: empty, an existing file, or in a
+    folder that does not exist or cannot be written (it is not created here: nothing is made anywhere
+    a typo points)."""
+    text = os.fspath(path)
+    if not text.strip():
+        raise FasttrainError(f"{flag} is empty; give a folder")
+    folder = Path(text).expanduser()
+    if folder.exists() and not folder.is_dir():
+        raise FasttrainError(f"{flag} {text}: that is a file, not a folder; give a folder")
+    parent = folder.resolve().parent
+    if not parent.is_dir():
+        raise FasttrainError(f"{flag} {text}: folder {parent} does not exist; create it first")
+    if not os.access(parent, os.W_OK):
+        raise FasttrainError(f"{flag} {text}: folder {parent} is not writable; choose another path")
+    return folder
+
+
 def check_output_path(path: str | os.PathLike | None, flag: str) -> None:
     """Refuse, before any work, an output path that cannot become a file: empty, naming a folder
     (``dir/`` or an existing folder), in a folder that does not exist or cannot be written."""

@@ -158,7 +158,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
 
 def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter, fresh: bool) -> None:
     from fasttrain.bench import plots, report, runner
-    from fasttrain.training import atomic_write_text
+    from fasttrain.files import atomic_write_text
 
     olds = {}
     for suite in built:
@@ -211,7 +211,7 @@ def write_folder_outputs(folder: Path) -> None:
     """The combined long CSV and a README preview over every suite in the folder."""
     from fasttrain.bench import report, suites
     from fasttrain.bench.readme import readme_section
-    from fasttrain.training import atomic_write_text
+    from fasttrain.files import atomic_write_text
 
     results = [report.load_result(folder / f"{n}.json") for n in suites.all_suites() if (folder / f"{n}.json").is_file()]
     atomic_write_text(folder / "results.csv", report.to_csv(results))

@@ -12,6 +12,7 @@ from pathlib import Path
 from fasttrain.bench.lab import (MEMORY_YES, SPEED_YES, SWEEP_RUNG, derive, sweep_cases, sweep_edge,
                                  technique_verdicts)
 from fasttrain.bench.runner import CaseResult, SuiteResult
+from fasttrain.files import save_figure
 
 
 # --- Markdown -----------------------------------------------------------------------------------
@@ -236,7 +237,7 @@ def _scatter(plt, result: SuiteResult, path: Path) -> Path | None:
     ax.set_ylabel("training throughput, tokens/s (log)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5)
     plots._titles(fig, ax, "Memory against throughput: every configuration (up and left is better)", result)
-    plots._save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -266,7 +267,7 @@ def _sweep_plot(plt, result: SuiteResult, path: Path) -> Path | None:
         ax.text(edge.options["first_oom"], ax.get_ylim()[0], f" out of memory at {edge.options['first_oom']}\n"
                 f" (largest fit {edge.options['largest_fit']})", fontsize=8.5, va="bottom")
     plots._titles(fig, ax, f"Throughput against batch size up to the out-of-memory edge: {sweep[0].model}", result)
-    plots._save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -289,6 +290,6 @@ def _curves(plt, result: SuiteResult, path: Path) -> Path | None:
     ax.set_ylabel("training loss, nats/char")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7.5, ncol=1)
     plots._titles(fig, ax, "Loss curves at the same token budget (PEFT rows dashed: fine-tuning)", result)
-    plots._save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path

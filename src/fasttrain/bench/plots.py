@@ -16,6 +16,7 @@ from fasttrain.bench.report import baseline_labels, baseline_times, fmt_num, gpu
 from fasttrain.bench.runner import SuiteResult
 from fasttrain.bench.stats import ratio
 from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE
+from fasttrain.files import save_figure
 
 MATPLOTLIB_MISSING = "plots skipped: matplotlib is not installed (pip install 'fasttrain[plot]')"
 
@@ -85,14 +86,6 @@ def _titles(fig, ax, main: str, result: SuiteResult) -> None:
     ax.set_title(_machine(result), loc="left", fontsize=9, color="0.35", fontweight="normal")
 
 
-def _save(fig, path) -> None:
-    """Save a figure whole or not at all (a temporary file of the same type, then a rename)."""
-    from fasttrain.files import atomic_path
-
-    with atomic_path(path, suffix=Path(path).suffix) as tmp:
-        fig.savefig(tmp)
-
-
 def _style(plt) -> None:
     plt.rcParams.update({
         "figure.dpi": 110, "savefig.dpi": 150, "font.size": 10, "axes.titlesize": 12, "axes.titleweight": "bold",
@@ -143,7 +136,7 @@ def ladder_plot(result: SuiteResult, path: Path) -> Path | None:
     ax.set_xlabel(f"ms per epoch (mean over the 2nd half of training; p50 of {n} run(s), whiskers p20–p80; log scale)")
     cfg = ran[0].config
     _titles(fig, ax, f"Epoch time per engine and rung: logreg, batch {cfg['batch_size']}, {cfg['epochs']} epochs", result)
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 
@@ -184,7 +177,7 @@ def sweep_plots(result: SuiteResult, out: Path) -> list[Path]:
     _log_ticks(ax.yaxis)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
     paths.append(out / "sweep_time.png")
-    _save(fig, paths[-1])
+    save_figure(fig, paths[-1])
     plt.close(fig)
 
     base = baseline_times(result)
@@ -200,7 +193,7 @@ def sweep_plots(result: SuiteResult, out: Path) -> list[Path]:
         _log_ticks(ax.yaxis, "×")
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=9)
         paths.append(out / "sweep_relative.png")
-        _save(fig, paths[-1])
+        save_figure(fig, paths[-1])
         plt.close(fig)
     return paths
 
@@ -240,7 +233,7 @@ def curves_plot(result: SuiteResult, path: Path) -> Path | None:
     bottom.set_yscale("symlog", linthresh=1e-6)
     bottom.set_ylabel("loss − reference loss")
     bottom.set_xlabel("SGD step")
-    _save(fig, path)
+    save_figure(fig, path)
     plt.close(fig)
     return path
 

@@ -13,7 +13,7 @@ from pathlib import Path
 from fasttrain.bench.report import load_result, machine_line, to_markdown
 from fasttrain.bench.suites import all_suites
 from fasttrain.errors import FasttrainError
-from fasttrain.training import atomic_write_text
+from fasttrain.files import atomic_write_text
 
 START, END = "<!-- bench-results:start -->", "<!-- bench-results:end -->"
 

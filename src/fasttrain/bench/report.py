@@ -16,7 +16,7 @@ from fasttrain.bench.stats import ratio
 from fasttrain.bench.suites import SEED_CUDA_MS, SEED_NOTE, build
 from fasttrain.contract import parse_model
 from fasttrain.errors import FasttrainError
-from fasttrain.training import atomic_write_text
+from fasttrain.files import atomic_write_text
 
 CSV_COLUMNS = ("suite", "engine", "rung", "model", "metric", "unit", "p20", "p50", "p80", "n", "gpu", "versions",
                "git_sha", "timestamp", "label", "precision", "dataset", "mean")

@@ -12,6 +12,7 @@ import time
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import atomic_write_text
 from fasttrain.lab.config import LabConfig, missing_extra, validate
 from fasttrain.lab.measure import gpu_name, sync, tf32_matmuls
 
@@ -24,7 +25,6 @@ def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = 
     except ImportError as exc:
         raise missing_extra("safetensors (--save)", exc) from None
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
     try:
         save_model(model, str(tmp / "model.safetensors"))
@@ -126,15 +126,8 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
 
 
 def write_record(record: dict, path) -> Path:
-    """JSON written to a temporary file beside ``path`` and renamed into place."""
-    final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent)
-    try:
-        with os.fdopen(fd, "w") as fh:
-            json.dump(record, fh, indent=1, default=str)
-        os.replace(tmp, final)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return final
+    """The run record as strict JSON (non-finite numbers as null), written whole or not at all."""
+    from fasttrain.training import finite_or_none
+
+    atomic_write_text(path, json.dumps(finite_or_none(record), indent=1, default=str, allow_nan=False) + "\n")
+    return Path(path)

@@ -19,6 +19,7 @@ from rich.console import Console
 from rich.table import Table
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import check_output_path
 from fasttrain.lab import dist_launch
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
@@ -148,6 +149,7 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         return
     parallel, launch = dist_launch.parallel_from_options(options)
     cfg = config_from(preset_name, options)
+    check_output_path(out_path, "--out")        # before training: a bad path must not cost the run
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
         dist_launch.check_before_launch(cfg, parallel, launch)

@@ -199,6 +199,10 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError("--lora-target-modules is empty; name at least one of qkv, proj, up, down, head")
     if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise FasttrainError(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or cuda:N")
+    if cfg.save is not None:
+        from fasttrain.files import check_new_folder
+
+        check_new_folder(cfg.save, "--save")     # before training, not after it
     return cfg
 
 

@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import atomic_path, atomic_write_text, save_figure
 
 MiB = 2 ** 20
 
@@ -109,14 +110,14 @@ def sweep(runs: list[Planned], out_dir, *, log=print, timeout_s: float = 900) ->
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
             code, tail = proc.returncode, (proc.stderr.strip().splitlines() or [""])[-1]
-            (out_dir / f"{run.name}.log").write_text(proc.stdout + proc.stderr)
+            atomic_write_text(out_dir / f"{run.name}.log", proc.stdout + proc.stderr)
         except subprocess.TimeoutExpired:
             code, tail = 124, f"timed out after {timeout_s:.0f} s"
         row = {"name": run.name, "preset": run.preset, "label": run.label, "nproc": run.nproc, "exit": code,
                "seconds": round(time.perf_counter() - t0, 1), "argv": argv[1:], "error": tail if code else None}
         status.append(row)
         log(f"    {'ok' if code == 0 else 'FAILED: ' + tail} ({row['seconds']} s)")
-    (out_dir / "sweep.json").write_text(json.dumps(status, indent=1))
+    atomic_write_text(out_dir / "sweep.json", json.dumps(status, indent=1))
     return status
 
 
@@ -197,8 +198,7 @@ def write_csv(table: list[dict], path) -> Path:
     import csv
 
     path = Path(path)
-    tmp = path.with_suffix(".csv.tmp")
-    with open(tmp, "w", newline="") as fh:
+    with atomic_path(path) as tmp, open(tmp, "w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["preset", "strategy", "world", "device", "precision", "global_batch", "metric", "rank", "value",
                     "p20", "p50", "p80"])
@@ -214,7 +214,6 @@ def write_csv(table: list[dict], path) -> Path:
             if s.get("p50") is not None:
                 w.writerow([*key, "step_ms", "", f"{s['mean']:.4f}", f"{s['p20']:.4f}", f"{s['p50']:.4f}",
                             f"{s['p80']:.4f}"])
-    os.replace(tmp, path)
     return path
 
 
@@ -277,7 +276,7 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
         ax.set_title(preset)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out_dir / "memory.png", dpi=120)
+    save_figure(fig, out_dir / "memory.png", dpi=120)
     written.append(out_dir / "memory.png")
     plt.close(fig)
     fig, axes = plt.subplots(1, len(presets), figsize=(6 * len(presets), 4), squeeze=False)
@@ -291,7 +290,7 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
         ax.set_ylabel("tokens/s (whole world); label: scaling efficiency")
         ax.set_title(preset)
     fig.tight_layout()
-    fig.savefig(out_dir / "throughput.png", dpi=120)
+    save_figure(fig, out_dir / "throughput.png", dpi=120)
     written.append(out_dir / "throughput.png")
     plt.close(fig)
     # top: the curves; bottom: loss(N GPUs) - loss(1 GPU) step by step, where the reduction order shows
@@ -317,7 +316,7 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
         bottom.set_xlabel("step")
         bottom.set_ylabel("loss(N GPUs) - loss(1 GPU)")
     fig.tight_layout()
-    fig.savefig(out_dir / "loss.png", dpi=120)
+    save_figure(fig, out_dir / "loss.png", dpi=120)
     written.append(out_dir / "loss.png")
     plt.close(fig)
     return written
@@ -331,5 +330,5 @@ def report(folder, out_dir=None) -> dict:
     table = rows(runs)
     csv_path = write_csv(table, out_dir / "scaling.csv")
     md_path = out_dir / "scaling.md"
-    md_path.write_text(markdown(table))
+    atomic_write_text(md_path, markdown(table))
     return {"csv": csv_path, "markdown": md_path, "plots": plots(table, runs, out_dir), "rows": table}

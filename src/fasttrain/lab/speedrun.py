@@ -38,12 +38,13 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, fields, replace
+from dataclasses import dataclass, fields
 from pathlib import Path
 
 import click
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import check_new_folder
 from fasttrain.lab.config import LabConfig, preset
 from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, readme_command, save_fastest,
                                           summarize, write_results)
@@ -428,9 +429,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         raise FasttrainError("nothing to run: no rung chosen")
     for path, what in ((out, "--out"), (save, "--save")):
         if path is not None:
-            parent = Path(path).expanduser().resolve().parent
-            if not parent.is_dir():
-                raise FasttrainError(f"{what} {path}: folder {parent} does not exist; create it first")
+            check_new_folder(path, what)
     log = log or (lambda s: None)
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)

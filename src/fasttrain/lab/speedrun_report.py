@@ -248,7 +248,7 @@ def to_csv(result: dict) -> str:
 def write_results(result: dict, out) -> list[Path]:
     """``speedrun.json`` (everything), ``speedrun.csv``, ``ladder.md`` and ``runs/<row>-<rung>-seed<S>.json``
     (one run record per rung and seed), each written whole or not at all."""
-    from fasttrain.training import atomic_write_text
+    from fasttrain.files import atomic_write_text
 
     folder = Path(out)
     (folder / "runs").mkdir(parents=True, exist_ok=True)

@@ -28,6 +28,7 @@ import click
 import numpy as np
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import atomic_write_text, check_output_folder, save_figure
 
 DTYPES = ("fp32", "fp16", "bf16")
 METHODS = ("in order", "sorted", "heap", "pairwise", "kahan", "torch.sum", "torch.sum fp32 acc")
@@ -227,24 +228,8 @@ def plot(rows: list[dict], path: Path) -> None:
     axes[0][0].set_ylabel(f"relative error (0 drawn at {floor:g})")
     axes[0][-1].legend(fontsize=8)
     fig.tight_layout()
-    buf = io.BytesIO()
-    fig.savefig(buf, format="png", dpi=110)
+    save_figure(fig, path, dpi=110)
     plt.close(fig)
-    _atomic_bytes(path, buf.getvalue())
-
-
-def _atomic_bytes(path: Path, data: bytes) -> None:
-    import os
-    import tempfile
-
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _table(rows: list[dict], n: int):
@@ -282,8 +267,7 @@ def command(n, dtypes, seed, points, no_torch, out_dir) -> None:
         raise FasttrainError(f"--n must be >= 2, got {n}")
     out = None
     if out_dir:
-        out = Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
+        out = check_output_folder(out_dir, "--out", parents=True)
     rows = run(n, dtypes or DTYPES, seed=seed, points=points, use_torch=not no_torch)
     console.print(_table(rows, n))
     devices = sorted({r["device"] for r in rows if r["method"].startswith("torch")})
@@ -298,21 +282,7 @@ def command(n, dtypes, seed, points, no_torch, out_dir) -> None:
                           + (" at every n (it accumulates in fp32 internally)" if same else
                              " at some n (a lower-precision accumulation somewhere)"))
     if out is not None:
-        from fasttrain.training import atomic_write_text
-
         atomic_write_text(out / "sum.csv", to_csv(rows))
         plot(rows, out / "sum.png")
         console.print(f"wrote {out / 'sum.csv'} and {out / 'sum.png'}")
 
-
-if __name__ == "__main__":      # runnable before ``fasttrain lab`` registers it: python -m fasttrain.lab.sumdemo
-    import sys
-
-    try:
-        command.main(standalone_mode=False)
-    except FasttrainError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
-    except click.ClickException as exc:
-        print(f"error: {exc.format_message()}", file=sys.stderr)
-        sys.exit(2)
