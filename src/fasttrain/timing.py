@@ -55,6 +55,15 @@ def percentiles(values: Sequence[float], qs: Sequence[float] = (20, 50, 80)) -> 
     return {f"p{q:g}": float(np.percentile(np.asarray(values, dtype=np.float64), q)) for q in qs}
 
 
+def summarize(values: Sequence[float | None]) -> dict:
+    """``{p20, p50, p80, mean, n}`` of the values that are not None (``n == 0``: all None): the
+    statistics of every result across steps or runs."""
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return {"p20": None, "p50": None, "p80": None, "mean": None, "n": 0}
+    return {**percentiles(present), "mean": float(np.mean(present)), "n": len(present)}
+
+
 def summarize_epochs(epoch_ms: Sequence[float]) -> dict[str, float]:
     """The epoch-time statistics stored in a run record."""
     stats = {"mean_second_half": second_half_mean(epoch_ms), "mean": float(np.mean(epoch_ms))}

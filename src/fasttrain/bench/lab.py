@@ -36,6 +36,7 @@ from pathlib import Path
 
 from fasttrain.bench.runner import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
+from fasttrain.timing import summarize
 
 SPEED_YES = 1.10          # tokens/s at least 1.10x the pair's: the technique buys speed
 MEMORY_YES = 0.90         # peak allocated at most 0.90x the pair's: the technique buys memory
@@ -209,16 +210,10 @@ def row_config(base, row: LabRow, steps: int, warmup: int):
 
 # --- figures from records -----------------------------------------------------------------------
 
-def _summary(values) -> dict:
-    from fasttrain.bench.stats import summarize
-
-    return summarize(values)
-
-
 def case_metrics(records: list[dict]) -> dict:
     """The case's figures across its runs (seeds)."""
     def entry(unit, values):
-        return {"unit": unit, **_summary(values)}
+        return {"unit": unit, **summarize(values)}
 
     # one run: percentiles over its timed steps (n = steps); several: across the runs' medians (n = runs)
     if len(records) == 1:

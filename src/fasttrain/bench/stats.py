@@ -11,9 +11,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 
-from fasttrain.timing import percentiles, second_half_mean
+from fasttrain.timing import second_half_mean, summarize
 
 # metric -> (unit, how to read it from a run record as a dict)
 METRICS: dict[str, tuple[str, object]] = {
@@ -23,14 +22,6 @@ METRICS: dict[str, tuple[str, object]] = {
     "total_ms": ("ms", lambda r: float(r["total_ms"])),
     "test_acc": ("fraction", lambda r: r["final"]["test_acc"]),
 }
-
-
-def summarize(values: Sequence[float]) -> dict:
-    """``{p20, p50, p80, mean, n}`` of the values that are not None (``n == 0``: all None)."""
-    present = [float(v) for v in values if v is not None]
-    if not present:
-        return {"p20": None, "p50": None, "p80": None, "mean": None, "n": 0}
-    return {**percentiles(present), "mean": float(np.mean(present)), "n": len(present)}
 
 
 def run_metrics(record: dict) -> dict[str, float | None]:

@@ -16,16 +16,6 @@ def sync(device) -> None:
         torch.cuda.synchronize(device)
 
 
-def percentiles(values: list[float]) -> dict:
-    import numpy as np
-
-    if not values:
-        return {"p20": None, "p50": None, "p80": None, "mean": None, "n": 0}
-    a = np.asarray(values, dtype=float)
-    return {"p20": float(np.percentile(a, 20)), "p50": float(np.percentile(a, 50)),
-            "p80": float(np.percentile(a, 80)), "mean": float(a.mean()), "n": len(values)}
-
-
 def memory_by_kind(trainer) -> dict:
     """Bytes of parameters, gradients (one per trainable parameter), optimizer state and buffers,
     measured on the tensors themselves."""

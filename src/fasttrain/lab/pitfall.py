@@ -5,7 +5,8 @@ from __future__ import annotations
 import time
 
 from fasttrain.lab.config import LabConfig, validate
-from fasttrain.lab.measure import gpu_name, percentiles, sync
+from fasttrain.lab.measure import gpu_name, sync
+from fasttrain.timing import summarize
 from fasttrain.lab.train import Trainer, resolve_device
 
 
@@ -38,5 +39,5 @@ def timing_pitfall(cfg: LabConfig, *, repeats: int = 5, warmup: int = 3, corpus=
         sync(device)
         synced.append(1e3 * (time.perf_counter() - t))
     return {"device": gpu_name(device), "config": cfg.name, "repeats": repeats,
-            "without_sync_ms": percentiles(unsynced), "with_sync_ms": percentiles(synced),
+            "without_sync_ms": summarize(unsynced), "with_sync_ms": summarize(synced),
             "without_sync_all_ms": unsynced, "with_sync_all_ms": synced}

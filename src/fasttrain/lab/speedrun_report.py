@@ -20,6 +20,7 @@ from pathlib import Path
 import click
 
 from fasttrain.errors import FasttrainError
+from fasttrain.timing import summarize as spread_of
 
 DEFAULT_SEEDS = 3           # the seeds of a full row; rows with fewer are marked † in the table
 README_START, README_END = "<!-- speedrun-results:start -->", "<!-- speedrun-results:end -->"
@@ -27,15 +28,10 @@ README_START, README_END = "<!-- speedrun-results:start -->", "<!-- speedrun-res
 
 # --- statistics over seeds -------------------------------------------------------------------------
 
-def _pct(values) -> dict | None:
-    import numpy as np
-
-    vals = [v for v in values if v is not None]
-    if not vals:
-        return None
-    a = np.asarray(vals, dtype=float)
-    return {"p20": float(np.percentile(a, 20)), "p50": float(np.percentile(a, 50)),
-            "p80": float(np.percentile(a, 80)), "n": len(vals)}
+def _spread(values) -> dict | None:
+    """p20/p50/p80, mean and n of the values that are not None; None when there are none."""
+    stats = spread_of(values)
+    return stats if stats["n"] else None
 
 
 def summarize(row: dict) -> dict:
@@ -48,16 +44,16 @@ def summarize(row: dict) -> dict:
     missed = [r["train_s"] for r in runs if not r["reached"]]
     return {
         "counts": counts, "seeds_run": len(runs), "seeds_reached": len(reached),
-        "time_to_target_s": _pct([r["time_to_target_s"] for r in reached]) if counts else None,
+        "time_to_target_s": _spread([r["time_to_target_s"] for r in reached]) if counts else None,
         "missed_train_s": min(missed) if missed else None,
-        "steps_to_target": _pct([r["steps_to_target"] for r in reached]) if counts else None,
-        "ms_per_step": _pct([r["ms_per_step"] for r in runs]),
-        "train_s": _pct([r["train_s"] for r in runs]),
-        "eval_s": _pct([r["eval_s"] for r in runs]),
-        "eval_ms_each": _pct([e["ms"] for r in runs for e in r["evals"]]),
-        "reset_s": _pct([r["reset_s"] for r in runs]),
-        "wall_s_per_seed": _pct([r["wall_s"] for r in runs]),
-        "best_val_loss": _pct([r["best_val_loss"] for r in runs]),
+        "steps_to_target": _spread([r["steps_to_target"] for r in reached]) if counts else None,
+        "ms_per_step": _spread([r["ms_per_step"] for r in runs]),
+        "train_s": _spread([r["train_s"] for r in runs]),
+        "eval_s": _spread([r["eval_s"] for r in runs]),
+        "eval_ms_each": _spread([e["ms"] for r in runs for e in r["evals"]]),
+        "reset_s": _spread([r["reset_s"] for r in runs]),
+        "wall_s_per_seed": _spread([r["wall_s"] for r in runs]),
+        "best_val_loss": _spread([r["best_val_loss"] for r in runs]),
         "stops": [r["stop"] for r in runs],
     }
 

@@ -27,11 +27,12 @@ from contextlib import nullcontext
 from dataclasses import replace
 
 from fasttrain.errors import FasttrainError
+from fasttrain.timing import summarize
 from fasttrain.lab.adapters import apply_lora, freeze_for_prompt_tuning, merge_lora
 from fasttrain.lab.batchsize import find_batch_size, probe_batch
 from fasttrain.lab.checkpoint import eval_settings, load_weights, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra, validate
-from fasttrain.lab.measure import free_memory, gpu_name, memory_by_kind, oom_types, percentiles, sync, tf32_matmuls
+from fasttrain.lab.measure import free_memory, gpu_name, memory_by_kind, oom_types, sync, tf32_matmuls
 from fasttrain.lab.optim import build_optimizer, lr_at
 
 
@@ -514,7 +515,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     # parameters of the whole model (a sharded DTensor counts its global shape)
     total_params = sum(p.numel() for p in model.parameters())
     trainable = sum(p.numel() for p in trainer.trainable)
-    steps = percentiles(step_ms)
+    steps = summarize(step_ms)
     distributed = None
     tokens_per_s = tokens_per_step / (steps["mean"] / 1e3) if steps["mean"] else None
     if world.distributed:
