@@ -107,7 +107,7 @@ torch = pytest.importorskip("torch")
 
 
 def _one_step(s: Setup, track: bool = False):
-    from fasttrain.memory import adapters
+    import memory_support as adapters
     from fasttrain.memory.tracker import tracked_peak_step
 
     torch.manual_seed(0)
@@ -155,7 +155,7 @@ def test_adamw_8bit_state_bytes_equal_torchao():
     """The state of every trainable tensor as torchao's AdamW8bit makes it (``_new_buffer``, the
     initialisation its ``step`` runs; one real step is checked in the next test) against the count."""
     pytest.importorskip("torchao.optim", reason="torchao not installed: pip install --no-deps torchao")
-    from fasttrain.memory import adapters
+    import memory_support as adapters
 
     # qkv 128x64, proj 64x64, up 352x64, down 64x176, embedding 500x64 are quantized (>= 4096
     # values, multiples of 256); the norms keep fp32 state

@@ -1,8 +1,8 @@
-"""What trains in a :class:`Setup`, built for real: the reference model, the optimizer of
-``setup.optim``, and peft's LoRA or a soft prompt on a frozen base.
+"""Test support: what trains in a :class:`Setup`, built for real: the reference model, the
+optimizer of ``setup.optim``, and peft's LoRA or a soft prompt on a frozen base.
 
-The tests (and ``validate``) build these on the CPU and compare the bytes of the real parameter,
-gradient and optimizer-state tensors with ``precise``'s count. Every import of torch, peft and
+The memory tests build these on the CPU and compare the bytes of the real parameter, gradient and
+optimizer-state tensors with ``precise``'s count. Every import of torch, peft and
 torchao happens inside the functions (optional extras).
 """
 
