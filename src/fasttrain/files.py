@@ -60,21 +60,27 @@ def save_figure(fig, path: str | os.PathLike, **savefig_options) -> None:
         fig.savefig(tmp, **savefig_options)
 
 
-def check_new_folder(path: str | os.PathLike, flag: str) -> Path:
-    """Refuse, before any work, a folder to be written that cannot be: empty, an existing file, or in a
-    folder that does not exist or cannot be written (it is not created here: nothing is made anywhere
-    a typo points)."""
+def _folder_path(path: str | os.PathLike, flag: str) -> Path:
+    """``path`` as a folder to write: refused when empty or an existing file."""
     text = os.fspath(path)
     if not text.strip():
         raise FasttrainError(f"{flag} is empty; give a folder")
     folder = Path(text).expanduser()
     if folder.exists() and not folder.is_dir():
         raise FasttrainError(f"{flag} {text}: that is a file, not a folder; give a folder")
+    return folder
+
+
+def check_new_folder(path: str | os.PathLike, flag: str) -> Path:
+    """Refuse, before any work, a folder to be written that cannot be: empty, an existing file, or in a
+    folder that does not exist or cannot be written (it is not created here: nothing is made anywhere
+    a typo points)."""
+    folder = _folder_path(path, flag)
     parent = folder.resolve().parent
     if not parent.is_dir():
-        raise FasttrainError(f"{flag} {text}: folder {parent} does not exist; create it first")
+        raise FasttrainError(f"{flag} {os.fspath(path)}: folder {parent} does not exist; create it first")
     if not os.access(parent, os.W_OK):
-        raise FasttrainError(f"{flag} {text}: folder {parent} is not writable; choose another path")
+        raise FasttrainError(f"{flag} {os.fspath(path)}: folder {parent} is not writable; choose another path")
     return folder
 
 
@@ -114,11 +120,7 @@ def check_output_folder(path: str | os.PathLike, flag: str, parents: bool = Fals
     folder itself was asked for), else only when its parent exists; refused when it is a file or
     cannot be written."""
     text = os.fspath(path)
-    if not text.strip():
-        raise FasttrainError(f"{flag} is empty; give a folder")
-    folder = Path(text).expanduser()
-    if folder.exists() and not folder.is_dir():
-        raise FasttrainError(f"{flag} {text}: that is a file, not a folder; give a folder")
+    folder = _folder_path(path, flag)
     if not folder.exists():
         parent = folder.resolve().parent
         if not parents and not parent.is_dir():
