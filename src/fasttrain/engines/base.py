@@ -101,6 +101,72 @@ class Session(ABC):
         pass
 
 
+@dataclass(frozen=True)
+class SweepJob:
+    """K models trained at once (``fasttrain train --lr a,b --seed x,y``): model ``k`` is the single run of
+    ``configs[k]`` (its own lr and seed, so its own initial weights and batch orders); every other field of
+    the configs is equal, so every model has the same ``schedule``."""
+
+    spec: ModelSpec
+    configs: tuple[TrainConfig, ...]
+    data: Dataset
+    init_weights: tuple[Weights, ...]  # float64, init_weights[k] = the contract's weights of configs[k].seed
+    schedule: Schedule
+
+    @property
+    def k(self) -> int:
+        return len(self.configs)
+
+    @property
+    def config(self) -> TrainConfig:
+        """What the models share (batch, precision, length); lr and seed are those of model 0."""
+        return self.configs[0]
+
+    def single(self, k: int) -> Job:
+        """Model ``k`` as the job of its own run."""
+        return Job(self.spec, self.configs[k], self.data, self.init_weights[k], self.schedule)
+
+
+class SweepSession(ABC):
+    """K models of a :class:`SweepJob` resident and trained at once; lists are indexed by model."""
+
+    @abstractmethod
+    def train_epoch(self, epoch: int, orders: list[np.ndarray], steps: int) -> list[EpochStats]:
+        """Run ``steps`` SGD steps of every model, model ``k`` over the batches of ``orders[k]``."""
+
+    @abstractmethod
+    def evaluate(self) -> list[tuple[float, float]]:
+        """(mean test loss, test accuracy) of every model."""
+
+    @abstractmethod
+    def weights(self) -> list[Weights]:
+        """Every model's current weights (as :meth:`Session.weights`)."""
+
+    def sync(self) -> None:
+        """Block until queued device work of every model is done."""
+
+    def environment(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
+@dataclass(frozen=True)
+class SweepMemory:
+    """What a sweep of K models needs where they train: ``shared`` bytes once (data, orders, workspace) plus
+    ``per_model`` bytes each, against ``available`` bytes (free device memory, or the host's available memory
+    for a CPU engine) in ``where``."""
+
+    shared: int
+    per_model: int
+    available: int
+    where: str
+
+    def largest_k(self) -> int:
+        return max(0, (self.available - self.shared) // max(1, self.per_model))
+
+
 class Engine(ABC):
     """An engine declares, besides how it trains, how the house shows it: ``order`` (its place in listings,
     tables and plots, lower first), ``color`` (a matplotlib colormap name: its rows' hue, darker for later
@@ -129,6 +195,10 @@ class Engine(ABC):
         (``ladder``, ``sweep``, ``curves``, ``record``, ...); none by default."""
         return ()
 
+    # how this engine trains many models at once ("a loop", "vmap", ...), shown by ``fasttrain engines``;
+    # None: it does not (fasttrain train refuses a --lr/--seed list for it)
+    sweep: ClassVar[str | None] = None
+
     def __init__(self, options=None):
         self.options = options if options is not None else self.Options()
 
@@ -142,6 +212,17 @@ class Engine(ABC):
         """Upload data and weights, compile and warm up; timed as ``setup_ms``.
 
         The returned session must hold exactly ``job.init_weights`` (warm-up must not train)."""
+
+    def prepare_sweep(self, job: SweepJob) -> SweepSession:
+        """Upload data and every model's weights, compile and warm up (timed as ``setup_ms``); every model must
+        hold exactly its ``job.init_weights[k]``. Engines with ``sweep`` set override it."""
+        raise FasttrainError(f"engine {self.name} does not train several models at once")
+
+    def sweep_memory(self, spec: ModelSpec, config: TrainConfig, n_train: int, n_test: int,
+                     n_epochs: int) -> SweepMemory | None:
+        """The memory a sweep of this model needs here (:class:`SweepMemory`), or None when not estimated.
+        Called before any data moves, so a sweep too large is refused with the largest K that fits."""
+        return None
 
     def check_config(self, spec: ModelSpec, config: TrainConfig) -> None:
         """Reject a model/config this engine cannot run (with these options), with a one-line reason.

@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasttrain.contract import batch_bounds
+from fasttrain.contract import INPUT_DIM, batch_bounds
 from fasttrain.data.datasets import to_inputs
-from fasttrain.engines.base import Engine, EpochStats, Job, Session, option
+from fasttrain.engines.base import Engine, EpochStats, Job, Session, SweepJob, SweepMemory, SweepSession, option
 from fasttrain.reference import evaluate, sgd_step
 
 
@@ -24,7 +24,7 @@ class NumpyOptions:
 
 
 class NumpySession(Session):
-    def __init__(self, job: Job, threads: int):
+    def __init__(self, job: Job, threads: int, inputs: np.ndarray | None = None):
         from threadpoolctl import threadpool_limits
 
         self._limits = threadpool_limits(limits=threads, user_api="blas")
@@ -32,7 +32,8 @@ class NumpySession(Session):
         self.dtype = np.float64 if job.config.precision == "fp64" else np.float32
         self.config = job.config
         self.data = job.data
-        self.x = to_inputs(job.data.train_images, self.dtype)
+        # the models of a sweep share one converted copy of the training set (read only)
+        self.x = to_inputs(job.data.train_images, self.dtype) if inputs is None else inputs
         self.y = job.data.train_labels.astype(np.int64)
         self.params = [(w.astype(self.dtype), b.astype(self.dtype)) for w, b in job.init_weights]
         self.bounds = batch_bounds(job.data.n_train, job.config.batch_size, job.config.drop_last)
@@ -84,3 +85,35 @@ class NumpyEngine(Engine):
 
     def prepare(self, job: Job) -> Session:
         return NumpySession(job, self.options.threads or os.cpu_count() or 1)
+
+    # a sweep is K sessions trained one after the other (fasttrain.sweep.LoopSweepSession): the reference
+    # every sweep engine is held to, each model exactly its own run
+    sweep = "a loop over the models"
+
+    def prepare_sweep(self, job: SweepJob) -> SweepSession:
+        from fasttrain.sweep import LoopSweepSession
+
+        threads = self.options.threads or os.cpu_count() or 1
+        dtype = np.float64 if job.config.precision == "fp64" else np.float32
+        inputs = to_inputs(job.data.train_images, dtype)
+        return LoopSweepSession(NumpySession(job.single(k), threads, inputs) for k in range(job.k))
+
+    def sweep_memory(self, spec, config, n_train: int, n_test: int, n_epochs: int) -> SweepMemory:
+        itemsize = 8 if config.precision == "fp64" else 4
+        # shared: the converted training set and one test-set pass (inputs plus the widest activation);
+        # a model: its weights plus, during a step, gradients and the batch's activations (pre and post ReLU)
+        shared = (n_train + n_test) * INPUT_DIM * itemsize + n_test * max(spec.widths) * itemsize * 2
+        per_model = spec.n_params * itemsize * 2 + config.batch_size * sum(spec.widths) * itemsize * 3
+        return SweepMemory(shared, per_model, host_available_bytes(), "host memory")
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give now (free plus reclaimable page cache), from /proc/meminfo where it exists."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
