@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from fasttrain.engines.base import Engine, Job, Session, option
+from fasttrain.engines.base import Engine, Job, Session, SweepJob, SweepMemory, SweepSession, option
 from fasttrain.errors import FasttrainError
 
 LADDER = {
@@ -100,6 +100,24 @@ class CudaEngine(Engine):
         if count < 1:
             return "no CUDA device found; run on a machine with an NVIDIA GPU"
         return None
+
+    sweep = ("rung 8: one cluster a model (logreg, widths up to 128), as many at once as the GPU holds, waves "
+             "beyond; the grid (256..1024) and rung 7: one model after another on shared data")
+
+    def prepare_sweep(self, job: SweepJob) -> SweepSession:
+        if self.options.rung < 7:
+            raise FasttrainError(f"engine cuda trains several models at once at rungs 7 and 8, not {self.options.rung}; "
+                                 "use --rung 8 (a cluster a model) or --rung 7")
+        from fasttrain.engines.cuda.fused.sweep import make_sweep_session
+
+        return make_sweep_session(job, self.options)
+
+    def sweep_memory(self, spec, config, n_train, n_test, n_epochs) -> SweepMemory | None:
+        if self.options.rung < 7:
+            return None
+        from fasttrain.engines.cuda.fused.sweep import sweep_memory
+
+        return sweep_memory(spec, config, self.options, n_train, n_test, n_epochs)
 
     def check_config(self, spec, config) -> None:
         super().check_config(spec, config)

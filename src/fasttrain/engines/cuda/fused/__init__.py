@@ -22,14 +22,17 @@ from fasttrain.engines.cuda.fused.plans import grid_plan, mlp_plan, pad16
 from fasttrain.errors import FasttrainError
 
 
-def make_session(job: Job, options) -> Session:
-    """The session for rung 7 or 8 (``options.rung``), tuned by the engine's typed options."""
-    precision = job.config.precision
+def check_precision(precision: str, rung: int) -> None:
     if precision not in ("fp16", "bf16"):
         raise FasttrainError(
-            f"engine cuda rung {options.rung} trains on the tensor cores in mixed precision; "
+            f"engine cuda rung {rung} trains on the tensor cores in mixed precision; "
             f"use --precision fp16 or --precision bf16 (got {precision})"
         )
+
+
+def make_session(job: Job, options) -> Session:
+    """The session for rung 7 or 8 (``options.rung``), tuned by the engine's typed options."""
+    check_precision(job.config.precision, options.rung)
     if options.rung == 8:
         from fasttrain.engines.cuda.fused.persistent import (
             PersistentGridSession,

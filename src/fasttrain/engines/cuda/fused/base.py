@@ -25,11 +25,21 @@ from fasttrain.engines.base import Job, Session
 from fasttrain.engines.cuda.fused.plans import pad16
 
 
+def padded_master(w: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """A layer's fp32 master as the kernels hold it: W^T zero-padded to [pad16(out)][pad16(in)], b to [pad16(out)]."""
+    fan_in, fan_out = w.shape
+    wt = np.zeros((pad16(fan_out), pad16(fan_in)), np.float32)
+    wt[:fan_out, :fan_in] = w.T
+    bias = np.zeros(pad16(fan_out), np.float32)
+    bias[:fan_out] = b
+    return wt, bias
+
+
 class FusedSession(Session):
     """What both rungs share: device data, the epochs' orders, evaluation and weight read-back, and (for
     rung 8) the side-stream test score (:meth:`_schedule_score`)."""
 
-    def __init__(self, job: Job, options):
+    def __init__(self, job: Job, options, data_from: "FusedSession | None" = None):
         import cupy as cp
 
         self._cp = cp
@@ -45,23 +55,33 @@ class FusedSession(Session):
         self.stream = cp.cuda.Stream(non_blocking=True)
         data = job.data
         with self.stream:
-            self.x_train = cp.asarray(np.ascontiguousarray(data.train_images.reshape(self.n, INPUT_DIM), np.uint8))
-            self.y_train = cp.asarray(data.train_labels.astype(np.int32))
-            self.x_test = cp.asarray(to_inputs(data.test_images, np.float32))
-            self.y_test = cp.asarray(data.test_labels.astype(np.int64))
-            # every epoch's shuffle order, uploaded once (int32)
-            self.orders_host = [epoch_order(job.config.seed, e, self.n) for e in range(1, job.schedule.n_epochs + 1)]
-            self.orders = cp.asarray(np.stack(self.orders_host).astype(np.int32)) if self.orders_host else None
+            if data_from is None:
+                self.x_train = cp.asarray(np.ascontiguousarray(data.train_images.reshape(self.n, INPUT_DIM), np.uint8))
+                self.y_train = cp.asarray(data.train_labels.astype(np.int32))
+                self.x_test = cp.asarray(to_inputs(data.test_images, np.float32))
+                self.y_test = cp.asarray(data.test_labels.astype(np.int64))
+            else:   # the sessions of a sweep share one copy of the data on the device (read only)
+                data_from.sync()
+                self.x_train, self.y_train = data_from.x_train, data_from.y_train
+                self.x_test, self.y_test = data_from.x_test, data_from.y_test
+            self._upload_orders(job)
             self.spare_order = cp.empty(self.n, cp.int32)
-        self.layers = []  # [(Wt [out_p][in_p] fp32, b [out_p] fp32, fan_in, fan_out)] master weights on the device
         with self.stream:
-            for w, b in job.init_weights:
-                fan_in, fan_out = w.shape
-                wt = np.zeros((pad16(fan_out), pad16(fan_in)), np.float32)
-                wt[:fan_out, :fan_in] = w.T
-                bias = np.zeros(pad16(fan_out), np.float32)
-                bias[:fan_out] = b
-                self.layers.append((cp.asarray(wt), cp.asarray(bias), fan_in, fan_out))
+            self._upload_layers(job)
+
+    def _upload_orders(self, job: Job) -> None:
+        """Every epoch's shuffle order, uploaded once (int32); ``orders_host`` keeps them for the check below."""
+        cp = self._cp
+        self.orders_host = [epoch_order(job.config.seed, e, self.n) for e in range(1, job.schedule.n_epochs + 1)]
+        self.orders = cp.asarray(np.stack(self.orders_host).astype(np.int32)) if self.orders_host else None
+
+    def _upload_layers(self, job: Job) -> None:
+        """``self.layers``: [(W^T [out_p][in_p] fp32, b [out_p] fp32, fan_in, fan_out)], the master weights."""
+        cp = self._cp
+        self.layers = []
+        for w, b in job.init_weights:
+            wt, bias = padded_master(w, b)
+            self.layers.append((cp.asarray(wt), cp.asarray(bias), *w.shape))
 
     # -- the epoch's order: uploaded at setup; a cheap check that the driver passed the same one --
     def _order_on_device(self, epoch: int, order: np.ndarray):

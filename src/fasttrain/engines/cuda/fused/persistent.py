@@ -41,8 +41,8 @@ class PersistentSession(FusedSession):
     prof_words = 32                           # clock64() counters a CTA (read by the profiling tools in dev/)
     side_stream = True                        # score the test set on a side stream (base module docstring)
 
-    def __init__(self, job: Job, options):
-        super().__init__(job, options)
+    def __init__(self, job: Job, options, data_from=None):
+        super().__init__(job, options, data_from)
         self.version = self.kernel.name
         self.plan = self.make_plan()
         defines = {k: v for k, v in self.plan.items() if k.startswith("FT_")}
@@ -94,6 +94,12 @@ class PersistentSession(FusedSession):
         self._seq += 1.0
         self.out[2 + steps] = np.nan
         return (np.uint64(self.out.ctypes.data), np.float64(self._seq))
+
+    def _sweep_args(self, lr: float) -> tuple:
+        """The cluster kernels' last arguments: per-model learning rates and strides (``fused/sweep.py``); a single
+        run passes none (a null ``lrs``: the kernel takes the scalar ``lr``)."""
+        zero = np.int64(0)
+        return (np.uint64(0), zero, zero, zero, zero)
 
     def _weight_pointers(self):
         """[2 L] uint64 on the device: W^T_1, b_1, ..., W^T_L, b_L (the kernels' ``wptr``; enqueue on self.stream)."""
@@ -161,7 +167,8 @@ class PersistentLogregSession(PersistentSession):
     def launch_args(self, order_dev, steps: int, lr: float) -> tuple:
         wt, b, _, _ = self.layers[0]
         return (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
-                np.float32(lr), wt, b, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+                np.float32(lr), wt, b, self.row_loss, self.row_ok, *self._out_args(steps), self.prof,
+                *self._sweep_args(lr))
 
     def environment(self) -> dict:
         env = super().environment()
@@ -187,7 +194,8 @@ class PersistentMlpSession(PersistentSession):
 
     def launch_args(self, order_dev, steps: int, lr: float) -> tuple:
         return (self.x_train, self.y_train, order_dev, np.int32(self.n), np.int32(self.batch), np.int32(steps),
-                np.float32(lr), self.wptr, self.row_loss, self.row_ok, *self._out_args(steps), self.prof)
+                np.float32(lr), self.wptr, self.row_loss, self.row_ok, *self._out_args(steps), self.prof,
+                *self._sweep_args(lr))
 
     def environment(self) -> dict:
         env = super().environment()

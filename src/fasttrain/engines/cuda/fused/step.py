@@ -30,8 +30,8 @@ class FusedStepSession(FusedSession):
 
     kernel = KERNEL_DIR / "fused_step.cu"
 
-    def __init__(self, job: Job, options):
-        super().__init__(job, options)
+    def __init__(self, job: Job, options, data_from=None):
+        super().__init__(job, options, data_from)
         self.version = self.kernel.name
         carveout = None if options.step_carveout < 0 else options.step_carveout
         self.carveout = carveout

@@ -114,7 +114,10 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
              u8* __restrict__ row_ok,         // unused (v1/v2 per-example flags)
              double* __restrict__ out,        // [2 + steps + 1]: ..., and last the completion flag (= flag)
              double flag,
-             long long* __restrict__ prof)
+             long long* __restrict__ prof,
+             // a sweep (many models at once): cluster m trains model m; each per-model argument above is model
+             // 0's and model m's lies m strides (elements) further; a single run: lrs = nullptr, strides unused
+             const float* __restrict__ lrs, long long s_order, long long s_w, long long s_rows, long long s_out)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* bar_full = reinterpret_cast<u64*>(smem + OFF_BAR);
@@ -134,6 +137,16 @@ logreg_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __r
     const int tid = threadIdx.x;
     const int warp = tid >> 5, lane = tid & 31;
     const u32 rank = cluster_rank();
+    {
+        const int model = blockIdx.x / C;
+        if (lrs != nullptr) lr = lrs[model];
+        order += model * s_order;
+        Wt += model * s_w;
+        bias += model * s_w / NFEAT;        // [16] a model beside W^T's [16][784]
+        row_loss += model * s_rows;
+        out += model * s_out;
+        prof += (size_t)model * C * 32;
+    }
     const int kt0 = rank * KT;
     const int ktn = min(KT, NFEAT / 16 - kt0);
     const int r_lo = rank * RPC, my_rows = rows_of(rank);

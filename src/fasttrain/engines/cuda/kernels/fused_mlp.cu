@@ -200,7 +200,10 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
           float* __restrict__ row_loss, u8* __restrict__ row_ok,
           double* __restrict__ out,        // [2 + steps + 1]: loss sum, correct, step means, completion flag
           double flag,
-          long long* __restrict__ prof)
+          long long* __restrict__ prof,
+          // a sweep (many models at once): cluster m trains model m; each per-model argument above is model
+          // 0's and model m's lies m strides (elements) further; a single run: lrs = nullptr, strides unused
+          const float* __restrict__ lrs, long long s_order, long long s_w, long long s_rows, long long s_out)
 {
     extern __shared__ __align__(128) unsigned char smem[];
     u64* bar_full = reinterpret_cast<u64*>(smem + OFF_BAR);
@@ -229,6 +232,16 @@ mlp_epoch(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     const int warp = tid >> 5, lane = tid & 31;
     const u32 rank = cluster_rank();
     const int own = rank * 16;
+    {
+        const int model = blockIdx.x / C;
+        if (lrs != nullptr) lr = lrs[model];
+        order += model * s_order;
+        wptr += model * s_w;                 // the model's own table of layer pointers
+        row_loss += model * s_rows;
+        row_ok += model * s_rows;
+        out += model * s_out;
+        prof += (size_t)model * C * 32;
+    }
 
     if (tid < STAGES) {
         mbar_init(smem_u32(&bar_full[tid]), 32);
