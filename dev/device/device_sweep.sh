@@ -10,6 +10,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu
 for stage in ${STAGES:-tests probe}; do
   case $stage in
     tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -rfs --timeout 150 ${TESTS:-tests/test_cuda_sweep.py tests/test_cuda_fused.py} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
+    clusters) timeout ${PROBE_TIMEOUT:-300} python3 dev/sweep/probe_clusters.py 2>&1 | tail -30 | tee "$OUT/clusters.log" ;;
     probe) timeout ${PROBE_TIMEOUT:-300} python3 dev/sweep/probe_cuda_sweep.py ${KS:-1 4 16 64} 2>&1 | tail -30 | tee "$OUT/probe.log" ;;
   esac
 done

@@ -181,7 +181,9 @@ class ClusterSweep:
 
     def environment(self) -> dict:
         env = super().environment()
-        env.update({"sweep_models": self.k, "sweep_ctas": self.ctas()})
+        active = max_active_clusters(self.fn, self.plan["FT_C"], self.threads, self.smem)
+        env.update({"sweep_models": self.k, "sweep_ctas": self.ctas(), "active_clusters": active,
+                    "waves": -(-self.k // max(1, active))})
         return env
 
 
@@ -263,3 +265,23 @@ def sweep_memory(spec, config, options, n_train: int, n_test: int, n_epochs: int
     if not cluster:
         per_model += 64 << 20   # a session's own exchange buffers, graphs and CuPy pools, measured at ~10-40 MB
     return SweepMemory(shared, per_model, int(free), "GPU memory")
+
+
+def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int:
+    """How many clusters of ``fn`` (compiled with its cluster size) the GPU runs at once: the driver's
+    cuOccupancyMaxActiveClusters, which counts how whole clusters fit into the GPU's GPCs (not only SMs)."""
+    import ctypes
+
+    class LaunchConfig(ctypes.Structure):   # CUlaunchConfig
+        _fields_ = [("grid_x", ctypes.c_uint), ("grid_y", ctypes.c_uint), ("grid_z", ctypes.c_uint),
+                    ("block_x", ctypes.c_uint), ("block_y", ctypes.c_uint), ("block_z", ctypes.c_uint),
+                    ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
+                    ("num_attrs", ctypes.c_uint)]
+
+    driver = ctypes.CDLL("libcuda.so.1")
+    count = ctypes.c_int(0)
+    config = LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
+    status = driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.ptr), ctypes.byref(config))
+    if status != 0:
+        raise FasttrainError(f"internal: cuOccupancyMaxActiveClusters failed with CUDA error {status}")
+    return count.value
