@@ -183,7 +183,7 @@ class ClusterSweep:
         env = super().environment()
         active = max_active_clusters(self.fn, self.plan["FT_C"], self.threads, self.smem)
         env.update({"sweep_models": self.k, "sweep_ctas": self.ctas(), "active_clusters": active,
-                    "waves": -(-self.k // max(1, active))})
+                    "waves": None if not active else -(-self.k // active)})
         return env
 
 
@@ -267,9 +267,10 @@ def sweep_memory(spec, config, options, n_train: int, n_test: int, n_epochs: int
     return SweepMemory(shared, per_model, int(free), "GPU memory")
 
 
-def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int:
+def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int | None:
     """How many clusters of ``fn`` (compiled with its cluster size) the GPU runs at once: the driver's
-    cuOccupancyMaxActiveClusters, which counts how whole clusters fit into the GPU's GPCs (not only SMs)."""
+    cuOccupancyMaxActiveClusters, which counts how whole clusters fit into the GPU's GPCs (not only SMs); None
+    when the driver does not answer."""
     import ctypes
 
     class LaunchConfig(ctypes.Structure):   # CUlaunchConfig
@@ -278,10 +279,12 @@ def max_active_clusters(fn, cluster: int, threads: int, smem: int) -> int:
                     ("smem", ctypes.c_uint), ("stream", ctypes.c_void_p), ("attrs", ctypes.c_void_p),
                     ("num_attrs", ctypes.c_uint)]
 
-    driver = ctypes.CDLL("libcuda.so.1")
+    try:
+        driver = ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        return None
+    handle = getattr(fn, "kernel", fn).ptr     # a CuPy RawKernel's CUfunction
     count = ctypes.c_int(0)
     config = LaunchConfig(cluster, 1, 1, threads, 1, 1, smem, None, None, 0)
-    status = driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(fn.ptr), ctypes.byref(config))
-    if status != 0:
-        raise FasttrainError(f"internal: cuOccupancyMaxActiveClusters failed with CUDA error {status}")
-    return count.value
+    status = driver.cuOccupancyMaxActiveClusters(ctypes.byref(count), ctypes.c_void_p(handle), ctypes.byref(config))
+    return count.value if status == 0 else None
