@@ -46,8 +46,9 @@ class CudaOptions:
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)")
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
     # rung 8: the persistent kernels
-    logreg_cluster: int = option(7, "rung 8 logreg: CTAs of the cluster that split the features",
-                                 choices=(4, 5, 6, 7, 8))
+    logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
+                                        "in a sweep, the size that trains all models soonest)",
+                                        choices=(4, 5, 6, 7, 8), type=int)
     logreg_stages: int | None = option(None, "rung 8 logreg: depth of the pixel ring (unset: the deepest that fits)",
                                        choices=(2, 3, 4, 5, 6), type=int)
     mlp_stages: int | None = option(None, "rung 8 MLPs up to width 128: depth of the pixel ring", choices=(2, 3, 4),

@@ -139,8 +139,9 @@ def logreg_smem_bytes(cluster: int, kt: int, mt: int, stages: int) -> int:
     return off + 2 * 8 * 8
 
 
-def logreg_plan(batch: int, cluster: int = 7, stages: int | None = None) -> dict:
-    """Rung 8 logreg: k-tiles per CTA and the deepest ring that fits in shared memory."""
+def logreg_plan(batch: int, cluster: int | None = 7, stages: int | None = None) -> dict:
+    """Rung 8 logreg: k-tiles per CTA and the deepest ring that fits in shared memory (cluster None: 7)."""
+    cluster = 7 if cluster is None else cluster
     ktiles = INPUT_DIM // 16  # 49
     if not 1 <= cluster <= 8:
         raise FasttrainError(f"rung 8 cluster size must be 1..8, got {cluster}")

@@ -187,8 +187,35 @@ class ClusterSweep:
         return env
 
 
+# One model's epoch time by logreg cluster size, relative to a cluster of 7 (H200, MNIST, fp16, batch 128:
+# 1.48 / 1.69 / 1.69 / 1.90 ms; dev/sweep/probe_clusters.py). Fewer CTAs a cluster: slower alone, but more
+# clusters at once (15 / 17 / 22 / 30 of 7 / 6 / 5 / 4 CTAs on an H200).
+LOGREG_CLUSTER_COST = {7: 1.00, 6: 1.14, 5: 1.14, 4: 1.28}
+
+
 class LogregClusterSweep(ClusterSweep, PersistentLogregSession):
-    pass
+    def make_plan(self) -> dict:
+        """The cluster size the user gave, else the one with the least estimated time for K models:
+        waves (K over the clusters that run at once, asked of the driver) times one model's epoch."""
+        from fasttrain.engines.cuda.fused.build import load_module
+        from fasttrain.engines.cuda.fused.plans import logreg_plan
+
+        if self.options.logreg_cluster is not None:
+            return logreg_plan(self.batch, self.options.logreg_cluster, self.options.logreg_stages)
+        best, best_cost = None, None
+        for cluster, cost in LOGREG_CLUSTER_COST.items():
+            plan = logreg_plan(self.batch, cluster, self.options.logreg_stages)
+            defines = {k: v for k, v in plan.items() if k.startswith("FT_")}
+            defines["FT_BF16"] = int(self.config.precision == "bf16")
+            fn = load_module(self.kernel, defines).get_function(self.function)
+            fn.max_dynamic_shared_size_bytes = plan["smem"]
+            active = max_active_clusters(fn, cluster, (8 + plan["FT_PW"]) * 32, plan["smem"])
+            if not active:
+                continue
+            estimate = -(-self.k // active) * cost
+            if best_cost is None or estimate < best_cost - 1e-9:
+                best, best_cost = plan, estimate
+        return best or logreg_plan(self.batch, 7, self.options.logreg_stages)
 
 
 class MlpClusterSweep(ClusterSweep, PersistentMlpSession):
