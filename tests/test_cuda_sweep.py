@@ -22,6 +22,10 @@ from fasttrain.training import run
 def assert_each_model_is_its_own_run(spec, configs, data, options, check=None):
     records, weights, timing = run_sweep("cuda", spec, configs, data, options)
     assert timing["models"] == len(configs)
+    if spec.is_logreg and options.get("rung") == 8:
+        # a logreg sweep picks its cluster size for K models (fewer CTAs a cluster, more clusters at once): the
+        # single run of that size computes the same function in the same order
+        options = {**options, "logreg_cluster": records[0].environment["cluster"]}
     picks = range(len(configs)) if check is None else check
     for k in picks:
         single, single_weights = run("cuda", spec, configs[k], data, options)
@@ -54,8 +58,25 @@ def test_more_clusters_than_the_gpu_holds_run_in_waves(tiny_data):
     spec = parse_model("logreg")
     base = default_config(spec, epochs=1, batch_size=64, precision="bf16")
     configs = sweep_configs(base, [0.01 * (i + 1) for i in range(20)], [1, 2])
-    _, _, timing = assert_each_model_is_its_own_run(spec, configs, tiny_data, {"rung": 8}, check=[0, 21, 39])
-    assert timing["models"] == 40
+    records, _, timing = assert_each_model_is_its_own_run(spec, configs, tiny_data, {"rung": 8, "logreg_cluster": 7},
+                                                          check=[0, 21, 39])
+    assert timing["models"] == 40 and records[0].environment["waves"] >= 2
+
+
+@pytest.mark.gpu
+def test_a_logreg_sweep_of_another_cluster_size_tracks_the_single_run(tiny_data):
+    """40 models: the sweep runs clusters of fewer than 7 CTAs (more at once); each model then sums its logits in
+    another order than the default single run, so it agrees to the mixed-precision tolerance, not bit for bit."""
+    spec = parse_model("logreg")
+    base = default_config(spec, epochs=2, batch_size=64, precision="fp16")
+    configs = sweep_configs(base, [0.05 * (i + 1) for i in range(20)], [1, 2])
+    records, weights, _ = run_sweep("cuda", spec, configs, tiny_data, {"rung": 8})
+    assert records[0].environment["cluster"] < 7
+    for k in (0, 39):
+        single, _ = run("cuda", spec, configs[k], tiny_data, {"rung": 8})
+        for got, want in zip(records[k].epochs, single.epochs):
+            assert got["train_loss"] == pytest.approx(want["train_loss"], rel=0.02)
+        assert abs(records[k].final["test_acc"] - single.final["test_acc"]) <= 0.03 + 1e-9
 
 
 @pytest.mark.gpu
