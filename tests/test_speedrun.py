@@ -265,3 +265,32 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
     hidden = sum(p.numel() for n, p in named.items() if n in in_muon)
     rest = sum(p.numel() for n, p in named.items() if n not in in_muon)
     assert rec["memory"]["by_kind"]["optimizer_state"] == 4 * hidden + 8 * rest + 4 * (len(named) - len(in_muon))
+
+
+def test_merge_joins_invocations_of_different_rungs_into_one_ladder(fake_corpus, tmp_path, capsys):
+    """A ladder longer than one device call runs as several invocations; merge orders the rungs, keeps every
+    run record, and refuses a rung measured twice or results of another GPU."""
+    common = ["--preset", "tiny", "--seeds", "1", "--target", str(TARGET), "--set",
+              "max_steps=12,eval_interval=4,eval_tokens=256", "--device", "cpu", "--quiet"]
+    for rungs, name in (("2", "b"), ("0", "a")):
+        code, _, stderr = run_cli(["lab", "speedrun", "--rungs", rungs, *common, "--out", str(tmp_path / name)], capsys)
+        assert code == 0, stderr
+    merged = tmp_path / "merged"
+    code, stdout, stderr = run_cli(["lab", "speedrun", "merge", str(tmp_path / "b"), str(tmp_path / "a"),
+                                    "--out", str(merged)], capsys)
+    assert code == 0, stderr
+    result = report.load_result(merged)
+    assert [r["label"] for r in result["rows"]] == ["0", "2"] and len(result["parts"]) == 2
+    assert sorted(p.name for p in (merged / "runs").iterdir()) == sorted(
+        [p.name for p in (tmp_path / "a" / "runs").iterdir()] + [p.name for p in (tmp_path / "b" / "runs").iterdir()])
+    assert "merged by `fasttrain lab speedrun merge`" in (merged / "ladder.md").read_text()
+    code, _, stderr = run_cli(["lab", "speedrun", "merge", str(tmp_path / "a"), str(tmp_path / "a"),
+                               "--out", str(tmp_path / "twice")], capsys)
+    assert code == 1 and "rung 0 (baseline) is in two of the results" in stderr and not (tmp_path / "twice").exists()
+    other = json.loads((tmp_path / "b" / "speedrun.json").read_text())
+    other["device"] = "another GPU"
+    other["environment"]["gpu"] = {"name": "another GPU"}
+    (tmp_path / "b" / "speedrun.json").write_text(json.dumps(other))
+    code, _, stderr = run_cli(["lab", "speedrun", "merge", str(tmp_path / "a"), str(tmp_path / "b"),
+                               "--out", str(tmp_path / "gpus")], capsys)
+    assert code == 1 and "different GPU" in stderr and stderr.count("\n") == 1

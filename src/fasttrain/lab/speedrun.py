@@ -46,8 +46,8 @@ import click
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.config import LabConfig, preset
-from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, readme_command, save_fastest,
-                                          summarize, write_results)
+from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
+                                           save_fastest, summarize, write_results)
 
 TARGET = 1.47
 BASE_PRESET = "shakespeare-char"
@@ -578,6 +578,7 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max
 
 
 command.add_command(readme_command)
+command.add_command(merge_command)
 
 
 __all__ = ["LADDER", "TARGET", "Rung", "Row", "command", "parse_rungs", "parse_seeds", "plan", "run_ladder",

@@ -180,7 +180,7 @@ def ladder_markdown(result: dict) -> str:
         f"first validation over {_scored(result)} at or below "
         f"{target}; median over seeds, p20–p80 across seeds. A rung counts only if every seed reaches the target. "
         "ms/step: training time over the steps run. × prev / × baseline: ratio of median times to target, measured "
-        "in this one invocation; ≥ marks a lower bound where the row divided by does not count: a run of it "
+        f"{_where_measured(result)}; ≥ marks a lower bound where the row divided by does not count: a run of it "
         "trained that long (the shortest such run) without reaching the target. step × base: ratio of ms/step. setup: build, compilation and warm-up steps "
         "(parameters restored after), once per rung. eval: validation time per seed, apart from training. "
         f"wall: the whole rung, every seed. Runs stop at the target, the schedule's end, {settings.get('max_train_s')} s "
@@ -193,6 +193,14 @@ def ladder_markdown(result: dict) -> str:
         parts.append(f"*Saved: the final model of rung {sv['rung']} (seed {sv['seed']}, validation loss "
                      f"{sv['val_loss']:.6f}); check it with `fasttrain lab eval {sv['path']}`.*")
     return "\n\n".join(parts) + "\n"
+
+
+def _where_measured(result: dict) -> str:
+    parts = result.get("parts")
+    if not parts:
+        return "in this one invocation"
+    return (f"in {len(parts)} invocations on the same GPU, merged by `fasttrain lab speedrun merge` (rungs "
+            + "; ".join(", ".join(p["rungs"]) for p in parts) + ")")
 
 
 def _scored(result: dict) -> str:
@@ -304,6 +312,82 @@ def readme_command(results_dir, into) -> None:
         click.echo(section, nl=False)
 
 
-__all__ = ["DEFAULT_SEEDS", "README_END", "README_START", "baseline_row", "ladder_markdown", "load_result",
+# --- one ladder from several invocations ------------------------------------------------------------
+
+
+def _row_key(row: dict) -> tuple:
+    return (0, int(row["label"])) if str(row["label"]).isdigit() else (1, str(row["label"]))
+
+
+def merge_results(parts: list[dict]) -> dict:
+    """One ladder from the results of several invocations on the same GPU (a ladder longer than one call may
+    run, split by rungs): rows in rung order, each rung from exactly one part; the parts must share the GPU,
+    torch, target, settings and data. The saved model is the one its part saved for the fastest counted row."""
+    if len(parts) < 2:
+        raise FasttrainError("merge needs at least two speedrun result folders")
+    first = parts[0]
+
+    def gpu(result):
+        return ((result.get("environment") or {}).get("gpu") or {}).get("name") or result.get("device")
+
+    for other in parts[1:]:
+        for what, get in (("GPU", gpu), ("torch", lambda r: r.get("torch")), ("target", lambda r: r.get("target")),
+                          ("data", lambda r: r.get("data")),
+                          ("settings", lambda r: {k: v for k, v in (r.get("settings") or {}).items()
+                                                  if k not in ("budget_s", "seeds")})):
+            if get(other) != get(first):
+                raise FasttrainError(f"cannot merge speedrun results of different {what}: {get(first)!r} and "
+                                     f"{get(other)!r}")
+    rows, seen = [], {}
+    for i, part in enumerate(parts):
+        for row in part["rows"]:
+            if row["label"] in seen:
+                raise FasttrainError(f"rung {row['label']} ({row['name']}) is in two of the results (parts {seen[row['label']] + 1} "
+                                     f"and {i + 1}); merge results of different rungs")
+            seen[row["label"]] = i
+            rows.append(row)
+    rows.sort(key=_row_key)
+    counted = [r for r in rows if r["summary"]["counts"]]
+    fastest_row = min(counted, key=lambda r: r["summary"]["time_to_target_s"]["p50"]) if counted else None
+    saved = None
+    fastest = None
+    if fastest_row is not None:
+        fastest = {"label": fastest_row["label"], "name": fastest_row["name"],
+                   "time_to_target_s": fastest_row["summary"]["time_to_target_s"]["p50"],
+                   "seed": median_run(fastest_row)["seed"]}
+        saved = next((p["saved"] for p in parts if p.get("saved") and p["saved"].get("rung") == fastest_row["name"]),
+                     None)
+    settings = dict(first.get("settings") or {})
+    settings["seeds"] = max((p.get("settings", {}).get("seeds") or [] for p in parts), key=len)
+    return {
+        **{k: first.get(k) for k in ("kind", "target", "environment", "torch", "device", "data")},
+        "command": " && ".join(p.get("command") or "fasttrain lab speedrun" for p in parts),
+        "started": min(p.get("started") or "" for p in parts),
+        "finished": max(p.get("finished") or "" for p in parts),
+        "settings": settings,
+        "parts": [{k: p.get(k) for k in ("command", "started", "finished", "process_wall_s")}
+                  | {"rungs": [r["label"] for r in p["rows"]],
+                     "git_sha": (p.get("environment") or {}).get("git_sha")} for p in parts],
+        "rows": rows, "saved": saved, "fastest": fastest, "process_wall_s": None,
+    }
+
+
+@click.command("merge")
+@click.argument("parts", nargs=-1, type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="A new folder for the merged speedrun.json, speedrun.csv, ladder.md and runs/.")
+def merge_command(parts, out_dir) -> None:
+    """Merge the result folders of several `fasttrain lab speedrun --out` invocations (different rungs, the same
+    GPU) into one ladder."""
+    from fasttrain.files import check_new_folder
+
+    check_new_folder(out_dir, "--out")
+    merged = merge_results([load_result(p) for p in parts])
+    write_results(merged, out_dir)
+    click.echo(ladder_markdown(merged), nl=False)
+    click.echo(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)")
+
+
+__all__ = ["DEFAULT_SEEDS", "merge_command", "merge_results", "README_END", "README_START", "baseline_row", "ladder_markdown", "load_result",
            "median_run", "readme_command", "readme_section", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]
