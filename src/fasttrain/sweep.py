@@ -39,6 +39,24 @@ def model_label(config: TrainConfig) -> str:
     return f"lr{config.lr:g}-seed{config.seed}"
 
 
+def parse_sweep_list(text: str, flag: str, kind: type) -> list:
+    """A command line's comma list (``--lr 0.03,0.1,0.3``, ``--seed 0,1,2``) as numbers of ``kind`` (float or
+    int); an empty item or a word that is not such a number is one line. Ranges are :class:`TrainConfig`'s."""
+    items = [item.strip() for item in str(text).split(",")]
+    example = "0.03,0.1,0.3" if kind is float else "0,1,2"
+    if any(not item for item in items):
+        raise FasttrainError(f"{flag} {text!r}: an empty item; give values separated by single commas "
+                             f"(e.g. {flag} {example})")
+    values = []
+    for item in items:
+        try:
+            values.append(kind(item))
+        except ValueError:
+            what = "a number" if kind is float else "an integer"
+            raise FasttrainError(f"{flag}: {item!r} is not {what} (e.g. {flag} {example})") from None
+    return values
+
+
 def check_sweep_values(lrs, seeds) -> tuple[list[float], list[int]]:
     """The swept values as lists of floats and ints, refused (one line) when a list is empty or names a value
     twice (0.1 and 0.10 are one learning rate); each value's range is :class:`TrainConfig`'s to check."""
