@@ -168,7 +168,8 @@ def _train_sweep(engine, spec, lrs, seeds, engine_options, out, save_weights, qu
     if not quiet:
         table = Table(title=f"{engine} · {spec.name} · {base.precision} · batch {base.batch_size} · {k} models at once")
         for column in TABLE_HEADER:
-            table.add_column(column, justify="left" if column in ("model", "diverged") else "right")
+            left = column in ("model", "diverged")
+            table.add_column(column, justify="left" if left else "right", no_wrap=left)
         for row in table_rows(summary_data):
             table.add_row(*row, style="red" if row[-1] != "-" else None)
         out_console.print(table)

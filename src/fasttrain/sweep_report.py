@@ -135,7 +135,7 @@ def table_rows(summary_data: dict) -> list[list[str]]:
     for m in summary_data["models"]:
         d = m["diverged"]
         rows.append([m["label"], f"{m['lr']:g}", str(m["seed"]), _num(m["final_train_loss"]), _num(m["test_loss"]),
-                     _num(m["test_acc"]), "-" if d is None else f"yes (epoch {d['epoch']}, {d['what']})"])
+                     _num(m["test_acc"]), "-" if d is None else f"yes, epoch {d['epoch']}"])
     return rows
 
 

@@ -194,7 +194,7 @@ def _ratio_cell(value: float | None) -> str:
 
 def plot(result: SuiteResult, path: Path) -> Path | None:
     """Throughput against K, log-log: a panel per model, a line per row (p20–p80 band across repeats)."""
-    from fasttrain.bench.plots import _machine, _style, colors, matplotlib_or_none
+    from fasttrain.bench.plots import _log_ticks, _machine, _style, colors, matplotlib_or_none
     from fasttrain.files import save_figure
 
     plt = matplotlib_or_none()
@@ -204,7 +204,7 @@ def plot(result: SuiteResult, path: Path) -> Path | None:
     _style(plt)
     palette = colors([(c.label, c.engine) for c in ran])
     models = list(dict.fromkeys(c.model for c in ran))
-    fig, axes = plt.subplots(1, len(models), figsize=(5.2 * len(models), 4.6), layout="constrained", squeeze=False)
+    fig, axes = plt.subplots(1, len(models), figsize=(max(9.5, 5.2 * len(models)), 4.6), layout="constrained", squeeze=False)
     for ax, model in zip(axes[0], models):
         metric, unit = _metric(model)
         labels, ks, p50 = grid(result, model, lambda c: c.metric(metric))
@@ -217,6 +217,11 @@ def plot(result: SuiteResult, path: Path) -> Path | None:
                             alpha=0.15, lw=0)
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
+        values = [v for v in (*p20.values(), *p80.values(), *p50.values()) if v]
+        if values:
+            low, high = min(values) / 1.5, max(values) * 1.5
+            ax.set_ylim(low, high)
+            _log_ticks(ax.yaxis, decades=math.log10(high / low))
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("models trained at once, K")
         ax.set_ylabel(f"{unit} of training time")
@@ -226,7 +231,7 @@ def plot(result: SuiteResult, path: Path) -> Path | None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(4, len(handles)), fontsize=9)
-    fig.suptitle(f"Many models at once: throughput against K · {_machine(result)}", x=0.01, ha="left", fontsize=12,
+    fig.suptitle(f"Many models at once: throughput against K\n{_machine(result)}", x=0.01, ha="left", fontsize=11,
                  fontweight="bold")
     save_figure(fig, path)
     plt.close(fig)
