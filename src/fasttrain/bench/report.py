@@ -195,6 +195,9 @@ def _config_line(result: SuiteResult) -> str:
     case = next(iter(result.ran()), None) or next(iter(result.cases), None)
     if case is None:
         return ""
+    if case.k is not None:   # the many suite: each model's length and batch head its own tables
+        return (f"K = n × n models per case (n learning rates around each model's default × n seeds), "
+                f"{_plural(result.repeats, 'repeat')} (repeat r: seeds r·n .. r·n + n − 1)")
     cfg = case.config
     length = _plural(cfg["epochs"], "epoch") if cfg.get("steps") is None else _plural(cfg["steps"], "step")
     seeds = f"seeds 0..{result.repeats - 1}" if result.repeats > 1 else "seed 0"
