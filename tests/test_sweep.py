@@ -291,3 +291,18 @@ def test_bench_many_quick_on_numpy_writes_its_files(tmp_path, capsys):
     # the listing names the K of every case
     assert main(["bench", "many", "--list"]) == 0
     assert "K=4" in capsys.readouterr().out
+
+
+def test_many_rows_of_an_engine_without_sweep_are_skipped_with_the_reason(monkeypatch):
+    from fasttrain.bench import runner, suites
+    from fasttrain.bench.suites import Row
+    from fasttrain.engines import registry
+
+    unable = [name for name, cls in registry().items() if cls.sweep is None and cls.available() is None]
+    if not unable:
+        pytest.skip("every engine that runs here trains sweeps")
+    suite = suites.with_rows(suites.many(quick=True), [Row("numpy loop", "numpy", max_k=4, models=("logreg",)),
+                                                        Row("other", unable[0], models=("logreg",))])
+    reasons = {(c.row.label, c.k): reason for c, reason in runner.plan(suite)}
+    assert reasons[("numpy loop", 4)] is None
+    assert reasons[("other", 1)] == f"engine {unable[0]} does not train several models at once (its class sets no sweep)"

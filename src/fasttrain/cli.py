@@ -204,10 +204,10 @@ def print_engines(target: Console) -> None:
         reason = engine_cls.available()
         opts = " ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(engine_cls.Options))
         rows.append((name, "yes" if reason is None else f"no: {reason}", ",".join(engine_cls.precisions),
-                     opts or "-", engine_cls.description))
+                     opts or "-", engine_cls.description, engine_cls.sweep or "no"))
     if target.width >= 160:
         table = Table(title="fasttrain engines")
-        for column in ("engine", "available", "precisions", "options", "description"):
+        for column in ("engine", "available", "precisions", "options", "description", "many models at once"):
             table.add_column(column, overflow="fold")
         for row in rows:
             table.add_row(*row)
@@ -216,9 +216,9 @@ def print_engines(target: Console) -> None:
     from rich.padding import Padding
     from rich.text import Text
 
-    for name, available, precisions, opts, description in rows:
+    for name, available, precisions, opts, description, sweep in rows:
         target.print(Text.assemble((name, "bold"), f"  {precisions}"))
-        for text, style in ((f"options: {opts}", ""), (description, ""),
+        for text, style in ((f"options: {opts}", ""), (description, ""), (f"many models at once: {sweep}", ""),
                             (f"available: {available}", "" if available == "yes" else "yellow")):
             target.print(Padding(Text(text, style=style, overflow="fold"), (0, 0, 0, 2), expand=False))
 

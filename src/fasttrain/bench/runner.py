@@ -162,6 +162,8 @@ def skip_reason(case: Case, engines_filter: set[str] | None = None) -> str | Non
     if row.engine not in engines:
         return f"engine {row.engine} is not registered (no package in fasttrain.engines provides it)"
     engine_cls = engines[row.engine]
+    if case.k is not None and engine_cls.sweep is None:
+        return f"engine {row.engine} does not train several models at once (its class sets no sweep)"
     reason = engine_cls.available()
     if reason:
         return reason
