@@ -3,6 +3,7 @@ optimization buys, every engine held to one float64 reference."""
 
 from fasttrain.contract import ModelSpec, TrainConfig, default_config, epoch_order, initial_weights, parse_model
 from fasttrain.errors import DataError, EngineUnavailable, FasttrainError
+from fasttrain.sweep import SweepResult, train_sweep
 from fasttrain.training import RunRecord, evaluate_weights, load_weights, save_weights, train
 
 __version__ = "0.1.0"
@@ -13,6 +14,7 @@ __all__ = [
     "FasttrainError",
     "ModelSpec",
     "RunRecord",
+    "SweepResult",
     "TrainConfig",
     "default_config",
     "epoch_order",
@@ -22,4 +24,5 @@ __all__ = [
     "parse_model",
     "save_weights",
     "train",
+    "train_sweep",
 ]

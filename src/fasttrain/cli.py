@@ -34,16 +34,19 @@ def _fmt(value, spec: str) -> str:
 @click.option("--epochs", type=int, help="Epochs (logreg default 20).")
 @click.option("--steps", type=int, help="SGD steps instead of epochs (mlp default 5000).")
 @click.option("--batch-size", type=int, help="Batch size (logreg 128, mlp 32).")
-@click.option("--lr", type=float, help="Learning rate (logreg 0.1, mlp 0.003).")
-@click.option("--seed", type=int, default=0, show_default=True)
+@click.option("--lr", help="Learning rate (logreg 0.1, mlp 0.003); a comma list (0.03,0.1,0.3) trains a sweep.")
+@click.option("--seed", default="0", show_default=True,
+              help="Seed (initial weights, batch order); a comma list (0,1,2,3) trains a sweep.")
 @click.option("--precision", type=click.Choice(["fp32", "fp64", "fp16", "bf16"]), default="fp32", show_default=True)
 @click.option("--eval-every", type=int, default=1, show_default=True, help="Test evaluation every N epochs.")
 @click.option("--log-every", type=int, default=50, show_default=True, help="Loss-curve point every N steps.")
 @click.option("--drop-last", is_flag=True, help="Drop the last partial batch of each epoch.")
 @click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist.")
 @click.option("--data-dir", type=click.Path(file_okay=False), help="Data root (default: $FASTTRAIN_DATA_DIR or ~/.cache/fasttrain).")
-@click.option("--out", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
-@click.option("--save-weights", type=click.Path(dir_okay=False), help="Write the trained weights (.npz) here.")
+@click.option("--out", type=click.Path(), help="Write the run record (JSON) here; for a sweep, a folder: a run "
+              "record per model, sweep.json, sweep.md, sweep.png.")
+@click.option("--save-weights", type=click.Path(), help="Write the trained weights (.npz) here; for a sweep, a "
+              "folder of <model>.npz.")
 @click.option("--quiet", is_flag=True, help="No progress bar or table.")
 @click.pass_context
 def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, eval_every, log_every, drop_last,
@@ -55,10 +58,23 @@ def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, ev
     from fasttrain.engines import get_engine
     from fasttrain.engines.base import parse_option_words
 
+    from fasttrain.sweep import parse_sweep_list
+
     engine_options = parse_option_words(get_engine(engine), ctx.args)
     if epochs is not None and steps is not None:
         raise FasttrainError("give --epochs or --steps, not both")
+    lrs = None if lr is None else parse_sweep_list(lr, "--lr", float)
+    seeds = parse_sweep_list(seed, "--seed", int)
     spec = fasttrain.parse_model(model)
+    if len(lrs or ()) > 1 or len(seeds) > 1:
+        _train_sweep(engine, spec, lrs, seeds, engine_options, out, save_weights, quiet,
+                     dict(epochs=epochs, steps=steps, batch_size=batch_size, precision=precision, eval_every=eval_every,
+                          log_every=log_every, drop_last=drop_last or None, dataset=dataset, data_dir=data_dir))
+        return
+    lr, seed = (None if lrs is None else lrs[0]), seeds[0]
+    for name, value in (("out", out), ("save_weights", save_weights)):
+        if value is not None:   # a single run's outputs are files: click's own check, as before sweeps
+            click.Path(dir_okay=False).convert(value, next(p for p in ctx.command.params if p.name == name), ctx)
     cfg = fasttrain.default_config(spec, epochs=epochs, steps=steps, batch_size=batch_size, lr=lr, seed=seed,
                                    precision=precision, eval_every=eval_every, log_every=log_every,
                                    drop_last=drop_last or None)
@@ -105,6 +121,70 @@ def train(ctx, engine, model, epochs, steps, batch_size, lr, seed, precision, ev
         out_console.print(f"weights: {save_weights}")
 
 
+def _train_sweep(engine, spec, lrs, seeds, engine_options, out, save_weights, quiet, options: dict) -> None:
+    """``fasttrain train --lr a,b,... --seed x,y,...``: every combination at once (fasttrain.train_sweep)."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
+
+    import fasttrain
+    from fasttrain.contract import schedule
+    from fasttrain.sweep_report import TABLE_HEADER, summary, table_rows, timing_line
+
+    dataset, data_dir = options.pop("dataset"), options.pop("data_dir")
+    base = fasttrain.default_config(spec, **options)
+    lrs = lrs or [base.lr]
+    k = len(lrs) * len(seeds)
+    progress = None if quiet else Progress(
+        "[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+        console=console, transient=True,
+    )
+
+    def on_epoch(sweep_epoch: dict) -> None:
+        # one line per epoch for the whole sweep: the spread of the live models' figures
+        if not progress:
+            return
+        rows = [r for r in sweep_epoch["models"] if r is not None]
+        losses = [r["train_loss"] for r in rows if r["train_loss"] is not None]
+        accs = [r["test_acc"] for r in rows if r["test_acc"] is not None]
+        loss = f"{min(losses):.4f}–{max(losses):.4f}" if losses else "-"
+        progress.update(task, total=n_epochs, advance=1)
+        progress.console.print(
+            f"epoch {sweep_epoch['epoch']:>3}  {sweep_epoch['train_ms']:9.1f} ms  {sweep_epoch['live']}/{k} models live"
+            f"  train loss {loss}  best test acc {_fmt(max(accs) if accs else None, '.4f')}")
+
+    n_epochs = None
+    if progress:
+        n_epochs = base.epochs
+        progress.start()
+        task = progress.add_task(f"{engine} {spec.name} × {k}", total=n_epochs)
+    try:
+        result = fasttrain.train_sweep(engine, spec, lrs=lrs, seeds=seeds, dataset=dataset, data_dir=data_dir,
+                                       engine_options=engine_options, on_epoch=on_epoch, out=out,
+                                       save_weights_to=save_weights,
+                                       **{k: v for k, v in base.to_dict().items() if k not in ("lr", "seed")})
+    finally:
+        if progress:
+            progress.stop()
+    summary_data = summary(result)
+    if not quiet:
+        table = Table(title=f"{engine} · {spec.name} · {base.precision} · batch {base.batch_size} · {k} models at once")
+        for column in TABLE_HEADER:
+            left = column in ("model", "diverged")
+            table.add_column(column, justify="left" if left else "right", no_wrap=left)
+        for row in table_rows(summary_data):
+            table.add_row(*row, style="red" if row[-1] != "-" else None)
+        out_console.print(table)
+        out_console.print(f"timing: {timing_line(result.timing)}", highlight=False)
+        if out:
+            out_console.print(f"run records, sweep.json, sweep.md: {out}/")
+        if save_weights:
+            out_console.print(f"weights: {save_weights}/")
+    if result.all_diverged:
+        first = min(r.diverged["epoch"] for r in result.records)
+        where = f"; the run records (with 'diverged') are in {out}/" if out else ""
+        raise FasttrainError(f"every model of the sweep diverged (from epoch {first}); lower --lr (now "
+                             f"{','.join(f'{v:g}' for v in result.lrs)}){where}")
+
+
 @cli.command()
 def engines() -> None:
     """List the engines, whether each can run here, and why not."""
@@ -124,10 +204,10 @@ def print_engines(target: Console) -> None:
         reason = engine_cls.available()
         opts = " ".join(f"--{f.name.replace('_', '-')}" for f in dataclasses.fields(engine_cls.Options))
         rows.append((name, "yes" if reason is None else f"no: {reason}", ",".join(engine_cls.precisions),
-                     opts or "-", engine_cls.description))
+                     opts or "-", engine_cls.description, engine_cls.sweep or "no"))
     if target.width >= 160:
         table = Table(title="fasttrain engines")
-        for column in ("engine", "available", "precisions", "options", "description"):
+        for column in ("engine", "available", "precisions", "options", "description", "many models at once"):
             table.add_column(column, overflow="fold")
         for row in rows:
             table.add_row(*row)
@@ -136,9 +216,9 @@ def print_engines(target: Console) -> None:
     from rich.padding import Padding
     from rich.text import Text
 
-    for name, available, precisions, opts, description in rows:
+    for name, available, precisions, opts, description, sweep in rows:
         target.print(Text.assemble((name, "bold"), f"  {precisions}"))
-        for text, style in ((f"options: {opts}", ""), (description, ""),
+        for text, style in ((f"options: {opts}", ""), (description, ""), (f"many models at once: {sweep}", ""),
                             (f"available: {available}", "" if available == "yes" else "yellow")):
             target.print(Padding(Text(text, style=style, overflow="fold"), (0, 0, 0, 2), expand=False))
 

@@ -11,18 +11,20 @@ are the whole sweep's epoch times (the models trained together; there is no time
 from __future__ import annotations
 
 import math
+import os
 import time
+from dataclasses import dataclass, field
 
 import numpy as np
 
-from fasttrain.contract import ModelSpec, TrainConfig, epoch_order, initial_weights, schedule
-from fasttrain.data.datasets import Dataset
+from fasttrain.contract import ModelSpec, TrainConfig, default_config, epoch_order, initial_weights, parse_model, schedule
+from fasttrain.data.datasets import Dataset, load_dataset
 from fasttrain.engines import get_engine
 from fasttrain.engines.base import EpochStats, SweepJob, SweepMemory, SweepSession, Weights, make_options, options_dict
 from fasttrain.environment import environment
 from fasttrain.errors import EngineUnavailable, FasttrainError
 from fasttrain.timing import Stopwatch, summarize_epochs
-from fasttrain.training import RunRecord, _Curve, _divergence
+from fasttrain.training import RunRecord, _Curve, _divergence, save_weights
 
 GIB = 1024**3
 
@@ -35,6 +37,48 @@ def sweep_configs(base: TrainConfig, lrs: list[float], seeds: list[int]) -> list
 def model_label(config: TrainConfig) -> str:
     """A model's name in a sweep's tables and files: ``lr0.1-seed3``."""
     return f"lr{config.lr:g}-seed{config.seed}"
+
+
+def parse_sweep_list(text: str, flag: str, kind: type) -> list:
+    """A command line's comma list (``--lr 0.03,0.1,0.3``, ``--seed 0,1,2``) as numbers of ``kind`` (float or
+    int); an empty item or a word that is not such a number is one line. Ranges are :class:`TrainConfig`'s."""
+    items = [item.strip() for item in str(text).split(",")]
+    example = "0.03,0.1,0.3" if kind is float else "0,1,2"
+    if any(not item for item in items):
+        raise FasttrainError(f"{flag} {text!r}: an empty item; give values separated by single commas "
+                             f"(e.g. {flag} {example})")
+    values = []
+    for item in items:
+        try:
+            values.append(kind(item))
+        except ValueError:
+            what = "a number" if kind is float else "an integer"
+            raise FasttrainError(f"{flag}: {item!r} is not {what} (e.g. {flag} {example})") from None
+    return values
+
+
+def check_sweep_values(lrs, seeds) -> tuple[list[float], list[int]]:
+    """The swept values as lists of floats and ints, refused (one line) when a list is empty or names a value
+    twice (0.1 and 0.10 are one learning rate); each value's range is :class:`TrainConfig`'s to check."""
+    out = []
+    for flag, values, kind in (("--lr", lrs, float), ("--seed", seeds, int)):
+        if isinstance(values, (int, float, str)):
+            values = [values]
+        values = list(values)
+        if not values:
+            raise FasttrainError(f"{flag}: give at least one value")
+        seen = set()
+        for value in values:
+            if kind is int and (isinstance(value, bool) or not isinstance(value, (int, np.integer))):
+                raise FasttrainError(f"{flag}: {value!r} is not an integer")
+            if kind is float and (isinstance(value, bool) or not isinstance(value, (int, float, np.number))):
+                raise FasttrainError(f"{flag}: {value!r} is not a number")
+            key = kind(value)
+            if key in seen:
+                raise FasttrainError(f"{flag} lists {value:g} twice; give each value once")
+            seen.add(key)
+        out.append([kind(v) for v in values])
+    return out[0], out[1]
 
 
 def check_sweep_memory(memory: SweepMemory | None, k: int, spec: ModelSpec) -> None:
@@ -101,15 +145,19 @@ def run_sweep(engine_name: str, spec: ModelSpec, configs: list[TrainConfig], dat
                      for i in range(k)]
             live = [i for i in range(k) if diverged[i] is None]
             last = epoch == plan.n_epochs or all(diverged[i] is not None or newly[i] for i in range(k))
+            # model i is scored when its own run would be: its last epoch (the schedule's, or the one where its
+            # train loss stopped being finite) or every eval_every epochs; the others' scores are not kept, so
+            # each record is exactly that of the model's single run
+            scored = [epoch == plan.n_epochs or epoch % eval_every == 0 or newly[i] for i in range(k)]
             scores = [(None, None)] * k
             eval_ms = 0.0
-            if last or epoch % eval_every == 0 or any(newly):
+            if last or any(scored[i] for i in live):
                 eval_ms, scores = watch.time_ms(session.evaluate)
             sweep_eval_ms.append(eval_ms)
             for i in live:
                 s = stats[i]
                 curves[i].add_epoch(step + 1, steps, None if s.step_losses is None else np.asarray(s.step_losses))
-                test_loss, test_acc = scores[i]
+                test_loss, test_acc = scores[i] if scored[i] else (None, None)
                 row = {
                     "epoch": epoch, "steps": steps, "train_ms": train_ms, "eval_ms": eval_ms,
                     "train_loss": train_losses[i],
@@ -208,3 +256,87 @@ class LoopSweepSession(SweepSession):
     def close(self) -> None:
         for s in self.sessions:
             s.close()
+
+
+# --- the API: fasttrain.train_sweep ---------------------------------------------------------
+
+
+@dataclass
+class SweepResult:
+    """A sweep's outcome: a run record per model (``configs`` order: lr major), the sweep's timing
+    (:func:`sweep_timing`) and each model's final weights; :meth:`summary` is what ``sweep.json`` holds."""
+
+    engine: str
+    model: str
+    lrs: list[float]
+    seeds: list[int]
+    records: list[RunRecord]
+    timing: dict
+    weights: list[Weights] = field(default_factory=list, repr=False)
+
+    @property
+    def labels(self) -> list[str]:
+        return [model_label(TrainConfig(**r.config)) for r in self.records]
+
+    @property
+    def all_diverged(self) -> bool:
+        return all(r.diverged is not None for r in self.records)
+
+    def summary(self) -> dict:
+        from fasttrain.sweep_report import summary
+
+        return summary(self)
+
+
+def train_sweep(
+    engine: str = "numpy",
+    model: str | ModelSpec = "logreg",
+    *,
+    lrs,
+    seeds,
+    data: Dataset | None = None,
+    dataset: str = "mnist",
+    data_dir: str | os.PathLike | None = None,
+    engine_options: dict | None = None,
+    on_epoch=None,
+    out: str | os.PathLike | None = None,
+    save_weights_to: str | os.PathLike | None = None,
+    **config,
+) -> SweepResult:
+    """Train every (lr, seed) combination of ``lrs`` x ``seeds`` at once with one engine and return a
+    :class:`SweepResult`. ``config`` keys are the other :class:`TrainConfig` fields, shared by every model
+    (unset ones take the model's defaults). ``out``: a folder for ``<label>.json`` per model and
+    ``sweep.json``/``sweep.md``/``sweep.png``; ``save_weights_to``: a folder for ``<label>.npz`` per model.
+    Everything that can be refused is refused before the data loads, the memory check before any work."""
+    from fasttrain.files import check_distinct_outputs
+    from fasttrain.sweep_report import check_sweep_folder, write_sweep_folder, write_weights_folder
+
+    for key in ("lr", "seed"):
+        if config.get(key) is not None:
+            raise FasttrainError(f"give {key}s=[...] for a sweep, not {key}=")
+        config.pop(key, None)
+    spec = parse_model(model) if isinstance(model, str) else model
+    lr_values, seed_values = check_sweep_values(lrs, seeds)
+    base = default_config(spec, **config)
+    configs = sweep_configs(base, lr_values, seed_values)   # each config checks its lr's and seed's range
+    engine_cls = get_engine(engine)
+    check_sweep_engine(engine_cls(make_options(engine_cls, engine_options)), spec, configs[0])
+    reason = engine_cls.available()
+    if reason:
+        raise EngineUnavailable(f"engine {engine} cannot run here: {reason}")
+    labels = [model_label(c) for c in configs]
+    if len(set(labels)) != len(labels):   # two lrs printed alike by %g (0.1 and 0.1000001)
+        raise FasttrainError(f"--lr values {', '.join(f'{v!r}' for v in lr_values)} name two models alike; "
+                             "give learning rates that differ in their first six digits")
+    check_distinct_outputs(**{"--out": out, "--save-weights": save_weights_to})
+    out_folder = None if out is None else check_sweep_folder(out, "--out", "json")
+    weights_folder = None if save_weights_to is None else check_sweep_folder(save_weights_to, "--save-weights", "npz")
+    if data is None:
+        data = load_dataset(dataset, data_dir)
+    records, weights, timing = run_sweep(engine, spec, configs, data, engine_options, on_epoch)
+    result = SweepResult(engine, spec.name, lr_values, seed_values, records, timing, weights)
+    if weights_folder is not None:
+        write_weights_folder(weights_folder, labels, weights, save_weights)
+    if out_folder is not None:
+        write_sweep_folder(out_folder, result)
+    return result

@@ -147,7 +147,8 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
             out_console.print(f"[bold]{suite.name}[/]: {suite.title}; {len(suite.cases())} cases, {suite.repeats} seed(s) each")
             for case, reason in runner.plan(suite, engines_filter):
                 status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {escape(reason)}"
-                out_console.print(f"  {case.row.label:<28} {case.model:<11} {status}")
+                many = "" if case.k is None else f" K={case.k:<3}"
+                out_console.print(f"  {case.row.label:<28} {case.model:<11}{many} {status}")
         return
 
     data, info, note = bench_data(dataset, data_dir, quick, synthetic)  # before any folder is made

@@ -245,6 +245,10 @@ def write_plots(result: SuiteResult, out: Path) -> list[Path]:
         paths = sweep_plots(result, out)
     elif result.suite == "curves":
         paths = [curves_plot(result, out / "curves.png")]
+    elif result.suite == "many":
+        from fasttrain.bench.many import plot as many_plot
+
+        paths = [many_plot(result, out / "many.png")]
     elif result.suite == "lab":
         from fasttrain.bench.lab_report import write_plots as lab_plots
 

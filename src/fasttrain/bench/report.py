@@ -19,7 +19,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import atomic_write_text
 
 CSV_COLUMNS = ("suite", "engine", "rung", "model", "metric", "unit", "p20", "p50", "p80", "n", "gpu", "versions",
-               "git_sha", "timestamp", "label", "precision", "dataset", "mean")
+               "git_sha", "timestamp", "label", "precision", "dataset", "mean", "models")
 
 DEVIATION_METRICS = {  # curves: name in CaseResult.deviation -> (CSV metric, unit)
     "curve_max_abs": ("curve_max_abs_dev", "loss"),
@@ -109,7 +109,8 @@ def csv_rows(result: SuiteResult) -> list[dict]:
         env = _env(case)
         common = dict(suite=case.suite, engine=case.engine, rung=case.rung, model=case.model, gpu=gpu_name(env),
                       versions=versions(env), git_sha=env.get("git_sha") or "", timestamp=case.timestamp,
-                      label=case.label, precision=case.precision, dataset=result.dataset["name"])
+                      label=case.label, precision=case.precision, dataset=result.dataset["name"],
+                      models=case.k if case.k is not None else 1)
         for metric, entry in case.metrics.items():
             rows.append({**common, "metric": metric, "unit": entry["unit"], "p20": entry["p20"], "p50": entry["p50"],
                          "p80": entry["p80"], "n": entry["n"], "mean": entry["mean"]})
@@ -194,6 +195,9 @@ def _config_line(result: SuiteResult) -> str:
     case = next(iter(result.ran()), None) or next(iter(result.cases), None)
     if case is None:
         return ""
+    if case.k is not None:   # the many suite: each model's length and batch head its own tables
+        return (f"K = n × n models per case (n learning rates around each model's default × n seeds), "
+                f"{_plural(result.repeats, 'repeat')} (repeat r: seeds r·n .. r·n + n − 1)")
     cfg = case.config
     length = _plural(cfg["epochs"], "epoch") if cfg.get("steps") is None else _plural(cfg["steps"], "step")
     seeds = f"seeds 0..{result.repeats - 1}" if result.repeats > 1 else "seed 0"
@@ -391,7 +395,7 @@ def table_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
                 fmt_num(case.metric("setup_ms") / 1e3), fmt_pct(case.metric("test_acc", "mean")),
                 "(baseline)" if base is case else fmt_ratio(speedup)]
         if has_target:
-            row = rows_by_key.get(case.key)
+            row = rows_by_key.get((case.label, case.model))
             target = None if row is None else row.target_ms
             unit = 1.0 if metric == "epoch_ms" else 1e-3
             if target is None:
@@ -427,7 +431,14 @@ def lab_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = Non
     return markdown(result, images)
 
 
-MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown, "lab": lab_markdown}
+def many_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
+    from fasttrain.bench.many import markdown
+
+    return markdown(result, images)
+
+
+MARKDOWN = {"ladder": ladder_markdown, "sweep": sweep_markdown, "curves": curves_markdown, "lab": lab_markdown,
+            "many": many_markdown}
 
 
 PLOTS = {  # the PNG files each suite writes (fasttrain.bench.plots), with their alt text
@@ -435,6 +446,7 @@ PLOTS = {  # the PNG files each suite writes (fasttrain.bench.plots), with their
     "sweep": [("training time against hidden size", "sweep_time.png"),
               ("speed relative to PyTorch eager against hidden size", "sweep_relative.png")],
     "curves": [("loss curves of every engine against the NumPy fp64 reference", "curves.png")],
+    "many": [("throughput against the number of models trained at once", "many.png")],
     "lab": [("memory against throughput of every configuration", "lab_scatter.png"),
             ("throughput against batch size up to the out-of-memory edge", "lab_batch_sweep.png"),
             ("training loss against tokens seen, every row", "lab_loss_curves.png")],

@@ -9,6 +9,7 @@ other exception marks the row failed, with its traceback kept in the JSON, and t
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 import sys
 import traceback
@@ -54,10 +55,11 @@ class CaseResult:
     deviation: dict | None = None  # curves: against the NumPy fp64 reference
     timestamp: str = ""
     traceback: str | None = None
+    k: int | None = None  # the many suite: models trained at once
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.label, self.model)
+    def key(self) -> tuple[str, str, int | None]:
+        return (self.label, self.model, self.k)
 
     @property
     def ok(self) -> bool:
@@ -160,6 +162,8 @@ def skip_reason(case: Case, engines_filter: set[str] | None = None) -> str | Non
     if row.engine not in engines:
         return f"engine {row.engine} is not registered (no package in fasttrain.engines provides it)"
     engine_cls = engines[row.engine]
+    if case.k is not None and engine_cls.sweep is None:
+        return f"engine {row.engine} does not train several models at once (its class sets no sweep)"
     reason = engine_cls.available()
     if reason:
         return reason
@@ -203,6 +207,7 @@ def _case_result(case: Case, status: str, reason: str | None = None, options: di
         suite=case.suite, label=case.row.label, engine=case.row.engine, rung=case.row.rung, model=case.model,
         precision=case.config.get("precision", "fp32"), options=_jsonable(options if options is not None else case.row.options),
         config=dict(case.config), seed_ms=case.row.seed_ms, status=status, reason=reason, timestamp=utc_now(),
+        k=case.k,
     )
 
 
@@ -258,11 +263,13 @@ def run_suite(
     progress: Progress | None = None,
     runner: Callable | None = None,
     on_case: Callable[[SuiteResult], None] | None = None,
+    sweep_runner: Callable | None = None,
 ) -> SuiteResult:
     """Run every case that can run here, ``suite.repeats`` seeds each (curves: seed 0 only).
 
     ``on_case(result)`` is called after each case that ran, with the results so far (the CLI saves
-    them, so a run cut short keeps what it finished)."""
+    them, so a run cut short keeps what it finished). A case of K models (the many suite) runs through
+    ``sweep_runner`` (default :func:`fasttrain.bench.many.run_many`), the others through ``runner``."""
     from fasttrain.engines import reference_engine
     from fasttrain.environment import environment
     from fasttrain.training import run as train_run
@@ -296,7 +303,13 @@ def run_suite(
                     progress.log(f"[yellow]skip[/] {suite.name} {case.row.label}: {escape(reason)}")
                 result.cases.append(_case_result(case, "skipped", reason))
                 continue
-            result.cases.append(_run_case(suite, case, seeds, data, runner, progress, result.reference))
+            if case.k is not None:
+                from fasttrain.bench.many import run_many
+
+                case_runner = functools.partial(sweep_runner or run_many, k=case.k)
+            else:
+                case_runner = runner
+            result.cases.append(_run_case(suite, case, seeds, data, case_runner, progress, result.reference))
             if on_case:
                 on_case(result)
     finally:
@@ -311,8 +324,9 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
     options = resolve_options(engine_cls, case.row.options)
     spec = parse_model(case.model)
     out = _case_result(case, "ok", options=options)
+    many = "" if case.k is None else f" K={case.k}"
     for i, seed in enumerate(seeds):
-        progress.describe(f"{suite.name}: {case.row.label} {case.model} seed {seed}")
+        progress.describe(f"{suite.name}: {case.row.label} {case.model}{many} seed {seed}")
         config = default_config(spec, **{**case.config, "seed": seed})
         out.config = config.to_dict()
         try:
@@ -320,14 +334,14 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
         except FasttrainError as exc:
             release_memory()
             out.status, out.reason = "skipped", str(exc)
-            progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}: {escape(str(exc))}")
+            progress.log(f"[yellow]skip[/] {suite.name} {case.row.label} {case.model}{many}: {escape(str(exc))}")
             progress.advance(len(seeds) - i)
             return out
         except Exception as exc:  # noqa: BLE001 - one broken engine must not lose the rest of the suite
             release_memory()
             out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
             out.traceback = traceback.format_exc()
-            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model} seed {seed}: {escape(out.reason)}")
+            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model}{many} seed {seed}: {escape(out.reason)}")
             progress.advance(len(seeds) - i)
             return out
         out.seeds.append(seed)
@@ -336,7 +350,9 @@ def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress,
             # a diverged run's times and scores mean nothing: the row is failed, with its record kept
             out.status = "failed"
             out.reason = f"training diverged at epoch {record.diverged['epoch']} ({record.diverged['what']}) on seed {seed}"
-            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model}: {escape(out.reason)}")
+            if record.diverged.get("model"):   # a sweep: which of its models
+                out.reason += f" (model {record.diverged['model']} of {case.k})"
+            progress.log(f"[red]FAILED[/] {suite.name} {case.row.label} {case.model}{many}: {escape(out.reason)}")
             progress.advance(len(seeds) - i)
             release_memory()
             return out
@@ -369,6 +385,13 @@ def _summary_line(suite: Suite, case: CaseResult) -> str:
     n = case.metrics["epoch_ms"]["n"]
     acc = case.metric("test_acc", "mean")
     acc_text = "-" if acc is None else f"{100 * acc:.2f}%"
+    if case.k is not None:
+        metric = suite.metric_for(case.model)
+        rate = case.metric(metric)
+        unit = "model-epochs/s" if metric == "model_epochs_per_s" else "model-runs/s"
+        return (f"[green]ok[/] {suite.name} {case.label} {case.model} K={case.k}: "
+                f"{'-' if rate is None else f'{rate:,.3g}'} {unit}, train {case.metric('train_ms') / 1e3:.3f} s "
+                f"(p50 of {n}), acc {acc_text}")
     if suite.metric_for(case.model) == "train_ms":
         timing = f"train {case.metric('train_ms') / 1e3:.3f} s"
     else:
@@ -419,7 +442,8 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
     except ValueError:
         defined = []
     labels = list(dict.fromkeys([*defined, *(c.label for c in old.cases), *(c.label for c in new.cases)]))
-    merged.sort(key=lambda c: (_model_size(c.model), labels.index(c.label) if c.label in labels else len(labels)))
+    merged.sort(key=lambda c: (_model_size(c.model), labels.index(c.label) if c.label in labels else len(labels),
+                               c.k or 0))
     new.cases = merged
     new.reference = {**old.reference, **new.reference}
     new.baselines = new.baselines or old.baselines

@@ -28,10 +28,19 @@ def run_metrics(record: dict) -> dict[str, float | None]:
     return {name: read(record) for name, (_unit, read) in METRICS.items()}
 
 
+# a sweep's figures (the many suite): its record carries the sweep's timing (fasttrain.sweep.sweep_timing)
+SWEEP_METRICS: dict[str, tuple[str, object]] = {
+    "model_epochs_per_s": ("model-epochs/s", lambda r: r["sweep"]["timing"]["model_epochs_per_s"]),
+    "model_runs_per_s": ("model-runs/s", lambda r: r["sweep"]["timing"]["model_runs_per_s"]),
+}
+
+
 def case_metrics(records: Sequence[dict]) -> dict[str, dict]:
-    """Each metric summarized across a case's runs."""
-    per_run = [run_metrics(r) for r in records]
-    return {name: {"unit": unit, **summarize([m[name] for m in per_run])} for name, (unit, _) in METRICS.items()}
+    """Each metric summarized across a case's runs (and, for sweeps, the sweep's throughput)."""
+    metrics = dict(METRICS)
+    if records and all("sweep" in r for r in records):
+        metrics.update(SWEEP_METRICS)
+    return {name: {"unit": unit, **summarize([read(r) for r in records])} for name, (unit, read) in metrics.items()}
 
 
 def ratio(numerator: float | None, denominator: float | None) -> float | None:

@@ -42,7 +42,8 @@ class Row:
     out of ``--quick`` (the reason is ``quick_note``); ``seed_ms``: the seed study's figure for this
     row (measured elsewhere); ``baseline``: the row the others are compared with (the speed-up
     columns); ``target_ms`` / ``floor``: the goal this row's figure is held to and the estimated floor
-    (the record suite).
+    (the record suite); ``max_k``: the most models this row trains at once in the ``many`` suite (None: every
+    K of the suite; a slow loop engine stops early).
     """
 
     label: str
@@ -58,6 +59,7 @@ class Row:
     baseline: bool = False
     target_ms: float | None = None
     floor: str = ""
+    max_k: int | None = None
 
     @property
     def precision(self) -> str:
@@ -72,10 +74,11 @@ class Case:
     row: Row
     model: str
     config: dict  # TrainConfig fields (before the seed is set)
+    k: int | None = None  # the many suite: models trained at once (None: one run, the other suites)
 
     @property
-    def key(self) -> tuple[str, str]:
-        return (self.row.label, self.model)
+    def key(self) -> tuple[str, str, int | None]:
+        return (self.row.label, self.model, self.k)
 
 
 @dataclass(frozen=True)
@@ -84,7 +87,8 @@ class Suite:
     workloads); ``metric`` / ``model_metric``: the figure its tables lead with (``epoch_ms``: mean epoch
     time over the second half; ``train_ms``: the whole run's training time), per model where they differ;
     ``reference``: also run the float64 reference engine on ``reference_models`` (None: every model) and
-    hold each row's seed-0 run against it."""
+    hold each row's seed-0 run against it; ``ks``: the many suite's numbers of models trained at once (a case
+    per row, model and K; each K a square, lr values x seeds), () for the suites of single runs."""
 
     name: str
     title: str
@@ -98,6 +102,7 @@ class Suite:
     reference_models: tuple[str, ...] | None = None
     metric: str = "epoch_ms"
     model_metric: dict = field(default_factory=dict)
+    ks: tuple[int, ...] = ()
 
     def config_for(self, model: str) -> dict:
         return {**self.config, **self.model_config.get(model, {})}
@@ -118,7 +123,12 @@ class Suite:
                     continue
                 if row.max_hidden is not None and width > row.max_hidden:
                     continue
-                cases.append(Case(self.name, row, model, {**self.config_for(model), **row.overrides}))
+                config = {**self.config_for(model), **row.overrides}
+                if not self.ks:
+                    cases.append(Case(self.name, row, model, config))
+                    continue
+                cases += [Case(self.name, row, model, config, k) for k in self.ks
+                          if row.max_k is None or k <= row.max_k]
         return cases
 
 
@@ -216,6 +226,25 @@ def lab(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
     rows = tuple(Row(r.label, "lab", rung=r.technique, baseline=r.label == "baseline")
                  for r in lab_rows(PRESETS[preset]["per_device_train_batch_size"]))
     return Suite("lab", title(preset), rows, (preset,), {}, repeats or 1, quick)
+
+
+MANY_K = (1, 4, 16, 64)
+QUICK_MANY_K = (1, 4)
+MANY_MODELS = ("logreg", "mlp:128x3", "mlp:1024x3")
+
+
+@register("many", "Many models at once: throughput of K = 1, 4, 16, 64 models (lr x seed grids) trained in one "
+                  "process, per engine, on logreg (20 epochs) and mlp:128x3, mlp:1024x3 (5000 steps).")
+def many(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
+    # K = n x n models: n learning rates around the model's default (fasttrain.bench.many.sweep_grid) x n seeds;
+    # logreg is measured in model-epochs per second of training, the MLPs in model-runs per second
+    logreg = {**LOGREG, "epochs": 2} if quick else LOGREG
+    mlp = {**MLP, "steps": 100} if quick else MLP
+    return Suite("many", "Many models at once: K models (lr × seed) trained in one process", engine_rows("many"),
+                 MANY_MODELS, {}, repeats or (1 if quick else 3), quick,
+                 model_config={m: (logreg if m == "logreg" else mlp) for m in MANY_MODELS},
+                 metric="model_runs_per_s", model_metric={"logreg": "model_epochs_per_s"},
+                 ks=QUICK_MANY_K if quick else MANY_K)
 
 
 def workload_suite(name: str, title: str) -> SuiteBuilder:

@@ -81,6 +81,8 @@ class NumpyEngine(Engine):
             return (Row("numpy", "numpy", "-", seed_ms=12500.0),)   # the seed study's figure, measured elsewhere
         if suite == "sweep":   # a CPU baseline; above h=1024 it would take minutes per run
             return (Row("numpy fp32", "numpy", "-", max_hidden=1024),)
+        if suite == "many":    # a loop over the models: the CPU baseline, on logreg up to 4 models (slow beyond)
+            return (Row("numpy loop", "numpy", "loop", models=("logreg",), max_k=4),)
         return ()
 
     def prepare(self, job: Job) -> Session:
