@@ -294,3 +294,14 @@ def test_merge_joins_invocations_of_different_rungs_into_one_ladder(fake_corpus,
     code, _, stderr = run_cli(["lab", "speedrun", "merge", str(tmp_path / "a"), str(tmp_path / "b"),
                                "--out", str(tmp_path / "gpus")], capsys)
     assert code == 1 and "different GPU" in stderr and stderr.count("\n") == 1
+    merged_rows = report.load_result(merged)["rows"]
+    assert merged_rows[1]["change"] == sr.LADDER[1].change + " + " + sr.LADDER[2].change   # since rung 0, not the preset
+    # a rung that --budget-s cut short in one part is completed by the same rung run whole in another
+    import shutil
+
+    shutil.copytree(tmp_path / "a", tmp_path / "cut")
+    cut = json.loads((tmp_path / "cut" / "speedrun.json").read_text())
+    cut["rows"][0]["skipped"] = "budget"
+    (tmp_path / "cut" / "speedrun.json").write_text(json.dumps(cut))
+    whole = report.merge_results([report.load_result(tmp_path / "cut"), report.load_result(tmp_path / "a")])
+    assert [r.get("skipped") for r in whole["rows"]] == [None] and whole["parts"][0]["rungs"] == []

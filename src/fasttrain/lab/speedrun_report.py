@@ -315,6 +315,11 @@ def readme_command(results_dir, into) -> None:
 # --- one ladder from several invocations ------------------------------------------------------------
 
 
+def _cut_short(row: dict) -> bool:
+    """Whether --budget-s stopped a rung before all its seeds ran (a miss that stopped the rung is whole)."""
+    return bool(row.get("skipped"))
+
+
 def _row_key(row: dict) -> tuple:
     return (0, int(row["label"])) if str(row["label"]).isdigit() else (1, str(row["label"]))
 
@@ -338,15 +343,32 @@ def merge_results(parts: list[dict]) -> dict:
             if get(other) != get(first):
                 raise FasttrainError(f"cannot merge speedrun results of different {what}: {get(first)!r} and "
                                      f"{get(other)!r}")
-    rows, seen = [], {}
+    chosen: dict[str, tuple[int, dict]] = {}
     for i, part in enumerate(parts):
         for row in part["rows"]:
-            if row["label"] in seen:
-                raise FasttrainError(f"rung {row['label']} ({row['name']}) is in two of the results (parts {seen[row['label']] + 1} "
-                                     f"and {i + 1}); merge results of different rungs")
-            seen[row["label"]] = i
-            rows.append(row)
-    rows.sort(key=_row_key)
+            if row["label"] in chosen:
+                j, earlier = chosen[row["label"]]
+                # a rung that --budget-s cut short (not every seed ran) may be run again whole in another part
+                if _cut_short(earlier) and not _cut_short(row):
+                    chosen[row["label"]] = (i, row)
+                    continue
+                if _cut_short(row) and not _cut_short(earlier):
+                    continue
+                raise FasttrainError(f"rung {row['label']} ({row['name']}) is in two of the results (parts {j + 1} "
+                                     f"and {i + 1}); merge results of different rungs (a rung cut short by "
+                                     "--budget-s may be completed by another part)")
+            chosen[row["label"]] = (i, row)
+    rows = sorted((dict(row) for _, row in chosen.values()), key=_row_key)
+    # each rung's change is now said since the rung above it in the merged ladder (a part's first row listed
+    # every change since the last rung of that part, e.g. all of them since the preset)
+    from fasttrain.lab.speedrun import LADDER
+
+    prev = -1
+    for row in rows:
+        i = row.get("index")
+        if isinstance(i, int) and 0 <= i < len(LADDER) and row["name"] == LADDER[i].name:
+            row["change"] = LADDER[0].change if i == 0 else " + ".join(r.change for r in LADDER[prev + 1: i + 1])
+            prev = i
     counted = [r for r in rows if r["summary"]["counts"]]
     fastest_row = min(counted, key=lambda r: r["summary"]["time_to_target_s"]["p50"]) if counted else None
     saved = None
@@ -366,7 +388,7 @@ def merge_results(parts: list[dict]) -> dict:
         "finished": max(p.get("finished") or "" for p in parts),
         "settings": settings,
         "parts": [{k: p.get(k) for k in ("command", "started", "finished", "process_wall_s")}
-                  | {"rungs": [r["label"] for r in p["rows"]],
+                  | {"rungs": [r["label"] for r in p["rows"] if any(r is row for _, row in chosen.values())],
                      "git_sha": (p.get("environment") or {}).get("git_sha")} for p in parts],
         "rows": rows, "saved": saved, "fastest": fastest, "process_wall_s": None,
     }
