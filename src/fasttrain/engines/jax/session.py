@@ -16,6 +16,11 @@ precision: the dot's inputs are cast to half, cuBLAS accumulates in fp32 and rou
 to half (as torch.autocast does); bias, ReLU, softmax, loss and the master weights stay fp32.
 fp16 multiplies the loss by a fixed 2**10 and divides the gradients by it (exact: a power of
 two) so small gradients do not flush to zero in half; bf16 has fp32's exponent range and needs none.
+
+A sweep (K models at once, ``JaxSweepSession``) is the same program with every model's arrays given a
+leading axis K: the step is ``jax.vmap`` of the single step over the stacked weights, the learning rates
+(K,) and the batch indices (K, batch) (each model its own order, all epochs' orders uploaded at setup as
+(K, n) per epoch), inside the same ``jit(lax.scan)`` epoch; the fixed fp16 loss scale is shared.
 """
 
 from __future__ import annotations
