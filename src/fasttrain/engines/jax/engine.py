@@ -6,7 +6,8 @@ import importlib.util
 import os
 from dataclasses import dataclass
 
-from fasttrain.engines.base import Engine, Job, Session, option
+from fasttrain.contract import INPUT_DIM
+from fasttrain.engines.base import Engine, Job, Session, SweepJob, SweepMemory, SweepSession, option
 
 
 @dataclass(frozen=True)
@@ -39,9 +40,45 @@ class JaxEngine(Engine):
         return None
 
     def prepare(self, job: Job) -> Session:
-        # Engines share one process (and GPU) in a benchmark: JAX must not grab 75% of the GPU's memory up
-        # front, its default, or the engines after it would run short. Read when JAX starts its backend.
-        os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+        _no_preallocation()
         from fasttrain.engines.jax.session import JaxSession
 
         return JaxSession(job, self.options)
+
+    sweep = "vmap over the models' parameters and learning rates"
+
+    def prepare_sweep(self, job: SweepJob) -> SweepSession:
+        _no_preallocation()
+        from fasttrain.engines.jax.session import JaxSweepSession
+
+        return JaxSweepSession(job, self.options)
+
+    def sweep_memory(self, spec, config, n_train: int, n_test: int, n_epochs: int) -> SweepMemory:
+        _no_preallocation()
+        from fasttrain.engines.jax.session import pick_device
+
+        device = pick_device(self.options.device)
+        # shared: the data as uint8 pixels and int32 labels, train and test sets
+        shared = (n_train + n_test) * (INPUT_DIM + 4)
+        # a model: fp32 weights three times over in a step (weights, gradients, updated weights), its
+        # batch gathered and converted (uint8 and fp32), the step's activations (z and h of every layer,
+        # their gradients: ~4 per unit), every epoch's order (int32), and its share of the vmapped
+        # test-set evaluation (each model's widest activation over the whole test set, z and h)
+        per_model = (spec.n_params * 4 * 3 + config.batch_size * INPUT_DIM * 5
+                     + config.batch_size * sum(spec.widths) * 4 * 4 + n_epochs * n_train * 4
+                     + n_test * max(spec.widths) * 4 * 2)
+        stats = device.memory_stats() if device.platform != "cpu" else None
+        if stats and stats.get("bytes_limit"):
+            available = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
+            where = f"{device.platform} memory ({getattr(device, 'device_kind', device)})"
+        else:
+            from fasttrain.engines.numpy.engine import host_available_bytes
+
+            available, where = host_available_bytes(), "host memory"
+        return SweepMemory(shared, per_model, available, where)
+
+
+def _no_preallocation() -> None:
+    # Engines share one process (and GPU) in a benchmark: JAX must not grab 75% of the GPU's memory up
+    # front, its default, or the engines after it would run short. Read when JAX starts its backend.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")

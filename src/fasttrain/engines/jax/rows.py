@@ -18,6 +18,8 @@ def rows(suite: str) -> tuple[Row, ...]:
         # the strongest framework peer, in the same process and precision: the record's speed-up baseline
         return (Row("jax fp16", "jax", "-", {}, _FP16, baseline=True),
                 Row("jax bf16", "jax", "-", {}, _BF16, models=("logreg",), baseline=True))
+    if suite == "many":   # K models at once: the step vmapped over the models (JaxSweepSession)
+        return (Row("jax vmap", "jax", "vmap", {"device": "gpu"}),)
     if suite == "peers":
         logreg = ("logreg",)
         return (Row("jax jit(lax.scan) (defaults)", "jax", "-", models=logreg),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from fasttrain.engines.base import Engine, Job, Session, option
+from fasttrain.engines.base import Engine, Job, Session, SweepJob, SweepMemory, SweepSession, option
 
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -91,3 +91,25 @@ class TorchFastEngine(Engine):
         from fasttrain.engines.torch.fast import FastSession
 
         return FastSession(job, self.options)
+
+    sweep = "batched matmuls (bmm) over the models' stacked weights, a CUDA graph per epoch on the GPU"
+
+    def prepare_sweep(self, job: SweepJob) -> SweepSession:
+        from fasttrain.engines.torch.sweep import FastSweepSession
+
+        return FastSweepSession(job, self.options)
+
+    def sweep_memory(self, spec, config, n_train: int, n_test: int, n_epochs: int) -> SweepMemory:
+        import torch
+
+        from fasttrain.engines.torch.common import device_name, resolve_device
+        from fasttrain.engines.torch.sweep import sweep_memory_bytes
+
+        shared, per_model = sweep_memory_bytes(spec, config, n_train, n_test, n_epochs)
+        device = resolve_device(self.options.device)
+        if device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(device)
+            return SweepMemory(shared, per_model, int(free), f"GPU memory ({device_name(device)})")
+        from fasttrain.engines.numpy.engine import host_available_bytes
+
+        return SweepMemory(shared, per_model, host_available_bytes(), "host memory")

@@ -102,6 +102,31 @@ def resolve_options(options, precision: str, device: torch.device) -> dict:
     }
 
 
+def epoch_graphs_fit(capture, device: torch.device, schedule) -> tuple[bool, str]:
+    """Whether the epoch graphs of ``schedule`` fit, and a note saying how much they take.
+
+    ``capture(steps)`` captures (never replays) the first ``steps`` steps of an epoch. A 1-step and a
+    3-step probe give the pool's growth per captured step, which times the steps of every epoch graph
+    must fit in a share of the free memory. Memory freed inside a capture is not always reusable within
+    it, so an epoch graph of a large model can outgrow the card, and an allocation that fails
+    mid-capture breaks the CUDA context."""
+    steps = min(3, schedule.full_epoch_steps)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_reserved(device)
+    one = capture(1)
+    after_one = torch.cuda.memory_reserved(device)
+    three = capture(steps)
+    after_three = torch.cuda.memory_reserved(device)
+    del one, three
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    per_step = max(0, (after_three - after_one) - (after_one - base)) / max(steps - 1, 1)
+    total = per_step * sum(set(schedule.steps_per_epoch)) + (after_one - base)
+    free, _ = torch.cuda.mem_get_info(device)
+    note = f"{per_step / 2**20:.1f} MiB per captured step, {total / 2**30:.2f} GiB for the epoch graphs"
+    return total < EPOCH_GRAPH_MEMORY_SHARE * free, note
+
+
 class FastSession(TorchSession):
     def __init__(self, job: Job, options):
         config = job.config
@@ -306,27 +331,10 @@ class FastSession(TorchSession):
         return capture_graph(record)
 
     def _epoch_graphs_fit(self) -> tuple[bool, str]:
-        """Capture (never replay) 1-step and 3-step probes: the pool's growth per captured step, times
-        the steps of every epoch graph, must fit in a share of the free memory. Memory freed inside a
-        capture is not always reusable within it, so an epoch graph of a large model can outgrow the
-        card, and an allocation that fails mid-capture breaks the CUDA context."""
-        steps = min(3, self.schedule.full_epoch_steps)
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_reserved(self.device)
-        one = self._capture(1)
-        after_one = torch.cuda.memory_reserved(self.device)
-        three = self._capture(steps)
-        after_three = torch.cuda.memory_reserved(self.device)
-        del one, three
-        torch.cuda.synchronize(self.device)
-        torch.cuda.empty_cache()
+        fits = epoch_graphs_fit(self._capture, self.device, self.schedule)
         if not self.func:
             self.optimizer.zero_grad(set_to_none=True)
-        per_step = max(0, (after_three - after_one) - (after_one - base)) / max(steps - 1, 1)
-        total = per_step * sum(set(self.schedule.steps_per_epoch)) + (after_one - base)
-        free, _ = torch.cuda.mem_get_info(self.device)
-        note = f"{per_step / 2**20:.1f} MiB per captured step, {total / 2**30:.2f} GiB for the epoch graphs"
-        return total < EPOCH_GRAPH_MEMORY_SHARE * free, note
+        return fits
 
     def _capture_epochs(self) -> None:
         for steps in sorted(set(self.schedule.steps_per_epoch)):

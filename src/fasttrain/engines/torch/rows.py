@@ -60,6 +60,8 @@ def fast_rows(suite: str) -> tuple[Row, ...]:
             Row("torch-fast (defaults) fp16", "torch-fast", "defaults", {}, _FP16, quick=False,
                 quick_note=COMPILE_NOTE),
         )
+    if suite == "many":   # K models at once: batched matmuls over the stacked weights (FastSweepSession)
+        return (Row("torch-fast bmm", "torch-fast", "bmm", {"device": "cuda"}),)
     if suite == "peers":
         slow = dict(quick=False, quick_note=COMPILE_NOTE)
         logreg = ("logreg",)
