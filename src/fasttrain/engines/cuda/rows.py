@@ -53,4 +53,6 @@ def rows(suite: str) -> tuple[Row, ...]:
         return (Row("cuda rung 6 fp32", "cuda", "6", {"rung": 6}), _rung(7, _FP16), _rung(8, _FP16))
     if suite == "record":
         return _record()
+    if suite == "many":   # K models at once: a cluster a model (logreg, mlp:128x3), the grid one after another (1024)
+        return (_rung(8, _FP16),)
     return ()

@@ -19,7 +19,7 @@ def rows(suite: str) -> tuple[Row, ...]:
         return (Row("jax fp16", "jax", "-", {}, _FP16, baseline=True),
                 Row("jax bf16", "jax", "-", {}, _BF16, models=("logreg",), baseline=True))
     if suite == "many":   # K models at once: the step vmapped over the models (JaxSweepSession)
-        return (Row("jax vmap", "jax", "vmap", {"device": "gpu"}),)
+        return (Row("jax vmap fp16", "jax", "vmap", {"device": "gpu"}, {"precision": "fp16"}, baseline=True),)
     if suite == "peers":
         logreg = ("logreg",)
         return (Row("jax jit(lax.scan) (defaults)", "jax", "-", models=logreg),

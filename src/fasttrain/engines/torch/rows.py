@@ -61,7 +61,7 @@ def fast_rows(suite: str) -> tuple[Row, ...]:
                 quick_note=COMPILE_NOTE),
         )
     if suite == "many":   # K models at once: batched matmuls over the stacked weights (FastSweepSession)
-        return (Row("torch-fast bmm", "torch-fast", "bmm", {"device": "cuda"}),)
+        return (Row("torch-fast bmm fp16", "torch-fast", "bmm", {"device": "cuda"}, {"precision": "fp16"}),)
     if suite == "peers":
         slow = dict(quick=False, quick_note=COMPILE_NOTE)
         logreg = ("logreg",)
