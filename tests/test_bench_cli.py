@@ -142,3 +142,12 @@ def test_bench_list_runs_nothing(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "cuda rung 8" in text and "numpy" in text
     assert not (tmp_path / "x").exists()
+
+
+def test_models_option_narrows_a_suite_and_refuses_a_model_it_lacks(capsys):
+    assert main(["bench", "many", "--models", "mlp:1024x3", "--list"]) == 0
+    listed = capsys.readouterr().out
+    assert "mlp:1024x3" in listed and "logreg" not in listed and "mlp:128x3 " not in listed
+    assert main(["bench", "many", "--models", "mlp:9x3", "--list"]) == 1
+    err = capsys.readouterr().err
+    assert "--models: mlp:9x3 is not a model of many" in err and err.count("\n") == 1

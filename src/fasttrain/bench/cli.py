@@ -57,6 +57,8 @@ def _suite_options(fn):
                      "1 seed, first 10,000/2,000 examples, no torch.compile rows."),
         click.option("--engines", help="Only these engines, comma-separated (e.g. cuda,jax)."),
         click.option("--rows", help="Only rows whose label contains one of these, comma-separated (e.g. 'defaults')."),
+        click.option("--models", help="Only these of the suite's models, comma-separated (e.g. mlp:1024x3); the "
+                     "results merge with the folder's earlier ones."),
         click.option("--repeats", type=click.IntRange(1, 100), help="Runs per row, seeds 0..N-1 (default 3; --quick 1; curves: always seed 0 alone)."),
         click.option("--out", type=click.Path(file_okay=False), help="Output folder (default results/<gpu-or-cpu-slug>/)."),
         click.option("--dataset", default="mnist", show_default=True, help="mnist, fashion-mnist or kmnist."),
@@ -124,7 +126,7 @@ class _RichProgress(Progress):
 
 
 def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, out, dataset, data_dir, synthetic, fresh,
-               list_only, hidden=None, rows=None) -> None:
+               list_only, hidden=None, rows=None, models=None) -> None:
     from fasttrain.bench import runner, suites
     from fasttrain.bench.data import bench_data
     from fasttrain.environment import machine_slug
@@ -142,6 +144,13 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
         if not any(s.rows for s in built):
             raise FasttrainError(f"--rows {rows}: no row label contains that (see --list)")
 
+    model_filter = _parse_list(models, "--models")
+    if model_filter:  # re-run some models; the results merge with the folder's earlier ones
+        unknown = [m for m in model_filter if not any(m in s.models for s in built)]
+        if unknown:
+            raise FasttrainError(f"--models: {unknown[0]} is not a model of {', '.join(names)} (its models: "
+                                 f"{', '.join(dict.fromkeys(m for s in built for m in s.models))})")
+        built = [dataclasses.replace(s, models=tuple(m for m in s.models if m in model_filter)) for s in built]
     if list_only:
         for suite in built:
             out_console.print(f"[bold]{suite.name}[/]: {suite.title}; {len(suite.cases())} cases, {suite.repeats} seed(s) each")
