@@ -25,7 +25,9 @@ from fasttrain.errors import FasttrainError
 from fasttrain.training import finite_or_none
 
 # (model, K, the most its training time may be, as a multiple of one model's on the same row)
-TIME_GOALS = (("logreg", 16, 1.5), ("mlp:128x3", 16, 2.0))
+# (model, K, the most its training time may be as a multiple of one model's on the same row, the engine whose
+# rows the goal is set for: the cuda engine's rung 8; the other rows are shown beside it)
+TIME_GOALS = (("logreg", 16, 1.5, "cuda"), ("mlp:128x3", 16, 2.0, "cuda"))
 JAX_GOAL = 10.0   # the throughput over the JAX engine's sweep at the same K
 
 
@@ -112,15 +114,17 @@ def jax_ratio(rates: dict, label: str, k: int, jax: list[str]) -> float | None:
 def goal_lines(result: SuiteResult) -> list[str]:
     """The goals, each with every row's figure, measured or not."""
     lines = []
-    for model, k, most in TIME_GOALS:
+    engine_of = {c.label: c.engine for c in result.ran()}
+    for model, k, most, engine in TIME_GOALS:
         labels, ks, times = grid(result, model, lambda c: c.metric("train_ms"))
         figures = [(label, time_ratio(times, label, k)) for label in labels]
         figures = [(label, r) for label, r in figures if r is not None]
-        if not figures:
-            lines.append(f"- {k} {model} models in ≤ {fmt_num(most)}× the time of one: not measured here "
-                         f"(needs K=1 and K={k} of one row)")
+        held = [f for f in figures if engine_of.get(f[0]) == engine]
+        if not held:
+            lines.append(f"- {k} {model} models in ≤ {fmt_num(most)}× the time of one ({engine}): not measured "
+                         f"here (needs K=1 and K={k} of a {engine} row)")
             continue
-        best = min(figures, key=lambda f: f[1])
+        best = min(held, key=lambda f: f[1])
         others = ", ".join(f"{label} {fmt_num(r)}×" for label, r in figures if label != best[0])
         lines.append(f"- {k} {model} models in **{fmt_num(best[1])}×** the time of one ({best[0]}; goal ≤ "
                      f"{fmt_num(most)}×: {'met' if best[1] <= most else '**not met**'})"
