@@ -10,6 +10,7 @@ are the whole sweep's epoch times (the models trained together; there is no time
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
 import time
@@ -123,8 +124,9 @@ def run_sweep(engine_name: str, spec: ModelSpec, configs: list[TrainConfig], dat
 
     run_start = time.perf_counter()
     session = engine.prepare_sweep(job)
-    numpy_errors = np.seterr(over="ignore", invalid="ignore", divide="ignore")
-    try:
+    # overflow to inf or NaN is detected and reported as divergence below, not as NumPy warnings; the session
+    # is closed however the run ends
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), contextlib.closing(session):
         session.sync()
         setup_ms = (time.perf_counter() - run_start) * 1e3
         watch = Stopwatch(session.sync)
@@ -178,9 +180,6 @@ def run_sweep(engine_name: str, spec: ModelSpec, configs: list[TrainConfig], dat
         weights = session.weights()
         env = environment()
         env.update(session.environment())
-    finally:
-        np.seterr(**numpy_errors)
-        session.close()
 
     timing = sweep_timing(sweep_epoch_ms, sweep_eval_ms, setup_ms, total_ms, k, plan.full_epoch_steps)
     records = []

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
@@ -224,9 +225,9 @@ def run(
 
     run_start = time.perf_counter()
     session = engine.prepare(job)
-    # overflow to inf or NaN is detected and reported as divergence below, not as NumPy warnings
-    numpy_errors = np.seterr(over="ignore", invalid="ignore", divide="ignore")
-    try:
+    # overflow to inf or NaN is detected and reported as divergence below, not as NumPy warnings; the session
+    # is closed however the run ends
+    with np.errstate(over="ignore", invalid="ignore", divide="ignore"), contextlib.closing(session):
         session.sync()  # setup ends when the device is idle, so no setup work leaks into epoch 1
         setup_ms = (time.perf_counter() - run_start) * 1e3
         watch = Stopwatch(session.sync)
@@ -266,9 +267,6 @@ def run(
         weights = session.weights()
         env = environment()
         env.update(session.environment())
-    finally:
-        np.seterr(**numpy_errors)
-        session.close()
 
     epoch_ms = [row["train_ms"] for row in epochs]
     stats = summarize_epochs(epoch_ms)

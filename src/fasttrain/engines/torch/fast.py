@@ -127,6 +127,24 @@ def epoch_graphs_fit(capture, device: torch.device, schedule) -> tuple[bool, str
     return total < EPOCH_GRAPH_MEMORY_SHARE * free, note
 
 
+def loss_scaled_sgd(masters, halves, grads, lr, scale, good_steps, finite, shape=()) -> None:
+    """GradScaler's rule, on the device (no host sync, so it replays in a CUDA graph): skip the step and halve the
+    scale where a gradient is inf/NaN, else W -= lr * (dW / scale); double the scale after GROWTH_INTERVAL good
+    steps in a row. One model: ``scale``, ``good_steps`` and ``finite`` are scalars. K models at once (a sweep):
+    they are (K,) and ``lr`` is (K,) viewed as ``shape`` (K, 1, 1) against the stacked weights, so one model's
+    overflow never holds back the others."""
+    inv = (1.0 / scale).view(shape)
+    keep = finite.view(shape)
+    for master, half, g in zip(masters, halves, grads):
+        new = torch.where(keep, master - lr * (g.to(master.dtype) * inv), master)
+        master.copy_(new)
+        half.copy_(new)
+    good = torch.where(finite, good_steps + 1, 0)
+    grow = good >= GROWTH_INTERVAL
+    scale.copy_(torch.where(finite, torch.where(grow, scale * 2.0, scale), scale * 0.5))
+    good_steps.copy_(torch.where(grow, 0, good))
+
+
 class FastSession(TorchSession):
     def __init__(self, job: Job, options):
         config = job.config
@@ -206,18 +224,8 @@ class FastSession(TorchSession):
         grads, stats = torch.func.grad(scaled_loss, has_aux=True)(weights)
         with torch.no_grad():
             if self.fp16:
-                # GradScaler's rule, on the device: skip the step and halve the scale on inf/NaN,
-                # W -= lr * (dW / scale) otherwise; double the scale after GROWTH_INTERVAL good steps.
                 finite = torch.stack([torch.isfinite(g).all() for g in grads]).all()
-                inv = 1.0 / self.scale
-                for master, half, g in zip(self.master, self.half, grads):
-                    new = torch.where(finite, master - self.lr * (g.to(master.dtype) * inv), master)
-                    master.copy_(new)
-                    half.copy_(new)
-                good = torch.where(finite, self.good_steps + 1, 0)
-                grow = good >= GROWTH_INTERVAL
-                self.scale.copy_(torch.where(finite, torch.where(grow, self.scale * 2.0, self.scale), self.scale * 0.5))
-                self.good_steps.copy_(torch.where(grow, 0, good))
+                loss_scaled_sgd(self.master, self.half, grads, self.lr, self.scale, self.good_steps, finite)
             else:
                 halves = self.half if self.half is not None else [None] * len(self.master)
                 for master, half, g in zip(self.master, halves, grads):

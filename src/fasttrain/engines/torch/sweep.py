@@ -44,7 +44,7 @@ from fasttrain.engines.torch.common import (
     resolve_device,
     to_tensor_inputs,
 )
-from fasttrain.engines.torch.fast import GROWTH_INTERVAL, WARMUP_STEPS, epoch_graphs_fit
+from fasttrain.engines.torch.fast import WARMUP_STEPS, epoch_graphs_fit, loss_scaled_sgd
 from fasttrain.errors import FasttrainError
 
 # Test-set evaluation runs in chunks whose activations (K models x chunk x widest layer) stay under this.
@@ -172,16 +172,7 @@ class FastSweepSession(SweepSession):
             # one of its gradients is inf/NaN, else W -= lr * (dW / scale); doubled after GROWTH_INTERVAL
             # good steps in a row.
             finite = torch.stack([torch.isfinite(g).flatten(1).all(dim=1) for g in grads]).all(dim=0)  # (K,)
-            inv = (1.0 / self.scale).view(view)
-            keep = finite.view(view)
-            for master, half, g in zip(self.master, self.half, grads):
-                new = torch.where(keep, master - self.lrs * (g.to(master.dtype) * inv), master)
-                master.copy_(new)
-                half.copy_(new)
-            good = torch.where(finite, self.good_steps + 1, 0)
-            grow = good >= GROWTH_INTERVAL
-            self.scale.copy_(torch.where(finite, torch.where(grow, self.scale * 2.0, self.scale), self.scale * 0.5))
-            self.good_steps.copy_(torch.where(grow, 0, good))
+            loss_scaled_sgd(self.master, self.half, grads, self.lrs, self.scale, self.good_steps, finite, view)
             return
         halves = self.half if self.half is not None else [None] * len(self.master)
         for master, half, g in zip(self.master, halves, grads):
