@@ -184,6 +184,10 @@ def sweep_plot(summary_data: dict, path: Path) -> Path | None:
                 ys = [math.nan if y is None else y for _, y in points]
                 ax.plot(xs, ys, marker="o", ms=4, lw=1.5, label=f"seed {seed}")
             ax.set_xscale("log")
+            # ticks at the swept values only: the log axis' own minor labels overlap on a short range
+            lrs = summary_data["lrs"]
+            ax.set_xticks(lrs, labels=[f"{lr:g}" for lr in lrs])
+            ax.xaxis.set_minor_formatter(plt.NullFormatter())
             ax.set_xlabel("learning rate (log scale)")
         else:
             ys = [math.nan if m[key] is None else m[key] for m in models]
