@@ -13,6 +13,7 @@ never imports torch, jax, triton or cupy.
 from __future__ import annotations
 
 import dataclasses
+import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, ClassVar
@@ -165,6 +166,19 @@ class SweepMemory:
 
     def largest_k(self) -> int:
         return max(0, (self.available - self.shared) // max(1, self.per_model))
+
+
+def host_available_bytes() -> int:
+    """Memory the host can give now (free plus reclaimable page cache), from /proc/meminfo where it exists: what
+    a sweep on the CPU is held to (:class:`SweepMemory`)."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
 class Engine(ABC):

@@ -7,7 +7,8 @@ import os
 from dataclasses import dataclass
 
 from fasttrain.contract import INPUT_DIM
-from fasttrain.engines.base import Engine, Job, Session, SweepJob, SweepMemory, SweepSession, option
+from fasttrain.engines.base import (Engine, Job, Session, SweepJob, SweepMemory, SweepSession,
+                                   host_available_bytes, option)
 
 
 @dataclass(frozen=True)
@@ -72,8 +73,6 @@ class JaxEngine(Engine):
             available = int(stats["bytes_limit"]) - int(stats.get("bytes_in_use", 0))
             where = f"{device.platform} memory ({getattr(device, 'device_kind', device)})"
         else:
-            from fasttrain.engines.numpy.engine import host_available_bytes
-
             available, where = host_available_bytes(), "host memory"
         return SweepMemory(shared, per_model, available, where)
 

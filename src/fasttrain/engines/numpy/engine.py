@@ -14,7 +14,8 @@ import numpy as np
 
 from fasttrain.contract import INPUT_DIM, batch_bounds
 from fasttrain.data.datasets import to_inputs
-from fasttrain.engines.base import Engine, EpochStats, Job, Session, SweepJob, SweepMemory, SweepSession, option
+from fasttrain.engines.base import (Engine, EpochStats, Job, Session, SweepJob, SweepMemory, SweepSession,
+                                   host_available_bytes, option)
 from fasttrain.reference import evaluate, sgd_step
 
 
@@ -107,15 +108,3 @@ class NumpyEngine(Engine):
         shared = (n_train + n_test) * INPUT_DIM * itemsize + n_test * max(spec.widths) * itemsize * 2
         per_model = spec.n_params * itemsize * 2 + config.batch_size * sum(spec.widths) * itemsize * 3
         return SweepMemory(shared, per_model, host_available_bytes(), "host memory")
-
-
-def host_available_bytes() -> int:
-    """Memory the host can give now (free plus reclaimable page cache), from /proc/meminfo where it exists."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")

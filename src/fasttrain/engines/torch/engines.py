@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib.util
 from dataclasses import dataclass
 
-from fasttrain.engines.base import Engine, Job, Session, SweepJob, SweepMemory, SweepSession, option
+from fasttrain.engines.base import (Engine, Job, Session, SweepJob, SweepMemory, SweepSession,
+                                   host_available_bytes, option)
 
 DEVICES = ("auto", "cuda", "cpu")
 
@@ -110,6 +111,4 @@ class TorchFastEngine(Engine):
         if device.type == "cuda":
             free, _ = torch.cuda.mem_get_info(device)
             return SweepMemory(shared, per_model, int(free), f"GPU memory ({device_name(device)})")
-        from fasttrain.engines.numpy.engine import host_available_bytes
-
         return SweepMemory(shared, per_model, host_available_bytes(), "host memory")

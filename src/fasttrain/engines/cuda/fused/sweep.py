@@ -290,7 +290,7 @@ def sweep_memory(spec, config, options, n_train: int, n_test: int, n_epochs: int
     cluster = options.rung == 8 and (spec.is_logreg or pad16(max(spec.hidden)) <= 128)
     per_model = n_epochs * n_train * 4 + padded * (4 if cluster else 12) + steps * (config.batch_size + 128) * 5
     if not cluster:
-        per_model += 64 << 20   # a session's own exchange buffers, graphs and CuPy pools, measured at ~10-40 MB
+        per_model += 64 << 20   # an allowance for a loop session's own exchange buffers, graphs and CuPy pools
     return SweepMemory(shared, per_model, int(free), "GPU memory")
 
 
