@@ -37,12 +37,28 @@ def oom_types():
 
 
 def free_memory(device) -> None:
+    """Collect garbage and give cached blocks back. cuBLAS workspaces left by earlier work in this process are
+    dropped too, so that a run allocates its own again, as it would in a fresh process (the estimator counts
+    them as the run's)."""
     gc.collect()
     if device.type == "cuda":
         import torch
 
         torch.cuda.synchronize()
+        clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+        if clear is not None:
+            clear()
         torch.cuda.empty_cache()
+
+
+def held_before(device) -> int:
+    """Bytes this process already holds on the GPU before a run starts (tensors of earlier work still alive):
+    not the run's, so they are subtracted from its peak."""
+    if device.type != "cuda":
+        return 0
+    import torch
+
+    return int(torch.cuda.memory_allocated(device))
 
 
 def gpu_name(device) -> str:

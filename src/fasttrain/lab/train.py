@@ -32,7 +32,7 @@ from fasttrain.lab.adapters import apply_lora, freeze_for_prompt_tuning, merge_l
 from fasttrain.lab.batchsize import find_batch_size, probe_batch
 from fasttrain.lab.checkpoint import eval_settings, load_weights, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra, validate
-from fasttrain.lab.measure import free_memory, gpu_name, memory_by_kind, oom_types, sync, tf32_matmuls
+from fasttrain.lab.measure import free_memory, gpu_name, held_before, memory_by_kind, oom_types, sync, tf32_matmuls
 from fasttrain.lab.optim import build_optimizer, lr_at
 
 
@@ -406,8 +406,10 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         auto = {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
         log(f"auto-find-batch-size: {found} (from {batch})")
         batch = found
+    held = 0
     if cuda:
         free_memory(device)
+        held = held_before(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     trainer = Trainer(cfg, corpus, device, batch=batch, world=world)
@@ -426,7 +428,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         nonlocal train_peak, reserved_peak, eval_ms_total
         if cuda:
             sync(device)
-            train_peak = max(train_peak, torch.cuda.max_memory_allocated(device))
+            train_peak = max(train_peak, torch.cuda.max_memory_allocated(device) - held)
             reserved_peak = max(reserved_peak, torch.cuda.max_memory_reserved(device))
         t = time.perf_counter()
         val, n = trainer.evaluate()
@@ -483,10 +485,12 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     kinds = dict(mem_kinds)
     record_memory = {
         "peak_allocated_bytes": peak, "peak_reserved_bytes": reserved_peak if cuda else None,
+        "held_before_bytes": held if cuda else None,
         "by_kind": kinds,
         "method": "parameters, gradients (trainable params), optimizer state and buffers: bytes of the tensors "
                   "themselves; activations = peak allocated minus those four (includes the step's temporaries "
-                  "and cuBLAS workspaces); peaks over training steps only (validation excluded)",
+                  "and cuBLAS workspaces); peaks over training steps only (validation excluded), less what the process held "
+                  "before the run (held_before_bytes)",
     }
     if cuda:
         kinds["activations"] = peak - sum(kinds.values())
