@@ -22,19 +22,21 @@ from fasttrain.engines.cuda.fused.plans import NW
 from fasttrain.engines.cuda.fused.step import FusedStepSession
 
 REPS = 20
-VARIANTS = [{}, {"step_bi": 32}, {"step_bi": 16}, {"step_bi": 64}, {"step_bwd_minb": 2, "step_bi": 32},
-            {"step_bwd_minb": 2, "step_bi": 16}, {"step_stages": 3}, {"step_bo": 32}, {"step_bo": 16},
-            {"step_fwd_minb": 2, "step_bo": 32}, {"step_fu": 2}, {"step_carveout": -1}]
+VARIANTS = [{}, {"step_fu": 2}, {"step_fu": 3}, {"step_fu": 6}, {"step_fu": 8}, {"step_bo": 32}, {"step_bo": 16},
+            {"step_bo": 32, "step_fwd_minb": 2}, {"step_stages": 3}, {"step_stages": 6}, {"step_stages": 8},
+            {"step_bi": 32}, {"step_bi": 16}, {"step_bwd_minb": 2, "step_bi": 32}]
 
 
 def timed(cp, stream, launch, reps=REPS):
     """Median over 5 replays of a graph of `reps` calls of `launch`, in microseconds a call."""
-    launch()
+    with stream:   # a launch outside the stream's context would go to the null stream, uncaptured
+        launch()
     stream.synchronize()
     stream.begin_capture()
     try:
-        for _ in range(reps):
-            launch()
+        with stream:
+            for _ in range(reps):
+                launch()
     finally:
         g = stream.end_capture()
     g.upload(stream)
@@ -102,7 +104,7 @@ def main(argv):
                 for name, nbytes, launch in kernels(s):
                     us = timed(cp, s.stream, launch)
                     total += us
-                    rows.append(f"    {name:62s} {us:8.1f} us" + (f"  {nbytes / us / 1e3:6.2f} TB/s" if nbytes else ""))
+                    rows.append(f"    {name:62s} {us:8.1f} us" + (f"  {nbytes / us / 1e6:6.2f} TB/s" if nbytes else ""))
                 order = epoch_order(0, 1, data.n_train)
                 s.train_epoch(1, order, 1875)
                 e0, e1 = cp.cuda.Event(), cp.cuda.Event()
@@ -112,7 +114,7 @@ def main(argv):
                 e1.synchronize()
                 step = cp.cuda.get_elapsed_time(e0, e1) * 1e3 / 1875
                 wbytes = 12 * sum(wt.size for wt, _, _, _ in s.layers)
-                print(f"H={h} {v}: step {step:.1f} us ({wbytes / step / 1e3:.2f} TB/s at 12 B/param; 5000 steps "
+                print(f"H={h} {v}: step {step:.1f} us ({wbytes / step / 1e6:.2f} TB/s at 12 B/param; 5000 steps "
                       f"{step * 5000 / 1e6:.3f} s), kernels alone {total:.1f} us, boundaries {step - total:.1f} us",
                       flush=True)
                 print("\n".join(rows), flush=True)

@@ -42,10 +42,34 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 (v3 is the package's fused_step.cu) ------------------------------------
+# --- rung 7: fused_step_v1 / v2 / v3 (v4 is the package's fused_step.cu) -----------------------------------
 
 
-class StepV1(FusedStepSession):
+def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
+    """v3's ft_fwd: W k-steps loaded ahead in registers: 4 (8 for BO = 8) for batches up to 32 when the
+    estimate 4 (FU + MT) BO/8 + 30 registers fits the cap, else 2."""
+    cap = min(255, 65536 // (fwd_minb * 256) // 8 * 8)
+    if mt <= 2:
+        for fu in ((8, 4) if bo == 8 else (4,)):
+            if 4 * (fu + mt) * (bo // 8) + 30 <= cap:
+                return fu
+    return 2
+
+
+class StepV3(FusedStepSession):
+    """v3: ft_fwd loads FU k-steps of W into registers (no ring): its smem is the K-split reduction alone."""
+
+    def make_plan(self, shapes) -> list[dict]:
+        plan = super().make_plan(shapes)
+        for p in plan:
+            p["FU"] = self.tuning.get("fu") or v3_fu(self.mt, p["BO"], p["FMINB"])
+        return plan
+
+    def fwd_smem(self, p: dict) -> None:
+        return None
+
+
+class StepV1(StepV3):
     """v1/v2: tiles only (no ring, no occupancy knobs); ft_bwd's smem = the H_in strip + the dH reduction."""
 
     def tuning_options(self) -> dict:
@@ -151,7 +175,7 @@ class GridOld(_DevDefines, PersistentGridSession):
 # --- which session a kernel file gets ---------------------------------------------------------------
 
 SESSIONS = {
-    "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1,
+    "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,
@@ -201,5 +225,5 @@ def record_rows() -> tuple[Row, ...]:
     rows += [row("mlp v1", "mlp:128x3", rung=8, kernel="fused_mlp_v1.cu"),
              row("mlp v2", "mlp:128x3", rung=8, kernel="fused_mlp_v2.cu")]
     rows += [row(f"grid {v}", "mlp:1024x3", rung=8, kernel=f"fused_grid_{v}.cu") for v in ("v1", "v2", "v3")]
-    rows += [row("step v1", m, rung=7, kernel="fused_step_v1.cu") for m in ("mlp:1024x3", "mlp:8192x3")]
+    rows += [row(f"step {v}", m, rung=7, kernel=f"fused_step_{v}.cu") for v in ("v1", "v3") for m in ("mlp:1024x3", "mlp:8192x3")]
     return tuple(rows)

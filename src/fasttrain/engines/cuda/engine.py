@@ -36,12 +36,14 @@ class CudaOptions:
     # rung 7: tiles and occupancy of the fused step kernels (unset: the plan's choice, see fused.plans.step_plan)
     step_bo: int | None = option(None, "rung 7: output columns per forward block", choices=(8, 16, 32, 64), type=int)
     step_bi: int | None = option(None, "rung 7: input features per backward block", choices=(8, 16, 32, 64), type=int)
-    step_stages: int | None = option(None, "rung 7: cp.async ring depth of the backward", choices=(2, 3, 4), type=int)
+    step_stages: int | None = option(None, "rung 7: cp.async ring depth of the backward", choices=(2, 3, 4, 6, 8),
+                                     type=int)
     step_bwd_minb: int | None = option(None, "rung 7: minimum backward blocks per SM (__launch_bounds__)",
                                        choices=(1, 2, 3, 4), type=int)
     step_fwd_minb: int | None = option(None, "rung 7: minimum forward blocks per SM (__launch_bounds__)",
                                        choices=(1, 2, 3, 4), type=int)
-    step_fu: int | None = option(None, "rung 7: k-steps of W the forward loads ahead", choices=(1, 2, 4, 8), type=int)
+    step_fu: int | None = option(None, "rung 7: k-steps of W the forward keeps in flight a warp (its ring holds one more)",
+                                 choices=(1, 2, 3, 4, 6, 8), type=int)
     step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)")
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")

@@ -59,15 +59,23 @@ def _reg_cap(minb: int) -> int:
     return min(255, 65536 // (minb * 256) // 8 * 8)
 
 
+def step_fwd_smem(mt: int, bo: int, fu: int) -> int:
+    """Mirror of ft_fwd's shared memory (the module's ``ft_fwd_smem``): per warp a ring of FU + 1 stages (a
+    stage: BO rows x 16 k of W^T fp32, then B_p rows x 16 k of H_in), which the K-split reduction buffer
+    [8][B_p][BO+1] fp32 reuses."""
+    bp = 16 * mt
+    stage = bo * 16 * 4 + bp * 16 * 2
+    return max(NW * (fu + 1) * stage, NW * bp * (bo + 1) * 4)
+
+
 def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
-    """W k-steps ft_fwd loads ahead: 4 (8 for BO = 8) for batches up to 32 when the estimate
-    4 (FU + MT) BO/8 + 30 registers fits the cap (ptxas, MT 2: BO 64 FU 4 -> 230, BO 32 FU 4 -> 126 under a
-    128 cap, BO 8 FU 8 -> 94), else 2: larger batches hold more accumulators and spill sooner."""
-    if mt <= 2:
-        for fu in ((8, 4) if bo == 8 else (4,)):
-            if 4 * (fu + mt) * (bo // 8) + 30 <= _reg_cap(fwd_minb):
-                return fu
-    return 2
+    """k-steps of W ft_fwd keeps in flight a warp: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
+    ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, 160 KB of ring an SM)."""
+    for fu in (8, 6, 4, 3, 2, 1):
+        smem = step_fwd_smem(mt, bo, fu)
+        if smem <= SMEM_LIMIT and fwd_minb * (smem + 1024) <= SM_SMEM:
+            return fu
+    return 1
 
 
 def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, stages: int | None = None,
@@ -78,7 +86,7 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
     tile); ``stages``: ring depth of ft_bwd (default the deepest of 4..2 whose ``bwd_minb`` blocks fit in an
     SM's shared memory); ``bwd_minb`` / ``fwd_minb``: ``__launch_bounds__`` minimum blocks per SM (default 1);
-    ``fu``: W k-steps ft_fwd loads ahead (default :func:`_default_fu`); ``osplit``: blocks over the output rows
+    ``fu``: W k-steps ft_fwd keeps in flight a warp (default :func:`_default_fu`); ``osplit``: blocks over the output rows
     of the first layer's backward (default: chosen at launch from the occupancy). The first layer needs no dH,
     so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks."""
     for name, val in (("bo", bo), ("bi", bi)):
@@ -94,15 +102,19 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
         else:
             p_bi = _tile(in_p, mt, bwd=True, min_blocks=1 if i == 0 else TARGET_BLOCKS)
         fits = [k for k in ((stages,) if stages else (4, 3, 2)) if step_bwd_smem(mt, p_bi, k) <= SMEM_LIMIT]
+        if i == last and i > 0:   # the last layer's ft_fwd is never launched: share the previous module
+            p_bo = plan[-1]["BO"]
+        p_fu = fu or _default_fu(mt, p_bo, fwd_minb)
+        if step_fwd_smem(mt, p_bo, p_fu) > SMEM_LIMIT:
+            raise FasttrainError(f"rung 7: ft_fwd with BO {p_bo}, batch {16 * mt} and {p_fu} k-steps in flight "
+                                 f"needs more than {SMEM_LIMIT} bytes of shared memory; lower --step-fu")
         if not fits:
             raise FasttrainError(f"rung 7: ft_bwd with BI {p_bi}, batch {16 * mt} and {stages or 2} stages "
                                  f"needs more than {SMEM_LIMIT} bytes of shared memory")
         # the deepest ring with which bwd_minb blocks share an SM's shared memory (else the shallowest)
         depth = next((k for k in fits if bwd_minb * (step_bwd_smem(mt, p_bi, k) + 1024) <= SM_SMEM), fits[-1])
-        if i == last and i > 0:   # the last layer's ft_fwd is never launched: share the previous module
-            p_bo = plan[-1]["BO"]
         plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "S": depth, "MINB": bwd_minb,
-                     "FMINB": fwd_minb, "FU": fu or _default_fu(mt, p_bo, fwd_minb),
+                     "FMINB": fwd_minb, "FU": p_fu,
                      "osplit": osplit if i == 0 else 1})   # None on the first layer: chosen at launch
     return plan
 

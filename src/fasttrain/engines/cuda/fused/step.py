@@ -1,7 +1,7 @@
 """Rung 7: the fused step kernels of ``kernels/fused_step.cu``, each epoch captured once into a CUDA graph.
 
 One training step is ``2L + 1`` kernels: the gather of the batch; a GEMM + bias + ReLU kernel per hidden
-layer (each block streams its W^T columns with FU k-steps of loads ahead); the last GEMM with softmax,
+layer (each warp streams its k-steps of W^T and H_in through a cp.async ring, FU k-steps in flight); the last GEMM with softmax,
 cross-entropy, accuracy and ``g = p - onehot`` in its epilogue; per layer a backward kernel that streams W
 through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in
 registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
@@ -17,7 +17,15 @@ from fasttrain.contract import INPUT_DIM
 from fasttrain.engines.base import EpochStats, Job
 from fasttrain.engines.cuda.fused.base import FusedSession
 from fasttrain.engines.cuda.fused.build import KERNEL_DIR, load_module, module_int
-from fasttrain.engines.cuda.fused.plans import NW, blocks_per_sm, pad16, step_bwd_smem, step_defines, step_plan
+from fasttrain.engines.cuda.fused.plans import (
+    NW,
+    blocks_per_sm,
+    pad16,
+    step_bwd_smem,
+    step_defines,
+    step_fwd_smem,
+    step_plan,
+)
 from fasttrain.errors import FasttrainError
 
 
@@ -64,9 +72,10 @@ class FusedStepSession(FusedSession):
             p["bwd"] = p["module"].get_function("ft_bwd")
             p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
             p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
-            if p["bwd_smem"] != self.bwd_smem(p):
-                raise FasttrainError(f"internal: {self.version} ft_bwd needs {p['bwd_smem']} bytes of shared memory, "
-                                     f"the plan says {self.bwd_smem(p)}")
+            for kind, mirror in (("bwd", self.bwd_smem(p)), ("fwd", self.fwd_smem(p))):
+                if mirror is not None and p[f"{kind}_smem"] != mirror:
+                    raise FasttrainError(f"internal: {self.version} ft_{kind} needs {p[f'{kind}_smem']} bytes of "
+                                         f"shared memory, the plan says {mirror}")
         self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
         p = self.plan[0]
         if p["osplit"] is None:
@@ -126,6 +135,9 @@ class FusedStepSession(FusedSession):
 
     def bwd_smem(self, p: dict) -> int:
         return step_bwd_smem(self.mt, p["BI"], p["S"])
+
+    def fwd_smem(self, p: dict) -> int | None:
+        return step_fwd_smem(self.mt, p["BO"], p["FU"])
 
     def _step(self, k: int, lr: float) -> None:
         """Enqueue step k of the epoch (batch order_cur[k*B : k*B + rows]) on the stream."""

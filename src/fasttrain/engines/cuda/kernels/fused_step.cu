@@ -23,6 +23,14 @@
 //       dH is needed (the first layer: its 784 / 16 = 49 strips alone would leave most SMs idle). ft_fwd:
 //       FT_FU k-steps of W loaded before their mma (BO 64, FU 4: 16 KB a warp, 230 registers). Both kernels
 //       carry __launch_bounds__(256, FT_MINB / FT_FMINB), so the host picks the blocks per SM.
+//       Measured (H200, dev/cuda/step_breakdown.py): the 8192x8192 ft_bwd 155 us = 3.45 TB/s (read + write),
+//       but ft_fwd 140 us = 1.92 TB/s (ncu: 40% of DRAM peak, 230 registers, warps stalled on the loads of
+//       each FU group: nothing is in flight while a group's mma run).
+//   v4  (copy of v3 + change) ft_fwd streams W^T and H_in through per-warp rings as ft_bwd does: a stage
+//       holds one k-step (16 inputs) of the block's BO rows of W^T (fp32) and of H_in, filled by 16-byte
+//       cp.async; FT_FU stages in flight while one computes (BO 64: 4 x 5 KB a warp, 160 KB an SM). Each warp
+//       keeps v3's k-steps (warp, warp + 8, ...) in the same order and the same reduction, so the sums and
+//       their rounding are v3's: v4 is bit-identical to v3 (and v1).
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -31,8 +39,8 @@
 //
 // Compile-time configuration (-D): FT_MT m-tiles of the batch (B_p = 16*FT_MT), FT_BO outputs per ft_fwd
 // block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16; v3: FT_S ring stages of ft_bwd (>= 2),
-// FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W that
-// ft_fwd loads ahead.
+// FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W (and
+// H_in) that ft_fwd keeps in flight a warp (its ring has FT_FU + 1 stages).
 // Compile alone: nvcc --ptx -arch=sm_90a fused_step.cu (the defaults below: batch 32, 64-wide tiles, fp16)
 #ifndef FT_MT
 #define FT_MT 2
@@ -84,8 +92,17 @@ static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
 #define RING_BYTES (NW * FT_S * STAGE_BYTES)
 #define RED_BYTES (NW * BP * (BI + 1) * 4)
 
+// ft_fwd's per-warp ring: a stage holds one k-step of the block's W^T rows (BO x 16 fp32, row stride 64 B:
+// a quarter-warp's float4 reads cover 2 rows = 128 contiguous bytes) and of H_in (BP x 16, row stride 32 B:
+// a half-warp's 8-byte reads cover 4 rows = 128 bytes); both conflict-free. After the loop the rings become
+// the K-split reduction buffer [NW][BP][BO+1] fp32.
+#define FSTAGE_W (BO * 16 * 4)
+#define FSTAGE (FSTAGE_W + BP * 16 * 2)
+#define FRING_BYTES (NW * (FT_FU + 1) * FSTAGE)
+#define FRED_BYTES (NW * BP * (BO + 1) * 4)
+
 // dynamic shared memory each kernel needs (read by the host through these symbols)
-extern "C" __constant__ int ft_fwd_smem = NW * BP * (BO + 1) * 4;
+extern "C" __constant__ int ft_fwd_smem = FRING_BYTES > FRED_BYTES ? FRING_BYTES : FRED_BYTES;
 extern "C" __constant__ int ft_last_smem = NW * BP * 17 * 4 + 64;
 // H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop)
 extern "C" __constant__ int ft_bwd_smem = HS_BYTES + (RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES);
@@ -160,52 +177,45 @@ __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* _
     }
 }
 
-// gemm_rows with the W loads of FU k-steps (FU * NBT float4 a thread, FU * NBT * 512 B a warp) issued before
-// any of their mma: the loop body waits for DRAM once per FU k-steps instead of once per k-step.
-template <int NBT, int FU>
-__device__ __forceinline__ void gemm_rows_pf(float acc[MT][NBT][4], const elem_t* __restrict__ h, int in_p,
-                                             const float* __restrict__ wt, int o0, int ks0, int ks1, int kstride)
-{
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    for (int ks = ks0; ks < ks1; ks += FU * kstride) {
-        float4 w[FU][NBT];
-#pragma unroll
-        for (int u = 0; u < FU; ++u) {
-            const int kq = ks + u * kstride;
-            const int k0 = kq * 16 + 4 * t;
-#pragma unroll
-            for (int nb = 0; nb < NBT; ++nb)
-                w[u][nb] = (kq < ks1) ? __ldg(reinterpret_cast<const float4*>(wt + (size_t)(o0 + nb * 8 + g) * in_p + k0))
-                                      : make_float4(0.f, 0.f, 0.f, 0.f);
-        }
-#pragma unroll
-        for (int u = 0; u < FU; ++u) {
-            const int kq = ks + u * kstride;
-            if (kq >= ks1) break;   // warp-uniform
-            const int k0 = kq * 16 + 4 * t;
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const uint2 h0 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g) * in_p + k0);
-                const uint2 h1 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g + 8) * in_p + k0);
-                const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
-#pragma unroll
-                for (int nb = 0; nb < NBT; ++nb)
-                    mma16816(acc[mt][nb], a, pack2(w[u][nb].x, w[u][nb].y), pack2(w[u][nb].z, w[u][nb].w));
-            }
-        }
-    }
-}
-
 // H_out = relu(H_in @ W + b) for BO outputs per block; the 8 warps split K and reduce through shared memory.
 // Per block: BO*in_p*4 bytes of W (read once per step), B_p*in_p*2 bytes of H_in (from L2); 2*B_p*BO*in_p FLOP.
-// v3: FT_FU k-steps of W in flight a warp (BO = 64, FU = 2: 8 KB), FT_FMINB blocks an SM asked of ptxas.
+// v4: warp w takes the k-steps w, w + 8, ... (v3's), streamed through its ring of FT_FU + 1 stages (16-byte
+// cp.async, L2 only); FT_FU k-steps stay in flight while one computes, so the loads never drain.
 extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
 ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
        elem_t* __restrict__ hout, int out_p)
 {
-    extern __shared__ __align__(16) float red[];   // [NW][BP][BO+1]
+    constexpr int FS = FT_FU + 1;
+    extern __shared__ __align__(16) unsigned char fsm[];
+    float* red = reinterpret_cast<float*>(fsm);   // [NW][BP][BO+1], after the loop
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned char* ring = fsm + warp * (FS * FSTAGE);
     const int o0 = blockIdx.x * BO;
+    const int kt = in_p / 16;
+    const int nk = kt > warp ? (kt - warp + NW - 1) / NW : 0;
+
+    // k-step k of this warp (inputs (warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty past
+    // the end, so that the group count stays uniform
+    auto issue = [&](int k) {
+        if (k < nk) {
+            const int k0 = (warp + k * NW) * 16;
+            const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
+#pragma unroll
+            for (int p = lane; p < BO * 4; p += 32) {            // BO rows x 4 pieces of W^T
+                const int r = p >> 2, c = p & 3;
+                cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+            }
+#pragma unroll
+            for (int p = lane; p < BP * 2; p += 32) {            // BP rows x 2 pieces of H_in
+                const int r = p >> 1, c = p & 1;
+                cp_async16(st + FSTAGE_W + (r * 16 + c * 8) * 2, hin + (size_t)r * in_p + k0 + c * 8);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < FS - 1; ++k) issue(k);
+
     float acc[MT][NB][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -213,7 +223,34 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
         for (int nb = 0; nb < NB; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
-    gemm_rows_pf<NB, FT_FU>(acc, hin, in_p, wt, o0, warp, in_p / 16, NW);
+    // the k order inside a k-step is permuted identically for A and B (thread t holds inputs 4t..4t+3 at
+    // fragment positions 2t, 2t+1, 2t+8, 2t+9), as in v3's gemm_rows
+    for (int k = 0; k < nk; ++k) {
+        issue(k + FS - 1);            // refill the stage freed at the end of the previous iteration
+        cp_async_wait<FS - 1>();      // this thread's copies of k-step k have landed ...
+        __syncwarp();                 // ... and every lane's
+        const unsigned char* st = ring + (k % FS) * FSTAGE;
+        const float* ws = reinterpret_cast<const float*>(st);
+        const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
+        u32 b[NB][2];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float4 w = *reinterpret_cast<const float4*>(ws + (nb * 8 + g) * 16 + 4 * t);
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
+            const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+        __syncwarp();                 // every lane has read stage k % FS: the next issue may overwrite it
+    }
+    cp_async_wait<0>();               // (only empty groups can be left)
+    __syncthreads();                  // every warp is done with its ring: it becomes the reduction buffer
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
