@@ -55,7 +55,9 @@ GRID_CONFIGS = [
 # fused_step.cu: the plans the sessions build (step_plan) for mlp:8192x3 / 1024x3 at batch 32 (default and the
 # tuning corners: BI 32 / BI 16 tiles at 2 and 3 blocks an SM), batch 37 / 128 / 256, bf16
 STEP_CONFIGS = [
-    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 64, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 4, "FT_BF16": 0},   # 8192 default
+    {"FT_MT": 2, "FT_BO": 64, "FT_BI": 64, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 8, "FT_BF16": 0},   # 8192 default
+    {"FT_MT": 2, "FT_BO": 32, "FT_BI": 32, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 8, "FT_BF16": 1},   # 4096 default
+    {"FT_MT": 2, "FT_BO": 16, "FT_BI": 16, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 8, "FT_BF16": 0},   # 2048 default
     {"FT_MT": 2, "FT_BO": 64, "FT_BI": 16, "FT_S": 4, "FT_MINB": 1, "FT_FMINB": 1, "FT_FU": 4, "FT_BF16": 0},   # 8192 first layer
     {"FT_MT": 2, "FT_BO": 32, "FT_BI": 32, "FT_S": 3, "FT_MINB": 2, "FT_FMINB": 2, "FT_FU": 4, "FT_BF16": 0},   # 2 blocks an SM
     {"FT_MT": 2, "FT_BO": 64, "FT_BI": 32, "FT_S": 2, "FT_MINB": 3, "FT_FMINB": 1, "FT_FU": 2, "FT_BF16": 0},   # BI 32, 3 blocks
@@ -205,7 +207,7 @@ def test_tiles_keep_accumulators_in_registers():
 @pytest.mark.parametrize("model,batch", [("mlp:8192x3", 32), ("mlp:1024x3", 32), ("mlp:100x2", 37), ("logreg", 37),
                                          ("mlp:128x3", 128), ("mlp:100x2", 256)])
 @pytest.mark.parametrize("tuning", [{}, {"bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2}, {"bi": 32, "bwd_minb": 2},
-                                    {"stages": 2, "fu": 2}])
+                                    {"stages": 2, "fu": 1}])
 def test_step_plan_fits(model, batch, tuning):
     """Every plan fits in shared memory (per block, and bwd_minb blocks an SM when the ring was chosen for it),
     keeps the default tiles of the hidden layers, and lets only the first layer split its output rows."""
@@ -217,6 +219,7 @@ def test_step_plan_fits(model, batch, tuning):
         pad16,
         step_bwd_smem,
         step_defines,
+        step_fwd_smem,
         step_plan,
     )
 
@@ -230,6 +233,8 @@ def test_step_plan_fits(model, batch, tuning):
         assert p["in_p"] % p["BI"] == 0 and 2 <= p["S"] <= 4 and 1 <= p["FU"] <= 8
         smem = step_bwd_smem(mt, p["BI"], p["S"])
         assert smem <= SMEM_LIMIT
+        fwd = step_fwd_smem(mt, p["BO"], p["FU"])
+        assert fwd <= SMEM_LIMIT and ("fu" in tuning or p["FU"] == 1 or p["FMINB"] * (fwd + 1024) <= SM_SMEM)
         if "stages" not in tuning and p["S"] > 2:
             assert p["MINB"] * (smem + 1024) <= SM_SMEM
         assert (p["osplit"] is None) if i == 0 else (p["osplit"] == 1)
@@ -246,6 +251,8 @@ def test_step_tiles_are_checked():
 
     with pytest.raises(FasttrainError, match="8, 16, 32 or 64"):
         step_plan([(128, 784), (16, 128)], 2, bi=24)
+    with pytest.raises(FasttrainError, match="ft_fwd with BO 8, batch 256 and 2 stages in flight needs more than"):
+        step_plan([(128, 784), (16, 128)], 16, fu=2)
     assert step_plan([(128, 784), (16, 128)], 2, bi=16)[1]["BI"] == 16
 
 

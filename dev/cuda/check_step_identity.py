@@ -41,7 +41,7 @@ def main(argv) -> int:
     from fasttrain.engines.cuda_dev import CudaDevEngine
     from fasttrain.engines.cuda_dev.history import make_dev_session
 
-    version = argv[0] if argv else "fused_step_v3.cu"
+    version = argv[0] if argv else "fused_step_v3.cu"   # v4 is bit-identical to v3; v5 is not (another order)
     cases = [("mlp:100x2", "fp16", 37, dict(epochs=2)), ("mlp:256x2", "bf16", 32, dict(epochs=2)),
              ("mlp:128x3", "fp16", 128, dict(epochs=2)), ("mlp:64x1", "fp16", 256, dict(epochs=2))]
     datasets = [("synthetic", synthetic_dataset())]
