@@ -251,8 +251,8 @@ def test_step_tiles_are_checked():
 
     with pytest.raises(FasttrainError, match="8, 16, 32 or 64"):
         step_plan([(128, 784), (16, 128)], 2, bi=24)
-    with pytest.raises(FasttrainError, match="ft_fwd with BO 8, batch 256 and 2 stages in flight needs more than"):
-        step_plan([(128, 784), (16, 128)], 16, fu=2)
+    with pytest.raises(FasttrainError, match="ft_fwd with BO 8, batch 256 and 8 k-steps in flight needs more than"):
+        step_plan([(128, 784), (16, 128)], 16, fu=8)
     assert step_plan([(128, 784), (16, 128)], 2, bi=16)[1]["BI"] == 16
 
 

@@ -42,28 +42,28 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 / v3 / v4 (v5 is the package's fused_step.cu) ------------------------------
+# --- rung 7: fused_step_v1 / v2 / v3 / v5 (v4 is the package's fused_step.cu) ------------------------------
 
 
-def v4_fwd_smem(mt: int, bo: int, fu: int) -> int:
-    """v4's ft_fwd: per warp a ring of FU + 1 stages of one k-step (BO x 16 fp32 of W^T, B_p x 16 of H_in)."""
-    bp = 16 * mt
-    return max(NW * (fu + 1) * (bo * 64 + bp * 32), NW * bp * (bo + 1) * 4)
+def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
+    """v5's ft_fwd: one ring for the block, FU + 1 stages of KC inputs (BO rows of W^T at KC*4 + 64 bytes, B_p rows
+    of H_in at KC*2 + 32; KC = 64, or 128 when BO = 8), reused by the K-split reduction [8/(BO/8)][B_p][BO+1]."""
+    bp, kc = 16 * mt, (64 if bo >= 16 else 128)
+    return max((fu + 1) * (bo * (kc * 4 + 64) + bp * (kc * 2 + 32)), (NW // (bo // 8)) * bp * (bo + 1) * 4)
 
 
-class StepV4(FusedStepSession):
-    """v4: ft_fwd with per-warp rings of one k-step a stage (bit-identical to v3)."""
+class StepV5(FusedStepSession):
+    """v5: ft_fwd with one ring shared by the block's warps, 256-byte runs of each W^T row (slower than v4)."""
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
         for p in plan:
-            fu = self.tuning.get("fu") or next((f for f in (8, 6, 4, 3, 2, 1)
-                                                if v4_fwd_smem(self.mt, p["BO"], f) <= SMEM_LIMIT), 1)
-            p["FU"] = fu
+            p["FU"] = self.tuning.get("fu") or next((f for f in (8, 6, 4, 3, 2, 1)
+                                                     if v5_fwd_smem(self.mt, p["BO"], f) <= SMEM_LIMIT), 1)
         return plan
 
     def fwd_smem(self, p: dict) -> int:
-        return v4_fwd_smem(self.mt, p["BO"], p["FU"])
+        return v5_fwd_smem(self.mt, p["BO"], p["FU"])
 
 
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
@@ -197,7 +197,7 @@ class GridOld(_DevDefines, PersistentGridSession):
 
 SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
-    "fused_step_v4.cu": StepV4,
+    "fused_step_v5.cu": StepV5,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,
@@ -247,5 +247,5 @@ def record_rows() -> tuple[Row, ...]:
     rows += [row("mlp v1", "mlp:128x3", rung=8, kernel="fused_mlp_v1.cu"),
              row("mlp v2", "mlp:128x3", rung=8, kernel="fused_mlp_v2.cu")]
     rows += [row(f"grid {v}", "mlp:1024x3", rung=8, kernel=f"fused_grid_{v}.cu") for v in ("v1", "v2", "v3")]
-    rows += [row(f"step {v}", m, rung=7, kernel=f"fused_step_{v}.cu") for v in ("v1", "v3", "v4") for m in ("mlp:1024x3", "mlp:8192x3")]
+    rows += [row(f"step {v}", m, rung=7, kernel=f"fused_step_{v}.cu") for v in ("v1", "v3", "v5") for m in ("mlp:1024x3", "mlp:8192x3")]
     return tuple(rows)

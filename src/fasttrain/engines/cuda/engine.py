@@ -42,7 +42,7 @@ class CudaOptions:
                                        choices=(1, 2, 3, 4), type=int)
     step_fwd_minb: int | None = option(None, "rung 7: minimum forward blocks per SM (__launch_bounds__)",
                                        choices=(1, 2, 3, 4), type=int)
-    step_fu: int | None = option(None, "rung 7: stages of W the forward keeps in flight (its ring holds one more)",
+    step_fu: int | None = option(None, "rung 7: k-steps of W the forward keeps in flight a warp (its ring holds one more)",
                                  choices=(1, 2, 3, 4, 6, 8), type=int)
     step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)")

@@ -60,17 +60,17 @@ def _reg_cap(minb: int) -> int:
 
 
 def step_fwd_smem(mt: int, bo: int, fu: int) -> int:
-    """Mirror of ft_fwd's shared memory (the module's ``ft_fwd_smem``): the block's ring of FU + 1 stages (a
-    stage: BO rows of KC inputs of W^T fp32 at a row stride of KC*4 + 64 bytes, then B_p rows of H_in at
-    KC*2 + 32; KC = 64, or 128 when BO = 8), which the K-split reduction buffer [8/(BO/8)][B_p][BO+1] fp32 reuses."""
-    bp, kc = 16 * mt, (64 if bo >= 16 else 128)
-    stage = bo * (kc * 4 + 64) + bp * (kc * 2 + 32)
-    return max((fu + 1) * stage, (NW // (bo // 8)) * bp * (bo + 1) * 4)
+    """Mirror of ft_fwd's shared memory (the module's ``ft_fwd_smem``): per warp a ring of FU + 1 stages (a
+    stage: BO rows x 16 k of W^T fp32, then B_p rows x 16 k of H_in), which the K-split reduction buffer
+    [8][B_p][BO+1] fp32 reuses."""
+    bp = 16 * mt
+    stage = bo * 16 * 4 + bp * 16 * 2
+    return max(NW * (fu + 1) * stage, NW * bp * (bo + 1) * 4)
 
 
 def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
-    """Stages of W ft_fwd keeps in flight: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
-    ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 6 stages of 25 KB)."""
+    """k-steps of W ft_fwd keeps in flight a warp: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
+    ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, 160 KB of ring an SM)."""
     for fu in (8, 6, 4, 3, 2, 1):
         smem = step_fwd_smem(mt, bo, fu)
         if smem <= SMEM_LIMIT and fwd_minb * (smem + 1024) <= SM_SMEM:
@@ -86,7 +86,7 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
     tile); ``stages``: ring depth of ft_bwd (default the deepest of 4..2 whose ``bwd_minb`` blocks fit in an
     SM's shared memory); ``bwd_minb`` / ``fwd_minb``: ``__launch_bounds__`` minimum blocks per SM (default 1);
-    ``fu``: stages of W ft_fwd keeps in flight (default :func:`_default_fu`); ``osplit``: blocks over the output rows
+    ``fu``: W k-steps ft_fwd keeps in flight a warp (default :func:`_default_fu`); ``osplit``: blocks over the output rows
     of the first layer's backward (default: chosen at launch from the occupancy). The first layer needs no dH,
     so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks."""
     for name, val in (("bo", bo), ("bi", bi)):
@@ -106,7 +106,7 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
             p_bo = plan[-1]["BO"]
         p_fu = fu or _default_fu(mt, p_bo, fwd_minb)
         if step_fwd_smem(mt, p_bo, p_fu) > SMEM_LIMIT:
-            raise FasttrainError(f"rung 7: ft_fwd with BO {p_bo}, batch {16 * mt} and {p_fu} stages in flight "
+            raise FasttrainError(f"rung 7: ft_fwd with BO {p_bo}, batch {16 * mt} and {p_fu} k-steps in flight "
                                  f"needs more than {SMEM_LIMIT} bytes of shared memory; lower --step-fu")
         if not fits:
             raise FasttrainError(f"rung 7: ft_bwd with BI {p_bi}, batch {16 * mt} and {stages or 2} stages "

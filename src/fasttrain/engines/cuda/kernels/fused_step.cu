@@ -32,15 +32,10 @@
 //       keeps v3's k-steps (warp, warp + 8, ...) in the same order and the same reduction, so the sums and
 //       their rounding are v3's: v4 is bit-identical to v3 (and v1).
 //       Measured (H200): bit-identical to v3 on every model tried; the 8192x8192 ft_fwd 141 -> 93 us (2.9 TB/s),
-//       mlp:8192x3 3.30 -> 2.80 s, mlp:4096x3 1.11 -> 0.96 s, mlp:2048x3 0.417 -> 0.405 s. The kernels' rates
-//       follow the length of the runs they read from each row of W^T, not their bytes in flight: ft_fwd 64-byte
-//       runs 2.9 TB/s; ft_bwd 64-byte runs (BI 16, h = 2048) 2.0, 128 (BI 32) 2.9, 256 (BI 64) 3.5 TB/s.
-//   v5  (copy of v4 + change) ft_fwd reads runs of FT_KC/16 k-steps (256 bytes a row at FT_KC = 64): the block's
-//       8 warps share one ring of FT_FU + 1 stages, each stage FT_KC inputs of the block's BO rows of W^T and of
-//       H_in, filled by all 256 threads (16-byte cp.async, one block barrier a stage). Warp w owns output
-//       n-tile w % (BO/8) and, when BO < 64, the stage's k-steps w / (BO/8), w / (BO/8) + 8/(BO/8), ...; at
-//       BO = 64 every output is summed by one warp over all of K in order (no K-split reduction): a different
-//       rounding order from v4's, not bit-identical to it.
+//       mlp:8192x3 3.30 -> 2.80 s, mlp:4096x3 1.11 -> 0.96 s, mlp:2048x3 0.417 -> 0.405 s.
+//   v5  (dev/cuda/fused_step_v5.cu) ft_fwd reading 256-byte runs of each W^T row through one ring shared by the
+//       block (a barrier a stage; no K-split at BO 64), to test whether the 64-byte runs limit v4: slower
+//       everywhere (8192x8192 ft_fwd 100 us, 4096 39 us, 2048 16.5 us against v4's 93 / 29 / 10). Not the runs.
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -102,23 +97,14 @@ static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
 #define RING_BYTES (NW * FT_S * STAGE_BYTES)
 #define RED_BYTES (NW * BP * (BI + 1) * 4)
 
-// ft_fwd's ring (v5): a stage holds KC inputs of the block's BO rows of W^T (fp32, row stride KC*4 + 64 bytes,
-// = 64 mod 128: a quarter-warp's float4 reads of rows g and g+1 fall on disjoint bank halves) and of H_in
-// (BP rows, stride KC*2 + 32 bytes, = 32 mod 128: a half-warp's 8-byte reads of 4 rows are conflict-free).
-// After the loop the ring becomes the K-split reduction buffer [KG][BP][BO+1] fp32 (KG = 8 / (BO/8) groups).
-#ifndef FT_KC
-#define FT_KC (BO >= 16 ? 64 : 128)
-#endif
-#define FNT (BO / 8)                   // output n-tiles of a block: warps n-tile w % FNT
-#define FKG (NW / FNT)                 // k-groups: warp w takes k-steps w / FNT, + FKG, ... of a stage
-#define KC FT_KC
-#define FWS (KC * 4 + 64)              // W^T row stride in a stage (bytes)
-#define FHS (KC * 2 + 32)              // H_in row stride in a stage (bytes)
-#define FSTAGE_W (BO * FWS)
-#define FSTAGE (FSTAGE_W + BP * FHS)
-#define FRING_BYTES ((FT_FU + 1) * FSTAGE)
-#define FRED_BYTES (FKG * BP * (BO + 1) * 4)
-static_assert(NW % FNT == 0 && KC % 16 == 0 && (KC / 16) % FKG == 0, "ft_fwd: warps, n-tiles and k-steps");
+// ft_fwd's per-warp ring: a stage holds one k-step of the block's W^T rows (BO x 16 fp32, row stride 64 B:
+// a quarter-warp's float4 reads cover 2 rows = 128 contiguous bytes) and of H_in (BP x 16, row stride 32 B:
+// a half-warp's 8-byte reads cover 4 rows = 128 bytes); both conflict-free. After the loop the rings become
+// the K-split reduction buffer [NW][BP][BO+1] fp32.
+#define FSTAGE_W (BO * 16 * 4)
+#define FSTAGE (FSTAGE_W + BP * 16 * 2)
+#define FRING_BYTES (NW * (FT_FU + 1) * FSTAGE)
+#define FRED_BYTES (NW * BP * (BO + 1) * 4)
 
 // dynamic shared memory each kernel needs (read by the host through these symbols)
 extern "C" __constant__ int ft_fwd_smem = FRING_BYTES > FRED_BYTES ? FRING_BYTES : FRED_BYTES;
@@ -196,97 +182,93 @@ __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* _
     }
 }
 
-// H_out = relu(H_in @ W + b) for BO outputs per block.
+// H_out = relu(H_in @ W + b) for BO outputs per block; the 8 warps split K and reduce through shared memory.
 // Per block: BO*in_p*4 bytes of W (read once per step), B_p*in_p*2 bytes of H_in (from L2); 2*B_p*BO*in_p FLOP.
-// v5: stage j holds inputs [j*KC, (j+1)*KC); FT_FU stages in flight while one computes; one barrier a stage.
+// v4: warp w takes the k-steps w, w + 8, ... (v3's), streamed through its ring of FT_FU + 1 stages (16-byte
+// cp.async, L2 only); FT_FU k-steps stay in flight while one computes, so the loads never drain.
 extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
 ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
        elem_t* __restrict__ hout, int out_p)
 {
     constexpr int FS = FT_FU + 1;
-    constexpr int WP = KC / 4, HP = KC / 8;              // 16-byte pieces a row of W^T / of H_in in a stage
     extern __shared__ __align__(16) unsigned char fsm[];
-    float* red = reinterpret_cast<float*>(fsm);          // [FKG][BP][BO+1], after the loop
+    float* red = reinterpret_cast<float*>(fsm);   // [NW][BP][BO+1], after the loop
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
-    const int nt = warp % FNT, kg = warp / FNT;
+    unsigned char* ring = fsm + warp * (FS * FSTAGE);
     const int o0 = blockIdx.x * BO;
-    const int nst = (in_p + KC - 1) / KC;                 // stages of this layer (the last may be partial)
     const int kt = in_p / 16;
+    const int nk = kt > warp ? (kt - warp + NW - 1) / NW : 0;
 
-    // stage j -> slot j % FS; one commit group each, empty past the end (the group count stays uniform).
-    // Pieces past in_p (a partial last stage) are not loaded: their k-steps are skipped below.
-    auto issue = [&](int j) {
-        if (j < nst) {
-            const int k0 = j * KC;
-            unsigned char* st = fsm + (j % FS) * FSTAGE;
-            for (int p = threadIdx.x; p < BO * WP; p += NW * 32) {
-                const int r = p / WP, c = p % WP;
-                if (k0 + c * 4 < in_p)
-                    cp_async16(smem_u32(st + r * FWS + c * 16), wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+    // k-step k of this warp (inputs (warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty past
+    // the end, so that the group count stays uniform
+    auto issue = [&](int k) {
+        if (k < nk) {
+            const int k0 = (warp + k * NW) * 16;
+            const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
+#pragma unroll
+            for (int p = lane; p < BO * 4; p += 32) {            // BO rows x 4 pieces of W^T
+                const int r = p >> 2, c = p & 3;
+                cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
             }
-            for (int p = threadIdx.x; p < BP * HP; p += NW * 32) {
-                const int r = p / HP, c = p % HP;
-                if (k0 + c * 8 < in_p)
-                    cp_async16(smem_u32(st + FSTAGE_W + r * FHS + c * 16), hin + (size_t)r * in_p + k0 + c * 8);
+#pragma unroll
+            for (int p = lane; p < BP * 2; p += 32) {            // BP rows x 2 pieces of H_in
+                const int r = p >> 1, c = p & 1;
+                cp_async16(st + FSTAGE_W + (r * 16 + c * 8) * 2, hin + (size_t)r * in_p + k0 + c * 8);
             }
         }
         cp_async_commit();
     };
 #pragma unroll
-    for (int j = 0; j < FS - 1; ++j) issue(j);
+    for (int k = 0; k < FS - 1; ++k) issue(k);
 
-    float acc[MT][4];
+    float acc[MT][NB][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e) acc[mt][e] = 0.f;
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
     // the k order inside a k-step is permuted identically for A and B (thread t holds inputs 4t..4t+3 at
-    // fragment positions 2t, 2t+1, 2t+8, 2t+9)
-    for (int j = 0; j < nst; ++j) {
-        cp_async_wait<FS - 2>();      // this thread's copies of stage j have landed ...
-        __syncthreads();              // ... and every thread's; every warp is also done with stage j - 1
-        issue(j + FS - 1);            // refill the slot of stage j - 1
-        const unsigned char* st = fsm + (j % FS) * FSTAGE;
-        const unsigned char* ws = st + (nt * 8 + g) * FWS;
-        const unsigned char* hs = st + FSTAGE_W;
+    // fragment positions 2t, 2t+1, 2t+8, 2t+9), as in v3's gemm_rows
+    for (int k = 0; k < nk; ++k) {
+        issue(k + FS - 1);            // refill the stage freed at the end of the previous iteration
+        cp_async_wait<FS - 1>();      // this thread's copies of k-step k have landed ...
+        __syncwarp();                 // ... and every lane's
+        const unsigned char* st = ring + (k % FS) * FSTAGE;
+        const float* ws = reinterpret_cast<const float*>(st);
+        const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
+        u32 b[NB][2];
 #pragma unroll
-        for (int q = kg; q < KC / 16; q += FKG) {
-            if (j * (KC / 16) + q >= kt) break;           // past the end of a partial last stage (block-uniform)
-            const float4 w = *reinterpret_cast<const float4*>(ws + q * 64 + 16 * t);
-            const u32 b0 = pack2(w.x, w.y), b1 = pack2(w.z, w.w);
-#pragma unroll
-            for (int mt = 0; mt < MT; ++mt) {
-                const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * FHS + q * 32 + 8 * t);
-                const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * FHS + q * 32 + 8 * t);
-                const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
-                mma16816(acc[mt], a, b0, b1);
-            }
+        for (int nb = 0; nb < NB; ++nb) {
+            const float4 w = *reinterpret_cast<const float4*>(ws + (nb * 8 + g) * 16 + 4 * t);
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
         }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
+            const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+        __syncwarp();                 // every lane has read stage k % FS: the next issue may overwrite it
     }
     cp_async_wait<0>();               // (only empty groups can be left)
-    __syncthreads();                  // every warp is done with the ring: it becomes the reduction buffer
-    if (FKG == 1) {
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-            for (int h = 0; h < 2; ++h) {
-                const int r = mt * 16 + g + 8 * h, c = nt * 8 + 2 * t;
-                const float z0 = acc[mt][2 * h] + bias[o0 + c], z1 = acc[mt][2 * h + 1] + bias[o0 + c + 1];
-                *reinterpret_cast<u32*>(hout + (size_t)r * out_p + o0 + c) = pack2(fmaxf(z0, 0.f), fmaxf(z1, 0.f));
-            }
-        return;
-    }
+    __syncthreads();                  // every warp is done with its ring: it becomes the reduction buffer
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-        for (int e = 0; e < 4; ++e)
-            red[(kg * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nt * 8 + 2 * t + (e & 1)] = acc[mt][e];
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
     __syncthreads();
     for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
         const int r = i / BO, c = i % BO;
         float z = bias[o0 + c];
 #pragma unroll
-        for (int k = 0; k < FKG; ++k) z += red[(k * BP + r) * (BO + 1) + c];
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
         hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
     }
 }
