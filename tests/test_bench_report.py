@@ -194,6 +194,22 @@ def test_sweep_markdown_relative_speed_against_torch_eager():
     assert relative[1] == ["jax bf16", "20×", "12×"]
 
 
+def test_sweep_markdown_compares_each_row_with_jax_in_its_own_precision():
+    def sweep_case(label, engine, h, seconds, precision):
+        cfg = {"epochs": None, "steps": 5000, "batch_size": 32, "lr": 0.003, "precision": precision}
+        return case(label, engine, [record([seconds * 1000])], suite="sweep", model=f"mlp:{h}x3", precision=precision,
+                    config=cfg)
+
+    cases = [sweep_case("jax fp16", "jax", 128, 0.2, "fp16"), sweep_case("jax bf16", "jax", 128, 0.3, "bf16"),
+             sweep_case("cuda rung 8 fp16", "cuda", 128, 0.05, "fp16"), sweep_case("cuda rung 8 bf16", "cuda", 128, 0.06, "bf16"),
+             sweep_case("jax fp16", "jax", 8192, 3.0, "fp16"), sweep_case("cuda rung 7 fp16", "cuda", 8192, 2.0, "fp16"),
+             sweep_case("cuda rung 6 fp32", "cuda", 8192, 6.0, "fp32")]
+    text = report.sweep_markdown(suite_result("sweep", cases))
+    versus = {r[0]: r[1:] for r in table_rows(text.split("Speed relative to the JAX engine")[1], "engine")}
+    # each row against JAX of its own precision; fp32 has no JAX row in the run, so no ratio
+    assert versus == {"cuda rung 8 fp16": ["4×", "-"], "cuda rung 8 bf16": ["5×", "-"], "cuda rung 7 fp16": ["-", "1.5×"]}
+
+
 def test_curves_markdown_escapes_pipes_in_the_table():
     ref = record([3, 3], curve=[{"step": 10, "loss": 1.0}], test_acc=0.92)
     dev = {"curve_max_abs": 3.2e-6, "train_loss_max_rel": 1.5e-6, "test_acc_diff_pp": 0.1}

@@ -289,6 +289,21 @@ def baseline_times(result: SuiteResult) -> dict[int, float]:
     return {h: v for (label, h), v in grid.items() if label in labels[:1] and v}
 
 
+def peer_ratios(result: SuiteResult, times: dict, peer: str = "jax") -> dict[str, dict[int, float | None]]:
+    """{row label: {hidden: the ``peer`` engine's time / the row's time}} for every other row that has a ``peer``
+    row of its own precision in the same result (the sweep's yardstick: the strongest framework, same run)."""
+    cases = {c.label: c for c in result.ran()}
+    peers = {c.precision: c.label for c in cases.values() if c.engine == peer}
+    out = {}
+    for label, case in cases.items():
+        ref = peers.get(case.precision)
+        if case.engine == peer or ref is None:
+            continue
+        hs = sorted({h for (lab, h) in times if lab == label})
+        out[label] = {h: ratio(times.get((ref, h)), times.get((label, h))) for h in hs}
+    return out
+
+
 def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
     parts = [f"### {result.title}", header(result), *_images(images)]
     labels, hidden, times = sweep_grid(result, lambda c: c.metric("train_ms"))
@@ -312,6 +327,12 @@ def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
         if base:
             parts.append(f"Speed relative to {baseline_labels(result)[0]} (its time / the row's time; > 1 is faster):\n\n"
                          + _table(head, grid_rows(lambda l, h: fmt_ratio(ratio(base.get(h), times.get((l, h))))),
+                                  "l" + "r" * len(hidden)))
+        versus = peer_ratios(result, times)
+        if versus:
+            parts.append("Speed relative to the JAX engine in the same run and precision (the JAX row's time / the "
+                         "row's time; > 1 is faster):\n\n"
+                         + _table(head, [[label] + [fmt_ratio(versus[label].get(h)) for h in hidden] for label in versus],
                                   "l" + "r" * len(hidden)))
         parts.append("Setup (upload, compilation, warm-up), seconds:\n\n"
                      + _table(head, grid_rows(lambda l, h: time_cell(setup, l, h)), "l" + "r" * len(hidden)))

@@ -50,7 +50,8 @@ def rows(suite: str) -> tuple[Row, ...]:
     if suite == "ladder":
         return (*(_rung(n) for n in range(7)), _rung(7, _FP16), _rung(8, _FP16))
     if suite == "sweep":
-        return (Row("cuda rung 6 fp32", "cuda", "6", {"rung": 6}), _rung(7, _FP16), _rung(8, _FP16))
+        return (Row("cuda rung 6 fp32", "cuda", "6", {"rung": 6}), _rung(7, _FP16), _rung(8, _FP16), _rung(7, _BF16),
+                _rung(8, _BF16))
     if suite == "record":
         return _record()
     if suite == "many":   # K models at once: a cluster a model (logreg, mlp:128x3), the grid one after another (1024)

@@ -12,8 +12,8 @@ _MLPS = ("mlp:128x3", "mlp:1024x3", "mlp:8192x3")
 def rows(suite: str) -> tuple[Row, ...]:
     if suite == "ladder":
         return (Row("jax", "jax", "-"),)
-    if suite == "sweep":
-        return (Row("jax fp16", "jax", "-", {}, _FP16),)
+    if suite == "sweep":   # the yardstick of the CUDA rows in each precision (bench/report.peer_ratios)
+        return (Row("jax fp16", "jax", "-", {}, _FP16), Row("jax bf16", "jax", "-", {}, _BF16))
     if suite == "record":
         # the strongest framework peer, in the same process and precision: the record's speed-up baseline
         return (Row("jax fp16", "jax", "-", {}, _FP16, baseline=True),
