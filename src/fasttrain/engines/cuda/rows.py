@@ -38,7 +38,7 @@ def _record() -> tuple[Row, ...]:
             Row("cuda rung 8 fp16 sc fence", "cuda", "8", {"rung": 8, "grid_sc_fence": True}, _FP16, **_SLOW)),
         *at("mlp:8192x3", _rung(7, _FP16, target_ms=3000.0, floor="1.4 s (fp16 weights), 2.8 s (fp32 masters)")),
         # rung 7's occupancy corners (the plan's defaults are the rows above)
-        tuned("ring bwd, forward loads as v1", "mlp:8192x3", step_fu=2),
+        tuned("forward ring of 2 k-steps", "mlp:8192x3", step_fu=2),
         tuned("bwd 2 blocks an SM", "mlp:8192x3", step_bi=32, step_bwd_minb=2),
         tuned("both kernels 2 blocks an SM", "mlp:8192x3", step_bi=32, step_bo=32, step_bwd_minb=2, step_fwd_minb=2),
         tuned("shallow ring", "mlp:1024x3", step_stages=2, step_fu=2),
