@@ -210,6 +210,15 @@ def test_sweep_markdown_compares_each_row_with_jax_in_its_own_precision():
     assert versus == {"cuda rung 8 fp16": ["4×", "-"], "cuda rung 8 bf16": ["5×", "-"], "cuda rung 7 fp16": ["-", "1.5×"]}
 
 
+def test_record_table_gives_each_model_its_own_target():
+    # "cuda rung 8 fp16" is a row of several models with a different target each: each line shows its model's
+    cases = [case("cuda rung 8 fp16", "cuda", [record([1.5, 1.5])], suite="record", model=m, precision="fp16")
+             for m in ("logreg", "mlp:128x3", "mlp:1024x3")]
+    lines = {r[0]: r for r in table_rows(report.table_markdown(suite_result("record", cases)), "model")}
+    assert lines["logreg"][5].startswith("<= 0.7 ms") and lines["mlp:128x3"][5].startswith("<= 0.025 s")
+    assert lines["mlp:1024x3"][5].startswith("<= 0.06 s")
+
+
 def test_curves_markdown_escapes_pipes_in_the_table():
     ref = record([3, 3], curve=[{"step": 10, "loss": 1.0}], test_acc=0.92)
     dev = {"curve_max_abs": 3.2e-6, "train_loss_max_rel": 1.5e-6, "test_acc_diff_pp": 0.1}

@@ -398,7 +398,8 @@ def table_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
         suite = build(result.suite, result.quick)
     except ValueError:
         suite = None
-    rows_by_key = {(r.label, m): r for m in (suite.models if suite else ()) for r in (suite.rows if suite else ())}
+    # a label can recur with another target on another model: key each row by the models it runs on
+    rows_by_key = {(r.label, m): r for r in (suite.rows if suite else ()) for m in (r.models or suite.models)}
     has_target = any(r.target_ms is not None for r in rows_by_key.values())
     parts = [f"### {result.title}", header(result), *_images(images)]
     ran = result.ran()

@@ -45,7 +45,8 @@ class CudaOptions:
     step_fu: int | None = option(None, "rung 7: k-steps of W the forward keeps in flight a warp (its ring holds one more)",
                                  choices=(1, 2, 3, 4, 6, 8), type=int)
     step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
-    step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)")
+    step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
+                                bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
     # rung 8: the persistent kernels
     logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
