@@ -208,13 +208,21 @@ def test_sweep_markdown_compares_each_row_with_jax_in_its_own_precision():
     versus = {r[0]: r[1:] for r in table_rows(text.split("Speed relative to the JAX engine")[1], "engine")}
     # each row against JAX of its own precision; fp32 has no JAX row in the run, so no ratio
     assert versus == {"cuda rung 8 fp16": ["4×", "-"], "cuda rung 8 bf16": ["5×", "-"], "cuda rung 7 fp16": ["-", "1.5×"]}
+    # a row from another invocation (a merged folder) is not compared with this one's JAX
+    cases[-2].run_id = "an earlier run"
+    versus = {r[0]: r[1:] for r in table_rows(report.sweep_markdown(suite_result("sweep", cases))
+                                              .split("Speed relative to the JAX engine")[1], "engine")}
+    assert "cuda rung 7 fp16" not in versus and versus["cuda rung 8 fp16"] == ["4×", "-"]
 
 
 def test_record_table_gives_each_model_its_own_target():
     # "cuda rung 8 fp16" is a row of several models with a different target each: each line shows its model's
-    cases = [case("cuda rung 8 fp16", "cuda", [record([1.5, 1.5])], suite="record", model=m, precision="fp16")
-             for m in ("logreg", "mlp:128x3", "mlp:1024x3")]
-    lines = {r[0]: r for r in table_rows(report.table_markdown(suite_result("record", cases)), "model")}
+    mlp = {"epochs": None, "steps": 5000, "batch_size": 32, "lr": 0.003, "precision": "fp16"}
+    cases = [case("cuda rung 8 fp16", "cuda", [record([1.5, 1.5])], suite="record", model=m, precision="fp16",
+                  config=None if m == "logreg" else mlp) for m in ("logreg", "mlp:128x3", "mlp:1024x3")]
+    text = report.table_markdown(suite_result("record", cases))
+    assert "- Setting: logreg: 20 epochs, batch 128, lr 0.1; mlp:128x3: 5,000 steps, batch 32, lr 0.003; " in text
+    lines = {r[0]: r for r in table_rows(text, "model")}
     assert lines["logreg"][5].startswith("<= 0.7 ms") and lines["mlp:128x3"][5].startswith("<= 0.025 s")
     assert lines["mlp:1024x3"][5].startswith("<= 0.06 s")
 

@@ -198,10 +198,17 @@ def _config_line(result: SuiteResult) -> str:
     if case.k is not None:   # the many suite: each model's length and batch head its own tables
         return (f"K = n × n models per case (n learning rates around each model's default × n seeds), "
                 f"{_plural(result.repeats, 'repeat')} (repeat r: seeds r·n .. r·n + n − 1)")
-    cfg = case.config
-    length = _plural(cfg["epochs"], "epoch") if cfg.get("steps") is None else _plural(cfg["steps"], "step")
     seeds = f"seeds 0..{result.repeats - 1}" if result.repeats > 1 else "seed 0"
-    return f"{length}, batch {cfg['batch_size']}, lr {cfg['lr']}, {seeds}"
+
+    def setting(cfg: dict) -> str:
+        length = _plural(cfg["epochs"], "epoch") if cfg.get("steps") is None else _plural(cfg["steps"], "step")
+        return f"{length}, batch {cfg['batch_size']}, lr {cfg['lr']}"
+
+    # a suite of several workloads (record, peers) gives each model its own length, batch and lr
+    per_model = {c.model: setting(c.config) for c in (result.ran() or result.cases)}
+    if len(set(per_model.values())) > 1:
+        return "; ".join(f"{m}: {v}" for m, v in per_model.items()) + f"; {seeds}"
+    return f"{setting(case.config)}, {seeds}"
 
 
 def header(result: SuiteResult) -> str:
@@ -289,18 +296,19 @@ def baseline_times(result: SuiteResult) -> dict[int, float]:
     return {h: v for (label, h), v in grid.items() if label in labels[:1] and v}
 
 
-def peer_ratios(result: SuiteResult, times: dict, peer: str = "jax") -> dict[str, dict[int, float | None]]:
-    """{row label: {hidden: the ``peer`` engine's time / the row's time}} for every other row that has a ``peer``
-    row of its own precision in the same result (the sweep's yardstick: the strongest framework, same run)."""
-    cases = {c.label: c for c in result.ran()}
-    peers = {c.precision: c.label for c in cases.values() if c.engine == peer}
-    out = {}
-    for label, case in cases.items():
-        ref = peers.get(case.precision)
-        if case.engine == peer or ref is None:
+def peer_ratios(result: SuiteResult, peer: str = "jax") -> dict[str, dict[int, float | None]]:
+    """{row label: {hidden: the ``peer`` engine's time / the row's time}} for every other row whose model ran a
+    ``peer`` row of its own precision in the same invocation (``run_id``; a merged folder holds several): the
+    sweep's yardstick is the strongest framework measured beside the row, never a number from another run."""
+    ran = result.ran()
+    peers = {(c.run_id, c.precision, c.model): c for c in ran if c.engine == peer}
+    out: dict[str, dict[int, float | None]] = {}
+    for c in ran:
+        ref = peers.get((c.run_id, c.precision, c.model))
+        if c.engine == peer or ref is None:
             continue
-        hs = sorted({h for (lab, h) in times if lab == label})
-        out[label] = {h: ratio(times.get((ref, h)), times.get((label, h))) for h in hs}
+        h = parse_model(c.model).hidden[0]
+        out.setdefault(c.label, {})[h] = ratio(ref.metric("train_ms"), c.metric("train_ms"))
     return out
 
 
@@ -328,10 +336,10 @@ def sweep_markdown(result: SuiteResult, images: list[tuple[str, str]] | None = N
             parts.append(f"Speed relative to {baseline_labels(result)[0]} (its time / the row's time; > 1 is faster):\n\n"
                          + _table(head, grid_rows(lambda l, h: fmt_ratio(ratio(base.get(h), times.get((l, h))))),
                                   "l" + "r" * len(hidden)))
-        versus = peer_ratios(result, times)
+        versus = peer_ratios(result)
         if versus:
-            parts.append("Speed relative to the JAX engine in the same run and precision (the JAX row's time / the "
-                         "row's time; > 1 is faster):\n\n"
+            parts.append("Speed relative to the JAX engine in the same invocation and precision (the JAX row's time "
+                         "/ the row's time; > 1 is faster; rows from another invocation are left out):\n\n"
                          + _table(head, [[label] + [fmt_ratio(versus[label].get(h)) for h in hidden] for label in versus],
                                   "l" + "r" * len(hidden)))
         parts.append("Setup (upload, compilation, warm-up), seconds:\n\n"

@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import gc
+import os
 import sys
 import traceback
 from collections.abc import Callable
@@ -56,6 +57,7 @@ class CaseResult:
     timestamp: str = ""
     traceback: str | None = None
     k: int | None = None  # the many suite: models trained at once
+    run_id: str | None = None  # the invocation that ran it: rows compared "in the same run" share it
 
     @property
     def key(self) -> tuple[str, str, int | None]:
@@ -202,12 +204,15 @@ def check_engines_filter(names: set[str] | None) -> None:
 # --- running -------------------------------------------------------------------------------
 
 
+_RUN_ID = f"{utc_now()}-pid{os.getpid()}"   # this process's invocation of a suite
+
+
 def _case_result(case: Case, status: str, reason: str | None = None, options: dict | None = None) -> CaseResult:
     return CaseResult(
         suite=case.suite, label=case.row.label, engine=case.row.engine, rung=case.row.rung, model=case.model,
         precision=case.config.get("precision", "fp32"), options=_jsonable(options if options is not None else case.row.options),
         config=dict(case.config), seed_ms=case.row.seed_ms, status=status, reason=reason, timestamp=utc_now(),
-        k=case.k,
+        k=case.k, run_id=_RUN_ID,
     )
 
 
