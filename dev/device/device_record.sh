@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # The record round's result files on the GPU: STAGES sweep (mlp:Hx3, H = 128..8192: jax and cuda rungs 7/8 in
 # fp16 and bf16, the same process) and/or record (fasttrain bench record, 3 seeds); each into $OUT/<stage>/.
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/prelude.sh"
 for stage in ${STAGES:-sweep}; do
   case $stage in
     sweep) timeout ${SWEEP_TIMEOUT:-560} python3 -m fasttrain bench sweep --engines jax,cuda --rows "jax,rung 7,rung 8" \

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Rung 7 on the GPU: v4 against v3 bit for bit, the per-kernel breakdown with tuning variants, compute-sanitizer
 # memcheck of the rung-7 smoke run, the fused tests. STAGES: identity breakdown memcheck tests (default: all).
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/prelude.sh"
 for stage in ${STAGES:-identity breakdown memcheck tests}; do
   case $stage in
     identity) timeout ${ID_TIMEOUT:-150} python3 dev/cuda/check_step_identity.py 2>&1 | tail -20 | tee "$OUT/identity.log" ;;

@@ -1,12 +1,7 @@
 #!/usr/bin/env bash
 # Many models at once on the GPU: the sweep tests, then a probe of rung-8 sweep times (dev/sweep/probe_cuda_sweep.py).
 # STAGES: tests clusters probe bench (default: tests probe); bench = fasttrain bench many into $OUT/many.tar.gz; TESTS: the pytest files (default: the cuda sweep and fused tests).
-set -u
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src FASTTRAIN_DATA_DIR=.data PYTHONUNBUFFERED=1 XLA_PYTHON_CLIENT_PREALLOCATE=false
-export FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
-OUT=${OUT:-/tmp/out}; mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/gpu.txt"
+source "$(dirname "$0")/prelude.sh"
 for stage in ${STAGES:-tests probe}; do
   case $stage in
     tests) timeout ${TEST_TIMEOUT:-420} python3 -m pytest -q -m gpu -rfs --timeout 150 ${TESTS:-tests/test_cuda_sweep.py tests/test_cuda_fused.py} 2>&1 | tail -40 | tee "$OUT/tests.log" ;;
