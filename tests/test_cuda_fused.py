@@ -238,7 +238,6 @@ def test_step_plan_fits(model, batch, tuning):
         if "stages" not in tuning and p["S"] > 2:
             assert p["MINB"] * (smem + 1024) <= SM_SMEM
         assert (p["osplit"] is None) if i == 0 else (p["osplit"] == 1)
-        assert p["hsplit"] == 1
         if i < len(plan) - 1:
             assert p["out_p"] % p["BO"] == 0
         if 0 < i < len(plan) - 1 and not tuning:
@@ -252,8 +251,6 @@ def test_step_tiles_are_checked():
 
     with pytest.raises(FasttrainError, match="8, 16, 32 or 64"):
         step_plan([(128, 784), (16, 128)], 2, bi=24)
-    split = step_plan([(128, 784), (128, 128), (128, 128), (16, 128)], 2, hsplit=4)
-    assert [p["hsplit"] for p in split] == [1, 4, 4, 1]   # hidden layers only: the first has no dH, the last 1 chunk
     with pytest.raises(FasttrainError, match="ft_fwd with BO 8, batch 256 and 8 k-steps in flight needs more than"):
         step_plan([(128, 784), (16, 128)], 16, fu=8)
     assert step_plan([(128, 784), (16, 128)], 2, bi=16)[1]["BI"] == 16
@@ -348,10 +345,6 @@ def test_warm_up_does_not_train(tiny_data, rung, model, tuning):
     # seed's 200 synthetic test examples, not of the knobs (train loss within 0.1%).
     (7, "mlp:128x3", 37, {"step_bi": 32, "step_bo": 32, "step_bwd_minb": 2, "step_fwd_minb": 2}),
     (7, "mlp:128x3", 37, {"step_bi": 64, "step_stages": 2, "no_graph": True}),
-    # the hidden backward split over output rows: 2 and 8 blocks a strip (8: one 16-row chunk a block, most
-    # warps idle), and 4 on 16-wide strips
-    (7, "mlp:128x3", 37, {"step_hsplit": 2}), (7, "mlp:128x3", 37, {"step_hsplit": 8}),
-    (7, "mlp:256x2", 37, {"step_hsplit": 4, "step_bi": 16}),
     (8, "mlp:100x2", 37, {}), (8, "mlp:128x3", 29, {}), (8, "mlp:64x1", 37, {}),
     (8, "mlp:64x2", 50, {}),   # the compact fallback: the blocked build does not fit
     (8, "mlp:100x2", 37, {"mlp_layout": "compact"}),
@@ -451,8 +444,7 @@ def test_rung8_side_stream_score_never_touches_training(tiny_data, model, batch)
     (7, "mlp:128x3", dict(), {}),
     (8, "mlp:128x3", dict(), {}),
     (8, "mlp:1024x3", dict(steps=600), {}),
-    (7, "mlp:2048x3", dict(steps=600), {"step_hsplit": 2}),
-], ids=["rung8-logreg", "rung7-mlp128x3", "rung8-mlp128x3", "rung8-mlp1024x3-600steps", "rung7-mlp2048x3-hsplit2-600steps"])
+], ids=["rung8-logreg", "rung7-mlp128x3", "rung8-mlp128x3", "rung8-mlp1024x3-600steps"])
 def test_mnist_parity(mnist, rung, model, config, tuning):
     """Train loss per epoch within 2% of fp64, final test accuracy within 0.3 pp."""
     job = make_job(mnist, model, precision="fp16", **config)

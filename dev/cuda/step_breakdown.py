@@ -22,9 +22,9 @@ from fasttrain.engines.cuda.fused.plans import NW
 from fasttrain.engines.cuda.fused.step import FusedStepSession
 
 REPS = 20
-VARIANTS = [{}, {"step_hsplit": 2}, {"step_hsplit": 4}, {"step_hsplit": 2, "step_bwd_minb": 2},
-            {"step_hsplit": 4, "step_bwd_minb": 2}, {"step_bi": 32, "step_hsplit": 2}, {"step_bi": 32, "step_hsplit": 4},
-            {"step_bi": 64, "step_hsplit": 4}, {"step_bi": 64, "step_hsplit": 8}, {"step_fu": 3}]
+VARIANTS = [{}, {"step_fu": 2}, {"step_fu": 3}, {"step_fu": 6}, {"step_fu": 8}, {"step_bo": 32}, {"step_bo": 16},
+            {"step_bo": 32, "step_fwd_minb": 2}, {"step_stages": 3}, {"step_stages": 6}, {"step_stages": 8},
+            {"step_bi": 32}, {"step_bi": 16}, {"step_bwd_minb": 2, "step_bi": 32}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -74,13 +74,12 @@ def kernels(s: FusedStepSession):
         p, (wt, b, _, _) = s.plan[l - 1], s.layers[l - 1]
         need = l > 1
         dzp, dzpT = (s.dz[l - 1], s.dzT[l - 1]) if need else (s.dz[l], s.dzT[l])
-        grid = (p["in_p"] // p["BI"], p.get("hsplit", 1) if need else p["osplit"])
+        grid = (p["in_p"] // p["BI"], 1 if need else p["osplit"])
         out.append((f"bwd {l} ({p['out_p']}x{p['in_p']}, BI {p['BI']} S {p['S']} grid {grid[0]}x{grid[1]} "
                     f"regs {p['bwd'].num_regs})", 8 * wt.size,
                     (lambda p=p, wt=wt, b=b, l=l, need=need, dzp=dzp, dzpT=dzpT, grid=grid:
                      p["bwd"](grid, (NW * 32,), (s.dz[l], s.dzT[l], np_.int32(p["out_p"]), s.h[l - 1], np_.int32(p["in_p"]),
-                                                 wt, b, scale, scale, np_.int32(need), dzp, dzpT, s.dhpart, s.dhcount),
-                                      shared_mem=p["bwd_smem"]))))
+                                                 wt, b, scale, scale, np_.int32(need), dzp, dzpT), shared_mem=p["bwd_smem"]))))
     return out
 
 

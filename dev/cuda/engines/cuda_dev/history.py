@@ -60,7 +60,6 @@ class StepV5(FusedStepSession):
         for p in plan:
             p["FU"] = self.tuning.get("fu") or next((f for f in (8, 6, 4, 3, 2, 1)
                                                      if v5_fwd_smem(self.mt, p["BO"], f) <= SMEM_LIMIT), 1)
-            p["hsplit"] = 1   # v5's backward is v4's without the split
         return plan
 
     def fwd_smem(self, p: dict) -> int:
@@ -85,7 +84,6 @@ class StepV3(FusedStepSession):
         plan = super().make_plan(shapes)
         for p in plan:
             p["FU"] = self.tuning.get("fu") or v3_fu(self.mt, p["BO"], p["FMINB"])
-            p["hsplit"] = 1   # v1..v3 sum dH in one block a strip
         return plan
 
     def fwd_smem(self, p: dict) -> None:

@@ -45,8 +45,6 @@ class CudaOptions:
     step_fu: int | None = option(None, "rung 7: k-steps of W the forward keeps in flight a warp (its ring holds one more)",
                                  choices=(1, 2, 3, 4, 6, 8), type=int)
     step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
-    step_hsplit: int | None = option(None, "rung 7: blocks over each hidden layer's backward output rows (their dH "
-                                     "partials summed in a fixed order)", choices=(1, 2, 4, 8), type=int)
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
                                 bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
@@ -65,7 +63,6 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_hsplit",
                  "step_carveout", "step_graph")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 

@@ -80,7 +80,7 @@ def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
 
 def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, stages: int | None = None,
               bwd_minb: int | None = None, fwd_minb: int | None = None, fu: int | None = None,
-              osplit: int | None = None, hsplit: int | None = None) -> list[dict]:
+              osplit: int | None = None) -> list[dict]:
     """Per-layer kernel configuration of rung 7; ``shapes`` = [(out_p, in_p)] of W^T per layer.
 
     ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
@@ -88,9 +88,7 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     SM's shared memory); ``bwd_minb`` / ``fwd_minb``: ``__launch_bounds__`` minimum blocks per SM (default 1);
     ``fu``: W k-steps ft_fwd keeps in flight a warp (default :func:`_default_fu`); ``osplit``: blocks over the output rows
     of the first layer's backward (default: chosen at launch from the occupancy). The first layer needs no dH,
-    so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks.
-    ``hsplit``: blocks over the output rows of each hidden layer's backward (default 1), whose dH partials the
-    strip's last block sums in a fixed order."""
+    so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks."""
     for name, val in (("bo", bo), ("bi", bi)):
         if val is not None and val not in (8, 16, 32, 64):
             raise FasttrainError(f"rung 7 {name} must be 8, 16, 32 or 64, got {val}")
@@ -117,8 +115,7 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
         depth = next((k for k in fits if bwd_minb * (step_bwd_smem(mt, p_bi, k) + 1024) <= SM_SMEM), fits[-1])
         plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "S": depth, "MINB": bwd_minb,
                      "FMINB": fwd_minb, "FU": p_fu,
-                     "osplit": osplit if i == 0 else 1,   # None on the first layer: chosen at launch
-                     "hsplit": (hsplit or 1) if 0 < i < last else 1})
+                     "osplit": osplit if i == 0 else 1})   # None on the first layer: chosen at launch
     return plan
 
 

@@ -31,8 +31,7 @@ from fasttrain.errors import FasttrainError
 
 class FusedStepSession(FusedSession):
     """Rung 7 for any model. The tuning options (``--step-bo``, ``--step-bi``, ``--step-stages``,
-    ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``, ``--step-hsplit``) go to
-    :func:`step_plan`;
+    ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``) go to :func:`step_plan`;
     ``--step-carveout`` is the preferred shared-memory carveout (percent) set on every kernel, so that
     consecutive graph nodes do not make the SMs reconfigure L1/shared memory between kernels (-1: the
     driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph."""
@@ -100,11 +99,6 @@ class FusedStepSession(FusedSession):
             self.stat_loss = cp.zeros(max_steps, cp.float32)
             self.stat_ok = cp.zeros(max_steps, cp.int32)
             self.order_cur = cp.zeros(self.n, cp.int32)
-            # the hidden layers' dH partials when their backward is split over output rows (--step-hsplit):
-            # strips x hsplit partials of [B_p][BI] fp32 (= in_p * hsplit * B_p floats), a counter per strip
-            split = [p for p in self.plan if p.get("hsplit", 1) > 1]
-            self.dhpart = cp.zeros(max([p["in_p"] * p["hsplit"] * bp for p in split] + [1]), cp.float32)
-            self.dhcount = cp.zeros(max([p["in_p"] // p["BI"] for p in split] + [1]), cp.uint32)
         self.use_graph = graph = options.step_graph
         # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
         first = self.orders[0] if self.orders is not None else self.spare_order
@@ -130,7 +124,7 @@ class FusedStepSession(FusedSession):
     def tuning_options(self) -> dict:
         o = self.options
         knobs = {"bo": o.step_bo, "bi": o.step_bi, "stages": o.step_stages, "bwd_minb": o.step_bwd_minb,
-                 "fwd_minb": o.step_fwd_minb, "fu": o.step_fu, "osplit": o.step_osplit, "hsplit": o.step_hsplit}
+                 "fwd_minb": o.step_fwd_minb, "fu": o.step_fu, "osplit": o.step_osplit}
         return {k: v for k, v in knobs.items() if v is not None}
 
     def make_plan(self, shapes) -> list[dict]:
@@ -170,9 +164,9 @@ class FusedStepSession(FusedSession):
                 need = l > 1
                 dzp = self.dz[l - 1] if need else self.dz[l]
                 dzpT = self.dzT[l - 1] if need else self.dzT[l]
-                p["bwd"]((p["in_p"] // p["BI"], p.get("hsplit", 1) if need else p["osplit"]), (NW * 32,),
+                p["bwd"]((p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
                          (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
-                          wt, b, scale, scale, np_.int32(need), dzp, dzpT, self.dhpart, self.dhcount),
+                          wt, b, scale, scale, np_.int32(need), dzp, dzpT),
                          shared_mem=p["bwd_smem"])
         if self.debug and not self.stream.is_capturing():
             self._check()
@@ -197,7 +191,7 @@ class FusedStepSession(FusedSession):
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
                     "smem_carveout": self.carveout, "tuning": self.tuning,
-                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit", "hsplit") if k in p}
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
                               | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
                                  "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
                               for p in self.plan]})

@@ -389,8 +389,7 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
 //   dW^T  = g^T @ H_in[:, strip]        (mma, K = batch)         -> W^T = W_old - lr/B' * dW^T, written once
 //   dH   += g @ W_old^T-chunk           (mma, K = o; B fragments from W_old by movmatrix)  [need_dh]
 // then dZ_prev = dH * [H_in > 0] written in both layouts. The bias update is spread over the blocks.
-// grid = (in_p / BI, osplit) without dH (the first layer), (in_p / BI, hsplit) with it: hsplit > 1 sums the
-// blocks' dH partials of a strip in a fixed order (see the end).
+// grid = (in_p / BI, osplit); osplit > 1 only without dH (the blocks of a strip would have to sum their dH).
 // Per block: 2 * (out_p/osplit)*BI*4 bytes of W (read + write), (out_p/osplit)*B_p*2 bytes of g^T from L2;
 // 4*B_p*out_p*BI/osplit FLOP. In flight a warp: (FT_S - 1) * 16*BI*4 bytes of W (BI 64, S 4: 12 KB; v1: 4 KB).
 // dz (row-major g) is not read by this version (both A fragments come from g^T); the argument stays so
@@ -399,8 +398,7 @@ extern "C" __global__ void __launch_bounds__(256, FT_MINB)
 ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
        const elem_t* __restrict__ hin, int in_p,
        float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, int need_dh,
-       elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT,
-       float* __restrict__ dhpart, unsigned* __restrict__ dhcount)   // gridDim.y > 1 with dH: see the end
+       elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
 {
     (void)dz;
     extern __shared__ __align__(16) unsigned char smem[];
@@ -527,46 +525,14 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
             for (int e = 0; e < 4; ++e)
                 red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BI + 1) + j * 8 + 2 * t + (e & 1)] = dh[mt][j][e];
     __syncthreads();
-    if (gridDim.y == 1) {
-        for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
-            const int r = i / BI, c = i % BI;
-            float s = 0.f;
-#pragma unroll
-            for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
-            const float hv = from_elem(hs[r * (BI + 8) + c]);
-            const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
-            dzp[(size_t)r * in_p + i0 + c] = v;
-            dzpT[(size_t)(i0 + c) * BP + r] = v;
-        }
-        return;
-    }
-    // The strip's output rows are split over gridDim.y blocks (--step-hsplit): each writes its dH partial
-    // [BP][BI] (its warps summed in order) to dhpart[strip][y]; the strip's last block to finish (a counter
-    // per strip) sums the partials in the order y = 0, 1, ... (deterministic), masks and writes dZ_prev.
-    float* mine = dhpart + ((size_t)blockIdx.x * gridDim.y + blockIdx.y) * BP * BI;
     for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
         const int r = i / BI, c = i % BI;
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
-        mine[i] = s;
-    }
-    __threadfence();
-    __syncthreads();
-    __shared__ unsigned last_of_strip;
-    if (threadIdx.x == 0) last_of_strip = (atomicAdd(dhcount + blockIdx.x, 1u) == gridDim.y - 1);
-    __syncthreads();
-    if (!last_of_strip) return;
-    __threadfence();
-    const float* all = dhpart + (size_t)blockIdx.x * gridDim.y * BP * BI;
-    for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
-        const int r = i / BI, c = i % BI;
-        float s = 0.f;
-        for (int y = 0; y < (int)gridDim.y; ++y) s += __ldcg(all + (size_t)y * BP * BI + i);
         const float hv = from_elem(hs[r * (BI + 8) + c]);
         const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
         dzp[(size_t)r * in_p + i0 + c] = v;
         dzpT[(size_t)(i0 + c) * BP + r] = v;
     }
-    if (threadIdx.x == 0) dhcount[blockIdx.x] = 0u;   // ready for the next launch
 }
