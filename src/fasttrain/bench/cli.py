@@ -242,7 +242,7 @@ def ladder(ctx, **kwargs) -> None:
 @_hidden_option
 @click.pass_context
 def sweep(ctx, **kwargs) -> None:
-    """Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16, 3 seeds."""
+    """Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16 (JAX and rungs 7-8 also bf16), 3 seeds."""
     run_suites(ctx, ["sweep"], **kwargs)
 
 

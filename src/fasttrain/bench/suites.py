@@ -182,7 +182,8 @@ def ladder(quick: bool = False, repeats: int | None = None, hidden=None) -> Suit
                  repeats or (1 if quick else 3), quick)
 
 
-@register("sweep", "Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16, 3 seeds.")
+@register("sweep", "Time against hidden size: mlp:Hx3, 5000 steps, batch 32, lr 0.003, fp16 (JAX and rungs 7-8 also bf16), "
+                   "3 seeds; each CUDA row against JAX of its precision.")
 def sweep(quick: bool = False, repeats: int | None = None, hidden: tuple[int, ...] | None = None) -> Suite:
     hidden = tuple(hidden or (QUICK_HIDDEN if quick else SWEEP_HIDDEN))
     config = dict(epochs=None, steps=100 if quick else 5000, batch_size=32, lr=0.003)
