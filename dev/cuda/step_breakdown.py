@@ -18,7 +18,6 @@ from fasttrain.contract import default_config, epoch_order, initial_weights, par
 from fasttrain.data import load_dataset
 from fasttrain.engines.base import Job
 from fasttrain.engines.cuda.engine import CudaOptions
-from fasttrain.engines.cuda.fused.plans import NW
 from fasttrain.engines.cuda.fused.step import FusedStepSession
 
 REPS = 20
@@ -51,35 +50,20 @@ def timed(cp, stream, launch, reps=REPS):
     return float(np.median(times[1:]))
 
 
+W_BYTES = {"fwd": 4, "fwd last": 4, "bwd": 8}   # bytes a parameter of W^T each kind moves (fp32 master)
+
+
 def kernels(s: FusedStepSession):
-    """(name, bytes of W, launch) for each kernel of step 0, as FusedStepSession._step enqueues them."""
-    np_ = np
-    start, stop = s.bounds[0]
-    rows = stop - start
-    scale = np_.float32(0.0)
-    L = len(s.plan)
-    out = [("gather", 0, lambda: s.k_gather((s.bp,), (64,), (s.x_train, s.y_train, s.order_cur, np_.int32(start),
-                                                                 np_.int32(rows), s.h[0], s.yb)))]
-    for i in range(L - 1):
-        p, (wt, b, _, _) = s.plan[i], s.layers[i]
-        out.append((f"fwd {i + 1} ({p['out_p']}x{p['in_p']}, BO {p['BO']} FU {p['FU']})", 4 * wt.size,
-                    (lambda p=p, wt=wt, b=b, i=i: p["fwd"]((p["out_p"] // p["BO"],), (NW * 32,),
-                     (s.h[i], np_.int32(p["in_p"]), wt, b, s.h[i + 1], np_.int32(p["out_p"])), shared_mem=p["fwd_smem"]))))
-    p, (wt, b, _, _) = s.plan[-1], s.layers[-1]
-    out.append((f"fwd last ({s.split} blocks)", 4 * wt.size,
-                lambda: s.k_last((s.split,), (NW * 32,), (s.h[L - 1], np_.int32(p["in_p"]), wt, b, s.yb, np_.int32(rows),
-                                                          np_.int32(0), s.part, s.counter, s.dz[L], s.dzT[L], s.stat_loss,
-                                                          s.stat_ok), shared_mem=s.last_smem)))
-    for l in range(L, 0, -1):
-        p, (wt, b, _, _) = s.plan[l - 1], s.layers[l - 1]
-        need = l > 1
-        dzp, dzpT = (s.dz[l - 1], s.dzT[l - 1]) if need else (s.dz[l], s.dzT[l])
-        grid = (p["in_p"] // p["BI"], 1 if need else p["osplit"])
-        out.append((f"bwd {l} ({p['out_p']}x{p['in_p']}, BI {p['BI']} S {p['S']} grid {grid[0]}x{grid[1]} "
-                    f"regs {p['bwd'].num_regs})", 8 * wt.size,
-                    (lambda p=p, wt=wt, b=b, l=l, need=need, dzp=dzp, dzpT=dzpT, grid=grid:
-                     p["bwd"](grid, (NW * 32,), (s.dz[l], s.dzT[l], np_.int32(p["out_p"]), s.h[l - 1], np_.int32(p["in_p"]),
-                                                 wt, b, scale, scale, np_.int32(need), dzp, dzpT), shared_mem=p["bwd_smem"]))))
+    """(name, bytes of W, launch) for each kernel of step 0 (the session's own launches, at lr = 0)."""
+    out = []
+    for kind, layer, launch in s.step_launches(0, 0.0):
+        if layer is None:
+            out.append((kind, 0, launch))
+            continue
+        p, wt = s.plan[layer], s.layers[layer][0]
+        detail = (f"BO {p['BO']} FU {p['FU']}" if kind == "fwd" else f"{s.split} blocks" if kind == "fwd last"
+                  else f"BI {p['BI']} S {p['S']} regs {p['bwd'].num_regs}")
+        out.append((f"{kind} {layer + 1} ({p['out_p']}x{p['in_p']}, {detail})", W_BYTES[kind] * wt.size, launch))
     return out
 
 

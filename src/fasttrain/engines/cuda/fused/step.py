@@ -11,6 +11,8 @@ the engine's ``--step-*`` options override them (what each layer got is in the r
 
 from __future__ import annotations
 
+from functools import partial
+
 import numpy as np
 
 from fasttrain.contract import INPUT_DIM
@@ -139,35 +141,44 @@ class FusedStepSession(FusedSession):
     def fwd_smem(self, p: dict) -> int | None:
         return step_fwd_smem(self.mt, p["BO"], p["FU"])
 
-    def _step(self, k: int, lr: float) -> None:
-        """Enqueue step k of the epoch (batch order_cur[k*B : k*B + rows]) on the stream."""
+    def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
+        """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
+        kind "gather", "fwd", "fwd last" or "bwd"; layer the index into ``self.plan`` / ``self.layers`` (None for
+        the gather). :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
         np_ = np
         start, stop = self.bounds[k]
         rows = stop - start
         scale = np_.float32(lr / rows)
         L = len(self.plan)
+        out = [("gather", None, partial(self.k_gather, (self.bp,), (64,),
+                                        (self.x_train, self.y_train, self.order_cur, np_.int32(start), np_.int32(rows),
+                                         self.h[0], self.yb)))]
+        for i in range(L - 1):
+            p, (wt, b, _, _) = self.plan[i], self.layers[i]
+            out.append(("fwd", i, partial(p["fwd"], (p["out_p"] // p["BO"],), (NW * 32,),
+                                          (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1], np_.int32(p["out_p"])),
+                                          shared_mem=p["fwd_smem"])))
+        p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
+        out.append(("fwd last", L - 1, partial(self.k_last, (self.split,), (NW * 32,),
+                                               (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows),
+                                                np_.int32(k), self.part, self.counter, self.dz[L], self.dzT[L],
+                                                self.stat_loss, self.stat_ok), shared_mem=self.last_smem)))
+        for l in range(L, 0, -1):
+            p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
+            need = l > 1
+            dzp = self.dz[l - 1] if need else self.dz[l]
+            dzpT = self.dzT[l - 1] if need else self.dzT[l]
+            out.append(("bwd", l - 1, partial(p["bwd"], (p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
+                                              (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1],
+                                               np_.int32(p["in_p"]), wt, b, scale, scale, np_.int32(need), dzp, dzpT),
+                                              shared_mem=p["bwd_smem"])))
+        return out
+
+    def _step(self, k: int, lr: float) -> None:
+        """Enqueue step k of the epoch on the stream."""
         with self.stream:
-            self.k_gather((self.bp,), (64,), (self.x_train, self.y_train, self.order_cur, np_.int32(start),
-                                              np_.int32(rows), self.h[0], self.yb))
-            for i in range(L - 1):
-                p, (wt, b, _, _) = self.plan[i], self.layers[i]
-                p["fwd"]((p["out_p"] // p["BO"],), (NW * 32,),
-                         (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1], np_.int32(p["out_p"])),
-                         shared_mem=p["fwd_smem"])
-            p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
-            self.k_last((self.split,), (NW * 32,),
-                        (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k),
-                         self.part, self.counter, self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
-                        shared_mem=self.last_smem)
-            for l in range(L, 0, -1):
-                p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
-                need = l > 1
-                dzp = self.dz[l - 1] if need else self.dz[l]
-                dzpT = self.dzT[l - 1] if need else self.dzT[l]
-                p["bwd"]((p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
-                         (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]),
-                          wt, b, scale, scale, np_.int32(need), dzp, dzpT),
-                         shared_mem=p["bwd_smem"])
+            for _, _, launch in self.step_launches(k, lr):
+                launch()
         if self.debug and not self.stream.is_capturing():
             self._check()
 
