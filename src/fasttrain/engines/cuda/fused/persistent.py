@@ -82,17 +82,19 @@ class PersistentSession(FusedSession):
         raise NotImplementedError
 
     # -- the epoch --
+    out_models = ()   # a sweep: (K,), one output row a model
+
     def _init_out(self) -> None:
         import cupyx
 
         self._seq = 0.0
         # the kernel writes: loss sum, correct count, every step's mean loss, then the launch's flag
-        self.out = cupyx.empty_pinned((3 + self.max_steps,), np.float64)
+        self.out = cupyx.empty_pinned((*self.out_models, 3 + self.max_steps), np.float64)
         self.out[:] = np.nan
 
     def _out_args(self, steps: int) -> tuple:
         self._seq += 1.0
-        self.out[2 + steps] = np.nan
+        self._flags(steps)[:] = np.nan
         return (np.uint64(self.out.ctypes.data), np.float64(self._seq))
 
     def _sweep_args(self, lr: float) -> tuple:
@@ -123,19 +125,27 @@ class PersistentSession(FusedSession):
         return EpochStats(count=sum(rows), loss_sum=float(self.out[0]), correct=int(round(self.out[1])),
                           step_losses=np.array(self.out[2 : 2 + steps], dtype=np.float64))
 
+    wait_seconds = 60.0   # a spin longer than this ends in the stream synchronization's error, if any
+
+    def _flags(self, steps: int) -> np.ndarray:
+        """The completion flag(s) the epoch kernel writes last into the pinned output: one (a sweep: one a model)."""
+        return self.out[..., 2 + steps] if self.out_models else self.out[2 + steps : 3 + steps]
+
     def _wait(self, steps: int) -> None:
-        """Until the epoch kernel is done: spin on its completion flag (no sleep/wake-up of the host thread),
-        then a stream synchronization (immediate by then; it raises if the kernel failed)."""
-        out, idx, seq = self.out, 2 + steps, self._seq
-        deadline = time.perf_counter() + 60.0
-        spins = 0
-        while out[idx] != seq:
-            spins += 1
-            if spins % 4096 == 0 and time.perf_counter() > deadline:
-                break
+        """Until the epoch kernel is done: spin on its completion flags (no sleep/wake-up of the host thread; a
+        sweep's models finish in about the order they started), then a stream synchronization (immediate by
+        then; it raises if the kernel failed)."""
+        flags, seq = self._flags(steps), self._seq
+        deadline = time.perf_counter() + self.wait_seconds
+        for m in range(len(flags)):
+            spins = 0
+            while flags[m] != seq:
+                spins += 1
+                if spins % 4096 == 0 and time.perf_counter() > deadline:
+                    break
         self.stream.synchronize()
-        if self.out[2 + steps] != self._seq:
-            raise FasttrainError("the rung-8 kernel finished without writing its completion flag; rerun with --debug")
+        if not np.all(flags == seq):
+            raise FasttrainError("a rung-8 kernel finished without writing its completion flag; rerun with --debug")
 
     def profile(self) -> np.ndarray:
         """The clock64() counters of the last epoch (a build with FT_PROF=1), one row a CTA."""
