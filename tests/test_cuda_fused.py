@@ -207,7 +207,7 @@ def test_tiles_keep_accumulators_in_registers():
 @pytest.mark.parametrize("model,batch", [("mlp:8192x3", 32), ("mlp:1024x3", 32), ("mlp:100x2", 37), ("logreg", 37),
                                          ("mlp:128x3", 128), ("mlp:100x2", 256)])
 @pytest.mark.parametrize("tuning", [{}, {"bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2}, {"bi": 32, "bwd_minb": 2},
-                                    {"stages": 2, "fu": 1}])
+                                    {"stages": 2, "fu": 2}])
 def test_step_plan_fits(model, batch, tuning):
     """Every plan fits in shared memory (per block, and bwd_minb blocks an SM when the ring was chosen for it),
     keeps the default tiles of the hidden layers, and lets only the first layer split its output rows."""

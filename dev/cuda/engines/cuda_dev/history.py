@@ -69,7 +69,7 @@ class StepV5(FusedStepSession):
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
     """v3's ft_fwd: W k-steps loaded ahead in registers: 4 (8 for BO = 8) for batches up to 32 when the
     estimate 4 (FU + MT) BO/8 + 30 registers fits the cap, else 2."""
-    cap = min(255, 65536 // (fwd_minb * 256) // 8 * 8)
+    cap = min(255, 65536 // (fwd_minb * 256) // 8 * 8)   # registers a thread when fwd_minb blocks of 256 share an SM
     if mt <= 2:
         for fu in ((8, 4) if bo == 8 else (4,)):
             if 4 * (fu + mt) * (bo // 8) + 30 <= cap:

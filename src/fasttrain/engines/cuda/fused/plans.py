@@ -54,11 +54,6 @@ def step_bwd_smem(mt: int, bi: int, stages: int = 4) -> int:
     return strip + max(NW * stages * stage, reduction)
 
 
-def _reg_cap(minb: int) -> int:
-    """The registers a thread may use when ``minb`` blocks of 256 threads share the SM's 64K (8-register steps)."""
-    return min(255, 65536 // (minb * 256) // 8 * 8)
-
-
 def step_fwd_smem(mt: int, bo: int, fu: int) -> int:
     """Mirror of ft_fwd's shared memory (the module's ``ft_fwd_smem``): per warp a ring of FU + 1 stages (a
     stage: BO rows x 16 k of W^T fp32, then B_p rows x 16 k of H_in), which the K-split reduction buffer
@@ -70,7 +65,7 @@ def step_fwd_smem(mt: int, bo: int, fu: int) -> int:
 
 def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
     """k-steps of W ft_fwd keeps in flight a warp: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
-    ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, 160 KB of ring an SM)."""
+    ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, i.e. 160 KB of W and H_in in flight an SM)."""
     for fu in (8, 6, 4, 3, 2, 1):
         smem = step_fwd_smem(mt, bo, fu)
         if smem <= SMEM_LIMIT and fwd_minb * (smem + 1024) <= SM_SMEM:
