@@ -246,6 +246,32 @@ def test_step_plan_fits(model, batch, tuning):
                                                           "FT_FMINB", "FT_FU"}
 
 
+def test_programmatic_launch_marshals_each_argument_as_its_c_type():
+    """The PDL launcher hands the kernel the same bytes CuPy's call would: int32, uint32, float32, uint64 and
+    device pointers; anything else is refused rather than guessed."""
+    import types
+
+    from fasttrain.engines.cuda.fused.launch import _c_arg
+
+    assert _c_arg(np.int32(-3)).value == -3
+    assert _c_arg(np.uint32(7)).value == 7
+    assert _c_arg(np.float32(0.1)).value == pytest.approx(np.float32(0.1), rel=0, abs=0)
+    assert _c_arg(np.uint64(2**40)).value == 2**40
+    assert _c_arg(types.SimpleNamespace(data=types.SimpleNamespace(ptr=0xDEAD0000))).value == 0xDEAD0000
+    with pytest.raises(TypeError):
+        _c_arg(3)
+
+
+def test_programmatic_launch_without_cuda_bindings_is_a_one_line_error(monkeypatch):
+    import sys
+
+    from fasttrain.engines.cuda.fused.launch import PdlLauncher
+
+    monkeypatch.setitem(sys.modules, "cuda.bindings", None)   # import cuda.bindings now raises ImportError
+    with pytest.raises(FasttrainError, match="--no-step-pdl"):
+        PdlLauncher()
+
+
 def test_step_tiles_are_checked():
     from fasttrain.engines.cuda.fused.plans import step_plan
 
@@ -436,6 +462,43 @@ def test_rung8_side_stream_score_never_touches_training(tiny_data, model, batch)
         np.testing.assert_array_equal(ba, bb)
     # the same cuBLAS/CuPy ops on the same weights (snapshot vs live); equal up to cuBLAS's choice per stream
     assert e1[0] == pytest.approx(e0[0], rel=1e-6) and abs(e1[1] - e0[1]) <= 1.0 / len(job.data.test_labels)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,precision,batch,graph", [
+    ("logreg", "fp16", 37, True), ("mlp:100x2", "fp16", 37, True), ("mlp:128x3", "bf16", 37, False),
+    ("mlp:1024x2", "fp16", 32, True), ("mlp:2048x1", "bf16", 32, True),
+])
+def test_rung7_programmatic_launch_changes_no_value(tiny_data, model, precision, batch, graph):
+    """Programmatic dependent launch (each kernel may start while its predecessor drains, and waits for it in
+    griddepcontrol.wait) moves no value: per-step losses and final weights bit-identical to plain launches,
+    in an epoch graph and launched step by step."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
+    runs = []
+    for pdl in (True, False):
+        sess = make_session_plain(job, step_pdl=pdl, step_graph=graph)
+        try:
+            assert sess.environment()["programmatic_launch"] is pdl
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights()))
+        finally:
+            sess.close()
+    (s1, w1), (s0, w0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+
+
+def make_session_plain(job, **tuning):
+    """A rung-7 session without debug's per-launch synchronization (which would hide any overlap)."""
+    from fasttrain.engines.cuda.fused import make_session
+
+    return make_session(job, options(7, **tuning))
 
 
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """Where rung 7's step goes at the wide widths: each kernel of one step timed alone, and the whole step.
 
-python3 dev/cuda/step_breakdown.py [H ...] [--variants]  (GPU, repo root, FASTTRAIN_DATA_DIR set)
+python3 dev/cuda/step_breakdown.py [H ...] [--variants | --pdl]  (GPU, repo root, FASTTRAIN_DATA_DIR set)
 
 For every width H (default 2048 4096 8192) and every tuning variant, builds the rung-7 session of
 mlp:Hx3 (batch 32, fp16) and prints, per kernel of a step: its time (a CUDA graph of REPS launches of that
@@ -8,6 +8,7 @@ kernel alone, replayed 5 times, median / REPS), the bytes of W it moves (fp32 ma
 parameter, backward reads and writes 4 + 4) and the rate; then the step's time as the epoch graph replays it
 (one epoch of 1875 steps / 1875). The difference between the step and the sum of its kernels is what the
 graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run with lr = 0.
+--pdl: the default plan with and without programmatic dependent launch (--no-step-pdl).
 """
 
 import sys
@@ -70,7 +71,7 @@ def kernels(s: FusedStepSession):
 def main(argv):
     import cupy as cp
 
-    variants = VARIANTS if "--variants" in argv else [{}]
+    variants = VARIANTS if "--variants" in argv else [{}, {"step_pdl": False}] if "--pdl" in argv else [{}]
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:

@@ -42,7 +42,7 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 / v3 / v5 (v4 is the package's fused_step.cu) ------------------------------
+# --- rung 7: fused_step_v1 / v2 / v3 / v5 (v4 + PDL = v6 is the package's fused_step.cu) ------------------------------
 
 
 def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
@@ -54,6 +54,8 @@ def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
 
 class StepV5(FusedStepSession):
     """v5: ft_fwd with one ring shared by the block's warps, 256-byte runs of each W^T row (slower than v4)."""
+
+    pdl_safe = False   # its kernels predate griddepcontrol.wait
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
@@ -79,6 +81,8 @@ def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
 
 class StepV3(FusedStepSession):
     """v3: ft_fwd loads FU k-steps of W into registers (no ring): its smem is the K-split reduction alone."""
+
+    pdl_safe = False   # its kernels predate griddepcontrol.wait
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)

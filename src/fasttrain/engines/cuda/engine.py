@@ -48,6 +48,8 @@ class CudaOptions:
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
                                 bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
+    step_pdl: bool = option(True, "rung 7: programmatic dependent launch (each kernel starts while the one before "
+                            "drains; off: plain launches)")
     # rung 8: the persistent kernels
     logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
                                         "in a sweep, the size that trains all models soonest)",
@@ -63,7 +65,7 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_carveout", "step_graph")
+                 "step_carveout", "step_graph", "step_pdl")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 

@@ -7,6 +7,8 @@ through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights an
 registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
 until the SMs are full. Tiles and occupancy come from :func:`~fasttrain.engines.cuda.fused.plans.step_plan`;
 the engine's ``--step-*`` options override them (what each layer got is in the run record's environment).
+Every kernel is launched with programmatic dependent launch (``--no-step-pdl``: plain launches): it may
+start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
 """
 
 from __future__ import annotations
@@ -36,15 +38,24 @@ class FusedStepSession(FusedSession):
     ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``) go to :func:`step_plan`;
     ``--step-carveout`` is the preferred shared-memory carveout (percent) set on every kernel, so that
     consecutive graph nodes do not make the SMs reconfigure L1/shared memory between kernels (-1: the
-    driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph."""
+    driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph;
+    ``--no-step-pdl`` launches without programmatic dependent launch."""
 
     kernel = KERNEL_DIR / "fused_step.cu"
+    # the kernels call griddepcontrol.wait before they read their predecessor's output (v6 on), so they may be
+    # launched with programmatic dependent launch; the earlier versions in dev/cuda may not
+    pdl_safe = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
         self.version = self.kernel.name
         carveout = None if options.step_carveout < 0 else options.step_carveout
         self.carveout = carveout
+        self.pdl = None
+        if options.step_pdl and self.pdl_safe:
+            from fasttrain.engines.cuda.fused.launch import PdlLauncher
+
+            self.pdl = PdlLauncher()
         cp = self._cp
         bp = pad16(self.batch)
         self.bp, self.mt = bp, bp // 16
@@ -141,6 +152,12 @@ class FusedStepSession(FusedSession):
     def fwd_smem(self, p: dict) -> int | None:
         return step_fwd_smem(self.mt, p["BO"], p["FU"])
 
+    def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> partial:
+        """A zero-argument call that queues ``fn`` on the session's stream (with PDL unless it is off)."""
+        if self.pdl is None:
+            return partial(fn, grid, block, args, shared_mem=shared_mem)
+        return partial(self.pdl.launch, fn, grid, block, args, shared_mem, self.stream)
+
     def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
         kind "gather", "fwd", "fwd last" or "bwd"; layer the index into ``self.plan`` / ``self.layers`` (None for
@@ -150,28 +167,29 @@ class FusedStepSession(FusedSession):
         rows = stop - start
         scale = np_.float32(lr / rows)
         L = len(self.plan)
-        out = [("gather", None, partial(self.k_gather, (self.bp,), (64,),
-                                        (self.x_train, self.y_train, self.order_cur, np_.int32(start), np_.int32(rows),
-                                         self.h[0], self.yb)))]
+        out = [("gather", None, self._launch(self.k_gather, (self.bp,), (64,),
+                                             (self.x_train, self.y_train, self.order_cur, np_.int32(start),
+                                              np_.int32(rows), self.h[0], self.yb)))]
         for i in range(L - 1):
             p, (wt, b, _, _) = self.plan[i], self.layers[i]
-            out.append(("fwd", i, partial(p["fwd"], (p["out_p"] // p["BO"],), (NW * 32,),
-                                          (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1], np_.int32(p["out_p"])),
-                                          shared_mem=p["fwd_smem"])))
+            out.append(("fwd", i, self._launch(p["fwd"], (p["out_p"] // p["BO"],), (NW * 32,),
+                                               (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1],
+                                                np_.int32(p["out_p"])), p["fwd_smem"])))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
-        out.append(("fwd last", L - 1, partial(self.k_last, (self.split,), (NW * 32,),
-                                               (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows),
-                                                np_.int32(k), self.part, self.counter, self.dz[L], self.dzT[L],
-                                                self.stat_loss, self.stat_ok), shared_mem=self.last_smem)))
+        out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
+                                                    (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
+                                                     np_.int32(rows), np_.int32(k), self.part, self.counter,
+                                                     self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
+                                                    self.last_smem)))
         for l in range(L, 0, -1):
             p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
             need = l > 1
             dzp = self.dz[l - 1] if need else self.dz[l]
             dzpT = self.dzT[l - 1] if need else self.dzT[l]
-            out.append(("bwd", l - 1, partial(p["bwd"], (p["in_p"] // p["BI"], 1 if need else p["osplit"]), (NW * 32,),
-                                              (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1],
-                                               np_.int32(p["in_p"]), wt, b, scale, scale, np_.int32(need), dzp, dzpT),
-                                              shared_mem=p["bwd_smem"])))
+            out.append(("bwd", l - 1, self._launch(p["bwd"], (p["in_p"] // p["BI"], 1 if need else p["osplit"]),
+                                                   (NW * 32,), (self.dz[l], self.dzT[l], np_.int32(p["out_p"]),
+                                                                self.h[l - 1], np_.int32(p["in_p"]), wt, b, scale,
+                                                                scale, np_.int32(need), dzp, dzpT), p["bwd_smem"])))
         return out
 
     def _step(self, k: int, lr: float) -> None:
@@ -201,6 +219,7 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+                    "programmatic_launch": self.pdl is not None,
                     "smem_carveout": self.carveout, "tuning": self.tuning,
                     "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
                               | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
