@@ -65,7 +65,8 @@ class PdlLauncher:
         cfg.numAttrs = len(self._attrs)
         values = [_c_arg(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
-        (err,) = d.cuLaunchKernelEx(cfg, d.CUfunction(int(fn.ptr)), ctypes.addressof(params), 0)
+        handle = getattr(fn, "kernel", fn).ptr   # CuPy's RawKernel wraps the CUfunction in .kernel
+        (err,) = d.cuLaunchKernelEx(cfg, d.CUfunction(int(handle)), ctypes.addressof(params), 0)
         if err != d.CUresult.CUDA_SUCCESS:
             raise FasttrainError(f"rung 7: cuLaunchKernelEx failed ({err.name}); pass --no-step-pdl to launch "
                                  "without programmatic dependent launch")
