@@ -8,10 +8,12 @@ kernel alone, replayed 5 times, median / REPS), the bytes of W it moves (fp32 ma
 parameter, backward reads and writes 4 + 4) and the rate; then the step's time as the epoch graph replays it
 (one epoch of 1875 steps / 1875). The difference between the step and the sum of its kernels is what the
 graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run with lr = 0.
---pdl: the default plan with and without programmatic dependent launch (--no-step-pdl).
+--pdl: the default plan with and without programmatic dependent launch (--no-step-pdl), and v4 (dev/cuda).
 """
 
+import os
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -68,10 +70,26 @@ def kernels(s: FusedStepSession):
     return out
 
 
+def session(job, variant: dict) -> FusedStepSession:
+    """The package's rung-7 session with the variant's options, or an earlier kernel of dev/cuda ("kernel")."""
+    if "kernel" not in variant:
+        return FusedStepSession(job, CudaOptions(rung=7, **variant))
+    os.environ.setdefault("FASTTRAIN_ENGINE_PATH", str(Path(__file__).resolve().parent / "engines"))
+    from fasttrain.engines import registry
+
+    registry()
+    from fasttrain.engines.base import make_options
+    from fasttrain.engines.cuda_dev import CudaDevEngine
+    from fasttrain.engines.cuda_dev.history import make_dev_session
+
+    return make_dev_session(job, make_options(CudaDevEngine, {"rung": 7, **variant}))
+
+
 def main(argv):
     import cupy as cp
 
-    variants = VARIANTS if "--variants" in argv else [{}, {"step_pdl": False}] if "--pdl" in argv else [{}]
+    variants = (VARIANTS if "--variants" in argv else [{}, {"step_pdl": False}, {"kernel": "fused_step_v4.cu"}]
+                if "--pdl" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:
@@ -80,7 +98,7 @@ def main(argv):
         job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
         for v in variants:
             try:
-                s = FusedStepSession(job, CudaOptions(rung=7, **v))
+                s = session(job, v)
             except Exception as exc:   # a variant that does not fit this width: say so, go on
                 print(f"H={h} {v}: not built ({exc})", flush=True)
                 continue

@@ -42,7 +42,7 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 / v3 / v5 (v4 + PDL = v6 is the package's fused_step.cu) ------------------------------
+# --- rung 7: fused_step_v1 / v2 / v3 / v4 / v5 (v6, v4 + PDL, is the package's fused_step.cu) ------------------------------
 
 
 def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
@@ -66,6 +66,12 @@ class StepV5(FusedStepSession):
 
     def fwd_smem(self, p: dict) -> int:
         return v5_fwd_smem(self.mt, p["BO"], p["FU"])
+
+
+class StepV4(FusedStepSession):
+    """v4: the package's plan and launches; its kernels predate griddepcontrol.wait (plain launches only)."""
+
+    pdl_safe = False
 
 
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
@@ -201,7 +207,7 @@ class GridOld(_DevDefines, PersistentGridSession):
 
 SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
-    "fused_step_v5.cu": StepV5,
+    "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,
