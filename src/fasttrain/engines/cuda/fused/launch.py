@@ -1,10 +1,10 @@
 """Programmatic dependent launch (PDL) for rung 7's kernels, through cuda-bindings' ``cuLaunchKernelEx``.
 
 A kernel launched with the programmatic-stream-serialization attribute may be scheduled while the kernel
-before it in the stream is still running: its blocks start on the SMs that kernel leaves free, run their
-prologue (here: L2 prefetches of the first weight rows they will stream), then block in
-``griddepcontrol.wait`` until that kernel has completed and its writes are visible. So a graph of short
-kernels no longer pays each node's launch, ramp and drain in series. CuPy's kernel call takes no launch
+before it in the stream is still running (once every block of that kernel has executed
+``griddepcontrol.launch_dependents``): its blocks start on the SMs that kernel leaves free and block in
+``griddepcontrol.wait`` until it has completed and its writes are visible. So a graph of short kernels no
+longer pays each node's launch and block scheduling after the previous node's drain. CuPy's kernel call takes no launch
 attributes, hence this module; cuda-bindings comes with nvmath-python (the cuda extra).
 
 Only kernels that call ``griddepcontrol.wait`` before touching their predecessor's output may be launched

@@ -116,10 +116,9 @@ __device__ __forceinline__ void cp_async_mbar_arrive(u32 mbar) {
 // start while the kernel before it in the stream still runs). griddepcontrol.wait blocks until that kernel
 // has completed and its memory operations are visible; launch_dependents lets the next kernel start once
 // every block of this one has issued it (or exited). Both are no-ops in a kernel launched without the
-// attribute. prefetch_l2 is only a hint: it moves a line into L2 and can never change a result.
+// attribute.
 __device__ __forceinline__ void grid_dependency_wait() { asm volatile("griddepcontrol.wait;\n" ::: "memory"); }
 __device__ __forceinline__ void launch_dependents() { asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory"); }
-__device__ __forceinline__ void prefetch_l2(const void* g) { asm volatile("prefetch.global.L2 [%0];\n" :: "l"(g)); }
 __device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
 template <int N>
 __device__ __forceinline__ void cp_async_wait() { asm volatile("cp.async.wait_group %0;\n" :: "n"(N) : "memory"); }

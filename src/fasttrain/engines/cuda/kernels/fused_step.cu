@@ -37,10 +37,12 @@
 //       block (a barrier a stage; no K-split at BO 64), to test whether the 64-byte runs limit v4: slower
 //       everywhere (8192x8192 ft_fwd 100 us, 4096 39 us, 2048 16.5 us against v4's 93 / 29 / 10). Not the runs.
 //   v6  v4 + programmatic dependent launch (the host launches every kernel with the programmatic-stream-
-//       serialization attribute, fused/launch.py): each kernel prefetches into L2 the W^T rows of its first ring
-//       stages, waits (griddepcontrol.wait) for its predecessor, then lets its successor launch
-//       (griddepcontrol.launch_dependents), so a kernel's launch, block scheduling and first DRAM round trip
-//       overlap the drain of the one before. The sums are v4's: launched without the attribute, v6 is v4.
+//       serialization attribute, fused/launch.py): each kernel first waits (griddepcontrol.wait) for its
+//       predecessor, then lets its successor launch (griddepcontrol.launch_dependents), so a kernel's launch
+//       and block scheduling overlap the drain of the one before. The sums are v4's (bit-identical).
+//       Measured (H200, dev/cuda/step_breakdown.py --pdl, same machine): a first cut that also prefetched each
+//       warp's first W^T rows into L2 before the wait was slower than v4 at 2048-8192 (the prefetches alone,
+//       without PDL: +5% at 2048, +7% at 4096, +2% at 8192); dropped.
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -209,13 +211,7 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
 
     // k-step k of this warp (inputs (warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty past
     // the end, so that the group count stays uniform
-    // v6: while the previous kernel still runs, the W^T rows of this warp's first FS - 1 k-steps go to L2
-    // (W was last written two or more kernels ago; a prefetch is a hint and changes no value)
-    for (int p = lane; p < (FS - 1) * BO; p += 32) {
-        const int k = p / BO, r = p % BO;
-        if (k < nk) prefetch_l2(wt + (size_t)(o0 + r) * in_p + (warp + k * NW) * 16);
-    }
-    grid_dependency_wait();           // H_in is the previous kernel's output
+    grid_dependency_wait();           // v6: H_in is the previous kernel's output
     launch_dependents();
 
     auto issue = [&](int k) {
@@ -452,14 +448,7 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
         }
         cp_async_commit();
     };
-    // v6: while the previous kernel still runs, the W^T rows of this warp's first FT_S - 1 chunks go to L2
-    // (this kernel is W's only writer; a prefetch is a hint and changes no value); then wait for g
-    constexpr int LINES = (BI * 4 + 127) / 128;   // 128-byte lines a row of the strip spans
-    for (int p = lane; p < (FT_S - 1) * 16 * LINES; p += 32) {
-        const int k = p / (16 * LINES), r = (p / LINES) % 16, q = p % LINES;
-        if (k < nk) prefetch_l2(wt + (size_t)((cbeg + warp + k * NW) * 16 + r) * in_p + i0 + q * 32);
-    }
-    grid_dependency_wait();
+    grid_dependency_wait();           // v6: g is the previous kernel's output
     launch_dependents();
     // the ring starts filling before the bias update and the H_in staging
 #pragma unroll
