@@ -268,8 +268,19 @@ def test_programmatic_launch_without_cuda_bindings_is_a_one_line_error(monkeypat
     from fasttrain.engines.cuda.fused.launch import PdlLauncher
 
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)   # import cuda.bindings now raises ImportError
-    with pytest.raises(FasttrainError, match="--no-step-pdl"):
+    with pytest.raises(FasttrainError, match="--step-pdl off"):
         PdlLauncher()
+
+
+def test_programmatic_launch_is_on_where_it_measured_faster():
+    from fasttrain.engines.cuda.fused.plans import step_pdl
+
+    def shapes(h):   # (out_p, in_p) of each layer of mlp:Hx3
+        return [(h, 784), (h, h), (h, h), (16, h)]
+
+    assert step_pdl(shapes(128), "auto") and step_pdl(shapes(4096), "auto")
+    assert not step_pdl(shapes(8192), "auto")
+    assert step_pdl(shapes(8192), "on") and not step_pdl(shapes(128), "off")
 
 
 def test_step_tiles_are_checked():
@@ -477,10 +488,10 @@ def test_rung7_programmatic_launch_changes_no_value(tiny_data, model, precision,
 
     job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
     runs = []
-    for pdl in (True, False):
+    for pdl in ("on", "off"):
         sess = make_session_plain(job, step_pdl=pdl, step_graph=graph)
         try:
-            assert sess.environment()["programmatic_launch"] is pdl
+            assert sess.environment()["programmatic_launch"] is (pdl == "on")
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

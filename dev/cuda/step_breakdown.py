@@ -8,7 +8,7 @@ kernel alone, replayed 5 times, median / REPS), the bytes of W it moves (fp32 ma
 parameter, backward reads and writes 4 + 4) and the rate; then the step's time as the epoch graph replays it
 (one epoch of 1875 steps / 1875). The difference between the step and the sum of its kernels is what the
 graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run with lr = 0.
---pdl: the default plan with and without programmatic dependent launch (--no-step-pdl), and v4 (dev/cuda).
+--pdl: the default plan with and without programmatic dependent launch (--step-pdl on / off), and v4 (dev/cuda).
 """
 
 import os
@@ -88,7 +88,7 @@ def session(job, variant: dict) -> FusedStepSession:
 def main(argv):
     import cupy as cp
 
-    variants = (VARIANTS if "--variants" in argv else [{}, {"step_pdl": False}, {"kernel": "fused_step_v4.cu"}]
+    variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
                 if "--pdl" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")

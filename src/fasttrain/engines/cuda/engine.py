@@ -48,8 +48,9 @@ class CudaOptions:
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
                                 bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
-    step_pdl: bool = option(True, "rung 7: programmatic dependent launch (each kernel starts while the one before "
-                            "drains; off: plain launches)")
+    step_pdl: str = option("auto", "rung 7: programmatic dependent launch (each kernel starts while the one before "
+                           "drains): on, off, or auto (on where it measured faster: layers up to 4096x4096)",
+                           choices=("auto", "on", "off"))
     # rung 8: the persistent kernels
     logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
                                         "in a sweep, the size that trains all models soonest)",

@@ -45,7 +45,7 @@ class PdlLauncher:
             from cuda.bindings import driver
         except ImportError as exc:
             raise FasttrainError(f"rung 7's programmatic dependent launch needs cuda-bindings ({exc}); "
-                                 "pip install cuda-bindings (it comes with nvmath-python), or pass --no-step-pdl") from None
+                                 "pip install cuda-bindings (it comes with nvmath-python), or pass --step-pdl off") from None
         self._driver = driver
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -68,5 +68,5 @@ class PdlLauncher:
         handle = getattr(fn, "kernel", fn).ptr   # CuPy's RawKernel wraps the CUfunction in .kernel
         (err,) = d.cuLaunchKernelEx(cfg, d.CUfunction(int(handle)), ctypes.addressof(params), 0)
         if err != d.CUresult.CUDA_SUCCESS:
-            raise FasttrainError(f"rung 7: cuLaunchKernelEx failed ({err.name}); pass --no-step-pdl to launch "
+            raise FasttrainError(f"rung 7: cuLaunchKernelEx failed ({err.name}); pass --step-pdl off to launch "
                                  "without programmatic dependent launch")

@@ -31,6 +31,20 @@ def _align128(x: int) -> int:
 # --- rung 7: fused_step.cu -----------------------------------------------------------------------
 
 
+# Programmatic dependent launch pays where a step's kernels are short: measured on an H200 against plain
+# launches (dev/cuda/step_breakdown.py --pdl, results/record/round2-h200/ab-v6-*), a step of mlp:128x3 -18%,
+# 1024x3 -12%, 2048x3 -6%, 4096x3 -1%, but 8192x3 +0.7% (and +1.8% over the record's 5000 steps).
+PDL_MAX_LAYER_PARAMS = 4096 * 4096
+
+
+def step_pdl(shapes, choice: str) -> bool:
+    """Whether rung 7 launches with programmatic dependent launch: ``choice`` on / off, or auto (on when no
+    layer's padded weight matrix, ``shapes`` = [(out_p, in_p)], is larger than 4096 x 4096)."""
+    if choice == "auto":
+        return max(o * i for o, i in shapes) <= PDL_MAX_LAYER_PARAMS
+    return choice == "on"
+
+
 def _tile(width: int, mt: int, bwd: bool = False, min_blocks: int = TARGET_BLOCKS) -> int:
     """Columns per block: the widest of 64/32/16/8 that divides ``width`` and still gives ``min_blocks``
     blocks, else 8; capped so that the per-thread registers do not spill: ft_fwd holds mt * tile/8

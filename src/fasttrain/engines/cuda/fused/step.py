@@ -7,8 +7,8 @@ through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights an
 registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
 until the SMs are full. Tiles and occupancy come from :func:`~fasttrain.engines.cuda.fused.plans.step_plan`;
 the engine's ``--step-*`` options override them (what each layer got is in the run record's environment).
-Every kernel is launched with programmatic dependent launch (``--no-step-pdl``: plain launches): it may
-start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
+Up to 4096-wide layers every kernel is launched with programmatic dependent launch (``--step-pdl on|off|auto``):
+it may start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from fasttrain.engines.cuda.fused.plans import (
     step_bwd_smem,
     step_defines,
     step_fwd_smem,
+    step_pdl,
     step_plan,
 )
 from fasttrain.errors import FasttrainError
@@ -39,7 +40,7 @@ class FusedStepSession(FusedSession):
     ``--step-carveout`` is the preferred shared-memory carveout (percent) set on every kernel, so that
     consecutive graph nodes do not make the SMs reconfigure L1/shared memory between kernels (-1: the
     driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph;
-    ``--no-step-pdl`` launches without programmatic dependent launch."""
+    ``--step-pdl`` on / off / auto: programmatic dependent launch (:func:`step_pdl`)."""
 
     kernel = KERNEL_DIR / "fused_step.cu"
     # the kernels call griddepcontrol.wait before they read their predecessor's output (v6 on), so they may be
@@ -51,11 +52,6 @@ class FusedStepSession(FusedSession):
         self.version = self.kernel.name
         carveout = None if options.step_carveout < 0 else options.step_carveout
         self.carveout = carveout
-        self.pdl = None
-        if options.step_pdl and self.pdl_safe:
-            from fasttrain.engines.cuda.fused.launch import PdlLauncher
-
-            self.pdl = PdlLauncher()
         cp = self._cp
         bp = pad16(self.batch)
         self.bp, self.mt = bp, bp // 16
@@ -64,6 +60,11 @@ class FusedStepSession(FusedSession):
         bf16 = int(job.config.precision == "bf16")
         self.tuning = self.tuning_options()
         self.plan = self.make_plan([wt.shape for wt, _, _, _ in self.layers])
+        self.pdl = None
+        if self.pdl_safe and step_pdl([wt.shape for wt, _, _, _ in self.layers], options.step_pdl):
+            from fasttrain.engines.cuda.fused.launch import PdlLauncher
+
+            self.pdl = PdlLauncher()
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
         mods = {}
