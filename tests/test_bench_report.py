@@ -264,3 +264,15 @@ def test_plots_are_written_as_png(tmp_path):
     written = [p for r in (ladder, sweep, curves) for p in plots.write_plots(r, tmp_path)]
     assert sorted(p.name for p in written) == ["curves.png", "ladder.png", "sweep_relative.png", "sweep_time.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
+
+
+def test_header_names_every_commit_of_a_merged_result():
+    """A folder merged from runs at several commits says which models ran at which; one commit: just it."""
+    import copy
+
+    at_b = copy.deepcopy(record([2.0]))
+    at_b["environment"]["git_sha"] = "def5678"
+    cases = [case("a", "numpy", [record([1.0])], model="logreg"), case("b", "numpy", [at_b], model="mlp:8x1")]
+    text = report.header(suite_result("record", cases))
+    assert "git abc1234 (logreg), def5678 (mlp:8x1)" in text
+    assert "git abc1234\n" in report.header(suite_result("record", cases[:1])) + "\n"

@@ -211,6 +211,24 @@ def _config_line(result: SuiteResult) -> str:
     return f"{setting(case.config)}, {seeds}"
 
 
+def git_line(result: SuiteResult) -> str:
+    """The commit the rows ran at; for a merged result whose parts ran at several, each with what ran there:
+    its models or its rows, whichever list is shorter."""
+    def grouped(key) -> dict[str, list[str]]:
+        out: dict[str, list[str]] = {}
+        for case in result.ran():
+            sha = (_env(case).get("git_sha") or "")[:7]
+            if sha and key(case) not in out.setdefault(sha, []):
+                out[sha].append(key(case))
+        return out
+
+    by_model, by_row = grouped(lambda c: c.model), grouped(lambda c: c.label)
+    if len(by_model) <= 1:
+        return result.environment.get("git_sha") or next(iter(by_model), "?")
+    best = min((by_model, by_row), key=lambda g: sum(len(v) for v in g.values()))
+    return ", ".join(f"{sha} ({', '.join(names)})" for sha, names in best.items())
+
+
 def header(result: SuiteResult) -> str:
     env = result.environment
     lines = [
@@ -218,7 +236,7 @@ def header(result: SuiteResult) -> str:
         f"- Data: {dataset_line(result.dataset)}",
         f"- Setting: {_config_line(result)}",
         f"- Machine: {machine_line(env)}",
-        f"- Software: Python {env.get('python', '?')}; {versions(env)}; git {env.get('git_sha') or '?'}",
+        f"- Software: Python {env.get('python', '?')}; {versions(env)}; git {git_line(result)}",
         f"- Run: {result.timestamp}" + (" (**--quick**: a short smoke run, not the benchmark protocol)" if result.quick else ""),
     ]
     return "\n".join(line for line in lines if line)
