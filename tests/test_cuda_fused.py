@@ -298,6 +298,8 @@ def test_step_tiles_are_checked():
     (["--rung", "7", "--logreg-cluster", "4"], "--logreg-cluster is an option of --rung 8"),
     (["--rung", "6", "--no-side-score"], "--side-score is an option of --rung 8"),
     (["--rung", "7", "--step-bi", "24"], "--step-bi must be one of 8, 16, 32, 64"),
+    (["--rung", "7", "--step-pdl", "maybe"], "--step-pdl must be one of auto, on, off"),
+    (["--rung", "8", "--step-pdl", "off"], "--step-pdl is an option of --rung 7"),
 ])
 def test_tuning_options_are_typed_and_belong_to_their_rung(words, message):
     """The rung-7/8 knobs are engine options: parsed and checked like every other, before any data loads."""
