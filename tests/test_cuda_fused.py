@@ -247,19 +247,18 @@ def test_step_plan_fits(model, batch, tuning):
 
 
 def test_programmatic_launch_marshals_each_argument_as_its_c_type():
-    """The PDL launcher hands the kernel the same bytes CuPy's call would: int32, uint32, float32, uint64 and
-    device pointers; anything else is refused rather than guessed."""
+    """The PDL launcher hands the kernel the same bytes CuPy's call would for the arguments rung 7 passes (int32,
+    float32, device pointers); anything else is refused rather than guessed."""
     import types
 
     from fasttrain.engines.cuda.fused.launch import _c_arg
 
     assert _c_arg(np.int32(-3)).value == -3
-    assert _c_arg(np.uint32(7)).value == 7
     assert _c_arg(np.float32(0.1)).value == pytest.approx(np.float32(0.1), rel=0, abs=0)
-    assert _c_arg(np.uint64(2**40)).value == 2**40
     assert _c_arg(types.SimpleNamespace(data=types.SimpleNamespace(ptr=0xDEAD0000))).value == 0xDEAD0000
-    with pytest.raises(TypeError):
-        _c_arg(3)
+    for other in (3, np.uint64(2**40)):
+        with pytest.raises(TypeError):
+            _c_arg(other)
 
 
 def test_programmatic_launch_without_cuda_bindings_is_a_one_line_error(monkeypatch):

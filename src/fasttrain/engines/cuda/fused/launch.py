@@ -5,7 +5,7 @@ before it in the stream is still running (once every block of that kernel has ex
 ``griddepcontrol.launch_dependents``): its blocks start on the SMs that kernel leaves free and block in
 ``griddepcontrol.wait`` until it has completed and its writes are visible. So a graph of short kernels no
 longer pays each node's launch and block scheduling after the previous node's drain. CuPy's kernel call takes no launch
-attributes, hence this module; cuda-bindings comes with nvmath-python (the cuda extra).
+attributes, hence this module (cuda-bindings is in the cuda extra).
 
 Only kernels that call ``griddepcontrol.wait`` before touching their predecessor's output may be launched
 this way (the package's ``fused_step.cu`` from v6 on); the attribute is harmless in stream capture, where
@@ -25,12 +25,8 @@ def _c_arg(a):
     """One kernel argument as the ctypes value whose bytes the kernel receives."""
     if isinstance(a, np.int32):
         return ctypes.c_int32(int(a))
-    if isinstance(a, np.uint32):
-        return ctypes.c_uint32(int(a))
     if isinstance(a, np.float32):
         return ctypes.c_float(float(a))
-    if isinstance(a, np.uint64):
-        return ctypes.c_uint64(int(a))
     data = getattr(a, "data", None)
     if data is not None and hasattr(data, "ptr"):   # a CuPy array: its device pointer
         return ctypes.c_void_p(int(data.ptr))
@@ -45,7 +41,7 @@ class PdlLauncher:
             from cuda.bindings import driver
         except ImportError as exc:
             raise FasttrainError(f"rung 7's programmatic dependent launch needs cuda-bindings ({exc}); "
-                                 "pip install cuda-bindings (it comes with nvmath-python), or pass --step-pdl off") from None
+                                 "pip install 'cuda-bindings>=13,<14', or pass --step-pdl off") from None
         self._driver = driver
         attr = driver.CUlaunchAttribute()
         attr.id = driver.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION

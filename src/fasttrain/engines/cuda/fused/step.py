@@ -59,9 +59,10 @@ class FusedStepSession(FusedSession):
             raise FasttrainError(f"rung 7 supports batch sizes up to 256, got {self.batch}")
         bf16 = int(job.config.precision == "bf16")
         self.tuning = self.tuning_options()
-        self.plan = self.make_plan([wt.shape for wt, _, _, _ in self.layers])
+        shapes = [wt.shape for wt, _, _, _ in self.layers]
+        self.plan = self.make_plan(shapes)
         self.pdl = None
-        if self.pdl_safe and step_pdl([wt.shape for wt, _, _, _ in self.layers], options.step_pdl):
+        if self.pdl_safe and step_pdl(shapes, options.step_pdl):
             from fasttrain.engines.cuda.fused.launch import PdlLauncher
 
             self.pdl = PdlLauncher()
