@@ -207,10 +207,11 @@ def test_tiles_keep_accumulators_in_registers():
 @pytest.mark.parametrize("model,batch", [("mlp:8192x3", 32), ("mlp:1024x3", 32), ("mlp:100x2", 37), ("logreg", 37),
                                          ("mlp:128x3", 128), ("mlp:100x2", 256)])
 @pytest.mark.parametrize("tuning", [{}, {"bi": 32, "bo": 32, "bwd_minb": 2, "fwd_minb": 2}, {"bi": 32, "bwd_minb": 2},
-                                    {"stages": 2, "fu": 2}])
+                                    {"stages": 2, "fu": 2}, {"fsplit": 4, "bsplit": 4}, {"fsplit": 2, "bsplit": 8}])
 def test_step_plan_fits(model, batch, tuning):
     """Every plan fits in shared memory (per block, and bwd_minb blocks an SM when the ring was chosen for it),
-    keeps the default tiles of the hidden layers, and lets only the first layer split its output rows."""
+    keeps the default tiles of the hidden layers, and splits output rows only on the first layer (independent
+    blocks) or, with bsplit, over a cluster on the hidden-to-hidden layers."""
     from fasttrain.contract import INPUT_DIM
     from fasttrain.engines.cuda.fused.plans import (
         SM_SMEM,
@@ -237,11 +238,15 @@ def test_step_plan_fits(model, batch, tuning):
         assert fwd <= SMEM_LIMIT and ("fu" in tuning or p["FU"] == 1 or p["FMINB"] * (fwd + 1024) <= SM_SMEM)
         if "stages" not in tuning and p["S"] > 2:
             assert p["MINB"] * (smem + 1024) <= SM_SMEM
-        assert (p["osplit"] is None) if i == 0 else (p["osplit"] == 1)
+        hidden = 0 < i < len(plan) - 1
+        assert (p["osplit"] is None) if i == 0 else (p["osplit"] in ((1, tuning.get("bsplit")) if hidden else (1,)))
         if i < len(plan) - 1:
             assert p["out_p"] % p["BO"] == 0
-        if 0 < i < len(plan) - 1 and not tuning:
-            assert (p["BO"], p["BI"]) == (_tile(p["out_p"], mt), _tile(p["in_p"], mt, bwd=True))
+        # a split keeps every warp busy (a k-step / a 16-row chunk each) and divides the reduced columns
+        assert p["FC"] == 1 or (p["in_p"] // 16 >= p["FC"] * 8 and p["BO"] % p["FC"] == 0 and i < len(plan) - 1)
+        assert p["osplit"] in (None, 1) or i == 0 or (p["out_p"] // 16 >= p["osplit"] * 8 and p["BI"] % p["osplit"] == 0)
+        if hidden and not tuning:
+            assert (p["BO"], p["BI"], p["FC"]) == (_tile(p["out_p"], mt), _tile(p["in_p"], mt, bwd=True), 1)
         assert set(step_defines(p, mt, 0)) == {"FT_MT", "FT_BO", "FT_BI", "FT_BF16", "FT_S", "FT_MINB",
                                                           "FT_FMINB", "FT_FU"}
 
@@ -264,11 +269,34 @@ def test_programmatic_launch_marshals_each_argument_as_its_c_type():
 def test_programmatic_launch_without_cuda_bindings_is_a_one_line_error(monkeypatch):
     import sys
 
-    from fasttrain.engines.cuda.fused.launch import PdlLauncher
+    from fasttrain.engines.cuda.fused.launch import ExLauncher
 
     monkeypatch.setitem(sys.modules, "cuda.bindings", None)   # import cuda.bindings now raises ImportError
-    with pytest.raises(FasttrainError, match="--step-pdl off"):
-        PdlLauncher()
+    with pytest.raises(FasttrainError, match="--step-pdl off --step-fsplit 1 --step-bsplit 1"):
+        ExLauncher()
+
+
+def test_cluster_splits_widen_the_tiles_of_the_split_layers():
+    """At 2048 a 4-way split lets each forward block keep 64 outputs (32 tiles x 4 = 128 blocks) and each hidden
+    backward strip 64 inputs; the last layer (16 outputs: one chunk) and the first layer's backward (no dH) keep
+    their plans; splits that would leave a warp idle are not taken."""
+    from fasttrain.engines.cuda.fused.plans import step_plan
+
+    def shapes(h):
+        return [(h, 784), (h, h), (h, h), (16, h)]
+
+    plan = step_plan(shapes(2048), 2, fsplit=4, bsplit=4)
+    assert [(p["BO"], p["FC"]) for p in plan[:3]] == [(64, 4)] * 3
+    assert [(p["BI"], p["osplit"]) for p in plan[1:3]] == [(64, 4)] * 2
+    assert plan[0]["osplit"] is None and plan[3]["osplit"] == 1 and plan[3]["FC"] == 1
+    assert plan[3]["BI"] == step_plan(shapes(2048), 2)[3]["BI"]
+    plan = step_plan(shapes(4096), 2, fsplit=2, bsplit=2)
+    assert [(p["BO"], p["FC"], p["BI"], p["osplit"]) for p in plan[1:3]] == [(64, 2, 64, 2)] * 2
+    small = step_plan(shapes(128), 2, fsplit=4, bsplit=4)   # 128 inputs: 8 k-steps, 8 chunks, one a warp at most
+    assert small[0]["FC"] == 4   # (its 784 inputs are 49 k-steps)
+    assert all(p["FC"] == 1 for p in small[1:]) and all(p["osplit"] in (None, 1) for p in small)
+    with pytest.raises(FasttrainError, match="fsplit must be 1, 2, 4 or 8"):
+        step_plan(shapes(128), 2, fsplit=3)
 
 
 def test_programmatic_launch_is_on_where_it_measured_faster():
@@ -310,12 +338,12 @@ def test_tuning_options_are_typed_and_belong_to_their_rung(words, message):
         engine.check_config(parse_model("logreg"), default_config("logreg", precision="fp16"))
 
 
-def test_step_bwd_smem_mirrors_the_kernel(tmp_path):
-    """The host's mirror of ft_bwd's shared memory equals the kernel's own constant (compiled to PTX and read
-    back from the ``ft_bwd_smem`` initializer)."""
+def test_step_smem_mirrors_the_kernel(tmp_path):
+    """The host's mirrors of ft_bwd's and ft_fwd's shared memory equal the kernel's own constants (compiled to PTX
+    and read back from the ``ft_bwd_smem`` / ``ft_fwd_smem`` initializers)."""
     if NVCC is None:
         pytest.skip("nvcc not found")
-    from fasttrain.engines.cuda.fused.plans import step_bwd_smem
+    from fasttrain.engines.cuda.fused.plans import step_bwd_smem, step_fwd_smem
 
     for d in STEP_CONFIGS[:4] + STEP_CONFIGS[-2:]:
         flags = [f"-D{k}={v}" for k, v in d.items()]
@@ -326,6 +354,8 @@ def test_step_bwd_smem_mirrors_the_kernel(tmp_path):
         assert proc.returncode == 0, proc.stderr
         got = int(re.search(r"ft_bwd_smem\s*=\s*(\d+)", out.read_text()).group(1))
         assert got == step_bwd_smem(d["FT_MT"], d["FT_BI"], d["FT_S"]), d
+        got = int(re.search(r"ft_fwd_smem\s*=\s*(\d+)", out.read_text()).group(1))
+        assert got == step_fwd_smem(d["FT_MT"], d["FT_BO"], d["FT_FU"]), d
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -383,6 +413,9 @@ def test_warm_up_does_not_train(tiny_data, rung, model, tuning):
     # seed's 200 synthetic test examples, not of the knobs (train loss within 0.1%).
     (7, "mlp:128x3", 37, {"step_bi": 32, "step_bo": 32, "step_bwd_minb": 2, "step_fwd_minb": 2}),
     (7, "mlp:128x3", 37, {"step_bi": 64, "step_stages": 2, "no_graph": True}),
+    # v7's cluster splits: uneven k-step slices (784 = 49 k-steps over 2 / 4 / 8), the 8-way split at 1024
+    (7, "mlp:256x2", 37, {"step_fsplit": 2, "step_bsplit": 2}), (7, "mlp:512x3", 29, {"step_fsplit": 4, "step_bsplit": 4}),
+    (7, "mlp:1024x2", 32, {"step_fsplit": 8, "step_bsplit": 8, "step_pdl": "off"}),
     (8, "mlp:100x2", 37, {}), (8, "mlp:128x3", 29, {}), (8, "mlp:64x1", 37, {}),
     (8, "mlp:64x2", 50, {}),   # the compact fallback: the blocked build does not fit
     (8, "mlp:100x2", 37, {"mlp_layout": "compact"}),
@@ -493,6 +526,38 @@ def test_rung7_programmatic_launch_changes_no_value(tiny_data, model, precision,
         sess = make_session_plain(job, step_pdl=pdl, step_graph=graph)
         try:
             assert sess.environment()["programmatic_launch"] is (pdl == "on")
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights()))
+        finally:
+            sess.close()
+    (s1, w1), (s0, w0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,precision,batch,tuning", [
+    ("mlp:512x3", "fp16", 29, {"step_fsplit": 4, "step_bsplit": 4}),
+    ("mlp:1024x2", "bf16", 32, {"step_fsplit": 2, "step_bsplit": 8}),
+])
+def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, batch, tuning):
+    """v7's clusters sum their blocks' partials in rank order: two runs (with and without programmatic launch)
+    give bit-identical per-step losses and weights; the run record names each clustered launch, and every
+    cluster fits on the GPU."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=2, lr=0.05)
+    runs = []
+    for pdl in ("on", "off"):
+        sess = make_session_plain(job, step_pdl=pdl, **tuning)
+        try:
+            env = sess.environment()
+            assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
+            assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

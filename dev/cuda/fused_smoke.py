@@ -86,6 +86,9 @@ def main(argv=None) -> int:
         ok &= check(data, "mlp:128x3", 7, "bf16", 37, args.epochs, step_bi=64, step_stages=2)
         ok &= check(data, "mlp:128x3", 7, "fp16", 32, args.epochs, step_bi=32, step_bo=32, step_bwd_minb=2,
                     step_fwd_minb=2, step_osplit=3)
+        # v7's cluster splits (the blocks of a cluster read each other's shared memory)
+        ok &= check(data, "mlp:512x3", 7, "fp16", 29, args.epochs, step_fsplit=4, step_bsplit=4)
+        ok &= check(data, "mlp:1024x2", 7, "bf16", 32, args.epochs, step_fsplit=8, step_bsplit=8, step_pdl="off")
     if args.only == "history":
         for cluster in (7, 4):
             for precision in ("fp16", "bf16"):

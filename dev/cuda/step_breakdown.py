@@ -9,6 +9,8 @@ parameter, backward reads and writes 4 + 4) and the rate; then the step's time a
 (one epoch of 1875 steps / 1875). The difference between the step and the sum of its kernels is what the
 graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run with lr = 0.
 --pdl: the default plan with and without programmatic dependent launch (--step-pdl on / off), and v4 (dev/cuda).
+--clusters: v7's cluster splits (--step-fsplit / --step-bsplit 2, 4, 8) against the default plan and v6 (dev/cuda);
+each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
 """
 
 import os
@@ -27,6 +29,10 @@ REPS = 20
 VARIANTS = [{}, {"step_fu": 2}, {"step_fu": 3}, {"step_fu": 6}, {"step_fu": 8}, {"step_bo": 32}, {"step_bo": 16},
             {"step_bo": 32, "step_fwd_minb": 2}, {"step_stages": 3}, {"step_stages": 6}, {"step_stages": 8},
             {"step_bi": 32}, {"step_bi": 16}, {"step_bwd_minb": 2, "step_bi": 32}]
+CLUSTER_VARIANTS = [{}, {"step_fsplit": 2}, {"step_fsplit": 4}, {"step_fsplit": 8}, {"step_bsplit": 2},
+                    {"step_bsplit": 4}, {"step_bsplit": 8}, {"step_fsplit": 2, "step_bsplit": 2},
+                    {"step_fsplit": 4, "step_bsplit": 4}, {"step_fsplit": 4, "step_bsplit": 4, "step_pdl": "off"},
+                    {"kernel": "fused_step_v6.cu"}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -64,8 +70,10 @@ def kernels(s: FusedStepSession):
             out.append((kind, 0, launch))
             continue
         p, wt = s.plan[layer], s.layers[layer][0]
-        detail = (f"BO {p['BO']} FU {p['FU']}" if kind == "fwd" else f"{s.split} blocks" if kind == "fwd last"
-                  else f"BI {p['BI']} S {p['S']} regs {p['bwd'].num_regs}")
+        fc, bc = p.get("FC", 1), (p["osplit"] if layer > 0 else 1)
+        detail = (f"BO {p['BO']} FU {p['FU']}" + (f" cluster {fc}" if fc > 1 else "") if kind == "fwd"
+                  else f"{s.split} blocks" if kind == "fwd last"
+                  else f"BI {p['BI']} S {p['S']} regs {p['bwd'].num_regs}" + (f" cluster {bc}" if bc > 1 else ""))
         out.append((f"{kind} {layer + 1} ({p['out_p']}x{p['in_p']}, {detail})", W_BYTES[kind] * wt.size, launch))
     return out
 
@@ -89,7 +97,7 @@ def main(argv):
     import cupy as cp
 
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
-                if "--pdl" in argv else [{}])
+                if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:
@@ -121,6 +129,11 @@ def main(argv):
                       f"{step * 5000 / 1e6:.3f} s), kernels alone {total:.1f} us, boundaries {step - total:.1f} us",
                       flush=True)
                 print("\n".join(rows), flush=True)
+                for c in getattr(s, "clusters", []):
+                    print(f"    (layer {c['layer']} {c['kernel']}: {c['clusters']} clusters of {c['cluster']}, "
+                          f"{c['resident']} resident at once)", flush=True)
+            except Exception as exc:   # a variant that fails on this GPU: say so, go on
+                print(f"H={h} {v}: failed ({type(exc).__name__}: {exc})", flush=True)
             finally:
                 s.close()
 

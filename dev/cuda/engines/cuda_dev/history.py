@@ -42,7 +42,7 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 / v3 / v4 / v5 (v6, v4 + PDL, is the package's fused_step.cu) ------------------------------
+# --- rung 7: fused_step_v1 / v2 / v3 / v4 / v5 / v6 (v7, cluster splits, is the package's fused_step.cu) ---------------
 
 
 def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
@@ -52,10 +52,18 @@ def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
     return max((fu + 1) * (bo * (kc * 4 + 64) + bp * (kc * 2 + 32)), (NW // (bo // 8)) * bp * (bo + 1) * 4)
 
 
+class StepV6(FusedStepSession):
+    """v6: v4 + programmatic dependent launch; no cluster splits (gridDim.y > 1 only on the first layer's
+    backward), so no cluster partial in its shared memory."""
+
+    cluster_split = False
+
+
 class StepV5(FusedStepSession):
     """v5: ft_fwd with one ring shared by the block's warps, 256-byte runs of each W^T row (slower than v4)."""
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
+    cluster_split = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
@@ -69,9 +77,10 @@ class StepV5(FusedStepSession):
 
 
 class StepV4(FusedStepSession):
-    """v4: the package's plan and launches; its kernels predate griddepcontrol.wait (plain launches only)."""
+    """v4: v6's plan and launches; its kernels predate griddepcontrol.wait (plain launches only)."""
 
     pdl_safe = False
+    cluster_split = False
 
 
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
@@ -89,6 +98,7 @@ class StepV3(FusedStepSession):
     """v3: ft_fwd loads FU k-steps of W into registers (no ring): its smem is the K-split reduction alone."""
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
+    cluster_split = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
@@ -113,7 +123,7 @@ class StepV1(StepV3):
             p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (_tile(out_p, self.mt) if i < last else 16)
             p_bi = bi if (bi is not None and in_p % bi == 0) else _tile(in_p, self.mt, bwd=True,
                                                                         min_blocks=TARGET_BLOCKS)
-            plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "osplit": 1})
+            plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "FC": 1, "osplit": 1})
         return plan
 
     def defines(self, p: dict, bf16: int) -> dict:
@@ -207,7 +217,7 @@ class GridOld(_DevDefines, PersistentGridSession):
 
 SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
-    "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5,
+    "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,

@@ -45,6 +45,10 @@ class CudaOptions:
     step_fu: int | None = option(None, "rung 7: k-steps of W the forward keeps in flight a warp (its ring holds one more)",
                                  choices=(1, 2, 3, 4, 6, 8), type=int)
     step_osplit: int | None = option(None, "rung 7: blocks over the first layer's backward output rows", type=int)
+    step_fsplit: int | None = option(None, "rung 7: blocks of a thread-block cluster that split each forward's "
+                                     "k-steps (1: no cluster)", choices=(1, 2, 4, 8), type=int)
+    step_bsplit: int | None = option(None, "rung 7: blocks of a thread-block cluster that split each hidden "
+                                     "backward's output rows (1: no cluster)", choices=(1, 2, 4, 8), type=int)
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
                                 bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
@@ -66,7 +70,7 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_carveout", "step_graph", "step_pdl")
+                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 

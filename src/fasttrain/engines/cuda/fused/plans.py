@@ -57,39 +57,50 @@ def _tile(width: int, mt: int, bwd: bool = False, min_blocks: int = TARGET_BLOCK
     return 8
 
 
-def step_bwd_smem(mt: int, bi: int, stages: int = 4) -> int:
+def step_bwd_smem(mt: int, bi: int, stages: int = 4, cluster_part: bool = True) -> int:
     """Mirror of ft_bwd's shared memory (the module's ``ft_bwd_smem``): the H_in strip [B_p][BI+8] fp16, then
     the per-warp rings (a stage: 16 rows of W^T at a stride of BI+8 floats (8 when BI = 8), 16 rows of g^T at
-    B_p+8), which the dH reduction buffer [8][B_p][BI+1] fp32 reuses."""
+    B_p+8), which the dH reduction buffer [8][B_p][BI+1] fp32 reuses, then (v7, ``cluster_part``) the block's
+    dH partial [B_p][BI] fp32 that its cluster reads."""
     bp = 16 * mt
     strip, reduction = bp * (bi + 8) * 2, NW * bp * (bi + 1) * 4
     ws = 8 if bi == 8 else bi + 8
     stage = 16 * ws * 4 + 16 * (bp + 8) * 2
-    return strip + max(NW * stages * stage, reduction)
+    return strip + max(NW * stages * stage, reduction) + (bp * bi * 4 if cluster_part else 0)
 
 
-def step_fwd_smem(mt: int, bo: int, fu: int) -> int:
+def step_fwd_smem(mt: int, bo: int, fu: int, cluster_part: bool = True) -> int:
     """Mirror of ft_fwd's shared memory (the module's ``ft_fwd_smem``): per warp a ring of FU + 1 stages (a
     stage: BO rows x 16 k of W^T fp32, then B_p rows x 16 k of H_in), which the K-split reduction buffer
-    [8][B_p][BO+1] fp32 reuses."""
+    [8][B_p][BO+1] fp32 reuses, then (v7, ``cluster_part``) the block's partial [B_p][BO] fp32."""
     bp = 16 * mt
     stage = bo * 16 * 4 + bp * 16 * 2
-    return max(NW * (fu + 1) * stage, NW * bp * (bo + 1) * 4)
+    return max(NW * (fu + 1) * stage, NW * bp * (bo + 1) * 4) + (bp * bo * 4 if cluster_part else 0)
 
 
-def _default_fu(mt: int, bo: int, fwd_minb: int) -> int:
+def _default_fu(mt: int, bo: int, fwd_minb: int, cluster_part: bool = True) -> int:
     """k-steps of W ft_fwd keeps in flight a warp: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
     ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, i.e. 160 KB of W and H_in in flight an SM)."""
     for fu in (8, 6, 4, 3, 2, 1):
-        smem = step_fwd_smem(mt, bo, fu)
+        smem = step_fwd_smem(mt, bo, fu, cluster_part)
         if smem <= SMEM_LIMIT and fwd_minb * (smem + 1024) <= SM_SMEM:
             return fu
     return 1
 
 
+CLUSTER_SPLITS = (1, 2, 4, 8)   # blocks of one thread-block cluster (8: the portable maximum)
+
+
+def _split_tile(width: int, mt: int, split: int, bwd: bool) -> int:
+    """The tile of a layer whose blocks are split ``split`` ways over a cluster: the widest tile whose strips,
+    times ``split``, still give TARGET_BLOCKS blocks."""
+    return _tile(width, mt, bwd=bwd, min_blocks=-(-TARGET_BLOCKS // split))
+
+
 def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, stages: int | None = None,
               bwd_minb: int | None = None, fwd_minb: int | None = None, fu: int | None = None,
-              osplit: int | None = None) -> list[dict]:
+              osplit: int | None = None, fsplit: int | None = None, bsplit: int | None = None,
+              cluster_part: bool = True) -> list[dict]:
     """Per-layer kernel configuration of rung 7; ``shapes`` = [(out_p, in_p)] of W^T per layer.
 
     ``bo`` / ``bi``: columns per ft_fwd / ft_bwd block, used for the layers they divide (else the default
@@ -97,34 +108,54 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     SM's shared memory); ``bwd_minb`` / ``fwd_minb``: ``__launch_bounds__`` minimum blocks per SM (default 1);
     ``fu``: W k-steps ft_fwd keeps in flight a warp (default :func:`_default_fu`); ``osplit``: blocks over the output rows
     of the first layer's backward (default: chosen at launch from the occupancy). The first layer needs no dH,
-    so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks."""
+    so its backward tile is not held to TARGET_BLOCKS strips: the output-row split supplies the blocks.
+
+    v7, ``fsplit``: blocks of one cluster that split the k-steps of each ft_fwd (``FC``, every layer but the
+    last); ``bsplit``: blocks of one cluster that split the output rows of each hidden-to-hidden ft_bwd and sum
+    their dH through distributed shared memory (``BC``). A split widens the layer's default tile (BO / BI) so that
+    strips x split still give TARGET_BLOCKS blocks. 1 (the default): v6's kernels, sum for sum.
+    ``cluster_part``: the kernel's shared memory has the partial the cluster reads (False: the versions before v7)."""
     for name, val in (("bo", bo), ("bi", bi)):
         if val is not None and val not in (8, 16, 32, 64):
             raise FasttrainError(f"rung 7 {name} must be 8, 16, 32 or 64, got {val}")
+    for name, val in (("fsplit", fsplit), ("bsplit", bsplit)):
+        if val is not None and val not in CLUSTER_SPLITS:
+            raise FasttrainError(f"rung 7 {name} must be 1, 2, 4 or 8, got {val}")
+    fsplit, bsplit = fsplit or 1, bsplit or 1
     bwd_minb, fwd_minb = bwd_minb or 1, fwd_minb or 1
     plan = []
     last = len(shapes) - 1
     for i, (out_p, in_p) in enumerate(shapes):
-        p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (_tile(out_p, mt) if i < last else 16)
+        p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (
+            _split_tile(out_p, mt, fsplit, bwd=False) if i < last else 16)
+        # the forward's k-steps split fsplit ways (each block keeps at least one k-step a warp)
+        p_fc = fsplit if (i < last and fsplit > 1 and p_bo % fsplit == 0 and in_p // 16 >= fsplit * NW) else 1
+        # the hidden-to-hidden backward's output rows split bsplit ways (each warp keeps at least one chunk)
+        hidden = 0 < i < last
+        p_bc_wanted = bsplit if (hidden and bsplit > 1 and out_p // 16 >= bsplit * NW) else 1
         if bi is not None and in_p % bi == 0:
             p_bi = bi
         else:
-            p_bi = _tile(in_p, mt, bwd=True, min_blocks=1 if i == 0 else TARGET_BLOCKS)
-        fits = [k for k in ((stages,) if stages else (4, 3, 2)) if step_bwd_smem(mt, p_bi, k) <= SMEM_LIMIT]
+            p_bi = _tile(in_p, mt, bwd=True, min_blocks=1) if i == 0 else _split_tile(in_p, mt, p_bc_wanted, bwd=True)
+        p_bc = p_bc_wanted if p_bi % p_bc_wanted == 0 else 1
+        fits = [k for k in ((stages,) if stages else (4, 3, 2))
+                if step_bwd_smem(mt, p_bi, k, cluster_part) <= SMEM_LIMIT]
         if i == last and i > 0:   # the last layer's ft_fwd is never launched: share the previous module
             p_bo = plan[-1]["BO"]
-        p_fu = fu or _default_fu(mt, p_bo, fwd_minb)
-        if step_fwd_smem(mt, p_bo, p_fu) > SMEM_LIMIT:
+        p_fu = fu or _default_fu(mt, p_bo, fwd_minb, cluster_part)
+        if step_fwd_smem(mt, p_bo, p_fu, cluster_part) > SMEM_LIMIT:
             raise FasttrainError(f"rung 7: ft_fwd with BO {p_bo}, batch {16 * mt} and {p_fu} k-steps in flight "
                                  f"needs more than {SMEM_LIMIT} bytes of shared memory; lower --step-fu")
         if not fits:
             raise FasttrainError(f"rung 7: ft_bwd with BI {p_bi}, batch {16 * mt} and {stages or 2} stages "
                                  f"needs more than {SMEM_LIMIT} bytes of shared memory")
         # the deepest ring with which bwd_minb blocks share an SM's shared memory (else the shallowest)
-        depth = next((k for k in fits if bwd_minb * (step_bwd_smem(mt, p_bi, k) + 1024) <= SM_SMEM), fits[-1])
+        depth = next((k for k in fits if bwd_minb * (step_bwd_smem(mt, p_bi, k, cluster_part) + 1024) <= SM_SMEM),
+                     fits[-1])
         plan.append({"in_p": in_p, "out_p": out_p, "BO": p_bo, "BI": p_bi, "S": depth, "MINB": bwd_minb,
-                     "FMINB": fwd_minb, "FU": p_fu,
-                     "osplit": osplit if i == 0 else 1})   # None on the first layer: chosen at launch
+                     "FMINB": fwd_minb, "FU": p_fu, "FC": p_fc,
+                     # None on the first layer: chosen at launch; the hidden layers' bsplit is a cluster
+                     "osplit": osplit if i == 0 else p_bc})
     return plan
 
 

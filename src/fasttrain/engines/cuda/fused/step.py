@@ -9,6 +9,9 @@ until the SMs are full. Tiles and occupancy come from :func:`~fasttrain.engines.
 the engine's ``--step-*`` options override them (what each layer got is in the run record's environment).
 Up to 4096-wide layers every kernel is launched with programmatic dependent launch (``--step-pdl on|off|auto``):
 it may start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
+v7 can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``:
+the hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared
+memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ from fasttrain.errors import FasttrainError
 
 class FusedStepSession(FusedSession):
     """Rung 7 for any model. The tuning options (``--step-bo``, ``--step-bi``, ``--step-stages``,
-    ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``) go to :func:`step_plan`;
+    ``--step-bwd-minb``, ``--step-fwd-minb``, ``--step-fu``, ``--step-osplit``, ``--step-fsplit``,
+    ``--step-bsplit``) go to :func:`step_plan`;
     ``--step-carveout`` is the preferred shared-memory carveout (percent) set on every kernel, so that
     consecutive graph nodes do not make the SMs reconfigure L1/shared memory between kernels (-1: the
     driver's default); ``--no-step-graph`` launches the steps one by one instead of replaying a graph;
@@ -46,6 +50,8 @@ class FusedStepSession(FusedSession):
     # the kernels call griddepcontrol.wait before they read their predecessor's output (v6 on), so they may be
     # launched with programmatic dependent launch; the earlier versions in dev/cuda may not
     pdl_safe = True
+    # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it
+    cluster_split = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -61,11 +67,13 @@ class FusedStepSession(FusedSession):
         self.tuning = self.tuning_options()
         shapes = [wt.shape for wt, _, _, _ in self.layers]
         self.plan = self.make_plan(shapes)
-        self.pdl = None
-        if self.pdl_safe and step_pdl(shapes, options.step_pdl):
-            from fasttrain.engines.cuda.fused.launch import PdlLauncher
+        self.launcher = None
+        pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
+        clustered = any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
+        if pdl or clustered:
+            from fasttrain.engines.cuda.fused.launch import ExLauncher
 
-            self.pdl = PdlLauncher()
+            self.launcher = ExLauncher(pdl=pdl)
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
         mods = {}
@@ -99,6 +107,7 @@ class FusedStepSession(FusedSession):
             strips, nchunks = p["in_p"] // p["BI"], p["out_p"] // 16
             bps = blocks_per_sm(p["bwd"].num_regs, p["bwd_smem"])
             p["osplit"] = max(1, min(bps * self.sms // strips, nchunks // (2 * NW)))
+        self.clusters = self._check_clusters()
         if carveout is not None:
             for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd")]:
                 fn.preferred_shared_memory_carveout = int(carveout)
@@ -140,25 +149,57 @@ class FusedStepSession(FusedSession):
         o = self.options
         knobs = {"bo": o.step_bo, "bi": o.step_bi, "stages": o.step_stages, "bwd_minb": o.step_bwd_minb,
                  "fwd_minb": o.step_fwd_minb, "fu": o.step_fu, "osplit": o.step_osplit}
+        if self.cluster_split:
+            knobs.update(fsplit=o.step_fsplit, bsplit=o.step_bsplit)
         return {k: v for k, v in knobs.items() if v is not None}
 
     def make_plan(self, shapes) -> list[dict]:
-        return step_plan(shapes, self.mt, **self.tuning)
+        return step_plan(shapes, self.mt, cluster_part=self.cluster_split, **self.tuning)
 
     def defines(self, p: dict, bf16: int) -> dict:
         return step_defines(p, self.mt, bf16)
 
     def bwd_smem(self, p: dict) -> int:
-        return step_bwd_smem(self.mt, p["BI"], p["S"])
+        return step_bwd_smem(self.mt, p["BI"], p["S"], self.cluster_split)
 
     def fwd_smem(self, p: dict) -> int | None:
-        return step_fwd_smem(self.mt, p["BO"], p["FU"])
+        return step_fwd_smem(self.mt, p["BO"], p["FU"], self.cluster_split)
 
-    def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0) -> partial:
-        """A zero-argument call that queues ``fn`` on the session's stream (with PDL unless it is off)."""
-        if self.pdl is None:
+    def _grids(self, i: int) -> tuple:
+        """(forward grid, its cluster, backward grid, its cluster) of layer i; a cluster is None when the blocks
+        are independent."""
+        p, last = self.plan[i], len(self.plan) - 1
+        fgrid = (p["out_p"] // p["BO"], p["FC"])
+        bgrid = (p["in_p"] // p["BI"], p["osplit"])
+        fcl = (1, p["FC"], 1) if p["FC"] > 1 else None
+        bcl = (1, p["osplit"], 1) if (i > 0 and p["osplit"] > 1) else None   # with dH: the split is a cluster
+        return fgrid, (fcl if i < last else None), bgrid, bcl
+
+    def _check_clusters(self) -> list[dict]:
+        """Each clustered launch's cluster and how many of them the GPU holds at once: a grid of more clusters
+        than that runs in more than one wave (slower, still correct): said in the run record."""
+        out = []
+        for i, p in enumerate(self.plan):
+            fgrid, fcl, bgrid, bcl = self._grids(i)
+            for kind, fn, grid, cl, smem in (("fwd", p["fwd"], fgrid, fcl, p["fwd_smem"]),
+                                             ("bwd", p["bwd"], bgrid, bcl, p["bwd_smem"])):
+                if cl is None:
+                    continue
+                fit = self.launcher.max_active_clusters(fn, grid, (NW * 32,), smem, cl)
+                if fit == 0:
+                    raise FasttrainError(f"rung 7: a cluster of {cl[1]} ft_{kind} blocks of layer {i + 1} does not "
+                                         "fit on this GPU; pass --step-fsplit 1 --step-bsplit 1")
+                out.append({"layer": i + 1, "kernel": kind, "cluster": cl[1], "clusters": grid[0],
+                            "resident": fit})
+        return out
+
+    def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
+                cluster: tuple | None = None) -> partial:
+        """A zero-argument call that queues ``fn`` on the session's stream (through cuLaunchKernelEx when
+        launched with PDL or as clusters, else CuPy's call)."""
+        if self.launcher is None:
             return partial(fn, grid, block, args, shared_mem=shared_mem)
-        return partial(self.pdl.launch, fn, grid, block, args, shared_mem, self.stream)
+        return partial(self.launcher.launch, fn, grid, block, args, shared_mem, self.stream, cluster)
 
     def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
@@ -174,9 +215,10 @@ class FusedStepSession(FusedSession):
                                               np_.int32(rows), self.h[0], self.yb)))]
         for i in range(L - 1):
             p, (wt, b, _, _) = self.plan[i], self.layers[i]
-            out.append(("fwd", i, self._launch(p["fwd"], (p["out_p"] // p["BO"],), (NW * 32,),
+            fgrid, fcl, _, _ = self._grids(i)
+            out.append(("fwd", i, self._launch(p["fwd"], fgrid, (NW * 32,),
                                                (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1],
-                                                np_.int32(p["out_p"])), p["fwd_smem"])))
+                                                np_.int32(p["out_p"])), p["fwd_smem"], fcl)))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
         out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
                                                     (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
@@ -188,10 +230,12 @@ class FusedStepSession(FusedSession):
             need = l > 1
             dzp = self.dz[l - 1] if need else self.dz[l]
             dzpT = self.dzT[l - 1] if need else self.dzT[l]
-            out.append(("bwd", l - 1, self._launch(p["bwd"], (p["in_p"] // p["BI"], 1 if need else p["osplit"]),
+            _, _, bgrid, bcl = self._grids(l - 1)
+            out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid,
                                                    (NW * 32,), (self.dz[l], self.dzT[l], np_.int32(p["out_p"]),
                                                                 self.h[l - 1], np_.int32(p["in_p"]), wt, b, scale,
-                                                                scale, np_.int32(need), dzp, dzpT), p["bwd_smem"])))
+                                                                scale, np_.int32(need), dzp, dzpT), p["bwd_smem"],
+                                                   bcl)))
         return out
 
     def _step(self, k: int, lr: float) -> None:
@@ -221,9 +265,10 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
-                    "programmatic_launch": self.pdl is not None,
+                    "programmatic_launch": self.launcher is not None and self.launcher.pdl,
+                    "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,
-                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "osplit") if k in p}
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "FC", "osplit") if k in p}
                               | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
                                  "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
                               for p in self.plan]})

@@ -166,6 +166,17 @@ __device__ __forceinline__ u32 mapa(u32 addr, u32 rank) {
     asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(r) : "r"(addr), "r"(rank));
     return r;
 }
+__device__ __forceinline__ u32 cluster_size() {
+    u32 r;
+    asm volatile("mov.u32 %0, %%cluster_nctarank;\n" : "=r"(r));
+    return r;
+}
+// Load a float from the shared memory of a CTA of the cluster (an address from mapa).
+__device__ __forceinline__ float ld_cluster_f32(u32 raddr) {
+    float v;
+    asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(raddr) : "memory");
+    return v;
+}
 // Store 8 bytes into another CTA's shared memory; its mbarrier's tx-count drops by 8 when they land.
 __device__ __forceinline__ void st_async_v2(u32 raddr, float a, float b, u32 rbar) {
     asm volatile("st.async.shared::cluster.mbarrier::complete_tx::bytes.v2.b32 [%0], {%1, %2}, [%3];\n"

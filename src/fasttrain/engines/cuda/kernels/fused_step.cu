@@ -43,6 +43,14 @@
 //       Measured (H200, dev/cuda/step_breakdown.py --pdl, same machine): a first cut that also prefetched each
 //       warp's first W^T rows into L2 before the wait was slower than v4 at 2048-8192 (the prefetches alone,
 //       without PDL: +5% at 2048, +7% at 4096, +2% at 8192); dropped.
+//   v7  (copy of v6 + change) The hidden layers split over thread-block clusters, partial sums reduced through
+//       distributed shared memory: at 2048-4096 every block of v6 re-read all of H_in (forward) or g^T
+//       (backward) from L2, as many bytes as its weights at 2048. ft_fwd: gridDim.y blocks of one cluster split
+//       the k-steps of the same BO outputs (so a tile of outputs reads H_in once, and BO can stay 64 at any
+//       width); ft_bwd: gridDim.y blocks of one cluster split the output rows of one wide strip (BI 64: 256-byte
+//       runs of W^T, g^T read once a cluster). Each block reduces its warps' partials into its own shared
+//       memory; after a cluster barrier, block r sums column slice r of every block's partial (ranks in order,
+//       so the result is deterministic) and writes it. gridDim.y = 1 is v6, sum for sum.
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -52,7 +60,8 @@
 // Compile-time configuration (-D): FT_MT m-tiles of the batch (B_p = 16*FT_MT), FT_BO outputs per ft_fwd
 // block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16; v3: FT_S ring stages of ft_bwd (>= 2),
 // FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W (and
-// H_in) that ft_fwd keeps in flight a warp (its ring has FT_FU + 1 stages).
+// H_in) that ft_fwd keeps in flight a warp (its ring has FT_FU + 1 stages). The cluster splits (v7) are not
+// compiled in: gridDim.y of a launch is its cluster.
 // Compile alone: nvcc --ptx -arch=sm_90a fused_step.cu (the defaults below: batch 32, 64-wide tiles, fp16)
 #ifndef FT_MT
 #define FT_MT 2
@@ -112,12 +121,18 @@ static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
 #define FSTAGE (FSTAGE_W + BP * 16 * 2)
 #define FRING_BYTES (NW * (FT_FU + 1) * FSTAGE)
 #define FRED_BYTES (NW * BP * (BO + 1) * 4)
+// v7: each block's reduced partial [BP][BO] (ft_fwd) or [BP][BI] (ft_bwd) fp32, read by the cluster's blocks
+#define FRING_RED (FRING_BYTES > FRED_BYTES ? FRING_BYTES : FRED_BYTES)
+#define FPART_BYTES (BP * BO * 4)
+#define RING_RED (RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES)
+#define BPART_BYTES (BP * BI * 4)
 
 // dynamic shared memory each kernel needs (read by the host through these symbols)
-extern "C" __constant__ int ft_fwd_smem = FRING_BYTES > FRED_BYTES ? FRING_BYTES : FRED_BYTES;
+extern "C" __constant__ int ft_fwd_smem = FRING_RED + FPART_BYTES;
 extern "C" __constant__ int ft_last_smem = NW * BP * 17 * 4 + 64;
-// H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop)
-extern "C" __constant__ int ft_bwd_smem = HS_BYTES + (RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES);
+// H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop), then the
+// block's dH partial
+extern "C" __constant__ int ft_bwd_smem = HS_BYTES + RING_RED + BPART_BYTES;
 
 __device__ __forceinline__ elem_t to_elem(float v) {
 #if FT_BF16
@@ -196,6 +211,9 @@ __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* _
 // Per block: BO*in_p*4 bytes of W (read once per step), B_p*in_p*2 bytes of H_in (from L2); 2*B_p*BO*in_p FLOP.
 // v4: warp w takes the k-steps w, w + 8, ... (v3's), streamed through its ring of FT_FU + 1 stages (16-byte
 // cp.async, L2 only); FT_FU k-steps stay in flight while one computes, so the loads never drain.
+// v7: grid (out_p / BO, C), launched as clusters of (1, C, 1): block y takes the k-steps [kb, ke) of its slice,
+// each block reads only its slice of H_in and W^T rows, and the cluster sums the C partials:
+//   z[r][o] = b[o] + sum_{y < C} part_y[r][o],  part_y = sum_{w < 8} (warp w's k-steps of slice y)
 extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
 ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
        elem_t* __restrict__ hout, int out_p)
@@ -207,16 +225,18 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
     unsigned char* ring = fsm + warp * (FS * FSTAGE);
     const int o0 = blockIdx.x * BO;
     const int kt = in_p / 16;
-    const int nk = kt > warp ? (kt - warp + NW - 1) / NW : 0;
+    const int kper = (kt + gridDim.y - 1) / gridDim.y;   // v7: this block's k-steps [kb, ke)
+    const int kb = min(kt, (int)blockIdx.y * kper), ke = min(kt, kb + kper);
+    const int nk = ke - kb > warp ? (ke - kb - warp + NW - 1) / NW : 0;
 
-    // k-step k of this warp (inputs (warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty past
-    // the end, so that the group count stays uniform
+    // k-step k of this warp (inputs (kb + warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty
+    // past the end, so that the group count stays uniform
     grid_dependency_wait();           // v6: H_in is the previous kernel's output
     launch_dependents();
 
     auto issue = [&](int k) {
         if (k < nk) {
-            const int k0 = (warp + k * NW) * 16;
+            const int k0 = (kb + warp + k * NW) * 16;
             const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
 #pragma unroll
             for (int p = lane; p < BO * 4; p += 32) {            // BO rows x 4 pieces of W^T
@@ -277,13 +297,37 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
             for (int e = 0; e < 4; ++e)
                 red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
     __syncthreads();
+    if (gridDim.y == 1) {
+        for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
+            const int r = i / BO, c = i % BO;
+            float z = bias[o0 + c];
+#pragma unroll
+            for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+            hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
+        }
+        return;
+    }
+    // v7: the cluster's reduction. This block's partial, then block y sums columns [y*BO/C, (y+1)*BO/C) of all
+    // C partials (in rank order) from their shared memory.
+    if (cluster_size() != gridDim.y) __trap();   // launched without its clusters: mapa would be wrong
+    float* part = reinterpret_cast<float*>(fsm + FRING_RED);   // [BP][BO]
     for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
         const int r = i / BO, c = i % BO;
-        float z = bias[o0 + c];
+        float z = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+        part[i] = z;
+    }
+    cluster_sync_all();               // every partial of the cluster is written
+    const int cols = BO / gridDim.y, c0 = blockIdx.y * cols;
+    for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
+        const int r = i / cols, c = c0 + i % cols;
+        const u32 a = smem_u32(part + r * BO + c);
+        float z = bias[o0 + c];
+        for (int y = 0; y < (int)gridDim.y; ++y) z += ld_cluster_f32(mapa(a, y));
         hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
     }
+    cluster_sync_all();               // no block leaves while another still reads its partial
 }
 
 // Last layer (16 padded classes) split over gridDim.x blocks; the last block to finish sums the partial
@@ -404,7 +448,9 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
 //   dW^T  = g^T @ H_in[:, strip]        (mma, K = batch)         -> W^T = W_old - lr/B' * dW^T, written once
 //   dH   += g @ W_old^T-chunk           (mma, K = o; B fragments from W_old by movmatrix)  [need_dh]
 // then dZ_prev = dH * [H_in > 0] written in both layouts. The bias update is spread over the blocks.
-// grid = (in_p / BI, osplit); osplit > 1 only without dH (the blocks of a strip would have to sum their dH).
+// grid = (in_p / BI, osplit). Without dH (the first layer) the osplit blocks of a strip are independent; with
+// dH (v7) they are one cluster of (1, osplit, 1) and sum their dH partials through distributed shared memory:
+//   dH[r][i] = sum_{y < osplit} part_y[r][i],  part_y = sum_{w < 8} (warp w's chunks of row slice y)
 // Per block: 2 * (out_p/osplit)*BI*4 bytes of W (read + write), (out_p/osplit)*B_p*2 bytes of g^T from L2;
 // 4*B_p*out_p*BI/osplit FLOP. In flight a warp: (FT_S - 1) * 16*BI*4 bytes of W (BI 64, S 4: 12 KB; v1: 4 KB).
 // dz (row-major g) is not read by this version (both A fragments come from g^T); the argument stays so
@@ -542,14 +588,40 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
             for (int e = 0; e < 4; ++e)
                 red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BI + 1) + j * 8 + 2 * t + (e & 1)] = dh[mt][j][e];
     __syncthreads();
+    if (gridDim.y == 1) {
+        for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
+            const int r = i / BI, c = i % BI;
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
+            const float hv = from_elem(hs[r * (BI + 8) + c]);
+            const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
+            dzp[(size_t)r * in_p + i0 + c] = v;
+            dzpT[(size_t)(i0 + c) * BP + r] = v;
+        }
+        return;
+    }
+    // v7: the cluster's reduction (as ft_fwd's): this block's partial, then block y sums its column slice
+    if (cluster_size() != gridDim.y) __trap();   // launched without its clusters: mapa would be wrong
+    float* part = reinterpret_cast<float*>(smem + HS_BYTES + RING_RED);   // [BP][BI]
     for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
         const int r = i / BI, c = i % BI;
         float s = 0.f;
 #pragma unroll
         for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
+        part[i] = s;
+    }
+    cluster_sync_all();               // every partial of the cluster is written
+    const int cols = BI / gridDim.y, c0 = blockIdx.y * cols;
+    for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
+        const int r = i / cols, c = c0 + i % cols;
+        const u32 a = smem_u32(part + r * BI + c);
+        float s = 0.f;
+        for (int y = 0; y < (int)gridDim.y; ++y) s += ld_cluster_f32(mapa(a, y));
         const float hv = from_elem(hs[r * (BI + 8) + c]);
         const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
         dzp[(size_t)r * in_p + i0 + c] = v;
         dzpT[(size_t)(i0 + c) * BP + r] = v;
     }
+    cluster_sync_all();               // no block leaves while another still reads its partial
 }
