@@ -217,6 +217,7 @@ def test_step_plan_fits(model, batch, tuning):
         SM_SMEM,
         SMEM_LIMIT,
         _tile,
+        auto_split,
         pad16,
         step_bwd_smem,
         step_defines,
@@ -239,14 +240,16 @@ def test_step_plan_fits(model, batch, tuning):
         if "stages" not in tuning and p["S"] > 2:
             assert p["MINB"] * (smem + 1024) <= SM_SMEM
         hidden = 0 < i < len(plan) - 1
-        assert (p["osplit"] is None) if i == 0 else (p["osplit"] in ((1, tuning.get("bsplit")) if hidden else (1,)))
+        assert (p["osplit"] is None) if i == 0 else (p["osplit"] in ((1, tuning.get("bsplit", 2)) if hidden else (1,)))
         if i < len(plan) - 1:
             assert p["out_p"] % p["BO"] == 0
         # a split keeps every warp busy (a k-step / a 16-row chunk each) and divides the reduced columns
         assert p["FC"] == 1 or (p["in_p"] // 16 >= p["FC"] * 8 and p["BO"] % p["FC"] == 0 and i < len(plan) - 1)
         assert p["osplit"] in (None, 1) or i == 0 or (p["out_p"] // 16 >= p["osplit"] * 8 and p["BI"] % p["osplit"] == 0)
-        if hidden and not tuning:
-            assert (p["BO"], p["BI"], p["FC"]) == (_tile(p["out_p"], mt), _tile(p["in_p"], mt, bwd=True), 1)
+        if hidden and not tuning:   # auto: a split of 2 exactly where it doubles the tile
+            fs, bs = auto_split(p["out_p"], mt, bwd=False), auto_split(p["in_p"], mt, bwd=True)
+            assert (p["BO"], p["FC"]) == (_tile(p["out_p"], mt) * fs, fs)
+            assert (p["BI"], p["osplit"]) == (_tile(p["in_p"], mt, bwd=True) * bs, bs)
         assert set(step_defines(p, mt, 0)) == {"FT_MT", "FT_BO", "FT_BI", "FT_BF16", "FT_S", "FT_MINB",
                                                           "FT_FMINB", "FT_FU"}
 
@@ -277,14 +280,18 @@ def test_programmatic_launch_without_cuda_bindings_is_a_one_line_error(monkeypat
 
 
 def test_cluster_splits_widen_the_tiles_of_the_split_layers():
-    """At 2048 a 4-way split lets each forward block keep 64 outputs (32 tiles x 4 = 128 blocks) and each hidden
-    backward strip 64 inputs; the last layer (16 outputs: one chunk) and the first layer's backward (no dH) keep
+    """By default the 2048- and 4096-wide hidden layers split 2 ways. At 2048 a 4-way split lets each forward block
+    keep 64 outputs (32 tiles x 4 = 128 blocks) and each hidden backward strip 64 inputs; the last layer (16 outputs: one chunk) and the first layer's backward (no dH) keep
     their plans; splits that would leave a warp idle are not taken."""
     from fasttrain.engines.cuda.fused.plans import step_plan
 
     def shapes(h):
         return [(h, 784), (h, h), (h, h), (16, h)]
 
+    auto = step_plan(shapes(2048), 2)   # the default: split 2 on the hidden-to-hidden layers, tiles doubled
+    assert [(p["BO"], p["FC"], p["BI"], p["osplit"]) for p in auto[1:3]] == [(32, 2, 32, 2)] * 2
+    assert auto[0]["FC"] == 1 and [p["BO"] for p in step_plan(shapes(2048), 2, fsplit=1)[:3]] == [16] * 3
+    assert all(p["FC"] == 1 and p["osplit"] in (None, 1) for p in step_plan(shapes(8192), 2))   # tiles at 64 already
     plan = step_plan(shapes(2048), 2, fsplit=4, bsplit=4)
     assert [(p["BO"], p["FC"]) for p in plan[:3]] == [(64, 4)] * 3
     assert [(p["BI"], p["osplit"]) for p in plan[1:3]] == [(64, 4)] * 2
@@ -326,6 +333,8 @@ def test_step_tiles_are_checked():
     (["--rung", "6", "--no-side-score"], "--side-score is an option of --rung 8"),
     (["--rung", "7", "--step-bi", "24"], "--step-bi must be one of 8, 16, 32, 64"),
     (["--rung", "7", "--step-pdl", "maybe"], "--step-pdl must be one of auto, on, off"),
+    (["--rung", "7", "--step-last", "both"], "--step-last must be one of fused, split"),
+    (["--rung", "7", "--step-fsplit", "3"], "--step-fsplit must be one of 1, 2, 4, 8"),
     (["--rung", "8", "--step-pdl", "off"], "--step-pdl is an option of --rung 7"),
 ])
 def test_tuning_options_are_typed_and_belong_to_their_rung(words, message):
@@ -416,6 +425,7 @@ def test_warm_up_does_not_train(tiny_data, rung, model, tuning):
     # v7's cluster splits: uneven k-step slices (784 = 49 k-steps over 2 / 4 / 8), the 8-way split at 1024
     (7, "mlp:256x2", 37, {"step_fsplit": 2, "step_bsplit": 2}), (7, "mlp:512x3", 29, {"step_fsplit": 4, "step_bsplit": 4}),
     (7, "mlp:1024x2", 32, {"step_fsplit": 8, "step_bsplit": 8, "step_pdl": "off"}),
+    (7, "mlp:100x2", 37, {"step_last": "split"}), (7, "logreg", 37, {"step_last": "split"}),   # v6's last layer
     (8, "mlp:100x2", 37, {}), (8, "mlp:128x3", 29, {}), (8, "mlp:64x1", 37, {}),
     (8, "mlp:64x2", 50, {}),   # the compact fallback: the blocked build does not fit
     (8, "mlp:100x2", 37, {"mlp_layout": "compact"}),
@@ -558,6 +568,34 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
             env = sess.environment()
             assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
             assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights()))
+        finally:
+            sess.close()
+    (s1, w1), (s0, w0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,precision,batch", [("logreg", "fp16", 37), ("mlp:100x2", "bf16", 37),
+                                                   ("mlp:1024x2", "fp16", 32), ("mlp:256x1", "fp16", 256)])
+def test_rung7_fused_last_layer_equals_the_split_one(tiny_data, model, precision, batch):
+    """ft_last (the last layer's forward, softmax and backward in one cluster) computes v6's two kernels' sums
+    when its cluster has as many blocks as ft_fwd_last had (up to 2048 inputs): per-step losses and weights
+    bit-identical (without the cluster splits of the hidden layers, which change other sums)."""
+    from fasttrain.contract import epoch_order
+
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=2, lr=0.05)
+    runs = []
+    for last in ("fused", "split"):
+        sess = make_session_plain(job, step_last=last, step_fsplit=1, step_bsplit=1)
+        try:
+            assert sess.environment()["last_layer"] == last
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

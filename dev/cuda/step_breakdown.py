@@ -11,6 +11,7 @@ graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run 
 --pdl: the default plan with and without programmatic dependent launch (--step-pdl on / off), and v4 (dev/cuda).
 --clusters: v7's cluster splits (--step-fsplit / --step-bsplit 2, 4, 8) against the default plan and v6 (dev/cuda);
 each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
+--v7: the default plan against --step-last split, no cluster splits, a 6-stage backward ring, and v6 (dev/cuda).
 """
 
 import os
@@ -33,6 +34,9 @@ CLUSTER_VARIANTS = [{}, {"step_fsplit": 2}, {"step_fsplit": 4}, {"step_fsplit": 
                     {"step_bsplit": 4}, {"step_bsplit": 8}, {"step_fsplit": 2, "step_bsplit": 2},
                     {"step_fsplit": 4, "step_bsplit": 4}, {"step_fsplit": 4, "step_bsplit": 4, "step_pdl": "off"},
                     {"kernel": "fused_step_v6.cu"}]
+# v7 as the package runs it (auto splits, the fused last layer) against each of its changes undone, and v6
+V7_VARIANTS = [{}, {"step_last": "split"}, {"step_fsplit": 1, "step_bsplit": 1}, {"step_stages": 6},
+               {"kernel": "fused_step_v6.cu"}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -59,7 +63,7 @@ def timed(cp, stream, launch, reps=REPS):
     return float(np.median(times[1:]))
 
 
-W_BYTES = {"fwd": 4, "fwd last": 4, "bwd": 8}   # bytes a parameter of W^T each kind moves (fp32 master)
+W_BYTES = {"fwd": 4, "fwd last": 4, "bwd": 8, "last": 12}   # bytes a parameter of W^T each kind moves (fp32 master)
 
 
 def kernels(s: FusedStepSession):
@@ -72,7 +76,7 @@ def kernels(s: FusedStepSession):
         p, wt = s.plan[layer], s.layers[layer][0]
         fc, bc = p.get("FC", 1), (p["osplit"] if layer > 0 else 1)
         detail = (f"BO {p['BO']} FU {p['FU']}" + (f" cluster {fc}" if fc > 1 else "") if kind == "fwd"
-                  else f"{s.split} blocks" if kind == "fwd last"
+                  else f"{s.split} blocks" if kind == "fwd last" else f"fwd + bwd, a cluster of {s.split}" if kind == "last"
                   else f"BI {p['BI']} S {p['S']} regs {p['bwd'].num_regs}" + (f" cluster {bc}" if bc > 1 else ""))
         out.append((f"{kind} {layer + 1} ({p['out_p']}x{p['in_p']}, {detail})", W_BYTES[kind] * wt.size, launch))
     return out
@@ -97,7 +101,8 @@ def main(argv):
     import cupy as cp
 
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
-                if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else [{}])
+                if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else V7_VARIANTS if "--v7" in argv
+                else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:

@@ -57,6 +57,7 @@ class StepV6(FusedStepSession):
     backward), so no cluster partial in its shared memory."""
 
     cluster_split = False
+    fused_last = False
 
 
 class StepV5(FusedStepSession):
@@ -64,6 +65,7 @@ class StepV5(FusedStepSession):
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
+    fused_last = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
@@ -81,6 +83,7 @@ class StepV4(FusedStepSession):
 
     pdl_safe = False
     cluster_split = False
+    fused_last = False
 
 
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
@@ -99,6 +102,7 @@ class StepV3(FusedStepSession):
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
+    fused_last = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)

@@ -97,6 +97,19 @@ def _split_tile(width: int, mt: int, split: int, bwd: bool) -> int:
     return _tile(width, mt, bwd=bwd, min_blocks=-(-TARGET_BLOCKS // split))
 
 
+# Measured on an H200 (dev/cuda/step_breakdown.py --clusters, results/record/round2-h200/clusters-*): a cluster of
+# 2 blocks at one block an SM fits 66 at once, so 2048 / 4096-wide layers run in one wave of 64 clusters; a cluster
+# of 4 fits only 30 at once (120 SMs), so 32 clusters take two waves (2048x2048 backward 23.7 us against 14.6 at 2
+# and 16.7 unsplit). The first layer's forward (49 k-steps) measured slower split (5.1 -> 5.7 us at 2048).
+AUTO_SPLIT = 2
+
+
+def auto_split(width: int, mt: int, bwd: bool) -> int:
+    """The split of a hidden-to-hidden layer when none is asked: AUTO_SPLIT where it doubles the layer's tile
+    (so the split buys fewer H_in / g^T re-reads, not more blocks), else 1."""
+    return AUTO_SPLIT if _split_tile(width, mt, AUTO_SPLIT, bwd) == 2 * _tile(width, mt, bwd=bwd) else 1
+
+
 def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, stages: int | None = None,
               bwd_minb: int | None = None, fwd_minb: int | None = None, fu: int | None = None,
               osplit: int | None = None, fsplit: int | None = None, bsplit: int | None = None,
@@ -112,8 +125,9 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
 
     v7, ``fsplit``: blocks of one cluster that split the k-steps of each ft_fwd (``FC``, every layer but the
     last); ``bsplit``: blocks of one cluster that split the output rows of each hidden-to-hidden ft_bwd and sum
-    their dH through distributed shared memory (``BC``). A split widens the layer's default tile (BO / BI) so that
-    strips x split still give TARGET_BLOCKS blocks. 1 (the default): v6's kernels, sum for sum.
+    their dH through distributed shared memory (``BC`` = the layer's ``osplit``). A split widens the layer's
+    default tile (BO / BI) so that strips x split still give TARGET_BLOCKS blocks; 1: v6's kernels, sum for sum.
+    Unset (auto): a split of 2 on the hidden-to-hidden layers where it doubles the tile (:func:`auto_split`).
     ``cluster_part``: the kernel's shared memory has the partial the cluster reads (False: the versions before v7)."""
     for name, val in (("bo", bo), ("bi", bi)):
         if val is not None and val not in (8, 16, 32, 64):
@@ -121,18 +135,20 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     for name, val in (("fsplit", fsplit), ("bsplit", bsplit)):
         if val is not None and val not in CLUSTER_SPLITS:
             raise FasttrainError(f"rung 7 {name} must be 1, 2, 4 or 8, got {val}")
-    fsplit, bsplit = fsplit or 1, bsplit or 1
+    auto_f, auto_b = fsplit is None, bsplit is None
     bwd_minb, fwd_minb = bwd_minb or 1, fwd_minb or 1
     plan = []
     last = len(shapes) - 1
     for i, (out_p, in_p) in enumerate(shapes):
-        p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (
-            _split_tile(out_p, mt, fsplit, bwd=False) if i < last else 16)
-        # the forward's k-steps split fsplit ways (each block keeps at least one k-step a warp)
-        p_fc = fsplit if (i < last and fsplit > 1 and p_bo % fsplit == 0 and in_p // 16 >= fsplit * NW) else 1
-        # the hidden-to-hidden backward's output rows split bsplit ways (each warp keeps at least one chunk)
         hidden = 0 < i < last
-        p_bc_wanted = bsplit if (hidden and bsplit > 1 and out_p // 16 >= bsplit * NW) else 1
+        fs = (auto_split(out_p, mt, bwd=False) if hidden else 1) if auto_f else fsplit
+        bs = (auto_split(in_p, mt, bwd=True) if hidden else 1) if auto_b else bsplit
+        p_bo = bo if (bo is not None and i < last and out_p % bo == 0) else (
+            _split_tile(out_p, mt, fs, bwd=False) if i < last else 16)
+        # the forward's k-steps split fs ways (each block keeps at least one k-step a warp)
+        p_fc = fs if (i < last and fs > 1 and p_bo % fs == 0 and in_p // 16 >= fs * NW) else 1
+        # the hidden-to-hidden backward's output rows split bs ways (each warp keeps at least one chunk)
+        p_bc_wanted = bs if (hidden and bs > 1 and out_p // 16 >= bs * NW) else 1
         if bi is not None and in_p % bi == 0:
             p_bi = bi
         else:

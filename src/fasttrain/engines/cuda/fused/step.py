@@ -11,7 +11,9 @@ Up to 4096-wide layers every kernel is launched with programmatic dependent laun
 it may start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
 v7 can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``:
 the hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared
-memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
+memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block;
+and (``--step-last fused``, the default) the last layer's forward, softmax and backward are one kernel of one
+cluster, so a step is ``2L`` kernels.
 """
 
 from __future__ import annotations
@@ -50,8 +52,10 @@ class FusedStepSession(FusedSession):
     # the kernels call griddepcontrol.wait before they read their predecessor's output (v6 on), so they may be
     # launched with programmatic dependent launch; the earlier versions in dev/cuda may not
     pdl_safe = True
-    # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it
+    # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it;
+    # ft_last does the last layer's forward and backward in one cluster
     cluster_split = True
+    fused_last = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -69,13 +73,17 @@ class FusedStepSession(FusedSession):
         self.plan = self.make_plan(shapes)
         self.launcher = None
         pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
-        clustered = any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
+        clustered = (any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
+                     or (self.last_fused and self.split > 1))
         if pdl or clustered:
             from fasttrain.engines.cuda.fused.launch import ExLauncher
 
             self.launcher = ExLauncher(pdl=pdl)
         last_in = self.layers[-1][0].shape[1]
         self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
+        self.last_fused = self.fused_last and options.step_last == "fused"
+        if self.last_fused:
+            self.split = min(8, self.split)   # ft_last: one cluster (8: the portable maximum)
         mods = {}
         for p in self.plan:
             defines = self.defines(p, bf16)
@@ -85,8 +93,8 @@ class FusedStepSession(FusedSession):
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
-        self.k_last = m0.get_function("ft_fwd_last")
-        self.last_smem = module_int(m0, "ft_last_smem")
+        self.k_last = m0.get_function("ft_last" if self.last_fused else "ft_fwd_last")
+        self.last_smem = module_int(m0, "ft_lastc_smem" if self.last_fused else "ft_last_smem")
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
         for p in self.plan:
             p["fwd"] = p["module"].get_function("ft_fwd")
@@ -191,6 +199,14 @@ class FusedStepSession(FusedSession):
                                          "fit on this GPU; pass --step-fsplit 1 --step-bsplit 1")
                 out.append({"layer": i + 1, "kernel": kind, "cluster": cl[1], "clusters": grid[0],
                             "resident": fit})
+        if self.last_fused and self.split > 1:
+            fit = self.launcher.max_active_clusters(self.k_last, (self.split,), (NW * 32,), self.last_smem,
+                                                    (self.split, 1, 1))
+            if fit == 0:
+                raise FasttrainError(f"rung 7: the last layer's cluster of {self.split} blocks does not fit on this "
+                                     "GPU; pass --step-last split")
+            out.append({"layer": len(self.plan), "kernel": "last", "cluster": self.split, "clusters": 1,
+                        "resident": fit})
         return out
 
     def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
@@ -203,7 +219,7 @@ class FusedStepSession(FusedSession):
 
     def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
-        kind "gather", "fwd", "fwd last" or "bwd"; layer the index into ``self.plan`` / ``self.layers`` (None for
+        kind "gather", "fwd", "last" (the fused last layer) or "fwd last" and "bwd" (``--step-last split``); layer the index into ``self.plan`` / ``self.layers`` (None for
         the gather). :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
         np_ = np
         start, stop = self.bounds[k]
@@ -220,12 +236,21 @@ class FusedStepSession(FusedSession):
                                                (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1],
                                                 np_.int32(p["out_p"])), p["fwd_smem"], fcl)))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
-        out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
-                                                    (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
-                                                     np_.int32(rows), np_.int32(k), self.part, self.counter,
-                                                     self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
-                                                    self.last_smem)))
-        for l in range(L, 0, -1):
+        if self.last_fused:
+            need = L > 1
+            out.append(("last", L - 1, self._launch(
+                self.k_last, (self.split,), (NW * 32,),
+                (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k), scale, scale,
+                 np_.int32(need), self.dz[L], self.dzT[L], self.dz[L - 1] if need else self.dz[L],
+                 self.dzT[L - 1] if need else self.dzT[L], self.stat_loss, self.stat_ok),
+                self.last_smem, (self.split, 1, 1) if self.split > 1 else None)))
+        else:
+            out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
+                                                        (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
+                                                         np_.int32(rows), np_.int32(k), self.part, self.counter,
+                                                         self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
+                                                        self.last_smem)))
+        for l in range(L - 1 if self.last_fused else L, 0, -1):
             p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
             need = l > 1
             dzp = self.dz[l - 1] if need else self.dz[l]
@@ -265,6 +290,7 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+                    "last_layer": "fused" if self.last_fused else "split",
                     "programmatic_launch": self.launcher is not None and self.launcher.pdl,
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,

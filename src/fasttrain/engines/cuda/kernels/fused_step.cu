@@ -51,6 +51,11 @@
 //       runs of W^T, g^T read once a cluster). Each block reduces its warps' partials into its own shared
 //       memory; after a cluster barrier, block r sums column slice r of every block's partial (ranks in order,
 //       so the result is deterministic) and writes it. gridDim.y = 1 is v6, sum for sum.
+//       ft_last: the last layer's forward and backward in one kernel, one cluster of C <= 8 blocks (v6: ft_fwd_last,
+//       whose last block to finish did the softmax, then an ft_bwd whose blocks each had one 16-row chunk, so
+//       one warp of eight worked). Block y takes the same k-slice of the inputs in both directions; after a
+//       cluster barrier every block sums the C partial logits itself (ranks in order: v6's sum when C equals
+//       v6's block count) and computes g, then its eight warps update their 8-column tiles of W and write dH.
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -130,6 +135,12 @@ static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
 // dynamic shared memory each kernel needs (read by the host through these symbols)
 extern "C" __constant__ int ft_fwd_smem = FRING_RED + FPART_BYTES;
 extern "C" __constant__ int ft_last_smem = NW * BP * 17 * 4 + 64;
+// ft_last (v7): the warps' partial logits [NW][BP][17] (then the cluster's logits [BP][17]), the block's partial
+// [BP][16], g^T [16][GS] in the operand type, the per-warp loss / correct counts
+#define LS_RED (NW * BP * 17 * 4)
+#define LS_PART (BP * 16 * 4)
+#define LS_GT (16 * GS * 2)
+extern "C" __constant__ int ft_lastc_smem = LS_RED + LS_PART + LS_GT + 2 * NW * 4;
 // H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop), then the
 // block's dH partial
 extern "C" __constant__ int ft_bwd_smem = HS_BYTES + RING_RED + BPART_BYTES;
@@ -147,6 +158,18 @@ __device__ __forceinline__ float from_elem(elem_t v) {
 #else
     return __half2float(v);
 #endif
+}
+
+// v7: sum over the n <= 8 blocks of the cluster, in rank order, of the float at shared address `a` in each:
+// 0 + v_0 + v_1 + ... The loads are all issued before the first add, so they overlap.
+__device__ __forceinline__ float cluster_sum(u32 a, int n) {
+    float v[8];
+#pragma unroll
+    for (int y = 0; y < 8; ++y) v[y] = y < n ? ld_cluster_f32(mapa(a, y)) : 0.f;
+    float s = 0.f;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) if (y < n) s += v[y];
+    return s;
 }
 
 // Batch rows -> x = pixel/255 in the operand type; rows >= rows are zero. grid = B_p blocks of 64 threads.
@@ -322,9 +345,8 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
     const int cols = BO / gridDim.y, c0 = blockIdx.y * cols;
     for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
         const int r = i / cols, c = c0 + i % cols;
-        const u32 a = smem_u32(part + r * BO + c);
         float z = bias[o0 + c];
-        for (int y = 0; y < (int)gridDim.y; ++y) z += ld_cluster_f32(mapa(a, y));
+        z += cluster_sum(smem_u32(part + r * BO + c), gridDim.y);
         hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
     }
     cluster_sync_all();               // no block leaves while another still reads its partial
@@ -615,13 +637,188 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
     const int cols = BI / gridDim.y, c0 = blockIdx.y * cols;
     for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
         const int r = i / cols, c = c0 + i % cols;
-        const u32 a = smem_u32(part + r * BI + c);
-        float s = 0.f;
-        for (int y = 0; y < (int)gridDim.y; ++y) s += ld_cluster_f32(mapa(a, y));
+        const float s = cluster_sum(smem_u32(part + r * BI + c), gridDim.y);
         const float hv = from_elem(hs[r * (BI + 8) + c]);
         const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
         dzp[(size_t)r * in_p + i0 + c] = v;
         dzpT[(size_t)(i0 + c) * BP + r] = v;
     }
     cluster_sync_all();               // no block leaves while another still reads its partial
+}
+
+// v7: the last layer's forward and backward in one cluster of C = gridDim.x blocks (C <= 8). Block y owns the
+// k-steps [ks0, ks1) of the inputs, the same columns of W^T in both directions:
+//   forward   part_y = H_in[:, cols] @ W^T[:, cols]^T               (the warps' k-steps as ft_fwd_last's)
+//   logits    z = 0 + part_0 + ... + part_{C-1} + b,  g = softmax(z) - onehot   (every block, all rows)
+//   backward  W^T[:, cols] -= lr/B' * g^T @ H_in[:, cols];  dH[:, cols] = g @ W_old^T[:, cols]   [need_dh]
+// Each warp takes the 8-column tiles warp, warp + 8, ... of its block: the last layer has one 16-row chunk, so
+// a tile's dH needs no reduction across warps. Rank 0 updates the bias, writes the step's loss and correct count,
+// and keeps g in dz / dzT (both layouts, as ft_fwd_last did).
+extern "C" __global__ void __launch_bounds__(256)
+ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float* __restrict__ bias,
+        const int* __restrict__ yb, int rows, int step, float wscale, float bscale, int need_dh,
+        elem_t* __restrict__ dz, elem_t* __restrict__ dzT, elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT,
+        float* __restrict__ stat_loss, int* __restrict__ stat_ok)
+{
+    extern __shared__ __align__(16) unsigned char lsm[];
+    float* red = reinterpret_cast<float*>(lsm);                           // [NW][BP][17], then z [BP][17]
+    float* part = reinterpret_cast<float*>(lsm + LS_RED);                 // [BP][16]
+    elem_t* gts = reinterpret_cast<elem_t*>(lsm + LS_RED + LS_PART);      // [16][GS]
+    float* wstat = reinterpret_cast<float*>(lsm + LS_RED + LS_PART + LS_GT);   // [NW] loss, [NW] correct
+    grid_dependency_wait();   // hin is the previous kernel's output
+    launch_dependents();
+    if (cluster_size() != gridDim.x) __trap();   // launched without its cluster: mapa would be wrong
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int ksteps = in_p / 16;
+    const int per = (ksteps + gridDim.x - 1) / gridDim.x;
+    const int ks0 = min(ksteps, (int)blockIdx.x * per), ks1 = min(ksteps, ks0 + per);
+
+    // ---- forward: this block's partial logits ----
+    float acc[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
+    gemm_rows<2>(acc, hin, in_p, wt, 0, ks0 + warp, ks1, NW);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * 17 + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < BP * 16; i += blockDim.x) {
+        const int r = i >> 4, c = i & 15;
+        float z = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * 17 + c];
+        part[i] = z;
+    }
+    cluster_sync_all();       // every block's partial logits are written
+    for (int i = threadIdx.x; i < BP * 16; i += blockDim.x)   // red is free: it takes the cluster's logits
+        red[(i >> 4) * 17 + (i & 15)] = cluster_sum(smem_u32(part + i), gridDim.x);
+    __syncthreads();
+
+    // ---- softmax and cross-entropy, one thread a row (ft_fwd_last's arithmetic); g^T into shared memory ----
+    float lsum = 0.f;
+    int okc = 0;
+    for (int r = threadIdx.x; r < BP; r += blockDim.x) {
+        float z[16];
+#pragma unroll
+        for (int c = 0; c < 16; ++c) z[c] = red[r * 17 + c];
+        float mx = FT_NEG_INF;
+        int best = 0;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) {
+            z[c] += bias[c];
+            if (z[c] > mx) { mx = z[c]; best = c; }
+        }
+        float se = 0.f;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) se += __expf(z[c] - mx);
+        const bool live = r < rows;
+        const int y = live ? yb[r] : -1;
+        float zy = 0.f;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) zy = (c == y) ? z[c] : zy;
+        if (live) {
+            lsum += __logf(se) - (zy - mx);
+            okc += (best == y);
+        }
+        const float inv = 1.0f / se;
+        u32 gp[8];
+#pragma unroll
+        for (int c = 0; c < 16; c += 2) {
+            float g0 = (live && c < 10) ? __expf(z[c] - mx) * inv - (c == y) : 0.f;
+            float g1 = (live && c + 1 < 10) ? __expf(z[c + 1] - mx) * inv - (c + 1 == y) : 0.f;
+            gp[c / 2] = pack2(g0, g1);
+            const float2 back = unpack2(gp[c / 2]);
+            gts[c * GS + r] = to_elem(back.x);
+            gts[(c + 1) * GS + r] = to_elem(back.y);
+            if (blockIdx.x == 0) {
+                dzT[(size_t)c * BP + r] = to_elem(back.x);
+                dzT[(size_t)(c + 1) * BP + r] = to_elem(back.y);
+            }
+        }
+        if (blockIdx.x == 0) {
+            uint4* d = reinterpret_cast<uint4*>(dz + (size_t)r * 16);
+            d[0] = make_uint4(gp[0], gp[1], gp[2], gp[3]);
+            d[1] = make_uint4(gp[4], gp[5], gp[6], gp[7]);
+        }
+    }
+    if (blockIdx.x == 0) {
+        lsum = warp_sum(lsum);
+        okc = __reduce_add_sync(0xffffffffu, okc);
+        if (lane == 0) { wstat[warp] = lsum; wstat[NW + warp] = __int_as_float(okc); }
+    }
+    __syncthreads();          // g^T is complete (and the warps' stats)
+    if (blockIdx.x == 0) {
+        if (threadIdx.x == 0) {
+            float L = 0.f;
+            int A = 0;
+            for (int w = 0; w < NW; ++w) { L += wstat[w]; A += __float_as_int(wstat[NW + w]); }
+            stat_loss[step] = L;
+            stat_ok[step] = A;
+        }
+        // bias: b[o] -= lr/B' * sum_b g[b][o], summed in pairs as ft_bwd does
+        if (threadIdx.x < 16) {
+            const int o = threadIdx.x;
+            float s = 0.f;
+#pragma unroll
+            for (int q = 0; q < BP / 2; ++q)
+                s += from_elem(gts[o * GS + 2 * q]) + from_elem(gts[o * GS + 2 * q + 1]);
+            bias[o] -= bscale * s;
+        }
+    }
+
+    // ---- backward of this block's columns: one 8-column tile a warp at a time ----
+    // A fragments as ft_bwd's: g^T (m = o, k = batch) and g (m = batch, k = o) by ldmatrix (.trans) from g^T
+    const int at_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * GS + (lane >> 4) * 8;
+    const int ad_off = ((lane & 7) + (lane >> 4) * 8) * GS + ((lane >> 3) & 1) * 8;
+    u32 at[MT][4], ad[MT][4];
+#pragma unroll
+    for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + at_off + kk * 16));
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) ldsm_x4_t(ad[mt], smem_u32(gts + ad_off + mt * 16));
+    for (int i0 = ks0 * 16 + warp * 8; i0 < ks1 * 16; i0 += NW * 8) {
+        float2 w0 = *reinterpret_cast<const float2*>(wt + (size_t)g * in_p + i0 + 2 * t);
+        float2 w1 = *reinterpret_cast<const float2*>(wt + (size_t)(g + 8) * in_p + i0 + 2 * t);
+        if (need_dh) {
+            // dH[:, i0..i0+8) = g @ W_old^T (B = W_old^T tile by movmatrix, as ft_bwd)
+            const u32 b0 = movmatrix_t(pack2(w0.x, w0.y));
+            const u32 b1 = movmatrix_t(pack2(w1.x, w1.y));
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) {
+                float dh[4] = {0.f, 0.f, 0.f, 0.f};
+                mma16816(dh, ad[mt], b0, b1);
+#pragma unroll
+                for (int e = 0; e < 4; ++e) {
+                    const int r = mt * 16 + g + (e >> 1) * 8, c = i0 + 2 * t + (e & 1);
+                    const float hv = from_elem(hin[(size_t)r * in_p + c]);
+                    const elem_t v = to_elem(hv > 0.f ? dh[e] : 0.f);   // ReLU'(z) = [h > 0]
+                    dzp[(size_t)r * in_p + c] = v;
+                    dzpT[(size_t)c * BP + r] = v;
+                }
+            }
+        }
+        // dW^T tile = g^T @ H_in[:, i0..i0+8): B fragments (k = batch, n = column) read as ldmatrix.trans would
+        float accw[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kk = 0; kk < MT; ++kk) {
+            const elem_t* hc = hin + (size_t)(kk * 16 + 2 * t) * in_p + i0 + g;
+            const u32 h0 = pack_elems(hc[0], hc[in_p]);
+            const u32 h1 = pack_elems(hc[8 * (size_t)in_p], hc[9 * (size_t)in_p]);
+            mma16816(accw, at[kk], h0, h1);
+        }
+        w0.x -= wscale * accw[0];
+        w0.y -= wscale * accw[1];
+        w1.x -= wscale * accw[2];
+        w1.y -= wscale * accw[3];
+        *reinterpret_cast<float2*>(wt + (size_t)g * in_p + i0 + 2 * t) = w0;
+        *reinterpret_cast<float2*>(wt + (size_t)(g + 8) * in_p + i0 + 2 * t) = w1;
+    }
+    cluster_sync_all();       // no block leaves while another may still read its partial logits
 }
