@@ -71,6 +71,11 @@ class FusedStepSession(FusedSession):
         self.tuning = self.tuning_options()
         shapes = [wt.shape for wt, _, _, _ in self.layers]
         self.plan = self.make_plan(shapes)
+        last_in = self.layers[-1][0].shape[1]
+        self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
+        self.last_fused = self.fused_last and options.step_last == "fused"
+        if self.last_fused:
+            self.split = min(8, self.split)   # ft_last: one cluster (8: the portable maximum)
         self.launcher = None
         pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
         clustered = (any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
@@ -79,11 +84,6 @@ class FusedStepSession(FusedSession):
             from fasttrain.engines.cuda.fused.launch import ExLauncher
 
             self.launcher = ExLauncher(pdl=pdl)
-        last_in = self.layers[-1][0].shape[1]
-        self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
-        self.last_fused = self.fused_last and options.step_last == "fused"
-        if self.last_fused:
-            self.split = min(8, self.split)   # ft_last: one cluster (8: the portable maximum)
         mods = {}
         for p in self.plan:
             defines = self.defines(p, bf16)
