@@ -306,6 +306,17 @@ def test_cluster_splits_widen_the_tiles_of_the_split_layers():
         step_plan(shapes(128), 2, fsplit=3)
 
 
+def test_fused_last_layer_is_one_cluster_that_fits():
+    """ft_last runs as one cluster of at most 8 blocks (v6's ft_fwd_last took up to 64); its staged columns fit
+    at batch 32 up to 8192 inputs; where they do not (batch 256) the session falls back to v6's two kernels."""
+    from fasttrain.engines.cuda.fused.plans import SMEM_LIMIT, last_smem, last_split
+
+    assert [last_split(i, True) for i in (112, 784, 2048, 8192)] == [1, 3, 8, 8]
+    assert [last_split(i, False) for i in (112, 784, 2048, 8192)] == [1, 3, 8, 32]
+    assert last_smem(2, 8192, 8) <= SMEM_LIMIT < last_smem(16, 8192, 8)
+    assert last_smem(8, 784, 3) <= SMEM_LIMIT < last_smem(16, 784, 3)   # logreg: batch 128 fused, 256 not
+
+
 def test_programmatic_launch_is_on_where_it_measured_faster():
     from fasttrain.engines.cuda.fused.plans import step_pdl
 
@@ -352,7 +363,7 @@ def test_step_smem_mirrors_the_kernel(tmp_path):
     and read back from the ``ft_bwd_smem`` / ``ft_fwd_smem`` initializers)."""
     if NVCC is None:
         pytest.skip("nvcc not found")
-    from fasttrain.engines.cuda.fused.plans import step_bwd_smem, step_fwd_smem
+    from fasttrain.engines.cuda.fused.plans import last_smem, step_bwd_smem, step_fwd_smem
 
     for d in STEP_CONFIGS[:4] + STEP_CONFIGS[-2:]:
         flags = [f"-D{k}={v}" for k, v in d.items()]
@@ -365,6 +376,9 @@ def test_step_smem_mirrors_the_kernel(tmp_path):
         assert got == step_bwd_smem(d["FT_MT"], d["FT_BI"], d["FT_S"]), d
         got = int(re.search(r"ft_fwd_smem\s*=\s*(\d+)", out.read_text()).group(1))
         assert got == step_fwd_smem(d["FT_MT"], d["FT_BO"], d["FT_FU"]), d
+        got = int(re.search(r"ft_lastc_smem\s*=\s*(\d+)", out.read_text()).group(1))   # ft_last's fixed part
+        bp = 16 * d["FT_MT"]
+        assert got == last_smem(d["FT_MT"], 16, 1) - 16 * 32 * 4 - bp * 24 * 2, d
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -583,7 +597,7 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("model,precision,batch", [("logreg", "fp16", 37), ("mlp:100x2", "bf16", 37),
-                                                   ("mlp:1024x2", "fp16", 32), ("mlp:256x1", "fp16", 256)])
+                                                   ("mlp:1024x2", "fp16", 32), ("mlp:256x1", "fp16", 128)])
 def test_rung7_fused_last_layer_equals_the_split_one(tiny_data, model, precision, batch):
     """ft_last (the last layer's forward, softmax and backward in one cluster) computes v6's two kernels' sums
     when its cluster has as many blocks as ft_fwd_last had (up to 2048 inputs): per-step losses and weights

@@ -28,6 +28,9 @@ from fasttrain.engines.cuda.fused.base import FusedSession
 from fasttrain.engines.cuda.fused.build import KERNEL_DIR, load_module, module_int
 from fasttrain.engines.cuda.fused.plans import (
     NW,
+    SMEM_LIMIT,
+    last_smem,
+    last_split,
     blocks_per_sm,
     pad16,
     step_bwd_smem,
@@ -72,10 +75,10 @@ class FusedStepSession(FusedSession):
         shapes = [wt.shape for wt, _, _, _ in self.layers]
         self.plan = self.make_plan(shapes)
         last_in = self.layers[-1][0].shape[1]
-        self.split = max(1, min(64, (last_in // 16) // 16))   # ft_fwd_last blocks: ~16 k-steps each
-        self.last_fused = self.fused_last and options.step_last == "fused"
-        if self.last_fused:
-            self.split = min(8, self.split)   # ft_last: one cluster (8: the portable maximum)
+        # ft_last (one cluster) where its staged columns fit in shared memory, else v6's two kernels
+        self.last_fused = (self.fused_last and options.step_last == "fused"
+                           and last_smem(self.mt, last_in, last_split(last_in, True)) <= SMEM_LIMIT)
+        self.split = last_split(last_in, self.last_fused)
         self.launcher = None
         pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
         clustered = (any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
@@ -95,6 +98,13 @@ class FusedStepSession(FusedSession):
         self.k_gather = m0.get_function("ft_gather")
         self.k_last = m0.get_function("ft_last" if self.last_fused else "ft_fwd_last")
         self.last_smem = module_int(m0, "ft_lastc_smem" if self.last_fused else "ft_last_smem")
+        if self.last_fused:
+            self.last_pc = 16 * -(-(last_in // 16) // self.split)   # columns a block stages
+            fixed = self.last_smem
+            self.last_smem = last_smem(self.mt, last_in, self.split)
+            if fixed != self.last_smem - 16 * (self.last_pc + 16) * 4 - self.bp * (self.last_pc + 8) * 2:
+                raise FasttrainError(f"internal: {self.version} ft_last's fixed shared memory is {fixed} bytes, "
+                                     "the plan's mirror says otherwise")
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
         for p in self.plan:
             p["fwd"] = p["module"].get_function("ft_fwd")
@@ -162,7 +172,9 @@ class FusedStepSession(FusedSession):
         return {k: v for k, v in knobs.items() if v is not None}
 
     def make_plan(self, shapes) -> list[dict]:
-        return step_plan(shapes, self.mt, cluster_part=self.cluster_split, **self.tuning)
+        # kernels before v7 cannot sum a cluster's partials: never split their layers
+        splits = {} if self.cluster_split else {"fsplit": 1, "bsplit": 1}
+        return step_plan(shapes, self.mt, cluster_part=self.cluster_split, **(self.tuning | splits))
 
     def defines(self, p: dict, bf16: int) -> dict:
         return step_defines(p, self.mt, bf16)
@@ -241,7 +253,7 @@ class FusedStepSession(FusedSession):
             out.append(("last", L - 1, self._launch(
                 self.k_last, (self.split,), (NW * 32,),
                 (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k), scale, scale,
-                 np_.int32(need), self.dz[L], self.dzT[L], self.dz[L - 1] if need else self.dz[L],
+                 np_.int32(need), np_.int32(self.last_pc), self.dz[L], self.dzT[L], self.dz[L - 1] if need else self.dz[L],
                  self.dzT[L - 1] if need else self.dzT[L], self.stat_loss, self.stat_ok),
                 self.last_smem, (self.split, 1, 1) if self.split > 1 else None)))
         else:

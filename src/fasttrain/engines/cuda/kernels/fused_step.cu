@@ -136,11 +136,13 @@ static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
 extern "C" __constant__ int ft_fwd_smem = FRING_RED + FPART_BYTES;
 extern "C" __constant__ int ft_last_smem = NW * BP * 17 * 4 + 64;
 // ft_last (v7): the warps' partial logits [NW][BP][17] (then the cluster's logits [BP][17]), the block's partial
-// [BP][16], g^T [16][GS] in the operand type, the per-warp loss / correct counts
+// [BP][16], g^T [16][GS] in the operand type, the per-warp loss / correct counts, then the staged W^T and H_in
+// columns (their size depends on the layer: the host adds it)
 #define LS_RED (NW * BP * 17 * 4)
 #define LS_PART (BP * 16 * 4)
 #define LS_GT (16 * GS * 2)
-extern "C" __constant__ int ft_lastc_smem = LS_RED + LS_PART + LS_GT + 2 * NW * 4;
+#define LS_FIXED (LS_RED + LS_PART + LS_GT + 2 * NW * 4)
+extern "C" __constant__ int ft_lastc_smem = LS_FIXED;   // + the staged slices (the host adds them)
 // H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop), then the
 // block's dH partial
 extern "C" __constant__ int ft_bwd_smem = HS_BYTES + RING_RED + BPART_BYTES;
@@ -647,16 +649,19 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
 }
 
 // v7: the last layer's forward and backward in one cluster of C = gridDim.x blocks (C <= 8). Block y owns the
-// k-steps [ks0, ks1) of the inputs, the same columns of W^T in both directions:
+// k-steps [ks0, ks1) of the inputs, the same PC = 16 * (ks1 - ks0) columns of W^T in both directions, and stages
+// them (W^T[:, cols] fp32 and H_in[:, cols]) into shared memory with one round of cp.async before anything else,
+// so the kernel waits on global memory once:
 //   forward   part_y = H_in[:, cols] @ W^T[:, cols]^T               (the warps' k-steps as ft_fwd_last's)
 //   logits    z = 0 + part_0 + ... + part_{C-1} + b,  g = softmax(z) - onehot   (every block, all rows)
 //   backward  W^T[:, cols] -= lr/B' * g^T @ H_in[:, cols];  dH[:, cols] = g @ W_old^T[:, cols]   [need_dh]
 // Each warp takes the 8-column tiles warp, warp + 8, ... of its block: the last layer has one 16-row chunk, so
 // a tile's dH needs no reduction across warps. Rank 0 updates the bias, writes the step's loss and correct count,
-// and keeps g in dz / dzT (both layouts, as ft_fwd_last did).
+// and keeps g in dz / dzT (both layouts, as ft_fwd_last did). Shared memory: ft_lastc_smem + the staged slices,
+// 16 * (pc + 16) * 4 + BP * (pc + 8) * 2 bytes (pc: the host's columns per block).
 extern "C" __global__ void __launch_bounds__(256)
 ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float* __restrict__ bias,
-        const int* __restrict__ yb, int rows, int step, float wscale, float bscale, int need_dh,
+        const int* __restrict__ yb, int rows, int step, float wscale, float bscale, int need_dh, int pc,
         elem_t* __restrict__ dz, elem_t* __restrict__ dzT, elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT,
         float* __restrict__ stat_loss, int* __restrict__ stat_ok)
 {
@@ -665,15 +670,32 @@ ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float*
     float* part = reinterpret_cast<float*>(lsm + LS_RED);                 // [BP][16]
     elem_t* gts = reinterpret_cast<elem_t*>(lsm + LS_RED + LS_PART);      // [16][GS]
     float* wstat = reinterpret_cast<float*>(lsm + LS_RED + LS_PART + LS_GT);   // [NW] loss, [NW] correct
-    grid_dependency_wait();   // hin is the previous kernel's output
+    const int wsl = pc + 16, hsl = pc + 8;                                // row strides (floats, elements)
+    float* ws = reinterpret_cast<float*>(lsm + LS_FIXED);                 // [16][wsl]: W^T[:, cols]
+    elem_t* hs = reinterpret_cast<elem_t*>(lsm + LS_FIXED + 16 * wsl * 4);   // [BP][hsl]: H_in[:, cols]
+    grid_dependency_wait();   // hin is the previous kernel's output (and W the previous step's update)
     launch_dependents();
     if (cluster_size() != gridDim.x) __trap();   // launched without its cluster: mapa would be wrong
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int ksteps = in_p / 16;
     const int per = (ksteps + gridDim.x - 1) / gridDim.x;
     const int ks0 = min(ksteps, (int)blockIdx.x * per), ks1 = min(ksteps, ks0 + per);
+    const int c0 = ks0 * 16, cols = (ks1 - ks0) * 16;
 
-    // ---- forward: this block's partial logits ----
+    // ---- stage this block's columns: 16-byte cp.async, one commit group ----
+    for (int p = threadIdx.x; p < 16 * (cols / 4); p += blockDim.x) {
+        const int r = p / (cols / 4), c = p % (cols / 4);
+        cp_async16(smem_u32(ws + r * wsl + c * 4), wt + (size_t)r * in_p + c0 + c * 4);
+    }
+    for (int p = threadIdx.x; p < BP * (cols / 8); p += blockDim.x) {
+        const int r = p / (cols / 8), c = p % (cols / 8);
+        cp_async16(smem_u32(hs + r * hsl + c * 8), hin + (size_t)r * in_p + c0 + c * 8);
+    }
+    cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- forward: this block's partial logits (gemm_rows' arithmetic, from shared memory) ----
     float acc[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -681,7 +703,24 @@ ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float*
         for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
-    gemm_rows<2>(acc, hin, in_p, wt, 0, ks0 + warp, ks1, NW);
+    for (int ks = ks0 + warp; ks < ks1; ks += NW) {
+        const int k0 = (ks - ks0) * 16 + 4 * t;
+        u32 b[2][2];
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb) {
+            const float4 w = *reinterpret_cast<const float4*>(ws + (nb * 8 + g) * wsl + k0);
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * hsl + k0);
+            const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * hsl + k0);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < 2; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -774,7 +813,7 @@ ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float*
         }
     }
 
-    // ---- backward of this block's columns: one 8-column tile a warp at a time ----
+    // ---- backward of this block's columns: one 8-column tile a warp at a time, all operands in shared memory ----
     // A fragments as ft_bwd's: g^T (m = o, k = batch) and g (m = batch, k = o) by ldmatrix (.trans) from g^T
     const int at_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * GS + (lane >> 4) * 8;
     const int ad_off = ((lane & 7) + (lane >> 4) * 8) * GS + ((lane >> 3) & 1) * 8;
@@ -783,11 +822,11 @@ ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float*
     for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + at_off + kk * 16));
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) ldsm_x4_t(ad[mt], smem_u32(gts + ad_off + mt * 16));
-    for (int i0 = ks0 * 16 + warp * 8; i0 < ks1 * 16; i0 += NW * 8) {
-        float2 w0 = *reinterpret_cast<const float2*>(wt + (size_t)g * in_p + i0 + 2 * t);
-        float2 w1 = *reinterpret_cast<const float2*>(wt + (size_t)(g + 8) * in_p + i0 + 2 * t);
+    for (int il = warp * 8; il < cols; il += NW * 8) {
+        float2 w0 = *reinterpret_cast<const float2*>(ws + g * wsl + il + 2 * t);
+        float2 w1 = *reinterpret_cast<const float2*>(ws + (g + 8) * wsl + il + 2 * t);
         if (need_dh) {
-            // dH[:, i0..i0+8) = g @ W_old^T (B = W_old^T tile by movmatrix, as ft_bwd)
+            // dH[:, tile] = g @ W_old^T (B = W_old^T tile by movmatrix, as ft_bwd)
             const u32 b0 = movmatrix_t(pack2(w0.x, w0.y));
             const u32 b1 = movmatrix_t(pack2(w1.x, w1.y));
 #pragma unroll
@@ -796,29 +835,27 @@ ft_last(const elem_t* __restrict__ hin, int in_p, float* __restrict__ wt, float*
                 mma16816(dh, ad[mt], b0, b1);
 #pragma unroll
                 for (int e = 0; e < 4; ++e) {
-                    const int r = mt * 16 + g + (e >> 1) * 8, c = i0 + 2 * t + (e & 1);
-                    const float hv = from_elem(hin[(size_t)r * in_p + c]);
+                    const int r = mt * 16 + g + (e >> 1) * 8, c = il + 2 * t + (e & 1);
+                    const float hv = from_elem(hs[r * hsl + c]);
                     const elem_t v = to_elem(hv > 0.f ? dh[e] : 0.f);   // ReLU'(z) = [h > 0]
-                    dzp[(size_t)r * in_p + c] = v;
-                    dzpT[(size_t)c * BP + r] = v;
+                    dzp[(size_t)r * in_p + c0 + c] = v;
+                    dzpT[(size_t)(c0 + c) * BP + r] = v;
                 }
             }
         }
-        // dW^T tile = g^T @ H_in[:, i0..i0+8): B fragments (k = batch, n = column) read as ldmatrix.trans would
+        // dW^T tile = g^T @ H_in[:, tile]: B fragments (k = batch, n = column) as ldmatrix.trans would give them
         float accw[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 0; kk < MT; ++kk) {
-            const elem_t* hc = hin + (size_t)(kk * 16 + 2 * t) * in_p + i0 + g;
-            const u32 h0 = pack_elems(hc[0], hc[in_p]);
-            const u32 h1 = pack_elems(hc[8 * (size_t)in_p], hc[9 * (size_t)in_p]);
-            mma16816(accw, at[kk], h0, h1);
+            const elem_t* hc = hs + (kk * 16 + 2 * t) * hsl + il + g;
+            mma16816(accw, at[kk], pack_elems(hc[0], hc[hsl]), pack_elems(hc[8 * hsl], hc[9 * hsl]));
         }
         w0.x -= wscale * accw[0];
         w0.y -= wscale * accw[1];
         w1.x -= wscale * accw[2];
         w1.y -= wscale * accw[3];
-        *reinterpret_cast<float2*>(wt + (size_t)g * in_p + i0 + 2 * t) = w0;
-        *reinterpret_cast<float2*>(wt + (size_t)(g + 8) * in_p + i0 + 2 * t) = w1;
+        *reinterpret_cast<float2*>(wt + (size_t)g * in_p + c0 + il + 2 * t) = w0;
+        *reinterpret_cast<float2*>(wt + (size_t)(g + 8) * in_p + c0 + il + 2 * t) = w1;
     }
     cluster_sync_all();       // no block leaves while another may still read its partial logits
 }
