@@ -307,7 +307,8 @@ def test_cluster_splits_widen_the_tiles_of_the_split_layers():
 
 
 def test_fused_last_layer_is_one_cluster_that_fits():
-    """ft_last runs as one cluster of at most 8 blocks (v6's ft_fwd_last took up to 64); its staged columns fit
+    """The dev experiment's ft_last (dev/cuda/fused_step_v7_lastfused.cu) runs as one cluster of at most 8 blocks
+    (ft_fwd_last takes up to 64); its staged columns fit
     at batch 32 up to 8192 inputs; where they do not (batch 256) the session falls back to v6's two kernels."""
     from fasttrain.engines.cuda.fused.plans import SMEM_LIMIT, last_smem, last_split
 
@@ -344,7 +345,6 @@ def test_step_tiles_are_checked():
     (["--rung", "6", "--no-side-score"], "--side-score is an option of --rung 8"),
     (["--rung", "7", "--step-bi", "24"], "--step-bi must be one of 8, 16, 32, 64"),
     (["--rung", "7", "--step-pdl", "maybe"], "--step-pdl must be one of auto, on, off"),
-    (["--rung", "7", "--step-last", "both"], "--step-last must be one of fused, split"),
     (["--rung", "7", "--step-fsplit", "3"], "--step-fsplit must be one of 1, 2, 4, 8"),
     (["--rung", "8", "--step-pdl", "off"], "--step-pdl is an option of --rung 7"),
 ])
@@ -363,7 +363,7 @@ def test_step_smem_mirrors_the_kernel(tmp_path):
     and read back from the ``ft_bwd_smem`` / ``ft_fwd_smem`` initializers)."""
     if NVCC is None:
         pytest.skip("nvcc not found")
-    from fasttrain.engines.cuda.fused.plans import last_smem, step_bwd_smem, step_fwd_smem
+    from fasttrain.engines.cuda.fused.plans import step_bwd_smem, step_fwd_smem
 
     for d in STEP_CONFIGS[:4] + STEP_CONFIGS[-2:]:
         flags = [f"-D{k}={v}" for k, v in d.items()]
@@ -376,9 +376,6 @@ def test_step_smem_mirrors_the_kernel(tmp_path):
         assert got == step_bwd_smem(d["FT_MT"], d["FT_BI"], d["FT_S"]), d
         got = int(re.search(r"ft_fwd_smem\s*=\s*(\d+)", out.read_text()).group(1))
         assert got == step_fwd_smem(d["FT_MT"], d["FT_BO"], d["FT_FU"]), d
-        got = int(re.search(r"ft_lastc_smem\s*=\s*(\d+)", out.read_text()).group(1))   # ft_last's fixed part
-        bp = 16 * d["FT_MT"]
-        assert got == last_smem(d["FT_MT"], 16, 1) - 16 * 32 * 4 - bp * 24 * 2, d
 
 
 # --- GPU ------------------------------------------------------------------------------------
@@ -439,7 +436,6 @@ def test_warm_up_does_not_train(tiny_data, rung, model, tuning):
     # v7's cluster splits: uneven k-step slices (784 = 49 k-steps over 2 / 4 / 8), the 8-way split at 1024
     (7, "mlp:256x2", 37, {"step_fsplit": 2, "step_bsplit": 2}), (7, "mlp:512x3", 29, {"step_fsplit": 4, "step_bsplit": 4}),
     (7, "mlp:1024x2", 32, {"step_fsplit": 8, "step_bsplit": 8, "step_pdl": "off"}),
-    (7, "mlp:100x2", 37, {"step_last": "split"}), (7, "logreg", 37, {"step_last": "split"}),   # v6's last layer
     (8, "mlp:100x2", 37, {}), (8, "mlp:128x3", 29, {}), (8, "mlp:64x1", 37, {}),
     (8, "mlp:64x2", 50, {}),   # the compact fallback: the blocked build does not fit
     (8, "mlp:100x2", 37, {"mlp_layout": "compact"}),
@@ -582,34 +578,6 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
             env = sess.environment()
             assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
             assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
-            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
-                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
-            runs.append((steps, sess.weights()))
-        finally:
-            sess.close()
-    (s1, w1), (s0, w0) = runs
-    for a, b in zip(s1, s0):
-        np.testing.assert_array_equal(a, b)
-    for (wa, ba), (wb, bb) in zip(w1, w0):
-        np.testing.assert_array_equal(wa, wb)
-        np.testing.assert_array_equal(ba, bb)
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model,precision,batch", [("logreg", "fp16", 37), ("mlp:100x2", "bf16", 37),
-                                                   ("mlp:1024x2", "fp16", 32), ("mlp:256x1", "fp16", 128)])
-def test_rung7_fused_last_layer_equals_the_split_one(tiny_data, model, precision, batch):
-    """ft_last (the last layer's forward, softmax and backward in one cluster) computes v6's two kernels' sums
-    when its cluster has as many blocks as ft_fwd_last had (up to 2048 inputs): per-step losses and weights
-    bit-identical (without the cluster splits of the hidden layers, which change other sums)."""
-    from fasttrain.contract import epoch_order
-
-    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=2, lr=0.05)
-    runs = []
-    for last in ("fused", "split"):
-        sess = make_session_plain(job, step_last=last, step_fsplit=1, step_bsplit=1)
-        try:
-            assert sess.environment()["last_layer"] == last
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

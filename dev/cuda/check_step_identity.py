@@ -61,17 +61,15 @@ def main(argv) -> int:
             spec = parse_model(model)
             cfg = default_config(spec, precision=precision, batch_size=batch, eval_every=100, **length)
             job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
-            # v7 without cluster splits is v6 sum for sum; its fused last layer too while its cluster has as many
-            # blocks as v6's ft_fwd_last (last layer <= 2048 inputs: 8 or fewer)
-            last = "fused" if spec.hidden and spec.hidden[-1] <= 2048 or not spec.hidden else "split"
-            opts = make_options(CudaDevEngine, {"rung": 7, "step_fsplit": 1, "step_bsplit": 1, "step_last": last})
+            # v7 without its cluster splits is v6 sum for sum
+            opts = make_options(CudaDevEngine, {"rung": 7, "step_fsplit": 1, "step_bsplit": 1})
             new_l, new_w = train(make_dev_session(job, opts), job)
             old_l, old_w = train(make_dev_session(job, make_options(CudaDevEngine, {"rung": 7, "kernel": version})),
                                  job)
             same = np.array_equal(new_l, old_l) and all(np.array_equal(a, c) and np.array_equal(b, d)
                                                         for (a, b), (c, d) in zip(new_w, old_w))
             bad += not same
-            print(f"{dname:9s} {model:11s} {precision} batch {batch:3d} {len(new_l):5d} steps, last layer {last}: "
+            print(f"{dname:9s} {model:11s} {precision} batch {batch:3d} {len(new_l):5d} steps: "
                   f"{'bit-identical' if same else 'DIFFERENT'} to {version} (final loss {new_l[-1]:.6f} vs {old_l[-1]:.6f})",
                   flush=True)
     return 1 if bad else 0

@@ -89,7 +89,6 @@ def main(argv=None) -> int:
         # v7's cluster splits (the blocks of a cluster read each other's shared memory)
         ok &= check(data, "mlp:512x3", 7, "fp16", 29, args.epochs, step_fsplit=4, step_bsplit=4)
         ok &= check(data, "mlp:1024x2", 7, "bf16", 32, args.epochs, step_fsplit=8, step_bsplit=8, step_pdl="off")
-        ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs, step_last="split")   # v6's last layer
     if args.only == "history":
         for cluster in (7, 4):
             for precision in ("fp16", "bf16"):
@@ -97,6 +96,7 @@ def main(argv=None) -> int:
                             kernel="fused_logreg_v5.cu")
         ok &= check(data, "logreg", 8, "fp16", 37, args.epochs, kernel="fused_logreg_v2.cu")
         ok &= check(data, "mlp:100x2", 7, "fp16", 37, args.epochs, kernel="fused_step_v1.cu")
+        ok &= check(data, "mlp:512x3", 7, "bf16", 29, args.epochs, kernel="fused_step_v7_lastfused.cu")
         ok &= check(data, "mlp:100x2", 8, "fp16", 37, args.epochs, kernel="fused_mlp_v1.cu")
         ok &= check(data, "mlp:128x3", 8, "fp16", 32, args.epochs, kernel="fused_mlp_v2.cu")
         ok &= check(data, "mlp:256x2", 8, "fp16", 37, args.epochs, kernel="fused_grid_v1.cu")

@@ -11,7 +11,7 @@ graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run 
 --pdl: the default plan with and without programmatic dependent launch (--step-pdl on / off), and v4 (dev/cuda).
 --clusters: v7's cluster splits (--step-fsplit / --step-bsplit 2, 4, 8) against the default plan and v6 (dev/cuda);
 each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
---v7: the default plan against --step-last split, no cluster splits, a 6-stage backward ring, and v6 (dev/cuda).
+--v7: the default plan against no cluster splits, the fused last layer (dev/cuda/fused_step_v7_lastfused.cu) and v6.
 """
 
 import os
@@ -35,7 +35,7 @@ CLUSTER_VARIANTS = [{}, {"step_fsplit": 2}, {"step_fsplit": 4}, {"step_fsplit": 
                     {"step_fsplit": 4, "step_bsplit": 4}, {"step_fsplit": 4, "step_bsplit": 4, "step_pdl": "off"},
                     {"kernel": "fused_step_v6.cu"}]
 # v7 as the package runs it (auto splits, the fused last layer) against each of its changes undone, and v6
-V7_VARIANTS = [{}, {"step_last": "split"}, {"step_fsplit": 1, "step_bsplit": 1}, {"step_stages": 6},
+V7_VARIANTS = [{}, {"step_fsplit": 1, "step_bsplit": 1}, {"kernel": "fused_step_v7_lastfused.cu"},
                {"kernel": "fused_step_v6.cu"}]
 
 

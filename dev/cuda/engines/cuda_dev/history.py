@@ -52,6 +52,12 @@ def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
     return max((fu + 1) * (bo * (kc * 4 + 64) + bp * (kc * 2 + 32)), (NW // (bo // 8)) * bp * (bo + 1) * 4)
 
 
+class StepV7LastFused(FusedStepSession):
+    """v7 + ft_last: the last layer's forward, softmax and backward in one kernel of one cluster (slower)."""
+
+    fused_last = True
+
+
 class StepV6(FusedStepSession):
     """v6: v4 + programmatic dependent launch; no cluster splits (gridDim.y > 1 only on the first layer's
     backward), so no cluster partial in its shared memory."""
@@ -222,6 +228,7 @@ class GridOld(_DevDefines, PersistentGridSession):
 SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
     "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
+    "fused_step_v7_lastfused.cu": StepV7LastFused,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,

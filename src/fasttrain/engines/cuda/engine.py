@@ -49,8 +49,6 @@ class CudaOptions:
                                      "k-steps (1: no cluster)", choices=(1, 2, 4, 8), type=int)
     step_bsplit: int | None = option(None, "rung 7: blocks of a thread-block cluster that split each hidden "
                                      "backward's output rows (1: no cluster)", choices=(1, 2, 4, 8), type=int)
-    step_last: str = option("fused", "rung 7: the last layer's forward, softmax and backward in one cluster kernel "
-                            "(fused) or in two kernels (split, v6)", choices=("fused", "split"))
     step_carveout: int = option(100, "rung 7: preferred shared-memory carveout in percent (-1: the driver's default)",
                                 bounds=(-1, 100))
     step_graph: bool = option(True, "rung 7: replay each epoch as one CUDA graph (off: launch step by step)")
@@ -72,7 +70,7 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_fsplit", "step_bsplit", "step_last", "step_carveout", "step_graph", "step_pdl")
+                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 

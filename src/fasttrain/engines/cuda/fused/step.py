@@ -11,9 +11,7 @@ Up to 4096-wide layers every kernel is launched with programmatic dependent laun
 it may start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
 v7 can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``:
 the hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared
-memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block;
-and (``--step-last fused``, the default) the last layer's forward, softmax and backward are one kernel of one
-cluster, so a step is ``2L`` kernels.
+memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
 """
 
 from __future__ import annotations
@@ -55,10 +53,11 @@ class FusedStepSession(FusedSession):
     # the kernels call griddepcontrol.wait before they read their predecessor's output (v6 on), so they may be
     # launched with programmatic dependent launch; the earlier versions in dev/cuda may not
     pdl_safe = True
-    # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it;
-    # ft_last does the last layer's forward and backward in one cluster
+    # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it
     cluster_split = True
-    fused_last = True
+    # the kernel file has ft_last, the last layer's forward and backward in one cluster (only the dev experiment
+    # fused_step_v7_lastfused.cu: slower than ft_fwd_last + ft_bwd, NOTES-fused.md)
+    fused_last = False
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -76,7 +75,7 @@ class FusedStepSession(FusedSession):
         self.plan = self.make_plan(shapes)
         last_in = self.layers[-1][0].shape[1]
         # ft_last (one cluster) where its staged columns fit in shared memory, else v6's two kernels
-        self.last_fused = (self.fused_last and options.step_last == "fused"
+        self.last_fused = (self.fused_last
                            and last_smem(self.mt, last_in, last_split(last_in, True)) <= SMEM_LIMIT)
         self.split = last_split(last_in, self.last_fused)
         self.launcher = None
@@ -216,7 +215,7 @@ class FusedStepSession(FusedSession):
                                                     (self.split, 1, 1))
             if fit == 0:
                 raise FasttrainError(f"rung 7: the last layer's cluster of {self.split} blocks does not fit on this "
-                                     "GPU; pass --step-last split")
+                                     "GPU")
             out.append({"layer": len(self.plan), "kernel": "last", "cluster": self.split, "clusters": 1,
                         "resident": fit})
         return out
@@ -231,7 +230,7 @@ class FusedStepSession(FusedSession):
 
     def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
-        kind "gather", "fwd", "last" (the fused last layer) or "fwd last" and "bwd" (``--step-last split``); layer the index into ``self.plan`` / ``self.layers`` (None for
+        kind "gather", "fwd", "fwd last" or "bwd" ("last": the dev experiment's fused last layer); layer the index into ``self.plan`` / ``self.layers`` (None for
         the gather). :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
         np_ = np
         start, stop = self.bounds[k]
