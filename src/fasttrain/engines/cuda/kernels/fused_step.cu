@@ -51,6 +51,9 @@
 //       runs of W^T, g^T read once a cluster). Each block reduces its warps' partials into its own shared
 //       memory; after a cluster barrier, block r sums column slice r of every block's partial (ranks in order,
 //       so the result is deterministic) and writes it. gridDim.y = 1 is v6, sum for sum.
+//       Measured (H200, dev/cuda/step_breakdown.py --clusters / --v7): clusters of 2 (the plan's default where
+//       they double a hidden layer's tile) take the 2048 step 81 -> 73.5 us and 4096 188 -> 181 us; clusters of 4
+//       or 8 are slower (only 30 / 15 of them are resident at one block an SM: two or three waves).
 //       Tried and dropped (dev/cuda/fused_step_v7_lastfused.cu): the last layer's forward, softmax and backward
 //       in one cluster kernel (ft_last), bit-identical but slower than the two kernels at every width.
 //
