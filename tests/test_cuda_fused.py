@@ -306,18 +306,6 @@ def test_cluster_splits_widen_the_tiles_of_the_split_layers():
         step_plan(shapes(128), 2, fsplit=3)
 
 
-def test_fused_last_layer_is_one_cluster_that_fits():
-    """The dev experiment's ft_last (dev/cuda/fused_step_v7_lastfused.cu) runs as one cluster of at most 8 blocks
-    (ft_fwd_last takes up to 64); its staged columns fit
-    at batch 32 up to 8192 inputs; where they do not (batch 256) the session falls back to v6's two kernels."""
-    from fasttrain.engines.cuda.fused.plans import SMEM_LIMIT, last_smem, last_split
-
-    assert [last_split(i, True) for i in (112, 784, 2048, 8192)] == [1, 3, 8, 8]
-    assert [last_split(i, False) for i in (112, 784, 2048, 8192)] == [1, 3, 8, 32]
-    assert last_smem(2, 8192, 8) <= SMEM_LIMIT < last_smem(16, 8192, 8)
-    assert last_smem(8, 784, 3) <= SMEM_LIMIT < last_smem(16, 784, 3)   # logreg: batch 128 fused, 256 not
-
-
 def test_programmatic_launch_is_on_where_it_measured_faster():
     from fasttrain.engines.cuda.fused.plans import step_pdl
 

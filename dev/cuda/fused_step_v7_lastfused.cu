@@ -164,6 +164,11 @@ __device__ __forceinline__ float from_elem(elem_t v) {
 #endif
 }
 
+// Two operand values -> one 32-bit fragment register (lo in the low half), bit for bit.
+__device__ __forceinline__ u32 pack_elems(elem_t lo, elem_t hi) {
+    return (u32)*reinterpret_cast<const unsigned short*>(&lo) | ((u32)*reinterpret_cast<const unsigned short*>(&hi) << 16);
+}
+
 // v7: sum over the n <= 8 blocks of the cluster, in rank order, of the float at shared address `a` in each:
 // 0 + v_0 + v_1 + ... The loads are all issued before the first add, so they overlap.
 __device__ __forceinline__ float cluster_sum(u32 a, int n) {

@@ -12,6 +12,7 @@ import numpy as np
 from fasttrain.bench.suites import Row
 from fasttrain.contract import INPUT_DIM, NUM_CLASSES
 from fasttrain.engines.cuda.fused import make_session
+from fasttrain.engines.cuda.fused.build import module_int
 from fasttrain.engines.cuda.fused.persistent import PersistentGridSession, PersistentLogregSession, PersistentMlpSession
 from fasttrain.engines.cuda.fused.plans import NW, SMEM_LIMIT, TARGET_BLOCKS, _align128, _tile, logreg_smem_bytes, mlp_plan
 from fasttrain.engines.cuda.fused.step import FusedStepSession
@@ -52,10 +53,58 @@ def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
     return max((fu + 1) * (bo * (kc * 4 + 64) + bp * (kc * 2 + 32)), (NW // (bo // 8)) * bp * (bo + 1) * 4)
 
 
-class StepV7LastFused(FusedStepSession):
-    """v7 + ft_last: the last layer's forward, softmax and backward in one kernel of one cluster (slower)."""
+def last_smem(mt: int, in_p: int, blocks: int) -> int:
+    """ft_last's shared memory: the fixed part (the module's ``ft_lastc_smem``: warps' partial logits [8][B_p][17],
+    the block's partial [B_p][16] fp32, g^T [16][B_p+8], 16 stats) plus a block's staged columns, W^T [16][pc+16]
+    fp32 and H_in [B_p][pc+8] (pc = 16 * ceil(k-steps / blocks))."""
+    bp = 16 * mt
+    pc = 16 * -(-(in_p // 16) // blocks)
+    fixed = NW * bp * 17 * 4 + bp * 16 * 4 + 16 * (bp + 8) * 2 + 2 * NW * 4
+    return fixed + 16 * (pc + 16) * 4 + bp * (pc + 8) * 2
 
-    fused_last = True
+
+class StepV7LastFused(FusedStepSession):
+    """v7 + ft_last: the last layer's forward, softmax and backward in one kernel of one cluster of at most 8
+    blocks (slower than ft_fwd_last + ft_bwd). Where a block's staged columns do not fit in shared memory
+    (e.g. batch 256) it runs v7's two kernels."""
+
+    def load_last_layer(self, m0, last_in: int) -> None:
+        super().load_last_layer(m0, last_in)
+        blocks = min(8, self.split)   # one cluster: 8 is the portable maximum
+        self.fused = last_smem(self.mt, last_in, blocks) <= SMEM_LIMIT
+        if not self.fused:
+            return
+        self.split, self.last_pc = blocks, 16 * -(-(last_in // 16) // blocks)   # columns a block stages
+        self.k_last = m0.get_function("ft_last")
+        self.last_smem = last_smem(self.mt, last_in, blocks)
+        fixed = module_int(m0, "ft_lastc_smem")
+        if fixed != self.last_smem - 16 * (self.last_pc + 16) * 4 - self.bp * (self.last_pc + 8) * 2:
+            raise FasttrainError(f"internal: ft_last's fixed shared memory is {fixed} bytes, the mirror says otherwise")
+        if self.launcher is None and blocks > 1:
+            from fasttrain.engines.cuda.fused.launch import ExLauncher
+
+            self.launcher = ExLauncher(pdl=False)
+
+    def step_launches(self, k: int, lr: float) -> list:
+        """v7's launches with "fwd last" and the last layer's "bwd" replaced by one "last"."""
+        out = super().step_launches(k, lr)
+        if not self.fused:
+            return out
+        L = len(self.plan)
+        start, stop = self.bounds[k]
+        scale, need = np.float32(lr / (stop - start)), L > 1
+        p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
+        last = ("last", L - 1, self._launch(
+            self.k_last, (self.split,), (NW * 32,),
+            (self.h[L - 1], np.int32(p["in_p"]), wt, b, self.yb, np.int32(stop - start), np.int32(k), scale, scale,
+             np.int32(need), np.int32(self.last_pc), self.dz[L], self.dzT[L], self.dz[L - 1] if need else self.dz[L],
+             self.dzT[L - 1] if need else self.dzT[L], self.stat_loss, self.stat_ok),
+            self.last_smem, (self.split, 1, 1) if self.split > 1 else None))
+        at = next(i for i, (kind, _, _) in enumerate(out) if kind == "fwd last")
+        return out[:at] + [last] + [e for e in out[at + 1:] if e[:2] != ("bwd", L - 1)]
+
+    def environment(self) -> dict:
+        return super().environment() | {"last_layer": "fused" if self.fused else "split"}
 
 
 class StepV6(FusedStepSession):
@@ -63,7 +112,6 @@ class StepV6(FusedStepSession):
     backward), so no cluster partial in its shared memory."""
 
     cluster_split = False
-    fused_last = False
 
 
 class StepV5(FusedStepSession):
@@ -71,7 +119,6 @@ class StepV5(FusedStepSession):
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
-    fused_last = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)
@@ -89,7 +136,6 @@ class StepV4(FusedStepSession):
 
     pdl_safe = False
     cluster_split = False
-    fused_last = False
 
 
 def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
@@ -108,7 +154,6 @@ class StepV3(FusedStepSession):
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
-    fused_last = False
 
     def make_plan(self, shapes) -> list[dict]:
         plan = super().make_plan(shapes)

@@ -78,25 +78,6 @@ def step_fwd_smem(mt: int, bo: int, fu: int, cluster_part: bool = True) -> int:
     return max(NW * (fu + 1) * stage, NW * bp * (bo + 1) * 4) + (bp * bo * 4 if cluster_part else 0)
 
 
-LAST_MAX_CLUSTER = 8   # ft_last's one cluster: the portable maximum
-
-
-def last_split(in_p: int, fused: bool) -> int:
-    """Blocks of the last layer's kernel: ~16 k-steps each, up to 64 for ft_fwd_last (v6) and 8 for ft_last."""
-    blocks = max(1, min(64, (in_p // 16) // 16))
-    return min(LAST_MAX_CLUSTER, blocks) if fused else blocks
-
-
-def last_smem(mt: int, in_p: int, blocks: int) -> int:
-    """Mirror of ft_last's shared memory (v7): the fixed part (``ft_lastc_smem``: warps' partial logits [8][B_p][17],
-    the block's partial [B_p][16] fp32, g^T [16][B_p+8], 16 stats) plus the staged columns of a block,
-    W^T [16][pc+16] fp32 and H_in [B_p][pc+8] (pc = 16 * ceil(k-steps / blocks))."""
-    bp = 16 * mt
-    pc = 16 * -(-(in_p // 16) // blocks)
-    fixed = NW * bp * 17 * 4 + bp * 16 * 4 + 16 * (bp + 8) * 2 + 2 * NW * 4
-    return fixed + 16 * (pc + 16) * 4 + bp * (pc + 8) * 2
-
-
 def _default_fu(mt: int, bo: int, fwd_minb: int, cluster_part: bool = True) -> int:
     """k-steps of W ft_fwd keeps in flight a warp: the deepest ring (8, 6, 4, 3, 2 or 1 stages ahead) with which
     ``fwd_minb`` blocks share an SM's shared memory (BO 64 at batch 32: 4, i.e. 160 KB of W and H_in in flight an SM)."""

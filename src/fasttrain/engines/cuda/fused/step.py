@@ -26,9 +26,6 @@ from fasttrain.engines.cuda.fused.base import FusedSession
 from fasttrain.engines.cuda.fused.build import KERNEL_DIR, load_module, module_int
 from fasttrain.engines.cuda.fused.plans import (
     NW,
-    SMEM_LIMIT,
-    last_smem,
-    last_split,
     blocks_per_sm,
     pad16,
     step_bwd_smem,
@@ -55,9 +52,6 @@ class FusedStepSession(FusedSession):
     pdl_safe = True
     # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it
     cluster_split = True
-    # the kernel file has ft_last, the last layer's forward and backward in one cluster (only the dev experiment
-    # fused_step_v7_lastfused.cu: slower than ft_fwd_last + ft_bwd, NOTES-fused.md)
-    fused_last = False
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -73,15 +67,9 @@ class FusedStepSession(FusedSession):
         self.tuning = self.tuning_options()
         shapes = [wt.shape for wt, _, _, _ in self.layers]
         self.plan = self.make_plan(shapes)
-        last_in = self.layers[-1][0].shape[1]
-        # ft_last (one cluster) where its staged columns fit in shared memory, else v6's two kernels
-        self.last_fused = (self.fused_last
-                           and last_smem(self.mt, last_in, last_split(last_in, True)) <= SMEM_LIMIT)
-        self.split = last_split(last_in, self.last_fused)
         self.launcher = None
         pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
-        clustered = (any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
-                     or (self.last_fused and self.split > 1))
+        clustered = any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
         if pdl or clustered:
             from fasttrain.engines.cuda.fused.launch import ExLauncher
 
@@ -95,15 +83,7 @@ class FusedStepSession(FusedSession):
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
-        self.k_last = m0.get_function("ft_last" if self.last_fused else "ft_fwd_last")
-        self.last_smem = module_int(m0, "ft_lastc_smem" if self.last_fused else "ft_last_smem")
-        if self.last_fused:
-            self.last_pc = 16 * -(-(last_in // 16) // self.split)   # columns a block stages
-            fixed = self.last_smem
-            self.last_smem = last_smem(self.mt, last_in, self.split)
-            if fixed != self.last_smem - 16 * (self.last_pc + 16) * 4 - self.bp * (self.last_pc + 8) * 2:
-                raise FasttrainError(f"internal: {self.version} ft_last's fixed shared memory is {fixed} bytes, "
-                                     "the plan's mirror says otherwise")
+        self.load_last_layer(m0, self.layers[-1][0].shape[1])
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
         for p in self.plan:
             p["fwd"] = p["module"].get_function("ft_fwd")
@@ -162,6 +142,12 @@ class FusedStepSession(FusedSession):
         self.stream.synchronize()
 
     # -- what a kernel version decides (the history in dev/cuda overrides these) --
+    def load_last_layer(self, m0, last_in: int) -> None:
+        """The last layer's forward kernel (``k_last``), its blocks (``split``: ~16 k-steps each) and shared memory."""
+        self.split = max(1, min(64, (last_in // 16) // 16))
+        self.k_last = m0.get_function("ft_fwd_last")
+        self.last_smem = module_int(m0, "ft_last_smem")
+
     def tuning_options(self) -> dict:
         o = self.options
         knobs = {"bo": o.step_bo, "bi": o.step_bi, "stages": o.step_stages, "bwd_minb": o.step_bwd_minb,
@@ -210,14 +196,6 @@ class FusedStepSession(FusedSession):
                                          "fit on this GPU; pass --step-fsplit 1 --step-bsplit 1")
                 out.append({"layer": i + 1, "kernel": kind, "cluster": cl[1], "clusters": grid[0],
                             "resident": fit})
-        if self.last_fused and self.split > 1:
-            fit = self.launcher.max_active_clusters(self.k_last, (self.split,), (NW * 32,), self.last_smem,
-                                                    (self.split, 1, 1))
-            if fit == 0:
-                raise FasttrainError(f"rung 7: the last layer's cluster of {self.split} blocks does not fit on this "
-                                     "GPU")
-            out.append({"layer": len(self.plan), "kernel": "last", "cluster": self.split, "clusters": 1,
-                        "resident": fit})
         return out
 
     def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
@@ -230,7 +208,7 @@ class FusedStepSession(FusedSession):
 
     def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
-        kind "gather", "fwd", "fwd last" or "bwd" ("last": the dev experiment's fused last layer); layer the index into ``self.plan`` / ``self.layers`` (None for
+        kind "gather", "fwd", "fwd last" or "bwd"; layer the index into ``self.plan`` / ``self.layers`` (None for
         the gather). :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
         np_ = np
         start, stop = self.bounds[k]
@@ -247,21 +225,12 @@ class FusedStepSession(FusedSession):
                                                (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1],
                                                 np_.int32(p["out_p"])), p["fwd_smem"], fcl)))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
-        if self.last_fused:
-            need = L > 1
-            out.append(("last", L - 1, self._launch(
-                self.k_last, (self.split,), (NW * 32,),
-                (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb, np_.int32(rows), np_.int32(k), scale, scale,
-                 np_.int32(need), np_.int32(self.last_pc), self.dz[L], self.dzT[L], self.dz[L - 1] if need else self.dz[L],
-                 self.dzT[L - 1] if need else self.dzT[L], self.stat_loss, self.stat_ok),
-                self.last_smem, (self.split, 1, 1) if self.split > 1 else None)))
-        else:
-            out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
-                                                        (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
-                                                         np_.int32(rows), np_.int32(k), self.part, self.counter,
-                                                         self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
-                                                        self.last_smem)))
-        for l in range(L - 1 if self.last_fused else L, 0, -1):
+        out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
+                                                    (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
+                                                     np_.int32(rows), np_.int32(k), self.part, self.counter,
+                                                     self.dz[L], self.dzT[L], self.stat_loss, self.stat_ok),
+                                                    self.last_smem)))
+        for l in range(L, 0, -1):
             p, (wt, b, _, _) = self.plan[l - 1], self.layers[l - 1]
             need = l > 1
             dzp = self.dz[l - 1] if need else self.dz[l]
@@ -301,7 +270,6 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
-                    "last_layer": "fused" if self.last_fused else "split",
                     "programmatic_launch": self.launcher is not None and self.launcher.pdl,
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,

@@ -33,11 +33,6 @@ __device__ __forceinline__ u32 pack2(float lo, float hi) {
 }
 #endif
 
-// Two operand values -> one 32-bit fragment register (lo in the low half), bit for bit.
-__device__ __forceinline__ u32 pack_elems(elem_t lo, elem_t hi) {
-    return (u32)*reinterpret_cast<const unsigned short*>(&lo) | ((u32)*reinterpret_cast<const unsigned short*>(&hi) << 16);
-}
-
 __device__ __forceinline__ float2 unpack2(u32 v) {
 #if FT_BF16
     __nv_bfloat162 h = *reinterpret_cast<__nv_bfloat162*>(&v);
