@@ -566,6 +566,7 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
             env = sess.environment()
             assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
             assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
+            assert env["gather_folded"]   # v8: an MLP's first layer reads the pixels itself
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

@@ -1,6 +1,7 @@
 """Is the package's rung 7 (fused_step.cu) bit-identical to an earlier version of dev/cuda?
 
-v7 is compared without its cluster splits (--step-fsplit 1 --step-bsplit 1), which change the order of the sums.
+The package's kernel is compared without its cluster splits (--step-fsplit 1 --step-bsplit 1), which change the
+order of the sums, against a version without them; against v7 (fused_step_v7.cu) both run the default plan.
 
     PYTHONPATH=src python3 dev/cuda/check_step_identity.py [fused_step_v3.cu]   (GPU, repo root)
 
@@ -41,7 +42,7 @@ def train(session, job) -> tuple[np.ndarray, list]:
 def main(argv) -> int:
     from fasttrain.engines.base import make_options
     from fasttrain.engines.cuda_dev import CudaDevEngine
-    from fasttrain.engines.cuda_dev.history import make_dev_session
+    from fasttrain.engines.cuda_dev.history import SESSIONS, make_dev_session
 
     version = argv[0] if argv else "fused_step_v3.cu"   # v4 is bit-identical to v3; v5 is not (another order)
     cases = [("mlp:100x2", "fp16", 37, dict(epochs=2)), ("mlp:256x2", "bf16", 32, dict(epochs=2)),
@@ -61,8 +62,9 @@ def main(argv) -> int:
             spec = parse_model(model)
             cfg = default_config(spec, precision=precision, batch_size=batch, eval_every=100, **length)
             job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
-            # v7 without its cluster splits is v6 sum for sum
-            opts = make_options(CudaDevEngine, {"rung": 7, "step_fsplit": 1, "step_bsplit": 1})
+            # without its cluster splits the package's kernel is v6 sum for sum; against v7 both split alike
+            unsplit = {} if SESSIONS[version].cluster_split else {"step_fsplit": 1, "step_bsplit": 1}
+            opts = make_options(CudaDevEngine, {"rung": 7, **unsplit})
             new_l, new_w = train(make_dev_session(job, opts), job)
             old_l, old_w = train(make_dev_session(job, make_options(CudaDevEngine, {"rung": 7, "kernel": version})),
                                  job)

@@ -12,6 +12,9 @@ graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run 
 --clusters: v7's cluster splits (--step-fsplit / --step-bsplit 2, 4, 8) against the default plan and v6 (dev/cuda);
 each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
 --v7: the default plan against no cluster splits, the fused last layer (dev/cuda/fused_step_v7_lastfused.cu) and v6.
+--v8: the default plan against v8 built with FT_EARLY=0 (no loads before griddepcontrol.wait) and v7 (dev/cuda).
+A kernel timed alone is launched after itself: with lr = 0 its early loads of W^T read what the copy before it
+rewrote unchanged, so the timing is fair; in a step its predecessor never writes them.
 """
 
 import os
@@ -37,6 +40,8 @@ CLUSTER_VARIANTS = [{}, {"step_fsplit": 2}, {"step_fsplit": 4}, {"step_fsplit": 
 # v7 as the package runs it (auto splits, the fused last layer) against each of its changes undone, and v6
 V7_VARIANTS = [{}, {"step_fsplit": 1, "step_bsplit": 1}, {"kernel": "fused_step_v7_lastfused.cu"},
                {"kernel": "fused_step_v6.cu"}]
+# v8 as the package runs it against v8 with every load after griddepcontrol.wait (the gather still folded) and v7
+V8_VARIANTS = [{}, {"kernel": "fused_step.cu:early=0"}, {"kernel": "fused_step_v7.cu"}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -102,7 +107,7 @@ def main(argv):
 
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
                 if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else V7_VARIANTS if "--v7" in argv
-                else [{}])
+                else V8_VARIANTS if "--v8" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:

@@ -43,7 +43,22 @@ class _Unflagged:
         self.stream.synchronize()
 
 
-# --- rung 7: fused_step_v1 / v2 / v3 / v4 / v5 / v6 (v7, cluster splits, is the package's fused_step.cu) ---------------
+# --- rung 7: fused_step_v1 .. v7 (v8, the gather folded into the first layer and loads before the wait, is the
+# package's fused_step.cu) ---------------------------------------------------------------------------------------
+
+
+class StepV8Late(FusedStepSession):
+    """v8 built with FT_EARLY=0: every kernel waits for its predecessor before loading anything (v7's order), the
+    gather still folded; to measure what the early loads buy."""
+
+    def defines(self, p: dict, bf16: int) -> dict:
+        return super().defines(p, bf16) | {"FT_EARLY": 0}
+
+
+class StepV7(FusedStepSession):
+    """v7: cluster splits; a separate gather kernel, every kernel waits before it loads."""
+
+    gather_fused = False
 
 
 def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
@@ -67,6 +82,8 @@ class StepV7LastFused(FusedStepSession):
     """v7 + ft_last: the last layer's forward, softmax and backward in one kernel of one cluster of at most 8
     blocks (slower than ft_fwd_last + ft_bwd). Where a block's staged columns do not fit in shared memory
     (e.g. batch 256) it runs v7's two kernels."""
+
+    gather_fused = False
 
     def load_last_layer(self, m0, last_in: int) -> None:
         super().load_last_layer(m0, last_in)
@@ -111,11 +128,15 @@ class StepV6(FusedStepSession):
     """v6: v4 + programmatic dependent launch; no cluster splits (gridDim.y > 1 only on the first layer's
     backward), so no cluster partial in its shared memory."""
 
+    gather_fused = False
+
     cluster_split = False
 
 
 class StepV5(FusedStepSession):
     """v5: ft_fwd with one ring shared by the block's warps, 256-byte runs of each W^T row (slower than v4)."""
+
+    gather_fused = False
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
@@ -134,6 +155,8 @@ class StepV5(FusedStepSession):
 class StepV4(FusedStepSession):
     """v4: v6's plan and launches; its kernels predate griddepcontrol.wait (plain launches only)."""
 
+    gather_fused = False
+
     pdl_safe = False
     cluster_split = False
 
@@ -151,6 +174,8 @@ def v3_fu(mt: int, bo: int, fwd_minb: int) -> int:
 
 class StepV3(FusedStepSession):
     """v3: ft_fwd loads FU k-steps of W into registers (no ring): its smem is the K-split reduction alone."""
+
+    gather_fused = False
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
@@ -212,7 +237,8 @@ def logreg_v5_smem(cluster, kt, mt, stages) -> int:
 
 class LogregOld(_DevDefines, PersistentLogregSession):
     def make_plan(self) -> dict:
-        version, cluster, batch = self.kernel.name, self.options.logreg_cluster, self.batch
+        # unset (None): the package's default cluster of 7 (as logreg_plan)
+        version, cluster, batch = self.kernel.name, self.options.logreg_cluster or 7, self.batch
         kt, mt = math.ceil(INPUT_DIM // 16 / cluster), math.ceil(batch / 16)
         for xhb in ((2, 1) if version == "fused_logreg_v1.cu" else (2,)):
             for s in ((self.options.logreg_stages,) if self.options.logreg_stages else (6, 5, 4, 3, 2)):
@@ -273,7 +299,9 @@ class GridOld(_DevDefines, PersistentGridSession):
 SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
     "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
-    "fused_step_v7_lastfused.cu": StepV7LastFused,
+    "fused_step_v7.cu": StepV7, "fused_step_v7_lastfused.cu": StepV7LastFused,
+    # not a file: the package's fused_step.cu built with FT_EARLY=0
+    "fused_step.cu:early=0": StepV8Late,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,
@@ -293,7 +321,8 @@ def make_dev_session(job, options):
     class Version(session_cls):
         pass
 
-    Version.kernel = kernel
+    if kernel.exists():   # else (a build variant of the package's kernel) the class keeps its own
+        Version.kernel = kernel
     return Version(job, options)
 
 

@@ -1,7 +1,7 @@
 """Rung 7: the fused step kernels of ``kernels/fused_step.cu``, each epoch captured once into a CUDA graph.
 
-One training step is ``2L + 1`` kernels: the gather of the batch; a GEMM + bias + ReLU kernel per hidden
-layer (each warp streams its k-steps of W^T and H_in through a cp.async ring, FU k-steps in flight); the last GEMM with softmax,
+One training step of an MLP is ``2L`` kernels: a GEMM + bias + ReLU kernel per hidden layer (the first reads
+the batch's pixels through the epoch order itself, converts them and writes the labels: v8 folded the gather into it) (each warp streams its k-steps of W^T and H_in through a cp.async ring, FU k-steps in flight); the last GEMM with softmax,
 cross-entropy, accuracy and ``g = p - onehot`` in its epilogue; per layer a backward kernel that streams W
 through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in
 registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
@@ -12,6 +12,8 @@ it may start while the one before it drains, and waits in ``griddepcontrol.wait`
 v7 can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``:
 the hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared
 memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
+v8 loads what a kernel's predecessor does not write (its W^T, the pixels) before it waits for that predecessor.
+Logistic regression (no hidden layer) keeps v7's separate gather kernel.
 """
 
 from __future__ import annotations
@@ -52,6 +54,8 @@ class FusedStepSession(FusedSession):
     pdl_safe = True
     # v7 on: ft_fwd / ft_bwd sum the partials of a cluster (gridDim.y > 1) and have the shared memory for it
     cluster_split = True
+    # v8 on: ft_fwd_x / ft_bwd_x read the batch's pixels themselves, so an MLP's step has no gather kernel
+    gather_fused = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -83,6 +87,8 @@ class FusedStepSession(FusedSession):
             p["module"] = mods[key]
         m0 = self.plan[0]["module"]
         self.k_gather = m0.get_function("ft_gather")
+        # the first layer reads the pixels itself where it is not also the last layer (logreg keeps the gather)
+        self.fold = self.gather_fused and len(self.plan) > 1
         self.load_last_layer(m0, self.layers[-1][0].shape[1])
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
         for p in self.plan:
@@ -92,6 +98,10 @@ class FusedStepSession(FusedSession):
             p["bwd"] = p["module"].get_function("ft_bwd")
             p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
             p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
+            if self.fold and p is self.plan[0]:   # the same tiles and shared memory, pixels for H_in
+                p["fwd"], p["bwd"] = p["module"].get_function("ft_fwd_x"), p["module"].get_function("ft_bwd_x")
+                p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
+                p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
             for kind, mirror in (("bwd", self.bwd_smem(p)), ("fwd", self.fwd_smem(p))):
                 if mirror is not None and p[f"{kind}_smem"] != mirror:
                     raise FasttrainError(f"internal: {self.version} ft_{kind} needs {p[f'{kind}_smem']} bytes of "
@@ -123,8 +133,7 @@ class FusedStepSession(FusedSession):
         self.use_graph = graph = options.step_graph
         # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
         first = self.orders[0] if self.orders is not None else self.spare_order
-        with self.stream:
-            self.order_cur[...] = first
+        self._set_order(first)
         for k in range(min(2, len(self.bounds))):
             self._step(k, 0.0)
         self.stream.synchronize()
@@ -140,6 +149,12 @@ class FusedStepSession(FusedSession):
                 g.upload(self.stream)
                 self.graphs[steps] = g
         self.stream.synchronize()
+
+    def _set_order(self, src) -> None:
+        """The epoch order into ``order_cur``, by a copy, not a kernel: v8's first-layer kernels read it before
+        griddepcontrol.wait, which is safe only where the work before them in the stream is a copy (a kernel
+        launched after a copy waits for it) or a kernel that itself waited for that copy."""
+        self.order_cur.data.copy_from_device_async(src.data, self.order_cur.nbytes, stream=self.stream)
 
     # -- what a kernel version decides (the history in dev/cuda overrides these) --
     def load_last_layer(self, m0, last_in: int) -> None:
@@ -215,15 +230,20 @@ class FusedStepSession(FusedSession):
         rows = stop - start
         scale = np_.float32(lr / rows)
         L = len(self.plan)
-        out = [("gather", None, self._launch(self.k_gather, (self.bp,), (64,),
-                                             (self.x_train, self.y_train, self.order_cur, np_.int32(start),
-                                              np_.int32(rows), self.h[0], self.yb)))]
+        # the batch: its rows of the epoch order, converted by the gather or (v8) by the first layer's kernels
+        batch = (self.x_train, self.order_cur, np_.int32(start), np_.int32(rows))
+        out = [] if self.fold else [
+            ("gather", None, self._launch(self.k_gather, (self.bp,), (64,),
+                                          (self.x_train, self.y_train, self.order_cur, np_.int32(start),
+                                           np_.int32(rows), self.h[0], self.yb)))]
         for i in range(L - 1):
             p, (wt, b, _, _) = self.plan[i], self.layers[i]
             fgrid, fcl, _, _ = self._grids(i)
+            args = ((self.x_train, self.y_train, self.order_cur, np_.int32(start), np_.int32(rows), self.yb)
+                    if self.fold and i == 0 else (self.h[i], np_.int32(p["in_p"])))
             out.append(("fwd", i, self._launch(p["fwd"], fgrid, (NW * 32,),
-                                               (self.h[i], np_.int32(p["in_p"]), wt, b, self.h[i + 1],
-                                                np_.int32(p["out_p"])), p["fwd_smem"], fcl)))
+                                               args + (wt, b, self.h[i + 1], np_.int32(p["out_p"])),
+                                               p["fwd_smem"], fcl)))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
         out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
                                                     (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
@@ -236,11 +256,12 @@ class FusedStepSession(FusedSession):
             dzp = self.dz[l - 1] if need else self.dz[l]
             dzpT = self.dzT[l - 1] if need else self.dzT[l]
             _, _, bgrid, bcl = self._grids(l - 1)
-            out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid,
-                                                   (NW * 32,), (self.dz[l], self.dzT[l], np_.int32(p["out_p"]),
-                                                                self.h[l - 1], np_.int32(p["in_p"]), wt, b, scale,
-                                                                scale, np_.int32(need), dzp, dzpT), p["bwd_smem"],
-                                                   bcl)))
+            if self.fold and l == 1:
+                args = (self.dzT[l], np_.int32(p["out_p"])) + batch + (wt, b, scale, scale)
+            else:
+                args = (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]), wt, b,
+                        scale, scale, np_.int32(need), dzp, dzpT)
+            out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid, (NW * 32,), args, p["bwd_smem"], bcl)))
         return out
 
     def _step(self, k: int, lr: float) -> None:
@@ -253,8 +274,7 @@ class FusedStepSession(FusedSession):
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
         src = self._order_on_device(epoch, order)
-        with self.stream:
-            self.order_cur[...] = src
+        self._set_order(src)
         if self.use_graph and steps in self.graphs:
             self.graphs[steps].launch(self.stream)
         else:
@@ -270,6 +290,7 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
+                    "gather_folded": self.fold,
                     "programmatic_launch": self.launcher is not None and self.launcher.pdl,
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,

@@ -105,6 +105,10 @@ __device__ __forceinline__ u32 movmatrix_t(u32 v) {
 __device__ __forceinline__ void cp_async16(u32 saddr, const void* g) {
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" :: "r"(saddr), "l"(g) : "memory");
 }
+// src_size 0 copies nothing and fills the 16 bytes with zeros (a padding row of the batch)
+__device__ __forceinline__ void cp_async16_zfill(u32 saddr, const void* g, bool valid) {
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" :: "r"(saddr), "l"(g), "r"(valid ? 16 : 0) : "memory");
+}
 __device__ __forceinline__ void cp_async4(u32 saddr, const void* g) {
     asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" :: "r"(saddr), "l"(g) : "memory");
 }

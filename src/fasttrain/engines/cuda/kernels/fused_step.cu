@@ -56,6 +56,15 @@
 //       or 8 are slower (only 30 / 15 of them are resident at one block an SM: two or three waves).
 //       Tried and dropped (dev/cuda/fused_step_v7_lastfused.cu): the last layer's forward, softmax and backward
 //       in one cluster kernel (ft_last), bit-identical but slower than the two kernels at every width.
+//   v8  (copy of v7 + change, dev/cuda/fused_step_v7.cu is v7) Fewer serial waits on memory a step, the same sums:
+//       (a) the gather is folded into the first layer: ft_fwd_x and ft_bwd_x read the batch's pixels through the
+//       epoch order themselves (x = pixel/255, the gather's arithmetic), and ft_fwd_x writes the labels, so a step
+//       of an MLP is 2L kernels; (b) with programmatic dependent launch a kernel may start while its predecessor
+//       drains, so what the predecessor does not write is loaded before griddepcontrol.wait: the W^T of ft_fwd
+//       (layers 2..L; the first layer's W^T is what the previous step's last kernel writes, so ft_fwd_x loads its
+//       pixels early instead) and of ft_bwd, and ft_bwd_x's pixel strip; (c) ft_bwd stages its H_in strip by
+//       cp.async in the ring's first group instead of a load round trip after the bias update. v8 is bit-identical
+//       to v7 (and, without cluster splits, to v3).
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -66,7 +75,8 @@
 // block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16; v3: FT_S ring stages of ft_bwd (>= 2),
 // FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W (and
 // H_in) that ft_fwd keeps in flight a warp (its ring has FT_FU + 1 stages). The cluster splits (v7) are not
-// compiled in: gridDim.y of a launch is its cluster.
+// compiled in: gridDim.y of a launch is its cluster. v8: FT_EARLY=0 waits for the previous kernel before loading
+// anything (v7's order; kept to measure (b)), 1 (default) loads what it does not write first.
 // Compile alone: nvcc --ptx -arch=sm_90a fused_step.cu (the defaults below: batch 32, 64-wide tiles, fp16)
 #ifndef FT_MT
 #define FT_MT 2
@@ -91,6 +101,9 @@
 #endif
 #ifndef FT_FU
 #define FT_FU 2
+#endif
+#ifndef FT_EARLY
+#define FT_EARLY 1
 #endif
 #include "fused_common.cuh"
 
@@ -166,6 +179,16 @@ __device__ __forceinline__ float cluster_sum(u32 a, int n) {
     return s;
 }
 
+#define INPUT_BYTES 784   // a row of pixels (uint8); in_p of the first layer
+
+// Four pixels (the bytes of v, in memory order) -> x = pixel/255 as two packed pairs of the operand type. The one
+// conversion of every kernel that reads pixels (ft_gather, and v8's first-layer kernels), so they agree bit for bit.
+__device__ __forceinline__ void pixels4(u32 v, u32& lo, u32& hi) {
+    const float s = 1.0f / 255.0f;
+    lo = pack2((float)(v & 0xff) * s, (float)((v >> 8) & 0xff) * s);
+    hi = pack2((float)((v >> 16) & 0xff) * s, (float)(v >> 24) * s);
+}
+
 // Batch rows -> x = pixel/255 in the operand type; rows >= rows are zero. grid = B_p blocks of 64 threads.
 // Bytes: 784 read + 1568 written per row.
 extern "C" __global__ void __launch_bounds__(64)
@@ -181,16 +204,12 @@ ft_gather(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     if (c == 0) yb[r] = (idx >= 0) ? Y[idx] : 0;
     if (c >= 49) return;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
-    if (idx >= 0) v = *reinterpret_cast<const uint4*>(X + (size_t)idx * 784 + c * 16);
+    if (idx >= 0) v = *reinterpret_cast<const uint4*>(X + (size_t)idx * INPUT_BYTES + c * 16);
     const u32 w[4] = {v.x, v.y, v.z, v.w};
     u32 o[8];
-    const float s = 1.0f / 255.0f;
 #pragma unroll
-    for (int k = 0; k < 4; ++k) {
-        o[2 * k] = pack2((float)(w[k] & 0xff) * s, (float)((w[k] >> 8) & 0xff) * s);
-        o[2 * k + 1] = pack2((float)((w[k] >> 16) & 0xff) * s, (float)(w[k] >> 24) * s);
-    }
-    uint4* d = reinterpret_cast<uint4*>(xb + (size_t)r * 784 + c * 16);
+    for (int k = 0; k < 4; ++k) pixels4(w[k], o[2 * k], o[2 * k + 1]);
+    uint4* d = reinterpret_cast<uint4*>(xb + (size_t)r * INPUT_BYTES + c * 16);
     d[0] = make_uint4(o[0], o[1], o[2], o[3]);
     d[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
@@ -231,11 +250,20 @@ __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* _
 // v7: grid (out_p / BO, C), launched as clusters of (1, C, 1): block y takes the k-steps [kb, ke) of its slice,
 // each block reads only its slice of H_in and W^T rows, and the cluster sums the C partials:
 //   z[r][o] = b[o] + sum_{y < C} part_y[r][o],  part_y = sum_{w < 8} (warp w's k-steps of slice y)
-extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
-ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
-       elem_t* __restrict__ hout, int out_p)
+// v8, PIX (ft_fwd_x, the first layer): H_in is the batch's pixels, read through the epoch order (row r of the
+// batch is X[order[base + r]], zero for r >= rows) as 16 bytes a row a k-step and converted where the fragments
+// are built; block (0, 0) also writes the labels yb. EARLY: the first FT_FU k-steps' part that the previous
+// kernel does not write (W^T of a hidden layer; the pixels of the first layer, whose W^T the previous step's
+// last kernel writes) is one commit group issued before griddepcontrol.wait.
+template <bool PIX>
+__device__ __forceinline__ void fwd_body(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt,
+                                         const float* __restrict__ bias, elem_t* __restrict__ hout, int out_p,
+                                         const u8* __restrict__ X, const int* __restrict__ Y,
+                                         const int* __restrict__ order, int base, int rows, int* __restrict__ yb)
 {
     constexpr int FS = FT_FU + 1;
+    constexpr bool early = FT_EARLY != 0;
+    constexpr int RPL = (BP + 31) / 32;   // PIX: batch rows a lane copies (rows lane, lane + 32, ...)
     extern __shared__ __align__(16) unsigned char fsm[];
     float* red = reinterpret_cast<float*>(fsm);   // [NW][BP][BO+1], after the loop
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
@@ -245,31 +273,70 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
     const int kper = (kt + gridDim.y - 1) / gridDim.y;   // v7: this block's k-steps [kb, ke)
     const int kb = min(kt, (int)blockIdx.y * kper), ke = min(kt, kb + kper);
     const int nk = ke - kb > warp ? (ke - kb - warp + NW - 1) / NW : 0;
-
-    // k-step k of this warp (inputs (kb + warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty
-    // past the end, so that the group count stays uniform
-    grid_dependency_wait();           // v6: H_in is the previous kernel's output
-    launch_dependents();
-
-    auto issue = [&](int k) {
-        if (k < nk) {
-            const int k0 = (kb + warp + k * NW) * 16;
-            const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
+    int xrow[RPL];                        // PIX: the pixel row of batch rows lane + 32 j (-1: padding)
+    if constexpr (PIX) {
 #pragma unroll
-            for (int p = lane; p < BO * 4; p += 32) {            // BO rows x 4 pieces of W^T
-                const int r = p >> 2, c = p & 3;
-                cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+        for (int j = 0; j < RPL; ++j) {
+            const int r = lane + 32 * j;
+            xrow[j] = (r < rows) ? order[base + r] : -1;   // the epoch order is not written by any kernel
+        }
+    }
+
+    // k-step k of this warp (inputs (kb + warp + k*NW)*16 ..) -> stage k % FS
+    auto issue_w = [&](int k) {          // BO rows x 4 pieces of W^T
+        if (k >= nk) return;
+        const int k0 = (kb + warp + k * NW) * 16;
+        const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
+#pragma unroll
+        for (int p = lane; p < BO * 4; p += 32) {
+            const int r = p >> 2, c = p & 3;
+            cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+        }
+    };
+    auto issue_h = [&](int k) {
+        if (k >= nk) return;
+        const int k0 = (kb + warp + k * NW) * 16;
+        const u32 st = smem_u32(ring + (k % FS) * FSTAGE) + FSTAGE_W;
+        if constexpr (PIX) {             // BP rows x 16 pixels (16 bytes)
+#pragma unroll
+            for (int j = 0; j < RPL; ++j) {
+                const int r = lane + 32 * j;
+                if (r < BP) cp_async16_zfill(st + r * 16, X + (size_t)max(xrow[j], 0) * INPUT_BYTES + k0, xrow[j] >= 0);
             }
+        } else {                         // BP rows x 2 pieces of H_in
 #pragma unroll
-            for (int p = lane; p < BP * 2; p += 32) {            // BP rows x 2 pieces of H_in
+            for (int p = lane; p < BP * 2; p += 32) {
                 const int r = p >> 1, c = p & 1;
-                cp_async16(st + FSTAGE_W + (r * 16 + c * 8) * 2, hin + (size_t)r * in_p + k0 + c * 8);
+                cp_async16(st + (r * 16 + c * 8) * 2, hin + (size_t)r * in_p + k0 + c * 8);
             }
         }
-        cp_async_commit();
     };
+    // One commit group per k-step (empty past the end, so that the group count stays uniform), and with EARLY
+    // one more, oldest, group: the early part of k-steps 0 .. FS-2. cp_async_wait<FS - 1> in the loop then still
+    // leaves k-step k complete: after the refill of k-step k + FS - 1, k + 2 (EARLY) or k + 1 groups are done.
+    if constexpr (early) {
 #pragma unroll
-    for (int k = 0; k < FS - 1; ++k) issue(k);
+        for (int k = 0; k < FS - 1; ++k) { if constexpr (PIX) issue_h(k); else issue_w(k); }
+        cp_async_commit();
+    }
+    grid_dependency_wait();           // v6: H_in (or, PIX, W^T) is the previous kernel's output
+    launch_dependents();
+    if constexpr (PIX) {
+        if (blockIdx.x == 0 && blockIdx.y == 0 && threadIdx.x < 32) {
+#pragma unroll
+            for (int j = 0; j < RPL; ++j) {
+                const int r = lane + 32 * j;
+                if (r < BP) yb[r] = xrow[j] >= 0 ? Y[xrow[j]] : 0;
+            }
+        }
+    }
+#pragma unroll
+    for (int k = 0; k < FS - 1; ++k) {
+        if constexpr (!early) { issue_w(k); issue_h(k); }
+        else if constexpr (PIX) issue_w(k);
+        else issue_h(k);
+        cp_async_commit();
+    }
 
     float acc[MT][NB][4];
 #pragma unroll
@@ -281,12 +348,13 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
     // the k order inside a k-step is permuted identically for A and B (thread t holds inputs 4t..4t+3 at
     // fragment positions 2t, 2t+1, 2t+8, 2t+9), as in v3's gemm_rows
     for (int k = 0; k < nk; ++k) {
-        issue(k + FS - 1);            // refill the stage freed at the end of the previous iteration
+        issue_w(k + FS - 1);          // refill the stage freed at the end of the previous iteration
+        issue_h(k + FS - 1);
+        cp_async_commit();
         cp_async_wait<FS - 1>();      // this thread's copies of k-step k have landed ...
         __syncwarp();                 // ... and every lane's
         const unsigned char* st = ring + (k % FS) * FSTAGE;
         const float* ws = reinterpret_cast<const float*>(st);
-        const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
         u32 b[NB][2];
 #pragma unroll
         for (int nb = 0; nb < NB; ++nb) {
@@ -296,8 +364,16 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
-            const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+            uint2 h0, h1;
+            if constexpr (PIX) {
+                const u8* xs = st + FSTAGE_W;
+                pixels4(*reinterpret_cast<const u32*>(xs + (mt * 16 + g) * 16 + 4 * t), h0.x, h0.y);
+                pixels4(*reinterpret_cast<const u32*>(xs + (mt * 16 + g + 8) * 16 + 4 * t), h1.x, h1.y);
+            } else {
+                const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
+                h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
+                h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+            }
             const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
@@ -344,6 +420,23 @@ ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, c
         hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
     }
     cluster_sync_all();               // no block leaves while another still reads its partial
+}
+
+// a hidden (or, without v8's fold, the first) layer: H_in is the previous kernel's output
+extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
+ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
+       elem_t* __restrict__ hout, int out_p)
+{
+    fwd_body<false>(hin, in_p, wt, bias, hout, out_p, nullptr, nullptr, nullptr, 0, 0, nullptr);
+}
+
+// v8: the first layer of an MLP, reading the batch's pixels (and writing its labels) itself
+extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
+ft_fwd_x(const u8* __restrict__ X, const int* __restrict__ Y, const int* __restrict__ order, int base, int rows,
+         int* __restrict__ yb, const float* __restrict__ wt, const float* __restrict__ bias,
+         elem_t* __restrict__ hout, int out_p)
+{
+    fwd_body<true>(nullptr, INPUT_BYTES, wt, bias, hout, out_p, X, Y, order, base, rows, yb);
 }
 
 // Last layer (16 padded classes) split over gridDim.x blocks; the last block to finish sums the partial
@@ -471,13 +564,17 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
 // 4*B_p*out_p*BI/osplit FLOP. In flight a warp: (FT_S - 1) * 16*BI*4 bytes of W (BI 64, S 4: 12 KB; v1: 4 KB).
 // dz (row-major g) is not read by this version (both A fragments come from g^T); the argument stays so
 // that every version takes the same arguments.
-extern "C" __global__ void __launch_bounds__(256, FT_MINB)
-ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
-       const elem_t* __restrict__ hin, int in_p,
-       float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, int need_dh,
-       elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
+// v8, PIX (ft_bwd_x, the first layer of an MLP): the H_in strip is the batch's pixels, read through the epoch
+// order and converted before griddepcontrol.wait (nothing the previous kernel writes); EARLY: the W^T part of the
+// ring's first FT_S - 1 chunks is one commit group issued before the wait (only this kernel writes this W^T);
+// otherwise the strip comes by cp.async in the first chunk's group, not by a load round trip after the bias.
+template <bool PIX>
+__device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out_p, const elem_t* __restrict__ hin,
+                                         int in_p, float* __restrict__ wt, float* __restrict__ bias, float wscale,
+                                         float bscale, int need_dh, elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT,
+                                         const u8* __restrict__ X, const int* __restrict__ order, int base, int rows)
 {
-    (void)dz;
+    constexpr bool early = FT_EARLY != 0;
     extern __shared__ __align__(16) unsigned char smem[];
     elem_t* hs = reinterpret_cast<elem_t*>(smem);                           // [BP][BI+8]
     unsigned char* ring = smem + HS_BYTES + (threadIdx.x >> 5) * (FT_S * STAGE_BYTES);   // this warp's stages
@@ -492,29 +589,70 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
     const int nk = (cend - cbeg > warp) ? (cend - cbeg - warp + NW - 1) / NW : 0;
 
     // chunk k of this warp -> stage k % FT_S: 16 rows x BI fp32 of W^T and 16 rows x BP of g^T, 16-byte
-    // cp.async (L2 only). One commit group per chunk, empty past the end, so that the group count is uniform.
-    auto issue = [&](int k) {
-        if (k < nk) {
-            const int o0 = (cbeg + warp + k * NW) * 16;
-            const u32 st = smem_u32(ring + (k % FT_S) * STAGE_BYTES);
+    // cp.async (L2 only). One commit group per chunk, empty past the end, so that the group count is uniform;
+    // with EARLY one more, oldest, group holds the W^T of chunks 0 .. FT_S - 2 (cp_async_wait<FT_S - 1> in the
+    // loop still leaves chunk k complete: after the refill k + 2 groups, not k + 1, are done).
+    auto issue_w = [&](int k) {
+        if (k >= nk) return;
+        const int o0 = (cbeg + warp + k * NW) * 16;
+        const u32 st = smem_u32(ring + (k % FT_S) * STAGE_BYTES);
 #pragma unroll
-            for (int p = lane; p < 4 * BI; p += 32) {           // 16 rows x BI/4 pieces
-                const int r = p / (BI / 4), c = p % (BI / 4);
-                cp_async16(st + (r * WS + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + i0 + c * 4);
-            }
-#pragma unroll
-            for (int p = lane; p < 2 * BP; p += 32) {           // 16 rows x BP/8 pieces (contiguous in g^T)
-                const int r = p / (BP / 8), c = p % (BP / 8);
-                cp_async16(st + 16 * WS * 4 + (r * GS + c * 8) * 2, dzT + (size_t)(o0 + r) * BP + c * 8);
-            }
+        for (int p = lane; p < 4 * BI; p += 32) {           // 16 rows x BI/4 pieces
+            const int r = p / (BI / 4), c = p % (BI / 4);
+            cp_async16(st + (r * WS + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + i0 + c * 4);
         }
-        cp_async_commit();
     };
+    auto issue_g = [&](int k) {
+        if (k >= nk) return;
+        const int o0 = (cbeg + warp + k * NW) * 16;
+        const u32 st = smem_u32(ring + (k % FT_S) * STAGE_BYTES);
+#pragma unroll
+        for (int p = lane; p < 2 * BP; p += 32) {           // 16 rows x BP/8 pieces (contiguous in g^T)
+            const int r = p / (BP / 8), c = p % (BP / 8);
+            cp_async16(st + 16 * WS * 4 + (r * GS + c * 8) * 2, dzT + (size_t)(o0 + r) * BP + c * 8);
+        }
+    };
+    if constexpr (early) {
+#pragma unroll
+        for (int k = 0; k < FT_S - 1; ++k) issue_w(k);
+        cp_async_commit();
+    }
+    if constexpr (PIX) {
+        // H_in[:, strip] = pixels / 255 of the batch's rows (zero for r >= rows), 8 pixels an item
+        constexpr int ITEMS = (BP * NJ + 255) / 256;
+        uint2 px[ITEMS];
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            const int i = threadIdx.x + 256 * j, r = i / NJ, c = i % NJ;
+            const int idx = (i < BP * NJ && r < rows) ? order[base + r] : -1;
+            px[j] = idx >= 0 ? *reinterpret_cast<const uint2*>(X + (size_t)idx * INPUT_BYTES + i0 + c * 8)
+                             : make_uint2(0u, 0u);
+        }
+#pragma unroll
+        for (int j = 0; j < ITEMS; ++j) {
+            const int i = threadIdx.x + 256 * j, r = i / NJ, c = i % NJ;
+            if (i >= BP * NJ) continue;
+            uint4 v;
+            pixels4(px[j].x, v.x, v.y);
+            pixels4(px[j].y, v.z, v.w);
+            *reinterpret_cast<uint4*>(hs + r * (BI + 8) + c * 8) = v;
+        }
+    }
     grid_dependency_wait();           // v6: g is the previous kernel's output
     launch_dependents();
-    // the ring starts filling before the bias update and the H_in staging
+    if constexpr (!PIX) {             // the H_in strip joins the first chunk's group
+        for (int i = threadIdx.x; i < BP * NJ; i += blockDim.x) {
+            const int r = i / NJ, c = i % NJ;
+            cp_async16(smem_u32(hs + r * (BI + 8) + c * 8), hin + (size_t)r * in_p + i0 + c * 8);
+        }
+    }
+    // the ring starts filling before the bias update
 #pragma unroll
-    for (int k = 0; k < FT_S - 1; ++k) issue(k);
+    for (int k = 0; k < FT_S - 1; ++k) {
+        if constexpr (!early) issue_w(k);
+        issue_g(k);
+        cp_async_commit();
+    }
 
     // bias: b[o] -= lr/B' * sum_b g[b][o], spread over all blocks (g^T rows are contiguous)
     const int nblk = gridDim.x * gridDim.y, bid = blockIdx.y * gridDim.x + blockIdx.x;
@@ -525,12 +663,8 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
         for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
         bias[o] -= bscale * s;
     }
-    for (int i = threadIdx.x; i < BP * NJ; i += blockDim.x) {
-        const int r = i / NJ, c = i % NJ;
-        *reinterpret_cast<uint4*>(hs + r * (BI + 8) + c * 8) =
-            *reinterpret_cast<const uint4*>(hin + (size_t)r * in_p + i0 + c * 8);
-    }
-    __syncthreads();
+    cp_async_wait<FT_S - 2>();        // the first chunk's group (with the strip) has landed for this thread ...
+    __syncthreads();                  // ... and for every thread
     // B fragments of H_in[:, strip] (k = batch rows, n = 8 features) are read from hs by ldmatrix.trans
     // where they are used (v1 kept all 2 MT NJ of them in registers: with them, BI 64 needs 205 registers and
     // BI 32 spills at 3 blocks an SM; without, BI 64 / 2 blocks and BI 32 / 3 blocks fit with no spills)
@@ -551,7 +685,9 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
     const int ad_off = ((lane & 7) + (lane >> 4) * 8) * GS + ((lane >> 3) & 1) * 8;
 
     for (int k = 0; k < nk; ++k) {
-        issue(k + FT_S - 1);          // refill the stage freed at the end of the previous iteration
+        issue_w(k + FT_S - 1);        // refill the stage freed at the end of the previous iteration
+        issue_g(k + FT_S - 1);
+        cp_async_commit();
         cp_async_wait<FT_S - 1>();    // this thread's copies of chunk k have landed ...
         __syncwarp();                 // ... and every lane's
         const unsigned char* st = ring + (k % FT_S) * STAGE_BYTES;
@@ -638,4 +774,22 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
         dzpT[(size_t)(i0 + c) * BP + r] = v;
     }
     cluster_sync_all();               // no block leaves while another still reads its partial
+}
+
+extern "C" __global__ void __launch_bounds__(256, FT_MINB)
+ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
+       const elem_t* __restrict__ hin, int in_p,
+       float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, int need_dh,
+       elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
+{
+    (void)dz;
+    bwd_body<false>(dzT, out_p, hin, in_p, wt, bias, wscale, bscale, need_dh, dzp, dzpT, nullptr, nullptr, 0, 0);
+}
+
+// v8: the first layer of an MLP (no dH), its H_in strip read from the batch's pixels
+extern "C" __global__ void __launch_bounds__(256, FT_MINB)
+ft_bwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, const int* __restrict__ order,
+         int base, int rows, float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale)
+{
+    bwd_body<true>(dzT, out_p, nullptr, INPUT_BYTES, wt, bias, wscale, bscale, 0, nullptr, nullptr, X, order, base, rows);
 }

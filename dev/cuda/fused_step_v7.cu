@@ -1,0 +1,643 @@
+// fused_step_v7.cu (dev/cuda: the package's rung 7 before v8 folded the gather into the first layer and loaded
+// what the previous kernel does not write before waiting for it; kept to time v8 against it).
+// Rung 7, fused tensor-core training step for any MLP (and logreg), captured in a CUDA graph.
+//
+// Version history (this file is the last; the earlier ones live in dev/cuda/ beside NOTES-fused.md,
+// which has the prediction and the measured outcome of each):
+//   v1  Per step: ft_gather (batch rows -> fp16/bf16), one ft_fwd per hidden layer (GEMM + bias + ReLU,
+//       K split over 8 warps), ft_fwd_last (last GEMM split over blocks, the last block to finish does
+//       bias + softmax + loss + accuracy + g = p - onehot), one ft_bwd per layer (the weight-gradient GEMM
+//       with the SGD update fused: W^T is read once, dH_in = g @ W (old W) and W -= lr dW computed from the
+//       same registers, dW never written; ReLU mask fused into the dH epilogue). fp32 master W^T is the only
+//       weight copy: the forward converts it to fp16/bf16 on the fly, so each step moves 12 bytes/parameter
+//       (read fwd 4 + read bwd 4 + write 4): that is the floor for fp32 master weights.
+//       Measured (H200): mlp:8192x3 2.96 s a run (0.59 ms a step, ~67% of the copy bandwidth); ncu on the
+//       8192x8192 ft_bwd: 2.58 TB/s, 170 registers, one block of 8 warps an SM (occupancy 12.5%).
+//   v2  ft_bwd software-pipelined in registers (226 registers, slower); not built on here.
+//   v3  (copy of v1 + change) Bytes in flight no longer bounded by registers. ft_bwd: each warp streams its
+//       16-row chunks of W^T (fp32) and g^T through a private ring of FT_S shared-memory stages filled by
+//       16-byte cp.async (FT_S - 1 chunks in flight while one computes; no block barrier in the loop; BI 64,
+//       S 4: 96 KB in flight an SM against v1's <= 32 KB); both A fragments (g^T and g) come from the one
+//       staged g^T chunk by ldmatrix / ldmatrix.trans (the row-major g is not read), the H_in B fragments by
+//       ldmatrix from shared memory where used, W one 8-column tile at a time (registers: BI 64 160, BI 32
+//       90; with 2 / 3 blocks an SM forced, BI 64 / BI 32 fit 128 / 80 with no spills); the epilogue's
+//       reduction buffer reuses the ring. A second grid dimension splits the output rows over blocks when no
+//       dH is needed (the first layer: its 784 / 16 = 49 strips alone would leave most SMs idle). ft_fwd:
+//       FT_FU k-steps of W loaded before their mma (BO 64, FU 4: 16 KB a warp, 230 registers). Both kernels
+//       carry __launch_bounds__(256, FT_MINB / FT_FMINB), so the host picks the blocks per SM.
+//       Measured (H200, dev/cuda/step_breakdown.py): the 8192x8192 ft_bwd 155 us = 3.45 TB/s (read + write),
+//       but ft_fwd 140 us = 1.92 TB/s (ncu: 40% of DRAM peak, 230 registers, warps stalled on the loads of
+//       each FU group: nothing is in flight while a group's mma run).
+//   v4  (copy of v3 + change) ft_fwd streams W^T and H_in through per-warp rings as ft_bwd does: a stage
+//       holds one k-step (16 inputs) of the block's BO rows of W^T (fp32) and of H_in, filled by 16-byte
+//       cp.async; FT_FU stages in flight while one computes (BO 64: 4 x 5 KB a warp, 160 KB an SM). Each warp
+//       keeps v3's k-steps (warp, warp + 8, ...) in the same order and the same reduction, so the sums and
+//       their rounding are v3's: v4 is bit-identical to v3 (and v1).
+//       Measured (H200): bit-identical to v3 on every model tried; the 8192x8192 ft_fwd 141 -> 93 us (2.9 TB/s),
+//       mlp:8192x3 3.30 -> 2.80 s, mlp:4096x3 1.11 -> 0.96 s, mlp:2048x3 0.417 -> 0.405 s.
+//   v5  (dev/cuda/fused_step_v5.cu) ft_fwd reading 256-byte runs of each W^T row through one ring shared by the
+//       block (a barrier a stage; no K-split at BO 64), to test whether the 64-byte runs limit v4: slower
+//       everywhere (8192x8192 ft_fwd 100 us, 4096 39 us, 2048 16.5 us against v4's 93 / 29 / 10). Not the runs.
+//   v6  v4 + programmatic dependent launch (the host launches every kernel with the programmatic-stream-
+//       serialization attribute, fused/launch.py): each kernel first waits (griddepcontrol.wait) for its
+//       predecessor, then lets its successor launch (griddepcontrol.launch_dependents), so a kernel's launch
+//       and block scheduling overlap the drain of the one before. The sums are v4's (bit-identical).
+//       Measured (H200, dev/cuda/step_breakdown.py --pdl, same machine): a first cut that also prefetched each
+//       warp's first W^T rows into L2 before the wait was slower than v4 at 2048-8192 (the prefetches alone,
+//       without PDL: +5% at 2048, +7% at 4096, +2% at 8192); dropped.
+//   v7  (copy of v6 + change) The hidden layers split over thread-block clusters, partial sums reduced through
+//       distributed shared memory: at 2048-4096 every block of v6 re-read all of H_in (forward) or g^T
+//       (backward) from L2, as many bytes as its weights at 2048. ft_fwd: gridDim.y blocks of one cluster split
+//       the k-steps of the same BO outputs (so a tile of outputs reads H_in once, and BO can stay 64 at any
+//       width); ft_bwd: gridDim.y blocks of one cluster split the output rows of one wide strip (BI 64: 256-byte
+//       runs of W^T, g^T read once a cluster). Each block reduces its warps' partials into its own shared
+//       memory; after a cluster barrier, block r sums column slice r of every block's partial (ranks in order,
+//       so the result is deterministic) and writes it. gridDim.y = 1 is v6, sum for sum.
+//       Measured (H200, dev/cuda/step_breakdown.py --clusters / --v7): clusters of 2 (the plan's default where
+//       they double a hidden layer's tile) take the 2048 step 81 -> 73.5 us and 4096 188 -> 181 us; clusters of 4
+//       or 8 are slower (only 30 / 15 of them are resident at one block an SM: two or three waves).
+//       Tried and dropped (dev/cuda/fused_step_v7_lastfused.cu): the last layer's forward, softmax and backward
+//       in one cluster kernel (ft_last), bit-identical but slower than the two kernels at every width.
+//
+// Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
+// activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
+// g is kept unscaled (softmax - onehot, |g| <= 1) and every backward value is B' times the true gradient;
+// the 1/B' goes into the update scale (lr / B'), which keeps fp16 away from underflow.
+//
+// Compile-time configuration (-D): FT_MT m-tiles of the batch (B_p = 16*FT_MT), FT_BO outputs per ft_fwd
+// block, FT_BI input features per ft_bwd block (multiples of 8), FT_BF16; v3: FT_S ring stages of ft_bwd (>= 2),
+// FT_MINB / FT_FMINB minimum blocks per SM of ft_bwd / ft_fwd (__launch_bounds__), FT_FU k-steps of W (and
+// H_in) that ft_fwd keeps in flight a warp (its ring has FT_FU + 1 stages). The cluster splits (v7) are not
+// compiled in: gridDim.y of a launch is its cluster.
+// Compile alone: nvcc --ptx -arch=sm_90a fused_step.cu (the defaults below: batch 32, 64-wide tiles, fp16)
+#ifndef FT_MT
+#define FT_MT 2
+#endif
+#ifndef FT_BO
+#define FT_BO 64
+#endif
+#ifndef FT_BI
+#define FT_BI 64
+#endif
+#ifndef FT_BF16
+#define FT_BF16 0
+#endif
+#ifndef FT_S
+#define FT_S 4
+#endif
+#ifndef FT_MINB
+#define FT_MINB 1
+#endif
+#ifndef FT_FMINB
+#define FT_FMINB 1
+#endif
+#ifndef FT_FU
+#define FT_FU 2
+#endif
+#include "fused_common.cuh"
+
+#define MT FT_MT
+#define BP (MT * 16)
+#define NW 8
+#define BO FT_BO
+#define NB (BO / 8)
+#define BI FT_BI
+#define NJ (BI / 8)
+
+static_assert(FT_S >= 2, "ft_bwd's ring needs at least two stages");
+static_assert(BI % 8 == 0 && BO % 8 == 0, "tiles are multiples of 8 columns");
+
+// ft_bwd's per-warp ring: a stage holds one 16-row chunk of W^T[:, strip] (fp32, row stride WS floats) and
+// the chunk's g^T rows (row stride GS elements). Strides chosen so the reads are free of bank conflicts:
+//   W: float2 reads, a half-warp = 4 rows x 32 B; a row stride = 32 or 96 (mod 128) bytes puts the 4 rows
+//      on disjoint banks (BI = 8: 32 B, no padding; else BI*4 + 32 B).
+//   g^T: ldmatrix reads 8 rows x 16 B; a row stride of an odd multiple of 16 B ((BP + 8) * 2 = 32 MT + 16)
+//      puts the 8 rows on disjoint 16-byte bank groups.
+#define WS (BI == 8 ? 8 : BI + 8)
+#define GS (BP + 8)
+#define STAGE_BYTES (16 * WS * 4 + 16 * GS * 2)
+#define HS_BYTES (BP * (BI + 8) * 2)
+#define RING_BYTES (NW * FT_S * STAGE_BYTES)
+#define RED_BYTES (NW * BP * (BI + 1) * 4)
+
+// ft_fwd's per-warp ring: a stage holds one k-step of the block's W^T rows (BO x 16 fp32, row stride 64 B:
+// a quarter-warp's float4 reads cover 2 rows = 128 contiguous bytes) and of H_in (BP x 16, row stride 32 B:
+// a half-warp's 8-byte reads cover 4 rows = 128 bytes); both conflict-free. After the loop the rings become
+// the K-split reduction buffer [NW][BP][BO+1] fp32.
+#define FSTAGE_W (BO * 16 * 4)
+#define FSTAGE (FSTAGE_W + BP * 16 * 2)
+#define FRING_BYTES (NW * (FT_FU + 1) * FSTAGE)
+#define FRED_BYTES (NW * BP * (BO + 1) * 4)
+// v7: each block's reduced partial [BP][BO] (ft_fwd) or [BP][BI] (ft_bwd) fp32, read by the cluster's blocks
+#define FRING_RED (FRING_BYTES > FRED_BYTES ? FRING_BYTES : FRED_BYTES)
+#define FPART_BYTES (BP * BO * 4)
+#define RING_RED (RING_BYTES > RED_BYTES ? RING_BYTES : RED_BYTES)
+#define BPART_BYTES (BP * BI * 4)
+
+// dynamic shared memory each kernel needs (read by the host through these symbols)
+extern "C" __constant__ int ft_fwd_smem = FRING_RED + FPART_BYTES;
+extern "C" __constant__ int ft_last_smem = NW * BP * 17 * 4 + 64;
+// H_in strip, then the ring (reused as the dH reduction buffer [NW][BP][BI+1] fp32 after the loop), then the
+// block's dH partial
+extern "C" __constant__ int ft_bwd_smem = HS_BYTES + RING_RED + BPART_BYTES;
+
+__device__ __forceinline__ elem_t to_elem(float v) {
+#if FT_BF16
+    return __float2bfloat16_rn(v);
+#else
+    return __float2half_rn(v);
+#endif
+}
+__device__ __forceinline__ float from_elem(elem_t v) {
+#if FT_BF16
+    return __bfloat162float(v);
+#else
+    return __half2float(v);
+#endif
+}
+
+// v7: sum over the n <= 8 blocks of the cluster, in rank order, of the float at shared address `a` in each:
+// 0 + v_0 + v_1 + ... The loads are all issued before the first add, so they overlap.
+__device__ __forceinline__ float cluster_sum(u32 a, int n) {
+    float v[8];
+#pragma unroll
+    for (int y = 0; y < 8; ++y) v[y] = y < n ? ld_cluster_f32(mapa(a, y)) : 0.f;
+    float s = 0.f;
+#pragma unroll
+    for (int y = 0; y < 8; ++y) if (y < n) s += v[y];
+    return s;
+}
+
+// Batch rows -> x = pixel/255 in the operand type; rows >= rows are zero. grid = B_p blocks of 64 threads.
+// Bytes: 784 read + 1568 written per row.
+extern "C" __global__ void __launch_bounds__(64)
+ft_gather(const u8* __restrict__ X, const int* __restrict__ Y, const int* __restrict__ order, int base, int rows,
+          elem_t* __restrict__ xb, int* __restrict__ yb)
+{
+    // v6: the previous kernel (the last step's first-layer backward) still reads xb: wait before writing it
+    grid_dependency_wait();
+    launch_dependents();
+    const int r = blockIdx.x;
+    const int c = threadIdx.x;   // 16-byte chunk, 49 per row
+    const int idx = (r < rows) ? order[base + r] : -1;
+    if (c == 0) yb[r] = (idx >= 0) ? Y[idx] : 0;
+    if (c >= 49) return;
+    uint4 v = make_uint4(0u, 0u, 0u, 0u);
+    if (idx >= 0) v = *reinterpret_cast<const uint4*>(X + (size_t)idx * 784 + c * 16);
+    const u32 w[4] = {v.x, v.y, v.z, v.w};
+    u32 o[8];
+    const float s = 1.0f / 255.0f;
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+        o[2 * k] = pack2((float)(w[k] & 0xff) * s, (float)((w[k] >> 8) & 0xff) * s);
+        o[2 * k + 1] = pack2((float)((w[k] >> 16) & 0xff) * s, (float)(w[k] >> 24) * s);
+    }
+    uint4* d = reinterpret_cast<uint4*>(xb + (size_t)r * 784 + c * 16);
+    d[0] = make_uint4(o[0], o[1], o[2], o[3]);
+    d[1] = make_uint4(o[4], o[5], o[6], o[7]);
+}
+
+// acc[mt][nb] += H[:, k-range] @ W^T[o0 + nb*8 .., k-range]^T over k-steps ks0, ks0+kstride, ... < ks1.
+// The k order inside a 16-step is permuted identically for A and B (thread t holds actual k 4t..4t+3 at
+// fragment positions 2t,2t+1,2t+8,2t+9), so each thread reads 16 contiguous bytes of W and 8 of H.
+template <int NBT>
+__device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* __restrict__ h, int in_p,
+                                          const float* __restrict__ wt, int o0, int ks0, int ks1, int kstride)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll 2
+    for (int ks = ks0; ks < ks1; ks += kstride) {
+        const int k0 = ks * 16 + 4 * t;
+        u32 b[NBT][2];
+#pragma unroll
+        for (int nb = 0; nb < NBT; ++nb) {
+            const float4 w = __ldg(reinterpret_cast<const float4*>(wt + (size_t)(o0 + nb * 8 + g) * in_p + k0));
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 h0 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g) * in_p + k0);
+            const uint2 h1 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g + 8) * in_p + k0);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < NBT; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+    }
+}
+
+// H_out = relu(H_in @ W + b) for BO outputs per block; the 8 warps split K and reduce through shared memory.
+// Per block: BO*in_p*4 bytes of W (read once per step), B_p*in_p*2 bytes of H_in (from L2); 2*B_p*BO*in_p FLOP.
+// v4: warp w takes the k-steps w, w + 8, ... (v3's), streamed through its ring of FT_FU + 1 stages (16-byte
+// cp.async, L2 only); FT_FU k-steps stay in flight while one computes, so the loads never drain.
+// v7: grid (out_p / BO, C), launched as clusters of (1, C, 1): block y takes the k-steps [kb, ke) of its slice,
+// each block reads only its slice of H_in and W^T rows, and the cluster sums the C partials:
+//   z[r][o] = b[o] + sum_{y < C} part_y[r][o],  part_y = sum_{w < 8} (warp w's k-steps of slice y)
+extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
+ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
+       elem_t* __restrict__ hout, int out_p)
+{
+    constexpr int FS = FT_FU + 1;
+    extern __shared__ __align__(16) unsigned char fsm[];
+    float* red = reinterpret_cast<float*>(fsm);   // [NW][BP][BO+1], after the loop
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    unsigned char* ring = fsm + warp * (FS * FSTAGE);
+    const int o0 = blockIdx.x * BO;
+    const int kt = in_p / 16;
+    const int kper = (kt + gridDim.y - 1) / gridDim.y;   // v7: this block's k-steps [kb, ke)
+    const int kb = min(kt, (int)blockIdx.y * kper), ke = min(kt, kb + kper);
+    const int nk = ke - kb > warp ? (ke - kb - warp + NW - 1) / NW : 0;
+
+    // k-step k of this warp (inputs (kb + warp + k*NW)*16 ..) -> stage k % FS; one commit group each, empty
+    // past the end, so that the group count stays uniform
+    grid_dependency_wait();           // v6: H_in is the previous kernel's output
+    launch_dependents();
+
+    auto issue = [&](int k) {
+        if (k < nk) {
+            const int k0 = (kb + warp + k * NW) * 16;
+            const u32 st = smem_u32(ring + (k % FS) * FSTAGE);
+#pragma unroll
+            for (int p = lane; p < BO * 4; p += 32) {            // BO rows x 4 pieces of W^T
+                const int r = p >> 2, c = p & 3;
+                cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+            }
+#pragma unroll
+            for (int p = lane; p < BP * 2; p += 32) {            // BP rows x 2 pieces of H_in
+                const int r = p >> 1, c = p & 1;
+                cp_async16(st + FSTAGE_W + (r * 16 + c * 8) * 2, hin + (size_t)r * in_p + k0 + c * 8);
+            }
+        }
+        cp_async_commit();
+    };
+#pragma unroll
+    for (int k = 0; k < FS - 1; ++k) issue(k);
+
+    float acc[MT][NB][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
+    // the k order inside a k-step is permuted identically for A and B (thread t holds inputs 4t..4t+3 at
+    // fragment positions 2t, 2t+1, 2t+8, 2t+9), as in v3's gemm_rows
+    for (int k = 0; k < nk; ++k) {
+        issue(k + FS - 1);            // refill the stage freed at the end of the previous iteration
+        cp_async_wait<FS - 1>();      // this thread's copies of k-step k have landed ...
+        __syncwarp();                 // ... and every lane's
+        const unsigned char* st = ring + (k % FS) * FSTAGE;
+        const float* ws = reinterpret_cast<const float*>(st);
+        const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
+        u32 b[NB][2];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float4 w = *reinterpret_cast<const float4*>(ws + (nb * 8 + g) * 16 + 4 * t);
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
+            const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+        __syncwarp();                 // every lane has read stage k % FS: the next issue may overwrite it
+    }
+    cp_async_wait<0>();               // (only empty groups can be left)
+    __syncthreads();                  // every warp is done with its ring: it becomes the reduction buffer
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    __syncthreads();
+    if (gridDim.y == 1) {
+        for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
+            const int r = i / BO, c = i % BO;
+            float z = bias[o0 + c];
+#pragma unroll
+            for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+            hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
+        }
+        return;
+    }
+    // v7: the cluster's reduction. This block's partial, then block y sums columns [y*BO/C, (y+1)*BO/C) of all
+    // C partials (in rank order) from their shared memory.
+    if (cluster_size() != gridDim.y) __trap();   // launched without its clusters: mapa would be wrong
+    float* part = reinterpret_cast<float*>(fsm + FRING_RED);   // [BP][BO]
+    for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
+        const int r = i / BO, c = i % BO;
+        float z = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+        part[i] = z;
+    }
+    cluster_sync_all();               // every partial of the cluster is written
+    const int cols = BO / gridDim.y, c0 = blockIdx.y * cols;
+    for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
+        const int r = i / cols, c = c0 + i % cols;
+        float z = bias[o0 + c];
+        z += cluster_sum(smem_u32(part + r * BO + c), gridDim.y);
+        hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
+    }
+    cluster_sync_all();               // no block leaves while another still reads its partial
+}
+
+// Last layer (16 padded classes) split over gridDim.x blocks; the last block to finish sums the partial
+// logits, adds the bias and does softmax, loss, accuracy and g = p - onehot (stored both ways).
+extern "C" __global__ void __launch_bounds__(256)
+ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
+            const int* __restrict__ yb, int rows, int step,
+            float* __restrict__ part, unsigned* __restrict__ counter,
+            elem_t* __restrict__ dz, elem_t* __restrict__ dzT,
+            float* __restrict__ stat_loss, int* __restrict__ stat_ok)
+{
+    extern __shared__ __align__(16) float red[];   // [NW][BP][17], then flags
+    grid_dependency_wait();   // v6: hin is the previous kernel's output
+    launch_dependents();
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int ksteps = in_p / 16;
+    const int per = (ksteps + gridDim.x - 1) / gridDim.x;
+    const int ks0 = blockIdx.x * per, ks1 = min(ksteps, ks0 + per);
+    float acc[MT][2][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
+    gemm_rows<2>(acc, hin, in_p, wt, 0, ks0 + warp, ks1, NW);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < 2; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * 17 + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < BP * 16; i += blockDim.x) {
+        const int r = i >> 4, c = i & 15;
+        float z = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * 17 + c];
+        part[((size_t)blockIdx.x * BP + r) * 16 + c] = z;
+    }
+    __threadfence();
+    __syncthreads();
+    unsigned* flag = reinterpret_cast<unsigned*>(red + NW * BP * 17);
+    if (threadIdx.x == 0) flag[0] = (atomicAdd(counter, 1u) == gridDim.x - 1);
+    __syncthreads();
+    if (!flag[0]) return;
+    __threadfence();
+    // ---- the last block: softmax and cross-entropy, one thread per row ----
+    float lsum = 0.f;
+    int okc = 0;
+    for (int r = threadIdx.x; r < BP; r += blockDim.x) {
+        float z[16];
+#pragma unroll
+        for (int c = 0; c < 16; ++c) z[c] = 0.f;
+        for (int b = 0; b < gridDim.x; ++b) {
+            const float4* pp = reinterpret_cast<const float4*>(part + ((size_t)b * BP + r) * 16);
+#pragma unroll
+            for (int q = 0; q < 4; ++q) {
+                const float4 v = __ldcg(pp + q);
+                z[4 * q] += v.x; z[4 * q + 1] += v.y; z[4 * q + 2] += v.z; z[4 * q + 3] += v.w;
+            }
+        }
+        float mx = FT_NEG_INF;
+        int best = 0;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) {
+            z[c] += bias[c];
+            if (z[c] > mx) { mx = z[c]; best = c; }
+        }
+        float se = 0.f;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) se += __expf(z[c] - mx);
+        const bool live = r < rows;
+        const int y = live ? yb[r] : -1;
+        float zy = 0.f;
+#pragma unroll
+        for (int c = 0; c < 10; ++c) zy = (c == y) ? z[c] : zy;
+        if (live) {
+            lsum += __logf(se) - (zy - mx);
+            okc += (best == y);
+        }
+        const float inv = 1.0f / se;
+        u32 gp[8];
+#pragma unroll
+        for (int c = 0; c < 16; c += 2) {
+            float g0 = (live && c < 10) ? __expf(z[c] - mx) * inv - (c == y) : 0.f;
+            float g1 = (live && c + 1 < 10) ? __expf(z[c + 1] - mx) * inv - (c + 1 == y) : 0.f;
+            gp[c / 2] = pack2(g0, g1);
+            const float2 back = unpack2(gp[c / 2]);
+            dzT[(size_t)c * BP + r] = to_elem(back.x);
+            dzT[(size_t)(c + 1) * BP + r] = to_elem(back.y);
+        }
+        uint4* d = reinterpret_cast<uint4*>(dz + (size_t)r * 16);
+        d[0] = make_uint4(gp[0], gp[1], gp[2], gp[3]);
+        d[1] = make_uint4(gp[4], gp[5], gp[6], gp[7]);
+    }
+    lsum = warp_sum(lsum);
+    okc = __reduce_add_sync(0xffffffffu, okc);
+    __syncthreads();
+    float* ls = red;
+    int* oks = reinterpret_cast<int*>(red + NW);
+    if (lane == 0) { ls[warp] = lsum; oks[warp] = okc; }
+    __syncthreads();
+    if (threadIdx.x == 0) {
+        float L = 0.f;
+        int A = 0;
+        for (int w = 0; w < NW; ++w) { L += ls[w]; A += oks[w]; }
+        stat_loss[step] = L;
+        stat_ok[step] = A;
+        *counter = 0u;   // ready for the next launch
+    }
+}
+
+// Backward of one layer for BI input features per block, over the output rows of its y-slice (8 warps split
+// them in 16-row chunks):
+//   W_old = W^T[o-chunk][strip]                                 (fp32, read once, through the warp's ring)
+//   dW^T  = g^T @ H_in[:, strip]        (mma, K = batch)         -> W^T = W_old - lr/B' * dW^T, written once
+//   dH   += g @ W_old^T-chunk           (mma, K = o; B fragments from W_old by movmatrix)  [need_dh]
+// then dZ_prev = dH * [H_in > 0] written in both layouts. The bias update is spread over the blocks.
+// grid = (in_p / BI, osplit). Without dH (the first layer) the osplit blocks of a strip are independent; with
+// dH (v7) they are one cluster of (1, osplit, 1) and sum their dH partials through distributed shared memory:
+//   dH[r][i] = sum_{y < osplit} part_y[r][i],  part_y = sum_{w < 8} (warp w's chunks of row slice y)
+// Per block: 2 * (out_p/osplit)*BI*4 bytes of W (read + write), (out_p/osplit)*B_p*2 bytes of g^T from L2;
+// 4*B_p*out_p*BI/osplit FLOP. In flight a warp: (FT_S - 1) * 16*BI*4 bytes of W (BI 64, S 4: 12 KB; v1: 4 KB).
+// dz (row-major g) is not read by this version (both A fragments come from g^T); the argument stays so
+// that every version takes the same arguments.
+extern "C" __global__ void __launch_bounds__(256, FT_MINB)
+ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
+       const elem_t* __restrict__ hin, int in_p,
+       float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, int need_dh,
+       elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
+{
+    (void)dz;
+    extern __shared__ __align__(16) unsigned char smem[];
+    elem_t* hs = reinterpret_cast<elem_t*>(smem);                           // [BP][BI+8]
+    unsigned char* ring = smem + HS_BYTES + (threadIdx.x >> 5) * (FT_S * STAGE_BYTES);   // this warp's stages
+    float* red = reinterpret_cast<float*>(smem + HS_BYTES);                // [NW][BP][BI+1], after the loop
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int i0 = blockIdx.x * BI;
+
+    // this warp's chunks: cbeg + warp + k*NW for k < nk, inside the block's slice [cbeg, cend) of out_p/16
+    const int nchunks = out_p / 16;
+    const int per = (nchunks + gridDim.y - 1) / gridDim.y;
+    const int cbeg = blockIdx.y * per, cend = min(nchunks, cbeg + per);
+    const int nk = (cend - cbeg > warp) ? (cend - cbeg - warp + NW - 1) / NW : 0;
+
+    // chunk k of this warp -> stage k % FT_S: 16 rows x BI fp32 of W^T and 16 rows x BP of g^T, 16-byte
+    // cp.async (L2 only). One commit group per chunk, empty past the end, so that the group count is uniform.
+    auto issue = [&](int k) {
+        if (k < nk) {
+            const int o0 = (cbeg + warp + k * NW) * 16;
+            const u32 st = smem_u32(ring + (k % FT_S) * STAGE_BYTES);
+#pragma unroll
+            for (int p = lane; p < 4 * BI; p += 32) {           // 16 rows x BI/4 pieces
+                const int r = p / (BI / 4), c = p % (BI / 4);
+                cp_async16(st + (r * WS + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + i0 + c * 4);
+            }
+#pragma unroll
+            for (int p = lane; p < 2 * BP; p += 32) {           // 16 rows x BP/8 pieces (contiguous in g^T)
+                const int r = p / (BP / 8), c = p % (BP / 8);
+                cp_async16(st + 16 * WS * 4 + (r * GS + c * 8) * 2, dzT + (size_t)(o0 + r) * BP + c * 8);
+            }
+        }
+        cp_async_commit();
+    };
+    grid_dependency_wait();           // v6: g is the previous kernel's output
+    launch_dependents();
+    // the ring starts filling before the bias update and the H_in staging
+#pragma unroll
+    for (int k = 0; k < FT_S - 1; ++k) issue(k);
+
+    // bias: b[o] -= lr/B' * sum_b g[b][o], spread over all blocks (g^T rows are contiguous)
+    const int nblk = gridDim.x * gridDim.y, bid = blockIdx.y * gridDim.x + blockIdx.x;
+    for (int o = bid * blockDim.x + threadIdx.x; o < out_p; o += nblk * blockDim.x) {
+        float s = 0.f;
+        const u32* row = reinterpret_cast<const u32*>(dzT + (size_t)o * BP);
+#pragma unroll
+        for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
+        bias[o] -= bscale * s;
+    }
+    for (int i = threadIdx.x; i < BP * NJ; i += blockDim.x) {
+        const int r = i / NJ, c = i % NJ;
+        *reinterpret_cast<uint4*>(hs + r * (BI + 8) + c * 8) =
+            *reinterpret_cast<const uint4*>(hin + (size_t)r * in_p + i0 + c * 8);
+    }
+    __syncthreads();
+    // B fragments of H_in[:, strip] (k = batch rows, n = 8 features) are read from hs by ldmatrix.trans
+    // where they are used (v1 kept all 2 MT NJ of them in registers: with them, BI 64 needs 205 registers and
+    // BI 32 spills at 3 blocks an SM; without, BI 64 / 2 blocks and BI 32 / 3 blocks fit with no spills)
+    const u32 hb_base = smem_u32(hs + (lane & 15) * (BI + 8));
+
+    float dh[MT][NJ][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) dh[mt][j][e] = 0.f;
+
+    // ldmatrix row addresses inside a stage's g^T (lane l serves matrix l/8, row l%8):
+    //   A = g^T (m = o, k = batch), matrices (o 0-7, b 0-7), (o 8-15, b 0-7), (o 0-7, b 8-15), (o 8-15, b 8-15)
+    //   A = g   (m = batch, k = o), .trans of (o 0-7, b 0-7), (o 0-7, b 8-15), (o 8-15, b 0-7), (o 8-15, b 8-15)
+    const int at_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * GS + (lane >> 4) * 8;
+    const int ad_off = ((lane & 7) + (lane >> 4) * 8) * GS + ((lane >> 3) & 1) * 8;
+
+    for (int k = 0; k < nk; ++k) {
+        issue(k + FT_S - 1);          // refill the stage freed at the end of the previous iteration
+        cp_async_wait<FT_S - 1>();    // this thread's copies of chunk k have landed ...
+        __syncwarp();                 // ... and every lane's
+        const unsigned char* st = ring + (k % FT_S) * STAGE_BYTES;
+        const float* ws = reinterpret_cast<const float*>(st);
+        const elem_t* gts = reinterpret_cast<const elem_t*>(st + 16 * WS * 4);
+        const int o0 = (cbeg + warp + k * NW) * 16;
+        u32 at[MT][4], ad[MT][4];
+#pragma unroll
+        for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + at_off + kk * 16));
+        if (need_dh) {
+#pragma unroll
+            for (int mt = 0; mt < MT; ++mt) ldsm_x4_t(ad[mt], smem_u32(gts + ad_off + mt * 16));
+        }
+        // one 8-column tile at a time: its W_old (2 x float2 from the stage) feeds dH (B = W_old^T by
+        // movmatrix) and is then updated and stored, so only 4 floats of W are live (not 4 NJ)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j) {
+            float2 w0 = *reinterpret_cast<const float2*>(ws + g * WS + j * 8 + 2 * t);
+            float2 w1 = *reinterpret_cast<const float2*>(ws + (g + 8) * WS + j * 8 + 2 * t);
+            if (need_dh) {
+                const u32 b0 = movmatrix_t(pack2(w0.x, w0.y));
+                const u32 b1 = movmatrix_t(pack2(w1.x, w1.y));
+#pragma unroll
+                for (int mt = 0; mt < MT; ++mt) mma16816(dh[mt][j], ad[mt], b0, b1);
+            }
+            float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+            for (int kk = 0; kk < MT; ++kk) {
+                u32 h0, h1;
+                ldsm_x2_t(h0, h1, hb_base + (kk * 16 * (BI + 8) + j * 8) * 2);
+                mma16816(acc, at[kk], h0, h1);
+            }
+            w0.x -= wscale * acc[0];
+            w0.y -= wscale * acc[1];
+            w1.x -= wscale * acc[2];
+            w1.y -= wscale * acc[3];
+            *reinterpret_cast<float2*>(wt + (size_t)(o0 + g) * in_p + i0 + j * 8 + 2 * t) = w0;
+            *reinterpret_cast<float2*>(wt + (size_t)(o0 + g + 8) * in_p + i0 + j * 8 + 2 * t) = w1;
+        }
+        __syncwarp();                 // every lane has read stage k % FT_S: the next issue may overwrite it
+    }
+    cp_async_wait<0>();               // (only empty groups can be left)
+    if (!need_dh) return;
+    __syncthreads();                  // every warp is done with its ring: it becomes the reduction buffer
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int j = 0; j < NJ; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BI + 1) + j * 8 + 2 * t + (e & 1)] = dh[mt][j][e];
+    __syncthreads();
+    if (gridDim.y == 1) {
+        for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
+            const int r = i / BI, c = i % BI;
+            float s = 0.f;
+#pragma unroll
+            for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
+            const float hv = from_elem(hs[r * (BI + 8) + c]);
+            const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
+            dzp[(size_t)r * in_p + i0 + c] = v;
+            dzpT[(size_t)(i0 + c) * BP + r] = v;
+        }
+        return;
+    }
+    // v7: the cluster's reduction (as ft_fwd's): this block's partial, then block y sums its column slice
+    if (cluster_size() != gridDim.y) __trap();   // launched without its clusters: mapa would be wrong
+    float* part = reinterpret_cast<float*>(smem + HS_BYTES + RING_RED);   // [BP][BI]
+    for (int i = threadIdx.x; i < BP * BI; i += blockDim.x) {
+        const int r = i / BI, c = i % BI;
+        float s = 0.f;
+#pragma unroll
+        for (int w = 0; w < NW; ++w) s += red[(w * BP + r) * (BI + 1) + c];
+        part[i] = s;
+    }
+    cluster_sync_all();               // every partial of the cluster is written
+    const int cols = BI / gridDim.y, c0 = blockIdx.y * cols;
+    for (int i = threadIdx.x; i < BP * cols; i += blockDim.x) {
+        const int r = i / cols, c = c0 + i % cols;
+        const float s = cluster_sum(smem_u32(part + r * BI + c), gridDim.y);
+        const float hv = from_elem(hs[r * (BI + 8) + c]);
+        const elem_t v = to_elem(hv > 0.f ? s : 0.f);   // ReLU'(z) = [h > 0]
+        dzp[(size_t)r * in_p + i0 + c] = v;
+        dzpT[(size_t)(i0 + c) * BP + r] = v;
+    }
+    cluster_sync_all();               // no block leaves while another still reads its partial
+}
