@@ -63,8 +63,8 @@
 //       drains, so what the predecessor does not write is loaded before griddepcontrol.wait: the W^T of ft_fwd
 //       (layers 2..L; the first layer's W^T is what the previous step's last kernel writes, so ft_fwd_x loads its
 //       pixels early instead) and of ft_bwd, and ft_bwd_x's pixel strip; (c) ft_bwd stages its H_in strip by
-//       cp.async in the ring's first group instead of a load round trip after the bias update. v8 is bit-identical
-//       to v7 (and, without cluster splits, to v3).
+//       cp.async in the ring's first group instead of a load round trip after the bias update; ft_fwd_last loads
+//       its first two k-steps of W^T before the wait. v8 is bit-identical to v7 (and, without splits, to v3).
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -214,32 +214,46 @@ ft_gather(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     d[1] = make_uint4(o[4], o[5], o[6], o[7]);
 }
 
-// acc[mt][nb] += H[:, k-range] @ W^T[o0 + nb*8 .., k-range]^T over k-steps ks0, ks0+kstride, ... < ks1.
+// The W^T fragments of k-step ks (n = outputs o0 + nb*8 + g) and their mma with H's (the previous kernel's output).
 // The k order inside a 16-step is permuted identically for A and B (thread t holds actual k 4t..4t+3 at
 // fragment positions 2t,2t+1,2t+8,2t+9), so each thread reads 16 contiguous bytes of W and 8 of H.
+template <int NBT>
+__device__ __forceinline__ void w_frags(u32 b[NBT][2], const float* __restrict__ wt, int in_p, int o0, int ks)
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int nb = 0; nb < NBT; ++nb) {
+        const float4 w = __ldg(reinterpret_cast<const float4*>(wt + (size_t)(o0 + nb * 8 + g) * in_p + ks * 16 + 4 * t));
+        b[nb][0] = pack2(w.x, w.y);
+        b[nb][1] = pack2(w.z, w.w);
+    }
+}
+template <int NBT>
+__device__ __forceinline__ void mma_kstep(float acc[MT][NBT][4], const elem_t* __restrict__ h, int in_p, int ks,
+                                          const u32 b[NBT][2])
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int k0 = ks * 16 + 4 * t;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+        const uint2 h0 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g) * in_p + k0);
+        const uint2 h1 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g + 8) * in_p + k0);
+        const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+        for (int nb = 0; nb < NBT; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+    }
+}
+
+// acc[mt][nb] += H[:, k-range] @ W^T[o0 + nb*8 .., k-range]^T over k-steps ks0, ks0+kstride, ... < ks1.
 template <int NBT>
 __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* __restrict__ h, int in_p,
                                           const float* __restrict__ wt, int o0, int ks0, int ks1, int kstride)
 {
-    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
 #pragma unroll 2
     for (int ks = ks0; ks < ks1; ks += kstride) {
-        const int k0 = ks * 16 + 4 * t;
         u32 b[NBT][2];
-#pragma unroll
-        for (int nb = 0; nb < NBT; ++nb) {
-            const float4 w = __ldg(reinterpret_cast<const float4*>(wt + (size_t)(o0 + nb * 8 + g) * in_p + k0));
-            b[nb][0] = pack2(w.x, w.y);
-            b[nb][1] = pack2(w.z, w.w);
-        }
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-            const uint2 h0 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g) * in_p + k0);
-            const uint2 h1 = *reinterpret_cast<const uint2*>(h + (size_t)(mt * 16 + g + 8) * in_p + k0);
-            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
-#pragma unroll
-            for (int nb = 0; nb < NBT; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
-        }
+        w_frags<NBT>(b, wt, in_p, o0, ks);
+        mma_kstep<NBT>(acc, h, in_p, ks, b);
     }
 }
 
@@ -449,12 +463,24 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
             float* __restrict__ stat_loss, int* __restrict__ stat_ok)
 {
     extern __shared__ __align__(16) float red[];   // [NW][BP][17], then flags
-    grid_dependency_wait();   // v6: hin is the previous kernel's output
-    launch_dependents();
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int ksteps = in_p / 16;
     const int per = (ksteps + gridDim.x - 1) / gridDim.x;
     const int ks0 = blockIdx.x * per, ks1 = min(ksteps, ks0 + per);
+    // v8: this warp's first two k-steps of W^T (written only by this layer's backward, two kernels later) are
+    // loaded before the wait; the mma order is gemm_rows' (k-steps ks0 + warp, + NW, + 2 NW, ...)
+    const int ka = ks0 + warp, kb = ka + NW;
+    u32 wa[2][2], wb[2][2];
+    if (FT_EARLY) {
+        if (ka < ks1) w_frags<2>(wa, wt, in_p, 0, ka);
+        if (kb < ks1) w_frags<2>(wb, wt, in_p, 0, kb);
+    }
+    grid_dependency_wait();   // v6: hin is the previous kernel's output
+    launch_dependents();
+    if (!FT_EARLY) {
+        if (ka < ks1) w_frags<2>(wa, wt, in_p, 0, ka);
+        if (kb < ks1) w_frags<2>(wb, wt, in_p, 0, kb);
+    }
     float acc[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -462,7 +488,9 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
         for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
-    gemm_rows<2>(acc, hin, in_p, wt, 0, ks0 + warp, ks1, NW);
+    if (ka < ks1) mma_kstep<2>(acc, hin, in_p, ka, wa);
+    if (kb < ks1) mma_kstep<2>(acc, hin, in_p, kb, wb);
+    gemm_rows<2>(acc, hin, in_p, wt, 0, kb + NW, ks1, NW);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
