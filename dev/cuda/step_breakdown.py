@@ -13,7 +13,8 @@ graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run 
 each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
 --v7: the default plan against no cluster splits, the fused last layer (dev/cuda/fused_step_v7_lastfused.cu) and v6.
 --v8: the default plan against v8 built with FT_EARLY=0 (no loads before griddepcontrol.wait) and v7 (dev/cuda);
---v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages).
+--v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages); --v8-tune2: against the
+first layer's forward split over clusters of 2, its backward's output rows split 3 or 8 ways, 2 blocks an SM, BO 16.
 A kernel timed alone is launched after itself: with lr = 0 its early loads of W^T read what the copy before it
 rewrote unchanged, so the timing is fair; in a step its predecessor never writes them.
 """
@@ -45,6 +46,9 @@ V7_VARIANTS = [{}, {"step_fsplit": 1, "step_bsplit": 1}, {"kernel": "fused_step_
 V8_VARIANTS = [{}, {"kernel": "fused_step.cu:early=0"}, {"kernel": "fused_step_v7.cu"}]
 # v8 with deeper backward rings (more of each warp's W^T chunks loaded before the wait)
 V8_TUNE = [{}, {"step_stages": 6}, {"step_stages": 7}, {"step_stages": 3}]
+# the first layer split (its forward over a cluster of 2, its backward's output rows) and two blocks an SM
+V8_TUNE2 = [{}, {"step_fsplit": 2}, {"step_osplit": 3}, {"step_osplit": 8}, {"step_bwd_minb": 2},
+            {"step_fwd_minb": 2}, {"step_bo": 16}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -110,7 +114,8 @@ def main(argv):
 
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
                 if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else V7_VARIANTS if "--v7" in argv
-                else V8_VARIANTS if "--v8" in argv else V8_TUNE if "--v8-tune" in argv else [{}])
+                else V8_VARIANTS if "--v8" in argv else V8_TUNE if "--v8-tune" in argv
+                else V8_TUNE2 if "--v8-tune2" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:
