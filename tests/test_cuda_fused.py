@@ -424,6 +424,8 @@ def test_warm_up_does_not_train(tiny_data, rung, model, tuning):
     # v7's cluster splits: uneven k-step slices (784 = 49 k-steps over 2 / 4 / 8), the 8-way split at 1024
     (7, "mlp:256x2", 37, {"step_fsplit": 2, "step_bsplit": 2}), (7, "mlp:512x3", 29, {"step_fsplit": 4, "step_bsplit": 4}),
     (7, "mlp:1024x2", 32, {"step_fsplit": 8, "step_bsplit": 8, "step_pdl": "off"}),
+    # v8's first layer as one kernel mid-epoch (ft_bwd_fwd_x needs BO 16 or 32: the default from width 1920 on)
+    (7, "mlp:256x2", 37, {"step_bo": 16}), (7, "mlp:512x3", 29, {"step_bo": 32, "no_graph": True}),
     (8, "mlp:100x2", 37, {}), (8, "mlp:128x3", 29, {}), (8, "mlp:64x1", 37, {}),
     (8, "mlp:64x2", 50, {}),   # the compact fallback: the blocked build does not fit
     (8, "mlp:100x2", 37, {"mlp_layout": "compact"}),
@@ -567,6 +569,41 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
             assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
             assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
             assert env["gather_folded"]   # v8: an MLP's first layer reads the pixels itself
+            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+            runs.append((steps, sess.weights()))
+        finally:
+            sess.close()
+    (s1, w1), (s0, w0) = runs
+    for a, b in zip(s1, s0):
+        np.testing.assert_array_equal(a, b)
+    for (wa, ba), (wb, bb) in zip(w1, w0):
+        np.testing.assert_array_equal(wa, wb)
+        np.testing.assert_array_equal(ba, bb)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,precision,batch,tuning", [
+    ("mlp:256x2", "fp16", 37, {"step_bo": 16}), ("mlp:512x3", "bf16", 29, {"step_bo": 32, "step_graph": False}),
+    ("mlp:2048x1", "fp16", 32, {}),
+])
+def test_rung7_first_layer_fusion_changes_no_value(tiny_data, model, precision, batch, tuning):
+    """v8's ft_bwd_fwd_x (mid-epoch, the first layer's backward of step k and its forward of step k+1 in one kernel,
+    from the rows it has just updated) computes the sums of ft_bwd_x and ft_fwd_x in their order: per-step losses and
+    final weights bit-identical to the two kernels, over epochs (the first and last step of each run them apart)."""
+    from fasttrain.contract import epoch_order
+    from fasttrain.engines.cuda.fused.step import FusedStepSession
+
+    class TwoKernels(FusedStepSession):
+        first_fused = False
+
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
+    runs = []
+    for cls in (FusedStepSession, TwoKernels):
+        sess = cls(job, options(7, **tuning))
+        try:
+            env = sess.environment()
+            assert env["gather_folded"] and env["first_layer_fused"] is (cls is FusedStepSession)
             steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
                      for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
             runs.append((steps, sess.weights()))

@@ -46,7 +46,10 @@ def main(argv) -> int:
 
     version = argv[0] if argv else "fused_step_v3.cu"   # v4 is bit-identical to v3; v5 is not (another order)
     cases = [("mlp:100x2", "fp16", 37, dict(epochs=2)), ("mlp:256x2", "bf16", 32, dict(epochs=2)),
-             ("mlp:128x3", "fp16", 128, dict(epochs=2)), ("mlp:64x1", "fp16", 256, dict(epochs=2))]
+             ("mlp:128x3", "fp16", 128, dict(epochs=2)), ("mlp:64x1", "fp16", 256, dict(epochs=2)),
+             # v8's first layer as one kernel mid-epoch (the default from width 1920; here forced by BO 16 / 32)
+             ("mlp:256x2", "bf16", 37, dict(epochs=2), {"step_bo": 16}),
+             ("mlp:512x3", "fp16", 29, dict(epochs=2), {"step_bo": 32, "step_graph": False})]
     datasets = [("synthetic", synthetic_dataset())]
     if os.environ.get("FASTTRAIN_DATA_DIR"):
         from fasttrain.data import load_dataset
@@ -56,7 +59,8 @@ def main(argv) -> int:
                   ("mlp:4096x2", "fp16", 32, dict(steps=200))]
     bad = 0
     for dname, data in datasets:
-        for model, precision, batch, length in cases:
+        for model, precision, batch, length, *tuning in cases:
+            tuning = tuning[0] if tuning else {}
             if dname == "synthetic" and "steps" in length:
                 continue
             spec = parse_model(model)
@@ -64,14 +68,14 @@ def main(argv) -> int:
             job = Job(spec, cfg, data, initial_weights(spec, cfg.seed), schedule(cfg, data.n_train))
             # without its cluster splits the package's kernel is v6 sum for sum; against v7 both split alike
             unsplit = {} if SESSIONS[version].cluster_split else {"step_fsplit": 1, "step_bsplit": 1}
-            opts = make_options(CudaDevEngine, {"rung": 7, **unsplit})
+            opts = make_options(CudaDevEngine, {"rung": 7, **unsplit, **tuning})
             new_l, new_w = train(make_dev_session(job, opts), job)
-            old_l, old_w = train(make_dev_session(job, make_options(CudaDevEngine, {"rung": 7, "kernel": version})),
-                                 job)
+            old_l, old_w = train(make_dev_session(job, make_options(CudaDevEngine, {"rung": 7, "kernel": version,
+                                                                                    **tuning})), job)
             same = np.array_equal(new_l, old_l) and all(np.array_equal(a, c) and np.array_equal(b, d)
                                                         for (a, b), (c, d) in zip(new_w, old_w))
             bad += not same
-            print(f"{dname:9s} {model:11s} {precision} batch {batch:3d} {len(new_l):5d} steps: "
+            print(f"{dname:9s} {model:11s} {precision} batch {batch:3d} {len(new_l):5d} steps{' ' + str(tuning) if tuning else ''}: "
                   f"{'bit-identical' if same else 'DIFFERENT'} to {version} (final loss {new_l[-1]:.6f} vs {old_l[-1]:.6f})",
                   flush=True)
     return 1 if bad else 0

@@ -89,6 +89,8 @@ def main(argv=None) -> int:
         # v7's cluster splits (the blocks of a cluster read each other's shared memory)
         ok &= check(data, "mlp:512x3", 7, "fp16", 29, args.epochs, step_fsplit=4, step_bsplit=4)
         ok &= check(data, "mlp:1024x2", 7, "bf16", 32, args.epochs, step_fsplit=8, step_bsplit=8, step_pdl="off")
+        # v8's first layer as one kernel mid-epoch (ft_bwd_fwd_x), BO 16, a partial last batch
+        ok &= check(data, "mlp:256x2", 7, "bf16", 37, args.epochs, step_bo=16)
     if args.only == "history":
         for cluster in (7, 4):
             for precision in ("fp16", "bf16"):

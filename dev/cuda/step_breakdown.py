@@ -12,7 +12,8 @@ graph's node boundaries cost (launch, ramp, drain). The kernels timed alone run 
 --clusters: v7's cluster splits (--step-fsplit / --step-bsplit 2, 4, 8) against the default plan and v6 (dev/cuda);
 each clustered launch's line names its cluster, and how many of them the GPU holds at once is printed.
 --v7: the default plan against no cluster splits, the fused last layer (dev/cuda/fused_step_v7_lastfused.cu) and v6.
---v8: the default plan against v8 built with FT_EARLY=0 (no loads before griddepcontrol.wait) and v7 (dev/cuda);
+--v8: the default plan against v8 without ft_bwd_fwd_x, v8 built with FT_EARLY=0 (no loads before
+griddepcontrol.wait) and v7 (dev/cuda);
 --v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages); --v8-tune2: against the
 first layer's forward split over clusters of 2, its backward's output rows split 3 or 8 ways, 2 blocks an SM, BO 16.
 A kernel timed alone is launched after itself: with lr = 0 its early loads of W^T read what the copy before it
@@ -43,7 +44,8 @@ CLUSTER_VARIANTS = [{}, {"step_fsplit": 2}, {"step_fsplit": 4}, {"step_fsplit": 
 V7_VARIANTS = [{}, {"step_fsplit": 1, "step_bsplit": 1}, {"kernel": "fused_step_v7_lastfused.cu"},
                {"kernel": "fused_step_v6.cu"}]
 # v8 as the package runs it against v8 with every load after griddepcontrol.wait (the gather still folded) and v7
-V8_VARIANTS = [{}, {"kernel": "fused_step.cu:early=0"}, {"kernel": "fused_step_v7.cu"}]
+V8_VARIANTS = [{}, {"kernel": "fused_step.cu:unfused"}, {"kernel": "fused_step.cu:early=0"},
+               {"kernel": "fused_step_v7.cu"}]
 # v8 with deeper backward rings (more of each warp's W^T chunks loaded before the wait)
 V8_TUNE = [{}, {"step_stages": 6}, {"step_stages": 7}, {"step_stages": 3}]
 # the first layer split (its forward over a cluster of 2, its backward's output rows) and two blocks an SM
@@ -75,13 +77,14 @@ def timed(cp, stream, launch, reps=REPS):
     return float(np.median(times[1:]))
 
 
-W_BYTES = {"fwd": 4, "fwd last": 4, "bwd": 8, "last": 12}   # bytes a parameter of W^T each kind moves (fp32 master)
+W_BYTES = {"fwd": 4, "fwd last": 4, "bwd": 8, "last": 12, "bwd+fwd": 8}   # bytes a parameter of W^T each kind moves (fp32 master)
 
 
 def kernels(s: FusedStepSession):
-    """(name, bytes of W, launch) for each kernel of step 0 (the session's own launches, at lr = 0)."""
+    """(name, bytes of W, launch) for each kernel of a mid-epoch step (step 1 of a sequence that goes on: the
+    session's own launches, at lr = 0)."""
     out = []
-    for kind, layer, launch in s.step_launches(0, 0.0):
+    for kind, layer, launch in s.step_launches(1, 0.0, first=False, last=False):
         if layer is None:
             out.append((kind, 0, launch))
             continue
@@ -89,6 +92,7 @@ def kernels(s: FusedStepSession):
         fc, bc = p.get("FC", 1), (p["osplit"] if layer > 0 else 1)
         detail = (f"BO {p['BO']} FU {p['FU']}" + (f" cluster {fc}" if fc > 1 else "") if kind == "fwd"
                   else f"{s.split} blocks" if kind == "fwd last" else f"fwd + bwd, a cluster of {s.split}" if kind == "last"
+                  else f"step k's bwd + step k+1's fwd, BO {p['BO']}" if kind == "bwd+fwd"
                   else f"BI {p['BI']} S {p['S']} regs {p['bwd'].num_regs}" + (f" cluster {bc}" if bc > 1 else ""))
         out.append((f"{kind} {layer + 1} ({p['out_p']}x{p['in_p']}, {detail})", W_BYTES[kind] * wt.size, launch))
     return out

@@ -55,6 +55,13 @@ class StepV8Late(FusedStepSession):
         return super().defines(p, bf16) | {"FT_EARLY": 0}
 
 
+class StepV8Unfused(FusedStepSession):
+    """v8 without ft_bwd_fwd_x: the first layer's backward and the next step's forward stay two kernels
+    (ft_bwd_x, ft_fwd_x); to measure what that fusion buys."""
+
+    first_fused = False
+
+
 class StepV7(FusedStepSession):
     """v7: cluster splits; a separate gather kernel, every kernel waits before it loads."""
 
@@ -102,9 +109,9 @@ class StepV7LastFused(FusedStepSession):
 
             self.launcher = ExLauncher(pdl=False)
 
-    def step_launches(self, k: int, lr: float) -> list:
+    def step_launches(self, k: int, lr: float, first: bool = True, last: bool = True) -> list:
         """v7's launches with "fwd last" and the last layer's "bwd" replaced by one "last"."""
-        out = super().step_launches(k, lr)
+        out = super().step_launches(k, lr, first, last)
         if not self.fused:
             return out
         L = len(self.plan)
@@ -300,8 +307,8 @@ SESSIONS = {
     "fused_step_v1.cu": StepV1, "fused_step_v2.cu": StepV1, "fused_step_v3.cu": StepV3,
     "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
     "fused_step_v7.cu": StepV7, "fused_step_v7_lastfused.cu": StepV7LastFused,
-    # not a file: the package's fused_step.cu built with FT_EARLY=0
-    "fused_step.cu:early=0": StepV8Late,
+    # not files: the package's fused_step.cu built with FT_EARLY=0, and run without ft_bwd_fwd_x
+    "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,

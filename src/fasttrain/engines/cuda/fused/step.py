@@ -1,19 +1,21 @@
 """Rung 7: the fused step kernels of ``kernels/fused_step.cu``, each epoch captured once into a CUDA graph.
 
-One training step of an MLP is ``2L`` kernels: a GEMM + bias + ReLU kernel per hidden layer (the first reads
-the batch's pixels through the epoch order itself, converts them and writes the labels: v8 folded the gather into it) (each warp streams its k-steps of W^T and H_in through a cp.async ring, FU k-steps in flight); the last GEMM with softmax,
-cross-entropy, accuracy and ``g = p - onehot`` in its epilogue; per layer a backward kernel that streams W
-through per-warp cp.async rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in
-registers, so dW is never written. The first layer needs no dH, so its output rows are split over blocks
-until the SMs are full. Tiles and occupancy come from :func:`~fasttrain.engines.cuda.fused.plans.step_plan`;
-the engine's ``--step-*`` options override them (what each layer got is in the run record's environment).
-Up to 4096-wide layers every kernel is launched with programmatic dependent launch (``--step-pdl on|off|auto``):
-it may start while the one before it drains, and waits in ``griddepcontrol.wait`` before reading that one's output.
-v7 can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``:
-the hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared
-memory, so that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
-v8 loads what a kernel's predecessor does not write (its W^T, the pixels) before it waits for that predecessor.
-Logistic regression (no hidden layer) keeps v7's separate gather kernel.
+One training step of an MLP is ``2L`` kernels: a GEMM + bias + ReLU kernel per hidden layer (each warp streams its
+k-steps of W^T and H_in through a cp.async ring, FU k-steps in flight; the first reads the batch's pixels through the
+epoch order itself and writes the labels: v8 folded the gather into it); the last GEMM with softmax, cross-entropy,
+accuracy and ``g = p - onehot`` in its epilogue; per layer a backward kernel that streams W through per-warp cp.async
+rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW`` in registers, so dW is never
+written. The first layer needs no dH, so its output rows are split over blocks until the SMs are full. Mid-epoch
+the first layer's backward and the next step's first forward are one kernel (v8, ``ft_bwd_fwd_x``: a block updates
+its rows of W^T in shared memory and computes the next batch's outputs from them), so a step there is ``2L - 1``
+kernels. Logistic regression (no hidden layer) keeps v7's separate gather kernel. Tiles and occupancy come from
+:func:`~fasttrain.engines.cuda.fused.plans.step_plan`; the engine's ``--step-*`` options override them (what each
+layer got is in the run record's environment). Up to 4096-wide layers every kernel is launched with programmatic
+dependent launch (``--step-pdl on|off|auto``): it may start while the one before it drains, loads what that one
+does not write (v8), and waits in ``griddepcontrol.wait`` before reading that one's output. v7 can split a layer
+over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``: the hidden backward's
+output rows), the blocks of a cluster summing their partials through distributed shared memory, so that a tile of
+outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
 """
 
 from __future__ import annotations
@@ -28,10 +30,12 @@ from fasttrain.engines.cuda.fused.base import FusedSession
 from fasttrain.engines.cuda.fused.build import KERNEL_DIR, load_module, module_int
 from fasttrain.engines.cuda.fused.plans import (
     NW,
+    SMEM_LIMIT,
     blocks_per_sm,
     pad16,
     step_bwd_smem,
     step_defines,
+    step_first_smem,
     step_fwd_smem,
     step_pdl,
     step_plan,
@@ -56,6 +60,9 @@ class FusedStepSession(FusedSession):
     cluster_split = True
     # v8 on: ft_fwd_x / ft_bwd_x read the batch's pixels themselves, so an MLP's step has no gather kernel
     gather_fused = True
+    # v8: mid-epoch, the first layer's backward of step k and its forward of step k+1 are one kernel where its
+    # shared memory fits (ft_bwd_fwd_x); False: two kernels (to measure what the fusion buys)
+    first_fused = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -106,6 +113,17 @@ class FusedStepSession(FusedSession):
                 if mirror is not None and p[f"{kind}_smem"] != mirror:
                     raise FasttrainError(f"internal: {self.version} ft_{kind} needs {p[f'{kind}_smem']} bytes of "
                                          f"shared memory, the plan says {mirror}")
+        p = self.plan[0]
+        # (whole 16-row chunks of g^T a block, no cluster on the first forward, and the shared memory fits)
+        self.fuse_first = (self.fold and self.first_fused and p["FC"] == 1 and p["BO"] % 16 == 0
+                           and step_first_smem(self.mt, p["BO"]) <= SMEM_LIMIT)
+        if self.fuse_first:
+            p["bwdfwd"] = p["module"].get_function("ft_bwd_fwd_x")
+            p["bwdfwd_smem"] = module_int(p["module"], "ft_bwd_fwd_x_smem")
+            if p["bwdfwd_smem"] != step_first_smem(self.mt, p["BO"]):
+                raise FasttrainError(f"internal: ft_bwd_fwd_x needs {p['bwdfwd_smem']} bytes of shared memory, the "
+                                     f"plan says {step_first_smem(self.mt, p['BO'])}")
+            p["bwdfwd"].max_dynamic_shared_size_bytes = p["bwdfwd_smem"]
         self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
         p = self.plan[0]
         if p["osplit"] is None:
@@ -116,7 +134,8 @@ class FusedStepSession(FusedSession):
             p["osplit"] = max(1, min(bps * self.sms // strips, nchunks // (2 * NW)))
         self.clusters = self._check_clusters()
         if carveout is not None:
-            for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd")]:
+            for fn in [self.k_gather, self.k_last] + [p[k] for p in self.plan for k in ("fwd", "bwd", "bwdfwd")
+                                                      if k in p]:
                 fn.preferred_shared_memory_carveout = int(carveout)
         edt = cp.float16  # bf16 has no CuPy dtype: the buffers are raw 2-byte storage
         max_steps = max(max(job.schedule.steps_per_epoch, default=0), len(self.bounds))
@@ -134,8 +153,9 @@ class FusedStepSession(FusedSession):
         # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
         first = self.orders[0] if self.orders is not None else self.spare_order
         self._set_order(first)
-        for k in range(min(2, len(self.bounds))):
-            self._step(k, 0.0)
+        warm = min(2, len(self.bounds))
+        for k in range(warm):
+            self._step(k, 0.0, first=k == 0, last=k == warm - 1)
         self.stream.synchronize()
         self.graphs = {}
         if graph:
@@ -143,7 +163,7 @@ class FusedStepSession(FusedSession):
                 self.stream.begin_capture()
                 try:
                     for k in range(steps):
-                        self._step(k, self.config.lr)
+                        self._step(k, self.config.lr, first=k == 0, last=k == steps - 1)
                 finally:
                     g = self.stream.end_capture()
                 g.upload(self.stream)
@@ -221,10 +241,13 @@ class FusedStepSession(FusedSession):
             return partial(fn, grid, block, args, shared_mem=shared_mem)
         return partial(self.launcher.launch, fn, grid, block, args, shared_mem, self.stream, cluster)
 
-    def step_launches(self, k: int, lr: float) -> list[tuple[str, int | None, partial]]:
+    def step_launches(self, k: int, lr: float, first: bool = True, last: bool = True) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
-        kind "gather", "fwd", "fwd last" or "bwd"; layer the index into ``self.plan`` / ``self.layers`` (None for
-        the gather). :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
+        kind "gather", "fwd", "fwd last", "bwd" or "bwd+fwd"; layer the index into ``self.plan`` / ``self.layers``
+        (None for the gather). ``first`` / ``last``: whether step k begins / ends a sequence of steps (an epoch):
+        with the first layer fused (v8), a step that is not first had its first forward done by the step before,
+        and one that is not last ends with "bwd+fwd", its first layer's backward and step k+1's first forward.
+        :meth:`_step` enqueues them all; dev/cuda/step_breakdown.py times them one by one."""
         np_ = np
         start, stop = self.bounds[k]
         rows = stop - start
@@ -237,6 +260,8 @@ class FusedStepSession(FusedSession):
                                           (self.x_train, self.y_train, self.order_cur, np_.int32(start),
                                            np_.int32(rows), self.h[0], self.yb)))]
         for i in range(L - 1):
+            if i == 0 and self.fuse_first and not first:
+                continue   # the step before computed it (its "bwd+fwd")
             p, (wt, b, _, _) = self.plan[i], self.layers[i]
             fgrid, fcl, _, _ = self._grids(i)
             args = ((self.x_train, self.y_train, self.order_cur, np_.int32(start), np_.int32(rows), self.yb)
@@ -256,6 +281,14 @@ class FusedStepSession(FusedSession):
             dzp = self.dz[l - 1] if need else self.dz[l]
             dzpT = self.dzT[l - 1] if need else self.dzT[l]
             _, _, bgrid, bcl = self._grids(l - 1)
+            if self.fuse_first and l == 1 and not last:
+                nstart, nstop = self.bounds[k + 1]
+                args = (self.dzT[1], np_.int32(p["out_p"]), self.x_train, self.y_train, self.order_cur,
+                        np_.int32(start), np_.int32(rows), np_.int32(nstart), np_.int32(nstop - nstart), self.yb,
+                        wt, b, scale, scale, self.h[1])
+                out.append(("bwd+fwd", 0, self._launch(p["bwdfwd"], (p["out_p"] // p["BO"],), (NW * 32,), args,
+                                                       p["bwdfwd_smem"])))
+                continue
             if self.fold and l == 1:
                 args = (self.dzT[l], np_.int32(p["out_p"])) + batch + (wt, b, scale, scale)
             else:
@@ -264,10 +297,10 @@ class FusedStepSession(FusedSession):
             out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid, (NW * 32,), args, p["bwd_smem"], bcl)))
         return out
 
-    def _step(self, k: int, lr: float) -> None:
-        """Enqueue step k of the epoch on the stream."""
+    def _step(self, k: int, lr: float, first: bool = True, last: bool = True) -> None:
+        """Enqueue step k of the epoch on the stream (``first`` / ``last``: see :meth:`step_launches`)."""
         with self.stream:
-            for _, _, launch in self.step_launches(k, lr):
+            for _, _, launch in self.step_launches(k, lr, first, last):
                 launch()
         if self.debug and not self.stream.is_capturing():
             self._check()
@@ -279,7 +312,7 @@ class FusedStepSession(FusedSession):
             self.graphs[steps].launch(self.stream)
         else:
             for k in range(steps):
-                self._step(k, self.config.lr)
+                self._step(k, self.config.lr, first=k == 0, last=k == steps - 1)
         loss = self.stat_loss[:steps].get(stream=self.stream)
         ok = self.stat_ok[:steps].get(stream=self.stream)
         self.stream.synchronize()
@@ -290,7 +323,7 @@ class FusedStepSession(FusedSession):
     def environment(self) -> dict:
         env = self._device_env()
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
-                    "gather_folded": self.fold,
+                    "gather_folded": self.fold, "first_layer_fused": self.fuse_first,
                     "programmatic_launch": self.launcher is not None and self.launcher.pdl,
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,

@@ -64,7 +64,10 @@
 //       (layers 2..L; the first layer's W^T is what the previous step's last kernel writes, so ft_fwd_x loads its
 //       pixels early instead) and of ft_bwd, and ft_bwd_x's pixel strip; (c) ft_bwd stages its H_in strip by
 //       cp.async in the ring's first group instead of a load round trip after the bias update; ft_fwd_last loads
-//       its first two k-steps of W^T before the wait. v8 is bit-identical to v7 (and, without splits, to v3).
+//       its first two k-steps of W^T before the wait; (d) mid-epoch, the first layer's backward of step k and its
+//       forward of step k+1 are one kernel (ft_bwd_fwd_x: a block updates BO rows of W^T in shared memory and
+//       computes the next batch's outputs from them), so the first layer's W^T is read once a step, not twice.
+//       v8 is bit-identical to v7 (and, without splits, to v3).
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
@@ -468,19 +471,17 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
     const int per = (ksteps + gridDim.x - 1) / gridDim.x;
     const int ks0 = blockIdx.x * per, ks1 = min(ksteps, ks0 + per);
     // v8: this warp's first two k-steps of W^T (written only by this layer's backward, two kernels later) are
-    // loaded before the wait; the mma order is gemm_rows' (k-steps ks0 + warp, + NW, + 2 NW, ...)
+    // loaded before the wait, up to batch 128 (beyond, the accumulators leave no registers for them); the mma
+    // order is gemm_rows' (k-steps ks0 + warp, + NW, + 2 NW, ...)
+    constexpr bool early = FT_EARLY && MT <= 8;
     const int ka = ks0 + warp, kb = ka + NW;
     u32 wa[2][2], wb[2][2];
-    if (FT_EARLY) {
+    if (early) {
         if (ka < ks1) w_frags<2>(wa, wt, in_p, 0, ka);
         if (kb < ks1) w_frags<2>(wb, wt, in_p, 0, kb);
     }
     grid_dependency_wait();   // v6: hin is the previous kernel's output
     launch_dependents();
-    if (!FT_EARLY) {
-        if (ka < ks1) w_frags<2>(wa, wt, in_p, 0, ka);
-        if (kb < ks1) w_frags<2>(wb, wt, in_p, 0, kb);
-    }
     float acc[MT][2][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
@@ -488,9 +489,13 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
         for (int nb = 0; nb < 2; ++nb)
 #pragma unroll
             for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
-    if (ka < ks1) mma_kstep<2>(acc, hin, in_p, ka, wa);
-    if (kb < ks1) mma_kstep<2>(acc, hin, in_p, kb, wb);
-    gemm_rows<2>(acc, hin, in_p, wt, 0, kb + NW, ks1, NW);
+    if (early) {
+        if (ka < ks1) mma_kstep<2>(acc, hin, in_p, ka, wa);
+        if (kb < ks1) mma_kstep<2>(acc, hin, in_p, kb, wb);
+        gemm_rows<2>(acc, hin, in_p, wt, 0, kb + NW, ks1, NW);
+    } else {
+        gemm_rows<2>(acc, hin, in_p, wt, 0, ka, ks1, NW);
+    }
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
@@ -820,4 +825,157 @@ ft_bwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, co
          int base, int rows, float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale)
 {
     bwd_body<true>(dzT, out_p, nullptr, INPUT_BYTES, wt, bias, wscale, bscale, 0, nullptr, nullptr, X, order, base, rows);
+}
+
+// v8: the first layer's backward of step k and its forward of step k+1 in one kernel (every step of an epoch but
+// the last; the first step runs ft_fwd_x, the last ft_bwd_x). A block owns BO rows of W^T, all 784 inputs, so the
+// forward needs no split-K across blocks: it reads the rows it has just updated from its own shared memory. W^T of
+// the first layer is read once a step instead of twice, and one kernel boundary goes. The sums are ft_bwd_x's and
+// ft_fwd_x's, in the same order:
+//   W^T[o][:] -= lr/B' * (g_k^T @ X_k)[o][:]   (mma, K = batch: one 16 x 8 tile at a time, as ft_bwd)
+//   b[o] -= lr/B' * sum_b g_k[b][o]
+//   H1_{k+1} = relu(X_{k+1} @ W^T[tile]^T + b)  (warp w takes the k-steps w, w + 8, ..., as ft_fwd)
+// Before griddepcontrol.wait (the previous kernel, the second layer's backward, writes g_k only): the W^T rows, the
+// pixels of both batches. Shared memory: W^T [BO][784 + 4] fp32, X_k [B_p][784 + 8] in the operand type (reused as
+// the forward's reduction buffer), X_{k+1} [B_p][784] pixels, g_k^T rows [BO][B_p + 8], the two batches' rows.
+// BO must be a multiple of 16 (whole 16-row chunks of g^T); the host launches it only then.
+#define WTS (INPUT_BYTES + 4)       // W^T row stride in floats (3152 B)
+#define XKS (INPUT_BYTES + 8)       // X_k row stride in elements (1584 B = 48 mod 128: ldmatrix rows on distinct banks)
+#define BF_W (BO * WTS * 4)
+#define BF_XK ((BP * XKS * 2) > (NW * BP * (BO + 1) * 4) ? (BP * XKS * 2) : (NW * BP * (BO + 1) * 4))
+#define BF_XN (BP * INPUT_BYTES)
+#define BF_G (BO * GS * 2)
+extern "C" __constant__ int ft_bwd_fwd_x_smem = BF_W + BF_XK + BF_XN + BF_G + 2 * BP * 4;
+
+extern "C" __global__ void __launch_bounds__(256, 1)
+ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, const int* __restrict__ Y,
+             const int* __restrict__ order, int base, int rows, int nbase, int nrows, int* __restrict__ yb,
+             float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, elem_t* __restrict__ hout)
+{
+    constexpr int IN = INPUT_BYTES, NT = INPUT_BYTES / 8;   // inputs, 8-column tiles of the backward
+    extern __shared__ __align__(16) unsigned char sm[];
+    float* ws = reinterpret_cast<float*>(sm);                               // [BO][WTS]
+    elem_t* xk = reinterpret_cast<elem_t*>(sm + BF_W);                      // [BP][XKS]
+    float* red = reinterpret_cast<float*>(sm + BF_W);                       // [NW][BP][BO+1], after the backward
+    u8* xn = sm + BF_W + BF_XK;                                             // [BP][IN]
+    elem_t* gts = reinterpret_cast<elem_t*>(sm + BF_W + BF_XK + BF_XN);     // [BO][GS]
+    int* rk = reinterpret_cast<int*>(sm + BF_W + BF_XK + BF_XN + BF_G);     // pixel rows of batch k, then k+1
+    int* rn = rk + BP;
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    const int o0 = blockIdx.x * BO;
+    if (!FT_EARLY) { grid_dependency_wait(); launch_dependents(); }
+
+    // ---- before the wait (EARLY): nothing here is written by the previous kernel ----
+    for (int p = threadIdx.x; p < BO * (IN / 4); p += blockDim.x) {           // W^T rows, 16 bytes a copy
+        const int r = p / (IN / 4), c = p % (IN / 4);
+        cp_async16(smem_u32(ws + r * WTS + c * 4), wt + (size_t)(o0 + r) * IN + c * 4);
+    }
+    for (int r = threadIdx.x; r < BP; r += blockDim.x) {
+        rk[r] = r < rows ? order[base + r] : -1;
+        rn[r] = r < nrows ? order[nbase + r] : -1;
+    }
+    __syncthreads();
+    for (int p = threadIdx.x; p < BP * (IN / 16); p += blockDim.x) {         // X_{k+1}: pixels as they are
+        const int r = p / (IN / 16), c = p % (IN / 16), idx = rn[r];
+        cp_async16_zfill(smem_u32(xn + r * IN + c * 16), X + (size_t)max(idx, 0) * IN + c * 16, idx >= 0);
+    }
+    cp_async_commit();
+    for (int p = threadIdx.x; p < BP * NT; p += blockDim.x) {                // X_k = pixels / 255, 8 an item
+        const int r = p / NT, c = p % NT, idx = rk[r];
+        const uint2 v = idx >= 0 ? *reinterpret_cast<const uint2*>(X + (size_t)idx * IN + c * 8) : make_uint2(0u, 0u);
+        uint4 e;
+        pixels4(v.x, e.x, e.y);
+        pixels4(v.y, e.z, e.w);
+        *reinterpret_cast<uint4*>(xk + r * XKS + c * 8) = e;
+    }
+    if (FT_EARLY) { grid_dependency_wait(); launch_dependents(); }   // g_k is the previous kernel's output
+    for (int p = threadIdx.x; p < BO * (BP / 8); p += blockDim.x) {          // g_k^T rows of the tile
+        const int r = p / (BP / 8), c = p % (BP / 8);
+        cp_async16(smem_u32(gts + r * GS + c * 8), dzT + (size_t)(o0 + r) * BP + c * 8);
+    }
+    cp_async_commit();
+    if (blockIdx.x == 0) {                                                   // the labels of step k+1
+        for (int r = threadIdx.x; r < BP; r += blockDim.x) yb[r] = rn[r] >= 0 ? Y[rn[r]] : 0;
+    }
+    if (threadIdx.x < BO) {           // bias: b[o] -= lr/B' * sum_b g[b][o] (ft_bwd's sum)
+        const int o = o0 + threadIdx.x;
+        float s = 0.f;
+        const u32* row = reinterpret_cast<const u32*>(dzT + (size_t)o * BP);
+#pragma unroll
+        for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
+        bias[o] -= bscale * s;
+    }
+    cp_async_wait<0>();
+    __syncthreads();
+
+    // ---- backward of step k: one (16-row chunk, 8-column tile) a warp at a time, fragments as ft_bwd's ----
+    const int at_off = ((lane & 7) + ((lane >> 3) & 1) * 8) * GS + (lane >> 4) * 8;
+    const u32 hb_base = smem_u32(xk + (lane & 15) * XKS);
+    for (int item = warp; item < (BO / 16) * NT; item += NW) {
+        const int ch = item / NT, j = item % NT;
+        u32 at[MT][4];
+#pragma unroll
+        for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + ch * 16 * GS + at_off + kk * 16));
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kk = 0; kk < MT; ++kk) {
+            u32 h0, h1;
+            ldsm_x2_t(h0, h1, hb_base + (kk * 16 * XKS + j * 8) * 2);
+            mma16816(acc, at[kk], h0, h1);
+        }
+        float* p0 = ws + (ch * 16 + g) * WTS + j * 8 + 2 * t;
+        float* p1 = p0 + 8 * WTS;
+        float2 w0 = *reinterpret_cast<float2*>(p0), w1 = *reinterpret_cast<float2*>(p1);
+        w0.x -= wscale * acc[0];
+        w0.y -= wscale * acc[1];
+        w1.x -= wscale * acc[2];
+        w1.y -= wscale * acc[3];
+        *reinterpret_cast<float2*>(p0) = w0;
+        *reinterpret_cast<float2*>(p1) = w1;
+        *reinterpret_cast<float2*>(wt + (size_t)(o0 + ch * 16 + g) * IN + j * 8 + 2 * t) = w0;
+        *reinterpret_cast<float2*>(wt + (size_t)(o0 + ch * 16 + g + 8) * IN + j * 8 + 2 * t) = w1;
+    }
+    __syncthreads();                  // the tile is updated; X_k is dead: its space becomes the reduction buffer
+
+    // ---- forward of step k+1 from the updated rows (ft_fwd_x's k-steps, fragments and reduction) ----
+    float acc[MT][NB][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) acc[mt][nb][e] = 0.f;
+    for (int ks = warp; ks < IN / 16; ks += NW) {
+        u32 b[NB][2];
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb) {
+            const float4 w = *reinterpret_cast<const float4*>(ws + (nb * 8 + g) * WTS + ks * 16 + 4 * t);
+            b[nb][0] = pack2(w.x, w.y);
+            b[nb][1] = pack2(w.z, w.w);
+        }
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+            uint2 h0, h1;
+            pixels4(*reinterpret_cast<const u32*>(xn + (mt * 16 + g) * IN + ks * 16 + 4 * t), h0.x, h0.y);
+            pixels4(*reinterpret_cast<const u32*>(xn + (mt * 16 + g + 8) * IN + ks * 16 + 4 * t), h1.x, h1.y);
+            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+#pragma unroll
+            for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
+        }
+    }
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    __syncthreads();
+    for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
+        const int r = i / BO, c = i % BO;
+        float z = bias[o0 + c];       // updated above by this block (visible after the barrier)
+#pragma unroll
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+        hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
+    }
 }
