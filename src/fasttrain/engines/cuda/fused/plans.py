@@ -81,10 +81,10 @@ def step_fwd_smem(mt: int, bo: int, fu: int, cluster_part: bool = True) -> int:
 def step_first_smem(mt: int, bo: int) -> int:
     """Mirror of ft_bwd_fwd_x's shared memory (the module's ``ft_bwd_fwd_x_smem``): the block's W^T rows
     [BO][784 + 4] fp32, X_k [B_p][784 + 8] in the operand type (reused by the reduction [8][B_p][BO+1] fp32), the
-    next batch's pixels [B_p][784], g^T rows [BO][B_p + 8], the two batches' row indices."""
+    next batch's pixels [B_p][784], g^T rows [BO][B_p + 8], the two batches' row indices, X_k's pixels [B_p][784]."""
     bp = 16 * mt
     return (bo * (INPUT_DIM + 4) * 4 + max(bp * (INPUT_DIM + 8) * 2, NW * bp * (bo + 1) * 4) + bp * INPUT_DIM
-            + bo * (bp + 8) * 2 + 2 * bp * 4)
+            + bo * (bp + 8) * 2 + 2 * bp * 4 + bp * INPUT_DIM)
 
 
 def _default_fu(mt: int, bo: int, fwd_minb: int, cluster_part: bool = True) -> int:

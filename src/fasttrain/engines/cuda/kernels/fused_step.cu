@@ -835,9 +835,10 @@ ft_bwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, co
 //   W^T[o][:] -= lr/B' * (g_k^T @ X_k)[o][:]   (mma, K = batch: one 16 x 8 tile at a time, as ft_bwd)
 //   b[o] -= lr/B' * sum_b g_k[b][o]
 //   H1_{k+1} = relu(X_{k+1} @ W^T[tile]^T + b)  (warp w takes the k-steps w, w + 8, ..., as ft_fwd)
-// Before griddepcontrol.wait (the previous kernel, the second layer's backward, writes g_k only): the W^T rows, the
-// pixels of both batches. Shared memory: W^T [BO][784 + 4] fp32, X_k [B_p][784 + 8] in the operand type (reused as
-// the forward's reduction buffer), X_{k+1} [B_p][784] pixels, g_k^T rows [BO][B_p + 8], the two batches' rows.
+// Before griddepcontrol.wait (the previous kernel, the second layer's backward, writes g_k only): the W^T rows and
+// the pixels of both batches, all by cp.async, and X_k's conversion. Shared memory: W^T [BO][784 + 4] fp32, X_k
+// [B_p][784 + 8] in the operand type (reused as the forward's reduction buffer), X_{k+1} [B_p][784] pixels, g_k^T
+// rows [BO][B_p + 8], the two batches' rows, X_k's pixels [B_p][784].
 // BO must be a multiple of 16 (whole 16-row chunks of g^T); the host launches it only then.
 #define WTS (INPUT_BYTES + 4)       // W^T row stride in floats (3152 B)
 #define XKS (INPUT_BYTES + 8)       // X_k row stride in elements (1584 B = 48 mod 128: ldmatrix rows on distinct banks)
@@ -845,7 +846,7 @@ ft_bwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, co
 #define BF_XK ((BP * XKS * 2) > (NW * BP * (BO + 1) * 4) ? (BP * XKS * 2) : (NW * BP * (BO + 1) * 4))
 #define BF_XN (BP * INPUT_BYTES)
 #define BF_G (BO * GS * 2)
-extern "C" __constant__ int ft_bwd_fwd_x_smem = BF_W + BF_XK + BF_XN + BF_G + 2 * BP * 4;
+extern "C" __constant__ int ft_bwd_fwd_x_smem = BF_W + BF_XK + BF_XN + BF_G + 2 * BP * 4 + BF_XN;
 
 extern "C" __global__ void __launch_bounds__(256, 1)
 ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, const int* __restrict__ Y,
@@ -861,6 +862,7 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
     elem_t* gts = reinterpret_cast<elem_t*>(sm + BF_W + BF_XK + BF_XN);     // [BO][GS]
     int* rk = reinterpret_cast<int*>(sm + BF_W + BF_XK + BF_XN + BF_G);     // pixel rows of batch k, then k+1
     int* rn = rk + BP;
+    u8* xku = reinterpret_cast<u8*>(rn + BP);                                // [BP][IN]: X_k's pixels
     const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
     const int o0 = blockIdx.x * BO;
     if (!FT_EARLY) { grid_dependency_wait(); launch_dependents(); }
@@ -875,14 +877,17 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
         rn[r] = r < nrows ? order[nbase + r] : -1;
     }
     __syncthreads();
-    for (int p = threadIdx.x; p < BP * (IN / 16); p += blockDim.x) {         // X_{k+1}: pixels as they are
-        const int r = p / (IN / 16), c = p % (IN / 16), idx = rn[r];
-        cp_async16_zfill(smem_u32(xn + r * IN + c * 16), X + (size_t)max(idx, 0) * IN + c * 16, idx >= 0);
+    for (int p = threadIdx.x; p < BP * (IN / 16); p += blockDim.x) {         // both batches' pixels
+        const int r = p / (IN / 16), c = p % (IN / 16), in = rn[r], ik = rk[r];
+        cp_async16_zfill(smem_u32(xn + r * IN + c * 16), X + (size_t)max(in, 0) * IN + c * 16, in >= 0);
+        cp_async16_zfill(smem_u32(xku + r * IN + c * 16), X + (size_t)max(ik, 0) * IN + c * 16, ik >= 0);
     }
     cp_async_commit();
+    cp_async_wait<0>();
+    __syncthreads();
     for (int p = threadIdx.x; p < BP * NT; p += blockDim.x) {                // X_k = pixels / 255, 8 an item
-        const int r = p / NT, c = p % NT, idx = rk[r];
-        const uint2 v = idx >= 0 ? *reinterpret_cast<const uint2*>(X + (size_t)idx * IN + c * 8) : make_uint2(0u, 0u);
+        const int r = p / NT, c = p % NT;
+        const uint2 v = *reinterpret_cast<const uint2*>(xku + r * IN + c * 8);
         uint4 e;
         pixels4(v.x, e.x, e.y);
         pixels4(v.y, e.z, e.w);
