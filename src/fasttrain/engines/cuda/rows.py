@@ -41,7 +41,7 @@ def _record() -> tuple[Row, ...]:
         tuned("forward ring of 2 k-steps", "mlp:8192x3", step_fu=2),
         tuned("bwd 2 blocks an SM", "mlp:8192x3", step_bi=32, step_bwd_minb=2),
         tuned("both kernels 2 blocks an SM", "mlp:8192x3", step_bi=32, step_bo=32, step_bwd_minb=2, step_fwd_minb=2),
-        tuned("with programmatic launch", "mlp:8192x3", step_pdl="on"),
+        tuned("without programmatic launch", "mlp:8192x3", step_pdl="off"),
         tuned("shallow ring", "mlp:1024x3", step_stages=2, step_fu=2),
         tuned("driver carveout", "mlp:1024x3", step_carveout=-1),
     )

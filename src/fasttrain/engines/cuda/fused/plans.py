@@ -32,17 +32,14 @@ def _align128(x: int) -> int:
 
 
 # Programmatic dependent launch pays where a step's kernels are short: measured on an H200 against plain
-# launches (dev/cuda/step_breakdown.py --pdl, results/record/round2-h200/ab-v6-*), a step of mlp:128x3 -18%,
-# 1024x3 -12%, 2048x3 -6%, 4096x3 -1%, but 8192x3 +0.7% (and +1.8% over the record's 5000 steps).
-PDL_MAX_LAYER_PARAMS = 4096 * 4096
-
-
-def step_pdl(shapes, choice: str) -> bool:
-    """Whether rung 7 launches with programmatic dependent launch: ``choice`` on / off, or auto (on when no
-    layer's padded weight matrix, ``shapes`` = [(out_p, in_p)], is larger than 4096 x 4096)."""
-    if choice == "auto":
-        return max(o * i for o, i in shapes) <= PDL_MAX_LAYER_PARAMS
-    return choice == "on"
+# launches (dev/cuda/step_breakdown.py --pdl, results/record/round2-h200/ab-v6-*), with v6 a step of mlp:128x3 -18%,
+# 1024x3 -12%, 2048x3 -6%, 4096x3 -1%, but 8192x3 +0.7% (+1.8% over the record's 5000 steps), so auto was off above
+# 4096 x 4096. v8 loads what a kernel's predecessor does not write before it waits, which PDL lets overlap the
+# predecessor's drain: the record's mlp:8192x3 with PDL 2.71 s against 2.76 s without (3 seeds each, same run,
+# results/record/nvidia-h200), so auto is on at every width.
+def step_pdl(choice: str) -> bool:
+    """Whether rung 7 launches with programmatic dependent launch: ``choice`` on / off, or auto (on)."""
+    return choice != "off"
 
 
 def _tile(width: int, mt: int, bwd: bool = False, min_blocks: int = TARGET_BLOCKS) -> int:

@@ -10,8 +10,8 @@ the first layer's backward and the next step's first forward are one kernel (v8,
 its rows of W^T in shared memory and computes the next batch's outputs from them), so a step there is ``2L - 1``
 kernels. Logistic regression (no hidden layer) keeps v7's separate gather kernel. Tiles and occupancy come from
 :func:`~fasttrain.engines.cuda.fused.plans.step_plan`; the engine's ``--step-*`` options override them (what each
-layer got is in the run record's environment). Up to 4096-wide layers every kernel is launched with programmatic
-dependent launch (``--step-pdl on|off|auto``): it may start while the one before it drains, loads what that one
+layer got is in the run record's environment). Every kernel is launched with programmatic dependent launch
+(``--step-pdl on|off|auto``, auto: on): it may start while the one before it drains, loads what that one
 does not write (v8), and waits in ``griddepcontrol.wait`` before reading that one's output. v7 can split a layer
 over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``: the hidden backward's
 output rows), the blocks of a cluster summing their partials through distributed shared memory, so that a tile of
@@ -79,7 +79,7 @@ class FusedStepSession(FusedSession):
         shapes = [wt.shape for wt, _, _, _ in self.layers]
         self.plan = self.make_plan(shapes)
         self.launcher = None
-        pdl = self.pdl_safe and step_pdl(shapes, options.step_pdl)
+        pdl = self.pdl_safe and step_pdl(options.step_pdl)
         clustered = any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
         if pdl or clustered:
             from fasttrain.engines.cuda.fused.launch import ExLauncher
