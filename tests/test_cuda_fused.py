@@ -524,20 +524,33 @@ def test_rung7_programmatic_launch_changes_no_value(tiny_data, model, precision,
     """Programmatic dependent launch (each kernel may start while its predecessor drains, and waits for it in
     griddepcontrol.wait) moves no value: per-step losses and final weights bit-identical to plain launches,
     in an epoch graph and launched step by step."""
-    from fasttrain.contract import epoch_order
-
     job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
     runs = []
     for pdl in ("on", "off"):
-        sess = make_session_plain(job, step_pdl=pdl, step_graph=graph)
-        try:
-            assert sess.environment()["programmatic_launch"] is (pdl == "on")
-            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
-                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
-            runs.append((steps, sess.weights()))
-        finally:
-            sess.close()
-    (s1, w1), (s0, w0) = runs
+        def check(env, on=pdl == "on"):
+            assert env["programmatic_launch"] is on
+
+        runs.append(_train_all(make_session_plain(job, step_pdl=pdl, step_graph=graph), job, check))
+    _assert_bit_identical(*runs)
+
+
+def _train_all(sess, job, check=None) -> tuple[list, list]:
+    """Every epoch of ``job`` on ``sess`` (closed after; ``check`` first called with its run record's environment):
+    the per-step losses of each epoch and the final weights."""
+    from fasttrain.contract import epoch_order
+
+    try:
+        if check is not None:
+            check(sess.environment())
+        steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
+                 for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
+        return steps, sess.weights()
+    finally:
+        sess.close()
+
+
+def _assert_bit_identical(run, other) -> None:
+    (s1, w1), (s0, w0) = run, other
     for a, b in zip(s1, s0):
         np.testing.assert_array_equal(a, b)
     for (wa, ba), (wb, bb) in zip(w1, w0):
@@ -554,28 +567,14 @@ def test_rung7_cluster_splits_are_deterministic(tiny_data, model, precision, bat
     """v7's clusters sum their blocks' partials in rank order: two runs (with and without programmatic launch)
     give bit-identical per-step losses and weights; the run record names each clustered launch, and every
     cluster fits on the GPU."""
-    from fasttrain.contract import epoch_order
+    def check(env):
+        assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
+        assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
+        assert env["gather_folded"]   # v8: an MLP's first layer reads the pixels itself
 
     job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=2, lr=0.05)
-    runs = []
-    for pdl in ("on", "off"):
-        sess = make_session_plain(job, step_pdl=pdl, **tuning)
-        try:
-            env = sess.environment()
-            assert env["clusters"] and all(c["resident"] >= 1 for c in env["clusters"]), env["clusters"]
-            assert any(t["FC"] > 1 for t in env["tiles"]) and any(t["osplit"] not in (None, 1) for t in env["tiles"][1:])
-            assert env["gather_folded"]   # v8: an MLP's first layer reads the pixels itself
-            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
-                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
-            runs.append((steps, sess.weights()))
-        finally:
-            sess.close()
-    (s1, w1), (s0, w0) = runs
-    for a, b in zip(s1, s0):
-        np.testing.assert_array_equal(a, b)
-    for (wa, ba), (wb, bb) in zip(w1, w0):
-        np.testing.assert_array_equal(wa, wb)
-        np.testing.assert_array_equal(ba, bb)
+    _assert_bit_identical(*(_train_all(make_session_plain(job, step_pdl=pdl, **tuning), job, check)
+                            for pdl in ("on", "off")))
 
 
 @pytest.mark.gpu
@@ -587,7 +586,6 @@ def test_rung7_first_layer_fusion_changes_no_value(tiny_data, model, precision, 
     """v8's ft_bwd_fwd_x (mid-epoch, the first layer's backward of step k and its forward of step k+1 in one kernel,
     from the rows it has just updated) computes the sums of ft_bwd_x and ft_fwd_x in their order: per-step losses and
     final weights bit-identical to the two kernels, over epochs (the first and last step of each run them apart)."""
-    from fasttrain.contract import epoch_order
     from fasttrain.engines.cuda.fused.step import FusedStepSession
 
     class TwoKernels(FusedStepSession):
@@ -596,21 +594,11 @@ def test_rung7_first_layer_fusion_changes_no_value(tiny_data, model, precision, 
     job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
     runs = []
     for cls in (FusedStepSession, TwoKernels):
-        sess = cls(job, options(7, **tuning))
-        try:
-            env = sess.environment()
-            assert env["gather_folded"] and env["first_layer_fused"] is (cls is FusedStepSession)
-            steps = [sess.train_epoch(e, epoch_order(job.config.seed, e, job.data.n_train), n).step_losses
-                     for e, n in enumerate(job.schedule.steps_per_epoch, start=1)]
-            runs.append((steps, sess.weights()))
-        finally:
-            sess.close()
-    (s1, w1), (s0, w0) = runs
-    for a, b in zip(s1, s0):
-        np.testing.assert_array_equal(a, b)
-    for (wa, ba), (wb, bb) in zip(w1, w0):
-        np.testing.assert_array_equal(wa, wb)
-        np.testing.assert_array_equal(ba, bb)
+        def check(env, fused=cls is FusedStepSession):
+            assert env["gather_folded"] and env["first_layer_fused"] is fused
+
+        runs.append(_train_all(cls(job, options(7, **tuning)), job, check))
+    _assert_bit_identical(*runs)
 
 
 def make_session_plain(job, **tuning):

@@ -263,6 +263,43 @@ __device__ __forceinline__ void gemm_rows(float acc[MT][NBT][4], const elem_t* _
     }
 }
 
+// The A fragment (batch rows mt*16 + g and + 8, inputs 4t..4t+3 of a k-step) of x = pixel/255, from pixels staged in
+// shared memory at `x` (the k-step's first column, rows `stride` bytes apart): the gather's conversion (pixels4).
+__device__ __forceinline__ void pixel_frag(const u8* x, int stride, int mt, u32 a[4])
+{
+    const int lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+    uint2 h0, h1;
+    pixels4(*reinterpret_cast<const u32*>(x + (mt * 16 + g) * stride + 4 * t), h0.x, h0.y);
+    pixels4(*reinterpret_cast<const u32*>(x + (mt * 16 + g + 8) * stride + 4 * t), h1.x, h1.y);
+    a[0] = h0.x; a[1] = h1.x; a[2] = h0.y; a[3] = h1.y;
+}
+
+// The forward's K-split partials: each warp's accumulators (mma16816's D layout) into red [NW][BP][BO+1] ...
+__device__ __forceinline__ void store_warp_partials(float* red, const float acc[MT][NB][4])
+{
+    const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31, g = lane >> 2, t = lane & 3;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nb = 0; nb < NB; ++nb)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+}
+
+// ... and (after a barrier) H_out[:, o0 .. o0 + BO) = relu(b + red_0 + red_1 + ... + red_7), the warps in order
+__device__ __forceinline__ void bias_relu_out(const float* red, const float* __restrict__ bias, elem_t* __restrict__ hout,
+                                              int o0, int out_p)
+{
+    for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
+        const int r = i / BO, c = i % BO;
+        float z = bias[o0 + c];
+#pragma unroll
+        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
+        hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
+    }
+}
+
 // H_out = relu(H_in @ W + b) for BO outputs per block; the 8 warps split K and reduce through shared memory.
 // Per block: BO*in_p*4 bytes of W (read once per step), B_p*in_p*2 bytes of H_in (from L2); 2*B_p*BO*in_p FLOP.
 // v4: warp w takes the k-steps w, w + 8, ... (v3's), streamed through its ring of FT_FU + 1 stages (16-byte
@@ -384,17 +421,15 @@ __device__ __forceinline__ void fwd_body(const elem_t* __restrict__ hin, int in_
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            uint2 h0, h1;
+            u32 a[4];
             if constexpr (PIX) {
-                const u8* xs = st + FSTAGE_W;
-                pixels4(*reinterpret_cast<const u32*>(xs + (mt * 16 + g) * 16 + 4 * t), h0.x, h0.y);
-                pixels4(*reinterpret_cast<const u32*>(xs + (mt * 16 + g + 8) * 16 + 4 * t), h1.x, h1.y);
+                pixel_frag(st + FSTAGE_W, 16, mt, a);
             } else {
                 const elem_t* hs = reinterpret_cast<const elem_t*>(st + FSTAGE_W);
-                h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
-                h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+                const uint2 h0 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g) * 16 + 4 * t);
+                const uint2 h1 = *reinterpret_cast<const uint2*>(hs + (mt * 16 + g + 8) * 16 + 4 * t);
+                a[0] = h0.x; a[1] = h1.x; a[2] = h0.y; a[3] = h1.y;
             }
-            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
         }
@@ -402,22 +437,10 @@ __device__ __forceinline__ void fwd_body(const elem_t* __restrict__ hin, int in_
     }
     cp_async_wait<0>();               // (only empty groups can be left)
     __syncthreads();                  // every warp is done with its ring: it becomes the reduction buffer
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    store_warp_partials(red, acc);
     __syncthreads();
     if (gridDim.y == 1) {
-        for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
-            const int r = i / BO, c = i % BO;
-            float z = bias[o0 + c];
-#pragma unroll
-            for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
-            hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
-        }
+        bias_relu_out(red, bias, hout, o0, out_p);
         return;
     }
     // v7: the cluster's reduction. This block's partial, then block y sums columns [y*BO/C, (y+1)*BO/C) of all
@@ -963,27 +986,13 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
         }
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-            uint2 h0, h1;
-            pixels4(*reinterpret_cast<const u32*>(xn + (mt * 16 + g) * IN + ks * 16 + 4 * t), h0.x, h0.y);
-            pixels4(*reinterpret_cast<const u32*>(xn + (mt * 16 + g + 8) * IN + ks * 16 + 4 * t), h1.x, h1.y);
-            const u32 a[4] = {h0.x, h1.x, h0.y, h1.y};
+            u32 a[4];
+            pixel_frag(xn + ks * 16, IN, mt, a);
 #pragma unroll
             for (int nb = 0; nb < NB; ++nb) mma16816(acc[mt][nb], a, b[nb][0], b[nb][1]);
         }
     }
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-        for (int nb = 0; nb < NB; ++nb)
-#pragma unroll
-            for (int e = 0; e < 4; ++e)
-                red[(warp * BP + mt * 16 + g + (e >> 1) * 8) * (BO + 1) + nb * 8 + 2 * t + (e & 1)] = acc[mt][nb][e];
+    store_warp_partials(red, acc);
     __syncthreads();
-    for (int i = threadIdx.x; i < BP * BO; i += blockDim.x) {
-        const int r = i / BO, c = i % BO;
-        float z = bias[o0 + c];       // updated above by this block (visible after the barrier)
-#pragma unroll
-        for (int w = 0; w < NW; ++w) z += red[(w * BP + r) * (BO + 1) + c];
-        hout[(size_t)r * out_p + o0 + c] = to_elem(fmaxf(z, 0.f));
-    }
+    bias_relu_out(red, bias, hout, o0, out_p);   // the bias updated above by this block (visible after the barrier)
 }
