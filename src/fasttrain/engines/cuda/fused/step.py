@@ -98,34 +98,32 @@ class FusedStepSession(FusedSession):
         self.fold = self.gather_fused and len(self.plan) > 1
         self.load_last_layer(m0, self.layers[-1][0].shape[1])
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
-        for p in self.plan:
-            p["fwd"] = p["module"].get_function("ft_fwd")
+        for i, p in enumerate(self.plan):
+            # folded, the first layer's kernels have the same tiles and shared memory, pixels for H_in
+            suffix = "_x" if self.fold and i == 0 else ""
+            p["fwd"] = p["module"].get_function("ft_fwd" + suffix)
             p["fwd_smem"] = module_int(p["module"], "ft_fwd_smem")
             p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
-            p["bwd"] = p["module"].get_function("ft_bwd")
+            p["bwd"] = p["module"].get_function("ft_bwd" + suffix)
             p["bwd_smem"] = module_int(p["module"], "ft_bwd_smem")
             p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
-            if self.fold and p is self.plan[0]:   # the same tiles and shared memory, pixels for H_in
-                p["fwd"], p["bwd"] = p["module"].get_function("ft_fwd_x"), p["module"].get_function("ft_bwd_x")
-                p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
-                p["bwd"].max_dynamic_shared_size_bytes = p["bwd_smem"]
             for kind, mirror in (("bwd", self.bwd_smem(p)), ("fwd", self.fwd_smem(p))):
                 if mirror is not None and p[f"{kind}_smem"] != mirror:
                     raise FasttrainError(f"internal: {self.version} ft_{kind} needs {p[f'{kind}_smem']} bytes of "
                                          f"shared memory, the plan says {mirror}")
         p = self.plan[0]
+        first_smem = step_first_smem(self.mt, p["BO"])
         # (whole 16-row chunks of g^T a block, no cluster on the first forward, and the shared memory fits)
         self.fuse_first = (self.fold and self.first_fused and p["FC"] == 1 and p["BO"] % 16 == 0
-                           and step_first_smem(self.mt, p["BO"]) <= SMEM_LIMIT)
+                           and first_smem <= SMEM_LIMIT)
         if self.fuse_first:
             p["bwdfwd"] = p["module"].get_function("ft_bwd_fwd_x")
             p["bwdfwd_smem"] = module_int(p["module"], "ft_bwd_fwd_x_smem")
-            if p["bwdfwd_smem"] != step_first_smem(self.mt, p["BO"]):
+            if p["bwdfwd_smem"] != first_smem:
                 raise FasttrainError(f"internal: ft_bwd_fwd_x needs {p['bwdfwd_smem']} bytes of shared memory, the "
-                                     f"plan says {step_first_smem(self.mt, p['BO'])}")
-            p["bwdfwd"].max_dynamic_shared_size_bytes = p["bwdfwd_smem"]
+                                     f"plan says {first_smem}")
+            p["bwdfwd"].max_dynamic_shared_size_bytes = first_smem
         self.sms = int(cp.cuda.runtime.getDeviceProperties(cp.cuda.Device().id)["multiProcessorCount"])
-        p = self.plan[0]
         if p["osplit"] is None:
             # the first layer needs no dH, so its output rows are split over blocks until the SMs are full
             # (one wave: strips * osplit <= blocks an SM holds * SMs), each warp keeping >= 2 chunks

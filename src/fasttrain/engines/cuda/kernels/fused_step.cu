@@ -195,6 +195,14 @@ __device__ __forceinline__ void pixels4(u32 v, u32& lo, u32& hi) {
     hi = pack2((float)((v >> 16) & 0xff) * s, (float)(v >> 24) * s);
 }
 
+// Eight pixels (v.x, then v.y) -> eight packed elements of x = pixel/255, in memory order
+__device__ __forceinline__ uint4 pixels8(uint2 v) {
+    uint4 e;
+    pixels4(v.x, e.x, e.y);
+    pixels4(v.y, e.z, e.w);
+    return e;
+}
+
 // Batch rows -> x = pixel/255 in the operand type; rows >= rows are zero. grid = B_p blocks of 64 threads.
 // Bytes: 784 read + 1568 written per row.
 extern "C" __global__ void __launch_bounds__(64)
@@ -211,13 +219,9 @@ ft_gather(const u8* __restrict__ X, const int* __restrict__ Y, const int* __rest
     if (c >= 49) return;
     uint4 v = make_uint4(0u, 0u, 0u, 0u);
     if (idx >= 0) v = *reinterpret_cast<const uint4*>(X + (size_t)idx * INPUT_BYTES + c * 16);
-    const u32 w[4] = {v.x, v.y, v.z, v.w};
-    u32 o[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) pixels4(w[k], o[2 * k], o[2 * k + 1]);
     uint4* d = reinterpret_cast<uint4*>(xb + (size_t)r * INPUT_BYTES + c * 16);
-    d[0] = make_uint4(o[0], o[1], o[2], o[3]);
-    d[1] = make_uint4(o[4], o[5], o[6], o[7]);
+    d[0] = pixels8(make_uint2(v.x, v.y));
+    d[1] = pixels8(make_uint2(v.z, v.w));
 }
 
 // The W^T fragments of k-step ks (n = outputs o0 + nb*8 + g) and their mma with H's (the previous kernel's output).
@@ -610,6 +614,35 @@ ft_fwd_last(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ 
     }
 }
 
+// The backward's arithmetic, shared by ft_bwd / ft_bwd_x and ft_bwd_fwd_x so that they agree bit for bit:
+// sum_b g[b][o] (row o of g^T, contiguous), B' times the bias gradient
+__device__ __forceinline__ float g_row_sum(const elem_t* __restrict__ dzT, int o)
+{
+    float s = 0.f;
+    const u32* row = reinterpret_cast<const u32*>(dzT + (size_t)o * BP);
+#pragma unroll
+    for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
+    return s;
+}
+
+// W^T tile (rows g, g + 8 of a 16-row chunk, columns 2t, 2t + 1 of 8) -= lr/B' * (g^T chunk @ H_in[:, 8 columns]):
+// the A fragments `at` (K = batch), the B fragments by ldmatrix.trans from `hb` (batch rows 0..15 of the tile's
+// columns), `kstep` bytes between the batch's 16-row blocks
+__device__ __forceinline__ void sgd_tile(float2& w0, float2& w1, const u32 at[MT][4], u32 hb, int kstep, float wscale)
+{
+    float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+    for (int kk = 0; kk < MT; ++kk) {
+        u32 h0, h1;
+        ldsm_x2_t(h0, h1, hb + kk * kstep);
+        mma16816(acc, at[kk], h0, h1);
+    }
+    w0.x -= wscale * acc[0];
+    w0.y -= wscale * acc[1];
+    w1.x -= wscale * acc[2];
+    w1.y -= wscale * acc[3];
+}
+
 // Backward of one layer for BI input features per block, over the output rows of its y-slice (8 warps split
 // them in 16-row chunks):
 //   W_old = W^T[o-chunk][strip]                                 (fp32, read once, through the warp's ring)
@@ -690,11 +723,7 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
 #pragma unroll
         for (int j = 0; j < ITEMS; ++j) {
             const int i = threadIdx.x + 256 * j, r = i / NJ, c = i % NJ;
-            if (i >= BP * NJ) continue;
-            uint4 v;
-            pixels4(px[j].x, v.x, v.y);
-            pixels4(px[j].y, v.z, v.w);
-            *reinterpret_cast<uint4*>(hs + r * (BI + 8) + c * 8) = v;
+            if (i < BP * NJ) *reinterpret_cast<uint4*>(hs + r * (BI + 8) + c * 8) = pixels8(px[j]);
         }
     }
     grid_dependency_wait();           // v6: g is the previous kernel's output
@@ -715,13 +744,7 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
 
     // bias: b[o] -= lr/B' * sum_b g[b][o], spread over all blocks (g^T rows are contiguous)
     const int nblk = gridDim.x * gridDim.y, bid = blockIdx.y * gridDim.x + blockIdx.x;
-    for (int o = bid * blockDim.x + threadIdx.x; o < out_p; o += nblk * blockDim.x) {
-        float s = 0.f;
-        const u32* row = reinterpret_cast<const u32*>(dzT + (size_t)o * BP);
-#pragma unroll
-        for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
-        bias[o] -= bscale * s;
-    }
+    for (int o = bid * blockDim.x + threadIdx.x; o < out_p; o += nblk * blockDim.x) bias[o] -= bscale * g_row_sum(dzT, o);
     cp_async_wait<FT_S - 2>();        // the first chunk's group (with the strip) has landed for this thread ...
     __syncthreads();                  // ... and for every thread
     // B fragments of H_in[:, strip] (k = batch rows, n = 8 features) are read from hs by ldmatrix.trans
@@ -772,17 +795,7 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
 #pragma unroll
                 for (int mt = 0; mt < MT; ++mt) mma16816(dh[mt][j], ad[mt], b0, b1);
             }
-            float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-            for (int kk = 0; kk < MT; ++kk) {
-                u32 h0, h1;
-                ldsm_x2_t(h0, h1, hb_base + (kk * 16 * (BI + 8) + j * 8) * 2);
-                mma16816(acc, at[kk], h0, h1);
-            }
-            w0.x -= wscale * acc[0];
-            w0.y -= wscale * acc[1];
-            w1.x -= wscale * acc[2];
-            w1.y -= wscale * acc[3];
+            sgd_tile(w0, w1, at, hb_base + j * 8 * 2, 16 * (BI + 8) * 2, wscale);
             *reinterpret_cast<float2*>(wt + (size_t)(o0 + g) * in_p + i0 + j * 8 + 2 * t) = w0;
             *reinterpret_cast<float2*>(wt + (size_t)(o0 + g + 8) * in_p + i0 + j * 8 + 2 * t) = w1;
         }
@@ -913,11 +926,7 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
     __syncthreads();
     for (int p = threadIdx.x; p < BP * NT; p += blockDim.x) {                // X_k = pixels / 255, 8 an item
         const int r = p / NT, c = p % NT;
-        const uint2 v = *reinterpret_cast<const uint2*>(xku + r * IN + c * 8);
-        uint4 e;
-        pixels4(v.x, e.x, e.y);
-        pixels4(v.y, e.z, e.w);
-        *reinterpret_cast<uint4*>(xk + r * XKS + c * 8) = e;
+        *reinterpret_cast<uint4*>(xk + r * XKS + c * 8) = pixels8(*reinterpret_cast<const uint2*>(xku + r * IN + c * 8));
     }
     if (FT_EARLY) { grid_dependency_wait(); launch_dependents(); }   // g_k is the previous kernel's output
     for (int p = threadIdx.x; p < BO * (BP / 8); p += blockDim.x) {          // g_k^T rows of the tile
@@ -928,14 +937,7 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
     if (blockIdx.x == 0) {                                                   // the labels of step k+1
         for (int r = threadIdx.x; r < BP; r += blockDim.x) yb[r] = rn[r] >= 0 ? Y[rn[r]] : 0;
     }
-    if (threadIdx.x < BO) {           // bias: b[o] -= lr/B' * sum_b g[b][o] (ft_bwd's sum)
-        const int o = o0 + threadIdx.x;
-        float s = 0.f;
-        const u32* row = reinterpret_cast<const u32*>(dzT + (size_t)o * BP);
-#pragma unroll
-        for (int q = 0; q < BP / 2; ++q) { const float2 v = unpack2(row[q]); s += v.x + v.y; }
-        bias[o] -= bscale * s;
-    }
+    if (threadIdx.x < BO) bias[o0 + threadIdx.x] -= bscale * g_row_sum(dzT, o0 + threadIdx.x);   // ft_bwd's sum
     cp_async_wait<0>();
     __syncthreads();
 
@@ -947,20 +949,10 @@ ft_bwd_fwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X
         u32 at[MT][4];
 #pragma unroll
         for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + ch * 16 * GS + at_off + kk * 16));
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-        for (int kk = 0; kk < MT; ++kk) {
-            u32 h0, h1;
-            ldsm_x2_t(h0, h1, hb_base + (kk * 16 * XKS + j * 8) * 2);
-            mma16816(acc, at[kk], h0, h1);
-        }
         float* p0 = ws + (ch * 16 + g) * WTS + j * 8 + 2 * t;
         float* p1 = p0 + 8 * WTS;
         float2 w0 = *reinterpret_cast<float2*>(p0), w1 = *reinterpret_cast<float2*>(p1);
-        w0.x -= wscale * acc[0];
-        w0.y -= wscale * acc[1];
-        w1.x -= wscale * acc[2];
-        w1.y -= wscale * acc[3];
+        sgd_tile(w0, w1, at, hb_base + j * 8 * 2, 16 * XKS * 2, wscale);
         *reinterpret_cast<float2*>(p0) = w0;
         *reinterpret_cast<float2*>(p1) = w1;
         *reinterpret_cast<float2*>(wt + (size_t)(o0 + ch * 16 + g) * IN + j * 8 + 2 * t) = w0;
