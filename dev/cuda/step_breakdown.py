@@ -16,6 +16,9 @@ each clustered launch's line names its cluster, and how many of them the GPU hol
 griddepcontrol.wait) and v7 (dev/cuda);
 --v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages); --v8-tune2: against the
 first layer's forward split over clusters of 2, its backward's output rows split 3 or 8 ways, 2 blocks an SM, BO 16.
+--l2: the default plan against part of the hidden layers' fp32 masters kept resident in the L2's set-aside (--step-l2
+MB, spread over each W^T by a hit ratio, or its first rows with --no-step-l2-spread); the kernels alone then read
+their own resident lines, so only the step's time says what residency buys.
 A kernel timed alone is launched after itself: with lr = 0 its early loads of W^T read what the copy before it
 rewrote unchanged, so the timing is fair; in a step its predecessor never writes them.
 """
@@ -51,6 +54,10 @@ V8_TUNE = [{}, {"step_stages": 6}, {"step_stages": 7}, {"step_stages": 3}]
 # the first layer split (its forward over a cluster of 2, its backward's output rows) and two blocks an SM
 V8_TUNE2 = [{}, {"step_fsplit": 2}, {"step_osplit": 3}, {"step_osplit": 8}, {"step_bwd_minb": 2},
             {"step_fwd_minb": 2}, {"step_bo": 16}]
+
+# L2 residency: MB of the set-aside (spread by a hit ratio; "prefix": a window on the first bytes of W^T)
+L2_VARIANTS = [{}, {"step_l2": 12}, {"step_l2": 24}, {"step_l2": 32}, {"step_l2": 64},
+               {"step_l2": 24, "step_l2_spread": False}, {"step_l2": 64, "step_l2_spread": False}]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -119,7 +126,7 @@ def main(argv):
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
                 if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else V7_VARIANTS if "--v7" in argv
                 else V8_VARIANTS if "--v8" in argv else V8_TUNE if "--v8-tune" in argv
-                else V8_TUNE2 if "--v8-tune2" in argv else [{}])
+                else V8_TUNE2 if "--v8-tune2" in argv else L2_VARIANTS if "--l2" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:
@@ -151,6 +158,11 @@ def main(argv):
                       f"{step * 5000 / 1e6:.3f} s), kernels alone {total:.1f} us, boundaries {step - total:.1f} us",
                       flush=True)
                 print("\n".join(rows), flush=True)
+                if getattr(s, "l2_granted", 0):
+                    print(f"    (L2 set aside {s.l2_granted / 2**20:.1f} MB of a device maximum "
+                          f"{s.l2.device_max() / 2**20:.1f}; windows "
+                          + ", ".join(f"layer {i + 1}: {w[1] / 2**20:.1f} MB at hit ratio {w[2]:.3f}"
+                                      for i, w in sorted(s.l2_windows.items())) + ")", flush=True)
                 for c in getattr(s, "clusters", []):
                     print(f"    (layer {c['layer']} {c['kernel']}: {c['clusters']} clusters of {c['cluster']}, "
                           f"{c['resident']} resident at once)", flush=True)

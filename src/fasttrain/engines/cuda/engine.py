@@ -55,6 +55,11 @@ class CudaOptions:
     step_pdl: str = option("auto", "rung 7: programmatic dependent launch (each kernel starts while the one before "
                            "drains): on, off, or auto (on: with v8 it measured faster at every width)",
                            choices=("auto", "on", "off"))
+    step_l2: int | None = option(None, "rung 7: MB of L2 set aside to keep part of the hidden layers' fp32 masters "
+                                 "on chip from step to step (0: none; unset: the plan's choice)", type=int,
+                                 bounds=(0, 1024))
+    step_l2_spread: bool = option(True, "rung 7: spread the L2-resident part over each layer's whole W^T (a hit "
+                                  "ratio) instead of keeping its first rows")
     # rung 8: the persistent kernels
     logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
                                         "in a sweep, the size that trains all models soonest)",
@@ -70,7 +75,7 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl")
+                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl", "step_l2", "step_l2_spread")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 
