@@ -14,6 +14,7 @@ import itertools
 import re
 import shutil
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -252,6 +253,21 @@ def test_step_plan_fits(model, batch, tuning):
             assert (p["BI"], p["osplit"]) == (_tile(p["in_p"], mt, bwd=True) * bs, bs)
         assert set(step_defines(p, mt, 0)) == {"FT_MT", "FT_BO", "FT_BI", "FT_BF16", "FT_S", "FT_MINB",
                                                           "FT_FMINB", "FT_FU"}
+
+
+def test_tiled_master_is_the_kernels_order():
+    """tile_master stores element (o, i) of W^T where fused_step.cu's w_at says (tiles of BO rows x 16 inputs,
+    row-major inside, a band's tiles in input order), and untile_master inverts it."""
+    from fasttrain.engines.cuda.fused.plans import tile_master, untile_master
+
+    rng = np.random.default_rng(0)
+    for out_p, in_p, bo in ((64, 48, 16), (128, 784, 64), (32, 32, 8), (96, 64, 32)):
+        wt = rng.standard_normal((out_p, in_p)).astype(np.float32)
+        flat = tile_master(wt, bo).ravel()
+        o, i = np.meshgrid(np.arange(out_p), np.arange(in_p), indexing="ij")
+        w_at = ((o // bo) * (in_p // 16) + i // 16) * (bo * 16) + (o % bo) * 16 + (i % 16)
+        np.testing.assert_array_equal(flat[w_at], wt)
+        np.testing.assert_array_equal(untile_master(tile_master(wt, bo), bo), wt)
 
 
 def test_l2_windows_fill_the_set_aside_hidden_layers_first():
@@ -556,6 +572,37 @@ def test_rung7_programmatic_launch_changes_no_value(tiny_data, model, precision,
 
         runs.append(_train_all(make_session_plain(job, step_pdl=pdl, step_graph=graph), job, check))
     _assert_bit_identical(*runs)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("model,precision,batch,tuning", [
+    ("mlp:1024x3", "fp16", 32, {}),                                      # BO 8: a 16-row chunk spans two bands
+    ("mlp:2048x3", "bf16", 32, {}),                                      # the plan's clusters of 2
+    ("mlp:100x4", "fp16", 37, {"step_fsplit": 2, "step_bsplit": 2}),     # padded widths, split layers
+    ("mlp:512x3", "bf16", 130, {"step_bo": 32, "step_pdl": "off"}),
+])
+def test_rung7_tiled_layout_changes_no_value(tiny_data, model, precision, batch, tuning):
+    """v9's tiled W^T of the hidden-to-hidden layers moves no value: per-step losses and final weights (untiled)
+    bit-identical to row-major storage, in an epoch graph; the run record says which layers are tiled."""
+    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
+
+    def check(env, tiled):
+        hidden = [t["tiled"] for t in env["tiles"][1:-1]]
+        assert hidden and all(h is tiled for h in hidden) and not env["tiles"][0]["tiled"] and not env["tiles"][-1]["tiled"]
+
+    runs = [_train_all(make_session_plain(job, step_layout=layout, **tuning), job,
+                       partial(check, tiled=layout == "tiled")) for layout in ("tiled", "rows")]
+    _assert_bit_identical(*runs)
+    sess = make_session_plain(job, **tuning)
+    try:   # the evaluation reads the untiled masters
+        tiled_eval = sess.evaluate()
+    finally:
+        sess.close()
+    sess = make_session_plain(job, step_layout="rows", **tuning)
+    try:
+        assert sess.evaluate() == tiled_eval
+    finally:
+        sess.close()
 
 
 @pytest.mark.gpu

@@ -16,6 +16,7 @@ each clustered launch's line names its cluster, and how many of them the GPU hol
 griddepcontrol.wait) and v7 (dev/cuda);
 --v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages); --v8-tune2: against the
 first layer's forward split over clusters of 2, its backward's output rows split 3 or 8 ways, 2 blocks an SM, BO 16.
+--v9: the default plan (hidden-to-hidden W^T tiled) against row-major storage (--step-layout rows).
 --l2: the default plan against part of the hidden layers' fp32 masters kept resident in the L2's set-aside (--step-l2
 MB, spread over each W^T by a hit ratio, or its first rows with --no-step-l2-spread); the kernels alone then read
 their own resident lines, so only the step's time says what residency buys.
@@ -56,6 +57,8 @@ V8_TUNE2 = [{}, {"step_fsplit": 2}, {"step_osplit": 3}, {"step_osplit": 8}, {"st
             {"step_fwd_minb": 2}, {"step_bo": 16}]
 
 # L2 residency: MB of the set-aside (spread by a hit ratio; "prefix": a window on the first bytes of W^T)
+# v9: the hidden-to-hidden layers' W^T tiled (the default) against row-major (v8's layout)
+V9_VARIANTS = [{}, {"step_layout": "rows"}]
 L2_VARIANTS = [{}, {"step_l2": 12}, {"step_l2": 24}, {"step_l2": 32}, {"step_l2": 64},
                {"step_l2": 24, "step_l2_spread": False}, {"step_l2": 64, "step_l2_spread": False}]
 
@@ -126,7 +129,8 @@ def main(argv):
     variants = (VARIANTS if "--variants" in argv else [{"step_pdl": "on"}, {"step_pdl": "off"}, {"kernel": "fused_step_v4.cu"}]
                 if "--pdl" in argv else CLUSTER_VARIANTS if "--clusters" in argv else V7_VARIANTS if "--v7" in argv
                 else V8_VARIANTS if "--v8" in argv else V8_TUNE if "--v8-tune" in argv
-                else V8_TUNE2 if "--v8-tune2" in argv else L2_VARIANTS if "--l2" in argv else [{}])
+                else V8_TUNE2 if "--v8-tune2" in argv else L2_VARIANTS if "--l2" in argv
+                else V9_VARIANTS if "--v9" in argv else [{}])
     widths = [int(a) for a in argv if a.isdigit()] or [2048, 4096, 8192]
     data = load_dataset("mnist")
     for h in widths:

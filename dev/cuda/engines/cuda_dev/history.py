@@ -62,10 +62,17 @@ class StepV8Unfused(FusedStepSession):
     first_fused = False
 
 
+class StepV8(FusedStepSession):
+    """v8: every W^T row-major (v9 tiles the hidden-to-hidden layers'); the same kernels otherwise."""
+
+    tiled_layout = False
+
+
 class StepV7(FusedStepSession):
     """v7: cluster splits; a separate gather kernel, every kernel waits before it loads."""
 
     gather_fused = False
+    tiled_layout = False
 
 
 def v5_fwd_smem(mt: int, bo: int, fu: int) -> int:
@@ -91,6 +98,7 @@ class StepV7LastFused(FusedStepSession):
     (e.g. batch 256) it runs v7's two kernels."""
 
     gather_fused = False
+    tiled_layout = False
 
     def load_last_layer(self, m0, last_in: int) -> None:
         super().load_last_layer(m0, last_in)
@@ -136,6 +144,7 @@ class StepV6(FusedStepSession):
     backward), so no cluster partial in its shared memory."""
 
     gather_fused = False
+    tiled_layout = False
 
     cluster_split = False
 
@@ -144,6 +153,7 @@ class StepV5(FusedStepSession):
     """v5: ft_fwd with one ring shared by the block's warps, 256-byte runs of each W^T row (slower than v4)."""
 
     gather_fused = False
+    tiled_layout = False
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
@@ -163,6 +173,7 @@ class StepV4(FusedStepSession):
     """v4: v6's plan and launches; its kernels predate griddepcontrol.wait (plain launches only)."""
 
     gather_fused = False
+    tiled_layout = False
 
     pdl_safe = False
     cluster_split = False
@@ -183,6 +194,7 @@ class StepV3(FusedStepSession):
     """v3: ft_fwd loads FU k-steps of W into registers (no ring): its smem is the K-split reduction alone."""
 
     gather_fused = False
+    tiled_layout = False
 
     pdl_safe = False   # its kernels predate griddepcontrol.wait
     cluster_split = False
@@ -308,7 +320,7 @@ SESSIONS = {
     "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
     "fused_step_v7.cu": StepV7, "fused_step_v7_lastfused.cu": StepV7LastFused,
     # not files: the package's fused_step.cu built with FT_EARLY=0, and run without ft_bwd_fwd_x
-    "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused,
+    "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused, "fused_step.cu:rows": StepV8,
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,

@@ -128,7 +128,7 @@ class FusedSession(Session):
             loss, correct = self.score_host[self._score_slot]
             return float(loss) / n, float(correct) / n
         with self.stream:
-            out = self._score(self.layers).get(stream=self.stream)
+            out = self._score(self.master_layers()).get(stream=self.stream)
         self.stream.synchronize()
         return float(out[0]) / n, float(out[1]) / n
 
@@ -212,9 +212,13 @@ class FusedSession(Session):
             except self._cp.cuda.runtime.CUDARuntimeError:
                 pass   # a failed device: the error that got us here is the one to report
 
+    def master_layers(self) -> list:
+        """``self.layers`` with every W^T as a row-major [out_p][in_p] array (rung 7 may store some tiled)."""
+        return self.layers
+
     def weights(self):
         self.stream.synchronize()
-        return [(wt[:fo, :fi].T.get(), b[:fo].get()) for wt, b, fi, fo in self.layers]
+        return [(wt[:fo, :fi].T.get(), b[:fo].get()) for wt, b, fi, fo in self.master_layers()]
 
     def _device_env(self) -> dict:
         cp = self._cp

@@ -181,6 +181,24 @@ def step_plan(shapes, mt: int, bo: int | None = None, bi: int | None = None, sta
     return plan
 
 
+def step_tiled(choice: str) -> bool:
+    """Whether rung 7 stores the hidden-to-hidden layers' W^T tiled (``choice`` tiled / rows, or auto: tiled)."""
+    return choice != "rows"
+
+
+def tile_master(wt, bo: int):
+    """A row-major W^T [out][in] (CuPy or NumPy) in fused_step.cu's tiled order (w_at): tiles of ``bo`` rows x 16
+    inputs, row-major inside, the tiles of a band of ``bo`` rows in input order; same shape, the storage permuted."""
+    out_p, in_p = wt.shape
+    return wt.reshape(out_p // bo, bo, in_p // 16, 16).transpose(0, 2, 1, 3).copy().reshape(out_p, in_p)
+
+
+def untile_master(tiled, bo: int):
+    """The inverse of :func:`tile_master`: the row-major W^T."""
+    out_p, in_p = tiled.shape
+    return tiled.reshape(out_p // bo, in_p // 16, bo, 16).transpose(0, 2, 1, 3).reshape(out_p, in_p)
+
+
 def step_l2_mb(choice: int | None) -> int:
     """MB of L2 rung 7 sets aside for resident weights: ``choice``, or (unset) the plan's default (none yet)."""
     return 0 if choice is None else int(choice)

@@ -41,6 +41,9 @@ from fasttrain.engines.cuda.fused.plans import (
     step_l2_mb,
     step_pdl,
     step_plan,
+    step_tiled,
+    tile_master,
+    untile_master,
 )
 from fasttrain.errors import FasttrainError
 
@@ -65,6 +68,8 @@ class FusedStepSession(FusedSession):
     # v8: mid-epoch, the first layer's backward of step k and its forward of step k+1 are one kernel where its
     # shared memory fits (ft_bwd_fwd_x); False: two kernels (to measure what the fusion buys)
     first_fused = True
+    # v9 on: the hidden-to-hidden layers' W^T may be stored tiled (ft_fwd_t / ft_bwd_t; plans.tile_master)
+    tiled_layout = True
 
     def __init__(self, job: Job, options, data_from=None):
         super().__init__(job, options, data_from)
@@ -102,9 +107,12 @@ class FusedStepSession(FusedSession):
         self.fold = self.gather_fused and len(self.plan) > 1
         self.load_last_layer(m0, self.layers[-1][0].shape[1])
         self.k_last.max_dynamic_shared_size_bytes = self.last_smem
+        tiled = self.tiled_layout and step_tiled(options.step_layout)
         for i, p in enumerate(self.plan):
+            # v9: the hidden-to-hidden layers' W^T tiled (BO rows x 16 inputs a contiguous tile) where asked
+            p["tiled"] = tiled and 0 < i < len(self.plan) - 1
             # folded, the first layer's kernels have the same tiles and shared memory, pixels for H_in
-            suffix = "_x" if self.fold and i == 0 else ""
+            suffix = "_x" if self.fold and i == 0 else "_t" if p["tiled"] else ""
             p["fwd"] = p["module"].get_function("ft_fwd" + suffix)
             p["fwd_smem"] = module_int(p["module"], "ft_fwd_smem")
             p["fwd"].max_dynamic_shared_size_bytes = p["fwd_smem"]
@@ -115,6 +123,11 @@ class FusedStepSession(FusedSession):
                 if mirror is not None and p[f"{kind}_smem"] != mirror:
                     raise FasttrainError(f"internal: {self.version} ft_{kind} needs {p[f'{kind}_smem']} bytes of "
                                          f"shared memory, the plan says {mirror}")
+        with self.stream:
+            for i, p in enumerate(self.plan):
+                if p["tiled"]:
+                    wt, b, fan_in, fan_out = self.layers[i]
+                    self.layers[i] = (tile_master(wt, p["BO"]), b, fan_in, fan_out)
         p = self.plan[0]
         first_smem = step_first_smem(self.mt, p["BO"])
         # (whole 16-row chunks of g^T a block, no cluster on the first forward, and the shared memory fits)
@@ -180,6 +193,11 @@ class FusedStepSession(FusedSession):
                 g.upload(self.stream)
                 self.graphs[steps] = g
         self.stream.synchronize()
+
+    def master_layers(self) -> list:
+        with self.stream:
+            return [(untile_master(wt, p["BO"]) if p["tiled"] else wt, b, fan_in, fan_out)
+                    for (wt, b, fan_in, fan_out), p in zip(self.layers, self.plan)]
 
     def _reserve_l2(self, mb: int, spread: bool) -> None:
         """Set aside ``mb`` MB of L2 for persisting lines (the context's: given back, its lines evicted, in
@@ -364,7 +382,8 @@ class FusedStepSession(FusedSession):
                                                 for i, w in sorted(self.l2_windows.items())]},
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,
-                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "FC", "osplit") if k in p}
+                    "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "FC", "osplit", "tiled")
+                               if k in p}
                               | {"fwd_regs": p["fwd"].num_regs, "bwd_regs": p["bwd"].num_regs,
                                  "local_bytes": max(p["fwd"].local_size_bytes, p["bwd"].local_size_bytes)}
                               for p in self.plan]})

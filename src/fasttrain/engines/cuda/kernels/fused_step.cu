@@ -203,6 +203,18 @@ __device__ __forceinline__ uint4 pixels8(uint2 v) {
     return e;
 }
 
+// v9: where element (o, i) of W^T lives. Row-major (TILED false): o * in_p + i. Tiled (the hidden-to-hidden layers):
+// tiles of BO rows x 16 inputs, each BO * 64 contiguous bytes (row-major inside: 64 B a row), the tiles of a band of
+// BO rows in input order, so that a forward k-step of a block (its BO rows x 16 inputs) is one contiguous run of
+// BO * 64 bytes and a backward chunk (16 rows x BI inputs) is BI / 16 runs of 1 KB, where row-major they are BO runs
+// of 64 B and 16 runs of BI * 4 B, one a row of in_p * 4 bytes.
+template <bool TILED>
+__device__ __forceinline__ size_t w_at(int o, int i, int in_p)
+{
+    if constexpr (TILED) return ((size_t)(o / BO) * (in_p >> 4) + (i >> 4)) * (BO * 16) + (o % BO) * 16 + (i & 15);
+    else return (size_t)o * in_p + i;
+}
+
 // Batch rows -> x = pixel/255 in the operand type; rows >= rows are zero. grid = B_p blocks of 64 threads.
 // Bytes: 784 read + 1568 written per row.
 extern "C" __global__ void __launch_bounds__(64)
@@ -316,7 +328,7 @@ __device__ __forceinline__ void bias_relu_out(const float* red, const float* __r
 // are built; block (0, 0) also writes the labels yb. EARLY: the first FT_FU k-steps' part that the previous
 // kernel does not write (W^T of a hidden layer; the pixels of the first layer, whose W^T the previous step's
 // last kernel writes) is one commit group issued before griddepcontrol.wait.
-template <bool PIX>
+template <bool PIX, bool TILED>
 __device__ __forceinline__ void fwd_body(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt,
                                          const float* __restrict__ bias, elem_t* __restrict__ hout, int out_p,
                                          const u8* __restrict__ X, const int* __restrict__ Y,
@@ -351,7 +363,7 @@ __device__ __forceinline__ void fwd_body(const elem_t* __restrict__ hin, int in_
 #pragma unroll
         for (int p = lane; p < BO * 4; p += 32) {
             const int r = p >> 2, c = p & 3;
-            cp_async16(st + (r * 16 + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + k0 + c * 4);
+            cp_async16(st + (r * 16 + c * 4) * 4, wt + w_at<TILED>(o0 + r, k0 + c * 4, in_p));
         }
     };
     auto issue_h = [&](int k) {
@@ -474,7 +486,15 @@ extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
 ft_fwd(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
        elem_t* __restrict__ hout, int out_p)
 {
-    fwd_body<false>(hin, in_p, wt, bias, hout, out_p, nullptr, nullptr, nullptr, 0, 0, nullptr);
+    fwd_body<false, false>(hin, in_p, wt, bias, hout, out_p, nullptr, nullptr, nullptr, 0, 0, nullptr);
+}
+
+// v9: a hidden-to-hidden layer whose W^T is tiled (w_at)
+extern "C" __global__ void __launch_bounds__(256, FT_FMINB)
+ft_fwd_t(const elem_t* __restrict__ hin, int in_p, const float* __restrict__ wt, const float* __restrict__ bias,
+         elem_t* __restrict__ hout, int out_p)
+{
+    fwd_body<false, true>(hin, in_p, wt, bias, hout, out_p, nullptr, nullptr, nullptr, 0, 0, nullptr);
 }
 
 // v8: the first layer of an MLP, reading the batch's pixels (and writing its labels) itself
@@ -483,7 +503,7 @@ ft_fwd_x(const u8* __restrict__ X, const int* __restrict__ Y, const int* __restr
          int* __restrict__ yb, const float* __restrict__ wt, const float* __restrict__ bias,
          elem_t* __restrict__ hout, int out_p)
 {
-    fwd_body<true>(nullptr, INPUT_BYTES, wt, bias, hout, out_p, X, Y, order, base, rows, yb);
+    fwd_body<true, false>(nullptr, INPUT_BYTES, wt, bias, hout, out_p, X, Y, order, base, rows, yb);
 }
 
 // Last layer (16 padded classes) split over gridDim.x blocks; the last block to finish sums the partial
@@ -660,7 +680,7 @@ __device__ __forceinline__ void sgd_tile(float2& w0, float2& w1, const u32 at[MT
 // order and converted before griddepcontrol.wait (nothing the previous kernel writes); EARLY: the W^T part of the
 // ring's first FT_S - 1 chunks is one commit group issued before the wait (only this kernel writes this W^T);
 // otherwise the strip comes by cp.async in the first chunk's group, not by a load round trip after the bias.
-template <bool PIX>
+template <bool PIX, bool TILED>
 __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out_p, const elem_t* __restrict__ hin,
                                          int in_p, float* __restrict__ wt, float* __restrict__ bias, float wscale,
                                          float bscale, int need_dh, elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT,
@@ -691,7 +711,7 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
 #pragma unroll
         for (int p = lane; p < 4 * BI; p += 32) {           // 16 rows x BI/4 pieces
             const int r = p / (BI / 4), c = p % (BI / 4);
-            cp_async16(st + (r * WS + c * 4) * 4, wt + (size_t)(o0 + r) * in_p + i0 + c * 4);
+            cp_async16(st + (r * WS + c * 4) * 4, wt + w_at<TILED>(o0 + r, i0 + c * 4, in_p));
         }
     };
     auto issue_g = [&](int k) {
@@ -776,6 +796,8 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
         const float* ws = reinterpret_cast<const float*>(st);
         const elem_t* gts = reinterpret_cast<const elem_t*>(st + 16 * WS * 4);
         const int o0 = (cbeg + warp + k * NW) * 16;
+        float* wrow0 = wt + w_at<TILED>(o0 + g, i0 + 2 * t, in_p);       // this thread's W^T rows, column i0 + 2t
+        float* wrow1 = wt + w_at<TILED>(o0 + g + 8, i0 + 2 * t, in_p);
         u32 at[MT][4], ad[MT][4];
 #pragma unroll
         for (int kk = 0; kk < MT; ++kk) ldsm_x4(at[kk], smem_u32(gts + at_off + kk * 16));
@@ -796,8 +818,11 @@ __device__ __forceinline__ void bwd_body(const elem_t* __restrict__ dzT, int out
                 for (int mt = 0; mt < MT; ++mt) mma16816(dh[mt][j], ad[mt], b0, b1);
             }
             sgd_tile(w0, w1, at, hb_base + j * 8 * 2, 16 * (BI + 8) * 2, wscale);
-            *reinterpret_cast<float2*>(wt + (size_t)(o0 + g) * in_p + i0 + j * 8 + 2 * t) = w0;
-            *reinterpret_cast<float2*>(wt + (size_t)(o0 + g + 8) * in_p + i0 + j * 8 + 2 * t) = w1;
+            // columns i0 + j*8 + 2t: tiled, 8-column tile j is in 16-input tile j/2 (i0 is a multiple of 16 when
+            // NJ > 1), at column (j % 2) * 8 of it
+            const int jo = TILED ? (j >> 1) * (BO * 16) + (j & 1) * 8 : j * 8;
+            *reinterpret_cast<float2*>(wrow0 + jo) = w0;
+            *reinterpret_cast<float2*>(wrow1 + jo) = w1;
         }
         __syncwarp();                 // every lane has read stage k % FT_S: the next issue may overwrite it
     }
@@ -855,7 +880,18 @@ ft_bwd(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
        elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
 {
     (void)dz;
-    bwd_body<false>(dzT, out_p, hin, in_p, wt, bias, wscale, bscale, need_dh, dzp, dzpT, nullptr, nullptr, 0, 0);
+    bwd_body<false, false>(dzT, out_p, hin, in_p, wt, bias, wscale, bscale, need_dh, dzp, dzpT, nullptr, nullptr, 0, 0);
+}
+
+// v9: a hidden-to-hidden layer whose W^T is tiled (w_at)
+extern "C" __global__ void __launch_bounds__(256, FT_MINB)
+ft_bwd_t(const elem_t* __restrict__ dz, const elem_t* __restrict__ dzT, int out_p,
+         const elem_t* __restrict__ hin, int in_p,
+         float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale, int need_dh,
+         elem_t* __restrict__ dzp, elem_t* __restrict__ dzpT)
+{
+    (void)dz;
+    bwd_body<false, true>(dzT, out_p, hin, in_p, wt, bias, wscale, bscale, need_dh, dzp, dzpT, nullptr, nullptr, 0, 0);
 }
 
 // v8: the first layer of an MLP (no dH), its H_in strip read from the batch's pixels
@@ -863,7 +899,7 @@ extern "C" __global__ void __launch_bounds__(256, FT_MINB)
 ft_bwd_x(const elem_t* __restrict__ dzT, int out_p, const u8* __restrict__ X, const int* __restrict__ order,
          int base, int rows, float* __restrict__ wt, float* __restrict__ bias, float wscale, float bscale)
 {
-    bwd_body<true>(dzT, out_p, nullptr, INPUT_BYTES, wt, bias, wscale, bscale, 0, nullptr, nullptr, X, order, base, rows);
+    bwd_body<true, false>(dzT, out_p, nullptr, INPUT_BYTES, wt, bias, wscale, bscale, 0, nullptr, nullptr, X, order, base, rows);
 }
 
 // v8: the first layer's backward of step k and its forward of step k+1 in one kernel (every step of an epoch but
