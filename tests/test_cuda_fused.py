@@ -270,30 +270,6 @@ def test_tiled_master_is_the_kernels_order():
         np.testing.assert_array_equal(untile_master(tile_master(wt, bo), bo), wt)
 
 
-def test_l2_windows_fill_the_set_aside_hidden_layers_first():
-    """The L2 set-aside goes to the hidden-to-hidden layers first (three touches of W^T a step), the last hidden
-    layer first, then the first layer, never the last; the persisting bytes never exceed the budget; a window
-    never exceeds the device's largest."""
-    from fasttrain.engines.cuda.fused.plans import l2_windows
-
-    MB = 1 << 20
-    layers = [(1000, 13 * MB), (2000, 64 * MB), (3000, 64 * MB), (4000, MB // 8)]   # 784-h-h-h-10 at h = 4096
-    spread = l2_windows(layers, 32 * MB, 128 * MB)
-    assert list(spread) == [2] and spread[2] == (3000, 64 * MB, 0.5)
-    both = l2_windows(layers, 100 * MB, 128 * MB)
-    assert list(both) == [2, 1] and both[2][2] == 1.0 and both[1] == (2000, 64 * MB, 36 / 64)
-    every = l2_windows(layers, 500 * MB, 128 * MB)
-    assert list(every) == [2, 1, 0] and all(w[2] == 1.0 for w in every.values())
-    prefix = l2_windows(layers, 80 * MB, 128 * MB, spread=False)
-    assert prefix == {2: (3000, 64 * MB, 1.0), 1: (2000, 16 * MB, 1.0)}
-    capped = l2_windows([(1, 8 * MB), (2, 256 * MB), (3, MB)], 40 * MB, 128 * MB)
-    assert capped == {1: (2, 128 * MB, 40 / 128)}
-    for windows in (spread, both, every, prefix, capped):
-        assert sum(w[1] * w[2] for w in windows.values()) <= 500 * MB
-    assert l2_windows(layers, 0, 128 * MB) == {} and l2_windows(layers, 32 * MB, 0) == {}
-    assert l2_windows([(1, 8 * MB)], 32 * MB, 128 * MB) == {}          # logreg: its only layer is the last
-
-
 def test_programmatic_launch_marshals_each_argument_as_its_c_type():
     """The PDL launcher hands the kernel the same bytes CuPy's call would for the arguments rung 7 passes (int32,
     float32, device pointers); anything else is refused rather than guessed."""
@@ -603,33 +579,6 @@ def test_rung7_tiled_layout_changes_no_value(tiny_data, model, precision, batch,
         assert sess.evaluate() == tiled_eval
     finally:
         sess.close()
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("model,precision,batch,tuning", [
-    ("mlp:1024x3", "fp16", 32, {"step_l2": 4}),                            # spread: both hidden layers, part of one
-    ("mlp:512x4", "bf16", 29, {"step_l2": 2, "step_l2_spread": False}),     # a prefix of the last hidden layer
-    ("mlp:2048x2", "fp16", 32, {"step_l2": 64, "step_pdl": "off"}),        # more than the model: every layer, capped
-])
-def test_rung7_l2_residency_changes_no_value(tiny_data, model, precision, batch, tuning):
-    """Weights kept resident in the L2's set-aside (access-policy windows on the kernels that touch them) move no
-    value: per-step losses and final weights bit-identical to the same run without; the run record names the
-    windows; and the set-aside is given back when the session closes."""
-    from cuda.bindings import driver as d
-
-    job = make_job(tiny_data, model, precision=precision, batch_size=batch, epochs=3, lr=0.05)
-
-    def check(env):
-        l2 = env["l2_resident"]
-        assert l2["granted_bytes"] > 0 and l2["windows"], l2
-        assert sum(w["bytes"] * w["hit_ratio"] for w in l2["windows"]) <= l2["granted_bytes"] + 1
-        assert all(w["layer"] < len(env["tiles"]) for w in l2["windows"])   # never the last layer
-
-    resident = _train_all(make_session_plain(job, **tuning), job, check)
-    err, limit = d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
-    assert err == d.CUresult.CUDA_SUCCESS and limit == 0
-    plain = {k: v for k, v in tuning.items() if not k.startswith("step_l2")}
-    _assert_bit_identical(resident, _train_all(make_session_plain(job, **plain), job))
 
 
 def _train_all(sess, job, check=None) -> tuple[list, list]:

@@ -17,9 +17,9 @@ griddepcontrol.wait) and v7 (dev/cuda);
 --v8-tune: the default plan against backward rings of 6, 7 and 3 stages (--step-stages); --v8-tune2: against the
 first layer's forward split over clusters of 2, its backward's output rows split 3 or 8 ways, 2 blocks an SM, BO 16.
 --v9: the default plan (hidden-to-hidden W^T tiled) against row-major storage (--step-layout rows).
---l2: the default plan against part of the hidden layers' fp32 masters kept resident in the L2's set-aside (--step-l2
-MB, spread over each W^T by a hit ratio, or its first rows with --no-step-l2-spread); the kernels alone then read
-their own resident lines, so only the step's time says what residency buys.
+--l2: the default plan against part of the hidden layers' fp32 masters kept resident in the L2's set-aside (12..64 MB,
+capped by the device; spread over each W^T by a hit ratio, or its first rows: "prefix"; dev/cuda history's
+StepL2Resident); the kernels alone then read their own resident lines, so only the step's time says what it buys.
 A kernel timed alone is launched after itself: with lr = 0 its early loads of W^T read what the copy before it
 rewrote unchanged, so the timing is fair; in a step its predecessor never writes them.
 """
@@ -59,8 +59,7 @@ V8_TUNE2 = [{}, {"step_fsplit": 2}, {"step_osplit": 3}, {"step_osplit": 8}, {"st
 # L2 residency: MB of the set-aside (spread by a hit ratio; "prefix": a window on the first bytes of W^T)
 # v9: the hidden-to-hidden layers' W^T tiled (the default) against row-major (v8's layout)
 V9_VARIANTS = [{}, {"step_layout": "rows"}]
-L2_VARIANTS = [{}, {"step_l2": 12}, {"step_l2": 24}, {"step_l2": 32}, {"step_l2": 64},
-               {"step_l2": 24, "step_l2_spread": False}, {"step_l2": 64, "step_l2_spread": False}]
+L2_VARIANTS = [{}] + [{"kernel": f"fused_step.cu:l2={v}"} for v in ("12", "24", "32", "64", "24prefix", "64prefix")]
 
 
 def timed(cp, stream, launch, reps=REPS):
@@ -162,11 +161,10 @@ def main(argv):
                       f"{step * 5000 / 1e6:.3f} s), kernels alone {total:.1f} us, boundaries {step - total:.1f} us",
                       flush=True)
                 print("\n".join(rows), flush=True)
-                if getattr(s, "l2_granted", 0):
-                    print(f"    (L2 set aside {s.l2_granted / 2**20:.1f} MB of a device maximum "
-                          f"{s.l2.device_max() / 2**20:.1f}; windows "
-                          + ", ".join(f"layer {i + 1}: {w[1] / 2**20:.1f} MB at hit ratio {w[2]:.3f}"
-                                      for i, w in sorted(s.l2_windows.items())) + ")", flush=True)
+                if getattr(s, "windows", None):
+                    print(f"    (L2 set aside {s._granted / 2**20:.1f} MB of a device maximum {s.l2_max / 2**20:.1f}; "
+                          "windows " + ", ".join(f"{w[1] / 2**20:.1f} MB at hit ratio {w[2]:.3f}"
+                                                 for w in s.windows.values()) + ")", flush=True)
                 for c in getattr(s, "clusters", []):
                     print(f"    (layer {c['layer']} {c['kernel']}: {c['clusters']} clusters of {c['cluster']}, "
                           f"{c['resident']} resident at once)", flush=True)

@@ -13,6 +13,7 @@ from fasttrain.bench.suites import Row
 from fasttrain.contract import INPUT_DIM, NUM_CLASSES
 from fasttrain.engines.cuda.fused import make_session
 from fasttrain.engines.cuda.fused.build import module_int
+from fasttrain.engines.cuda.fused.launch import ExLauncher
 from fasttrain.engines.cuda.fused.persistent import PersistentGridSession, PersistentLogregSession, PersistentMlpSession
 from fasttrain.engines.cuda.fused.plans import NW, SMEM_LIMIT, TARGET_BLOCKS, _align128, _tile, logreg_smem_bytes, mlp_plan
 from fasttrain.engines.cuda.fused.step import FusedStepSession
@@ -60,6 +61,107 @@ class StepV8Unfused(FusedStepSession):
     (ft_bwd_x, ft_fwd_x); to measure what that fusion buys."""
 
     first_fused = False
+
+
+def l2_windows(layers: list[tuple[int, int]], budget: int, max_window: int, spread: bool = True) -> dict:
+    """Where StepL2Resident keeps weights in the L2's set-aside of ``budget`` bytes: ``layers`` gives each layer's
+    W^T as (address, bytes); the result maps an address to its access-policy window (address, bytes, hit ratio).
+    A hidden-to-hidden W^T is touched three times a step (forward read, backward read + write) against the first
+    layer's two, so the hidden layers come first (the last hidden layer first), then the first, never the last.
+    ``spread``: the window covers the whole W^T (up to ``max_window``) at the hit ratio that fits, so every block
+    finds the same share of its tile resident; else it is the W^T's first bytes, all persisting."""
+    L = len(layers)
+    out, left = {}, int(budget)
+    for i in list(range(L - 2, 0, -1)) + ([0] if L > 1 else []):
+        if left <= 0 or max_window <= 0:
+            break
+        addr, nbytes = layers[i]
+        win = min(nbytes, max_window) if spread else min(nbytes, max_window, left)
+        ratio = min(1.0, left / win)
+        out[addr] = (addr, win, ratio)
+        left -= int(win * ratio)
+    return out
+
+
+class _WindowLauncher(ExLauncher):
+    """The package's launcher plus, for the next launch, an L2 access-policy window (address, bytes, hit ratio):
+    that share of the window's lines is persisting, the rest streaming."""
+
+    window = None
+
+    def attrs(self, cluster):
+        out = super().attrs(cluster)
+        if not self.window:
+            return out
+        d = self._driver
+        attr = d.CUlaunchAttribute()
+        attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW
+        apw = attr.value.accessPolicyWindow
+        apw.base_ptr, apw.num_bytes, apw.hitRatio = int(self.window[0]), int(self.window[1]), float(self.window[2])
+        apw.hitProp = d.CUaccessProperty.CU_ACCESS_PROPERTY_PERSISTING
+        apw.missProp = d.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING
+        return out + [attr]
+
+
+class StepL2Resident(FusedStepSession):
+    """The package's rung 7 with part of the masters kept in the L2's persisting set-aside (``l2_mb`` MB, spread
+    over each chosen W^T by a hit ratio, or its first rows): the kernel that reads or writes a chosen W^T is
+    launched with an access-policy window on it (cuLaunchKernelEx's attribute; the window is found by the W^T's
+    address among the kernel's arguments). Measured slower at 2048-8192 (NOTES-fused.md, "L2 residency")."""
+
+    l2_mb, l2_spread = 24, True
+
+    def __init__(self, job, options, data_from=None):
+        self._granted, self.windows = 0, None
+        try:
+            super().__init__(job, options, data_from)
+        except BaseException:
+            self._release()
+            raise
+
+    def _reserve(self) -> None:
+        """At the first launch (the context exists, the masters are where they stay): the set-aside and the windows."""
+        from cuda.bindings import driver as d
+
+        self._d = d
+        dev = d.cuCtxGetDevice()[1]
+        self.l2_max = int(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev)[1])
+        max_window = int(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, dev)[1])
+        d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, min(self.l2_mb << 20, self.l2_max))
+        self._granted = int(d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE)[1])
+        self.windows = l2_windows([(int(wt.data.ptr), int(wt.nbytes)) for wt, _, _, _ in self.layers],
+                                  self._granted, max_window, self.l2_spread)
+        if self.launcher is not None:   # no launch yet: its only state is the attribute cache
+            self.launcher = _WindowLauncher(pdl=self.launcher.pdl)
+
+    def _launch(self, fn, grid, block, args, shared_mem=0, cluster=None):
+        if self.windows is None:
+            self._reserve()
+        window = next((self.windows[a.data.ptr] for a in args if hasattr(a, "data") and a.data.ptr in self.windows),
+                      None)
+        queue = super()._launch(fn, grid, block, args, shared_mem, cluster)
+        if self.launcher is None:
+            return queue
+
+        def launch():
+            self.launcher.window = window
+            queue()
+        return launch
+
+    def _release(self) -> None:
+        if self._granted:
+            self._d.cuCtxResetPersistingL2Cache()
+            self._d.cuCtxSetLimit(self._d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
+            self._granted = 0
+
+    def close(self) -> None:
+        super().close()
+        self.stream.synchronize()
+        self._release()
+
+
+def l2_variant(mb: int, spread: bool = True) -> type:
+    return type(f"StepL2Resident{mb}{'' if spread else 'Prefix'}", (StepL2Resident,), {"l2_mb": mb, "l2_spread": spread})
 
 
 class StepV8(FusedStepSession):
@@ -321,6 +423,9 @@ SESSIONS = {
     "fused_step_v7.cu": StepV7, "fused_step_v7_lastfused.cu": StepV7LastFused,
     # not files: the package's fused_step.cu built with FT_EARLY=0, and run without ft_bwd_fwd_x
     "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused, "fused_step.cu:rows": StepV8,
+    # the package's kernel with part of the masters resident in L2 (MB of the set-aside; "prefix": the first rows)
+    **{f"fused_step.cu:l2={mb}": l2_variant(mb) for mb in (12, 24, 32, 64)},
+    "fused_step.cu:l2=24prefix": l2_variant(24, False), "fused_step.cu:l2=64prefix": l2_variant(64, False),
     "fused_logreg_v1.cu": LogregUnflagged, "fused_logreg_v2.cu": LogregUnflagged,
     "fused_logreg_v3.cu": LogregUnflagged, "fused_logreg_v5.cu": LogregOld,
     "fused_mlp_v1.cu": MlpOld, "fused_mlp_v2.cu": MlpOld,

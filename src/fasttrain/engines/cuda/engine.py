@@ -58,11 +58,6 @@ class CudaOptions:
     step_layout: str = option("auto", "rung 7: how the hidden-to-hidden layers' W^T is stored: rows (row-major), "
                               "tiled (BO x 16 tiles, each contiguous), or auto (tiled)",
                               choices=("auto", "tiled", "rows"))
-    step_l2: int | None = option(None, "rung 7: MB of L2 set aside to keep part of the hidden layers' fp32 masters "
-                                 "on chip from step to step (0: none; unset: the plan's choice)", type=int,
-                                 bounds=(0, 1024))
-    step_l2_spread: bool = option(True, "rung 7: spread the L2-resident part over each layer's whole W^T (a hit "
-                                  "ratio) instead of keeping its first rows")
     # rung 8: the persistent kernels
     logreg_cluster: int | None = option(None, "rung 8 logreg: CTAs of the cluster that split the features (unset: 7; "
                                         "in a sweep, the size that trains all models soonest)",
@@ -78,7 +73,7 @@ class CudaOptions:
 
 
 RUNG7_OPTIONS = ("step_bo", "step_bi", "step_stages", "step_bwd_minb", "step_fwd_minb", "step_fu", "step_osplit",
-                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl", "step_layout", "step_l2", "step_l2_spread")
+                 "step_fsplit", "step_bsplit", "step_carveout", "step_graph", "step_pdl", "step_layout")
 RUNG8_OPTIONS = ("logreg_cluster", "logreg_stages", "mlp_stages", "mlp_layout", "grid_sc_fence", "side_score")
 
 

@@ -8,9 +8,7 @@ before it in the stream is still running (once every block of that kernel has ex
 longer pays each node's launch and block scheduling after the previous node's drain. CuPy's kernel call takes no launch
 attributes, hence this module (cuda-bindings is in the cuda extra). The same call launches v7's split layers as
 thread-block clusters (the cluster-dimension attribute): the blocks of a cluster sum their partials through
-distributed shared memory, so they must be co-scheduled. And it gives a launch an L2 access-policy window
-(:class:`L2Residency`): the part of the window's lines it marks persisting stays in the L2's set-aside
-between the kernels that touch it, so a layer's weights need not come back from HBM every step.
+distributed shared memory, so they must be co-scheduled.
 
 Only kernels that call ``griddepcontrol.wait`` before touching their predecessor's output may be launched
 this way (the package's ``fused_step.cu`` from v6 on); the attribute is harmless in stream capture, where
@@ -51,12 +49,10 @@ class ExLauncher:
                                  "--step-fsplit 1 --step-bsplit 1") from None
         self._driver = driver
         self.pdl = pdl
-        self._attrs = {}   # (cluster shape, window) -> the launch attributes
+        self._attrs = {}   # cluster shape -> the launch attributes
 
-    def attrs(self, cluster: tuple | None, window: tuple | None = None) -> list:
-        """The launch attributes: PDL, the cluster shape, and ``window`` = (address, bytes, hit ratio): an L2
-        access-policy window whose lines are persisting with that probability and streaming otherwise."""
-        key = (tuple(cluster) if cluster else None, window)
+    def attrs(self, cluster: tuple | None) -> list:
+        key = tuple(cluster) if cluster else None
         if key not in self._attrs:
             d, out = self._driver, []
             if self.pdl:
@@ -64,24 +60,15 @@ class ExLauncher:
                 attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
                 attr.value.programmaticStreamSerializationAllowed = 1
                 out.append(attr)
-            if key[0]:
+            if key:
                 attr = d.CUlaunchAttribute()
                 attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
-                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = key[0]
-                out.append(attr)
-            if window:
-                attr = d.CUlaunchAttribute()
-                attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_ACCESS_POLICY_WINDOW
-                apw = attr.value.accessPolicyWindow
-                apw.base_ptr, apw.num_bytes, apw.hitRatio = int(window[0]), int(window[1]), float(window[2])
-                apw.hitProp = d.CUaccessProperty.CU_ACCESS_PROPERTY_PERSISTING
-                apw.missProp = d.CUaccessProperty.CU_ACCESS_PROPERTY_STREAMING
+                attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = key
                 out.append(attr)
             self._attrs[key] = out
         return self._attrs[key]
 
-    def config(self, grid: tuple, block: tuple, shared_mem: int, stream, cluster: tuple | None = None,
-               window: tuple | None = None):
+    def config(self, grid: tuple, block: tuple, shared_mem: int, stream, cluster: tuple | None = None):
         d = self._driver
         grid = tuple(grid) + (1,) * (3 - len(grid))
         block = tuple(block) + (1,) * (3 - len(block))
@@ -91,15 +78,15 @@ class ExLauncher:
         cfg.sharedMemBytes = int(shared_mem)
         if stream is not None:
             cfg.hStream = d.CUstream(int(stream.ptr))
-        attrs = self.attrs(cluster, window)
+        attrs = self.attrs(cluster)
         cfg.attrs = attrs
         cfg.numAttrs = len(attrs)
         return cfg
 
     def launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int, stream,
-               cluster: tuple | None = None, window: tuple | None = None) -> None:
+               cluster: tuple | None = None) -> None:
         d = self._driver
-        cfg = self.config(grid, block, shared_mem, stream, cluster, window)
+        cfg = self.config(grid, block, shared_mem, stream, cluster)
         values = [_c_arg(a) for a in args]
         params = (ctypes.c_void_p * len(values))(*[ctypes.addressof(v) for v in values])
         (err,) = d.cuLaunchKernelEx(cfg, d.CUfunction(int(_handle(fn))), ctypes.addressof(params), 0)
@@ -113,54 +100,6 @@ class ExLauncher:
         cfg = self.config(grid, block, shared_mem, None, cluster)
         err, n = d.cuOccupancyMaxActiveClusters(d.CUfunction(int(_handle(fn))), cfg)
         return int(n) if err == d.CUresult.CUDA_SUCCESS else 0
-
-
-class L2Residency:
-    """The L2 set-aside for persisting lines, held for one session: ``reserve`` asks for up to ``nbytes`` (capped
-    by the device's maximum; 0 where it has none) and returns what was granted; ``release`` evicts the
-    persisting lines and gives the set-aside back, so that what runs next in the process (another engine of
-    a sweep) has the whole L2 again."""
-
-    def __init__(self):
-        from cuda.bindings import driver
-
-        self._driver = driver
-        self.granted = 0
-
-    def device_max(self) -> int:
-        d = self._driver
-        err, dev = d.cuCtxGetDevice()
-        if err != d.CUresult.CUDA_SUCCESS:
-            return 0
-        err, n = d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev)
-        return int(n) if err == d.CUresult.CUDA_SUCCESS else 0
-
-    def max_window(self) -> int:
-        d = self._driver
-        err, dev = d.cuCtxGetDevice()
-        if err != d.CUresult.CUDA_SUCCESS:
-            return 0
-        err, n = d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, dev)
-        return int(n) if err == d.CUresult.CUDA_SUCCESS else 0
-
-    def reserve(self, nbytes: int) -> int:
-        d = self._driver
-        want = min(int(nbytes), self.device_max())
-        if want <= 0:
-            return 0
-        (err,) = d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, want)
-        if err != d.CUresult.CUDA_SUCCESS:
-            return 0
-        err, got = d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE)
-        self.granted = int(got) if err == d.CUresult.CUDA_SUCCESS else want
-        return self.granted
-
-    def release(self) -> None:
-        if self.granted:
-            d = self._driver
-            d.cuCtxResetPersistingL2Cache()
-            d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, 0)
-            self.granted = 0
 
 
 def _handle(fn) -> int:

@@ -199,39 +199,6 @@ def untile_master(tiled, bo: int):
     return tiled.reshape(out_p // bo, in_p // 16, bo, 16).transpose(0, 2, 1, 3).reshape(out_p, in_p)
 
 
-def step_l2_mb(choice: int | None) -> int:
-    """MB of L2 rung 7 sets aside for resident weights: ``choice``, or (unset) the plan's default (none yet)."""
-    return 0 if choice is None else int(choice)
-
-
-def l2_windows(layers: list[tuple[int, int]], budget: int, max_window: int, spread: bool = True) -> dict:
-    """Where rung 7 keeps weights resident in the L2's set-aside of ``budget`` bytes: ``layers`` gives each layer's
-    W^T as (address, bytes); the result maps a layer index to its access-policy window (address, bytes, hit ratio),
-    which every kernel that reads or writes that W^T is launched with. A hidden-to-hidden layer's W^T is touched
-    three times a step (forward read, backward read + write) against the first layer's two (its backward and the
-    next forward are one kernel), so the hidden layers come first, the last hidden layer first; then the first
-    layer; the last layer (10 outputs) never. ``spread``: the window covers the whole W^T (up to ``max_window``)
-    and the hit ratio is the share of it that fits, so every block of a kernel finds the same share of its tile
-    resident; else the window is the W^T's first bytes, all of them persisting."""
-    L = len(layers)
-    order = list(range(L - 2, 0, -1)) + ([0] if L > 1 else [])
-    out, left = {}, int(budget)
-    for i in order:
-        if left <= 0 or max_window <= 0:
-            break
-        addr, nbytes = layers[i]
-        if spread:
-            win = min(nbytes, max_window)
-            ratio = min(1.0, left / win)
-            out[i] = (addr, win, ratio)
-            left -= int(win * ratio)
-        else:
-            win = min(nbytes, max_window, left)
-            out[i] = (addr, win, 1.0)
-            left -= win
-    return out
-
-
 def step_defines(p: dict, mt: int, bf16: int) -> dict:
     return {"FT_MT": mt, "FT_BO": p["BO"], "FT_BI": p["BI"], "FT_BF16": bf16, "FT_S": p["S"], "FT_MINB": p["MINB"],
             "FT_FMINB": p["FMINB"], "FT_FU": p["FU"]}

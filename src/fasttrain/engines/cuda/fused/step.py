@@ -32,13 +32,11 @@ from fasttrain.engines.cuda.fused.plans import (
     NW,
     SMEM_LIMIT,
     blocks_per_sm,
-    l2_windows,
     pad16,
     step_bwd_smem,
     step_defines,
     step_first_smem,
     step_fwd_smem,
-    step_l2_mb,
     step_pdl,
     step_plan,
     step_tiled,
@@ -88,9 +86,7 @@ class FusedStepSession(FusedSession):
         self.launcher = None
         pdl = self.pdl_safe and step_pdl(options.step_pdl)
         clustered = any(self._grids(i)[1] or self._grids(i)[3] for i in range(len(self.plan)))
-        l2_mb = step_l2_mb(options.step_l2)
-        self.l2, self.l2_windows, self.l2_granted = None, {}, 0
-        if pdl or clustered or l2_mb:
+        if pdl or clustered:
             from fasttrain.engines.cuda.fused.launch import ExLauncher
 
             self.launcher = ExLauncher(pdl=pdl)
@@ -165,15 +161,6 @@ class FusedStepSession(FusedSession):
             self.stat_ok = cp.zeros(max_steps, cp.int32)
             self.order_cur = cp.zeros(self.n, cp.int32)
         self.use_graph = graph = options.step_graph
-        if l2_mb:
-            self._reserve_l2(l2_mb, options.step_l2_spread)
-        try:
-            self._warm_up_and_capture(graph)
-        except BaseException:
-            self._release_l2()   # the set-aside is the context's: not left behind by a session that failed
-            raise
-
-    def _warm_up_and_capture(self, graph: bool) -> None:
         # warm-up: two steps with lr = 0 (weights stay bit-identical), then capture each epoch length once
         first = self.orders[0] if self.orders is not None else self.spare_order
         self._set_order(first)
@@ -183,7 +170,7 @@ class FusedStepSession(FusedSession):
         self.stream.synchronize()
         self.graphs = {}
         if graph:
-            for steps in sorted(set(self.job.schedule.steps_per_epoch)):
+            for steps in sorted(set(job.schedule.steps_per_epoch)):
                 self.stream.begin_capture()
                 try:
                     for k in range(steps):
@@ -198,16 +185,6 @@ class FusedStepSession(FusedSession):
         with self.stream:
             return [(untile_master(wt, p["BO"]) if p["tiled"] else wt, b, fan_in, fan_out)
                     for (wt, b, fan_in, fan_out), p in zip(self.layers, self.plan)]
-
-    def _reserve_l2(self, mb: int, spread: bool) -> None:
-        """Set aside ``mb`` MB of L2 for persisting lines (the context's: given back, its lines evicted, in
-        :meth:`close`) and give each chosen layer's kernels an access-policy window on its W^T (:func:`l2_windows`)."""
-        from fasttrain.engines.cuda.fused.launch import L2Residency
-
-        self.l2 = L2Residency()
-        self.l2_granted = self.l2.reserve(mb << 20)
-        self.l2_windows = l2_windows([(int(wt.data.ptr), int(wt.nbytes)) for wt, _, _, _ in self.layers],
-                                     self.l2_granted, self.l2.max_window(), spread)
 
     def _set_order(self, src) -> None:
         """The epoch order into ``order_cur``, by a copy, not a kernel: v8's first-layer kernels read it before
@@ -273,13 +250,12 @@ class FusedStepSession(FusedSession):
         return out
 
     def _launch(self, fn, grid: tuple, block: tuple, args: tuple, shared_mem: int = 0,
-                cluster: tuple | None = None, layer: int | None = None) -> partial:
+                cluster: tuple | None = None) -> partial:
         """A zero-argument call that queues ``fn`` on the session's stream (through cuLaunchKernelEx when
-        launched with PDL, as clusters or with an L2 window on ``layer``'s W^T, else CuPy's call)."""
+        launched with PDL or as clusters, else CuPy's call)."""
         if self.launcher is None:
             return partial(fn, grid, block, args, shared_mem=shared_mem)
-        return partial(self.launcher.launch, fn, grid, block, args, shared_mem, self.stream, cluster,
-                       self.l2_windows.get(layer))
+        return partial(self.launcher.launch, fn, grid, block, args, shared_mem, self.stream, cluster)
 
     def step_launches(self, k: int, lr: float, first: bool = True, last: bool = True) -> list[tuple[str, int | None, partial]]:
         """Step k's kernels in launch order (batch order_cur[k*B : k*B + rows]), each as (kind, layer, launch):
@@ -308,7 +284,7 @@ class FusedStepSession(FusedSession):
                     if self.fold and i == 0 else (self.h[i], np_.int32(p["in_p"])))
             out.append(("fwd", i, self._launch(p["fwd"], fgrid, (NW * 32,),
                                                args + (wt, b, self.h[i + 1], np_.int32(p["out_p"])),
-                                               p["fwd_smem"], fcl, i)))
+                                               p["fwd_smem"], fcl)))
         p, (wt, b, _, _) = self.plan[-1], self.layers[-1]
         out.append(("fwd last", L - 1, self._launch(self.k_last, (self.split,), (NW * 32,),
                                                     (self.h[L - 1], np_.int32(p["in_p"]), wt, b, self.yb,
@@ -327,14 +303,14 @@ class FusedStepSession(FusedSession):
                         np_.int32(start), np_.int32(rows), np_.int32(nstart), np_.int32(nstop - nstart), self.yb,
                         wt, b, scale, scale, self.h[1])
                 out.append(("bwd+fwd", 0, self._launch(p["bwdfwd"], (p["out_p"] // p["BO"],), (NW * 32,), args,
-                                                       p["bwdfwd_smem"], None, 0)))
+                                                       p["bwdfwd_smem"])))
                 continue
             if self.fold and l == 1:
                 args = (self.dzT[l], np_.int32(p["out_p"])) + batch + (wt, b, scale, scale)
             else:
                 args = (self.dz[l], self.dzT[l], np_.int32(p["out_p"]), self.h[l - 1], np_.int32(p["in_p"]), wt, b,
                         scale, scale, np_.int32(need), dzp, dzpT)
-            out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid, (NW * 32,), args, p["bwd_smem"], bcl, l - 1)))
+            out.append(("bwd", l - 1, self._launch(p["bwd"], bgrid, (NW * 32,), args, p["bwd_smem"], bcl)))
         return out
 
     def _step(self, k: int, lr: float, first: bool = True, last: bool = True) -> None:
@@ -344,18 +320,6 @@ class FusedStepSession(FusedSession):
                 launch()
         if self.debug and not self.stream.is_capturing():
             self._check()
-
-    def close(self) -> None:
-        super().close()
-        self._release_l2()
-
-    def _release_l2(self) -> None:
-        if self.l2 is not None:
-            try:
-                self.stream.synchronize()
-                self.l2.release()
-            except self._cp.cuda.runtime.CUDARuntimeError:
-                pass   # a failed device: the error that got us here is the one to report
 
     def train_epoch(self, epoch: int, order: np.ndarray, steps: int) -> EpochStats:
         src = self._order_on_device(epoch, order)
@@ -377,9 +341,6 @@ class FusedStepSession(FusedSession):
         env.update({"fused_kernel": self.version, "cuda_graph": self.use_graph, "last_layer_split": self.split,
                     "gather_folded": self.fold, "first_layer_fused": self.fuse_first,
                     "programmatic_launch": self.launcher is not None and self.launcher.pdl,
-                    "l2_resident": {"granted_bytes": self.l2_granted,
-                                    "windows": [{"layer": i + 1, "bytes": w[1], "hit_ratio": round(w[2], 4)}
-                                                for i, w in sorted(self.l2_windows.items())]},
                     "clusters": self.clusters,
                     "smem_carveout": self.carveout, "tuning": self.tuning,
                     "tiles": [{k: p[k] for k in ("BO", "BI", "S", "MINB", "FMINB", "FU", "FC", "osplit", "tiled")
