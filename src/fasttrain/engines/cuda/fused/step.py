@@ -8,7 +8,9 @@ rings, computes ``dH = g @ W`` from the old weights and applies ``W -= lr * dW``
 written. The first layer needs no dH, so its output rows are split over blocks until the SMs are full. Mid-epoch
 the first layer's backward and the next step's first forward are one kernel (v8, ``ft_bwd_fwd_x``: a block updates
 its rows of W^T in shared memory and computes the next batch's outputs from them), so a step there is ``2L - 1``
-kernels. Logistic regression (no hidden layer) keeps v7's separate gather kernel. Tiles and occupancy come from
+kernels. Logistic regression (no hidden layer) keeps v7's separate gather kernel. v9 stores the hidden-to-hidden
+layers' W^T tiled (BO rows x 16 inputs a contiguous tile, ``--step-layout``), so that the forward reads whole runs
+instead of 64 bytes a row; :meth:`master_layers` gives them back row-major for evaluation and ``weights()``. Tiles and occupancy come from
 :func:`~fasttrain.engines.cuda.fused.plans.step_plan`; the engine's ``--step-*`` options override them (what each
 layer got is in the run record's environment). Every kernel is launched with programmatic dependent launch
 (``--step-pdl on|off|auto``, auto: on): it may start while the one before it drains, loads what that one

@@ -71,6 +71,13 @@
 //       Measured (H200, dev/cuda/step_breakdown.py --v8, same machine): the step at 2048 73.8 -> 59.9 us, 4096
 //       181.7 -> 155.9 us, 8192 560 -> 552 us; the early loads are the larger part (2048: -9.7 us without (d)), the
 //       fused first layer 12.8 -> 8.3 us at 2048. mlp:2048x3 runs 1.54x faster than the JAX engine (was 1.32x).
+//   v9  v8 + the hidden-to-hidden layers' W^T stored tiled (w_at; the host tiles and untiles, plans.tile_master):
+//       tiles of BO rows x 16 inputs, each contiguous, so a forward k-step of a block reads one run of BO * 64 bytes
+//       where row-major it read BO runs of 64 bytes 4 * in_p bytes apart, and a backward chunk reads BI / 16 runs of
+//       1 KB instead of 16 runs of BI * 4 bytes. Only addresses change (ft_fwd_t / ft_bwd_t): bit-identical to v8.
+//       Measured (H200, dev/cuda/step_breakdown.py --v9, same machine): the 8192x8192 forward 90 -> 65 us (2.98 ->
+//       4.11 TB/s), the 4096x4096 forward 24.2 -> 21.1 us; the backward unchanged (3.2-3.5 TB/s read + write);
+//       the step at 8192 549.6 -> 502.3 us, 4096 158.1 -> 150.6 us, 2048 60.2 -> 58.1 us.
 //
 // Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
