@@ -137,8 +137,8 @@ class StepL2Resident(FusedStepSession):
     def _launch(self, fn, grid, block, args, shared_mem=0, cluster=None):
         if self.windows is None:
             self._reserve()
-        window = next((self.windows[a.data.ptr] for a in args if hasattr(a, "data") and a.data.ptr in self.windows),
-                      None)
+        ptrs = [a.data.ptr for a in args if hasattr(getattr(a, "data", None), "ptr")]   # the CuPy arrays
+        window = next((self.windows[p] for p in ptrs if p in self.windows), None)
         queue = super()._launch(fn, grid, block, args, shared_mem, cluster)
         if self.launcher is None:
             return queue
