@@ -125,8 +125,9 @@ class StepL2Resident(FusedStepSession):
 
         self._d = d
         dev = d.cuCtxGetDevice()[1]
-        self.l2_max = int(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev)[1])
-        max_window = int(d.cuDeviceGetAttribute(d.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, dev)[1])
+        attr = d.CUdevice_attribute
+        self.l2_max = int(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_PERSISTING_L2_CACHE_SIZE, dev)[1])
+        max_window = int(d.cuDeviceGetAttribute(attr.CU_DEVICE_ATTRIBUTE_MAX_ACCESS_POLICY_WINDOW_SIZE, dev)[1])
         d.cuCtxSetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE, min(self.l2_mb << 20, self.l2_max))
         self._granted = int(d.cuCtxGetLimit(d.CUlimit.CU_LIMIT_PERSISTING_L2_CACHE_SIZE)[1])
         self.windows = l2_windows([(int(wt.data.ptr), int(wt.nbytes)) for wt, _, _, _ in self.layers],

@@ -10,14 +10,14 @@ the first layer's backward and the next step's first forward are one kernel (v8,
 its rows of W^T in shared memory and computes the next batch's outputs from them), so a step there is ``2L - 1``
 kernels. Logistic regression (no hidden layer) keeps v7's separate gather kernel. v9 stores the hidden-to-hidden
 layers' W^T tiled (BO rows x 16 inputs a contiguous tile, ``--step-layout``), so that the forward reads whole runs
-instead of 64 bytes a row; :meth:`master_layers` gives them back row-major for evaluation and ``weights()``. Tiles and occupancy come from
-:func:`~fasttrain.engines.cuda.fused.plans.step_plan`; the engine's ``--step-*`` options override them (what each
-layer got is in the run record's environment). Every kernel is launched with programmatic dependent launch
-(``--step-pdl on|off|auto``, auto: on): it may start while the one before it drains, loads what that one
-does not write (v8), and waits in ``griddepcontrol.wait`` before reading that one's output. v7 can split a layer
-over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``: the hidden backward's
-output rows), the blocks of a cluster summing their partials through distributed shared memory, so that a tile of
-outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
+instead of 64 bytes a row; :meth:`master_layers` gives them back row-major for evaluation and ``weights()``.
+Tiles and occupancy come from :func:`~fasttrain.engines.cuda.fused.plans.step_plan`; the engine's ``--step-*``
+options override them (what each layer got is in the run record's environment). Every kernel is launched with
+programmatic dependent launch (``--step-pdl on|off|auto``, auto: on): it may start while the one before it drains,
+loads what that one does not write (v8), and waits in ``griddepcontrol.wait`` before reading that one's output. v7
+can split a layer over a thread-block cluster (``--step-fsplit``: the forward's k-steps; ``--step-bsplit``: the
+hidden backward's output rows), the blocks of a cluster summing their partials through distributed shared memory, so
+that a tile of outputs (a strip of inputs) reads H_in (g^T) from L2 once instead of once a block.
 """
 
 from __future__ import annotations

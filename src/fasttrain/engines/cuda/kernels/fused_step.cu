@@ -79,7 +79,8 @@
 //       4.11 TB/s), the 4096x4096 forward 24.2 -> 21.1 us; the backward unchanged (3.2-3.5 TB/s read + write);
 //       the step at 8192 549.6 -> 502.3 us, 4096 158.1 -> 150.6 us, 2048 60.2 -> 58.1 us.
 //
-// Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero),
+// Layout: W^T [out_p][in_p] fp32 row-major (p = padded to 16; padding rows/columns are zero and stay zero; v9: the
+// hidden-to-hidden layers' tiled, see w_at),
 // activations H [B_p][w_p] in the operand type, g / dZ in both [B_p][w_p] and transposed [w_p][B_p] layouts.
 // g is kept unscaled (softmax - onehot, |g| <= 1) and every backward value is B' times the true gradient;
 // the 1/B' goes into the update scale (lr / B'), which keeps fp16 away from underflow.
