@@ -165,12 +165,6 @@ def l2_variant(mb: int, spread: bool = True) -> type:
     return type(f"StepL2Resident{mb}{'' if spread else 'Prefix'}", (StepL2Resident,), {"l2_mb": mb, "l2_spread": spread})
 
 
-class StepV8(FusedStepSession):
-    """v8: every W^T row-major (v9 tiles the hidden-to-hidden layers'); the same kernels otherwise."""
-
-    tiled_layout = False
-
-
 class StepV7(FusedStepSession):
     """v7: cluster splits; a separate gather kernel, every kernel waits before it loads."""
 
@@ -423,7 +417,7 @@ SESSIONS = {
     "fused_step_v4.cu": StepV4, "fused_step_v5.cu": StepV5, "fused_step_v6.cu": StepV6,
     "fused_step_v7.cu": StepV7, "fused_step_v7_lastfused.cu": StepV7LastFused,
     # not files: the package's fused_step.cu built with FT_EARLY=0, and run without ft_bwd_fwd_x
-    "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused, "fused_step.cu:rows": StepV8,
+    "fused_step.cu:early=0": StepV8Late, "fused_step.cu:unfused": StepV8Unfused,
     # the package's kernel with part of the masters resident in L2 (MB of the set-aside; "prefix": the first rows)
     **{f"fused_step.cu:l2={mb}": l2_variant(mb) for mb in (12, 24, 32, 64)},
     "fused_step.cu:l2=24prefix": l2_variant(24, False), "fused_step.cu:l2=64prefix": l2_variant(64, False),

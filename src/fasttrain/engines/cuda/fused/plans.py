@@ -35,8 +35,8 @@ def _align128(x: int) -> int:
 # launches (dev/cuda/step_breakdown.py --pdl, results/record/round2-h200/ab-v6-*), with v6 a step of mlp:128x3 -18%,
 # 1024x3 -12%, 2048x3 -6%, 4096x3 -1%, but 8192x3 +0.7% (+1.8% over the record's 5000 steps), so auto was off above
 # 4096 x 4096. v8 loads what a kernel's predecessor does not write before it waits, which PDL lets overlap the
-# predecessor's drain: the record's mlp:8192x3 with PDL 2.71 s against 2.76 s without (3 seeds each, same run,
-# results/record/nvidia-h200), so auto is on at every width.
+# predecessor's drain, so auto is on at every width: the record's mlp:8192x3 (3 seeds each, same run,
+# results/record/nvidia-h200, fused_step v9) takes 2.51 s with PDL against 2.58 s without.
 def step_pdl(choice: str) -> bool:
     """Whether rung 7 launches with programmatic dependent launch: ``choice`` on / off, or auto (on)."""
     return choice != "off"
