@@ -24,7 +24,8 @@ from fasttrain.lab import dist_launch
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch",
+                                 "fasttrain.lab.tokenizer")
 
 out = Console(width=160)
 err = Console(stderr=True)
@@ -52,6 +53,13 @@ HELP = {
     "dataloader_num_workers": "DataLoader worker processes.", "dataloader_pin_memory": "Pin host batches.",
     "dataloader_prefetch_factor": "Batches each worker loads ahead.", "data_dir": "Data root (default: "
     "$FASTTRAIN_DATA_DIR or ~/.cache/fasttrain); holds tinyshakespeare/input.txt.",
+    "train_file": "Your UTF-8 text to train on (instead of Tiny Shakespeare).",
+    "val_file": "UTF-8 text to validate on (default: the last --val-fraction of --train-file).",
+    "val_fraction": "Share of the tokens kept for validation (default 0.1 without --val-file/--val-bin).",
+    "train_bin": "Token ids to train on: a raw .bin (nanoGPT's), of --bin-dtype.",
+    "val_bin": "Token ids to validate on (default: the last --val-fraction of --train-bin).",
+    "bin_dtype": "The ids' type in the .bin files: uint16 (nanoGPT's) or uint32.",
+    "tokenizer": "char, hf:PATH (tokenizer.json or folder) or tiktoken:NAME (default: the model's own, else char).",
     "torch_empty_cache_steps": "torch.cuda.empty_cache() every N steps.",
     "eval_interval": "Validation every N steps (0: only at the end).",
     "eval_tokens": "Validation token budget (default: the whole split).",
@@ -63,7 +71,8 @@ HELP = {
     "init_from": "Start from a checkpoint written with --save (fine-tuning).",
     "save": "Write the trained model to this folder (model.safetensors + config.json).",
 }
-CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES}
+CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES,
+           "bin_dtype": ("uint16", "uint32")}
 SKIP = {"name"}
 
 
@@ -85,9 +94,10 @@ def config_options(fn):
         elif f.name == "lora_target_modules":
             opt = click.option(flag, f.name, default=None, help=help_)
         elif f.name in ("dropout", "learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
-                        "adam_epsilon", "max_grad_norm", "lora_alpha", "lora_dropout"):
+                        "adam_epsilon", "max_grad_norm", "lora_alpha", "lora_dropout", "val_fraction"):
             opt = click.option(flag, f.name, type=float, default=None, help=help_)
-        elif f.name in ("data_dir", "init_from", "save", "device"):
+        elif f.name in ("data_dir", "init_from", "save", "device", "train_file", "val_file", "train_bin", "val_bin",
+                        "tokenizer"):
             opt = click.option(flag, f.name, type=str, default=None, help=help_)
         else:
             opt = click.option(flag, f.name, type=int, default=None, help=help_)

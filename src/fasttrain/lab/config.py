@@ -17,7 +17,9 @@ Presets:
 
 from __future__ import annotations
 
+import os
 from dataclasses import asdict, dataclass, fields, replace
+from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 
@@ -81,6 +83,14 @@ class LabConfig:
     dataloader_pin_memory: bool = False
     dataloader_prefetch_factor: int | None = None   # batches each worker loads ahead (needs workers)
     data_dir: str | None = None
+    # the corpus (fasttrain.lab.data): Tiny Shakespeare unless a file is given
+    train_file: str | None = None       # UTF-8 text to train on (its SHA-256 recorded, never checked against ours)
+    val_file: str | None = None         # UTF-8 text to validate on; else the last --val-fraction of the tokens
+    val_fraction: float | None = None   # None: 0.1 when there is no --val-file / --val-bin
+    train_bin: str | None = None        # token ids already made (nanoGPT's raw .bin), instead of --train-file
+    val_bin: str | None = None
+    bin_dtype: str = "uint16"           # the ids' type in the .bin files: uint16 (nanoGPT) or uint32
+    tokenizer: str | None = None        # char | hf:PATH | tiktoken:NAME; None: the model's own, else char
     torch_empty_cache_steps: int = 0    # torch.cuda.empty_cache() every N steps; 0 = never
     # --- evaluation, logging, timing -------------------------------------------------------
     eval_interval: int = 250            # validation every N steps (and after the last); 0 = only at the end
@@ -151,6 +161,101 @@ def _choice(cfg: LabConfig, name: str, choices) -> None:
         raise FasttrainError(f"unknown --{name.replace('_', '-')} {value!r}; use one of {', '.join(choices)}")
 
 
+# --- the data flags (the corpus: fasttrain.lab.data, fasttrain.lab.tokenizer) ----------------------
+
+BIN_DTYPES = ("uint16", "uint32")
+
+
+def _itemsize(dtype: str) -> int:
+    return {"uint16": 2, "uint32": 4}[dtype]
+
+
+def check_text_file(path: str | os.PathLike, flag: str) -> Path:
+    """A file to read (text or token ids): it exists, is a file, is not empty (a one-line error otherwise)."""
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise FasttrainError(f"{flag} {path}: no such file")
+    if not p.is_file():
+        raise FasttrainError(f"{flag} {path}: that is a folder, not a file; give a file inside it")
+    if p.stat().st_size == 0:
+        raise FasttrainError(f"{flag} {path}: the file is empty (0 bytes); give one with data to train on")
+    return p
+
+
+def check_spec(spec: str) -> str:
+    """Refuse a malformed ``--tokenizer`` value (no file is read)."""
+    if spec == "char" or (spec.startswith(("hf:", "tiktoken:")) and spec.split(":", 1)[1].strip()):
+        return spec
+    raise FasttrainError(f"unknown --tokenizer {spec!r}; use char, hf:PATH (a tokenizer.json or a tokenizer "
+                         "folder) or tiktoken:NAME")
+
+
+def hf_tokenizer_file(path: str | os.PathLike) -> Path | None:
+    """The ``tokenizer.json`` that ``hf:PATH`` names (the file, or one inside the folder); None for a
+    folder that holds none (transformers may still read it). Refuses a path that is not a tokenizer."""
+    p = Path(path).expanduser()
+    if p.is_file():
+        return p
+    if p.is_dir():
+        if (p / "tokenizer.json").is_file():
+            return p / "tokenizer.json"
+        known = ("tokenizer_config.json", "vocab.json", "tokenizer.model", "spiece.model", "sentencepiece.bpe.model")
+        if any((p / name).is_file() for name in known):
+            return None
+        raise FasttrainError(f"--tokenizer hf:{path}: the folder holds no tokenizer (no tokenizer.json, "
+                             "tokenizer_config.json, vocab.json or tokenizer.model); give a tokenizer folder or "
+                             "train one: fasttrain lab tokenizer train --vocab-size N --train-file F --out DIR")
+    raise FasttrainError(f"--tokenizer hf:{path}: no such file or folder; give a tokenizer.json or a tokenizer "
+                         "folder (fasttrain lab tokenizer train --out DIR makes one)")
+
+
+def check_bin_file(path, dtype: str, flag: str) -> Path:
+    """A token file whose size fits ``dtype`` (checked from its size alone: no bytes are read)."""
+    p = check_text_file(path, flag)
+    item = _itemsize(dtype)
+    size = p.stat().st_size
+    if size % item:
+        other = [d for d in BIN_DTYPES if d != dtype and size % _itemsize(d) == 0]
+        fix = f"--bin-dtype {other[0]}" if other else "the raw token file itself (nanoGPT's .bin)"
+        raise FasttrainError(f"{flag} {path}: {size} bytes is not a whole number of {dtype} ids ({item} bytes each): "
+                             f"wrong dtype or not a token file; give {fix}")
+    return p
+
+
+def check_data_flags(cfg) -> None:
+    """The data flags of a :class:`~fasttrain.lab.config.LabConfig` that cannot go together or name
+    no usable file: one-line errors before any work (the token files' sizes are checked here, their
+    ids when read; a tokenizer path is checked to hold a tokenizer, which is loaded later)."""
+    vf = cfg.val_fraction
+    if vf is not None and not (isinstance(vf, (int, float)) and 0.0 < vf < 1.0):
+        raise FasttrainError(f"--val-fraction must be in (0, 1), got {vf!r}")
+    if cfg.train_file and cfg.train_bin:
+        raise FasttrainError("give --train-file (text) or --train-bin (token ids), not both")
+    if cfg.val_file and vf is not None:
+        raise FasttrainError("give --val-file or --val-fraction, not both")
+    if cfg.val_bin and vf is not None:
+        raise FasttrainError("give --val-bin or --val-fraction, not both")
+    if cfg.val_file and not cfg.train_file:
+        raise FasttrainError("--val-file needs --train-file (the text to train on)")
+    if cfg.val_bin and not cfg.train_bin:
+        raise FasttrainError("--val-bin needs --train-bin (the token ids to train on)")
+    if cfg.bin_dtype not in BIN_DTYPES:
+        raise FasttrainError(f"unknown --bin-dtype {cfg.bin_dtype!r}; use one of {', '.join(BIN_DTYPES)}")
+    if cfg.tokenizer is not None:
+        check_spec(cfg.tokenizer)
+        if cfg.tokenizer == "char" and cfg.train_bin:
+            raise FasttrainError("--tokenizer char builds its vocabulary from text, and --train-bin holds token ids: "
+                                 "give the tokenizer that made them (hf:PATH or tiktoken:NAME), or none")
+        if cfg.tokenizer.startswith("hf:"):
+            hf_tokenizer_file(cfg.tokenizer[3:])
+    for flag, path in (("--train-file", cfg.train_file), ("--val-file", cfg.val_file)):
+        if path is not None:
+            check_text_file(path, flag)
+    for flag, path in (("--train-bin", cfg.train_bin), ("--val-bin", cfg.val_bin)):
+        if path is not None:
+            check_bin_file(path, cfg.bin_dtype, flag)
+
+
 def validate(cfg: LabConfig) -> LabConfig:
     """Raise a one-line :class:`FasttrainError` (naming the fix) for a configuration that cannot run."""
     for name in ("layers", "heads", "width", "context", "per_device_train_batch_size", "gradient_accumulation_steps",
@@ -199,6 +304,7 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError("--lora-target-modules is empty; name at least one of qkv, proj, up, down, head")
     if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
         raise FasttrainError(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or cuda:N")
+    check_data_flags(cfg)                       # the corpus flags and files, before any work
     if cfg.save is not None:
         from fasttrain.files import check_new_folder
 

@@ -353,7 +353,7 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None) 
 def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> dict:
     import torch
 
-    from fasttrain.lab.data import load_corpus
+    from fasttrain.lab.data import check_vocab, corpus_for
 
     if cfg.use_liger_kernel and device.type != "cuda":
         raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); drop it on the CPU")
@@ -372,7 +372,7 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
             import safetensors.torch  # noqa: F401
         except ImportError as exc:
             raise missing_extra("safetensors (--save, --init-from)", exc) from None
-    corpus = corpus or load_corpus(cfg.data_dir)
+    corpus = corpus or corpus_for(cfg)
     if cfg.init_from:
         meta = read_checkpoint(cfg.init_from)
         from fasttrain.lab.model import GPTConfig
@@ -381,6 +381,8 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
         from fasttrain.lab.distributed import check_model_fits
 
         check_model_fits(cfg, world.world_size, world.strategy)
+    if cfg.vocab_size:
+        check_vocab(corpus.vocab_size, cfg.padded_vocab(cfg.vocab_size))
     with tf32_matmuls(cfg.tf32):
         return _run(cfg, corpus, device, log, progress, wall0, environment, world)
 
