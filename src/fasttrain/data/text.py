@@ -54,7 +54,8 @@ def _check(spec: TextSpec, path: Path, raw: bytes, data_dir=None) -> None:
     digest = hashlib.sha256(raw).hexdigest()
     if digest != spec.sha256:
         raise DataError(f"{path}: checksum mismatch (SHA-256 {digest[:12]}..., not the published {spec.title} "
-                        f"file); delete it and run: {download_command(spec.name, data_dir)}")
+                        f"file); delete it and run: {download_command(spec.name, data_dir)} (your own text? "
+                        f"train on it with: fasttrain lab --train-file {path})")
 
 
 def load_text(name: str = "tinyshakespeare", data_dir=None, verify: bool = True) -> str:

@@ -39,12 +39,13 @@ from pathlib import Path
 import numpy as np
 
 from fasttrain.errors import DataError, FasttrainError
-from fasttrain.lab.config import BIN_DTYPES, check_bin_file, check_data_flags, check_text_file
+from fasttrain.lab.config import check_bin_file, check_data_flags, check_text_file
 from fasttrain.lab.tokenizer import CharTokenizer, load_tokenizer, load_tokenizer_spec
 
 TRAIN_FRACTION = 0.9
-# no tokenizer has this many ids: a uint32 file holding larger ones is another dtype's bytes
-IMPLAUSIBLE_ID = 1 << 24
+# the largest vocabularies in use have about 2^18 ids (256,000); a uint16 file read as uint32 gives
+# ids lo + 65536 hi, at least 2^20 as soon as one id of 16 or more sits at an odd position
+IMPLAUSIBLE_ID = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def read_bin_file(path, dtype: str, flag: str, vocab: int | None = None) -> tupl
         raise DataError(f"{flag} {path}: id {top:,} is beyond the tokenizer's vocabulary of {vocab:,}: these tokens "
                         f"were made by another tokenizer{hint}; give the tokenizer that made them")
     if dtype == "uint32":
-        ids = ids.view(np.int32)        # every id < 2^24 (checked): int32 is the same number, and torch indexes it
+        ids = ids.view(np.int32)        # every id < 2^20 (checked): int32 is the same number, and torch indexes it
     record = {"path": str(p.resolve()), "bytes": p.stat().st_size, "sha256": _sha256(p), "dtype": dtype,
               "max_id": top}
     return ids, record
@@ -265,7 +266,8 @@ def step_offsets(seed: int, step: int, n_windows: int, context: int, n_tokens: i
 
 def device_ids(ids: np.ndarray) -> np.ndarray:
     """``ids`` as the device holds them: uint8 as it is, anything wider as int32 (a copy, in memory)."""
-    return np.ascontiguousarray(ids, dtype=np.uint8 if ids.dtype == np.uint8 else np.int32)
+    out = np.ascontiguousarray(ids, dtype=np.uint8 if ids.dtype == np.uint8 else np.int32)
+    return out if out.flags.writeable else out.copy()      # a read-only memory map: torch wants its own memory
 
 
 def windows(ids: np.ndarray, offsets: np.ndarray, context: int) -> np.ndarray:

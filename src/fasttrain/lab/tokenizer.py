@@ -51,8 +51,10 @@ def id_dtype(vocab_size: int):
     return np.int32
 
 
-def _pieces(text: str, size: int = CHUNK_CHARS) -> list[str]:
-    """``text`` cut into pieces of about ``size`` characters, each ending after a newline where one exists."""
+def _pieces(text: str, size: int | None = None) -> list[str]:
+    """``text`` cut into pieces of about ``size`` (default CHUNK_CHARS) characters, each ending after a
+    newline where one exists."""
+    size = size or CHUNK_CHARS
     if len(text) <= size:
         return [text]
     out, start = [], 0
@@ -221,9 +223,11 @@ def _load_tiktoken(name: str) -> TiktokenTokenizer:
         import tiktoken
     except ImportError:
         raise FasttrainError(f"--tokenizer tiktoken:{name} needs tiktoken: pip install tiktoken (it downloads "
-                             f"{name}'s encoding on first use, which needs the network; offline, use hf:PATH)") from None
-    if name not in tiktoken.list_encoding_names():
-        raise FasttrainError(f"unknown tiktoken encoding {name!r}; use one of {', '.join(tiktoken.list_encoding_names())}")
+                             f"{name}'s encoding on first use, which needs the network; offline, use hf:PATH)"
+                             ) from None
+    names = tiktoken.list_encoding_names()
+    if name not in names:
+        raise FasttrainError(f"unknown tiktoken encoding {name!r}; use one of {', '.join(names)}")
     try:
         enc = tiktoken.get_encoding(name)
     except Exception as exc:
