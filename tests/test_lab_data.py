@@ -228,3 +228,42 @@ def test_cli_trains_on_a_train_file(tmp_path, capsys, wide_file):
     rec = json.loads(out.read_text())
     assert rec["config"]["train_file"] == str(wide_file) and rec["config"]["val_fraction"] == 0.05
     assert rec["model"]["vocab"] == len(set(wide_file.read_text(encoding="utf-8")))
+
+
+def test_the_models_own_tokenizer_is_the_default_and_char_overrides_it(tmp_path):
+    from fasttrain.lab.tokenizer import model_tokenizer, train_bpe
+
+    (tmp_path / "t.txt").write_text(toy_text())
+    model_dir = tmp_path / "model"
+    train_bpe(tmp_path / "t.txt", 300, model_dir)
+    (model_dir / "config.json").write_text("{}")
+    (tmp_path / "bare").mkdir()
+    (tmp_path / "bare" / "config.json").write_text("{}")
+    assert model_tokenizer(model_dir) == f"hf:{model_dir}" and model_tokenizer(tmp_path / "bare") is None
+    own = corpus_for(tiny(train_file=str(tmp_path / "t.txt")), default_tokenizer=model_tokenizer(model_dir))
+    assert own.tokenizer.kind == "hf" and own.chars is None
+    chars = corpus_for(tiny(train_file=str(tmp_path / "t.txt"), tokenizer="char"),
+                       default_tokenizer=model_tokenizer(model_dir))
+    assert chars.chars == "".join(sorted(set(toy_text())))
+
+
+def test_a_split_too_small_to_predict_is_one_line(tmp_path):
+    (tmp_path / "t.txt").write_text("abcdefghij")
+    with pytest.raises(FasttrainError, match="the validation split holds 1 token"):
+        corpus_for(tiny(train_file=str(tmp_path / "t.txt")))
+    assert len(corpus_for(tiny(train_file=str(tmp_path / "t.txt"), val_fraction=0.5)).val) == 5
+
+
+def test_tiny_shakespeare_keeps_its_split_and_rebuilds_from_its_description():
+    import os
+    from pathlib import Path
+
+    root = next((r for r in (os.environ.get("FASTTRAIN_DATA_DIR"), "/work/shared/data")
+                 if r and (Path(r) / "tinyshakespeare" / "input.txt").exists()), None)
+    if root is None:
+        pytest.skip("Tiny Shakespeare not found: fasttrain data download --dataset tinyshakespeare")
+    corpus = corpus_for(tiny(data_dir=root))
+    assert corpus.source == "tinyshakespeare" and corpus.train.dtype == np.uint8 and corpus.vocab_size == 65
+    assert corpus.sha256 == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
+    again = corpus_from_description(json.loads(json.dumps(corpus.describe())), data_dir=root)
+    assert np.array_equal(again.train, corpus.train) and np.array_equal(again.val, corpus.val)

@@ -95,6 +95,14 @@ def _split(ids: np.ndarray, train_fraction: float) -> tuple[np.ndarray, np.ndarr
     return ids[:n_train], ids[n_train:]
 
 
+def _check_sizes(train: np.ndarray, val: np.ndarray) -> None:
+    """Both splits must hold a prediction: two tokens at least (one window of context 1)."""
+    for name, ids, fix in (("training", train, "give more text"),
+                           ("validation", val, "give more text, a longer --val-file or a larger --val-fraction")):
+        if len(ids) < 2:
+            raise DataError(f"the {name} split holds {len(ids)} token(s), too few to predict one; {fix}")
+
+
 def corpus_from_text(text: str, tokenizer=None, *, val_text: str | None = None, val_fraction: float | None = None,
                      **meta) -> Corpus:
     """A corpus of ``text``: validated on ``val_text`` when given, else on its last ``val_fraction``
@@ -109,6 +117,7 @@ def corpus_from_text(text: str, tokenizer=None, *, val_text: str | None = None, 
         train, val = ids, tok.encode(val_text)
     meta.setdefault("split", {"val_file": meta.get("settings", {}).get("val_file")} if val_text is not None
                     else {"val_fraction": 1.0 - TRAIN_FRACTION if val_fraction is None else val_fraction})
+    _check_sizes(train, val)
     return Corpus(train, device_ids(val), tok, tok.vocab_size, **meta)
 
 
@@ -212,6 +221,7 @@ def load_user_corpus(*, train_file=None, val_file=None, train_bin=None, val_bin=
         f = 1.0 - TRAIN_FRACTION if val_fraction is None else val_fraction
         train, val = _split(ids, 1.0 - f)
         split = {"val_fraction": f}
+    _check_sizes(train, val)
     top = max(int(r["max_id"]) for r in files)
     vocab_size = vocab if vocab is not None else top + 1
     return Corpus(train, device_ids(val), tokenizer, vocab_size, source="bin", sha256=rec["sha256"],

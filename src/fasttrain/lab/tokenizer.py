@@ -190,6 +190,15 @@ class TiktokenTokenizer:
 
 # --- building one from a --tokenizer value ------------------------------------------------------
 
+def model_tokenizer(folder: str | os.PathLike) -> str | None:
+    """``hf:FOLDER`` when a model folder ships a tokenizer (the default --tokenizer for that model), else None."""
+    try:
+        hf_tokenizer_file(folder)
+    except FasttrainError:
+        return None
+    return f"hf:{folder}" if Path(folder).expanduser().is_dir() else None
+
+
 def _load_hf(path: str) -> HFTokenizer:
     file = hf_tokenizer_file(path)
     source = str(Path(path).expanduser().resolve())
@@ -353,5 +362,5 @@ def train_cmd(vocab_size, train_files, out, min_frequency) -> None:
     click.echo(f"{out}: byte-level BPE, {tok.vocab_size} ids; train with: fasttrain lab --tokenizer hf:{out}")
 
 
-__all__ = ["CharTokenizer", "HFTokenizer", "TiktokenTokenizer", "check_spec", "id_dtype", "load_tokenizer",
-           "load_tokenizer_spec", "save_tokenizer", "train_bpe", "command"]
+__all__ = ["CharTokenizer", "HFTokenizer", "TiktokenTokenizer", "id_dtype", "load_tokenizer", "load_tokenizer_spec",
+           "model_tokenizer", "save_tokenizer", "train_bpe", "command"]
