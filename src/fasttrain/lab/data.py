@@ -43,6 +43,7 @@ from fasttrain.lab.config import check_bin_file, check_data_flags, check_text_fi
 from fasttrain.lab.tokenizer import CharTokenizer, load_tokenizer, load_tokenizer_spec
 
 TRAIN_FRACTION = 0.9
+VAL_FRACTION = 0.1         # the default --val-fraction: 1 - TRAIN_FRACTION, written as it is read
 # the largest vocabularies in use have about 2^18 ids (256,000); a uint16 file read as uint32 gives
 # ids lo + 65536 hi, at least 2^20 as soon as one id of 16 or more sits at an odd position
 IMPLAUSIBLE_ID = 1 << 20
@@ -116,7 +117,7 @@ def corpus_from_text(text: str, tokenizer=None, *, val_text: str | None = None, 
     else:
         train, val = ids, tok.encode(val_text)
     meta.setdefault("split", {"val_file": meta.get("settings", {}).get("val_file")} if val_text is not None
-                    else {"val_fraction": 1.0 - TRAIN_FRACTION if val_fraction is None else val_fraction})
+                    else {"val_fraction": VAL_FRACTION if val_fraction is None else val_fraction})
     _check_sizes(train, val)
     return Corpus(train, device_ids(val), tok, tok.vocab_size, **meta)
 
@@ -218,9 +219,8 @@ def load_user_corpus(*, train_file=None, val_file=None, train_bin=None, val_bin=
         files.append({"role": "val", **vrec})
         train, split = ids, {"val_file": val_bin}
     else:
-        f = 1.0 - TRAIN_FRACTION if val_fraction is None else val_fraction
-        train, val = _split(ids, 1.0 - f)
-        split = {"val_fraction": f}
+        train, val = _split(ids, TRAIN_FRACTION if val_fraction is None else 1.0 - val_fraction)
+        split = {"val_fraction": VAL_FRACTION if val_fraction is None else val_fraction}
     _check_sizes(train, val)
     top = max(int(r["max_id"]) for r in files)
     vocab_size = vocab if vocab is not None else top + 1
@@ -235,7 +235,10 @@ def corpus_for(cfg, default_tokenizer=None) -> Corpus:
     check_data_flags(cfg)
     spec = cfg.tokenizer if cfg.tokenizer is not None else default_tokenizer
     # the tokenizer first: a bad one fails before any file is read
-    tok = load_tokenizer_spec(spec) if isinstance(spec, str) and spec != "char" else (None if spec == "char" else spec)
+    if spec is None or spec == "char":
+        tok = None                              # characters for text (fitted to it), none for token files
+    else:
+        tok = load_tokenizer_spec(spec) if isinstance(spec, str) else spec
     if cfg.train_file or cfg.train_bin:
         return load_user_corpus(train_file=cfg.train_file, val_file=cfg.val_file, train_bin=cfg.train_bin,
                                 val_bin=cfg.val_bin, bin_dtype=cfg.bin_dtype, val_fraction=cfg.val_fraction,
@@ -275,9 +278,10 @@ def step_offsets(seed: int, step: int, n_windows: int, context: int, n_tokens: i
 
 
 def device_ids(ids: np.ndarray) -> np.ndarray:
-    """``ids`` as the device holds them: uint8 as it is, anything wider as int32 (a copy, in memory)."""
+    """``ids`` as the device holds them: uint8 as they are, anything wider as int32; always in writable
+    memory (a read-only memory map is copied: torch does not take read-only arrays)."""
     out = np.ascontiguousarray(ids, dtype=np.uint8 if ids.dtype == np.uint8 else np.int32)
-    return out if out.flags.writeable else out.copy()      # a read-only memory map: torch wants its own memory
+    return out if out.flags.writeable else out.copy()
 
 
 def windows(ids: np.ndarray, offsets: np.ndarray, context: int) -> np.ndarray:
@@ -312,8 +316,8 @@ def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps
     if preload:
         # the corpus and every step's window starts go to the device once, here, at setup; a step is
         # then one gather on the device, no host work and no copy. Ids stay compact there: uint8 for
-        # up to 256 symbols (Tiny Shakespeare's characters), else int32 (torch's unsigned 16- and
-        # 32-bit types cannot be indexed on every device); the gather widens to int64
+        # up to 256 symbols (Tiny Shakespeare's characters), else int32 (torch's uint16 and uint32
+        # have only limited operator support); the gather widens to int64
         corpus = torch.from_numpy(device_ids(ids)).to(device)
         starts = torch.from_numpy(np.stack([step_offsets(seed, start + i, batch, context, len(ids))
                                             for i in range(steps)]) if steps else np.zeros((0, batch), np.int64))
