@@ -267,3 +267,19 @@ def test_tiny_shakespeare_keeps_its_split_and_rebuilds_from_its_description():
     assert corpus.sha256 == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
     again = corpus_from_description(json.loads(json.dumps(corpus.describe())), data_dir=root)
     assert np.array_equal(again.train, corpus.train) and np.array_equal(again.val, corpus.val)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", ["uint16", "uint32"])
+def test_wide_token_files_preload_and_train_on_the_gpu(tmp_path, dtype):
+    ids = np.random.default_rng(0).integers(0, 70_000 if dtype == "uint32" else 60_000, 20_000)
+    ids.astype(dtype).tofile(tmp_path / "t.bin")
+    cfg = tiny(train_bin=str(tmp_path / "t.bin"), bin_dtype=dtype, device="cuda", preload=True)
+    corpus = corpus_for(cfg)
+    kw = dict(seed=1, batch=4, context=16, steps=2)
+    pre = list(train_batches(corpus.train, preload=True, device="cuda", **kw))
+    host = list(train_batches(corpus.train, preload=False, device="cpu", **kw))
+    for (xp, yp), (xh, yh) in zip(pre, host):
+        assert torch.equal(xp.cpu(), xh) and torch.equal(yp.cpu(), yh)
+    rec = lab.run(cfg)
+    assert rec["model"]["vocab"] == corpus.vocab_size and np.isfinite(rec["final"]["val_loss"])
