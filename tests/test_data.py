@@ -363,3 +363,68 @@ def test_download_keeps_an_existing_folder(tmp_path):
 def test_encode_roundtrip_still_reads():
     # the limits leave ordinary files alone
     assert len(encode_idx(np.zeros((3, 28, 28), np.uint8))) == 16 + 3 * 784
+
+
+# --- the data root: one meaning for every dataset ---------------------------------------------------
+
+
+def test_the_dataset_names_the_root_knows_are_every_dataset():
+    from fasttrain.data.locations import DATASET_NAMES
+    from fasttrain.data.text import TEXT_DATASETS
+
+    assert set(DATASET_NAMES) == {*ds.DATASETS, *TEXT_DATASETS}
+
+
+def test_a_root_named_after_a_dataset_finds_the_others_beside_it(tmp_path, monkeypatch):
+    from fasttrain.data.text import text_path
+
+    monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path / "mnist"))
+    (tmp_path / "mnist").mkdir()
+    assert ds.dataset_dir("mnist") == tmp_path / "mnist"          # still accepted: the MNIST files directly
+    assert text_path("tinyshakespeare") == tmp_path / "tinyshakespeare" / "input.txt"
+    # every hint names a folder that works for every dataset: the root, not the MNIST folder
+    assert ds.download_command("tinyshakespeare") == f"fasttrain data download --dataset tinyshakespeare --data-dir {tmp_path}"
+    assert ds.download_command("mnist") == f"fasttrain data download --dataset mnist --data-dir {tmp_path}"
+    with pytest.raises(DataError, match=f"not found: {tmp_path}/tinyshakespeare/input.txt; download it with: "
+                                        f"fasttrain data download --dataset tinyshakespeare --data-dir {tmp_path}$"):
+        from fasttrain.data.text import load_text
+
+        load_text("tinyshakespeare")
+
+
+def test_the_root_holds_one_folder_per_dataset(tmp_path):
+    _write_dataset(tmp_path / "mnist")
+    (tmp_path / "tinyshakespeare").mkdir()
+    assert ds.load_dataset("mnist", tmp_path, verify=False).n_train == 20
+    assert ds.dataset_dir("tinyshakespeare", tmp_path) == tmp_path / "tinyshakespeare"
+
+
+def test_a_data_root_that_is_a_file_is_one_clear_line(tmp_path, monkeypatch):
+    from fasttrain.data.text import load_text
+
+    afile = tmp_path / "data.txt"
+    afile.write_text("not a folder\n")
+    with pytest.raises(DataError, match=f"--data-dir {afile} is a file, not a folder; give the data root"):
+        ds.load_dataset("mnist", afile)
+    monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(afile))
+    with pytest.raises(DataError, match=f"FASTTRAIN_DATA_DIR={afile} is a file, not a folder"):
+        load_text("tinyshakespeare")
+    with pytest.raises(DataError, match="FASTTRAIN_DATA_DIR=.* is a file"):
+        ds.download_dataset("mnist", progress=False)
+    assert afile.read_text() == "not a folder\n"
+    one_line_error(fasttrain_cli("data", "verify", "--dataset", "tinyshakespeare", env={"FASTTRAIN_DATA_DIR": str(afile)}),
+                   f"FASTTRAIN_DATA_DIR={afile} is a file, not a folder")
+    one_line_error(fasttrain_cli("data", "verify", "--data-dir", afile), "is a file")
+
+
+def test_a_corpus_path_that_is_a_folder_is_one_clear_line(tmp_path):
+    from fasttrain.data.text import load_text
+
+    (tmp_path / "tinyshakespeare" / "input.txt").mkdir(parents=True)
+    with pytest.raises(DataError, match=r"input.txt is a folder, not the Tiny Shakespeare file"):
+        load_text("tinyshakespeare", tmp_path)
+    with pytest.raises(DataError, match=r"input.txt is a folder, not the Tiny Shakespeare file"):
+        ds.download_dataset("tinyshakespeare", tmp_path, progress=False)
+    assert (tmp_path / "tinyshakespeare" / "input.txt").is_dir()
+    one_line_error(fasttrain_cli("data", "verify", "--dataset", "tinyshakespeare", "--data-dir", tmp_path),
+                   "is a folder, not the Tiny Shakespeare file")
