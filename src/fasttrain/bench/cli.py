@@ -409,7 +409,7 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
 
 def _run_lab_locked(ctx, plan, folder: Path, corpus, fresh: bool) -> None:
     from fasttrain.bench import lab as bench_lab
-    from fasttrain.bench import figures, report, runner
+    from fasttrain.bench import figures, report, runner, suites
 
     json_path = folder / "lab.json"
     old = None
@@ -431,8 +431,8 @@ def _run_lab_locked(ctx, plan, folder: Path, corpus, fresh: bool) -> None:
         # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
         report.write_outputs(runner.merge(partial, old)[0], folder)
 
-    result = bench_lab.run_lab(plan, progress=_RichProgress(), on_case=save_so_far, command=_command_line(ctx),
-                               corpus=corpus)
+    run_lab = suites.spec("lab").run   # the suite's own runner (its rows are the lab's, not engines')
+    result = run_lab(plan, progress=_RichProgress(), on_case=save_so_far, command=_command_line(ctx), corpus=corpus)
     result, kept = runner.merge(result, old)
     if kept:
         console.print(f"kept {kept} earlier result(s) from {json_path} (rows not run now; --fresh drops them)")

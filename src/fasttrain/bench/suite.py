@@ -112,6 +112,8 @@ class SuiteSpec:
     defined today, None when no longer buildable); ``plot_files``: (alt text, file name) of each PNG it
     writes, drawn by ``write_plots(result, out) -> paths``; ``case_runner``: how a case of K models runs
     (``runner(engine, spec, config, data, options, k)``, the many suite's), None for single runs;
+    ``run``: the suite's own runner when its rows are not engine rows (the lab's ``run_lab(plan, ...)``),
+    None for the suites :func:`fasttrain.bench.runner.run_suite` runs;
     ``shared_protocol``: the suite is measured by the MNIST driver's protocol, which the folder's README
     states once above the tables (a suite that states its own in its notes, the lab's, says False)."""
 
@@ -122,6 +124,7 @@ class SuiteSpec:
     plot_files: tuple[tuple[str, str], ...] = ()
     write_plots: Callable[[SuiteResult, Path], list[Path]] = no_plots
     case_runner: Callable | None = None
+    run: Callable | None = None
     shared_protocol: bool = True
 
     def suite(self, quick: bool = False) -> Suite | None:

@@ -273,9 +273,10 @@ RETRIES = 2
 DEADLINE = 45.0
 
 
-def _offline_hint(name: str) -> str:
-    return (f"offline? copy the {name} files into a folder and point at it with FASTTRAIN_DATA_DIR=/that/folder "
-            "or --data-dir /that/folder")
+def _offline_hint(title: str, directory: Path) -> str:
+    """Where copied files would be found: the dataset's folder, or a folder of that name under a root of one's own."""
+    return (f"offline? copy the {title} files into {directory}, or into ROOT/{directory.name}/ and point "
+            "FASTTRAIN_DATA_DIR or --data-dir at ROOT")
 
 
 def _created_folders(directory: Path) -> list[Path]:
@@ -357,7 +358,7 @@ def download_dataset(
                 tried.append(f"{mirror} ({outcome})")
             if source is None:
                 raise DataError(f"could not download {fs.filename} from any mirror: tried {'; '.join(tried) or 'none'}; "
-                                f"{_offline_hint(spec.title)}")
+                                f"{_offline_hint(spec.title, directory)}")
             report.append((final, f"downloaded from {source}"))
     except BaseException:
         _remove_created(created)
@@ -456,7 +457,7 @@ def download_text(name: str, data_dir=None, *, urls: tuple[str, ...] | None = No
                 return [(final, f"downloaded from {url}")]
             tried.append(f"{url} ({outcome})")
         raise DataError(f"could not download {spec.filename} from any mirror: tried {'; '.join(tried) or 'none'}; "
-                        f"{_offline_hint(spec.title)}")
+                        f"{_offline_hint(spec.title, directory)}")
     except BaseException:
         _remove_created(created)
         raise

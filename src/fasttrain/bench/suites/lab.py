@@ -27,5 +27,4 @@ SPEC = SuiteSpec("lab", "The lecture's table of single-GPU techniques, measured 
                  (("memory against throughput of every configuration", "lab_scatter.png"),
                   ("throughput against batch size up to the out-of-memory edge", "lab_batch_sweep.png"),
                   ("training loss against tokens seen, every row", "lab_loss_curves.png")), write_plots,
-                 shared_protocol=False)
-RUNNER = run_lab   # the suite's runner: a plan of lab rows, not engine rows (fasttrain bench lab)
+                 run=run_lab, shared_protocol=False)
