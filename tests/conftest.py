@@ -46,9 +46,13 @@ def tiny_data() -> Dataset:
 
 @pytest.fixture(scope="session")
 def mnist_dir() -> str:
+    """The data root holding the real MNIST (``$FASTTRAIN_DATA_DIR``; a folder named ``mnist`` works too)."""
+    from fasttrain.data.locations import dataset_dir
+
     path = os.environ.get("FASTTRAIN_DATA_DIR")
-    if not path or not os.path.isdir(path):
-        pytest.skip("real MNIST not available: set FASTTRAIN_DATA_DIR to a folder with the MNIST .gz files")
+    if not path or not os.path.isdir(path) or not dataset_dir("mnist", path).is_dir():
+        pytest.skip("real MNIST not available: set FASTTRAIN_DATA_DIR to the data root that holds mnist/ "
+                    "(fasttrain data download --dataset mnist --data-dir DIR fetches it)")
     return path
 
 

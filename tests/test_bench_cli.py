@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import csv
 import json
+import stat
 
 import pytest
 
 from fasttrain.cli import main
+from fasttrain.files import default_file_mode
+from tests_support import fasttrain_cli, one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -151,3 +154,110 @@ def test_models_option_narrows_a_suite_and_refuses_a_model_it_lacks(capsys):
     assert main(["bench", "many", "--models", "mlp:9x3", "--list"]) == 1
     err = capsys.readouterr().err
     assert "--models: mlp:9x3 is not a model of many" in err and err.count("\n") == 1
+
+
+# --- bad input: one line, non-zero, no result lost ----------------------------------------------
+
+
+SMALL = ["--quick", "--engines", "numpy"]  # the ladder: one numpy row on 10,000 examples
+
+
+def _errors(capsys) -> list[str]:
+    return [line for line in capsys.readouterr().err.strip().splitlines() if line.startswith("error: ")]
+
+
+@pytest.fixture(scope="module")
+def real_looking_folder(tmp_path_factory):
+    """A results folder from a quick synthetic ladder run (stands in for real results)."""
+    out = tmp_path_factory.mktemp("bench-real")
+    assert main(["bench", "ladder", *SMALL, "--synthetic", "--out", str(out)]) == 0
+    return out
+
+
+# --- data: no silent fallback -----------------------------------------------------------------
+
+
+def test_mistyped_dataset_is_an_error_not_synthetic(tmp_path):
+    one_line_error(fasttrain_cli("bench", "ladder", *SMALL, "--dataset", "mnsit", "--out", tmp_path / "out"),
+                   "unknown dataset 'mnsit'")
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_data_is_an_error_that_names_the_synthetic_option(tmp_path):
+    one_line_error(fasttrain_cli("bench", "ladder", *SMALL, "--data-dir", tmp_path / "none", "--out", tmp_path / "out"),
+                   r"file not found.*--synthetic")
+    assert not (tmp_path / "out").exists()
+
+
+def test_dataset_synthetic_is_the_explicit_request(tmp_path, capsys):
+    assert main(["bench", "ladder", *SMALL, "--dataset", "synthetic", "--out", str(tmp_path)]) == 0
+    data = json.loads((tmp_path / "ladder.json").read_text())
+    assert data["dataset"]["synthetic"] is True
+
+
+# --- merging never drops results silently -------------------------------------------------------
+
+
+def test_a_run_of_another_setting_is_refused_before_running(real_looking_folder, capsys):
+    before = (real_looking_folder / "ladder.json").read_bytes()
+    # the same folder without --quick (another setting): refused, the earlier results untouched
+    assert main(["bench", "ladder", "--engines", "numpy", "--synthetic",
+                 "--out", str(real_looking_folder)]) == 1
+    errors = _errors(capsys)
+    assert len(errors) == 1 and "holds results of another setting" in errors[0] and "--fresh" in errors[0]
+    assert (real_looking_folder / "ladder.json").read_bytes() == before
+
+
+def test_an_unreadable_results_file_is_refused_not_replaced(tmp_path, capsys):
+    (tmp_path / "ladder.json").write_bytes(b"\x00\xff binary \x89PNG")
+    assert main(["bench", "ladder", *SMALL, "--synthetic", "--out", str(tmp_path)]) == 1
+    errors = _errors(capsys)
+    assert len(errors) == 1 and "binary" in errors[0] and "--fresh" in errors[0]
+    assert (tmp_path / "ladder.json").read_bytes() == b"\x00\xff binary \x89PNG"
+
+
+def test_a_second_writer_is_refused_while_the_first_holds_the_folder(real_looking_folder, capsys):
+    from fasttrain.bench.cli import folder_lock
+
+    before = (real_looking_folder / "ladder.json").read_bytes()
+    with folder_lock(real_looking_folder):
+        assert main(["bench", "ladder", *SMALL, "--synthetic", "--out", str(real_looking_folder)]) == 1
+        errors = _errors(capsys)
+        assert len(errors) == 1 and "is in use by another fasttrain bench (pid" in errors[0]
+        assert main(["bench", "merge", str(real_looking_folder), str(real_looking_folder)]) == 1
+        assert main(["bench", "render", str(real_looking_folder)]) == 1
+    assert (real_looking_folder / "ladder.json").read_bytes() == before
+    # released: the same command runs
+    assert main(["bench", "render", str(real_looking_folder)]) == 0
+
+
+@pytest.mark.parametrize("content, pattern", [
+    (b"[1, 2, 3]", "holds a JSON list, not an object"),
+    (b"\x89PNG\r\n\x1a\n\x00\x00", "binary, not UTF-8 text"),
+    (b'{"schema": 1, "suite": "ladder", "x": NaN}', "holds NaN, which is not JSON"),
+    (b'{"schema": 1, "cases": "nope"}', "'cases' is not a list of objects"),
+    (b'{"schema": 1, "suite": "ladder"}', "not a fasttrain benchmark results file"),
+    (b"{not json", "not a fasttrain benchmark results file"),
+    (b'"just a string"', "holds a JSON str"),
+])
+@pytest.mark.parametrize("command", ["render", "merge"])
+def test_merge_and_render_refuse_bad_json(tmp_path, content, pattern, command):
+    part = tmp_path / "part"
+    part.mkdir()
+    (part / "ladder.json").write_bytes(content)
+    args = ["bench", "render", part] if command == "render" else ["bench", "merge", tmp_path / "into", part]
+    one_line_error(fasttrain_cli(*args), pattern)
+    assert (part / "ladder.json").read_bytes() == content
+    assert not (tmp_path / "into" / "ladder.json").exists()
+
+
+def test_bench_outputs_get_the_usual_mode(real_looking_folder):
+    for name in ("ladder.json", "ladder.csv", "ladder.md", "results.csv", "README.md"):
+        assert stat.S_IMODE((real_looking_folder / name).stat().st_mode) == default_file_mode(), name
+    assert not [p.name for p in real_looking_folder.iterdir() if p.name.endswith(".tmp")]
+
+
+def test_bench_out_that_is_a_file_is_refused(tmp_path):
+    (tmp_path / "file").write_text("x")
+    one_line_error(fasttrain_cli("bench", "ladder", *SMALL, "--synthetic", "--out", tmp_path / "file"),
+                   "is a file|that is a file, not a folder")

@@ -203,8 +203,8 @@ def test_bench_lab_list_shows_rows_and_skips(capsys):
 
 def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeypatch, tmp_path):
     # no GPU runs out of memory here: a probe that "fits" below 13 sequences stands in for the GPU
-    from fasttrain.bench import plots, report
-    from fasttrain.bench.runner import Progress, SuiteResult
+    from fasttrain.bench import figures, report
+    from fasttrain.bench.results import Progress, SuiteResult
     from fasttrain.lab import batchsize
     from fasttrain.lab import train as lab_train
 
@@ -227,5 +227,5 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
     md = lab_report.markdown(result)
     assert "Batch-size sweep up to the out-of-memory edge" in md and "largest batch that fits is in [12, 13)" in md
     assert report.to_csv([result]).count("sweep batch") >= 2
-    if plots.matplotlib_or_none() is not None:
+    if figures.matplotlib_or_none() is not None:
         assert (tmp_path / "lab_batch_sweep.png") in lab_report.write_plots(result, tmp_path)

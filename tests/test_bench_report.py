@@ -8,9 +8,13 @@ import json
 
 import pytest
 
-from fasttrain.bench import report, stats
-from fasttrain.bench.runner import CaseResult, SuiteResult
-from fasttrain.bench.suites import SEED_NOTE
+from fasttrain.bench import report, stats, tables
+from fasttrain.bench.results import CaseResult, SuiteResult
+from fasttrain.bench.suites import curves as curves_suite
+from fasttrain.bench.suites import ladder as ladder_suite
+from fasttrain.bench.suites import record as record_suite
+from fasttrain.bench.suites import sweep as sweep_suite
+from fasttrain.bench.suites.ladder import SEED_NOTE
 from fasttrain import timing
 
 SPEC_COLUMNS = ["suite", "engine", "rung", "model", "metric", "unit", "p20", "p50", "p80", "n", "gpu", "versions",
@@ -96,12 +100,12 @@ def test_summarize_ignores_missing_values():
 
 
 def test_number_formatting():
-    assert report.fmt_num(12500.0) == "12,500"
-    assert report.fmt_num(38.21) == "38.2"
-    assert report.fmt_num(5.234) == "5.23"
-    assert report.fmt_num(0.4123) == "0.412"
-    assert report.fmt_num(None) == "-"
-    assert report.fmt_ratio(12.5) == "12.5×"
+    assert tables.fmt_num(12500.0) == "12,500"
+    assert tables.fmt_num(38.21) == "38.2"
+    assert tables.fmt_num(5.234) == "5.23"
+    assert tables.fmt_num(0.4123) == "0.412"
+    assert tables.fmt_num(None) == "-"
+    assert tables.fmt_ratio(12.5) == "12.5×"
 
 
 # --- CSV and JSON --------------------------------------------------------------------------
@@ -165,7 +169,7 @@ def test_ladder_markdown_speedups_and_the_seed_column():
         case("cuda rung 0", "cuda", [record([1, 40, 40])]),
         case("triton", "triton", [], status="skipped", reason="engine triton is not built yet"),
     ]
-    text = report.ladder_markdown(suite_result("ladder", cases))
+    text = ladder_suite.markdown(suite_result("ladder", cases))
     rows = table_rows(text, "#")
     assert [r[1] for r in rows] == ["numpy", "torch-eager", "cuda rung 0"]
     by_label = {r[1]: r for r in rows}
@@ -186,7 +190,7 @@ def test_sweep_markdown_relative_speed_against_torch_eager():
 
     cases = [sweep_case("torch-eager fp16", "torch-eager", 128, 5.0), sweep_case("jax bf16", "jax", 128, 0.25),
              sweep_case("torch-eager fp16", "torch-eager", 1024, 6.0), sweep_case("jax bf16", "jax", 1024, 0.5)]
-    text = report.sweep_markdown(suite_result("sweep", cases))
+    text = sweep_suite.markdown(suite_result("sweep", cases))
     assert "5,000 steps, batch 32, lr 0.003" in text
     times = table_rows(text, "engine")
     assert times[0] == ["torch-eager fp16", "5", "6"] and times[1] == ["jax bf16", "0.25", "0.5"]
@@ -204,13 +208,13 @@ def test_sweep_markdown_compares_each_row_with_jax_in_its_own_precision():
              sweep_case("cuda rung 8 fp16", "cuda", 128, 0.05, "fp16"), sweep_case("cuda rung 8 bf16", "cuda", 128, 0.06, "bf16"),
              sweep_case("jax fp16", "jax", 8192, 3.0, "fp16"), sweep_case("cuda rung 7 fp16", "cuda", 8192, 2.0, "fp16"),
              sweep_case("cuda rung 6 fp32", "cuda", 8192, 6.0, "fp32")]
-    text = report.sweep_markdown(suite_result("sweep", cases))
+    text = sweep_suite.markdown(suite_result("sweep", cases))
     versus = {r[0]: r[1:] for r in table_rows(text.split("Speed relative to the JAX engine")[1], "engine")}
     # each row against JAX of its own precision; fp32 has no JAX row in the run, so no ratio
     assert versus == {"cuda rung 8 fp16": ["4×", "-"], "cuda rung 8 bf16": ["5×", "-"], "cuda rung 7 fp16": ["-", "1.5×"]}
     # a row from another invocation (a merged folder) is not compared with this one's JAX
     cases[-2].run_id = "an earlier run"
-    versus = {r[0]: r[1:] for r in table_rows(report.sweep_markdown(suite_result("sweep", cases))
+    versus = {r[0]: r[1:] for r in table_rows(sweep_suite.markdown(suite_result("sweep", cases))
                                               .split("Speed relative to the JAX engine")[1], "engine")}
     assert "cuda rung 7 fp16" not in versus and versus["cuda rung 8 fp16"] == ["4×", "-"]
 
@@ -220,7 +224,7 @@ def test_record_table_gives_each_model_its_own_target():
     mlp = {"epochs": None, "steps": 5000, "batch_size": 32, "lr": 0.003, "precision": "fp16"}
     cases = [case("cuda rung 8 fp16", "cuda", [record([1.5, 1.5])], suite="record", model=m, precision="fp16",
                   config=None if m == "logreg" else mlp) for m in ("logreg", "mlp:128x3", "mlp:1024x3")]
-    text = report.table_markdown(suite_result("record", cases))
+    text = record_suite.markdown(suite_result("record", cases))
     assert "- Setting: logreg: 20 epochs, batch 128, lr 0.1; mlp:128x3: 5,000 steps, batch 32, lr 0.003; " in text
     lines = {r[0]: r for r in table_rows(text, "model")}
     assert lines["logreg"][5].startswith("<= 0.7 ms") and lines["mlp:128x3"][5].startswith("<= 0.025 s")
@@ -232,7 +236,7 @@ def test_curves_markdown_escapes_pipes_in_the_table():
     dev = {"curve_max_abs": 3.2e-6, "train_loss_max_rel": 1.5e-6, "test_acc_diff_pp": 0.1}
     result = suite_result("curves", [case("jax", "jax", [record([3, 3], curve=[{"step": 10, "loss": 1.0}])],
                                           suite="curves", deviation=dev)], reference={"logreg": ref})
-    text = report.curves_markdown(result)
+    text = curves_suite.markdown(result)
     lines = [line for line in text.splitlines() if line.startswith("|")]
     widths = {line.replace("\\|", "").count("|") for line in lines}
     assert len(widths) == 1  # header, rule and every row have the same number of cells
@@ -245,14 +249,12 @@ def test_quick_and_synthetic_runs_say_so():
     result = suite_result("ladder", [case("numpy", "numpy", [record([2, 2])])])
     result.quick = True
     result.dataset = {"name": "synthetic", "n_train": 10000, "n_test": 2000, "synthetic": True, "subset": False}
-    text = report.ladder_markdown(result)
+    text = ladder_suite.markdown(result)
     assert "--quick" in text and "SYNTHETIC" in text
 
 
 def test_plots_are_written_as_png(tmp_path):
     pytest.importorskip("matplotlib")
-    from fasttrain.bench import plots
-
     ladder = suite_result("ladder", [case("numpy", "numpy", [record([2, 2])], seed_ms=12500.0),
                                      case("cuda rung 0", "cuda", [record([1, 1]), record([1, 2])])])
     cfg = {"epochs": None, "steps": 100, "batch_size": 32, "lr": 0.003, "precision": "fp16"}
@@ -261,7 +263,7 @@ def test_plots_are_written_as_png(tmp_path):
     curve = [{"step": s, "loss": 2.0 / s} for s in (5, 10, 15)]
     curves = suite_result("curves", [case("numpy", "numpy", [record([1], curve=curve)], "curves",
                                           deviation={"curve_max_abs": 0.0})], reference={"logreg": record([1], curve=curve)})
-    written = [p for r in (ladder, sweep, curves) for p in plots.write_plots(r, tmp_path)]
+    written = [p for r in (ladder, sweep, curves) for p in report.write_plots(r, tmp_path)]
     assert sorted(p.name for p in written) == ["curves.png", "ladder.png", "sweep_relative.png", "sweep_time.png"]
     assert all(p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" for p in written)
 
@@ -273,6 +275,6 @@ def test_header_names_every_commit_of_a_merged_result():
     at_b = copy.deepcopy(record([2.0]))
     at_b["environment"]["git_sha"] = "def5678"
     cases = [case("a", "numpy", [record([1.0])], model="logreg"), case("b", "numpy", [at_b], model="mlp:8x1")]
-    text = report.header(suite_result("record", cases))
+    text = tables.header(suite_result("record", cases))
     assert "git abc1234 (logreg), def5678 (mlp:8x1)" in text
-    assert "git abc1234\n" in report.header(suite_result("record", cases[:1])) + "\n"
+    assert "git abc1234\n" in tables.header(suite_result("record", cases[:1])) + "\n"

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 import pytest
 
 from fasttrain.bench import runner, suites
-from fasttrain.bench.suites import OFF, Row, Suite
+from fasttrain.bench.suite import Suite
+from fasttrain.engines.rows import OFF, Row
 from fasttrain.engines.base import Engine, option
 from fasttrain.errors import FasttrainError
 
@@ -39,20 +40,20 @@ def test_suite_rows_are_consistent():
     with speed-up columns has its baseline, and every row names a registered engine."""
     from fasttrain.engines import registry
 
-    ladder, sweep, record = suites.ladder().rows, suites.sweep().rows, suites.record().rows
+    ladder, sweep, record = suites.build("ladder").rows, suites.build("sweep").rows, suites.build("record").rows
     labels = [row.label for row in ladder]
     assert len(labels) == len(set(labels))
     assert [row.label for row in ladder if row.seed_ms is not None] == ["numpy", "torch-eager", "torch-fast +compile"]
     assert {row.engine for row in ladder + sweep + record} <= set(registry())
-    assert len(suites.sweep().baselines()) == 1 and len(suites.ladder().baselines()) == 1
+    assert len(suites.build("sweep").baselines()) == 1 and len(suites.build("ladder").baselines()) == 1
     assert [f"cuda rung {n}" for n in range(7)] + ["cuda rung 7 fp16", "cuda rung 8 fp16"] == \
         [label for label in labels if label.startswith("cuda")]
-    keys = [c.key for c in suites.record().cases()]
+    keys = [c.key for c in suites.build("record").cases()]
     assert len(keys) == len(set(keys))   # a row label once per model
 
 
 def test_record_suite_holds_the_fused_rungs_to_their_targets():
-    record = suites.record()
+    record = suites.build("record")
     assert record.models == ("logreg", "mlp:128x3", "mlp:1024x3", "mlp:8192x3") and record.reference
     assert record.reference_models == ("logreg", "mlp:128x3", "mlp:1024x3")
     targets = {(c.row.label, c.model): c.row.target_ms for c in record.cases() if c.row.target_ms}
@@ -61,7 +62,7 @@ def test_record_suite_holds_the_fused_rungs_to_their_targets():
     assert {c.model for c in record.cases() if c.row.baseline} == set(record.models)   # a JAX row beside each
     assert record.config_for("logreg")["epochs"] == 20 and record.config_for("mlp:128x3")["steps"] == 5000
     assert record.metric_for("logreg") == "epoch_ms" and record.metric_for("mlp:8192x3") == "train_ms"
-    quick = suites.record(quick=True)
+    quick = suites.build("record", quick=True)
     assert "mlp:8192x3" not in quick.models and quick.config_for("mlp:128x3")["steps"] == 100
 
 
@@ -73,17 +74,17 @@ def test_suites_are_registered_and_engines_bring_their_own():
 
 
 def test_suite_settings_follow_the_issue():
-    ladder = suites.ladder()
+    ladder = suites.build("ladder")
     assert (ladder.config["epochs"], ladder.config["batch_size"], ladder.config["lr"], ladder.repeats) == (20, 128, 0.1, 3)
-    sweep = suites.sweep()
+    sweep = suites.build("sweep")
     assert sweep.models == tuple(f"mlp:{h}x3" for h in (128, 256, 512, 1024, 2048, 4096, 8192))
     assert (sweep.config["steps"], sweep.config["batch_size"], sweep.config["lr"], sweep.repeats) == (5000, 32, 0.003, 3)
     cases = sweep.cases()
     assert not any(c.row.engine == "numpy" and c.model == "mlp:2048x3" for c in cases)  # max_hidden
     assert all(c.config["precision"] == "fp16" for c in cases if c.row.engine in ("torch-eager", "triton"))
-    quick = suites.sweep(quick=True, hidden=(64,))
+    quick = suites.build("sweep", quick=True, hidden=(64,))
     assert quick.models == ("mlp:64x3",) and quick.repeats == 1 and quick.config["steps"] < 5000
-    assert suites.ladder(repeats=5).repeats == 5
+    assert suites.build("ladder", repeats=5).repeats == 5
 
 
 # --- options -------------------------------------------------------------------------------
@@ -202,7 +203,7 @@ def test_merge_keeps_earlier_results_for_cases_not_run_now():
 
 def test_merge_keeps_the_suites_row_order_when_a_part_ran_only_some_rows():
     """A part run with --rows/--engines (here only the sweep's cuda rung 8 row) must not move its rows first."""
-    labels = [row.label for row in suites.sweep().rows]
+    labels = [row.label for row in suites.build("sweep").rows]
     first, last = labels[0], "cuda rung 8 fp16"
     assert labels.index(first) < labels.index(last)
     old = _result([_case(first, "mlp:128x3"), _case(last, "mlp:128x3")])

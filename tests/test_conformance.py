@@ -154,7 +154,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from fasttrain.bench.suites import Row
+from fasttrain.engines.rows import Row
 from fasttrain.contract import batch_bounds
 from fasttrain.data.datasets import to_inputs
 from fasttrain.engines.base import Engine, EpochStats, Session, option

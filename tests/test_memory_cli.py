@@ -108,3 +108,82 @@ def test_cost_for_a_preset_and_bad_cost_input():
 def test_list_presets():
     r = run("--list-presets")
     assert r.returncode == 0 and "llama3-405b" in r.stdout and "playbook-8b" in r.stdout
+
+
+# --- ranges, the cost presets, the page's file ------------------------------------------------
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--workspace-mib", "inf"], r"--workspace-mib must be a number from 0 to"),
+    (["--workspace-mib", "nan"], r"--workspace-mib must be a number from 0 to"),
+    (["--vocab", str(10**40)], r"--vocab must be at most 16,777,216"),
+    (["--layers", str(10**12)], r"--layers must be at most"),
+    (["--seq", str(2**40)], r"--seq must be at most"),
+    (["--opt-bytes", "1000"], r"--opt-bytes must be at most 64"),
+    (["cost", "--mfu", "0.4"], r"--mfu is a percentage: 0.4 would be 0.4% \(give --mfu 40 for 40%"),
+    (["cost", "--mfu", "0"], r"--mfu is a percentage in \(0, 100\]"),
+    (["cost", "--mfu", "forty"], r"--mfu expects a percentage like 40 or 40%"),
+    (["cost", "--preset", "gpt2-124m", "--tokens", "inf"], r"tokens must be positive and finite"),
+    (["cost", "--price", "nan"], r"--price must be >= 0 and finite"),
+    (["cost", "--preset", "llama9"], r"unknown preset 'llama9'"),
+])
+def test_memory_ranges(args, pattern):
+    one_line_error(run(*args), pattern)
+
+
+def test_mfu_is_a_percentage_like_the_page(capsys):
+    from fasttrain.cli import main
+    from fasttrain.memory import cost as C
+    from fasttrain.memory.cli import parse_mfu_percent
+    from fasttrain.memory.page import render
+
+    assert parse_mfu_percent("40") == parse_mfu_percent("40%") == pytest.approx(0.4)
+    assert parse_mfu_percent("0.5%") == pytest.approx(0.005)
+    assert 'MFU % <input type="number" id="mfu"' in render()
+    assert main(["memory", "cost", "--preset", "llama3-8b", "--mfu", "40", "--json"]) == 0
+    by_percent = json.loads(capsys.readouterr().out)[0]
+    assert by_percent["tflops_sustained"] == pytest.approx(0.4 * C.H100_BF16_TFLOPS)
+
+
+@pytest.mark.parametrize("name", ["llama3-8b", "llama3.1-8b", "llama3-70b", "llama3.1-405b"])
+def test_cost_takes_the_listed_preset_names_and_the_aliases(name, capsys):
+    from fasttrain.cli import main
+
+    assert main(["memory", "cost", "--preset", name, "--json"]) == 0
+    row = json.loads(capsys.readouterr().out)[0]
+    assert row["published_gpu_hours"] is not None and row["tokens"] >= 15e12
+
+
+def test_cost_of_a_listed_preset_without_published_figures_asks_for_tokens():
+    one_line_error(run("cost", "--preset", "gpt2-124m"), "no published token count; give --tokens")
+
+
+def test_memory_html_never_creates_folders(tmp_path):
+    target = tmp_path / "a" / "b" / "page.html"
+    one_line_error(run("--html", target), r"folder .*a/b does not exist; create it first")
+    assert list(tmp_path.iterdir()) == []
+    one_line_error(run("--html", f"{tmp_path}/newdir/"), "that is a folder")
+    one_line_error(run("--html", ""), "--html is empty")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_memory_html_is_atomic_with_the_usual_mode(tmp_path, monkeypatch):
+    import stat
+
+    from fasttrain.files import default_file_mode
+    from fasttrain.memory import page
+
+    target = tmp_path / "page.html"
+    target.write_text("earlier page\n")
+
+    def broken_render(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(page, "render", broken_render)
+    with pytest.raises(OSError):
+        page.write_page(target)
+    assert target.read_text() == "earlier page\n" and [p.name for p in tmp_path.iterdir()] == ["page.html"]
+    monkeypatch.undo()
+    page.write_page(target)
+    assert target.read_text().startswith("<!DOCTYPE html>") or "<html" in target.read_text()[:200]
+    assert stat.S_IMODE(target.stat().st_mode) == default_file_mode()

@@ -224,7 +224,8 @@ def test_the_api_checks_before_the_data(tmp_path, monkeypatch):
 
 
 def test_many_suite_grids_and_cases():
-    from fasttrain.bench import many, suites
+    from fasttrain.bench import suites
+    from fasttrain.bench.suites import many
 
     assert many.lr_factors(1) == [1.0] and len(many.lr_factors(8)) == 8
     assert all(1.0 in many.lr_factors(n) and max(many.lr_factors(n)) <= 4 for n in (1, 2, 4, 8))
@@ -232,18 +233,18 @@ def test_many_suite_grids_and_cases():
     assert len(lrs) == 4 and 0.1 in lrs and seeds == [8, 9, 10, 11]
     with pytest.raises(FasttrainError, match="K = n x n"):
         many.sweep_grid(8, 0.1, 0)
-    suite = suites.many()
+    suite = suites.build("many")
     assert suite.ks == (1, 4, 16, 64) and suite.models == ("logreg", "mlp:128x3", "mlp:1024x3")
     assert suite.config_for("logreg")["epochs"] == 20 and suite.config_for("mlp:128x3")["steps"] == 5000
     numpy_cases = [(c.model, c.k) for c in suite.cases() if c.row.engine == "numpy"]
     assert numpy_cases == [("logreg", 1), ("logreg", 4)]
-    assert suites.many(quick=True).ks == (1, 4)
+    assert suites.build("many", quick=True).ks == (1, 4)
     keys = [c.key for c in suite.cases()]
     assert len(keys) == len(set(keys))
 
 
 def _many_case(label, engine, model, k, train_ms, rate):
-    from fasttrain.bench.runner import CaseResult
+    from fasttrain.bench.results import CaseResult
 
     metric = "model_epochs_per_s" if model == "logreg" else "model_runs_per_s"
     stat = lambda v: {"p20": v, "p50": v, "p80": v, "mean": v, "n": 1, "unit": ""}   # noqa: E731
@@ -253,8 +254,8 @@ def _many_case(label, engine, model, k, train_ms, rate):
 
 
 def test_many_report_goal_lines_and_ratios():
-    from fasttrain.bench import many
-    from fasttrain.bench.runner import SuiteResult
+    from fasttrain.bench.results import SuiteResult
+    from fasttrain.bench.suites import many
 
     cases = [
         _many_case("jax vmap", "jax", "logreg", 1, 1000.0, 20.0), _many_case("jax vmap", "jax", "logreg", 16, 4000.0, 80.0),
@@ -295,13 +296,13 @@ def test_bench_many_quick_on_numpy_writes_its_files(tmp_path, capsys):
 
 def test_many_rows_of_an_engine_without_sweep_are_skipped_with_the_reason(monkeypatch):
     from fasttrain.bench import runner, suites
-    from fasttrain.bench.suites import Row
+    from fasttrain.engines.rows import Row
     from fasttrain.engines import registry
 
     unable = [name for name, cls in registry().items() if cls.sweep is None and cls.available() is None]
     if not unable:
         pytest.skip("every engine that runs here trains sweeps")
-    suite = suites.with_rows(suites.many(quick=True), [Row("numpy loop", "numpy", max_k=4, models=("logreg",)),
+    suite = suites.with_rows(suites.build("many", quick=True), [Row("numpy loop", "numpy", max_k=4, models=("logreg",)),
                                                         Row("other", unable[0], models=("logreg",))])
     reasons = {(c.row.label, c.k): reason for c, reason in runner.plan(suite)}
     assert reasons[("numpy loop", 4)] is None

@@ -23,6 +23,7 @@ from fasttrain.engines import get_engine
 from fasttrain.engines.base import Job, make_options, parse_option_words
 from fasttrain.errors import FasttrainError
 from fasttrain.parity import engine_run, loss_deviation, reference_run, weight_error
+import re
 
 GPU = has_cuda_gpu()
 DEVICE = "cuda" if GPU else "cpu"
@@ -253,3 +254,19 @@ def test_gpu_mixed_precision_tracks_reference(mnist, precision, model, config, o
     record, _ = engine_run("triton", model, cfg, mnist, options)
     assert loss_deviation(record, ref) <= 0.02
     assert abs(record.final["test_acc"] - ref.final["test_acc"]) <= 0.003
+
+
+# --- the kernels' source -----------------------------------------------------------------------------
+
+
+def test_triton_masks_are_built_as_boolean_blocks():
+    """``block & (pid == 0)`` mixes a block with a scalar bool; newer Triton interpreters refuse it
+    as a mask (``mask has unsupported dtype``). Kernels combine such conditions through mask_and,
+    which the interpreter tests of tests/test_triton_engine.py run (linear_backward, persistent)."""
+    scalar_and = re.compile(r"&\s*\(\s*(pid\w*\s*==|\w+\s*<\s*steps|s\s*\+\s*\d+\s*<\s*steps)")
+    offenders = []
+    for path in (SRC / "fasttrain" / "engines" / "triton").glob("*.py"):
+        for number, line in enumerate(path.read_text().splitlines(), start=1):
+            if scalar_and.search(line) and "mask_and" not in line:
+                offenders.append(f"{path.name}:{number}: {line.strip()}")
+    assert not offenders, offenders

@@ -10,6 +10,7 @@ temporary file.
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import tempfile
 from collections.abc import Iterator
@@ -58,6 +59,38 @@ def save_figure(fig, path: str | os.PathLike, **savefig_options) -> None:
     """A matplotlib figure saved whole or not at all (a temporary file of the same type, then a rename)."""
     with atomic_path(path, suffix=Path(path).suffix) as tmp:
         fig.savefig(tmp, **savefig_options)
+
+
+def finite_or_none(value):
+    """``value`` with every NaN or infinite float replaced by None, recursively: JSON has no NaN, and a
+    record must stay readable by any JSON parser (written with ``allow_nan=False``)."""
+    import numpy as np
+
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def write_into(path: str | os.PathLike, section: str, *, start: str, end: str) -> None:
+    """Replace what lies between the marker lines ``start`` and ``end`` of the text file ``path`` with
+    ``section`` (a generated part of a README); the rest of the file is kept, the write is whole."""
+    path = Path(path)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no such file") from None
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == start]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise FasttrainError(f"{path}: needs exactly one line {start} and, below it, one line {end} "
+                             "around the place for the results")
+    new = "".join(lines[: starts[0] + 1]) + section.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
+    atomic_write_text(path, new)
 
 
 def _folder_path(path: str | os.PathLike, flag: str) -> Path:

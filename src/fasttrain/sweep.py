@@ -21,7 +21,7 @@ import numpy as np
 from fasttrain.contract import ModelSpec, TrainConfig, default_config, epoch_order, initial_weights, parse_model, schedule
 from fasttrain.data.datasets import Dataset, load_dataset
 from fasttrain.engines import get_engine
-from fasttrain.engines.base import EpochStats, SweepJob, SweepMemory, SweepSession, Weights, make_options, options_dict
+from fasttrain.engines.base import EpochStats, SweepJob, SweepMemory, Weights, make_options, options_dict
 from fasttrain.environment import environment
 from fasttrain.errors import EngineUnavailable, FasttrainError
 from fasttrain.timing import Stopwatch, summarize_epochs
@@ -227,34 +227,6 @@ def check_sweep_engine(engine, spec: ModelSpec, config: TrainConfig) -> None:
         raise FasttrainError(f"engine {engine.name} does not train several models at once; engines that do: "
                              f"{', '.join(able)} (or give one --lr and one --seed)")
     engine.check_config(spec, config)
-
-
-class LoopSweepSession(SweepSession):
-    """K single sessions trained one after the other each epoch: the reference a sweep engine is held to
-    (each model's numbers are exactly those of its own run)."""
-
-    def __init__(self, sessions):
-        self.sessions = list(sessions)
-
-    def train_epoch(self, epoch: int, orders: list[np.ndarray], steps: int) -> list[EpochStats]:
-        return [s.train_epoch(epoch, order, steps) for s, order in zip(self.sessions, orders)]
-
-    def evaluate(self) -> list[tuple[float, float]]:
-        return [s.evaluate() for s in self.sessions]
-
-    def weights(self) -> list[Weights]:
-        return [s.weights() for s in self.sessions]
-
-    def sync(self) -> None:
-        for s in self.sessions:
-            s.sync()
-
-    def environment(self) -> dict:
-        return self.sessions[0].environment() if self.sessions else {}
-
-    def close(self) -> None:
-        for s in self.sessions:
-            s.close()
 
 
 # --- the API: fasttrain.train_sweep ---------------------------------------------------------

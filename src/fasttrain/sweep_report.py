@@ -18,8 +18,7 @@ import re
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-from fasttrain.files import atomic_write_text, check_new_folder, save_figure
-from fasttrain.training import finite_or_none
+from fasttrain.files import atomic_write_text, check_new_folder, finite_or_none, save_figure
 
 SUMMARY_SCHEMA = 1
 SUMMARY_KIND = "fasttrain sweep"

@@ -12,7 +12,7 @@ import click
 from rich.console import Console
 from rich.markup import escape
 
-from fasttrain.bench.runner import Progress
+from fasttrain.bench.results import Progress
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_folder
 
@@ -167,7 +167,7 @@ def run_suites(ctx: click.Context, names: list[str], quick, engines, repeats, ou
 
 
 def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter, fresh: bool) -> None:
-    from fasttrain.bench import plots, report, runner
+    from fasttrain.bench import figures, report, runner, tables
     from fasttrain.files import atomic_write_text
 
     olds = {}
@@ -181,16 +181,16 @@ def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter
             raise FasttrainError(f"{exc}; move it away, or pass --fresh to replace it") from None
         if (old.quick, old.dataset) != (suite.quick, info):
             raise FasttrainError(
-                f"{json_path} holds results of another setting ({report.dataset_line(old.dataset)}"
-                f"{', --quick' if old.quick else ''}) than this run ({report.dataset_line(info)}"
+                f"{json_path} holds results of another setting ({tables.dataset_line(old.dataset)}"
+                f"{', --quick' if old.quick else ''}) than this run ({tables.dataset_line(info)}"
                 f"{', --quick' if suite.quick else ''}); merging would drop them: use another --out, or --fresh to "
                 "replace them")
         olds[suite.name] = old
     if note:
         console.print(f"[bold yellow]warning:[/] {note}")
-    console.print(f"data: {report.dataset_line(info)}; results -> {folder}/")
-    if plots.matplotlib_or_none() is None:
-        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+    console.print(f"data: {tables.dataset_line(info)}; results -> {folder}/")
+    if figures.matplotlib_or_none() is None:
+        console.print(f"[yellow]{figures.MATPLOTLIB_MISSING}[/]")
 
     command_text = _command_line(ctx)
     failed: list[str] = []
@@ -208,7 +208,7 @@ def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter
         result, kept = runner.merge(result, old)
         if kept:
             console.print(f"kept {kept} earlier result(s) from {json_path} (rows or sizes not run now; --fresh drops them)")
-        written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+        written = report.write_plots(result, folder) + report.write_outputs(result, folder)
         click.echo(report.to_markdown(result))
         console.print("wrote " + ", ".join(str(p) for p in written))
 
@@ -268,7 +268,7 @@ def all_(ctx, **kwargs) -> None:
 def render(results_dir) -> None:
     """Rewrite the CSV, Markdown and PNG files of RESULTS_DIR from its JSON files (e.g. after a run on a
     machine without matplotlib)."""
-    from fasttrain.bench import plots, report, suites
+    from fasttrain.bench import figures, report, suites
 
     folder = Path(results_dir)
     if not folder.is_dir():
@@ -276,12 +276,12 @@ def render(results_dir) -> None:
     names = [n for n in suites.all_suites() if (folder / f"{n}.json").is_file()]
     if not names:
         raise FasttrainError(f"{folder}: no suite's results (<suite>.json) to render")
-    if plots.matplotlib_or_none() is None:
-        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+    if figures.matplotlib_or_none() is None:
+        console.print(f"[yellow]{figures.MATPLOTLIB_MISSING}[/]")
     with folder_lock(folder):
         results = [report.load_result(folder / f"{name}.json") for name in names]  # all readable before any write
         for result in results:
-            written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+            written = report.write_plots(result, folder) + report.write_outputs(result, folder)
             console.print("wrote " + ", ".join(str(p) for p in written))
         write_folder_outputs(folder)
 
@@ -299,7 +299,7 @@ def merge_cmd(into, parts) -> None:
 
 
 def _merge_locked(folder: Path, parts) -> None:
-    from fasttrain.bench import plots, report, runner, suites
+    from fasttrain.bench import report, runner, suites, tables
 
     merged_any = False
     for name in suites.all_suites():
@@ -307,7 +307,7 @@ def _merge_locked(folder: Path, parts) -> None:
         if not paths or paths == [folder / f"{name}.json"]:
             continue
         results = [report.load_result(p) for p in dict.fromkeys(paths)]
-        gpus = {report.gpu_name(r.environment) for r in results if r.ran()}
+        gpus = {tables.gpu_name(r.environment) for r in results if r.ran()}
         if len(gpus) > 1:
             raise FasttrainError(f"{name}: parts measured on different GPUs ({', '.join(sorted(gpus))}); keep them in separate folders")
         acc = results[0]
@@ -316,7 +316,7 @@ def _merge_locked(folder: Path, parts) -> None:
                 raise FasttrainError(f"{name}: parts differ in --quick or data ({acc.dataset['name']} vs {part.dataset['name']}); "
                                      "merge only runs of one setting")
             acc = runner.merge(part, acc)[0]
-        written = plots.write_plots(acc, folder) + report.write_outputs(acc, folder)
+        written = report.write_plots(acc, folder) + report.write_outputs(acc, folder)
         console.print(f"{name}: merged {len(results)} file(s); wrote " + ", ".join(str(p) for p in written))
         merged_any = True
     if not merged_any:
@@ -334,7 +334,8 @@ def _merge_locked(folder: Path, parts) -> None:
                    "(e.g. lab-results for the lab's folder).")
 def readme(results_dir, link_base, into, marker) -> None:
     """Print the README's Results section from the result files in RESULTS_DIR."""
-    from fasttrain.bench.readme import readme_section, write_into
+    from fasttrain.bench.readme import readme_section
+    from fasttrain.files import write_into
 
     if not marker.replace("-", "").isalnum():
         raise FasttrainError(f"--marker {marker!r}: use letters, digits and '-' only")
@@ -408,7 +409,7 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
 
 def _run_lab_locked(ctx, plan, folder: Path, corpus, fresh: bool) -> None:
     from fasttrain.bench import lab as bench_lab
-    from fasttrain.bench import plots, report, runner
+    from fasttrain.bench import figures, report, runner, suites
 
     json_path = folder / "lab.json"
     old = None
@@ -423,19 +424,19 @@ def _run_lab_locked(ctx, plan, folder: Path, corpus, fresh: bool) -> None:
                                  f"{old.dataset.get('steps')} steps) than this run (preset {plan.preset}, {plan.steps} "
                                  "steps); merging would mix them: use another --out, or --fresh to replace them")
     console.print(f"lab: preset {plan.preset}, {plan.steps} timed steps per baseline row; results -> {folder}/")
-    if plots.matplotlib_or_none() is None:
-        console.print(f"[yellow]{plots.MATPLOTLIB_MISSING}[/]")
+    if figures.matplotlib_or_none() is None:
+        console.print(f"[yellow]{figures.MATPLOTLIB_MISSING}[/]")
 
     def save_so_far(partial):
         # after every row: a run cut short (a time limit, a crash) keeps the rows it finished
         report.write_outputs(runner.merge(partial, old)[0], folder)
 
-    result = bench_lab.run_lab(plan, progress=_RichProgress(), on_case=save_so_far, command=_command_line(ctx),
-                               corpus=corpus)
+    run_lab = suites.spec("lab").run   # the suite's own runner (its rows are the lab's, not engines')
+    result = run_lab(plan, progress=_RichProgress(), on_case=save_so_far, command=_command_line(ctx), corpus=corpus)
     result, kept = runner.merge(result, old)
     if kept:
         console.print(f"kept {kept} earlier result(s) from {json_path} (rows not run now; --fresh drops them)")
-    written = plots.write_plots(result, folder) + report.write_outputs(result, folder)
+    written = report.write_plots(result, folder) + report.write_outputs(result, folder)
     click.echo(report.to_markdown(result))
     console.print("wrote " + ", ".join(str(p) for p in written))
     write_folder_outputs(folder)
@@ -460,9 +461,9 @@ def _suite_command(name: str, help: str):
 def _add_suite_commands() -> None:
     from fasttrain.bench.suites import all_suites
 
-    for name, (_builder, help) in all_suites().items():
+    for name, spec in all_suites().items():
         if name not in command.commands:
-            _suite_command(name, help)
+            _suite_command(name, spec.help)
 
 
 _add_suite_commands()

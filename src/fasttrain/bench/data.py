@@ -4,7 +4,7 @@ error, never a silent stand-in: results measured on noise would pass for real on
 
 from __future__ import annotations
 
-from fasttrain.bench.suites import QUICK_DATA
+from fasttrain.bench.suite import QUICK_DATA
 from fasttrain.data.datasets import Dataset, load_dataset
 from fasttrain.data.synthetic import synthetic_dataset as _synthetic
 from fasttrain.errors import DataError

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from fasttrain.bench.runner import CaseResult, Progress, SuiteResult, utc_now
+from fasttrain.bench.results import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
 from fasttrain.timing import summarize
 
@@ -361,7 +361,7 @@ def _pretrain(base, plan: LabPlan, checkpoint: Path, corpus, runner, progress: P
 
 
 def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, progress: Progress) -> CaseResult:
-    from fasttrain.bench.runner import release_memory
+    from fasttrain.bench.device import release_memory
 
     out = _case(label, technique, model, cfg, "ok", options=options)
     for i in range(repeats):
@@ -405,7 +405,7 @@ def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, pro
 
 
 def _fmt(v) -> str:
-    from fasttrain.bench.report import fmt_num
+    from fasttrain.bench.tables import fmt_num
 
     return fmt_num(v)
 
@@ -414,7 +414,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
     """Throughput against batch size on the sweep preset: double from SWEEP_START while a two-step
     probe fits, run each that fits, then bisect between the last fit and the first
     out-of-memory to within an eighth."""
-    from fasttrain.bench.runner import release_memory
+    from fasttrain.bench.device import release_memory
     from fasttrain.lab import batchsize
     from fasttrain.lab import train as lab_train
     from fasttrain.lab.config import preset

@@ -11,7 +11,11 @@ from pathlib import Path
 
 from fasttrain.bench.lab import (MEMORY_YES, SPEED_YES, SWEEP_RUNG, derive, sweep_cases, sweep_edge,
                                  technique_verdicts)
-from fasttrain.bench.runner import CaseResult, SuiteResult
+from fasttrain.bench import figures
+from fasttrain.bench.results import CaseResult, SuiteResult
+from fasttrain.bench.suite import Images, Suite
+from fasttrain.bench.tables import fmt_num, image_links, machine_line, skipped_list, versions
+from fasttrain.bench.tables import table as md_table
 from fasttrain.files import save_figure
 
 
@@ -26,8 +30,6 @@ def _agree(value: bool | None) -> str:
 
 
 def _mib_cell(value) -> str:
-    from fasttrain.bench.report import fmt_num
-
     return "-" if value is None else fmt_num(value)
 
 
@@ -46,9 +48,7 @@ def setting_line(result: SuiteResult) -> str:
             f"apart; {seeds} per row")
 
 
-def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
-    from fasttrain.bench.report import _images, _table, fmt_num, machine_line, skipped_list, versions
-
+def markdown(result: SuiteResult, images: Images = None, suite: Suite | None = None) -> str:
     table = derive(result)
     env = result.environment
     data = result.dataset
@@ -62,7 +62,7 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
              f"- Software: Python {env.get('python', '?')}; {versions(env)}; git {env.get('git_sha') or '?'}",
              f"- Run: {result.timestamp}"]
     parts.append("\n".join(lines))
-    parts += _images(images)
+    parts += image_links(images)
     verdicts = technique_verdicts(table)
     rows = []
     for v in verdicts:
@@ -72,7 +72,7 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
                      _agree(v["speed_agree"]), v["lecture_memory"], _yes(v["memory"]) + _which(v["memory_rows"]),
                      _agree(v["memory_agree"])])
     if rows:
-        parts.append("The lecture's table, measured (a technique is \"yes\" when any of its rows is):\n\n" + _table(
+        parts.append("The lecture's table, measured (a technique is \"yes\" when any of its rows is):\n\n" + md_table(
             ["technique", "lecture: speed", "measured: speed", "", "lecture: memory", "measured: memory", ""],
             rows, "lllllll"))
     detail = []
@@ -94,7 +94,7 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
         ])
     if detail:
         n = max((c.metric("tokens_per_s", "n") or 0 for c in result.ran()), default=0)
-        parts.append("Every row:\n\n" + _table(
+        parts.append("Every row:\n\n" + md_table(
             ["technique", "row", "precision", "tokens/s", "ms/step p50 (p20–p80)", "warm-up s", "× speed",
              "peak MiB", "× memory", "Δ val loss", "val loss", "speed", "memory", "lecture", "agree",
              "estimator MiB (error)"], detail, "lll" + "r" * 13))
@@ -127,7 +127,7 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
                      f"({sweep[0].precision}, "
                      f"{cfg['attn_implementation']} attention, context {cfg['context']}), "
                      f"{data.get('sweep_steps')} timed steps per batch:\n\n"
-                     + _table(["batch", "tokens/s", "ms/step p50", "peak allocated MiB", "peak reserved MiB",
+                     + md_table(["batch", "tokens/s", "ms/step p50", "peak allocated MiB", "peak reserved MiB",
                                "estimator MiB (error)"], srows, "rrrrrr"))
     if edge is not None:
         parts.append(f"*Out-of-memory edge: {edge.reason}.*")
@@ -155,8 +155,6 @@ def _over_budget(result: SuiteResult, table: list[dict]) -> list[str]:
 
 
 def _estimate_cell(case: CaseResult) -> str:
-    from fasttrain.bench.report import fmt_num
-
     est, err = case.metric("estimate_precise"), case.metric("estimate_error")
     if est is None:
         return "-"
@@ -174,8 +172,6 @@ def _which(labels: list[str]) -> str:
 
 
 def _ratio_cell(value, pair: str, label: str) -> str:
-    from fasttrain.bench.report import fmt_num
-
     if pair == label:
         return "(pair)" if label != "baseline" else "(baseline)"
     return "-" if value is None else f"{fmt_num(value)}×"
@@ -196,12 +192,10 @@ def _row_agree(r: dict) -> str:
 # --- plots --------------------------------------------------------------------------------------
 
 def write_plots(result: SuiteResult, out: Path) -> list[Path]:
-    from fasttrain.bench import plots
-
-    plt = plots.matplotlib_or_none()
+    plt = figures.matplotlib_or_none()
     if plt is None:
         return []
-    plots._style(plt)
+    figures.style(plt)
     paths = [_scatter(plt, result, out / "lab_scatter.png"), _sweep_plot(plt, result, out / "lab_batch_sweep.png"),
              _curves(plt, result, out / "lab_loss_curves.png")]
     return [p for p in paths if p is not None]
@@ -215,8 +209,6 @@ def _palette(labels: list[str]) -> dict:
 
 
 def _scatter(plt, result: SuiteResult, path: Path) -> Path | None:
-    from fasttrain.bench import plots
-
     cases = [c for c in result.ran() if c.metric("peak_allocated") is not None and c.metric("tokens_per_s")]
     if not cases:
         return None
@@ -236,15 +228,13 @@ def _scatter(plt, result: SuiteResult, path: Path) -> Path | None:
     ax.set_xlabel("peak memory allocated, MiB (log)")
     ax.set_ylabel("training throughput, tokens/s (log)")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=8.5)
-    plots._titles(fig, ax, "Memory against throughput: every configuration (up and left is better)", result)
+    figures.titles(fig, ax, "Memory against throughput: every configuration (up and left is better)", result)
     save_figure(fig, path)
     plt.close(fig)
     return path
 
 
 def _sweep_plot(plt, result: SuiteResult, path: Path) -> Path | None:
-    from fasttrain.bench import plots
-
     sweep = sweep_cases(result)
     if not sweep:
         return None
@@ -266,15 +256,13 @@ def _sweep_plot(plt, result: SuiteResult, path: Path) -> Path | None:
         ax.axvline(edge.options["first_oom"], color="black", ls=":", lw=1.2)
         ax.text(edge.options["first_oom"], ax.get_ylim()[0], f" out of memory at {edge.options['first_oom']}\n"
                 f" (largest fit {edge.options['largest_fit']})", fontsize=8.5, va="bottom")
-    plots._titles(fig, ax, f"Throughput against batch size up to the out-of-memory edge: {sweep[0].model}", result)
+    figures.titles(fig, ax, f"Throughput against batch size up to the out-of-memory edge: {sweep[0].model}", result)
     save_figure(fig, path)
     plt.close(fig)
     return path
 
 
 def _curves(plt, result: SuiteResult, path: Path) -> Path | None:
-    from fasttrain.bench import plots
-
     cases = [c for c in result.ran() if c.rung != SWEEP_RUNG and c.records and c.records[0].get("loss_curve")]
     if not cases:
         return None
@@ -289,7 +277,7 @@ def _curves(plt, result: SuiteResult, path: Path) -> Path | None:
     ax.set_xlabel("training tokens seen, millions")
     ax.set_ylabel("training loss, nats/char")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize=7.5, ncol=1)
-    plots._titles(fig, ax, "Loss curves at the same token budget (PEFT rows dashed: fine-tuning)", result)
+    figures.titles(fig, ax, "Loss curves at the same token budget (PEFT rows dashed: fine-tuning)", result)
     save_figure(fig, path)
     plt.close(fig)
     return path

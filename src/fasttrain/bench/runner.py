@@ -10,107 +10,23 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import gc
 import os
-import sys
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass, field
-from datetime import datetime, timezone
 
 import numpy as np
 from rich.markup import escape
 
 from fasttrain.bench import stats
-from fasttrain.bench.suites import OFF, Case, Suite
+from fasttrain.bench.device import release_memory
+from fasttrain.bench.results import NOT_SELECTED, CaseResult, Progress, SuiteResult, utc_now
+from fasttrain.bench.suite import Case, Suite
+from fasttrain.bench.suites import spec
 from fasttrain.contract import default_config, parse_model
 from fasttrain.data.datasets import Dataset
+from fasttrain.engines.rows import OFF
 from fasttrain.errors import FasttrainError
 
-SCHEMA = 1
-NOT_SELECTED = "not selected (--engines)"
-
-
-def utc_now() -> str:
-    return datetime.now(timezone.utc).replace(microsecond=0).isoformat()
-
-
-@dataclass
-class CaseResult:
-    """One row on one model: its status and, when it ran, one run record per seed."""
-
-    suite: str
-    label: str
-    engine: str
-    rung: str
-    model: str
-    precision: str
-    options: dict
-    config: dict
-    seed_ms: float | None
-    status: str  # ok | skipped | failed
-    reason: str | None = None
-    seeds: list[int] = field(default_factory=list)
-    records: list[dict] = field(default_factory=list)
-    metrics: dict = field(default_factory=dict)
-    deviation: dict | None = None  # curves: against the NumPy fp64 reference
-    timestamp: str = ""
-    traceback: str | None = None
-    k: int | None = None  # the many suite: models trained at once
-    run_id: str | None = None  # the invocation that ran it: rows compared "in the same run" share it
-
-    @property
-    def key(self) -> tuple[str, str, int | None]:
-        return (self.label, self.model, self.k)
-
-    @property
-    def ok(self) -> bool:
-        return self.status == "ok"
-
-    def metric(self, name: str, stat: str = "p50"):
-        entry = self.metrics.get(name)
-        return None if entry is None else entry.get(stat)
-
-    def to_dict(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "CaseResult":
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-
-@dataclass
-class SuiteResult:
-    suite: str
-    title: str
-    quick: bool
-    command: str
-    timestamp: str
-    dataset: dict
-    environment: dict
-    repeats: int
-    cases: list[CaseResult] = field(default_factory=list)
-    reference: dict = field(default_factory=dict)  # curves, record: model -> the fp64 reference's run record
-    commands: list[str] = field(default_factory=list)  # every command whose cases are in here, oldest first
-    baselines: list[str] = field(default_factory=list)  # labels of the rows the speed-up columns divide by
-    schema: int = SCHEMA
-
-    def to_dict(self) -> dict:
-        data = dataclasses.asdict(self)
-        return {"schema": data.pop("schema"), **data}
-
-    @classmethod
-    def from_dict(cls, data: dict) -> "SuiteResult":
-        if data.get("schema") != SCHEMA:
-            raise FasttrainError(f"benchmark results schema {data.get('schema')!r} is not {SCHEMA}; rerun the suite")
-        data = dict(data)
-        data["cases"] = [CaseResult.from_dict(c) for c in data.get("cases", [])]
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
-
-    def ran(self) -> list[CaseResult]:
-        return [c for c in self.cases if c.ok]
 
 
 # --- what can run here ---------------------------------------------------------------------
@@ -220,42 +136,8 @@ def _jsonable(options: dict) -> dict:
     return {k: ("off" if v is OFF else v) for k, v in options.items()}
 
 
-Log = Callable[[str], None]
 
 
-class Progress:
-    """Where the runner reports while it works. This base stays silent (tests, the Python API);
-    the CLI's subclass draws rich progress bars and prints the log lines."""
-
-    def start(self, total: int, description: str) -> None:
-        """``total`` runs are planned."""
-
-    def describe(self, description: str) -> None:
-        """The run starting now."""
-
-    def advance(self, n: int = 1) -> None:
-        """``n`` runs are done (or will not happen)."""
-
-    def log(self, message: str) -> None:
-        """A line for the user (rich markup): a finished, skipped or failed row."""
-
-    def stop(self) -> None:
-        """The suite is over."""
-
-
-def release_memory() -> None:
-    """Hand cached device memory back between rows, so one engine's pool does not crowd the next."""
-    gc.collect()
-    torch = sys.modules.get("torch")
-    if torch is not None and torch.cuda.is_available() and torch.cuda.is_initialized():
-        torch.cuda.empty_cache()
-    cupy = sys.modules.get("cupy")
-    if cupy is not None:
-        try:
-            cupy.get_default_memory_pool().free_all_blocks()
-            cupy.get_default_pinned_memory_pool().free_all_blocks()
-        except Exception:  # noqa: BLE001 - best effort; a CuPy without a device has nothing to free
-            pass
 
 
 def run_suite(
@@ -274,7 +156,7 @@ def run_suite(
 
     ``on_case(result)`` is called after each case that ran, with the results so far (the CLI saves
     them, so a run cut short keeps what it finished). A case of K models (the many suite) runs through
-    ``sweep_runner`` (default :func:`fasttrain.bench.many.run_many`), the others through ``runner``."""
+    ``sweep_runner`` (default: the runner the suite's registration carries), the others through ``runner``."""
     from fasttrain.engines import reference_engine
     from fasttrain.environment import environment
     from fasttrain.training import run as train_run
@@ -309,9 +191,7 @@ def run_suite(
                 result.cases.append(_case_result(case, "skipped", reason))
                 continue
             if case.k is not None:
-                from fasttrain.bench.many import run_many
-
-                case_runner = functools.partial(sweep_runner or run_many, k=case.k)
+                case_runner = functools.partial(sweep_runner or _sweep_runner_of(suite), k=case.k)
             else:
                 case_runner = runner
             result.cases.append(_run_case(suite, case, seeds, data, case_runner, progress, result.reference))
@@ -320,6 +200,17 @@ def run_suite(
     finally:
         progress.stop()
     return result
+
+
+def _sweep_runner_of(suite: Suite) -> Callable:
+    """How the suite runs a case of K models: the runner its registration carries."""
+    try:
+        runner = spec(suite.name).case_runner
+    except ValueError:
+        runner = None
+    if runner is None:
+        raise FasttrainError(f"suite {suite.name} has cases of K models but no runner for them in its registration")
+    return runner
 
 
 def _run_case(suite: Suite, case: Case, seeds, data, runner, progress: Progress, reference: dict) -> CaseResult:
@@ -440,10 +331,8 @@ def merge(new: SuiteResult, old: SuiteResult | None) -> tuple[SuiteResult, int]:
         else:
             merged.append(fresh)
     # rows in the suite's own order (a part run with --rows or --engines holds only some of them)
-    from fasttrain.bench.suites import build
-
     try:
-        defined = [row.label for row in build(new.suite).rows]
+        defined = [row.label for row in spec(new.suite).build().rows]
     except ValueError:
         defined = []
     labels = list(dict.fromkeys([*defined, *(c.label for c in old.cases), *(c.label for c in new.cases)]))

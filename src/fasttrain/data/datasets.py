@@ -1,9 +1,7 @@
 """MNIST-like datasets: where they live, how they are verified, downloaded and loaded.
 
-Location, first match wins: ``--data-dir`` > ``$FASTTRAIN_DATA_DIR`` > ``$XDG_CACHE_HOME/fasttrain``
-> ``~/.cache/fasttrain``. Each dataset's files sit in ``<root>/<dataset>/``, except when the root
-itself is named after the dataset (``FASTTRAIN_DATA_DIR=.../mnist`` holds the MNIST files
-directly).
+Location: :mod:`fasttrain.data.locations` decides it (the data root holds one folder per dataset).
+The text corpora are found and checked by :mod:`fasttrain.data.text`; their download is the one below.
 
 Verification: each ``.gz`` has the MD5 torchvision lists. For MNIST we also know the MD5 of the
 decompressed content, which holds for any gzip of the same bytes; a file passes when either its
@@ -23,6 +21,9 @@ from pathlib import Path
 import numpy as np
 
 from fasttrain.data.idx import md5_hex, parse_idx, read_idx_file
+from fasttrain.data.locations import data_root, dataset_dir, download_command  # noqa: F401 - re-exported
+from fasttrain.data.text import TEXT_DATASETS, text_path, text_spec, verify_text
+from fasttrain.data.text import check_text as _check_text
 from fasttrain.errors import DataError
 from fasttrain.files import default_file_mode
 
@@ -112,29 +113,7 @@ def dataset_spec(name: str) -> DatasetSpec:
     try:
         return DATASETS[name]
     except KeyError:
-        from fasttrain.data.text import TEXT_DATASETS
-
         raise DataError(f"unknown dataset {name!r}; choose one of: {', '.join([*DATASETS, *TEXT_DATASETS])}") from None
-
-
-def data_root(data_dir: str | os.PathLike | None = None) -> Path:
-    """The data root: ``data_dir`` > $FASTTRAIN_DATA_DIR > $XDG_CACHE_HOME/fasttrain > ~/.cache/fasttrain."""
-    if data_dir:
-        return Path(data_dir).expanduser()
-    if os.environ.get("FASTTRAIN_DATA_DIR"):
-        return Path(os.environ["FASTTRAIN_DATA_DIR"]).expanduser()
-    if os.environ.get("XDG_CACHE_HOME"):
-        return Path(os.environ["XDG_CACHE_HOME"]).expanduser() / "fasttrain"
-    return Path.home() / ".cache" / "fasttrain"
-
-
-def dataset_dir(name: str, data_dir: str | os.PathLike | None = None) -> Path:
-    root = data_root(data_dir)
-    return root if root.name == name else root / name
-
-
-def download_command(name: str, data_dir: str | os.PathLike | None = None) -> str:
-    return f"fasttrain data download --dataset {name} --data-dir {data_root(data_dir)}"
 
 
 def _locate(spec: DatasetSpec, role: str, directory: Path, data_dir) -> Path:
@@ -242,8 +221,6 @@ def load_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None,
 
 def verify_dataset(name: str = "mnist", data_dir: str | os.PathLike | None = None) -> list[tuple[Path, str]]:
     """Check every file of a dataset (structure, counts, checksums); raises DataError on the first failure."""
-    from fasttrain.data.text import TEXT_DATASETS, verify_text
-
     if name in TEXT_DATASETS:
         return verify_text(name, data_dir)
     load_dataset(name, data_dir, verify=True)
@@ -296,9 +273,10 @@ RETRIES = 2
 DEADLINE = 45.0
 
 
-def _offline_hint(name: str) -> str:
-    return (f"offline? copy the {name} files into a folder and point at it with FASTTRAIN_DATA_DIR=/that/folder "
-            "or --data-dir /that/folder")
+def _offline_hint(title: str, directory: Path) -> str:
+    """Where copied files would be found: the dataset's folder, or a folder of that name under a root of one's own."""
+    return (f"offline? copy the {title} files into {directory}, or into ROOT/{directory.name}/ and point "
+            "FASTTRAIN_DATA_DIR or --data-dir at ROOT")
 
 
 def _created_folders(directory: Path) -> list[Path]:
@@ -341,8 +319,6 @@ def download_dataset(
     removed again when nothing was saved in them. Text corpora (Tiny Shakespeare) are one file
     checked by SHA-256 (:mod:`fasttrain.data.text`).
     """
-    from fasttrain.data.text import TEXT_DATASETS, download_text
-
     if name in TEXT_DATASETS:
         return download_text(name, data_dir, urls=mirrors, retries=retries, progress=progress, timeout=timeout,
                              force=force, deadline=deadline, log=log)
@@ -382,7 +358,7 @@ def download_dataset(
                 tried.append(f"{mirror} ({outcome})")
             if source is None:
                 raise DataError(f"could not download {fs.filename} from any mirror: tried {'; '.join(tried) or 'none'}; "
-                                f"{_offline_hint(spec.title)}")
+                                f"{_offline_hint(spec.title, directory)}")
             report.append((final, f"downloaded from {source}"))
     except BaseException:
         _remove_created(created)
@@ -438,3 +414,50 @@ def _try_download(verify, url, directory: Path, final: Path, retries: int, progr
                 tmp.unlink()
     return last
 
+
+def download_text(name: str, data_dir=None, *, urls: tuple[str, ...] | None = None, retries: int | None = None,
+                  progress: bool = True, timeout=None, force: bool = False, deadline: float | None = None,
+                  log=None) -> list[tuple[Path, str]]:
+    """Fetch the corpus into a temporary file beside its final path, check its SHA-256, rename it
+    into place (never a partial or unverified file at the final path). The same mirrors, attempts,
+    time limits and clean-up as the image datasets (:func:`download_dataset` above)."""
+    spec = text_spec(name)
+    final = text_path(name, data_dir)
+    directory = final.parent
+    if final.is_dir():
+        raise DataError(f"{final} is a folder, not the {spec.title} file; move it away and run the download again")
+    if final.exists() and not force:
+        try:
+            _check_text(spec, final, final.read_bytes(), data_dir)
+            return [(final, "present")]
+        except DataError:
+            pass  # a bad file is replaced below
+    if directory.exists() and not directory.is_dir():
+        raise DataError(f"{directory} is a file, not a folder; choose another --data-dir")
+    created = _created_folders(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {directory} ({exc.strerror}); choose another folder with --data-dir "
+                        "or FASTTRAIN_DATA_DIR") from None
+
+    def verify(tmp: Path) -> Path:
+        _check_text(spec, tmp, tmp.read_bytes(), data_dir)
+        return tmp
+
+    mirrors = urls or spec.urls
+    stop = time.monotonic() + (DEADLINE if deadline is None else deadline)
+    tried: list[str] = []
+    try:
+        for number, url in enumerate(mirrors, start=1):
+            outcome = _try_download(verify, url, directory, final, retries or RETRIES, progress,
+                                    timeout or (CONNECT_TIMEOUT, READ_TIMEOUT),
+                                    f"{spec.filename} (mirror {number}/{len(mirrors)}", stop, log)
+            if outcome is None:
+                return [(final, f"downloaded from {url}")]
+            tried.append(f"{url} ({outcome})")
+        raise DataError(f"could not download {spec.filename} from any mirror: tried {'; '.join(tried) or 'none'}; "
+                        f"{_offline_hint(spec.title, directory)}")
+    except BaseException:
+        _remove_created(created)
+        raise

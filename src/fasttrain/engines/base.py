@@ -205,7 +205,7 @@ class Engine(ABC):
 
     @classmethod
     def rows(cls, suite: str) -> tuple:
-        """This engine's lines (:class:`fasttrain.bench.suites.Row`) in the benchmark suite ``suite``
+        """This engine's lines (:class:`fasttrain.engines.rows.Row`) in the benchmark suite ``suite``
         (``ladder``, ``sweep``, ``curves``, ``record``, ...); none by default."""
         return ()
 

@@ -127,7 +127,7 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
 
 def write_record(record: dict, path) -> Path:
     """The run record as strict JSON (non-finite numbers as null), written whole or not at all."""
-    from fasttrain.training import finite_or_none
+    from fasttrain.files import finite_or_none
 
     atomic_write_text(path, json.dumps(finite_or_none(record), indent=1, default=str, allow_nan=False) + "\n")
     return Path(path)

@@ -304,7 +304,7 @@ def readme_command(results_dir, into) -> None:
     """Print (or write into a README) the speedrun section generated from a result folder."""
     section = readme_section(results_dir)
     if into:
-        from fasttrain.bench.readme import write_into
+        from fasttrain.files import write_into
 
         write_into(into, section, start=README_START, end=README_END)
         click.echo(f"wrote the speedrun section into {into}")

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import numpy as np
 
-from fasttrain.bench.suites import Row
+from fasttrain.engines.rows import Row
 from fasttrain.contract import INPUT_DIM, NUM_CLASSES
 from fasttrain.engines.cuda.fused import make_session
 from fasttrain.engines.cuda.fused.build import module_int

@@ -8,7 +8,7 @@ through the same driver; the kernels' earlier versions run from ``dev/cuda`` (th
 
 from __future__ import annotations
 
-from fasttrain.bench.suites import Row
+from fasttrain.engines.rows import Row
 
 _FP16 = {"precision": "fp16"}
 _BF16 = {"precision": "bf16"}

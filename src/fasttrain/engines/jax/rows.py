@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fasttrain.bench.suites import Row
+from fasttrain.engines.rows import Row
 
 _FP16 = {"precision": "fp16"}
 _BF16 = {"precision": "bf16"}

@@ -76,7 +76,7 @@ class NumpyEngine(Engine):
 
     @classmethod
     def rows(cls, suite: str) -> tuple:
-        from fasttrain.bench.suites import Row
+        from fasttrain.engines.rows import Row
 
         if suite == "ladder":
             return (Row("numpy", "numpy", "-", seed_ms=12500.0),)   # the seed study's figure, measured elsewhere
@@ -89,12 +89,12 @@ class NumpyEngine(Engine):
     def prepare(self, job: Job) -> Session:
         return NumpySession(job, self.options.threads or os.cpu_count() or 1)
 
-    # a sweep is K sessions trained one after the other (fasttrain.sweep.LoopSweepSession): the reference
+    # a sweep is K sessions trained one after the other (fasttrain.engines.loop_sweep.LoopSweepSession): the reference
     # every sweep engine is held to, each model exactly its own run
     sweep = "a loop over the models"
 
     def prepare_sweep(self, job: SweepJob) -> SweepSession:
-        from fasttrain.sweep import LoopSweepSession
+        from fasttrain.engines.loop_sweep import LoopSweepSession
 
         threads = self.options.threads or os.cpu_count() or 1
         dtype = np.float64 if job.config.precision == "fp64" else np.float32

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from fasttrain.bench.suites import OFF, Row
+from fasttrain.engines.rows import OFF, Row
 
 COMPILE_NOTE = "left out of --quick: torch.compile takes a minute or more to compile"
 SEED_EAGER_MS = 10500.0    # the seed study's figures (ms per epoch, logreg, batch 128; measured elsewhere)

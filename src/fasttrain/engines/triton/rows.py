@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from fasttrain.bench.suites import Row
+from fasttrain.engines.rows import Row
 
 _MLPS = ("mlp:128x3", "mlp:1024x3", "mlp:8192x3")
 

@@ -226,7 +226,7 @@ def make_sweep_session(job: SweepJob, options) -> SweepSession:
     7 one model after another, every session on one copy of the data."""
     from fasttrain.engines.cuda.fused import check_precision, make_session
     from fasttrain.engines.cuda.fused.plans import mlp_plan
-    from fasttrain.sweep import LoopSweepSession
+    from fasttrain.engines.loop_sweep import LoopSweepSession
 
     check_precision(job.config.precision, options.rung)
     if options.rung == 8 and job.spec.is_logreg:

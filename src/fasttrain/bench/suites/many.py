@@ -18,11 +18,13 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from fasttrain.bench.report import _images, _table, fmt_num, header, skipped_list
-from fasttrain.bench.runner import SuiteResult
+from fasttrain.bench.results import SuiteResult
+from fasttrain.bench.suite import Images, Suite, SuiteSpec, engine_rows
+from fasttrain.bench.tables import fmt_num, header, image_links, skipped_list, table
+from fasttrain.bench.workloads import LOGREG, MLP
 from fasttrain.bench.stats import ratio
 from fasttrain.errors import FasttrainError
-from fasttrain.training import finite_or_none
+from fasttrain.files import finite_or_none
 
 # (model, K, the most its training time may be, as a multiple of one model's on the same row)
 # (model, K, the most its training time may be as a multiple of one model's on the same row, the engine whose
@@ -152,8 +154,8 @@ def goal_lines(result: SuiteResult) -> list[str]:
     return lines
 
 
-def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -> str:
-    parts = [f"### {result.title}", header(result), *_images(images)]
+def markdown(result: SuiteResult, images: Images = None, suite: Suite | None = None) -> str:
+    parts = [f"### {result.title}", header(result), *image_links(images)]
     models = list(dict.fromkeys(c.model for c in result.ran() if c.k is not None))
     if not models:
         parts.append("*No row ran on this machine.*")
@@ -174,12 +176,12 @@ def markdown(result: SuiteResult, images: list[tuple[str, str]] | None = None) -
 
         parts.append(f"**{model}** ({length}, batch {cfg['batch_size']}): throughput, {unit} of training time "
                      "(p50 across repeats):\n\n"
-                     + _table(head, rows(lambda l, k: fmt_num(rates.get((l, k)))), align))
+                     + table(head, rows(lambda l, k: fmt_num(rates.get((l, k)))), align))
         parts.append(f"{model}: training time of K models over the time of one (same row; 1× would be free):\n\n"
-                     + _table(head, rows(lambda l, k: _ratio_cell(time_ratio(times, l, k))), align))
+                     + table(head, rows(lambda l, k: _ratio_cell(time_ratio(times, l, k))), align))
         if jax:
             parts.append(f"{model}: throughput over the JAX engine's ({', '.join(jax)}) at the same K:\n\n"
-                         + _table(head, rows(lambda l, k: _ratio_cell(jax_ratio(rates, l, k, jax))), align))
+                         + table(head, rows(lambda l, k: _ratio_cell(jax_ratio(rates, l, k, jax))), align))
     if models:
         parts.append("*K models: n learning rates (the default and half-octave steps around it, at most 4× it) × n "
                      "seeds, each model its own run (its seed's weights and batch order, its lr). Throughput: "
@@ -198,15 +200,15 @@ def _ratio_cell(value: float | None) -> str:
 
 def plot(result: SuiteResult, path: Path) -> Path | None:
     """Throughput against K, log-log: a panel per model, a line per row (p20–p80 band across repeats)."""
-    from fasttrain.bench.plots import _log_ticks, _machine, _style, colors, matplotlib_or_none
+    from fasttrain.bench import figures
     from fasttrain.files import save_figure
 
-    plt = matplotlib_or_none()
+    plt = figures.matplotlib_or_none()
     ran = [c for c in result.ran() if c.k is not None]
     if plt is None or not ran:
         return None
-    _style(plt)
-    palette = colors([(c.label, c.engine) for c in ran])
+    figures.style(plt)
+    palette = figures.colors([(c.label, c.engine) for c in ran])
     models = list(dict.fromkeys(c.model for c in ran))
     fig, axes = plt.subplots(1, len(models), figsize=(max(9.5, 5.2 * len(models)), 4.6), layout="constrained", squeeze=False)
     for ax, model in zip(axes[0], models):
@@ -225,7 +227,7 @@ def plot(result: SuiteResult, path: Path) -> Path | None:
         if values:
             low, high = min(values) / 1.5, max(values) * 1.5
             ax.set_ylim(low, high)
-            _log_ticks(ax.yaxis, decades=math.log10(high / low))
+            figures.log_ticks(ax.yaxis, decades=math.log10(high / low))
         ax.set_xticks(ks, [str(k) for k in ks])
         ax.set_xlabel("models trained at once, K")
         ax.set_ylabel(f"{unit} of training time")
@@ -235,9 +237,35 @@ def plot(result: SuiteResult, path: Path) -> Path | None:
         for handle, label in zip(*ax.get_legend_handles_labels()):
             handles.setdefault(label, handle)
     fig.legend(handles.values(), handles.keys(), loc="outside lower center", ncol=min(4, len(handles)), fontsize=9)
-    fig.suptitle(f"Many models at once: throughput against K\n{_machine(result)}", x=0.01, ha="left", fontsize=11,
+    fig.suptitle(f"Many models at once: throughput against K\n{figures.machine_title(result)}", x=0.01, ha="left", fontsize=11,
                  fontweight="bold")
     save_figure(fig, path)
     plt.close(fig)
     return path
 
+
+MANY_K = (1, 4, 16, 64)
+QUICK_MANY_K = (1, 4)
+MANY_MODELS = ("logreg", "mlp:128x3", "mlp:1024x3")
+
+
+def build(quick: bool = False, repeats: int | None = None, hidden=None) -> Suite:
+    # K = n x n models: n learning rates around the model's default (sweep_grid above) x n seeds;
+    # logreg is measured in model-epochs per second of training, the MLPs in model-runs per second
+    logreg = {**LOGREG, "epochs": 2} if quick else LOGREG
+    mlp = {**MLP, "steps": 100} if quick else MLP
+    return Suite("many", "Many models at once: K models (lr × seed) trained in one process", engine_rows("many"),
+                 MANY_MODELS, {}, repeats or (1 if quick else 3), quick,
+                 model_config={m: (logreg if m == "logreg" else mlp) for m in MANY_MODELS},
+                 metric="model_runs_per_s", model_metric={"logreg": "model_epochs_per_s"},
+                 ks=QUICK_MANY_K if quick else MANY_K)
+
+
+def write_plots(result: SuiteResult, out: Path) -> list[Path]:
+    return [p for p in [plot(result, out / "many.png")] if p is not None]
+
+
+SPEC = SuiteSpec("many", "Many models at once: throughput of K = 1, 4, 16, 64 models (lr x seed grids) trained in one "
+                  "process, per engine, on logreg (20 epochs) and mlp:128x3, mlp:1024x3 (5000 steps).", build, markdown,
+                 (("throughput against the number of models trained at once", "many.png"),), write_plots,
+                 case_runner=run_many)

@@ -87,19 +87,6 @@ def test_the_installed_versions_lie_in_the_stated_ranges():
     assert checked >= 5
 
 
-def test_triton_masks_are_built_as_boolean_blocks():
-    """``block & (pid == 0)`` mixes a block with a scalar bool; newer Triton interpreters refuse it
-    as a mask (``mask has unsupported dtype``). Kernels combine such conditions through mask_and,
-    which the interpreter tests of tests/test_triton_engine.py run (linear_backward, persistent)."""
-    scalar_and = re.compile(r"&\s*\(\s*(pid\w*\s*==|\w+\s*<\s*steps|s\s*\+\s*\d+\s*<\s*steps)")
-    offenders = []
-    for path in (ROOT / "src" / "fasttrain" / "engines" / "triton").glob("*.py"):
-        for number, line in enumerate(path.read_text().splitlines(), start=1):
-            if scalar_and.search(line) and "mask_and" not in line:
-                offenders.append(f"{path.name}:{number}: {line.strip()}")
-    assert not offenders, offenders
-
-
 def test_shlex_parses_the_setup_line():
     words = shlex.split(_readme_setup_line())
     assert words[:3] == ["pip", "install", "torch==2.13.0"]

@@ -1,0 +1,57 @@
+"""The file writers (`fasttrain.files`): a write is whole or not at all, in the usual mode."""
+
+from __future__ import annotations
+
+import errno
+from pathlib import Path
+
+import pytest
+
+
+def test_a_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch):
+    from fasttrain.files import atomic_write_text
+
+    target = tmp_path / "run.json"
+    target.write_text("earlier\n")
+
+    def full_disk(self, text, *args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(self))
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    with pytest.raises(OSError):
+        atomic_write_text(target, "new\n")
+    monkeypatch.undo()
+    assert target.read_text() == "earlier\n"
+    assert [p.name for p in tmp_path.iterdir()] == ["run.json"]
+
+
+def test_finite_or_none_makes_any_record_strict_json():
+    import json
+    import math
+
+    import numpy as np
+
+    from fasttrain.files import finite_or_none
+
+    record = {"loss": float("nan"), "curve": [1.0, np.float32("inf"), np.float64(2.5)], "pair": (math.inf, 3),
+              "nested": {"x": -math.inf, "name": "run"}}
+    clean = finite_or_none(record)
+    assert clean == {"loss": None, "curve": [1.0, None, 2.5], "pair": [None, 3], "nested": {"x": None, "name": "run"}}
+    json.dumps(clean, allow_nan=False)
+    assert type(clean["curve"][2]) is float
+
+
+def test_write_into_replaces_only_the_marked_section(tmp_path):
+    from fasttrain.errors import FasttrainError
+    from fasttrain.files import write_into
+
+    readme = tmp_path / "README.md"
+    readme.write_text("# Title\n\n<!-- s:start -->\nold\n<!-- s:end -->\n\nafter\n")
+    write_into(readme, "new table\n", start="<!-- s:start -->", end="<!-- s:end -->")
+    assert readme.read_text() == "# Title\n\n<!-- s:start -->\nnew table\n<!-- s:end -->\n\nafter\n"
+    readme.write_text("<!-- s:end -->\n<!-- s:start -->\n")
+    with pytest.raises(FasttrainError, match="needs exactly one line <!-- s:start --> and, below it"):
+        write_into(readme, "x", start="<!-- s:start -->", end="<!-- s:end -->")
+    assert readme.read_text() == "<!-- s:end -->\n<!-- s:start -->\n"
+    with pytest.raises(FasttrainError, match="no such file"):
+        write_into(tmp_path / "missing.md", "x", start="a", end="b")
