@@ -31,7 +31,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.timing import summarize
 from fasttrain.lab.adapters import merge_lora
 from fasttrain.lab.batchsize import find_batch_size, probe_batch
-from fasttrain.lab.build import build_model, config_from_model, model_config, model_source, resolve_device
+from fasttrain.lab.build import config_from_model, make_trainer, model_config, resolve_device
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra, validate
 from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, sync, tf32_matmuls
@@ -170,18 +170,14 @@ def _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model)
         return _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, keep_model)
 
 
-def _factory(cfg, corpus, device, model, checkpoint):
-    """``make(batch_probe: bool) -> LabModel``: the model ``cfg`` names, or the given one (a probe
-    trains a copy of its initial state, so the run starts from the same weights)."""
-    if model is None:
-        return lambda: build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint)
+def _copies_of(model, device):
+    """``make() -> LabModel``: fresh copies of a given model's initial state (a batch-size probe must
+    not train the run's own module)."""
     import copy
+    import dataclasses
 
     initial = copy.deepcopy(model.module).to("cpu")
-
-    def copy_of_initial():
-        return copy.copy(model).__class__(**{**model.__dict__, "module": copy.deepcopy(initial).to(device)})
-    return copy_of_initial
+    return lambda: dataclasses.replace(model, module=copy.deepcopy(initial).to(device))
 
 
 def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
@@ -207,20 +203,19 @@ def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, 
     from fasttrain.lab import distributed as D
 
     cuda = device.type == "cuda"
-    make = _factory(cfg, corpus, device, model, checkpoint)
-    batch, auto = _find_batch(cfg, corpus, device, make if model is not None else None, log)
+    # probes build the model cfg names afresh, or train copies of a given one
+    make = _copies_of(model, device) if model is not None and cfg.auto_find_batch_size and cuda else None
+    batch, auto = _find_batch(cfg, corpus, device, make, log)
     held = 0
     if cuda:
         free_memory(device)
         held = held_before(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    lab_model = model if model is not None else make()
-    rebuild = None
-    if model is None and lab_model.name == "gpt":
-        rebuild = lambda seed: build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint,  # noqa: E731
-                                           seed=seed).module
-    trainer = Trainer(cfg, lab_model, corpus, device, batch=batch, world=world, rebuild=rebuild)
+    if model is None:
+        trainer = make_trainer(cfg, corpus, device, batch=batch, world=world, checkpoint=checkpoint)
+    else:
+        trainer = Trainer(cfg, model, corpus, device, batch=batch, world=world)
     sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
     metrics = Metrics(cfg, device, world, log=log, held=held)
@@ -238,26 +233,29 @@ def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, 
     else:
         oom = False
     if oom:
-        del trainer, lab_model
+        del trainer
         free_memory(device)
-        _out_of_memory(cfg, corpus, device, batch, world, make if model is not None else None)
+        _out_of_memory(cfg, corpus, device, batch, world, searchable=model is None)
     record = _record(cfg, trainer, metrics, corpus, device, world, batch, auto, setup_ms, wall0)
     if cfg.save:
         _save(cfg, trainer, record, corpus, device, world, batch)
         record["saved"] = str(cfg.save)
     trained = trainer.model if keep_model else None
-    del trainer, lab_model
+    del trainer
     free_memory(device)
     return record, trained
 
 
-def _out_of_memory(cfg, corpus, device, batch, world, make):
+def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):
     if world.distributed:
         raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
                              f"{gpu_name(device)} under --strategy {world.strategy}; lower "
                              f"--per-device-train-batch-size (find the largest on one GPU with "
                              f"--auto-find-batch-size)") from None
-    largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b, make=make))
+    if not searchable:          # a given model has trained: no fresh copy of it is left to probe with
+        raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; lower "
+                             f"--per-device-train-batch-size or use --auto-find-batch-size")
+    largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
     hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
             f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
     raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; {hint}")
