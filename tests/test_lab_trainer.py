@@ -250,9 +250,13 @@ def test_the_gpt_classes_live_at_module_level_and_keep_their_weights():
         assert float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(state))) == checksum
 
 
-def test_memory_validation_is_a_command_of_the_memory_group_defined_by_the_lab():
+def test_memory_validation_is_a_command_of_the_memory_group_defined_by_the_lab(capsys):
+    from tests_support import run_cli
+
     from fasttrain.cli import cli
 
+    code, out, _ = run_cli(["memory", "validate", "--help"], capsys)
+    assert code == 0 and "--rescore" in out
     memory = cli.commands["memory"]
     assert "validate" in memory.commands
     assert memory.commands["validate"].callback.__module__ == "fasttrain.lab.memory_check"

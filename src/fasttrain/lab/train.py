@@ -122,7 +122,8 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
         if model is None:
             D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
-            return _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model)
+            return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
+                           keep_model=keep_model)
     finally:
         D.shutdown(world)
 
@@ -148,10 +149,18 @@ def _check_libraries(cfg: LabConfig, device) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model):
     from fasttrain.lab.data import load_corpus
 
     _check_libraries(cfg, device)
+    if cfg.save_steps:
+        from fasttrain.files import check_new_folder
+
+        check_new_folder(cfg.output_dir, "--output-dir")        # before training, not at the first save
+    if cfg.resume:
+        from fasttrain.lab.resume import find_checkpoint
+
+        find_checkpoint(cfg.resume)
     corpus = corpus or load_corpus(cfg.data_dir)
     checkpoint = None
     if cfg.init_from and model is None:
@@ -167,7 +176,8 @@ def _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model)
         raise FasttrainError(f"--save: {model.name} has no save hook; save record.model yourself "
                              f"(e.g. safetensors.torch.save_model)")
     with tf32_matmuls(cfg.tf32):
-        return _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, keep_model)
+        return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
+                      checkpoint=checkpoint, keep_model=keep_model)
 
 
 def _copies_of(model, device):
@@ -197,10 +207,9 @@ def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
     return found, {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
 
 
-def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, keep_model):
+def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model):
+    """Build, train through the trainer's loop, save and record (one process's part of the run)."""
     import torch
-
-    from fasttrain.lab import distributed as D
 
     cuda = device.type == "cuda"
     # probes build the model cfg names afresh, or train copies of a given one
@@ -236,7 +245,8 @@ def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, 
         del trainer
         free_memory(device)
         _out_of_memory(cfg, corpus, device, batch, world, searchable=model is None)
-    record = _record(cfg, trainer, metrics, corpus, device, world, batch, auto, setup_ms, wall0)
+    record = _record(cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms,
+                     wall0=wall0)
     if cfg.save:
         _save(cfg, trainer, record, corpus, device, world, batch)
         record["saved"] = str(cfg.save)
@@ -298,7 +308,7 @@ MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and 
                  "process held before the run (held_before_bytes)")
 
 
-def _record(cfg, trainer, metrics, corpus, device, world, batch, auto, setup_ms, wall0) -> dict:
+def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_ms, wall0) -> dict:
     from fasttrain.environment import environment
     from fasttrain.lab import distributed as D
     from fasttrain.lab.record import provenance
