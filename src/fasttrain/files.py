@@ -165,3 +165,4 @@ def check_output_folder(path: str | os.PathLike, flag: str, parents: bool = Fals
     if not os.access(folder, os.W_OK):
         raise FasttrainError(f"{flag} {text}: folder is not writable; choose another")
     return folder
+

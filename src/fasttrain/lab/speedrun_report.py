@@ -361,7 +361,7 @@ def merge_results(parts: list[dict]) -> dict:
     rows = sorted((dict(row) for _, row in chosen.values()), key=_row_key)
     # each rung's change is now said since the rung above it in the merged ladder (a part's first row listed
     # every change since the last rung of that part, e.g. all of them since the preset)
-    from fasttrain.lab.speedrun import LADDER
+    from fasttrain.lab.speedrun_ladder import LADDER
 
     prev = -1
     for row in rows:
