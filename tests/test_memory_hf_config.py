@@ -133,7 +133,7 @@ def measured_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, seq: 
 
     def forward():
         with ctx:
-            return model(input_ids=ids, labels=ids).loss
+            return model(input_ids=ids, labels=ids, use_cache=False).loss
 
     n, _ = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids])
     return n
@@ -153,11 +153,13 @@ def estimated_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, seq:
 @pytest.mark.parametrize("name, cfg", ACT_CASES, ids=[c[0] for c in ACT_CASES])
 @pytest.mark.parametrize("batch", [1, 2])
 def test_saved_activations_equal_what_autograd_saves_on_cpu(name, cfg, attention, amp, batch):
+    if attention == "sdpa" and name == "gpt2-dropout":
+        pytest.skip("the CPU's sdpa has no fused dropout (it runs the math kernel and keeps s^2 tensors); "
+                    "CUDA's flash kernel keeps only its RNG state, which is what the estimator models")
     seq = 12
     measured = measured_saved_bytes(cfg, attention, amp, batch, seq)
     est = estimated_saved_bytes(cfg, attention, amp, batch, seq)
-    # the 4-byte loss-normalizer nll_loss keeps is the only tensor not modelled
-    assert abs(est - measured) <= 0.01 * measured, (est, measured)
+    assert est == measured
 
 
 # --------------------------------------------------------------------------------------------
@@ -229,3 +231,12 @@ def test_cli_hf_config_refuses_what_it_cannot_model(tmp_path, extra, message):
 def test_load_hf_config_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     assert load_hf_config(tmp_path) == QWEN25_05B
+
+
+def test_one_kv_head_with_batch_one_keeps_views_in_eager_attention():
+    """repeat_kv's stride-0 view survives the batched matmul only when b = 1 and g = 1: a case the
+    estimator tells apart (and the CPU test above checks) in the fused Phi-3 layout too."""
+    phi3 = dict(ACT_CASES)["phi3"]
+    measured = measured_saved_bytes(dict(phi3, num_key_value_heads=1), "eager", False, 1, 12)
+    est = estimated_saved_bytes(dict(phi3, num_key_value_heads=1), "eager", False, 1, 12)
+    assert est == measured

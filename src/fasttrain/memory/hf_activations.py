@@ -27,7 +27,8 @@ Llama, Mistral, Qwen2, Phi-3, Gemma (``hf-llama``, ``hf-phi3``, ``hf-gemma``):
 - gated MLP: gate output, activation output, up output, product: 4 C N f (SwiGLU and Gemma's GeGLU).
 - autocast's bf16 weight copies of every matrix (biases are cast but not kept).
 - head: final RMSNorm as above, the head's input, ``logits.float()`` then ``cross_entropy``: fp32
-  log-probabilities (4 N v) in every precision, the shifted labels (int64, 8 N).
+  log-probabilities (4 N v) in every precision, the shifted labels (int64, 8 N) and nll_loss's total
+  weight (4 bytes).
 
 GPT-2 (``hf-gpt2``): LayerNorm keeps its input and fp32 mean and rstd (4 N h + 8 N); Conv1D is
 ``addmm`` (keeps its input); c_attn's output split into q, k, v (eager: 3 C N h, copies or views);
@@ -92,20 +93,36 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
     else:
         fused = s.modules == "hf-phi3"
         norm = (4 + (2 if mixed else 4)) * N * h + 4 * N
-        if s.modules == "hf-gemma" and mixed:
-            norm = 8 * N * h + 4 * N          # Gemma scales in fp32 and casts after: xhat stays fp32
+        if s.modules == "hf-gemma":
+            # Gemma scales by (1 + weight) in fp32 (kept: 4 h) and casts after: xhat stays fp32 in mixed too
+            norm = 8 * N * h + 4 * N + 4 * h
         n_qkv, n_up = (1, 1) if fused or not cast else (3, 2)
         Rr = 2 if mixed else 4                # the rotated q, k: fp32 under autocast (fp32 cos)
+        # v kept as a view keeps its whole storage: v_proj's output, or Phi-3's fused qkv output
+        v_view = C * N * (hl + 2 * kvl if fused else kvl)
         if flash:
-            core = C * N * (hl + 2 * kvl) + C * N * hl + 4 * a * s.micro_batch * s.seq
+            core = C * N * (hl + kvl) + v_view + C * N * hl + 4 * a * s.micro_batch * s.seq
         else:
-            core = 3 * C * N * hl + (4 + (2 if C == 2 else 0)) * unit
+            # repeat_kv is expand + reshape: a stride-0 view when there is one KV head, which the batched
+            # matmul can keep as a view when b = 1 (k then keeps g d per token, v too; under autocast k's
+            # bf16 cast materializes all a heads); otherwise both are copies with a heads
+            one_kv_view = kvl == D["d"] and s.micro_batch == 1
+            k_kept = C * N * (kvl if one_kv_view and not cast else hl)
+            v_kept = v_view if one_kv_view else C * N * hl
+            core = C * N * hl + k_kept + v_kept + (4 + (2 if C == 2 else 0)) * unit
+        # sdpa's output follows q's memory layout: Llama's rotated q is (b, s, a, d) in memory, so
+        # ``transpose(1, 2).contiguous()`` is the same tensor; Phi-3's partial-rotary ``cat`` makes q
+        # (b, a, s, d)-contiguous and the output projection's input a copy
+        proj_in = C * N * hl if (not flash or fused) else 0
         attn = {"norm1": norm, "qkv_input": n_qkv * C * N * h, "core": core,
-                "proj_input": 0 if flash else C * N * hl, "dropout_mask": 0, "weight_copies": copies_attn}
+                "proj_input": proj_in, "dropout_mask": 0, "weight_copies": copies_attn}
         mlp = {"norm2": norm, "mlp_input": n_up * C * N * h, "mlp_hidden": 4 * C * N * f, "dropout_mask": 0,
                "weight_copies": copies_mlp}
         once = {"RoPE cos and sin": 2 * s.seq * D["d"] * Rr}
         head = {"final_norm": norm, "head_input": C * N * h}
-    head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=8 * N)
+    # the loss shifts the labels: pad by one, drop the first: a view of the padded (b, s + 1) int64 labels
+    # when b = 1, a copy otherwise; nll_loss keeps them and its fp32 total weight (4 bytes)
+    labels = 8 * (N + (1 if s.micro_batch == 1 else 0)) + 4
+    head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
     return {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm,
             "checkpoint": R * N * h}
