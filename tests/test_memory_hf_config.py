@@ -240,3 +240,70 @@ def test_one_kv_head_with_batch_one_keeps_views_in_eager_attention():
     measured = measured_saved_bytes(dict(phi3, num_key_value_heads=1), "eager", False, 1, 12)
     est = estimated_saved_bytes(dict(phi3, num_key_value_heads=1), "eager", False, 1, 12)
     assert est == measured
+
+
+# --------------------------------------------------------------------------------------------
+# The whole step on the CPU: the estimate's peak (its moments of the backward and the optimizer
+# step) against the live tensor bytes of a transformers model trained one step (tracker.py).
+
+PEAK_CFG = {
+    "llama": dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64),
+    "qwen2": dict(model_type="qwen2", hidden_size=64, intermediate_size=176, num_hidden_layers=3,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=64, tie_word_embeddings=True),
+    "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=64, n_positions=128,
+                 embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
+}
+PEAK_CASES = [("llama", "eager", False, 4), ("llama", "sdpa", True, 4), ("qwen2", "eager", True, 1),
+              ("gpt2", "eager", False, 4), ("gpt2", "sdpa", True, 2)]
+
+
+@pytest.mark.parametrize("name, attention, amp, batch", PEAK_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}" for c in PEAK_CASES])
+def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name, attention, amp, batch):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.memory import precise
+    from fasttrain.memory.tracker import tracked_peak_step
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    cfg, seq = PEAK_CFG[name], 128
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    model.train()
+
+    class LossOnly(torch.nn.Module):            # what the trainer keeps of the output: the loss
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx, targets):
+            return self.m(input_ids=idx, labels=targets, use_cache=False).loss
+
+    wrapped = LossOnly()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    dtype = torch.bfloat16 if amp else None
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = wrapped(ids, ids)
+    loss.backward()
+    opt.step()                                   # the optimizer state exists from the first step on
+    opt.zero_grad(set_to_none=True)
+    del loss
+    measured, _, _ = tracked_peak_step(wrapped, opt, ids, ids, autocast_dtype=dtype)
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, workspace_mib=0.0)
+    est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).total
+    assert abs(est - measured) <= 0.02 * measured, (est, measured)
+
+
+def test_keep_logits_holds_the_logits_through_backward():
+    base = setup_from_hf_config(GPT2, micro_batch=2, seq=64, precision="bf16")
+    kept = estimate(base.with_(keep_logits=True))
+    plain = estimate(base)
+    logits = 2 * 2 * 64 * 50257                       # bf16 logits, N v
+    moments = lambda b: {m["name"]: m["bytes"] for m in b.extra["moments"]}
+    assert moments(kept)["end of forward (loss)"] == moments(plain)["end of forward (loss)"]
+    for name in ("backward: log-softmax", "backward layer 12: MLP", "optimizer step"):
+        assert moments(kept)[name] - moments(plain)[name] == logits, name

@@ -238,6 +238,11 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
 
         hf = hf_terms(s, mask_bytes, cpu=not kernel_temps)
         out.update(attn=hf["attn"], mlp=hf["mlp"], checkpoint=hf["checkpoint"], norm=hf["norm"], hf=hf)
+        if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+            # gelu_new's backward through its Python ops holds two hidden-size gradients beyond what is
+            # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
+            chain = 4 if cast and kernel_temps else C
+            out["mlp_extra"] = max(mlp_extra, 2 * chain * N * f_l) + max(lora_back["up"], lora_back["down"])
     return out
 
 
@@ -381,7 +386,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # recomputation the autocast cache still holds every layer's bf16 weight copies
     fwd_extra = logits_c + (4 * N_out * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
     if hf:
-        fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0)      # ``logits.float()`` beside the logits
+        # ``logits.float()`` beside the logits; under autocast the fp32 last hidden state (the model's
+        # output object holds it while the loss runs; without autocast it is the head's kept input)
+        fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
     if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
