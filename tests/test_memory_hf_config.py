@@ -254,13 +254,15 @@ PEAK_CFG = {
     "gpt2": dict(model_type="gpt2", n_embd=64, n_layer=3, n_head=4, vocab_size=64, n_positions=128,
                  embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
 }
-PEAK_CASES = [("llama", "eager", False, 4), ("llama", "sdpa", True, 4), ("qwen2", "eager", True, 1),
-              ("gpt2", "eager", False, 4), ("gpt2", "sdpa", True, 2)]
+PEAK_CASES = [("llama", "eager", False, 4, "none"), ("llama", "sdpa", True, 4, "none"),
+              ("qwen2", "eager", True, 1, "none"), ("gpt2", "eager", False, 4, "none"), ("gpt2", "sdpa", True, 2, "none"),
+              ("llama", "eager", False, 4, "full"), ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
 
 
-@pytest.mark.parametrize("name, attention, amp, batch", PEAK_CASES,
-                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}" for c in PEAK_CASES])
-def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name, attention, amp, batch):
+@pytest.mark.parametrize("name, attention, amp, batch, recompute", PEAK_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}-recompute-{c[4]}" for c in PEAK_CASES])
+def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name, attention, amp, batch,
+                                                                               recompute):
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from fasttrain.memory import precise
@@ -272,6 +274,8 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
                                                           attn_implementation=attention)
     model.train()
+    if recompute == "full":
+        model.gradient_checkpointing_enable()   # transformers' own: one checkpoint per decoder layer
 
     class LossOnly(torch.nn.Module):            # what the trainer keeps of the output: the loss
         def __init__(self):
@@ -293,7 +297,7 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     del loss
     measured, _, _ = tracked_peak_step(wrapped, opt, ids, ids, autocast_dtype=dtype)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
-                                 attention=attention, workspace_mib=0.0)
+                                 attention=attention, recompute=recompute, workspace_mib=0.0)
     est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).total
     assert abs(est - measured) <= 0.02 * measured, (est, measured)
 

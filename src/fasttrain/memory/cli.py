@@ -98,7 +98,8 @@ def setup_from_options(opts: dict):
 # what a config.json decides: refused beside --hf-config
 _ARCH_FLAGS = {"preset": "--preset", "heads": "--heads", "kv_heads": "--kv-heads", "hidden": "--hidden",
                "ffn": "--ffn", "layers": "--layers", "vocab": "--vocab", "ffn_act": "--ffn-act", "norm": "--norm",
-               "pos": "--pos", "tied": "--tied/--untied", "bias": "--bias/--no-bias", "dropout": "--dropout/--no-dropout"}
+               "pos": "--pos", "tied": "--tied/--untied", "bias": "--bias/--no-bias",
+               "dropout": "--dropout/--no-dropout"}
 
 
 def _setup_from_hf_options(opts: dict):
@@ -167,7 +168,8 @@ def _print_breakdown(b) -> None:
              f"{s.ffn_act}{' · SP' if s.seq_parallel else ''}"
              + (f" · {s.optim}" if s.optim != "adamw" else "")
              + (f" · LoRA r={s.lora_rank} on {','.join(s.lora_targets)}" if s.lora_rank else "")
-             + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else ""))
+             + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "")
+             + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

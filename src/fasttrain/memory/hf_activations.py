@@ -123,6 +123,10 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
     # the loss shifts the labels: pad by one, drop the first: a view of the padded (b, s + 1) int64 labels
     # when b = 1, a copy otherwise; nll_loss keeps them and its fp32 total weight (4 bytes)
     labels = 8 * (N + (1 if s.micro_batch == 1 else 0)) + 4
+    if s.recompute == "full" and not flash:
+        # eager attention's additive causal mask (b, 1, s, s) in the embeddings' dtype is made once per
+        # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
+        once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
     return {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm,
             "checkpoint": R * N * h}

@@ -62,8 +62,9 @@ from __future__ import annotations
 
 from fasttrain.memory.breakdown import Breakdown, Line
 from fasttrain.memory.config import Setup, check
-from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_shapes, numel, optimizer_state_bytes,
-                                             optimizer_temp_bytes, param_counts, trainable_shapes)
+from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_shapes, numel,
+                                             optimizer_state_bytes, optimizer_temp_bytes, param_counts,
+                                             trainable_shapes)
 
 MiB = 1024 ** 2
 
