@@ -255,12 +255,20 @@ PEAK_CFG = {
                  embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
 }
 PEAK_CASES = [("llama", "eager", False, 4, "none"), ("llama", "sdpa", True, 4, "none"),
-              ("qwen2", "eager", True, 1, "none"), ("gpt2", "eager", False, 4, "none"), ("gpt2", "sdpa", True, 2, "none"),
-              ("llama", "eager", False, 4, "full"), ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
+              ("qwen2", "eager", True, 1, "none"), ("gpt2", "eager", False, 4, "none"),
+              ("gpt2", "sdpa", True, 2, "none"), ("llama", "eager", False, 4, "full"),
+              ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
+
+
+def enable_checkpointing(model):
+    """transformers' own gradient checkpointing, one checkpoint per decoder layer (renamed
+    ``activation_checkpointing_enable`` in recent versions)."""
+    (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
 
 
 @pytest.mark.parametrize("name, attention, amp, batch, recompute", PEAK_CASES,
-                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}-recompute-{c[4]}" for c in PEAK_CASES])
+                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}-recompute-{c[4]}"
+                              for c in PEAK_CASES])
 def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name, attention, amp, batch,
                                                                                recompute):
     torch = pytest.importorskip("torch")
@@ -275,7 +283,7 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
                                                           attn_implementation=attention)
     model.train()
     if recompute == "full":
-        model.gradient_checkpointing_enable()   # transformers' own: one checkpoint per decoder layer
+        enable_checkpointing(model)
 
     class LossOnly(torch.nn.Module):            # what the trainer keeps of the output: the loss
         def __init__(self):
@@ -311,3 +319,59 @@ def test_keep_logits_holds_the_logits_through_backward():
     assert moments(kept)["end of forward (loss)"] == moments(plain)["end of forward (loss)"]
     for name in ("backward: log-softmax", "backward layer 12: MLP", "optimizer step"):
         assert moments(kept)[name] - moments(plain)[name] == logits, name
+
+
+# --------------------------------------------------------------------------------------------
+# On the GPU: the estimate against torch.cuda.max_memory_allocated for transformers models trained
+# three steps as the lab trains them (model(input_ids, labels, use_cache=False).loss, AdamW).
+
+GPU_GPT2 = dict(model_type="gpt2", n_embd=768, n_layer=6, n_head=12, vocab_size=50257, n_positions=1024)
+GPU_LLAMA = dict(model_type="llama", hidden_size=1024, intermediate_size=2816, num_hidden_layers=8,
+                 num_attention_heads=16, num_key_value_heads=4, vocab_size=32000, max_position_embeddings=1024)
+GPU_CASES = [("gpt2", GPU_GPT2, "sdpa", "bf16", "none"), ("gpt2", GPU_GPT2, "eager", "bf16", "none"),
+             ("gpt2", GPU_GPT2, "sdpa", "fp32", "none"), ("gpt2", GPU_GPT2, "sdpa", "bf16", "full"),
+             ("llama", GPU_LLAMA, "sdpa", "bf16", "none"), ("llama", GPU_LLAMA, "eager", "bf16", "none"),
+             ("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "full")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, attention, precision, recompute", GPU_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}" for c in GPU_CASES])
+def test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(name, cfg, attention, precision,
+                                                                                 recompute):
+    import gc
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    batch, seq = 4, 1024
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention).to(dev)
+    model.train()
+    if recompute == "full":
+        enable_checkpointing(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=dev)
+    for _ in range(3):
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        del loss
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    del model, opt, ids
+    gc.collect()
+    torch.cuda.empty_cache()
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision=precision, attention=attention,
+                                 recompute=recompute, optim="adamw_torch")
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")
