@@ -264,3 +264,16 @@ def test_js_format_gib_equals_python(page):
     values = [0, 1, 512.5, 1023.5, 1024, 8.125 * 1024 ** 3, 1.005 * 1024 ** 2, 3 * 1024 ** 5, 2 ** 60]
     values += [random.Random(2).uniform(1, 1e15) for _ in range(200)]
     assert page.evaluate("(vs) => vs.map(FTMemory.formatGiB)", values) == [format_gib(v) for v in values]
+
+
+def test_page_refuses_a_transformers_models_setup():
+    """The page's JavaScript models the lab's GPT; a setup with a transformers model's fields (head_dim,
+    per-kind biases, a learned position table, transformers' modules) is refused, not shown wrong."""
+    from fasttrain.memory.hf_config import setup_from_hf_config
+
+    gpt2 = setup_from_hf_config(dict(model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=100,
+                                     n_positions=64), seq=64)
+    for setup in (gpt2, preset("llama3-8b").with_(head_dim=256), preset("llama3-8b").with_(keep_logits=True)):
+        with pytest.raises(FasttrainError, match="models the lab's GPT"):
+            render(setup)
+    assert "<html" in render(preset("llama3-8b")).lower()

@@ -31,6 +31,11 @@ def _options(fn):
         fn = click.option(flag, name, type=int, help=help_)(fn)
     decorators = [
         click.option("--preset", help="Start from a preset (default llama3-8b); see --list-presets."),
+        click.option("--hf-config", type=click.Path(), help="precise: a Hugging Face config.json (or its folder) of a "
+                     "llama, mistral, qwen2, gemma, phi3 or gpt2 model instead of a preset; give the training shape "
+                     "with --micro-batch, --seq, --precision, --attention, --recompute, --optim."),
+        click.option("--keep-logits", is_flag=True, help="precise: the trainer holds the model's output (logits) "
+                     "through backward."),
         click.option("--list-presets", is_flag=True, help="List the presets and exit."),
         click.option("--mixed", is_flag=True, help="Mixed precision (bf16 + fp32 master weights)."),
         click.option("--precision", type=click.Choice(["fp32", "mixed", "amp"]),
@@ -39,7 +44,8 @@ def _options(fn):
         click.option("--recompute", type=click.Choice(["none", "selective", "full"])),
         click.option("--zero", type=click.IntRange(0, 3), help="ZeRO stage 0..3 over --dp."),
         click.option("--ffn-act", type=click.Choice(["relu", "gelu", "swiglu"])),
-        click.option("--attention", type=click.Choice(["eager", "flash"]), help="precise: attention kernel."),
+        click.option("--attention", type=click.Choice(["eager", "flash", "sdpa"]),
+                     help="precise: attention kernel (sdpa = flash: no s^2 term)."),
         click.option("--norm", type=click.Choice(["rms", "layer"]), help="precise: RMSNorm or LayerNorm."),
         click.option("--pos", type=click.Choice(["rope", "learned"]), help="precise: position encoding."),
         click.option("--tied/--untied", default=None, help="precise: tied input/output embeddings."),
@@ -68,6 +74,10 @@ def setup_from_options(opts: dict):
     """A :class:`Setup` from CLI options: the preset, then every flag given."""
     from fasttrain.memory.config import check, preset
 
+    if opts.get("attention") == "sdpa":
+        opts = {**opts, "attention": "flash"}
+    if opts.get("hf_config") is not None:
+        return _setup_from_hf_options(opts)
     changes = {name: opts[name] for _, name, _ in _SIZE_FLAGS if opts.get(name) is not None}
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
@@ -83,6 +93,44 @@ def setup_from_options(opts: dict):
     changes.update(training_changes(opts))
     setup = preset(opts.get("preset") or "llama3-8b", **changes)
     return check(setup, opts.get("mode") or "precise")
+
+
+# what a config.json decides: refused beside --hf-config
+_ARCH_FLAGS = {"preset": "--preset", "heads": "--heads", "kv_heads": "--kv-heads", "hidden": "--hidden",
+               "ffn": "--ffn", "layers": "--layers", "vocab": "--vocab", "ffn_act": "--ffn-act", "norm": "--norm",
+               "pos": "--pos", "tied": "--tied/--untied", "bias": "--bias/--no-bias",
+               "dropout": "--dropout/--no-dropout"}
+
+
+def _setup_from_hf_options(opts: dict):
+    """--hf-config: the model from its config.json, the training shape from the other flags."""
+    from fasttrain.memory.config import check
+    from fasttrain.memory.hf_config import load_hf_config, setup_from_hf_config
+
+    given = [flag for name, flag in _ARCH_FLAGS.items() if opts.get(name) is not None]
+    if given:
+        raise FasttrainError(f"--hf-config sets the architecture; drop {', '.join(given)}")
+    if (opts.get("mode") or "precise") != "precise":
+        raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
+    if opts.get("html") is not None:
+        raise FasttrainError("--hf-config is not on the page (it models the lab's GPT); drop --html")
+    config = load_hf_config(opts["hf_config"])
+    precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "fp32")
+    if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
+        raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
+    changes = {name: opts[name] for name in ("tp", "dp", "opt_bytes", "zero", "workspace_mib")
+               if opts.get(name) is not None}
+    for name in ("seq_parallel", "grad_buffers"):
+        if opts.get(name):
+            changes[name] = True
+    changes.update(training_changes(opts))
+    if opts.get("optimizer") is not None:
+        changes.setdefault("optimizer", opts["optimizer"])
+    attention = {"flash": "sdpa", None: "sdpa"}.get(opts.get("attention"), opts.get("attention"))
+    setup = setup_from_hf_config(config, micro_batch=opts.get("micro_batch") or 1, seq=opts.get("seq"),
+                                 precision=precision, recompute=opts.get("recompute") or "none", attention=attention,
+                                 keep_logits=bool(opts.get("keep_logits")), **changes)
+    return check(setup, "precise")
 
 
 def training_changes(opts: dict) -> dict:
@@ -120,7 +168,8 @@ def _print_breakdown(b) -> None:
              f"{s.ffn_act}{' · SP' if s.seq_parallel else ''}"
              + (f" · {s.optim}" if s.optim != "adamw" else "")
              + (f" · LoRA r={s.lora_rank} on {','.join(s.lora_targets)}" if s.lora_rank else "")
-             + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else ""))
+             + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "")
+             + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

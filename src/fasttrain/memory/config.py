@@ -32,6 +32,9 @@ NORMS = ("rms", "layer")
 POSITIONS = ("rope", "learned")
 ATTENTIONS = ("eager", "flash")
 OPTIMIZERS = ("foreach", "fused")
+# whose modules the activations follow: the lab's GPT (fasttrain.lab.model) or transformers' modeling code of
+# one family (llama also stands for mistral and qwen2, which share its modules; see hf_config.py)
+MODULES = ("lab", "hf-llama", "hf-gemma", "hf-phi3", "hf-gpt2")
 # what the optimizer keeps per trainable parameter (``precise``): adamw = fp32 m and v (k bytes,
 # --opt-bytes, 8 by default); adamw_8bit = torchao's AdamW8bit (block-wise 8-bit m and v);
 # adafactor = torch.optim.Adafactor (factored second moment, no first moment); sgd = nothing;
@@ -86,10 +89,24 @@ class Setup:
     lora_targets: tuple = ("qkv", "proj")   # module kinds that get A (r x in) and B (out x r)
     lora_dropout: float = 0.0       # peft's lora_dropout: > 0 keeps a dropped copy of A's input and its mask
     prompt_tokens: int = 0          # P: trainable soft-prompt vectors (P x h) prepended, base frozen; 0 = off
+    # a model other than the lab's GPT (precise only; ``fasttrain.memory.hf_config`` fills these from a
+    # Hugging Face config.json). The defaults describe the lab's GPT and change no figure of it.
+    head_dim: int | None = None     # d: per-head width; None = h / a (Gemma-7B: 256 with 16 heads of a 3072 model)
+    qkv_bias: bool | None = None    # biases on the q, k, v projections; None = ``bias`` (Qwen2: q, k, v only)
+    proj_bias: bool | None = None   # bias on the attention output projection; None = ``bias``
+    mlp_bias: bool | None = None    # biases on the MLP's linears; None = ``bias``
+    positions: int | None = None    # rows of the learned position table; None = s (GPT-2: n_positions = 1024)
+    modules: str = "lab"            # whose modules keep the activations: the lab's GPT or a transformers family
+    keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
 
     @property
     def g(self) -> int:
         return self.heads if self.kv_heads is None else self.kv_heads
+
+    @property
+    def d(self) -> int:
+        """The per-head width: ``head_dim``, or h / a."""
+        return self.hidden // self.heads if self.head_dim is None else self.head_dim
 
     @property
     def mixed(self) -> bool:
@@ -117,13 +134,14 @@ _POSITIVE = ("heads", "micro_batch", "hidden", "ffn", "layers", "seq", "vocab", 
 # Upper bounds, far above any real model (Llama 3.1 405B: h 16384, h_ff 53248, L 126, v 128256) and
 # low enough that every byte count stays an exact, printable number.
 MAXIMA = {"heads": 2**16, "micro_batch": 2**20, "hidden": 2**20, "ffn": 2**22, "layers": 2**16, "seq": 2**24,
-          "vocab": 2**24, "tp": 2**16, "dp": 2**24, "opt_bytes": 64, "workspace_mib": 2**20}
+          "vocab": 2**24, "tp": 2**16, "dp": 2**24, "opt_bytes": 64, "workspace_mib": 2**20, "head_dim": 2**16,
+          "positions": 2**24}
 
 
 def _flag(name: str) -> str:
     return "--" + {"micro_batch": "micro-batch", "opt_bytes": "opt-bytes", "kv_heads": "kv-heads",
                    "lora_rank": "lora-r", "lora_targets": "lora-targets", "lora_dropout": "lora-dropout",
-                   "prompt_tokens": "prompt-tokens"}.get(name, name)
+                   "prompt_tokens": "prompt-tokens", "head_dim": "head-dim"}.get(name, name)
 
 
 def check(setup: Setup, mode: str = "precise") -> Setup:
@@ -143,9 +161,28 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     g = setup.g
     if isinstance(g, bool) or not isinstance(g, int) or g <= 0:
         raise FasttrainError(f"--kv-heads must be a positive integer, got {g!r}")
-    if setup.hidden % setup.heads:
+    for name in ("head_dim", "positions"):
+        value = getattr(setup, name)
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value <= 0
+                                  or value > MAXIMA[name]):
+            raise FasttrainError(f"{_flag(name)} must be a positive integer up to {MAXIMA[name]:,}, got {value!r}")
+    if setup.head_dim is None and setup.hidden % setup.heads:
         raise FasttrainError(f"heads ({setup.heads}) must divide the hidden size ({setup.hidden}); "
                              f"pick --heads among the divisors of {setup.hidden}")
+    if setup.pos == "learned" and setup.positions is not None and setup.seq > setup.positions:
+        raise FasttrainError(f"sequence length {setup.seq:,} exceeds the model's {setup.positions:,} learned positions "
+                             f"(n_positions); use --seq {setup.positions:,} or less")
+    if setup.modules not in MODULES:
+        raise FasttrainError(f"modules must be one of {', '.join(MODULES)}, got {setup.modules!r}")
+    if setup.modules != "lab" and mode == "playbook":
+        raise FasttrainError("a transformers model (--hf-config) exists only in --mode precise; the widget "
+                             "knows its own GPT")
+    if setup.modules != "lab" and setup.recompute == "selective":
+        raise FasttrainError("a transformers model recomputes whole layers (gradient_checkpointing_enable): "
+                             "use --recompute full or none")
+    if setup.modules != "lab" and (setup.lora_rank or setup.prompt_tokens):
+        raise FasttrainError("LoRA and prompt tuning of a transformers model are not modelled by the estimator yet; "
+                             "drop --lora-r / --prompt-tokens")
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
                              f"pick --tp among the divisors of {setup.heads}")
@@ -155,8 +192,8 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
         raise FasttrainError(f"tensor parallelism t={setup.tp} and key/value heads {g}: one must divide the other")
     if setup.ffn % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the feed-forward size ({setup.ffn})")
-    if (setup.hidden // setup.heads) % 2 and setup.pos == "rope" and mode == "precise":
-        raise FasttrainError(f"rotary embeddings need an even head size; hidden/heads = {setup.hidden // setup.heads}")
+    if setup.d % 2 and setup.pos == "rope" and mode == "precise":
+        raise FasttrainError(f"rotary embeddings need an even head size; the head size is {setup.d}")
     for name, allowed in (("precision", PRECISIONS), ("recompute", RECOMPUTE), ("ffn_act", FFN_ACTS),
                           ("norm", NORMS), ("pos", POSITIONS), ("attention", ATTENTIONS), ("optimizer", OPTIMIZERS)):
         if getattr(setup, name) not in allowed:

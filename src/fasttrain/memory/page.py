@@ -57,12 +57,28 @@ def _setup_dict(s: Setup) -> dict:
     return d
 
 
+# Setup fields the page's JavaScript does not model (a transformers model's: hf_config.py), at their defaults
+_NOT_ON_PAGE = {"head_dim": None, "qkv_bias": None, "proj_bias": None, "mlp_bias": None, "positions": None,
+                "modules": "lab", "keep_logits": False}
+
+
+def _check_lab_model(setup: Setup) -> None:
+    """The page models the lab's GPT only: refuse a setup that sets a transformers model's fields."""
+    from fasttrain.errors import FasttrainError
+
+    changed = sorted(k for k, default in _NOT_ON_PAGE.items() if getattr(setup, k) != default)
+    if changed:
+        raise FasttrainError(f"the memory page models the lab's GPT; this setup sets {', '.join(changed)} "
+                             "(a transformers model): use the command line without --html")
+
+
 def render(setup: Setup | None = None, mode: str = "precise", preset_name: str = "llama3-8b") -> str:
     """The page's HTML, starting at ``setup`` (default: the preset) in ``mode``."""
     from fasttrain.memory.cost import PUBLISHED
 
     if setup is None:
         setup = preset(preset_name)
+    _check_lab_model(setup)
     presets = {name: _setup_dict(preset(name)) for name in PRESETS}
     published = {}
     for name, (arch, tokens, _seq, hours) in PUBLISHED.items():

@@ -62,8 +62,9 @@ from __future__ import annotations
 
 from fasttrain.memory.breakdown import Breakdown, Line
 from fasttrain.memory.config import Setup, check
-from fasttrain.memory.training_state import (dims, dtypes, linear_shapes, lora_shapes, numel, optimizer_state_bytes,
-                                             optimizer_temp_bytes, param_counts, trainable_shapes)
+from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_shapes, numel,
+                                             optimizer_state_bytes, optimizer_temp_bytes, param_counts,
+                                             trainable_shapes)
 
 MiB = 1024 ** 2
 
@@ -226,11 +227,24 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     norm_extra = (4 * 4 if s.norm == "rms" else R) * nh + R * nh
     # LoRA's backward: d(input) through A (N x in) made beside the base's, then added
     lora_back = {k: C * N * lin[k][1] if lora[k] else 0 for k in LORA_KINDS}
-    return {"attn": attn, "mlp": mlp, "eager_core": eager_core, "recomputed_core": recomputed,
+    out = {"attn": attn, "mlp": mlp, "eager_core": eager_core, "recomputed_core": recomputed,
             "mlp_extra": mlp_extra + max(lora_back["up"], lora_back["down"]),
             "attn_extra": attn_extra + max(lora_back["qkv"], lora_back["proj"]), "attn_fwd": attn_fwd,
             "stream": stream, "norm_extra": norm_extra, "checkpoint": R * nh, "norm": norm,
             "keeps": keeps, "lora": lora}
+    if s.modules != "lab":
+        # transformers' modules keep other tensors (hf_activations.py); the backward working memory
+        # above is the lab's, the same computation
+        from fasttrain.memory.hf_activations import hf_terms
+
+        hf = hf_terms(s, mask_bytes, cpu=not kernel_temps)
+        out.update(attn=hf["attn"], mlp=hf["mlp"], checkpoint=hf["checkpoint"], norm=hf["norm"], hf=hf)
+        if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+            # gelu_new's backward through its Python ops holds two hidden-size gradients beyond what is
+            # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
+            chain = 4 if cast and kernel_temps else C
+            out["mlp_extra"] = max(mlp_extra, 2 * chain * N * f_l) + max(lora_back["up"], lora_back["down"])
+    return out
 
 
 LORA_KINDS = ("qkv", "proj", "up", "down", "head")
@@ -314,10 +328,15 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     opt_b = optimizer_state_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     grad_scale = T["grad"] / (dpz if s.zero >= 2 else 1)     # bytes per parameter of gradient on this rank
     grads_all = grad_scale * n_train
-    d_head = s.hidden // s.heads
+    d_head = s.d
+    hf = lt.get("hf")
     buffers = (s.seq * s.seq if s.attention == "eager" else 0)            # bool causal mask
     if s.pos == "rope":
         buffers += 2 * s.seq * d_head * 4 + (2 * s.seq * d_head * 2 if C == 2 else 0)   # cos, sin (+ bf16)
+    if hf:
+        # transformers builds the mask and RoPE's cos and sin in each forward (kept: ``hf["once"]``);
+        # its buffers are the fp32 inverse frequencies (d / 2) only
+        buffers = 2 * d_head if s.pos == "rope" else 0
     inputs = 16 * N_out                               # int64 token ids and targets
     workspace = s.workspace_mib * MiB
     persistent = params_b + opt_b + buffers + inputs + workspace
@@ -336,6 +355,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         head_part["lora"] = lt["lora"]["head"] + (2 * lora_n("head") if T["cast"] else 0)
     # the embedding's dropout mask: kept when its output requires a gradient
     emb_part = (mask_bytes if s.dropout and not lora_only else 0) * nh
+    if hf:
+        head_part = dict(hf["head"])
+        emb_part = sum(hf["once"].values())
     per_layer = lt["checkpoint"] if full else attn_part + mlp_part
     # (full recomputation: the checkpoint holds every layer's input, the first one's too)
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
@@ -356,19 +378,24 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         embed_g = n_train if s.prompt_tokens else 0
     else:
         head_g, final_norm_g = (P["head"] if not s.tied else P["embed"]), P["final_norm"]
-        down_g, mlp_g = D["f_l"] * h + (h if s.bias else 0), P["mlp_w"] + P["mlp_b"] + P["norm"]
-        proj_g, attn_g = D["hl"] * h + (h if s.bias else 0), P["attn_w"] + P["attn_b"] + P["norm"]
+        _, proj_bias, mlp_bias = biases(s)
+        down_g, mlp_g = D["f_l"] * h + (h if mlp_bias else 0), P["mlp_w"] + P["mlp_b"] + P["norm"]
+        proj_g, attn_g = D["hl"] * h + (h if proj_bias else 0), P["attn_w"] + P["attn_b"] + P["norm"]
         embed_g = P["pos"] + (P["embed"] if not s.tied else 0)
 
     # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
     # recomputation the autocast cache still holds every layer's bf16 weight copies
     fwd_extra = logits_c + (4 * N_out * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
+    if hf:
+        # ``logits.float()`` beside the logits; under autocast the fp32 last hidden state (the model's
+        # output object holds it while the loss runs; without autocast it is the head's kept input)
+        fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
     if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
-    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] else 8) * N_out * v_l))
+    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] and not hf else 8) * N_out * v_l))
     g_now = grad_scale * head_g
     moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
                     logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
@@ -417,6 +444,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     opt_temp = optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     moments.append(("optimizer step", 0, grads_all, opt_temp))
 
+    if s.keep_logits:
+        # the model's output holds the logits until the trainer drops it (after the optimizer step)
+        moments = [m if i == 0 else (m[0], m[1], m[2], m[3] + logits_c) for i, m in enumerate(moments)]
     peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
     total = persistent + kept + g_peak + transient
     activations_all = saved_all
@@ -443,7 +473,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         children.append(Line(("every layer" if n_first > 1 else "layer 1") + ": not kept (no gradient needed "
                              "before the first LoRA target)", n_first * (first_layer - per_layer)))
     children += [Line(f"output: {k.replace('_', ' ')}", v) for k, v in head_part.items() if v]
-    if emb_part:
+    if hf:
+        children += [Line(k, v) for k, v in hf["once"].items() if v]
+    elif emb_part:
         children.append(Line("embedding dropout mask", emb_part))
     lines.append(Line("activations at the end of forward", activations_all, "not part of the total unless the "
                       "peak is there", children=children, in_total=False))

@@ -99,3 +99,31 @@ def tracked_peak_step(model, opt, idx, targets, autocast_dtype=None, detail=Fals
         opt.step()
         opt.zero_grad(set_to_none=True)
     return baseline + tracker.peak, baseline, tracker
+
+
+def saved_tensor_bytes(forward, exclude=(), detail=False):
+    """Bytes autograd keeps for backward while ``forward()`` runs: every tensor a ``saved_tensors_hooks``
+    pack hook sees, counted once per storage (views of one tensor share it), storages of ``exclude``
+    (parameters, buffers: alive anyway) left out. Returns ``(bytes, result)``; with ``detail``,
+    ``(bytes, result, [(nbytes, dtype, shape), ...])`` largest first.
+
+    This is what the estimator's "activations at the end of forward" counts; tensors autocast caches
+    (the bf16 weight copies) count when a matmul saves them, as on the GPU."""
+    import torch
+
+    skip = {t.untyped_storage().data_ptr() for t in exclude}
+    seen: dict[int, tuple] = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        key = st.data_ptr()
+        if key not in skip and key not in seen and t.device.type != "meta" and st.nbytes():
+            seen[key] = (st.nbytes(), t.dtype, tuple(t.shape))
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        result = forward()
+    total = sum(v[0] for v in seen.values())
+    if detail:
+        return total, result, sorted(seen.values(), key=lambda v: -v[0])
+    return total, result

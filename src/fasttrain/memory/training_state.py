@@ -15,7 +15,7 @@ from fasttrain.memory.config import Setup
 def dims(s: Setup) -> dict:
     """Per-rank sizes: local heads, widths and vocabulary under tensor parallelism t."""
     t = s.tp
-    d = s.hidden // s.heads
+    d = s.d
     g_local = s.g // t if s.g % t == 0 else 1          # KV heads replicated when t > g
     return {
         "t": t, "r": t if s.seq_parallel else 1, "d": d,
@@ -37,21 +37,28 @@ def dtypes(s: Setup) -> dict:
     }
 
 
+def biases(s: Setup) -> tuple[bool, bool, bool]:
+    """Which linears have biases: (q/k/v, attention output, MLP); each follows ``bias`` unless set."""
+    pick = lambda x: s.bias if x is None else x
+    return pick(s.qkv_bias), pick(s.proj_bias), pick(s.mlp_bias)
+
+
 def param_counts(s: Setup, t: int | None = None) -> dict:
     """Parameters per rank (``t`` = tensor-parallel size; 1 gives the whole model)."""
     t = s.tp if t is None else t
-    h, d, f = s.hidden, s.hidden // s.heads, s.ffn // t
+    h, d, f = s.hidden, s.d, s.ffn // t
     hl, g_l = (s.heads // t) * d, (s.g // t if s.g % t == 0 else 1)
     kvl, v_l = g_l * d, -(-s.vocab // t)
     n_up = 2 if s.ffn_act == "swiglu" else 1
+    qkv_b, proj_b, mlp_b = biases(s)
     attn_w = h * (hl + 2 * kvl) + hl * h                         # fused QKV (column) + output (row)
     mlp_w = n_up * h * f + f * h                                 # up/gate (column) + down (row)
-    attn_b = (hl + 2 * kvl) + h if s.bias else 0                 # column bias / t, row bias replicated
-    mlp_b = n_up * f + h if s.bias else 0
+    attn_b = ((hl + 2 * kvl) if qkv_b else 0) + (h if proj_b else 0)   # column bias / t, row bias replicated
+    mlp_b = n_up * f + h if mlp_b else 0
     norm = h + (h if s.norm == "layer" and s.bias else 0)
     layer = attn_w + attn_b + mlp_w + mlp_b + 2 * norm
     embed = v_l * h
-    pos = s.seq * h if s.pos == "learned" else 0
+    pos = (s.seq if s.positions is None else s.positions) * h if s.pos == "learned" else 0
     head = 0 if s.tied else v_l * h
     total = s.layers * layer + embed + pos + head + norm
     return {"attn_w": attn_w, "attn_b": attn_b, "mlp_w": mlp_w, "mlp_b": mlp_b, "norm": norm, "layer": layer,
@@ -73,17 +80,18 @@ def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
     norm = [("weight", (h,))] + ([("bias", (h,))] if s.norm == "layer" and s.bias else [])
     out = [("tok", (lin["head"][0], h))]
     if s.pos == "learned":
-        out.append(("pos", (s.seq, h)))
+        out.append(("pos", (s.seq if s.positions is None else s.positions, h)))
+    has_bias = dict(zip(("qkv", "proj", "up"), biases(s)), down=biases(s)[2])
     for i in range(s.layers):
         out += [(f"blocks.{i}.norm1.{n}", sh) for n, sh in norm]
         for kind, part in (("qkv", "attn"), ("proj", "attn")):
             out.append((f"blocks.{i}.{part}.{kind}.weight", lin[kind]))
-            if s.bias:
+            if has_bias[kind]:
                 out.append((f"blocks.{i}.{part}.{kind}.bias", (lin[kind][0],)))
         out += [(f"blocks.{i}.norm2.{n}", sh) for n, sh in norm]
         for kind in ("up", "down"):
             out.append((f"blocks.{i}.mlp.{kind}.weight", lin[kind]))
-            if s.bias:
+            if has_bias[kind]:
                 out.append((f"blocks.{i}.mlp.{kind}.bias", (lin[kind][0],)))
     out += [(f"norm.{n}", sh) for n, sh in norm]
     if not s.tied:

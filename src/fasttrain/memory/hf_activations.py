@@ -1,0 +1,132 @@
+"""What transformers' modules keep for backward (``Setup.modules`` = ``hf-*``), per layer and at the output.
+
+The lab's GPT (``fasttrain.lab.model``) and transformers' modeling code compute the same function
+but keep other tensors. Learned on the CPU with ``torch.autograd.graph.saved_tensors_hooks``
+(``tracker.saved_tensor_bytes``) for tiny Llama, Qwen2 and GPT-2 models (fp32 and autocast, eager
+and sdpa; ``tests/test_memory_hf_config.py``) and written here as formulas, with the CUDA
+autocast op lists where the CPU's differ (the ``cpu`` argument selects the CPU's). Letters as in
+``precise``: N = s b tokens, a heads, g key/value heads, d head size, f feed-forward width, C the
+matmul-input dtype's bytes, R = 4 (the residual stream and norms are fp32 except in ``mixed``).
+
+Llama, Mistral, Qwen2, Phi-3, Gemma (``hf-llama``, ``hf-phi3``, ``hf-gemma``):
+- RMSNorm upcasts to fp32 and is written out in ops: ``x.pow(2)`` keeps the fp32 input, ``x * rsqrt``
+  keeps the fp32 row statistic, ``weight * xhat`` keeps xhat: 4 N h + 4 N h + 4 N (the lab's fused
+  RMSNorm keeps x and rstd only). In ``mixed`` xhat is cast back to bf16 first (4 + 2).
+- separate q, k, v (and gate, up) linears: under autocast each casts its input to bf16 by itself
+  (the cast cache holds only leaf tensors), so 3 (2 for gate/up) bf16 copies of the norm output
+  are kept; Phi-3's fused ``qkv_proj`` and ``gate_up_proj`` make one each. In fp32 one tensor.
+- RoPE's cos and sin are computed once per forward in the embeddings' dtype (fp32 under autocast)
+  and kept by every layer's ``q * cos``: 2 s d R' once for the model, not per layer. ``q * cos``
+  with fp32 cos makes the rotated q and k fp32 under autocast; the attention casts them back.
+- eager attention: ``softmax(dtype=float32)`` keeps fp32 P (all precisions but ``mixed``); under
+  autocast ``P V`` casts P to bf16 and keeps that copy too (4 + 2 per score, as the lab's amp);
+  q, k and v are kept as C N a d each (copies made by ``repeat_kv`` for GQA or by the batched
+  matmul's reshape, or views of tensors of that size).
+- sdpa: q (C N a d), k and v with their g heads (C N g d each, GQA in the kernel), the output
+  (C N a d, also the output projection's input) and the fp32 log-sum-exp (4 a b s).
+- gated MLP: gate output, activation output, up output, product: 4 C N f (SwiGLU and Gemma's GeGLU).
+- autocast's bf16 weight copies of every matrix (biases are cast but not kept).
+- head: final RMSNorm as above, the head's input, ``logits.float()`` then ``cross_entropy``: fp32
+  log-probabilities (4 N v) in every precision, the shifted labels (int64, 8 N) and nll_loss's total
+  weight (4 bytes).
+
+GPT-2 (``hf-gpt2``): LayerNorm keeps its input and fp32 mean and rstd (4 N h + 8 N); Conv1D is
+``addmm`` (keeps its input); c_attn's output split into q, k, v (eager: 3 C N h, copies or views);
+eager scores: the fp32 causal mask added to bf16 scores promotes them to fp32, so P is fp32 under
+autocast, and ``.type(value.dtype)`` makes the bf16 copy P V keeps (the lab's amp again); dropout
+(attn, resid, embd) keeps a mask per site (1 byte on CUDA, the input's dtype on the CPU) and the
+dropped scores. ``gelu_new`` is written in Python ops: ``pow`` keeps its input, ``tanh`` its
+output, the product both factors: fp32 4 x 4 N f, plus c_proj's input (20 N f); under CUDA
+autocast ``pow`` runs in fp32 (a fp32 copy of its input) and so does what follows: 4 + 4 + 2 + 4
++ 2 = 16 N f; under CPU autocast (no ``pow`` in its fp32 list) 5 x 2 N f; ``mixed`` 5 x 2 N f.
+"""
+
+from __future__ import annotations
+
+from fasttrain.memory.config import Setup
+from fasttrain.memory.training_state import dims, dtypes, param_counts
+
+
+def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
+    """One layer's kept bytes by part (``attn``, ``mlp``), the output's (``head``) and what the whole
+    model keeps once (``once``: RoPE's cos and sin, the embedding's dropout mask, GPT-2's position ids).
+
+    ``mask_bytes``: a dropout mask's bytes per element on CUDA (1, bool); ``cpu`` models PyTorch's
+    CPU instead: masks in their input's dtype and the CPU autocast op list (``pow`` stays bf16)."""
+    D, T = dims(s), dtypes(s)
+    N, hl, kvl, f, a = D["N"], D["hl"], D["kvl"], D["f_l"], D["a_l"]
+    h, C, cast, mixed = s.hidden, T["C"], T["cast"], s.precision == "mixed"
+    R = 2 if mixed else 4                    # the residual stream's dtype (the parameters')
+    unit = a * s.seq * s.seq * s.micro_batch
+    flash = s.attention == "flash"
+    P = param_counts(s)
+    copies_attn = 2 * P["attn_w"] if cast else 0
+    copies_mlp = 2 * P["mlp_w"] if cast else 0
+    gpt2 = s.modules == "hf-gpt2"
+    drop = s.dropout
+    mask = (lambda dtype_bytes: dtype_bytes) if cpu else (lambda dtype_bytes: mask_bytes)
+    if gpt2:
+        norm = R * N * h + 8 * N              # LayerNorm: input + fp32 mean and rstd
+        qkv_in = mlp_in = C * N * h           # c_attn's and c_fc's input (its autocast copy or itself)
+        Dsm = 2 if mixed else 4               # softmax of scores promoted by the fp32 mask (bf16 in mixed)
+        if flash:
+            core = C * N * 3 * hl + C * N * hl + 4 * a * s.micro_batch * s.seq    # c_attn output, out, lse
+        else:
+            pv = C if cast else Dsm
+            kept_p = Dsm + (mask(pv) + pv if drop else (C if cast else 0))
+            core = 3 * C * N * hl + kept_p * unit
+        proj_in = 0 if flash else C * N * hl  # sdpa's output is the projection's input
+        resid_mask = mask(C if cast or mixed else 4) * N * h if drop else 0
+        if s.ffn_act == "relu":
+            mlp_hidden = C * N * f
+        elif cast and not cpu:
+            mlp_hidden = 16 * N * f           # gelu_new under CUDA autocast (see above)
+        else:
+            mlp_hidden = 5 * C * N * f        # gelu_new: pow's input, tanh, 0.5 x, 1 + tanh, c_proj's input
+        attn = {"norm1": norm, "qkv_input": qkv_in, "core": core, "proj_input": proj_in,
+                "dropout_mask": resid_mask, "weight_copies": copies_attn}
+        mlp = {"norm2": norm, "mlp_input": mlp_in, "mlp_hidden": mlp_hidden, "dropout_mask": resid_mask,
+               "weight_copies": copies_mlp}
+        once = {"embedding dropout mask": mask(R) * N * h if drop else 0,
+                "position ids": 8 * s.seq}
+        head = {"final_norm": norm, "head_input": C * N * h}
+    else:
+        fused = s.modules == "hf-phi3"
+        norm = (4 + (2 if mixed else 4)) * N * h + 4 * N
+        if s.modules == "hf-gemma":
+            # Gemma scales by (1 + weight) in fp32 (kept: 4 h) and casts after: xhat stays fp32 in mixed too
+            norm = 8 * N * h + 4 * N + 4 * h
+        n_qkv, n_up = (1, 1) if fused or not cast else (3, 2)
+        Rr = 2 if mixed else 4                # the rotated q, k: fp32 under autocast (fp32 cos)
+        # v kept as a view keeps its whole storage: v_proj's output, or Phi-3's fused qkv output
+        v_view = C * N * (hl + 2 * kvl if fused else kvl)
+        if flash:
+            core = C * N * (hl + kvl) + v_view + C * N * hl + 4 * a * s.micro_batch * s.seq
+        else:
+            # repeat_kv is expand + reshape: a stride-0 view when there is one KV head, which the batched
+            # matmul can keep as a view when b = 1 (k then keeps g d per token, v too; under autocast k's
+            # bf16 cast materializes all a heads); otherwise both are copies with a heads
+            one_kv_view = kvl == D["d"] and s.micro_batch == 1
+            k_kept = C * N * (kvl if one_kv_view and not cast else hl)
+            v_kept = v_view if one_kv_view else C * N * hl
+            core = C * N * hl + k_kept + v_kept + (4 + (2 if C == 2 else 0)) * unit
+        # sdpa's output follows q's memory layout: Llama's rotated q is (b, s, a, d) in memory, so
+        # ``transpose(1, 2).contiguous()`` is the same tensor; Phi-3's partial-rotary ``cat`` makes q
+        # (b, a, s, d)-contiguous and the output projection's input a copy
+        proj_in = C * N * hl if (not flash or fused) else 0
+        attn = {"norm1": norm, "qkv_input": n_qkv * C * N * h, "core": core,
+                "proj_input": proj_in, "dropout_mask": 0, "weight_copies": copies_attn}
+        mlp = {"norm2": norm, "mlp_input": n_up * C * N * h, "mlp_hidden": 4 * C * N * f, "dropout_mask": 0,
+               "weight_copies": copies_mlp}
+        once = {"RoPE cos and sin": 2 * s.seq * D["d"] * Rr}
+        head = {"final_norm": norm, "head_input": C * N * h}
+    # the loss shifts the labels: pad by one, drop the first: a view of the padded (b, s + 1) int64 labels
+    # when b = 1, a copy otherwise; nll_loss keeps them and its fp32 total weight (4 bytes)
+    labels = 8 * (N + (1 if s.micro_batch == 1 else 0)) + 4
+    if s.recompute == "full" and not flash:
+        # eager attention's additive causal mask (b, 1, s, s) in the embeddings' dtype is made once per
+        # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
+        once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
+    head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
+    return {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm,
+            "checkpoint": R * N * h}
