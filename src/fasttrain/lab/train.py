@@ -334,7 +334,7 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None) 
     from fasttrain.lab import distributed as D
     from fasttrain.lab.data import load_corpus
 
-    validate(cfg)
+    from fasttrain.lab.preflight import check_run; check_run(cfg)  # noqa: E702  validate, paths, device: before any work
     log = log or (lambda s: None)
     wall0 = time.perf_counter()
     parallel = D.validate_parallel(parallel or D.ParallelConfig())
@@ -381,6 +381,7 @@ def _run_on(cfg, device, log, progress, corpus, wall0, environment, world) -> di
         from fasttrain.lab.distributed import check_model_fits
 
         check_model_fits(cfg, world.world_size, world.strategy)
+    from fasttrain.lab.preflight import check_ready; check_ready(cfg, corpus, device, world.world_size)  # noqa: E702
     with tf32_matmuls(cfg.tf32):
         return _run(cfg, corpus, device, log, progress, wall0, environment, world)
 
@@ -462,7 +463,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
             if cfg.eval_interval and step % cfg.eval_interval == 0 and step != cfg.max_steps:
                 do_eval(step)
             if progress:
-                progress(step, cfg.max_steps)
+                from fasttrain.lab.progress import report; report(progress, step, cfg.max_steps, loss_curve[-1]["loss"] if loss_curve else None)  # noqa: E501,E702
     except oom_types():
         oom = True                  # handled below, once the exception (and its frames' tensors) is gone
     else:
