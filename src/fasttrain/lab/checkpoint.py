@@ -113,8 +113,8 @@ def read_checkpoint(path) -> dict:
     p = Path(os.fspath(path)).expanduser()
     cfg_file, weights = p / "config.json", p / "model.safetensors"
     if not p.is_dir():
-        raise FasttrainError(f"{path}: no such checkpoint folder" + (" (that is a file)" if p.exists() else "")
-                             + "; give a folder written with: fasttrain lab --save DIR")
+        raise FasttrainError(f"{path} is not a lab checkpoint ({'a file, not a folder' if p.exists() else 'no such folder'}); "
+                             "give a folder written with: fasttrain lab --save DIR")
     if not cfg_file.is_file() or not weights.is_file():
         raise FasttrainError(f"{path} is not a lab checkpoint (needs config.json and model.safetensors); "
                              f"write one with: fasttrain lab --save DIR")

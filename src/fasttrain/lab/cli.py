@@ -163,6 +163,9 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
         dist_launch.check_before_launch(cfg, parallel, launch)
+        warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
+        if warning:
+            err.print(warning, markup=False, highlight=False)
         dist_launch.launch(launch, dist_launch.worker_argv(ctx, skip=dist_launch.LAUNCH_OPTIONS))
         return
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes

@@ -427,9 +427,17 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         raise FasttrainError(f"--patience-steps must be >= 0 (0: never stop early), got {patience_steps}")
     if not rows:
         raise FasttrainError("nothing to run: no rung chosen")
-    for path, what in ((out, "--out"), (save, "--save")):
-        if path is not None:
-            check_new_folder(path, what)
+    from fasttrain.lab.outputs import check_save_folder, expand
+
+    if out is not None:
+        check_new_folder(out, "--out")
+        out = str(expand(out, "--out"))
+    if save is not None:
+        check_save_folder(save, "--save")       # a folder of other files is refused, one of our checkpoints replaced whole
+        save = str(expand(save, "--save"))
+        if out is not None and Path(out).resolve() == Path(save).resolve():
+            raise FasttrainError(f"--out and --save name the same folder {save}; the results and the checkpoint "
+                                 f"need their own folders")
     log = log or (lambda s: None)
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
