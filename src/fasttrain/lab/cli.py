@@ -132,7 +132,7 @@ def print_summary(record: dict) -> None:
     out.print("memory by kind (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in kinds.items()))
     note = warmup_only_note(record)
     if note:
-        out.print(note, markup=False, highlight=False)
+        out.print(note, markup=False, highlight=False, soft_wrap=True)
 
 
 @click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -165,7 +165,7 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         dist_launch.check_before_launch(cfg, parallel, launch)
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
-            err.print(warning, markup=False, highlight=False)
+            err.print(warning, markup=False, highlight=False, soft_wrap=True)
         dist_launch.launch(launch, dist_launch.worker_argv(ctx, skip=dist_launch.LAUNCH_OPTIONS))
         return
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
@@ -185,7 +185,7 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
     log = None if quiet else (lambda line: err.print(line))
     if replacing and not quiet:
         err.print(f"--save {cfg.save}: holds a lab checkpoint; it is replaced whole when this run ends "
-                  "(until then it stays as it is)", markup=False, highlight=False)
+                  "(until then it stays as it is)", markup=False, highlight=False, soft_wrap=True)
     bar = None
     if not quiet:
         bar = RunProgress(f"lab {cfg.name}", cfg.max_steps, tokens_per_step=cfg.batch_tokens,
@@ -205,10 +205,11 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
         if out_path:
             out.print(f"run record: {out_path}")
         if cfg.save:
-            out.print(f"checkpoint: {cfg.save}" + (" (replaced the earlier one)" if replacing else ""))
+            out.print(f"checkpoint: {cfg.save}" + (" (replaced the earlier one)" if replacing else ""), markup=False,
+                      highlight=False, soft_wrap=True)
         dropped = noise.summary()
         if dropped:
-            err.print(dropped, markup=False, highlight=False)
+            err.print(dropped, markup=False, highlight=False, soft_wrap=True)
 
 
 def _device_kind(device: str) -> str:

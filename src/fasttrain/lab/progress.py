@@ -22,6 +22,8 @@ import time
 MEASURED_STEPS = 3
 # an expected time above this many seconds gets the line (shorter runs speak for themselves)
 WORTH_SAYING_S = 60.0
+# the clock of the bars (a test replaces it)
+CLOCK = time.perf_counter
 
 
 def report(progress, step: int, total: int, loss: float | None = None) -> None:
@@ -60,9 +62,9 @@ def expected_line(total: int, step_s: float, first: int, last: int, device: str)
 class StepClock:
     """Seconds a step after the warm-up: the expected total and the time left, without rich."""
 
-    def __init__(self, total: int, warmup_steps: int, clock=time.perf_counter):
+    def __init__(self, total: int, warmup_steps: int, clock=None):
         self.total, self.warmup = total, max(0, warmup_steps)
-        self.clock = clock
+        self.clock = clock or CLOCK
         self.start = None           # the time the first measured step began (end of the warm-up)
         self.now = None
         self.measured = 0
@@ -105,7 +107,7 @@ class RunProgress:
     takes_loss = True
 
     def __init__(self, description: str, total: int, *, tokens_per_step: int | None = None, warmup_steps: int = 0,
-                 device: str = "", console=None, clock=time.perf_counter):
+                 device: str = "", console=None, clock=None):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
@@ -154,7 +156,7 @@ class RunProgress:
             if step_s * total > WORTH_SAYING_S and step < total:
                 line = expected_line(total, step_s, clock.warmup + 1, step, self.device)
                 self.lines.append(line)
-                self.bar.console.print(line, markup=False, highlight=False)
+                self.bar.console.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 __all__ = ["RunProgress", "StepClock", "expected_line", "format_duration", "report"]
