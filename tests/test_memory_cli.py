@@ -128,9 +128,9 @@ def test_cost_with_absurd_token_counts_cuts_no_cell(tokens):
 
 
 @pytest.mark.parametrize("args,pattern", [
-    (["--tokens", "-5"], r"--tokens must be a positive finite number"),
-    (["--tokens", "nan"], r"--tokens must be a positive finite number"),
-    (["--params", "inf"], r"--params must be a positive finite number"),
+    (["--tokens", "-5"], r"--tokens must be positive and finite"),
+    (["--tokens", "nan"], r"--tokens must be positive and finite"),
+    (["--params", "inf"], r"--params must be positive and finite"),
 ])
 def test_cost_counts_must_be_positive_and_finite(args, pattern):
     one_line_error(run("cost", "--preset", "llama3-8b", *args), pattern)

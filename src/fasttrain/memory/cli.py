@@ -245,7 +245,7 @@ def check_count(value: float | None, flag: str) -> None:
     import math
 
     if value is not None and not (math.isfinite(value) and value > 0):
-        raise FasttrainError(f"{flag} must be a positive finite number (e.g. 15e12), got {value!r}")
+        raise FasttrainError(f"{flag} must be positive and finite (e.g. 15e12), got {value!r}")
 
 
 def parse_mfu_percent(text: str | None) -> float | None:
