@@ -107,13 +107,15 @@ class RunProgress:
     takes_loss = True
 
     def __init__(self, description: str, total: int, *, tokens_per_step: int | None = None, warmup_steps: int = 0,
-                 device: str = "", console=None, clock=None):
+                 device: str = "", console=None, clock=None, say_expected: bool = True):
         from rich.console import Console
         from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
         self.console = console or Console(stderr=True)
         self.total, self.tokens_per_step, self.device = total, tokens_per_step, device
         self.clock = StepClock(total, warmup_steps, clock)
+        self.say_expected = say_expected
+        self.last_step = 0
         self.bar = Progress(TextColumn("[progress.description]{task.description}"), BarColumn(),
                             MofNCompleteColumn(), TextColumn("{task.fields[loss]}"), TextColumn("{task.fields[speed]}"),
                             TimeElapsedColumn(), TextColumn("{task.fields[left]}"), console=self.console,
@@ -137,6 +139,14 @@ class RunProgress:
         self.bar.stop()
 
     def __call__(self, step: int, total: int, loss: float | None = None) -> None:
+        if step == 0 or step < self.last_step:
+            # a new run on the same bar (the speedrun's next seed or rung): its own clock
+            self.clock = StepClock(total, self.clock.warmup, self.clock.clock)
+            self.clock.begin()
+            self.bar.reset(self.task, total=total, loss="", speed="", left="")
+        self.last_step = step
+        if step == 0:
+            return
         clock = self.clock
         clock.total = total
         clock.tick(step)
@@ -151,7 +161,7 @@ class RunProgress:
                 fields["speed"] = f"{1 / step_s:.2f} steps/s"
             fields["left"] = f"~{format_duration(clock.seconds_left(step))} left"
         self.bar.update(self.task, completed=step, **fields)
-        if clock.ready_to_say():
+        if self.say_expected and clock.ready_to_say():
             clock.said = True
             if step_s * total > WORTH_SAYING_S and step < total:
                 line = expected_line(total, step_s, clock.warmup + 1, step, self.device)

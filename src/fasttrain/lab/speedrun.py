@@ -274,11 +274,17 @@ def _sync(device) -> None:
     sync(device)
 
 
-def train_to_target(trainer, *, target: float, max_train_s: float, patience_steps: int, log=None) -> dict:
+def train_to_target(trainer, *, target: float, max_train_s: float, patience_steps: int, log=None,
+                    progress=None) -> dict:
     """One run from ``trainer``'s current (fresh) state until the target, the schedule's end, the
-    training-time cap or ``patience_steps`` without a new best validation loss."""
+    training-time cap or ``patience_steps`` without a new best validation loss. ``progress(step,
+    total[, loss])`` (:func:`fasttrain.lab.progress.report`): step 0 at the start, then at every
+    validation, outside the timed stretches (a call per step would add host work to the time)."""
+    from fasttrain.lab.progress import report
+
     cfg, device = trainer.cfg, trainer.device
     log = log or (lambda s: None)
+    report(progress, 0, cfg.max_steps)
     evals: list[dict] = []
     train_s = eval_s = 0.0
     best, best_step = math.inf, 0
@@ -304,6 +310,7 @@ def train_to_target(trainer, *, target: float, max_train_s: float, patience_step
         evals.append({"step": step, "train_s": train_s, "val_loss": val, "train_loss": train_loss, "tokens": tokens,
                       "ms": ms})
         log(f"  step {step:>5}  {train_s:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
+        report(progress, step, cfg.max_steps, train_loss)
         if not (math.isfinite(val) and math.isfinite(train_loss)):
             stop = "diverged"
             break
@@ -341,7 +348,8 @@ def _free(device) -> None:
 
 
 def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_steps: int,
-            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None) -> dict:
+            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None,
+            progress=None) -> dict:
     """Every seed of one row in one compiled model: setup (build, compile, warm-up) once, then per
     seed a reset and a timed run. Returns the row's record (with ``states``, the final weights
     per seed on the CPU, when ``keep_states``)."""
@@ -382,7 +390,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
             reset_s = time.perf_counter() - t
             log(f"[{row.label} {row.name}] seed {seed}")
             rec = train_to_target(trainer, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                                  log=log)
+                                  log=log, progress=progress)
             rec.update(reset_s=reset_s, wall_s=time.perf_counter() - seed_wall0)
             runs.append(rec)
             log(f"[{row.label} {row.name}] seed {seed}: "
@@ -409,7 +417,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
 
 def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
                stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
-               command: str | None = None, budget_s: float | None = None, log=None) -> dict:
+               command: str | None = None, budget_s: float | None = None, log=None, progress=None) -> dict:
     """Run every row, write the results after each (``out``) and the fastest row's model (``save``;
     ``result["saved"]`` stays None when no row reached the target on every seed).
     ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
@@ -464,7 +472,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
             else:
                 rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
                               stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, deadline=deadline,
-                              log=log)
+                              log=log, progress=progress)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
@@ -573,10 +581,21 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max
                 rung_seeds=parse_rung_seeds(rung_seeds),
                 variants=[parse_variant(v) for v in variants], sets=overrides, device=device, data_dir=data_dir)
     log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
-    result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                        stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
-                        command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
-                        if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
+    from fasttrain.lab.progress import RunProgress
+
+    # the bar moves at every validation (the timed steps stay free of host work); its time left is
+    # to the schedule's end, an upper bound: a run stops at the target
+    bar = None if quiet else RunProgress("speedrun", 1, console=err, say_expected=False)
+    if bar is not None:
+        bar.start()
+    try:
+        result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                            stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
+                            command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
+                            if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log, progress=bar)
+    finally:
+        if bar is not None:
+            bar.stop()
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
     if out_dir:
         out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)
