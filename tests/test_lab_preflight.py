@@ -182,3 +182,10 @@ def test_a_gpu_run_compares_with_free_memory(corpus, monkeypatch):
         preflight.check_fits(cfg, corpus.vocab_size, dev)
     # --auto-find-batch-size searches for what fits: no refusal
     assert preflight.check_fits(cfg.with_(auto_find_batch_size=True), corpus.vocab_size, dev) is None
+
+
+def test_the_device_form_is_checked_on_a_gpu_machine_too(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(FasttrainError, match="the GPU index must be a whole number"):
+        preflight.check_device("cuda:abc")

@@ -159,10 +159,11 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
         preflight.check_outputs(cfg, out_path)  # --out against --save first: the clearer of the two lines
         check_output_path(out_path, "--out")    # before training: a bad path must not cost the run
         out_path = str(preflight.expand(out_path, "--out"))
-    preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
-        dist_launch.check_before_launch(cfg, parallel, launch)
+        dist_launch.check_before_launch(cfg, parallel, launch)     # GPUs against processes: the clearer line
+    preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
+    if launch is not None:
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
             err.print(warning, markup=False, highlight=False, soft_wrap=True)

@@ -60,7 +60,10 @@ def check_run(cfg, out=None) -> None:
 
 def check_device(device: str, flag: str = "--device") -> None:
     """Refuse a device this machine lacks: CUDA without a GPU, a GPU index past the last."""
+    from fasttrain.lab.config import _check_device_text
+
     text = str(device)
+    _check_device_text(text)            # the form first: cuda:abc is refused on any machine
     if text in ("auto", "cpu"):
         return
     import torch
@@ -91,7 +94,9 @@ def device_memory(device) -> tuple[int, int, str]:
         import torch
 
         free, total = torch.cuda.mem_get_info(device)
-        return free, total, f"{torch.cuda.get_device_name(device)}"
+        # blocks this process's caching allocator holds but does not use are free to this run too
+        cached = torch.cuda.memory_reserved(device) - torch.cuda.memory_allocated(device)
+        return free + max(0, cached), total, f"{torch.cuda.get_device_name(device)}"
     info = {}
     try:
         for line in Path("/proc/meminfo").read_text().splitlines():
