@@ -1,4 +1,5 @@
-"""The file writers (`fasttrain.files`): a write is whole or not at all, in the usual mode."""
+"""The file writers (`fasttrain.files`): a write is whole or not at all, in the usual mode; a quoted ~ is
+expanded, and a write that cannot happen names the user's path, never the temporary file beside it."""
 
 from __future__ import annotations
 
@@ -6,6 +7,9 @@ import errno
 from pathlib import Path
 
 import pytest
+
+from fasttrain.errors import FasttrainError
+from fasttrain.files import atomic_write_text
 
 
 def test_a_failed_write_keeps_the_earlier_file(tmp_path, monkeypatch):
@@ -55,3 +59,20 @@ def test_write_into_replaces_only_the_marked_section(tmp_path):
     assert readme.read_text() == "<!-- s:end -->\n<!-- s:start -->\n"
     with pytest.raises(FasttrainError, match="no such file"):
         write_into(tmp_path / "missing.md", "x", start="a", end="b")
+
+def test_a_quoted_tilde_is_expanded(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    atomic_write_text("~/run.json", "{}")
+    assert (tmp_path / "run.json").read_text() == "{}" and not (tmp_path / "~").exists()
+
+
+def test_errors_name_the_users_path_not_a_temporary_one(tmp_path):
+    with pytest.raises(FasttrainError) as exc:
+        atomic_write_text(tmp_path / "missing" / "run.json", "{}")
+    assert str(exc.value).startswith(f"{tmp_path / 'missing' / 'run.json'}: cannot write there") and ".tmp" not in str(exc.value)
+    (tmp_path / "folder").mkdir()
+    with pytest.raises(FasttrainError, match="is a folder; give a file name") as exc:
+        atomic_write_text(tmp_path / "folder", "{}")
+    assert ".tmp" not in str(exc.value)
+    assert [p.name for p in tmp_path.iterdir()] == ["folder"]     # no temporary file left

@@ -380,3 +380,50 @@ def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path):
     assert lines[-1].startswith("error: rank ") and "torchrun stopped the others" in lines[-1], res.stderr
     assert any("is not a lab checkpoint" in line for line in lines[:-1])
     assert "Traceback" not in res.stderr
+
+
+# --- the sweep's and the launcher's inputs, checked before anything starts -----------------------
+
+@pytest.mark.parametrize("args,message", [
+    (["--max-steps", "0"], "--max-steps must be a positive integer"),
+    (["--strategies", ""], "--strategies is empty"),
+    (["--strategies", " , "], "--strategies is empty"),
+    (["--strategies", "ddp,zero9"], "unknown strategy 'zero9'"),
+    (["--presets", ""], "--presets is empty"),
+    (["--nproc-per-node", "1"], "--nproc-per-node must be at least 2"),
+])
+def test_sweep_inputs_are_refused_even_for_a_dry_run(tmp_path, args, message):
+    from click.testing import CliRunner
+
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run", *args])
+    assert result.exit_code != 0 and isinstance(result.exception, FasttrainError), result.output
+    assert message in str(result.exception)
+    assert not out.exists()
+
+
+def test_a_dry_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
+    from click.testing import CliRunner
+
+    from fasttrain.lab import scaling
+
+    monkeypatch.setattr(scaling, "sweep", lambda *a, **k: pytest.fail("a dry run started a run"))
+    out = tmp_path / "sweep"
+    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run",
+                                            "--presets", "tiny", "--strategies", "ddp", "--max-steps", "3"])
+    assert result.exit_code == 0, result.output
+    assert "dry run: 5 runs planned, none started" in result.output and not out.exists()
+
+
+@pytest.mark.parametrize("nnodes", ["abc", "0", "2:1", "1:x", ""])
+def test_nnodes_must_be_a_count_or_a_range(nnodes):
+    with pytest.raises(FasttrainError, match="--nnodes must be a number of machines"):
+        L.parallel_from_options({"strategy": "ddp", "nproc_per_node": 2, "nnodes": nnodes})
+    L.parallel_from_options({"strategy": "ddp", "nproc_per_node": 2, "nnodes": "1:4", "rdzv_endpoint": "h:1"})
+
+
+def test_more_cpu_processes_than_cores_warns(monkeypatch):
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    line = L.cpu_oversubscription(8, "cpu")
+    assert line.startswith("warning: 8 processes on 2 CPU cores") and "--nproc-per-node 2" in line
+    assert L.cpu_oversubscription(2, "cpu") is None and L.cpu_oversubscription(8, "cuda") is None

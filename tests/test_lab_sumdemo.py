@@ -113,3 +113,23 @@ def test_cli_writes_csv_and_png(tmp_path):
     assert not [p for p in out.iterdir() if p.name.startswith(".")]          # no temporary file left
     bad = CliRunner().invoke(S.command, ["--n", "1"])
     assert bad.exit_code != 0 and isinstance(bad.exception, FasttrainError)
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--n", str(S.MAX_N + 1)], f"--n must be an integer from 2 to {S.MAX_N:,}"),
+    (["--n", "1000", "--seed", "-5"], "--seed must be an integer >= 0"),
+])
+def test_cli_bounds_are_checked_before_any_work(tmp_path, args, message):
+    out = tmp_path / "sum"
+    result = CliRunner().invoke(S.command, [*args, "--no-torch", "--out", str(out)])
+    assert result.exit_code != 0 and isinstance(result.exception, FasttrainError)
+    assert message in str(result.exception)
+    assert not out.exists()                      # refused before the folder is made
+
+
+def test_run_reports_progress_over_all_values():
+    seen = []
+    S.run(1000, ("fp32", "fp16"), points=3, use_torch=False, progress=lambda done, total: seen.append((done, total)))
+    grid_total = seen[-1][1]
+    assert seen[-1][0] == grid_total and all(t == grid_total for _, t in seen)
+    assert [d for d, _ in seen] == sorted(d for d, _ in seen) and len(seen) == 2 * 3

@@ -187,3 +187,34 @@ def test_memory_html_is_atomic_with_the_usual_mode(tmp_path, monkeypatch):
     page.write_page(target)
     assert target.read_text().startswith("<!DOCTYPE html>") or "<html" in target.read_text()[:200]
     assert stat.S_IMODE(target.stat().st_mode) == default_file_mode()
+def test_html_and_json_together_do_both(tmp_path):
+    out = tmp_path / "mem.html"
+    r = run("--preset", "llama3-8b", "--html", out, "--json")
+    assert r.returncode == 0, r.stderr
+    data = json.loads(r.stdout)                     # stdout is the JSON alone
+    assert data["total"] > 0 and out.read_text().lstrip().lower().startswith("<!doctype html")
+    assert f"page: {out}" in r.stderr
+
+
+@pytest.mark.parametrize("tokens", ["1e30", "3e21"])
+def test_cost_with_absurd_token_counts_cuts_no_cell(tokens):
+    r = run("cost", "--preset", "llama3-8b", "--tokens", tokens)
+    assert r.returncode == 0, r.stderr
+    assert "…" not in r.stdout and "..." not in r.stdout, r.stdout
+    assert f"{float(tokens):.3g}" in r.stdout
+
+
+@pytest.mark.parametrize("args,pattern", [
+    (["--tokens", "-5"], r"--tokens must be positive and finite"),
+    (["--tokens", "nan"], r"--tokens must be positive and finite"),
+    (["--params", "inf"], r"--params must be positive and finite"),
+])
+def test_cost_counts_must_be_positive_and_finite(args, pattern):
+    one_line_error(run("cost", "--preset", "llama3-8b", *args), pattern)
+
+
+def test_fasttrain_cost_is_memory_cost():
+    alias = subprocess.run([sys.executable, "-m", "fasttrain", "cost", "--json"], capture_output=True, text=True,
+                           timeout=120)
+    assert alias.returncode == 0, alias.stderr
+    assert json.loads(alias.stdout) == json.loads(run("cost", "--json").stdout)

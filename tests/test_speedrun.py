@@ -307,3 +307,34 @@ def test_merge_joins_invocations_of_different_rungs_into_one_ladder(fake_corpus,
     (tmp_path / "cut" / "speedrun.json").write_text(json.dumps(cut))
     whole = report.merge_results([report.load_result(tmp_path / "cut"), report.load_result(tmp_path / "a")])
     assert [r.get("skipped") for r in whole["rows"]] == [None] and whole["parts"][0]["rungs"] == []
+
+
+@pytest.mark.parametrize("same", [False, True])
+def test_cli_save_into_a_folder_of_other_files_is_refused_before_any_rung(fake_corpus, tmp_path, capsys, monkeypatch,
+                                                                          same):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "notes.txt").write_text("precious")
+    monkeypatch.setattr(sr, "train_to_target", lambda *a, **k: pytest.fail("a rung ran"))
+    out = victim if same else tmp_path / "out"
+    code, _, stderr = run_cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0", "--seeds", "1", "--device", "cpu",
+                               "--quiet", "--out", str(out), "--save", str(victim)], capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "the folder holds other files (notes.txt)" in lines[0], stderr
+    assert [p.name for p in victim.iterdir()] == ["notes.txt"] and (victim / "notes.txt").read_text() == "precious"
+
+
+def test_progress_hears_the_start_and_every_validation_only(corpus):
+    cfg = sr.plan([0], [0], base_preset="tiny", sets=dict(SMALL))[0].cfg
+    trainer = lab.Trainer(cfg, corpus, torch.device("cpu"))
+    calls = []
+
+    class Recorder:
+        takes_loss = True
+
+        def __call__(self, step, total, loss=None):
+            calls.append((step, total, loss))
+    rec = sr.train_to_target(trainer, target=0.01, max_train_s=0, patience_steps=0, progress=Recorder())
+    assert calls[0] == (0, cfg.max_steps, None)
+    assert [c[0] for c in calls[1:]] == [e["step"] for e in rec["evals"]]
+    assert [c[2] for c in calls[1:]] == [e["train_loss"] for e in rec["evals"]]

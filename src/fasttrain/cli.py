@@ -281,6 +281,10 @@ def _load_plugins() -> None:
                 continue
             raise
         cli.add_command(mod.command)
+    memory = cli.commands.get("memory")
+    if memory is not None and "cost" in getattr(memory, "commands", {}):
+        # ``fasttrain cost`` is what people type for the training-cost table: the same command
+        cli.add_command(memory.commands["cost"], "cost")
 
 
 def _os_error_line(exc: OSError) -> str:

@@ -31,14 +31,23 @@ def atomic_path(path: str | os.PathLike, suffix: str = ".tmp") -> Iterator[Path]
     """Yield a temporary path beside ``path``; on success it replaces ``path``, on any error it is
     removed and ``path`` is left as it was. ``suffix`` lets writers that look at the name
     (``np.savez`` adds ``.npz``, matplotlib picks the format from it) see the right one."""
-    path = Path(path)
-    fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix, dir=path.parent if str(path.parent) else ".")
+    path = Path(path).expanduser()         # a quoted ~ reaches us unexpanded by the shell
+    try:
+        fd, tmp_name = tempfile.mkstemp(prefix=f".{path.name}.", suffix=suffix,
+                                        dir=path.parent if str(path.parent) else ".")
+    except OSError as exc:
+        # the message names the user's path, not the temporary name beside it
+        raise FasttrainError(f"{path}: cannot write there ({exc.strerror}); check that its folder exists and "
+                             "is writable") from None
     os.close(fd)
     tmp = Path(tmp_name)
     try:
         yield tmp
         os.chmod(tmp, default_file_mode())
-        os.replace(tmp, path)
+        try:
+            os.replace(tmp, path)
+        except IsADirectoryError:
+            raise FasttrainError(f"{path} is a folder; give a file name (e.g. {path / 'run.json'})") from None
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

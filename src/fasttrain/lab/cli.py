@@ -166,6 +166,9 @@ def print_summary(record: dict) -> None:
     out.print(table)
     kinds = mem["by_kind"]
     out.print("memory by kind (MiB): " + ", ".join(f"{k} {_mib(v)}" for k, v in kinds.items()))
+    note = warmup_only_note(record)
+    if note:
+        out.print(note, markup=False, highlight=False, soft_wrap=True)
 
 
 @click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
@@ -185,12 +188,23 @@ def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **opti
         for name in PRESETS:
             out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
         return
+    from fasttrain.lab import noise, preflight
+
+    noise.filter_known_noise()                  # before peft/torchao are imported
     parallel, launch = dist_launch.parallel_from_options(options)
     cfg = config_from_record(from_record, options) if from_record else config_from(preset_name, options)
-    check_output_path(out_path, "--out")        # before training: a bad path must not cost the run
+    if out_path is not None:
+        preflight.check_outputs(cfg, out_path)  # --out against --save first: the clearer of the two lines
+        check_output_path(out_path, "--out")    # before training: a bad path must not cost the run
+        out_path = str(preflight.expand(out_path, "--out"))
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
-        dist_launch.check_before_launch(cfg, parallel, launch)
+        dist_launch.check_before_launch(cfg, parallel, launch)     # GPUs against processes: the clearer line
+    preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
+    if launch is not None:
+        warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
+        if warning:
+            err.print(warning, markup=False, highlight=False, soft_wrap=True)
         dist_launch.launch(launch, dist_launch.worker_argv(ctx, skip=dist_launch.LAUNCH_OPTIONS))
         return
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
@@ -200,23 +214,26 @@ def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **opti
 
 
 def _train(cfg, parallel, out_path, quiet, main) -> None:
+    from fasttrain.lab import noise
     from fasttrain.lab.checkpoint import write_record
+    from fasttrain.lab.outputs import save_folder_state
+    from fasttrain.lab.progress import RunProgress
     from fasttrain.lab.train import run
 
-    progress = None
+    replacing = cfg.save is not None and save_folder_state(cfg.save) == "checkpoint"
     log = None if quiet else (lambda line: err.print(line))
+    if replacing and not quiet:
+        err.print(f"--save {cfg.save}: holds a lab checkpoint; it is replaced whole when this run ends "
+                  "(until then it stays as it is)", markup=False, highlight=False, soft_wrap=True)
+    bar = None
     if not quiet:
-        from rich.progress import BarColumn, MofNCompleteColumn, Progress, TimeElapsedColumn
-
-        bar = Progress("[progress.description]{task.description}", BarColumn(), MofNCompleteColumn(),
-                       TimeElapsedColumn(), console=err, transient=True)
-        task = bar.add_task(f"lab {cfg.name}", total=cfg.max_steps)
-        progress = lambda step, total: bar.update(task, completed=step)  # noqa: E731
+        bar = RunProgress(f"lab {cfg.name}", cfg.max_steps, tokens_per_step=cfg.batch_tokens,
+                          warmup_steps=cfg.timing_warmup_steps, device=_device_kind(cfg.device), console=err)
         bar.start()
     try:
-        record = run(cfg, log=log, progress=progress, parallel=parallel)
+        record = run(cfg, log=log, progress=bar, parallel=parallel)
     finally:
-        if not quiet:
+        if bar is not None:
             bar.stop()
     if out_path and main:
         write_record(record, out_path)
@@ -227,7 +244,29 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
         if out_path:
             out.print(f"run record: {out_path}")
         if cfg.save:
-            out.print(f"checkpoint: {cfg.save}")
+            out.print(f"checkpoint: {cfg.save}" + (" (replaced the earlier one)" if replacing else ""), markup=False,
+                      highlight=False, soft_wrap=True)
+        dropped = noise.summary()
+        if dropped:
+            err.print(dropped, markup=False, highlight=False, soft_wrap=True)
+
+
+def _device_kind(device: str) -> str:
+    if device == "auto":
+        import torch
+
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    return str(device).split(":")[0]
+
+
+def warmup_only_note(record: dict) -> str | None:
+    """Why the step-time columns are empty: every step was a timing warm-up step."""
+    if record["step_ms"].get("p50") is not None:
+        return None
+    warm, steps = record["config"].get("timing_warmup_steps"), record["config"].get("max_steps")
+    return (f"step times empty: all {steps} steps were timing warm-up (--timing-warmup-steps {warm}: compilation "
+            f"and allocator growth are timed apart, in 'warm-up ms'); run more than {warm} steps "
+            f"(--max-steps {warm + 10}) or lower --timing-warmup-steps")
 
 
 @command.command("pitfall")

@@ -293,8 +293,32 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError("grouped-query attention (--kv-heads) needs --style llama")
     if cfg.style == "llama" and (cfg.width // cfg.heads) % 2:
         raise FasttrainError(f"RoPE needs an even head size; width/heads = {cfg.width // cfg.heads}")
-    if not 0.0 <= cfg.dropout < 1.0:
-        raise FasttrainError(f"--dropout must be in [0, 1), got {cfg.dropout!r}")
+    _finite_floats(cfg)
+    _fraction(cfg, "dropout")
+    _fraction(cfg, "adam_beta1", why="AdamW's moving averages need 0 <= beta < 1")
+    _fraction(cfg, "adam_beta2", why="AdamW's moving averages need 0 <= beta < 1")
+    if not cfg.adam_epsilon > 0:
+        raise FasttrainError(f"--adam-epsilon must be > 0 (it keeps the update's denominator away from 0; "
+                             f"e.g. 1e-8), got {cfg.adam_epsilon!r}")
+    if not cfg.lora_alpha > 0:
+        raise FasttrainError(f"--lora-alpha must be > 0 (the adapter's scale is alpha / r; e.g. 16), "
+                             f"got {cfg.lora_alpha!r}")
+    _fraction(cfg, "lora_dropout")
+    if isinstance(cfg.seed, bool) or not isinstance(cfg.seed, int) or not 0 <= cfg.seed < 2 ** 63:
+        raise FasttrainError(f"--seed must be an integer from 0 to 2^63 - 1, got {cfg.seed!r}")
+    if cfg.pad_vocab_to_multiple_of > MAX_VOCAB_PADDING:
+        raise FasttrainError(f"--pad-vocab-to-multiple-of {cfg.pad_vocab_to_multiple_of} would add up to that many "
+                             f"unused rows to the embedding; use a small power of two (64 or 128), at most "
+                             f"{MAX_VOCAB_PADDING}")
+    _check_device_text(cfg.device)
+    if cfg.preload:
+        starts = cfg.max_steps * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps
+        if starts > MAX_PRELOAD_STARTS:
+            most = MAX_PRELOAD_STARTS // (cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps)
+            raise FasttrainError(f"--preload draws every step's window starts before the first step: --max-steps "
+                                 f"{cfg.max_steps:,} x {starts // cfg.max_steps:,} windows = {starts:,} starts "
+                                 f"({8 * starts / 2**30:,.1f} GiB, long minutes of setup); give --max-steps <= "
+                                 f"{most:,} or drop --preload")
     if cfg.fp16 and cfg.bf16:
         raise FasttrainError("give --fp16 or --bf16, not both")
     if cfg.fp16 and cfg.optim == "muon":
@@ -315,14 +339,55 @@ def validate(cfg: LabConfig) -> LabConfig:
                              "--lora-target-modules or --use-liger-kernel")
     if cfg.lora_r and not cfg.lora_target_modules:
         raise FasttrainError("--lora-target-modules is empty; name at least one of qkv, proj, up, down, head")
-    if cfg.device not in ("auto", "cpu", "cuda") and not str(cfg.device).startswith("cuda:"):
-        raise FasttrainError(f"unknown --device {cfg.device!r}; use auto, cpu, cuda or cuda:N")
     check_data_flags(cfg)                       # the corpus flags and files, before any work
     if cfg.save is not None:
-        from fasttrain.files import check_new_folder
+        from fasttrain.lab.outputs import check_save_folder
 
-        check_new_folder(cfg.save, "--save")     # before training, not after it
+        check_save_folder(cfg.save, "--save")     # before training, not after it: nobody's files are replaced
     return cfg
+
+
+# --pad-vocab-to-multiple-of beyond this pads the embedding with more unused rows than any
+# tensor-core shape asks for (64 or 128 is what they want)
+MAX_VOCAB_PADDING = 4096
+# --preload keeps an int64 start per window of every step on the device (8 bytes each), built on
+# the host before the first step: 2^25 starts are 256 MiB and some seconds of setup
+MAX_PRELOAD_STARTS = 2 ** 25
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _finite_floats(cfg: LabConfig) -> None:
+    """Every float setting (whatever fields the config grows) is a finite number: a NaN passes
+    every comparison unnoticed and an infinity turns the loss into NaN steps later."""
+    import math
+
+    for f in fields(cfg):
+        value = getattr(cfg, f.name)
+        if isinstance(value, float) and not math.isfinite(value):
+            raise FasttrainError(f"{_flag(f.name)} must be a finite number, got {value!r}")
+
+
+def _fraction(cfg: LabConfig, name: str, why: str = "a probability") -> None:
+    value = getattr(cfg, name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0.0 <= value < 1.0:
+        raise FasttrainError(f"{_flag(name)} must be in [0, 1) ({why}), got {value!r}")
+
+
+def _check_device_text(device) -> None:
+    """The form of --device (whether this machine has that device is checked by
+    :func:`fasttrain.lab.preflight.check_device`, which needs torch)."""
+    text = str(device)
+    if text in ("auto", "cpu", "cuda"):
+        return
+    if text.startswith("cuda:"):
+        index = text[len("cuda:"):]
+        if index.isdigit() and index.isascii():
+            return
+        raise FasttrainError(f"--device {text}: the GPU index must be a whole number (cuda:0, cuda:1, ...)")
+    raise FasttrainError(f"unknown --device {text!r}; use auto, cpu, cuda or cuda:N")
 
 
 _BABY_GPT = dict(

@@ -38,6 +38,26 @@ def check_launch(nproc_per_node: int, device: str, strategy: str) -> None:
                                  f"or --device cpu (gloo)")
 
 
+def check_nnodes(text) -> None:
+    """torchrun's --nnodes: a machine count N, or MIN:MAX for an elastic run (1 <= MIN <= MAX)."""
+    parts = str(text).split(":")
+    ok = len(parts) in (1, 2) and all(p.isdigit() and p.isascii() and int(p) >= 1 for p in parts)
+    if not ok or int(parts[0]) > int(parts[-1]):
+        raise FasttrainError(f"--nnodes must be a number of machines (e.g. 2) or MIN:MAX (e.g. 1:4), got {text!r}")
+
+
+def cpu_oversubscription(nproc: int, device: str) -> str | None:
+    """A warning when CPU processes outnumber the cores: they take turns, and the timings measure
+    the turns, not the strategy."""
+    if device != "cpu":
+        return None
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    if nproc <= cores:
+        return None
+    return (f"warning: {nproc} processes on {cores} CPU core{'s' if cores > 1 else ''}: they take turns, so the "
+            f"run is slow and its timings measure the sharing; use --nproc-per-node {cores} or fewer")
+
+
 def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
     """Everything that can be refused before torchrun starts a process (one machine: the world
     size is known, so the batch and the heads are checked here too)."""
@@ -182,6 +202,10 @@ def parallel_from_options(options: dict) -> tuple[ParallelConfig, Launch | None]
         global_batch_size=values["global_batch_size"], ddp_backend=values["ddp_backend"],
         ddp_timeout=1800.0 if values["ddp_timeout"] is None else values["ddp_timeout"]))
     launch_spec = None
+    if values["nnodes"] is not None:
+        check_nnodes(values["nnodes"])
+    if values["node_rank"] is not None and values["node_rank"] < 0:
+        raise FasttrainError(f"--node-rank must be an integer >= 0, got {values['node_rank']}")
     if values["nproc_per_node"] is not None:
         launch_spec = Launch(nproc_per_node=values["nproc_per_node"], nnodes=values["nnodes"] or "1",
                              node_rank=values["node_rank"], rdzv_endpoint=values["rdzv_endpoint"])
@@ -245,19 +269,25 @@ def _dist_group():
     @click.option("--dry-run", is_flag=True, help="Print the command lines only.")
     def sweep_cmd(out_dir, presets, nproc, strategies, max_steps, bf16, data_dir, device, dry_run) -> None:
         """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
+        from pathlib import Path
+
         from fasttrain.lab import scaling
 
+        # the sweep's own inputs are checked for a dry run too: it prints what a real run would start
+        preset_list, strategy_list = scaling.check_sweep(presets, strategies, nproc, max_steps)
         if not dry_run:
             check_launch(nproc, device, "ddp")
+        warning = cpu_oversubscription(nproc, device)
+        if warning:
+            click.echo(warning, err=True)
         extra = (["--data-dir", data_dir] if data_dir else []) + ["--device", device]
-        runs = scaling.plan([p.strip() for p in presets.split(",") if p.strip()], nproc, max_steps,
-                            [s.strip() for s in strategies.split(",") if s.strip()], bf16=bf16, extra=extra)
+        runs = scaling.plan(preset_list, nproc, max_steps, strategy_list, bf16=bf16, extra=extra)
         if dry_run:
-            from pathlib import Path
-
             for run in runs:
-                click.echo(" ".join(scaling.command_line(run, Path(out_dir))[1:]))
+                click.echo(" ".join(scaling.command_line(run, Path(out_dir).expanduser())[1:]))
+            click.echo(f"dry run: {len(runs)} runs planned, none started", err=True)
             return
+        out_dir = str(Path(out_dir).expanduser())
         status = scaling.sweep(runs, out_dir, log=lambda line: click.echo(line, err=True))
         result = scaling.report(out_dir)
         click.echo(result["markdown"].read_text())

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import os
+from pathlib import Path
+
+from fasttrain.errors import FasttrainError
 from fasttrain.lab.build import build_model, config_from_model, resolve_device
-from fasttrain.lab.checkpoint import load_weights, read_checkpoint
+from fasttrain.lab.checkpoint import check_recorded_eval, load_weights, read_checkpoint
 from fasttrain.lab.config import LabConfig, validate
 from fasttrain.lab.measure import gpu_name, tf32_matmuls
 from fasttrain.lab.trainer import Trainer
@@ -20,8 +24,15 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     same kind of device the recorded loss comes back exactly."""
     from fasttrain.lab.data import load_corpus
 
+    from fasttrain.lab.preflight import check_device
+
     meta = read_checkpoint(path)
     recorded = meta.get("eval") or {}
+    check_recorded_eval(recorded, Path(os.fspath(path)).expanduser() / "config.json")
+    if eval_tokens is not None and (isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int)
+                                    or eval_tokens < 1):
+        raise FasttrainError(f"--eval-tokens must be a positive integer, got {eval_tokens!r}")
+    check_device(device)
     batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
     eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
     bf16 = recorded.get("bf16", False) if bf16 is None else bf16
@@ -31,7 +42,7 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     model = meta["model"]
     cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
                     eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
-                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
+                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model.get("attention", "eager"),
                     dropout=0.0)
     from fasttrain.lab.model import GPTConfig
 

@@ -54,6 +54,30 @@ class Planned:
     args: list[str] = field(default_factory=list)
 
 
+def check_sweep(presets: str, strategies: str, nproc: int, steps: int) -> tuple[list[str], list[str]]:
+    """The sweep's comma lists parsed and every input checked before any run (or dry run)."""
+    from fasttrain.lab.config import PRESETS
+
+    preset_list = [p.strip() for p in presets.split(",") if p.strip()]
+    strategy_list = [s.strip() for s in strategies.split(",") if s.strip()]
+    if not preset_list:
+        raise FasttrainError(f"--presets is empty; name at least one of {', '.join(PRESETS)}")
+    for name in preset_list:
+        if name not in PRESETS:
+            raise FasttrainError(f"--presets: unknown preset {name!r}; use some of {', '.join(PRESETS)}")
+    if not strategy_list:
+        raise FasttrainError(f"--strategies is empty; name at least one of {', '.join(STRATEGY_FLAGS)}")
+    for label in strategy_list:
+        if label not in STRATEGY_FLAGS:
+            raise FasttrainError(f"--strategies: unknown strategy {label!r}; use some of {', '.join(STRATEGY_FLAGS)}")
+    if isinstance(nproc, bool) or not isinstance(nproc, int) or nproc < 2:
+        raise FasttrainError(f"--nproc-per-node must be at least 2 (the sweep compares N processes with one), "
+                             f"got {nproc!r}")
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise FasttrainError(f"--max-steps must be a positive integer (every run trains that many steps), got {steps!r}")
+    return preset_list, strategy_list
+
+
 def plan(presets: list[str], nproc: int, steps: int, strategies: list[str], bf16: bool = True,
          extra: list[str] | None = None) -> list[Planned]:
     """The runs of one sweep. Every run of a preset shares the global batch of the preset's

@@ -256,7 +256,8 @@ def _free(device) -> None:
 
 
 def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_steps: int,
-            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None) -> dict:
+            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None,
+            progress=None) -> dict:
     """Every seed of one row in one compiled model: setup (build, compile, warm-up) once, then per
     seed a reset and a timed run. Returns the row's record (with ``states``, the final weights
     per seed on the CPU, when ``keep_states``)."""
@@ -296,7 +297,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
             reset_s = time.perf_counter() - t
             log(f"[{row.label} {row.name}] seed {seed}")
             rec = train_to_target(trainer, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                                  log=log)
+                                  log=log, progress=progress)
             rec.update(reset_s=reset_s, wall_s=time.perf_counter() - seed_wall0)
             runs.append(rec)
             log(f"[{row.label} {row.name}] seed {seed}: "
@@ -323,7 +324,7 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
 
 def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
                stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
-               command: str | None = None, budget_s: float | None = None, log=None) -> dict:
+               command: str | None = None, budget_s: float | None = None, log=None, progress=None) -> dict:
     """Run every row, write the results after each (``out``) and the fastest row's model (``save``;
     ``result["saved"]`` stays None when no row reached the target on every seed).
     ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
@@ -341,9 +342,17 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         raise FasttrainError(f"--patience-steps must be >= 0 (0: never stop early), got {patience_steps}")
     if not rows:
         raise FasttrainError("nothing to run: no rung chosen")
-    for path, what in ((out, "--out"), (save, "--save")):
-        if path is not None:
-            check_new_folder(path, what)
+    from fasttrain.lab.outputs import check_save_folder, expand
+
+    if out is not None:
+        check_new_folder(out, "--out")
+        out = str(expand(out, "--out"))
+    if save is not None:
+        check_save_folder(save, "--save")       # a folder of other files is refused, one of our checkpoints replaced whole
+        save = str(expand(save, "--save"))
+        if out is not None and Path(out).resolve() == Path(save).resolve():
+            raise FasttrainError(f"--out and --save name the same folder {save}; the results and the checkpoint "
+                                 f"need their own folders")
     log = log or (lambda s: None)
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
@@ -370,7 +379,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
             else:
                 rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
                               stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, deadline=deadline,
-                              log=log)
+                              log=log, progress=progress)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
@@ -479,10 +488,21 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max
                 rung_seeds=parse_rung_seeds(rung_seeds),
                 variants=[parse_variant(v) for v in variants], sets=overrides, device=device, data_dir=data_dir)
     log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
-    result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                        stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
-                        command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
-                        if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
+    from fasttrain.lab.progress import RunProgress
+
+    # the bar moves at every validation (the timed steps stay free of host work); its time left is
+    # to the schedule's end, an upper bound: a run stops at the target
+    bar = None if quiet else RunProgress("speedrun", 1, console=err, say_expected=False)
+    if bar is not None:
+        bar.start()
+    try:
+        result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
+                            stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
+                            command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
+                            if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log, progress=bar)
+    finally:
+        if bar is not None:
+            bar.stop()
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
     if out_dir:
         out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)

@@ -162,12 +162,23 @@ def make_values(n: int, dtype: str, seed: int) -> np.ndarray:
     return round_array(rng.random(n), dtype)
 
 
+def check_inputs(n, seed) -> None:
+    """Refuse, before any work, an ``n`` out of bounds and a negative seed."""
+    if isinstance(n, bool) or not isinstance(n, int) or not 2 <= n <= MAX_N:
+        raise FasttrainError(f"--n must be an integer from 2 to {MAX_N:,} (the sequential sums run in Python, "
+                             f"about a second per million values per method), got {n!r}")
+    if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
+        raise FasttrainError(f"--seed must be an integer >= 0 (NumPy's generators take no negative seeds), got {seed!r}")
+
+
 def run(n: int, dtypes=DTYPES, seed: int = 0, points: int = 8, use_torch: bool = True, device: str | None = None,
-        log=None) -> list[dict]:
-    """Rows (long format) for every dtype, method and n on a log grid up to ``n``."""
-    if not isinstance(n, int) or n < 2:
-        raise FasttrainError(f"--n must be an integer >= 2, got {n!r}")
+        log=None, progress=None) -> list[dict]:
+    """Rows (long format) for every dtype, method and n on a log grid up to ``n``; ``progress(done,
+    total)``: values summed so far (by every method) out of all, after each n of the grid."""
+    check_inputs(n, seed)
     grid = sorted({int(round(x)) for x in np.geomspace(2, n, num=max(points, 2))} | {n})
+    work = len(dtypes) * sum(grid)
+    done = 0
     rows = []
     funcs = {"in order": sum_in_order, "sorted": sum_sorted, "heap": sum_heap, "pairwise": sum_pairwise,
              "kahan": sum_kahan}
@@ -184,9 +195,17 @@ def run(n: int, dtypes=DTYPES, seed: int = 0, points: int = 8, use_torch: bool =
                 err = value - exact
                 rows.append({"dtype": dtype, "method": name, "n": k, "device": dev, "value": value, "exact": exact,
                              "abs_error": abs(err), "rel_error": abs(err) / abs(exact) if exact else abs(err)})
+            done += k
             if log:
                 log(f"{dtype} n={k}: done")
+            if progress:
+                progress(done, work)
     return rows
+
+
+# the largest --n: every method but torch.sum adds in a Python loop (~1 us a value), so 10^7
+# values are minutes over the three dtypes and five methods; beyond, hours
+MAX_N = 10_000_000
 
 
 def fp32_accumulated(rows: list[dict], dtype: str) -> bool:
@@ -263,12 +282,18 @@ def command(n, dtypes, seed, points, no_torch, out_dir) -> None:
     from rich.console import Console
 
     console = Console()
-    if n < 2:
-        raise FasttrainError(f"--n must be >= 2, got {n}")
+    check_inputs(n, seed)           # before --out is created
     out = None
     if out_dir:
         out = check_output_folder(out_dir, "--out", parents=True)
-    rows = run(n, dtypes or DTYPES, seed=seed, points=points, use_torch=not no_torch)
+    from rich.progress import BarColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    bar = Progress(TextColumn("lab sum"), BarColumn(), TextColumn("{task.percentage:>3.0f}%"), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=Console(stderr=True), transient=True)
+    task = bar.add_task("sum", total=None)
+    with bar:
+        rows = run(n, dtypes or DTYPES, seed=seed, points=points, use_torch=not no_torch,
+                   progress=lambda done, total: bar.update(task, completed=done, total=total))
     console.print(_table(rows, n))
     devices = sorted({r["device"] for r in rows if r["method"].startswith("torch")})
     if devices:

@@ -33,7 +33,7 @@ from fasttrain.lab.adapters import merge_lora
 from fasttrain.lab.batchsize import find_batch_size, probe_batch
 from fasttrain.lab.build import config_from_model, make_trainer, model_config, resolve_device
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
-from fasttrain.lab.config import LabConfig, missing_extra, validate
+from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, sync, tf32_matmuls
 from fasttrain.lab.trainer import Metrics, Trainer, accumulate_gradients, autocast_for
 
@@ -110,7 +110,9 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
 
     from fasttrain.lab import distributed as D
 
-    validate(cfg)
+    from fasttrain.lab.preflight import check_run
+
+    check_run(cfg)                  # validate, output paths, the device: before any work
     log = log or (lambda s: None)
     wall0 = time.perf_counter()
     parallel = D.validate_parallel(parallel or D.ParallelConfig())
@@ -177,6 +179,9 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     if cfg.save and model is not None and model.name != "gpt" and model.save is None:
         raise FasttrainError(f"--save: {model.name} has no save hook; save record.model yourself "
                              f"(e.g. safetensors.torch.save_model)")
+    from fasttrain.lab.preflight import check_ready
+
+    check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
     with tf32_matmuls(cfg.tf32):
         return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
                       checkpoint=checkpoint, keep_model=keep_model)

@@ -44,6 +44,7 @@ from fasttrain.lab.config import LabConfig
 from fasttrain.lab.measure import memory_by_kind, sync
 from fasttrain.lab.models import LabModel, forward_logits, forward_loss
 from fasttrain.lab.optim import build_optimizer, lr_at
+from fasttrain.lab.progress import report
 
 TIMINGS = ("step", "launch", "segment")
 
@@ -104,6 +105,12 @@ class Metrics:
         self.eval_ms = 0.0
         self.train_peak = self.reserved_peak = 0
         self.by_kind: dict | None = None
+
+    @property
+    def last_loss(self) -> float | None:
+        """The newest logged training loss (for progress bars: reading the step's own loss would
+        synchronize the device every step)."""
+        return self.loss_curve[-1]["loss"] if self.loss_curve else None
 
     def step(self, trainer: "Trainer", step: int, ms: float | None, loss) -> None:
         cfg = self.cfg
@@ -365,8 +372,7 @@ class Trainer:
                     reason = stop(step, val, train_loss) or reason
                 if on_step is not None:
                     on_step(step)
-                if progress is not None:
-                    progress(step, last)
+                report(progress, step, last, metrics.last_loss)
                 if reason != "steps":
                     return reason
                 sync(device)
@@ -374,8 +380,7 @@ class Trainer:
                 continue
             if on_step is not None:
                 on_step(step)
-            if progress is not None:
-                progress(step, last)
+            report(progress, step, last, metrics.last_loss)
         sync(device)
         metrics.train_s += time.perf_counter() - segment
         metrics.read_peaks()

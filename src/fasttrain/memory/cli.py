@@ -207,13 +207,16 @@ def command(ctx, **opts) -> None:
 
         check_output_path(opts["html"], "--html")  # before any work; the folder must exist already
     setup = setup_from_options(opts)
+    b = estimate(setup, opts["mode"])
     if opts["html"] is not None:
         from fasttrain.memory.page import write_page
 
         path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
-        out.print(f"page: {path}")
-        return
-    b = estimate(setup, opts["mode"])
+        if not opts["as_json"]:
+            out.print(f"page: {path}")
+            return
+        # both asked for: the JSON alone on stdout (it may be piped), the page's path on stderr
+        click.echo(f"page: {path}", err=True)
     if opts["as_json"]:
         click.echo(json.dumps(b.to_dict(), indent=1))
     else:
@@ -239,6 +242,10 @@ def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, 
     from fasttrain.memory.training_state import param_counts
 
     mfu = parse_mfu_percent(mfu)
+    check_count(params, "--params")
+    check_count(tokens, "--tokens")
+    if seq is not None and seq < 1:
+        raise FasttrainError(f"--seq must be a positive integer, got {seq}")
     if preset_name is None:
         if params is not None or tokens is not None or seq is not None:
             raise FasttrainError("--params/--tokens/--seq need --preset (or use a preset's own numbers)")
@@ -265,13 +272,29 @@ def cost_cmd(preset_name, params, tokens, seq, mfu, tflops, peak_tflops, price, 
         table.add_column(col, justify="left" if col == "run" else "right")
     for r in rows:
         implied = "-" if r.implied_mfu is None else f"{100 * r.implied_mfu:.1f}% ({100 * r.implied_mfu_dense_only:.1f}% 6ND)"
-        table.add_row(r.name, f"{r.params / 1e9:.2f}B", f"{r.tokens / 1e12:.1f}T", f"{r.flops:.3g}",
-                      f"{r.gpu_hours / 1e6:.2f}M", f"${r.dollars / 1e6:,.1f}M",
-                      "-" if r.published_gpu_hours is None else f"{r.published_gpu_hours / 1e6:.2f}M", implied)
+        table.add_row(r.name, compact(r.params, 1e9, "B", ".2f"), compact(r.tokens, 1e12, "T", ".1f"), f"{r.flops:.3g}",
+                      compact(r.gpu_hours, 1e6, "M", ".2f"), "$" + compact(r.dollars, 1e6, "M", ",.1f"),
+                      "-" if r.published_gpu_hours is None else compact(r.published_gpu_hours, 1e6, "M", ".2f"),
+                      implied)
     out.print(table)
     if any(r.implied_mfu is not None for r in rows):
         out.print(f"  implied MFU = FLOPs / (published GPU-hours x 3600 x {peak_tflops} TFLOP/s); "
                   "the published hours cover the whole project, not only the kernels")
+
+
+def compact(value: float, scale: float, suffix: str, spec: str, width: int = 10) -> str:
+    """``value`` in units of ``scale`` (``8.03B``), or in scientific notation when that would be
+    wider than ``width`` characters (``1e+30``): a cell never grows past what the table shows."""
+    text = f"{value / scale:{spec}}{suffix}"
+    return text if len(text) <= width else f"{value:.3g}"
+
+
+def check_count(value: float | None, flag: str) -> None:
+    """A count flag (--params, --tokens) is a positive finite number."""
+    import math
+
+    if value is not None and not (math.isfinite(value) and value > 0):
+        raise FasttrainError(f"{flag} must be positive and finite (e.g. 15e12), got {value!r}")
 
 
 def parse_mfu_percent(text: str | None) -> float | None:
