@@ -197,7 +197,7 @@ def _bad_files(tmp):
     (["--train-bin", "{tmp}/narrow.bin", "--bin-dtype", "uint32"], "give --bin-dtype uint16"),
     (["--train-bin", "{tmp}/wide.bin", "--bin-dtype", "uint64"], "'uint64' is not one of"),
     (["--train-bin", "{tmp}/wide.bin", "--bin-dtype", "uint32", "--tokenizer", "char"], "--tokenizer char builds"),
-    (["--train-file", "{tmp}/text.txt", "--vocab-size", "8"], "token ids but the model's vocabulary holds 8"),
+    (["--train-file", "{tmp}/text.txt", "--vocab-size", "8"], "--vocab-size 8 is smaller than the corpus' 20"),
 ])
 def test_bad_data_flags_are_one_line_before_training(tmp_path, capsys, monkeypatch, args, message):
     _bad_files(tmp_path)

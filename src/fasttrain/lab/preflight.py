@@ -110,7 +110,7 @@ def device_memory(device) -> tuple[int, int, str]:
 
 def predicted_peak(cfg, vocab: int, batch: int | None = None) -> int | None:
     """The memory estimator's precise peak for one process of ``cfg`` (None where it cannot say)."""
-    from fasttrain.lab.train import lab_setup
+    from fasttrain.lab.estimate import lab_setup
     from fasttrain.memory import estimate
 
     try:
