@@ -74,3 +74,18 @@ def test_a_step_matches_torch_muon_and_the_loss_goes_down():
 def test_muon_refuses_a_vector():
     with pytest.raises(FasttrainError, match="2-D matrices only"):
         lab_optim.batched_muon([torch.nn.Parameter(torch.zeros(4))])
+
+
+def test_a_tensor_learning_rate_gives_the_float_ones_step():
+    """A captured CUDA graph reads the learning rate from a tensor the schedule fills: same update."""
+    x = torch.randn(32, 16, generator=torch.Generator().manual_seed(3))
+    a, b = _tiny_model(), _tiny_model()
+    opt_a = lab_optim.batched_muon(list(a.parameters()), lr=0.02, adjust_lr_fn="match_rms_adamw")
+    opt_b = lab_optim.batched_muon(list(b.parameters()), lr=torch.tensor(0.02), adjust_lr_fn="match_rms_adamw")
+    for model, opt in ((a, opt_a), (b, opt_b)):
+        for _ in range(3):
+            opt.zero_grad()
+            _loss(model, x, torch.cos(x)).backward()
+            opt.step()
+    for p, q in zip(a.parameters(), b.parameters()):
+        assert torch.allclose(p, q, atol=1e-6)

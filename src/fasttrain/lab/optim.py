@@ -215,9 +215,8 @@ def _batched_muon_class():
                 with torch.enable_grad():
                     loss = closure()
             for group in self.param_groups:
+                # lr may be a device tensor (a captured CUDA graph reads it at every replay): no float() here
                 lr, wd, mu = group["lr"], group["weight_decay"], group["momentum"]
-                if isinstance(lr, torch.Tensor):
-                    lr = float(lr)
                 stacks: dict = {}
                 for p in group["params"]:
                     if p.grad is None:
@@ -240,8 +239,14 @@ def _batched_muon_class():
                     ortho = [o.mT if p.size(0) > p.size(1) else o for o, p in zip(ortho, params)]
                     if wd:
                         torch._foreach_mul_(params, 1 - lr * wd)
-                    scales = [-_adjusted_lr(lr, group["adjust_lr_fn"], p.shape) for p in params]
-                    torch._foreach_add_(params, torch._foreach_mul(ortho, scales))
+                    # W <- W - lr x ratio(shape) x O
+                    scales = [-_adjusted_lr(1.0, group["adjust_lr_fn"], p.shape) for p in params]
+                    steps = torch._foreach_mul(ortho, scales)
+                    if isinstance(lr, torch.Tensor):
+                        torch._foreach_mul_(steps, lr)
+                        torch._foreach_add_(params, steps)
+                    else:
+                        torch._foreach_add_(params, steps, alpha=lr)
             return loss
 
     return BatchedMuon
