@@ -21,8 +21,8 @@ from rich.table import Table
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_path
 from fasttrain.lab import dist_launch
-from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
-                                  LabConfig, preset)
+from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_BACKENDS, COMPILE_MODES, OPTIMS, PRESET_NOTES,
+                                  PRESETS, STYLES, LabConfig, preset)
 
 SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch")
 
@@ -46,6 +46,9 @@ HELP = {
     "fp16": "Autocast to fp16 with a GradScaler.", "bf16": "Autocast to bf16.", "tf32": "TF32 matmuls.",
     "gradient_checkpointing": "Recompute activations: full (every block) or selective (attention core).",
     "torch_compile": "torch.compile the model.", "torch_compile_mode": "torch.compile mode.",
+    "torch_compile_backend": "inductor, or cudagraphs (CUDA graphs of forward and backward, no code generation).",
+    "compile_regional": "Compile each transformer block instead of the whole model (a shorter cold compile).",
+    "cuda_graph_step": "Capture the whole eager step (with the optimizer) as one CUDA graph, no compiler (GPU).",
     "attn_implementation": "eager (PyTorch ops) or sdpa (scaled_dot_product_attention, flash).",
     "use_liger_kernel": "liger-kernel's RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear cross-entropy (GPU).",
     "preload": "Keep the corpus on the device and cut batches there.",
@@ -63,7 +66,8 @@ HELP = {
     "init_from": "Start from a checkpoint written with --save (fine-tuning).",
     "save": "Write the trained model to this folder (model.safetensors + config.json).",
 }
-CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES}
+CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES,
+           "torch_compile_backend": COMPILE_BACKENDS}
 SKIP = {"name"}
 
 

@@ -185,5 +185,81 @@ class GraphedTrainStep:
         return self.static_loss
 
 
-__all__ = ["BACKENDS", "GraphedTrainStep", "check_compile_cache", "compile_for_training", "load_compile_cache",
+class GraphStepTrainer:
+    """A lab trainer whose step is one CUDA graph (``cuda_graph_step``): the trainer's model, data and
+    validation, its optimizer rebuilt capturable (fused AdamW or Muon with the learning rate a device
+    tensor; Muon's Newton-Schulz eager, as the point is no compiler), the step captured once by
+    :class:`GraphedTrainStep` (its warm-up steps train the model: :meth:`reset` before a timed run).
+    :meth:`reset` restores a seed's initial weights and a fresh optimizer state into the same tensors,
+    so the graph stays valid across seeds."""
+
+    def __init__(self, trainer):
+        from contextlib import nullcontext
+
+        import torch
+
+        from fasttrain.lab.optim import build_muon, lr_at
+
+        cfg, device = trainer.cfg, trainer.device
+        if device.type != "cuda":
+            raise FasttrainError("--cuda-graph-step needs a CUDA GPU; drop it on the CPU")
+        self.trainer = trainer
+        self.lr = torch.full((), lr_at(cfg, 0), device=device, dtype=torch.float32)
+        model = trainer.model
+        if cfg.optim == "muon":
+            optimizer = build_muon(cfg, model, self.lr, capturable=True, compile_ns=False)
+        else:
+            params = [p for p in model.parameters() if p.requires_grad]
+            groups = [g for g in ({"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
+                                  {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
+            optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
+                                          eps=cfg.adam_epsilon, fused=True, capturable=True)
+        trainer.optimizer = optimizer
+        # autocast's cast cache must not outlive the captured region: casts are part of the graph
+        amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)) if cfg.bf16 else nullcontext
+        train_model = trainer.train_model
+
+        def loss_fn(x, y):
+            with amp():
+                return train_model(x, y)
+
+        x, y = next(iter(trainer.batches(1)))
+        self.graphed = GraphedTrainStep(loss_fn, trainer.trainable, optimizer, x, y, max_grad_norm=cfg.max_grad_norm,
+                                        warmup_steps=max(1, cfg.timing_warmup_steps))
+        self.step_index = 0
+
+    def __getattr__(self, name):            # model, model_config, batches, evaluate, batch, amp...: the trainer's
+        return getattr(self.trainer, name)
+
+    @property
+    def cfg(self):
+        return self.trainer.cfg
+
+    def step(self, x, y):
+        from fasttrain.lab.optim import lr_at
+
+        self.lr.fill_(lr_at(self.cfg, self.step_index))
+        loss = self.graphed(x, y)
+        self.step_index += 1
+        return loss
+
+    def reset(self, seed: int | None = None) -> None:
+        from dataclasses import replace
+
+        import torch
+
+        from fasttrain.lab.model import build
+
+        trainer = self.trainer
+        cfg = trainer.cfg if seed is None else replace(trainer.cfg, seed=seed)
+        fresh = build(trainer.model_config, trainer.device, seed=cfg.seed)
+        with torch.no_grad():
+            trainer.model.load_state_dict(fresh.state_dict())
+        del fresh
+        reset_optimizer_state(trainer.optimizer)
+        trainer.cfg = cfg
+        self.step_index = 0
+
+
+__all__ = ["BACKENDS", "GraphStepTrainer", "GraphedTrainStep", "check_compile_cache", "compile_for_training", "load_compile_cache",
            "reset_optimizer_state", "save_compile_cache"]

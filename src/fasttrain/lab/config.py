@@ -33,6 +33,7 @@ OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "adamw_8bit", "sgd", 
 CHECKPOINTING = ("none", "full", "selective")
 ATTENTIONS = ("eager", "sdpa")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_BACKENDS = ("inductor", "cudagraphs")
 
 
 @dataclass
@@ -73,6 +74,9 @@ class LabConfig:
     gradient_checkpointing: str = "none"
     torch_compile: bool = False
     torch_compile_mode: str = "default"
+    torch_compile_backend: str = "inductor"   # inductor | cudagraphs (AOT autograd's CUDA graphs, no code generation)
+    compile_regional: bool = False      # compile each transformer block (one compilation serves all) instead of the model
+    cuda_graph_step: bool = False       # the whole step (forward, backward, clipping, optimizer) as one CUDA graph, eager kernels
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
     # --- data ------------------------------------------------------------------------------
@@ -167,6 +171,19 @@ def validate(cfg: LabConfig) -> LabConfig:
     _choice(cfg, "gradient_checkpointing", CHECKPOINTING)
     _choice(cfg, "attn_implementation", ATTENTIONS)
     _choice(cfg, "torch_compile_mode", COMPILE_MODES)
+    _choice(cfg, "torch_compile_backend", COMPILE_BACKENDS)
+    if cfg.torch_compile_backend != "inductor" and cfg.torch_compile_mode != "default":
+        raise FasttrainError(f"--torch-compile-mode {cfg.torch_compile_mode} is inductor's; the "
+                             f"{cfg.torch_compile_backend} backend takes the default mode")
+    if cfg.cuda_graph_step:
+        if cfg.torch_compile:
+            raise FasttrainError("--cuda-graph-step captures the eager step; drop --torch-compile (or the other)")
+        if cfg.optim not in ("adamw_torch_fused", "muon"):
+            raise FasttrainError(f"--cuda-graph-step needs an optimizer that runs without host synchronization: "
+                                 f"--optim adamw_torch_fused or muon (got {cfg.optim})")
+        if cfg.fp16 or cfg.gradient_accumulation_steps != 1:
+            raise FasttrainError("--cuda-graph-step takes one micro-batch per step and no fp16 GradScaler; use --bf16 "
+                                 "and --gradient-accumulation-steps 1")
     if cfg.width % cfg.heads:
         raise FasttrainError(f"--heads ({cfg.heads}) must divide --width ({cfg.width})")
     if cfg.heads % cfg.kv:

@@ -259,13 +259,15 @@ def batched_muon(params, **kwargs):
     return _COMPILED["BatchedMuon"](params, **kwargs)
 
 
-def build_muon(cfg: LabConfig, model, lr: float):
+def build_muon(cfg: LabConfig, model, lr, *, capturable: bool = False, compile_ns: bool | None = None):
     """Muon for the blocks' 2-D weight matrices, AdamW for the rest (embeddings, norms, biases).
 
     Muon: momentum M <- mu M + G, update O = NewtonSchulz5(G + mu M) (Nesterov), the nearest
     semi-orthogonal matrix to it; ``match_rms_adamw`` scales O by 0.2 sqrt(max(rows, cols)) so
     its RMS matches AdamW's and one learning rate (and schedule) serves both optimizers. The
-    Newton-Schulz iterations run batched over same-shape matrices (:func:`batched_muon`)."""
+    Newton-Schulz iterations run batched over same-shape matrices (:func:`batched_muon`; ``compile_ns``:
+    compiled or not, None: on a GPU). ``capturable``: every step runs on the device without a host
+    synchronization, ``lr`` a device tensor the schedule fills (a step captured as a CUDA graph)."""
     import torch
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
@@ -274,7 +276,8 @@ def build_muon(cfg: LabConfig, model, lr: float):
     rest = [p for _, p in named if id(p) not in hidden_ids]
     if not hidden:
         raise FasttrainError("--optim muon found no trainable 2-D matrices in the transformer blocks")
-    muon = batched_muon(hidden, lr=lr, weight_decay=cfg.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw")
+    muon = batched_muon(hidden, lr=lr, weight_decay=cfg.weight_decay, momentum=0.95, adjust_lr_fn="match_rms_adamw",
+                        compile=compile_ns)
     decay = [p for p in rest if p.dim() >= 2]
     other = [p for p in rest if p.dim() < 2]
     groups = [g for g in ({"params": decay, "weight_decay": cfg.weight_decay}, {"params": other, "weight_decay": 0.0})
@@ -283,7 +286,7 @@ def build_muon(cfg: LabConfig, model, lr: float):
         return OptimizerGroup(muon)
     fused = all(p.device.type == "cuda" for p in rest)
     adamw = torch.optim.AdamW(groups, lr=lr, betas=(cfg.adam_beta1, cfg.adam_beta2), eps=cfg.adam_epsilon,
-                              fused=fused or None)
+                              fused=fused or None, **({"capturable": True} if capturable else {}))
     return OptimizerGroup(muon, adamw)
 
 
