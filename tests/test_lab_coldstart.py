@@ -48,26 +48,41 @@ class Tiny(torch.nn.Module):
         return self.head(x)
 
 
-def test_regional_compilation_compiles_each_block_in_place():
-    model = Tiny()
-    names = [n for n, _ in model.named_parameters()]
-    out = coldstart.compile_for_training(model, regional=True)
-    assert out is model and [n for n, _ in out.named_parameters()] == names
-    assert all(b._compiled_call_impl is not None for b in model.blocks)
-    assert getattr(model.head, "_compiled_call_impl", None) is None
-    whole = coldstart.compile_for_training(Tiny())
-    assert type(whole).__name__ == "OptimizedModule"
-
-
-@pytest.mark.parametrize("kwargs,message", [
-    (dict(backend="tvm"), "unknown --torch-compile-backend 'tvm'"),
-    (dict(backend="cudagraphs", mode="max-autotune"), "inductor's"),
+@pytest.mark.parametrize("overrides,message", [
+    (dict(torch_compile_backend="tvm"), "unknown --torch-compile-backend 'tvm'"),
+    (dict(torch_compile=True, torch_compile_backend="cudagraphs", torch_compile_mode="max-autotune"), "inductor's"),
+    (dict(cuda_graph_step=True, torch_compile=True, optim="adamw_torch_fused"), "drop --torch-compile"),
+    (dict(cuda_graph_step=True, optim="adamw_torch"), "adamw_torch_fused or muon"),
+    (dict(cuda_graph_step=True, optim="muon", gradient_accumulation_steps=2), "one micro-batch per step"),
 ])
-def test_bad_compile_options_are_one_line(kwargs, message):
-    with pytest.raises(FasttrainError, match=message):
-        coldstart.compile_for_training(Tiny(), **kwargs)
-    with pytest.raises(FasttrainError, match="has none"):
-        coldstart.compile_for_training(torch.nn.Linear(2, 2), regional=True)
+def test_bad_compile_options_are_one_line(overrides, message):
+    from fasttrain.lab.config import preset
+
+    with pytest.raises(FasttrainError) as info:
+        preset("tiny", **overrides)
+    assert message in str(info.value) and "\n" not in str(info.value)
+
+
+def test_the_cudagraphs_backend_reaches_torch_compile(corpus, monkeypatch):
+    from fasttrain.lab.build import make_trainer
+    from fasttrain.lab.config import preset
+
+    seen = []
+    monkeypatch.setattr(torch, "compile", lambda module, **kw: seen.append(kw) or module)
+    make_trainer(preset("tiny", torch_compile=True, torch_compile_backend="cudagraphs", device="cpu"), corpus,
+                 torch.device("cpu"))
+    make_trainer(preset("tiny", torch_compile=True, torch_compile_mode="reduce-overhead", device="cpu"), corpus,
+                 torch.device("cpu"))
+    assert seen == [{"backend": "cudagraphs"}, {"mode": "reduce-overhead"}]
+
+
+def test_a_graph_step_on_the_cpu_is_one_line(corpus):
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.speedrun import build_trainer
+
+    cfg = preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", device="cpu")
+    with pytest.raises(FasttrainError, match="needs a CUDA GPU"):
+        build_trainer(cfg, corpus, torch.device("cpu"))
 
 
 def test_the_optimizer_reset_in_place_restarts_like_a_fresh_one():

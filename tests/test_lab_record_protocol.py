@@ -77,68 +77,70 @@ def test_breakeven_is_compile_time_over_the_step_time_saved():
 
 # --- a fixed-step run ------------------------------------------------------------------------------------
 
-class FakeTrainer:
-    """Steps that sleep a known time, validations that sleep longer: train_s must hold only the steps."""
+def tiny_trainer(corpus, losses=None, *, seed=0, eval_s=0.0, **overrides):
+    """The lab's trainer on the tiny preset; ``losses``: what its validations return (each after sleeping
+    ``eval_s``), so that what the protocol does with them is known."""
+    import time
 
-    def __init__(self, losses, seed=0, step_s=0.002, eval_s=0.02, eval_tokens=None):
-        import types
+    import torch
 
-        import torch
+    from fasttrain.lab.build import make_trainer
+    from fasttrain.lab.config import preset
 
-        self.cfg = types.SimpleNamespace(seed=seed, eval_tokens=eval_tokens)
-        self.device = torch.device("cpu")
-        self.losses = iter(losses)
-        self.step_s, self.eval_s = step_s, eval_s
-        self.steps = 0
+    cfg = preset("tiny", **{"device": "cpu", "eval_tokens": None, "eval_interval": 0, "seed": seed, **overrides})
+    trainer = make_trainer(cfg, corpus, torch.device("cpu"))
+    if losses is not None:
+        values = iter(losses)
 
-    def batches(self, n):
-        return ((None, None) for _ in range(n))
-
-    def step(self, x, y):
-        import time
-
-        time.sleep(self.step_s)
-        self.steps += 1
-        return 2.0
-
-    def evaluate(self):
-        import time
-
-        time.sleep(self.eval_s)
-        return next(self.losses), 1000
+        def evaluate(tokens=None):
+            time.sleep(eval_s)
+            return next(values), 1000
+        trainer.evaluate = evaluate
+    return trainer
 
 
-def test_a_fixed_step_run_times_training_only_and_keeps_the_first_crossing_apart():
-    trainer = FakeTrainer([1.6, 1.46, 1.48, 1.465])
-    rec = rp.run_fixed_steps(trainer, 20, target=1.47, eval_interval=5)
-    assert trainer.steps == 20 and rec["steps"] == 20
-    # three validations on the way (5, 10, 15) and the final one over the whole split
+def test_a_fixed_step_run_times_training_only_and_keeps_the_first_crossing_apart(corpus):
+    trainer = tiny_trainer(corpus, [1.6, 1.46, 1.48, 1.465], eval_s=0.25, max_steps=20, eval_interval=5)
+    import time
+
+    t = time.perf_counter()
+    rec = rp.run_fixed_steps(trainer, target=1.47)
+    wall = time.perf_counter() - t
+    assert trainer.step_index == 20 and rec["steps"] == 20
+    # three validations on the way (5, 10, 15) and the final one, after the last step
     assert [e["step"] for e in rec["evals"]] == [5, 10, 15, 20]
     assert rec["final_val_loss"] == 1.465 and rec["first_crossing_step"] == 10
-    assert 20 * 0.002 <= rec["train_s"] < 20 * 0.002 + 0.05 and rec["eval_s"] >= 4 * 0.02
-    assert rec["first_crossing_s"] == rec["evals"][1]["train_s"]
+    # the validations' sleep (4 x 0.25 s) is in eval_s and outside train_s
+    assert rec["eval_s"] >= 4 * 0.25 and wall - rec["train_s"] >= 4 * 0.25 and rec["train_s"] > 0
+    assert rec["first_crossing_s"] == rec["evals"][1]["train_s"] < rec["train_s"]
 
 
-def test_a_fixed_step_run_scores_the_whole_split_only():
+def test_the_final_validation_scores_the_whole_split(corpus):
+    trainer = tiny_trainer(corpus, max_steps=3)
+    rec = rp.run_fixed_steps(trainer)
+    assert rec["final_val_tokens"] == len(corpus.val) - 1 and rec["evals"][-1]["step"] == 3
     with pytest.raises(FasttrainError, match="whole validation split"):
-        rp.run_fixed_steps(FakeTrainer([1.0], eval_tokens=512), 5)
-    with pytest.raises(FasttrainError, match="fixed positive number of steps"):
-        rp.run_fixed_steps(FakeTrainer([1.0]), 0)
+        rp.run_fixed_steps(tiny_trainer(corpus, max_steps=3, eval_tokens=512))
 
 
-def test_a_diverged_run_has_no_final_loss_and_the_recipe_misses():
-    runs = [rp.run_fixed_steps(FakeTrainer([1.45], seed=s, step_s=0, eval_s=0), 4) for s in range(4)]
-    runs.append(rp.run_fixed_steps(FakeTrainer([float("inf")], seed=4, step_s=0, eval_s=0), 4))
+def test_a_diverged_run_has_no_final_loss_and_the_recipe_misses(corpus):
+    runs = [rp.run_fixed_steps(tiny_trainer(corpus, [1.45], seed=s, max_steps=2)) for s in range(4)]
+    runs.append(rp.run_fixed_steps(tiny_trainer(corpus, [float("inf")], seed=4, max_steps=2)))
     assert runs[-1]["diverged"] and runs[-1]["final_val_loss"] is None
     s = rp.summarize_recipe(runs, planned_seeds=5)
-    assert not s["counts"] and s["missing"] == "only 4 of 5 seeds finished" and s["steps"] == 4
+    assert not s["counts"] and s["missing"] == "only 4 of 5 seeds finished" and s["steps"] == 2
 
 
 # --- record.json ---------------------------------------------------------------------------------------
 
+def _run(seed, final, steps=3):
+    return {"seed": seed, "steps": steps, "planned_steps": steps, "diverged": False, "train_s": 0.5 + seed / 100,
+            "ms_per_step": 1.0, "eval_s": 0.1, "evals": [], "final_val_loss": final, "final_val_tokens": 100,
+            "final_eval_ms": 10.0, "first_crossing_s": None, "first_crossing_step": None}
+
+
 def _counted_summary():
-    runs = [rp.run_fixed_steps(FakeTrainer([v], seed=s, step_s=0.001, eval_s=0), 3)
-            for s, v in enumerate([1.455, 1.458, 1.457, 1.456, 1.459])]
+    runs = [_run(s, v) for s, v in enumerate([1.455, 1.458, 1.457, 1.456, 1.459])]
     return rp.summarize_recipe(runs, planned_seeds=5)
 
 
@@ -152,7 +154,7 @@ def test_record_json_has_the_fixed_keys_and_shape(tmp_path):
     assert list(data)[:len(rp.RECORD_KEYS)] == list(rp.RECORD_KEYS)
     assert data["seeds"] == [0, 1, 2, 3, 4] and data["final_val_losses"] == [1.455, 1.458, 1.457, 1.456, 1.459]
     assert data["mean_final_val_loss"] == pytest.approx(1.457) and 0 < data["p_value"] < 0.05
-    assert data["train_s"] > 0 and data["rung"] == "muon" and data["process_warm_s"] is None
+    assert data["train_s"] == 0.52 and data["rung"] == "muon" and data["process_warm_s"] is None
     assert rp.read_record(path) == data
 
 
@@ -173,6 +175,6 @@ def test_a_malformed_record_is_one_line(change, message):
 
 
 def test_a_missing_recipe_makes_no_record():
-    runs = [rp.run_fixed_steps(FakeTrainer([v], seed=s, step_s=0, eval_s=0), 2) for s, v in enumerate([1.5] * 5)]
+    runs = [_run(s, 1.5) for s in range(5)]
     with pytest.raises(FasttrainError, match="only a counted recipe"):
         rp.record(rp.summarize_recipe(runs, planned_seeds=5), command="x")

@@ -4,10 +4,10 @@
   ``torch.compiler.load_cache_artifacts`` / ``save_cache_artifacts`` (one opt-in file holding what
   inductor, Triton and AOT autograd compiled, so that a fresh process with empty caches skips the
   compilation);
-- :func:`compile_for_training`: the whole model compiled (``torch.compile``), one compiled region per
-  transformer block (``compile_regional``: every block has the same code, so one compilation serves
-  them all and the cold compile shrinks with the depth), or ``backend="cudagraphs"`` (the forward and
-  backward captured as CUDA graphs by AOT autograd, no inductor code generation at all);
+- the trainer compiles the whole model (``torch.compile``) or each transformer block alone
+  (``torch_compile_scope="blocks"``: every block has the same code, so one compilation serves them
+  all), with inductor or ``torch_compile_backend="cudagraphs"`` (forward and backward captured as CUDA
+  graphs by AOT autograd, no inductor code generation at all);
 - :class:`GraphedTrainStep`: the whole training step (forward, backward, clipping, optimizer) captured
   with ``torch.cuda.graph`` from eager PyTorch, no compiler involved: the launch overhead goes, the
   compile time never comes;
@@ -24,9 +24,7 @@ import logging
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-
-BACKENDS = ("inductor", "cudagraphs")
-
+from fasttrain.lab.trainer import Trainer
 
 # --- the compile cache ---------------------------------------------------------------------------
 
@@ -88,33 +86,6 @@ def save_compile_cache(path) -> dict:
     data, _info = saved
     atomic_write_bytes(path, data)
     return {"path": str(path), "saved": True, "bytes": len(data)}
-
-
-# --- compiling the model --------------------------------------------------------------------------
-
-def compile_for_training(module, *, mode: str = "default", regional: bool = False, backend: str = "inductor",
-                         blocks=None):
-    """The module to train, compiled as asked.
-
-    ``regional``: compile each of ``blocks`` (default ``module.blocks``) in place and return ``module``
-    itself (embedding, head and loss stay eager); else the whole module through ``torch.compile``.
-    ``backend``: ``inductor`` (with ``mode``) or ``cudagraphs`` (no code generation; ``mode`` must be
-    the default)."""
-    import torch
-
-    if backend not in BACKENDS:
-        raise FasttrainError(f"unknown --torch-compile-backend {backend!r}; use one of {', '.join(BACKENDS)}")
-    if backend != "inductor" and mode != "default":
-        raise FasttrainError(f"--torch-compile-mode {mode} is inductor's; the {backend} backend takes the default")
-    kwargs = {"backend": backend} if backend != "inductor" else ({"mode": mode} if mode != "default" else {})
-    if not regional:
-        return torch.compile(module, **kwargs)
-    blocks = blocks if blocks is not None else getattr(module, "blocks", None)
-    if not blocks:
-        raise FasttrainError("--compile-regional compiles the transformer blocks, and this model has none")
-    for block in blocks:
-        block.compile(**kwargs)        # in place: the module tree, its names and state dict are unchanged
-    return module
 
 
 # --- the whole step as one CUDA graph ---------------------------------------------------------------
@@ -185,57 +156,65 @@ class GraphedTrainStep:
         return self.static_loss
 
 
-class GraphStepTrainer:
-    """A lab trainer whose step is one CUDA graph (``cuda_graph_step``): the trainer's model, data and
-    validation, its optimizer rebuilt capturable (fused AdamW or Muon with the learning rate a device
-    tensor; Muon's Newton-Schulz eager, as the point is no compiler), the step captured once by
-    :class:`GraphedTrainStep` (its warm-up steps train the model: :meth:`reset` before a timed run).
-    :meth:`reset` restores a seed's initial weights and a fresh optimizer state into the same tensors,
-    so the graph stays valid across seeds."""
+class GraphStepTrainer(Trainer):
+    """The lab's trainer with its step captured as one CUDA graph (``cuda_graph_step``): the model, data,
+    loop and validation are the trainer's; the optimizer is rebuilt capturable (fused AdamW, or Muon with
+    its Newton-Schulz eager, as the point is no compiler; the learning rate a device tensor the schedule
+    fills), and :meth:`train_step` replays the step :class:`GraphedTrainStep` captured (its warm-up steps
+    train the model: :meth:`reset` before a timed run). :meth:`reset` restores a seed's initial weights and
+    a fresh optimizer state into the same tensors, so the graph stays valid across seeds."""
 
-    def __init__(self, trainer):
+    @classmethod
+    def for_config(cls, cfg, corpus, device):
+        """As :func:`fasttrain.lab.build.make_trainer` builds a trainer (the lab's GPT, rebuildable)."""
+        from fasttrain.lab.build import build_model
+
+        model = build_model(cfg, corpus.vocab_size, device)
+
+        def rebuild(seed):
+            return build_model(cfg, corpus.vocab_size, device, seed=seed).module
+        return cls(cfg, model, corpus, device, rebuild=rebuild)
+
+    def __init__(self, cfg, model, data, device, **kwargs):
         from contextlib import nullcontext
 
         import torch
 
+        from fasttrain.lab.models import forward_loss
         from fasttrain.lab.optim import build_muon, lr_at
 
-        cfg, device = trainer.cfg, trainer.device
         if device.type != "cuda":
             raise FasttrainError("--cuda-graph-step needs a CUDA GPU; drop it on the CPU")
-        self.trainer = trainer
+        if cfg.torch_compile:
+            raise FasttrainError("--cuda-graph-step captures the eager step; drop --torch-compile (or the other)")
+        super().__init__(cfg, model, data, device, **kwargs)
+        if self.world.distributed:
+            raise FasttrainError("--cuda-graph-step runs in one process; drop it under torchrun")
         self.lr = torch.full((), lr_at(cfg, 0), device=device, dtype=torch.float32)
-        model = trainer.model
+        module = self.model
         if cfg.optim == "muon":
-            optimizer = build_muon(cfg, model, self.lr, capturable=True, compile_ns=False)
+            optimizer = build_muon(cfg, module, self.lr, capturable=True, compile_ns=False)
         else:
-            params = [p for p in model.parameters() if p.requires_grad]
+            params = [p for p in module.parameters() if p.requires_grad]
             groups = [g for g in ({"params": [p for p in params if p.dim() >= 2], "weight_decay": cfg.weight_decay},
                                   {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}) if g["params"]]
             optimizer = torch.optim.AdamW(groups, lr=self.lr, betas=(cfg.adam_beta1, cfg.adam_beta2),
                                           eps=cfg.adam_epsilon, fused=True, capturable=True)
-        trainer.optimizer = optimizer
-        # autocast's cast cache must not outlive the captured region: casts are part of the graph
+        self.optimizer = optimizer
+        # autocast's cast cache must not outlive the captured region: the casts are part of the graph
         amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)) if cfg.bf16 else nullcontext
-        train_model = trainer.train_model
+        train_model, lab_model = self.train_model, self.lab_model
 
         def loss_fn(x, y):
             with amp():
-                return train_model(x, y)
+                return forward_loss(lab_model, train_model, x, y)
 
-        x, y = next(iter(trainer.batches(1)))
-        self.graphed = GraphedTrainStep(loss_fn, trainer.trainable, optimizer, x, y, max_grad_norm=cfg.max_grad_norm,
+        x, y = next(iter(self.batches(1)))
+        train_model.train()
+        self.graphed = GraphedTrainStep(loss_fn, self.trainable, optimizer, x, y, max_grad_norm=cfg.max_grad_norm,
                                         warmup_steps=max(1, cfg.timing_warmup_steps))
-        self.step_index = 0
 
-    def __getattr__(self, name):            # model, model_config, batches, evaluate, batch, amp...: the trainer's
-        return getattr(self.trainer, name)
-
-    @property
-    def cfg(self):
-        return self.trainer.cfg
-
-    def step(self, x, y):
+    def train_step(self, x, y):
         from fasttrain.lab.optim import lr_at
 
         self.lr.fill_(lr_at(self.cfg, self.step_index))
@@ -248,18 +227,15 @@ class GraphStepTrainer:
 
         import torch
 
-        from fasttrain.lab.model import build
-
-        trainer = self.trainer
-        cfg = trainer.cfg if seed is None else replace(trainer.cfg, seed=seed)
-        fresh = build(trainer.model_config, trainer.device, seed=cfg.seed)
+        cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
+        fresh = self.rebuild(cfg.seed)
         with torch.no_grad():
-            trainer.model.load_state_dict(fresh.state_dict())
+            self.model.load_state_dict(fresh.state_dict())
         del fresh
-        reset_optimizer_state(trainer.optimizer)
-        trainer.cfg = cfg
+        reset_optimizer_state(self.optimizer)
+        self.cfg = cfg
         self.step_index = 0
 
 
-__all__ = ["BACKENDS", "GraphStepTrainer", "GraphedTrainStep", "check_compile_cache", "compile_for_training", "load_compile_cache",
-           "reset_optimizer_state", "save_compile_cache"]
+__all__ = ["GraphStepTrainer", "GraphedTrainStep", "check_compile_cache", "load_compile_cache", "reset_optimizer_state",
+           "save_compile_cache"]

@@ -31,7 +31,6 @@ from __future__ import annotations
 import json
 import math
 import statistics
-import time
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
@@ -117,81 +116,45 @@ def breakeven_steps(compile_s: float | None, eager_step_s: float | None, compile
 
 # --- one run of a recipe ----------------------------------------------------------------------------
 
-def _sync(device) -> None:
-    from fasttrain.lab.measure import sync
+def run_fixed_steps(trainer, *, target: float = TARGET, log=None) -> dict:
+    """Train the recipe's ``max_steps`` optimizer steps from ``trainer``'s current (fresh) state through the
+    lab's loop (:meth:`fasttrain.lab.trainer.Trainer.train`, ``timing="segment"``: no synchronization inside
+    the steps, the clock stopped around every validation), then score the whole validation split.
 
-    sync(device)
+    ``trainer.cfg.eval_interval``: validations on the way, for the first crossing only (0: the final one
+    alone). A non-finite validation or training loss stops the run (``diverged``: no final loss)."""
+    from fasttrain.lab.trainer import Metrics
 
-
-def run_fixed_steps(trainer, steps: int, *, target: float = TARGET, eval_interval: int = 0, log=None) -> dict:
-    """Train ``steps`` optimizer steps from ``trainer``'s current (fresh) state, then score the whole
-    validation split.
-
-    ``trainer`` needs ``cfg`` (seed, ``eval_tokens`` None: the whole split), ``device``, ``batches(n)``,
-    ``step(x, y)`` (returns the loss tensor) and ``evaluate()`` (mean loss, characters scored).
-    ``eval_interval``: validations every so many steps for the first crossing (0: none before the end);
-    their time is excluded from ``train_s``. A non-finite loss stops the run (``diverged``; no final loss)."""
+    cfg = trainer.cfg
+    steps = cfg.max_steps - trainer.step_index
     if not (isinstance(steps, int) and steps > 0):
         raise FasttrainError(f"a recipe trains a fixed positive number of steps, got {steps!r}")
-    if getattr(trainer.cfg, "eval_tokens", None) is not None:
+    if cfg.eval_tokens is not None:
         raise FasttrainError("the record protocol scores the whole validation split: set eval_tokens to none "
-                             f"(it is {trainer.cfg.eval_tokens})")
-    device = trainer.device
+                             f"(it is {cfg.eval_tokens})")
     log = log or (lambda s: None)
-    evals: list[dict] = []
-    first = None
-    train_s = eval_s = 0.0
-    diverged = False
-    batches = trainer.batches(steps)
-    step = 0
-    loss = None
-    _sync(device)
-    t0 = time.perf_counter()
-    for i, (x, y) in enumerate(batches):
-        loss = trainer.step(x, y)
-        step = i + 1
-        if step == steps or not (eval_interval and step % eval_interval == 0):
-            continue
-        _sync(device)
-        train_s += time.perf_counter() - t0
-        t = time.perf_counter()
-        val, tokens = trainer.evaluate()
-        _sync(device)
-        ms = 1e3 * (time.perf_counter() - t)
-        eval_s += ms / 1e3
-        evals.append({"step": step, "train_s": train_s, "val_loss": val, "tokens": tokens, "ms": ms})
-        log(f"  step {step:>5}  {train_s:7.2f} s  val {val:.4f}")
-        if not math.isfinite(val):
-            diverged = True
-            break
-        if first is None and val <= target:
-            first = {"step": step, "train_s": train_s, "val_loss": val}
-        _sync(device)
-        t0 = time.perf_counter()
-    if not diverged:
-        _sync(device)
-        train_s += time.perf_counter() - t0
-    final = final_tokens = None
-    final_ms = None
-    if not diverged:
-        t = time.perf_counter()
-        final, final_tokens = trainer.evaluate()
-        _sync(device)
-        final_ms = 1e3 * (time.perf_counter() - t)
-        eval_s += final_ms / 1e3
-        train_loss = float(loss) if loss is not None else math.nan
-        evals.append({"step": step, "train_s": train_s, "val_loss": final, "tokens": final_tokens, "ms": final_ms,
-                      "train_loss": train_loss})
-        log(f"  step {step:>5}  {train_s:7.2f} s  final val {final:.4f} (whole split, {final_tokens:,} characters)")
-        if not math.isfinite(final):
-            diverged, final = True, None
-        elif first is None and final <= target:
-            first = {"step": step, "train_s": train_s, "val_loss": final}
-    return {"seed": trainer.cfg.seed, "steps": step, "planned_steps": steps, "diverged": diverged,
-            "train_s": train_s, "ms_per_step": 1e3 * train_s / step if step else None, "eval_s": eval_s,
-            "evals": evals, "final_val_loss": final, "final_val_tokens": final_tokens, "final_eval_ms": final_ms,
-            "first_crossing_s": first["train_s"] if first else None,
-            "first_crossing_step": first["step"] if first else None}
+    metrics = Metrics(cfg, trainer.device, trainer.world, curve=False)
+    first: dict = {}
+
+    def stop(step, val, train_loss):
+        log(f"  step {step:>5}  {metrics.train_s:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
+        if not (math.isfinite(val) and math.isfinite(train_loss)):
+            return "diverged"
+        if not first and val <= target:
+            first.update(step=step, train_s=metrics.train_s)
+        return None
+
+    reason = trainer.train(steps, metrics=metrics, timing="segment", stop=stop)
+    step = trainer.step_index
+    evals = [{k: e[k] for k in ("step", "train_s", "val_loss", "train_loss", "tokens", "ms")} for e in metrics.evals]
+    finished = reason == "steps" and bool(evals) and evals[-1]["step"] == cfg.max_steps
+    final = evals[-1] if finished else None
+    return {"seed": cfg.seed, "steps": step, "planned_steps": cfg.max_steps, "diverged": reason == "diverged",
+            "train_s": metrics.train_s, "ms_per_step": 1e3 * metrics.train_s / step if step else None,
+            "eval_s": metrics.eval_ms / 1e3, "evals": evals,
+            "final_val_loss": final["val_loss"] if final else None,
+            "final_val_tokens": final["tokens"] if final else None, "final_eval_ms": final["ms"] if final else None,
+            "first_crossing_s": first.get("train_s"), "first_crossing_step": first.get("step")}
 
 
 def summarize_recipe(runs: list[dict], *, planned_seeds: int, target: float = TARGET, min_seeds: int = MIN_SEEDS,

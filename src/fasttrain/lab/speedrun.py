@@ -37,7 +37,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -46,41 +46,15 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.config import LabConfig, preset
 from fasttrain.lab.record_protocol import ALPHA, MIN_SEEDS
+from fasttrain.lab.overrides import parse_assignments, parse_variant
+from fasttrain.lab.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
 from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
                                            record_command, save_fastest, summarize, write_results)
 
 TARGET = 1.47
 BASE_PRESET = "shakespeare-char"
-RECIPE_STEPS = 1550         # the baseline's fixed step count: every seed of the compiled recipe ends below 1.47 there
 
 
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    change: str              # what this rung adds to the one before, one line
-    overrides: dict          # the LabConfig fields it sets
-
-
-LADDER: tuple[Rung, ...] = (
-    Rung("baseline", f"the shakespeare-char preset as users run it (eager PyTorch, fp32, AdamW for-each, batches cut "
-                     f"on the CPU), its cosine schedule ending at step {RECIPE_STEPS} instead of 5000 (where it "
-                     f"over-fits): a fixed recipe", dict(max_steps=RECIPE_STEPS)),
-    Rung("tf32", "TF32 tensor cores for the fp32 matmuls", dict(tf32=True)),
-    Rung("bf16", "bf16 autocast", dict(bf16=True)),
-    Rung("sdpa", "scaled_dot_product_attention (flash) instead of eager attention", dict(attn_implementation="sdpa")),
-    Rung("fused-adamw", "fused AdamW (one kernel for all parameters)", dict(optim="adamw_torch_fused")),
-    Rung("preload", "the corpus on the GPU, batches cut there", dict(preload=True)),
-    Rung("compile", "torch.compile (inductor, default mode)", dict(torch_compile=True)),
-    Rung("cuda-graphs", "torch.compile mode reduce-overhead: the step replayed as CUDA graphs",
-         dict(torch_compile_mode="reduce-overhead")),
-    Rung("regional", "each transformer block compiled (one compilation serves the six) instead of the whole model",
-         dict(compile_regional=True)),
-    Rung("graph-step", "no compiler: the whole eager step (forward, backward, clipping, AdamW) captured as one CUDA "
-                       "graph", dict(torch_compile=False, torch_compile_mode="default", compile_regional=False,
-                                     cuda_graph_step=True)),
-    Rung("muon", "Muon for the blocks' matrices (Newton-Schulz batched over same-shape matrices in bf16; AdamW for "
-                 "embeddings and norms)", dict(optim="muon")),
-)
 COMPILING = ("torch_compile", "cuda_graph_step")    # a row whose setup compiles or captures
 
 
@@ -147,53 +121,6 @@ def parse_seeds(text: str | None, first: int) -> list[int]:
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise bad
     return seeds
-
-
-def _field_value(name: str, raw: str):
-    by_name = {f.name: f for f in fields(LabConfig)}
-    if name not in by_name:
-        raise FasttrainError(f"unknown lab setting {name!r} in an override; settings are LabConfig fields "
-                             f"(see: fasttrain lab --help, flag names with underscores)")
-    raw = raw.strip()
-    default = by_name[name].default
-    if raw.lower() in ("none", "null"):
-        return None
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise FasttrainError(f"override {name}={raw!r}: give true or false")
-    if isinstance(default, tuple):
-        return tuple(t for t in raw.split("+") if t)
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def parse_assignments(text: str) -> dict:
-    """"learning_rate=2e-3,max_steps=1200" -> {field: value}; values typed as the field's default."""
-    out = {}
-    for item in (t for t in text.split(",") if t.strip()):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise FasttrainError(f"override {item!r}: write FIELD=VALUE (e.g. learning_rate=2e-3)")
-        out[key] = _field_value(key, value)
-    return out
-
-
-def parse_variant(text: str) -> tuple[str, dict]:
-    """"NAME:field=value,..." -> (NAME, overrides)."""
-    name, sep, body = text.partition(":")
-    name = name.strip()
-    if not sep or not name or not body.strip():
-        raise FasttrainError(f"--variant {text!r}: write NAME:FIELD=VALUE[,FIELD=VALUE...] "
-                             f"(e.g. lr-2e-3:learning_rate=2e-3,min_lr=2e-4)")
-    return name, parse_assignments(body)
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -293,24 +220,16 @@ def _sync(device) -> None:
 
 
 def build_trainer(cfg: LabConfig, corpus, device):
-    """The lab's trainer for ``cfg``, with the speedrun's compile options: regional compilation or the
-    cudagraphs backend applied to its model (:func:`~fasttrain.lab.coldstart.compile_for_training`), or the
-    whole step as one CUDA graph (:class:`~fasttrain.lab.coldstart.GraphStepTrainer`)."""
-    from fasttrain.lab.coldstart import GraphStepTrainer, compile_for_training
-    from fasttrain.lab.train import Trainer
+    """The lab's trainer for ``cfg`` (:func:`~fasttrain.lab.build.make_trainer`; whole-model or per-block
+    compilation, the inductor or cudagraphs backend), or with ``cuda_graph_step`` one whose step is a single
+    CUDA graph (:class:`~fasttrain.lab.coldstart.GraphStepTrainer`)."""
+    from fasttrain.lab.build import make_trainer
 
-    custom = cfg.torch_compile and (cfg.compile_regional or cfg.torch_compile_backend != "inductor")
-    trainer = Trainer(cfg.with_(torch_compile=False) if custom else cfg, corpus, device)
-    if custom:
-        trainer.train_model = compile_for_training(trainer.train_model, mode=cfg.torch_compile_mode,
-                                                   regional=cfg.compile_regional, backend=cfg.torch_compile_backend)
-        trainer.cfg = cfg
-        # CUDA-graph outputs are overwritten by the next replay: the trainer marks each new step
-        trainer.cuda_graphs = device.type == "cuda" and (cfg.torch_compile_mode == "reduce-overhead"
-                                                         or cfg.torch_compile_backend == "cudagraphs")
     if cfg.cuda_graph_step:
-        return GraphStepTrainer(trainer)
-    return trainer
+        from fasttrain.lab.coldstart import GraphStepTrainer
+
+        return GraphStepTrainer.for_config(cfg, corpus, device)
+    return make_trainer(cfg, corpus, device)
 
 
 def _free(device) -> None:
@@ -329,10 +248,10 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
     (with ``states``, the final weights per seed on the CPU, when ``keep_states``)."""
     import torch
 
+    from fasttrain.lab.build import make_trainer, resolve_device
     from fasttrain.lab.checkpoint import eval_settings
     from fasttrain.lab.measure import tf32_matmuls
     from fasttrain.lab.record_protocol import run_fixed_steps
-    from fasttrain.lab.train import resolve_device
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -348,12 +267,11 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
         _sync(device)
         build_s = time.perf_counter() - t
         warm = max(1, cfg.timing_warmup_steps)
-        warmup_ms = []
-        for x, y in trainer.batches(warm):
-            t1 = time.perf_counter()
-            trainer.step(x, y)
-            _sync(device)
-            warmup_ms.append(1e3 * (time.perf_counter() - t1))
+        from fasttrain.lab.trainer import Metrics
+
+        warmup = Metrics(cfg.with_(timing_warmup_steps=0), device, trainer.world, curve=False)
+        trainer.train(warm, metrics=warmup, timing="step", evaluate=False)    # each warm-up step timed
+        warmup_ms = list(warmup.step_ms)
         t1 = time.perf_counter()
         trainer.evaluate()
         _sync(device)
@@ -415,8 +333,8 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
     starts after this many seconds from the call (results stay whole). ``compile_cache``: a file of compiled
     artifacts loaded first (when it exists) and rewritten after each compiling row's setup."""
     from fasttrain.environment import environment
+    from fasttrain.lab.build import resolve_device
     from fasttrain.lab.data import load_corpus
-    from fasttrain.lab.train import resolve_device
 
     if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
         raise FasttrainError(f"--target must be a positive number of nats per character, got {target!r}")
