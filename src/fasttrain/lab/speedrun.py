@@ -296,7 +296,7 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
             _sync(device)
             reset_s = time.perf_counter() - t
             log(f"[{row.label} {row.name}] seed {seed}")
-            rec = run_fixed_steps(trainer, cfg.max_steps, target=target, eval_interval=cfg.eval_interval, log=log)
+            rec = run_fixed_steps(trainer, target=target, log=log)
             rec.update(reset_s=reset_s, wall_s=time.perf_counter() - seed_wall0)
             runs.append(rec)
             log(f"[{row.label} {row.name}] seed {seed}: {rec['steps']} steps in {rec['train_s']:.2f} s "
@@ -351,9 +351,13 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
 
         check_compile_cache(compile_cache)
     log = log or (lambda s: None)
+    device = resolve_device(rows[0].cfg)
+    graphed = [r.name for r in rows if r.cfg.cuda_graph_step]
+    if graphed and device.type != "cuda":
+        raise FasttrainError(f"{', '.join(graphed)}: graph-step needs a CUDA GPU (the step is captured as a CUDA "
+                             f"graph); choose other rungs on the CPU (see: fasttrain lab speedrun --list)")
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
-    device = resolve_device(rows[0].cfg)
     if compile_cache:
         cache_loaded = load_compile_cache(compile_cache)
         log(f"compile cache {compile_cache}: " + (f"loaded {cache_loaded['bytes']:,} bytes in "
