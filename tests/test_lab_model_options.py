@@ -77,3 +77,41 @@ def test_ramp_grows_in_stages_and_ends_at_the_end():
     assert values == [64, 64, 64, 64, 64, 128, 128, 128, 192, 192, 256, 256]
     assert mo.ramp(5, 0, 256, 100) == 256 and mo.ramp(5, 64, 256, 0) == 256
     assert sorted({mo.ramp(s, 32, 256, 1000, multiple=32) for s in range(1001)}) == [32, 64, 128, 192, 256]
+
+
+def test_the_gpt_takes_every_option_and_stays_unchanged_without_them():
+    from fasttrain.lab.model import GPTConfig, build
+
+    base = dict(layers=4, heads=2, hidden=16, ffn=32, vocab=11, seq=8, norm="layer", pos="learned", ffn_act="gelu",
+                tied=True)
+    plain = build(GPTConfig(**base), seed=0)
+    names = {n for n, _ in plain.named_parameters()}
+    model = build(GPTConfig(**base, qk_norm=True, zero_init_proj=True, unet_skips=True, logit_softcap=5.0), seed=0)
+    assert {n for n, _ in model.named_parameters()} == names | {"skip_weights"}
+    assert all(not p.any() for n, p in model.named_parameters() if n.endswith(("attn.proj.weight", "mlp.down.weight")))
+    idx = torch.randint(0, 11, (3, 8))
+    logits = model(idx)
+    assert logits.abs().max() <= 5.0
+    loss = model(idx, idx)
+    loss.backward()
+    assert model.skip_weights.grad is not None and model.blocks[0].attn.qkv.weight.grad is not None
+    relu2 = build(GPTConfig(**{**base, "ffn_act": "relu2"}), seed=0)
+    x = torch.randn(2, 8, 16)
+    assert torch.equal(relu2.blocks[0].mlp(x), relu2.blocks[0].mlp.down(torch.relu(relu2.blocks[0].mlp.up(x)) ** 2))
+    # the same seed draws the same weights with the options off: checkpoints and records are unchanged
+    again = build(GPTConfig(**base), seed=0)
+    assert all(torch.equal(p, q) for p, q in zip(plain.parameters(), again.parameters()))
+    with pytest.raises(FasttrainError, match="U-net skips"):
+        build(GPTConfig(**base, unet_skips=True, recompute="full"))
+
+
+def test_the_lab_config_reaches_the_model(corpus):
+    from fasttrain.lab.build import make_trainer
+    from fasttrain.lab.config import preset
+
+    cfg = preset("tiny", device="cpu", activation="relu2", qk_norm=True, zero_init_proj=True, unet_skips=True,
+                 logit_softcap=30.0)
+    c = make_trainer(cfg, corpus, torch.device("cpu")).model.config
+    assert (c.ffn_act, c.qk_norm, c.zero_init_proj, c.unet_skips, c.logit_softcap) == ("relu2", True, True, True, 30.0)
+    with pytest.raises(FasttrainError, match="unknown --activation"):
+        preset("tiny", activation="tanh")

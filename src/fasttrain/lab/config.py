@@ -35,6 +35,7 @@ ATTENTIONS = ("eager", "sdpa")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
 COMPILE_BACKENDS = ("inductor", "cudagraphs")
+ACTIVATIONS = ("style", "gelu", "relu", "relu2", "swiglu")
 
 
 @dataclass
@@ -54,6 +55,12 @@ class LabConfig:
     pad_vocab_to_multiple_of: int = 0   # e.g. 64: round the embedding/output rows up (tensor-core friendly shapes)
     dropout: float = 0.0
     bias: bool = False
+    # the speedrun community's changes (lab/model_options.py), off by default
+    activation: str = "style"           # the MLP's: style (gpt2: gelu, llama: swiglu), gelu, relu, relu2, swiglu
+    qk_norm: bool = False               # queries and keys RMS-normalized per head before attention
+    zero_init_proj: bool = False        # attention's and the MLP's output projections start at zero
+    unet_skips: bool = False            # block i's output feeds block L-1-i through a learned scalar
+    logit_softcap: float = 0.0          # logits -> cap tanh(logits / cap); 0: off
     # --- optimization ----------------------------------------------------------------------
     per_device_train_batch_size: int = 64
     gradient_accumulation_steps: int = 1
@@ -184,6 +191,9 @@ def validate(cfg: LabConfig) -> LabConfig:
     if cfg.save_steps and not cfg.output_dir:
         raise FasttrainError("--save-steps needs --output-dir (the folder its checkpoint-N folders go to)")
     _choice(cfg, "torch_compile_backend", COMPILE_BACKENDS)
+    _choice(cfg, "activation", ACTIVATIONS)
+    if not cfg.logit_softcap >= 0:
+        raise FasttrainError(f"--logit-softcap must be >= 0 (0: off), got {cfg.logit_softcap}")
     if cfg.torch_compile_backend != "inductor" and cfg.torch_compile_mode != "default":
         raise FasttrainError(f"--torch-compile-mode {cfg.torch_compile_mode} is inductor's; the "
                              f"{cfg.torch_compile_backend} backend takes the default mode")

@@ -36,6 +36,13 @@ LADDER: tuple[Rung, ...] = (
                                      cuda_graph_step=True)),
     Rung("muon", "Muon for the blocks' matrices (Newton-Schulz batched over same-shape matrices in bf16; AdamW for "
                  "embeddings and norms)", dict(optim="muon")),
+    # the speedrun community's architecture changes, one rung each: kept in a record only where they pay here
+    Rung("qk-norm", "queries and keys RMS-normalized per head before attention", dict(qk_norm=True)),
+    Rung("relu2", "the MLP's activation relu(x)^2 instead of GELU", dict(activation="relu2")),
+    Rung("zero-init", "attention's and the MLP's output projections start at zero (each block starts as the "
+                      "identity)", dict(zero_init_proj=True)),
+    Rung("unet", "U-net skips: block i's output feeds block L-1-i through a learned scalar", dict(unet_skips=True)),
+    Rung("softcap", "logits soft-capped at 30 (30 tanh(z / 30))", dict(logit_softcap=30.0)),
 )
 
 
