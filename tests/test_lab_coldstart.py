@@ -162,3 +162,12 @@ def test_gpu_the_graphed_step_trains_like_the_eager_one():
         assert torch.allclose(got, want.detach(), rtol=1e-4, atol=1e-5)
     for p, q in zip(a.parameters(), b.parameters()):
         assert torch.allclose(p, q, atol=1e-4)
+
+
+def test_the_plain_lab_refuses_the_graph_step_instead_of_ignoring_it(corpus):
+    from fasttrain.lab.build import make_trainer
+    from fasttrain.lab.config import preset
+
+    with pytest.raises(FasttrainError, match="speedrun rung"):
+        make_trainer(preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", device="cpu"), corpus,
+                     torch.device("cpu"))

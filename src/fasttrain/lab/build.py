@@ -109,6 +109,9 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
 
+    if getattr(cfg, "cuda_graph_step", False):
+        raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
+                             "with fasttrain lab speedrun --rungs graph-step, or drop it here")
     model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint)
     rebuild = None
     if model.name == "gpt":
