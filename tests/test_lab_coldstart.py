@@ -145,9 +145,14 @@ def test_gpu_the_graphed_step_trains_like_the_eager_one():
     def loss_fn(model):
         return lambda x, y: (model(x) - y).square().mean()
 
+    def forward_backward(x, y):
+        loss = loss_fn(a)(x, y)
+        loss.backward()
+        return loss.detach()
+
     opt_a = make(a, True)
     start = {k: v.clone() for k, v in a.state_dict().items()}
-    step = coldstart.GraphedTrainStep(loss_fn(a), a.parameters(), opt_a, xs[0], xs[0][:, :2], max_grad_norm=1.0)
+    step = coldstart.GraphedTrainStep(forward_backward, a.parameters(), opt_a, xs[0], xs[0][:, :2], max_grad_norm=1.0)
     with torch.no_grad():                     # the warm-up trained a: back to the start, state zeroed in place
         a.load_state_dict(start)
     coldstart.reset_optimizer_state(opt_a)

@@ -104,7 +104,8 @@ def reset_optimizer_state(optimizer) -> None:
 
 
 class GraphedTrainStep:
-    """One training step -- forward and loss under ``amp``, backward, gradient clipping, optimizer step --
+    """One training step -- ``forward_backward(x, y)`` (forward, loss and backward: the trainer's own
+    :meth:`~fasttrain.lab.trainer.Trainer.forward_backward_step`), gradient clipping, optimizer step --
     captured once as a CUDA graph and replayed: each call copies the batch into the static input tensors
     and replays every kernel of the step with one launch.
 
@@ -113,7 +114,8 @@ class GraphedTrainStep:
     that the schedule's ``fill_`` reaches the captured kernels; no fp16 GradScaler. Dropout draws fresh
     numbers at every replay (CUDA graphs advance the generator's offset per replay)."""
 
-    def __init__(self, loss_fn, params, optimizer, x, y, *, max_grad_norm: float = 0.0, warmup_steps: int = 3):
+    def __init__(self, forward_backward, params, optimizer, x, y, *, max_grad_norm: float = 0.0,
+                 warmup_steps: int = 3):
         import torch
 
         if x.device.type != "cuda":
@@ -122,13 +124,12 @@ class GraphedTrainStep:
             if not isinstance(group["lr"], torch.Tensor):
                 raise FasttrainError("--cuda-graph-step needs the learning rate as a device tensor (capturable "
                                      "fused AdamW or Muon); this optimizer keeps a float")
-        self.loss_fn, self.params, self.optimizer = loss_fn, list(params), optimizer
+        self.forward_backward, self.params, self.optimizer = forward_backward, list(params), optimizer
         self.max_grad_norm = max_grad_norm
         self.static_x, self.static_y = x.clone(), y.clone()
 
         def step():
-            loss = self.loss_fn(self.static_x, self.static_y)
-            loss.backward()
+            loss = self.forward_backward(self.static_x, self.static_y)
             if self.max_grad_norm:
                 torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm, foreach=True)
             self.optimizer.step()
@@ -176,11 +177,8 @@ class GraphStepTrainer(Trainer):
         return cls(cfg, model, corpus, device, rebuild=rebuild)
 
     def __init__(self, cfg, model, data, device, **kwargs):
-        from contextlib import nullcontext
-
         import torch
 
-        from fasttrain.lab.models import forward_loss
         from fasttrain.lab.optim import build_muon, lr_at
 
         if device.type != "cuda":
@@ -202,17 +200,12 @@ class GraphStepTrainer(Trainer):
                                           eps=cfg.adam_epsilon, fused=True, capturable=True)
         self.optimizer = optimizer
         # autocast's cast cache must not outlive the captured region: the casts are part of the graph
-        amp = (lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)) if cfg.bf16 else nullcontext
-        train_model, lab_model = self.train_model, self.lab_model
-
-        def loss_fn(x, y):
-            with amp():
-                return forward_loss(lab_model, train_model, x, y)
-
+        if cfg.bf16:
+            self.amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
         x, y = next(iter(self.batches(1)))
-        train_model.train()
-        self.graphed = GraphedTrainStep(loss_fn, self.trainable, optimizer, x, y, max_grad_norm=cfg.max_grad_norm,
-                                        warmup_steps=max(1, cfg.timing_warmup_steps))
+        self.train_model.train()
+        self.graphed = GraphedTrainStep(self.forward_backward_step, self.trainable, optimizer, x, y,
+                                        max_grad_norm=cfg.max_grad_norm, warmup_steps=max(1, cfg.timing_warmup_steps))
 
     def train_step(self, x, y):
         from fasttrain.lab.optim import lr_at
