@@ -52,8 +52,9 @@ class Tiny(torch.nn.Module):
     (dict(torch_compile_backend="tvm"), "unknown --torch-compile-backend 'tvm'"),
     (dict(torch_compile=True, torch_compile_backend="cudagraphs", torch_compile_mode="max-autotune"), "inductor's"),
     (dict(cuda_graph_step=True, torch_compile=True, optim="adamw_torch_fused"), "drop --torch-compile"),
-    (dict(cuda_graph_step=True, optim="adamw_torch"), "adamw_torch_fused or muon"),
-    (dict(cuda_graph_step=True, optim="muon", gradient_accumulation_steps=2), "one micro-batch per step"),
+    (dict(cuda_graph_step=True, optim="adamw_torch", preload=True), "adamw_torch_fused or muon"),
+    (dict(cuda_graph_step=True, optim="muon"), "add --preload"),
+    (dict(cuda_graph_step=True, optim="muon", preload=True, gradient_accumulation_steps=2), "one micro-batch"),
 ])
 def test_bad_compile_options_are_one_line(overrides, message):
     from fasttrain.lab.config import preset
@@ -80,7 +81,7 @@ def test_a_graph_step_on_the_cpu_is_one_line(corpus):
     from fasttrain.lab.config import preset
     from fasttrain.lab.speedrun import build_trainer
 
-    cfg = preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", device="cpu")
+    cfg = preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", preload=True, device="cpu")
     with pytest.raises(FasttrainError, match="needs a CUDA GPU"):
         build_trainer(cfg, corpus, torch.device("cpu"))
 
@@ -174,5 +175,5 @@ def test_the_plain_lab_refuses_the_graph_step_instead_of_ignoring_it(corpus):
     from fasttrain.lab.config import preset
 
     with pytest.raises(FasttrainError, match="speedrun rung"):
-        make_trainer(preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", device="cpu"), corpus,
-                     torch.device("cpu"))
+        make_trainer(preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", preload=True, device="cpu"),
+                     corpus, torch.device("cpu"))

@@ -38,8 +38,8 @@ def test_the_per_matrix_form_is_torchs_own():
 
 def _tiny_model(seed=0):
     torch.manual_seed(seed)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 32, bias=False),
-                               torch.nn.Tanh(), torch.nn.Linear(32, 16, bias=False))
+    return torch.nn.Sequential(torch.nn.Linear(16, 32, bias=False), torch.nn.Tanh(),
+                               torch.nn.Linear(32, 32, bias=False), torch.nn.Tanh(), torch.nn.Linear(32, 16, bias=False))
 
 
 def _loss(model, x, y):

@@ -84,7 +84,7 @@ class LabConfig:
     torch_compile_mode: str = "default"
     torch_compile_scope: str = "model"  # model: the whole model as one graph; blocks: each repeated block alone
     torch_compile_backend: str = "inductor"   # inductor | cudagraphs (AOT autograd's CUDA graphs, no code generation)
-    cuda_graph_step: bool = False       # the whole eager step (forward, backward, clipping, optimizer) as one CUDA graph
+    cuda_graph_step: bool = False       # the whole eager step (forward, backward, clip, optimizer) as one CUDA graph
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
     # --- data ------------------------------------------------------------------------------
@@ -203,6 +203,9 @@ def validate(cfg: LabConfig) -> LabConfig:
         if cfg.optim not in ("adamw_torch_fused", "muon"):
             raise FasttrainError(f"--cuda-graph-step needs an optimizer that runs without host synchronization: "
                                  f"--optim adamw_torch_fused or muon (got {cfg.optim})")
+        if not cfg.preload:
+            raise FasttrainError("--cuda-graph-step copies each batch into the captured step's input on the GPU: "
+                                 "add --preload (the corpus on the GPU)")
         if cfg.fp16 or cfg.gradient_accumulation_steps != 1:
             raise FasttrainError("--cuda-graph-step takes one micro-batch per step and no fp16 GradScaler; use --bf16 "
                                  "and --gradient-accumulation-steps 1")

@@ -542,6 +542,7 @@ def record_command(results_dir, out_dir, process_times) -> None:
     click.echo(f"wrote {path}")
 
 
-__all__ = ["DEFAULT_SEEDS", "breakeven_of", "merge_command", "read_process_times", "record_command", "record_of", "merge_results", "README_END", "README_START", "baseline_row", "ladder_markdown", "load_result",
-           "median_run", "readme_command", "readme_section", "save_fastest", "speedup", "step_speedup", "summarize",
+__all__ = ["DEFAULT_SEEDS", "README_END", "README_START", "baseline_row", "breakeven_of", "ladder_markdown",
+           "load_result", "median_run", "merge_command", "merge_results", "read_process_times", "readme_command",
+           "readme_section", "record_command", "record_of", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]
