@@ -17,7 +17,6 @@ torch = pytest.importorskip("torch")
 from tests_support import run_cli  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import speedrun as sr  # noqa: E402
-from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
 from fasttrain.lab import record_protocol as rp  # noqa: E402
 from fasttrain.lab import speedrun_report as report  # noqa: E402

@@ -248,7 +248,7 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
     (with ``states``, the final weights per seed on the CPU, when ``keep_states``)."""
     import torch
 
-    from fasttrain.lab.build import make_trainer, resolve_device
+    from fasttrain.lab.build import resolve_device
     from fasttrain.lab.checkpoint import eval_settings
     from fasttrain.lab.measure import tf32_matmuls
     from fasttrain.lab.record_protocol import run_fixed_steps
