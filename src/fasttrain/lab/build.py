@@ -36,9 +36,11 @@ def model_config(cfg: LabConfig, vocab: int):
         layers=cfg.layers, heads=cfg.heads, hidden=cfg.width, ffn=cfg.ffn_width,
         vocab=cfg.padded_vocab(cfg.vocab_size or vocab), seq=cfg.context,
         kv_heads=cfg.kv_heads if llama else None, norm="rms" if llama else "layer", pos="rope" if llama else "learned",
-        ffn_act="swiglu" if llama else "gelu", tied=not llama, bias=cfg.bias, dropout=cfg.dropout,
+        ffn_act=("swiglu" if llama else "gelu") if cfg.activation == "style" else cfg.activation, tied=not llama,
+        bias=cfg.bias, dropout=cfg.dropout,
         attention=cfg.attn_implementation, recompute=cfg.gradient_checkpointing, liger=cfg.use_liger_kernel,
-        prompt_tokens=cfg.prompt_tuning_tokens)
+        prompt_tokens=cfg.prompt_tuning_tokens, qk_norm=cfg.qk_norm, zero_init_proj=cfg.zero_init_proj,
+        unet_skips=cfg.unet_skips, logit_softcap=cfg.logit_softcap)
 
 
 def config_from_model(cfg: LabConfig, mc) -> LabConfig:
@@ -107,6 +109,9 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
 
+    if getattr(cfg, "cuda_graph_step", False):
+        raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
+                             "with fasttrain lab speedrun --rungs graph-step, or drop it here")
     model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint)
     rebuild = None
     if model.name == "gpt":

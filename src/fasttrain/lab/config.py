@@ -36,6 +36,8 @@ CHECKPOINTING = ("none", "full", "selective")
 ATTENTIONS = ("eager", "sdpa")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
 COMPILE_SCOPES = ("model", "blocks")
+COMPILE_BACKENDS = ("inductor", "cudagraphs")
+ACTIVATIONS = ("style", "gelu", "relu", "relu2", "swiglu")
 
 
 @dataclass
@@ -55,6 +57,12 @@ class LabConfig:
     pad_vocab_to_multiple_of: int = 0   # e.g. 64: round the embedding/output rows up (tensor-core friendly shapes)
     dropout: float = 0.0
     bias: bool = False
+    # the speedrun community's changes (lab/model_options.py), off by default
+    activation: str = "style"           # the MLP's: style (gpt2: gelu, llama: swiglu), gelu, relu, relu2, swiglu
+    qk_norm: bool = False               # queries and keys RMS-normalized per head before attention
+    zero_init_proj: bool = False        # attention's and the MLP's output projections start at zero
+    unet_skips: bool = False            # block i's output feeds block L-1-i through a learned scalar
+    logit_softcap: float = 0.0          # logits -> cap tanh(logits / cap); 0: off
     # --- optimization ----------------------------------------------------------------------
     per_device_train_batch_size: int = 64
     gradient_accumulation_steps: int = 1
@@ -77,6 +85,8 @@ class LabConfig:
     torch_compile: bool = False
     torch_compile_mode: str = "default"
     torch_compile_scope: str = "model"  # model: the whole model as one graph; blocks: each repeated block alone
+    torch_compile_backend: str = "inductor"   # inductor | cudagraphs (AOT autograd's CUDA graphs, no code generation)
+    cuda_graph_step: bool = False       # the whole eager step (forward, backward, clip, optimizer) as one CUDA graph
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
     # --- data ------------------------------------------------------------------------------
@@ -285,6 +295,25 @@ def validate(cfg: LabConfig) -> LabConfig:
         _positive(cfg, "save_total_limit")
     if cfg.save_steps and not cfg.output_dir:
         raise FasttrainError("--save-steps needs --output-dir (the folder its checkpoint-N folders go to)")
+    _choice(cfg, "torch_compile_backend", COMPILE_BACKENDS)
+    _choice(cfg, "activation", ACTIVATIONS)
+    if not cfg.logit_softcap >= 0:
+        raise FasttrainError(f"--logit-softcap must be >= 0 (0: off), got {cfg.logit_softcap}")
+    if cfg.torch_compile_backend != "inductor" and cfg.torch_compile_mode != "default":
+        raise FasttrainError(f"--torch-compile-mode {cfg.torch_compile_mode} is inductor's; the "
+                             f"{cfg.torch_compile_backend} backend takes the default mode")
+    if cfg.cuda_graph_step:
+        if cfg.torch_compile:
+            raise FasttrainError("--cuda-graph-step captures the eager step; drop --torch-compile (or the other)")
+        if cfg.optim not in ("adamw_torch_fused", "muon"):
+            raise FasttrainError(f"--cuda-graph-step needs an optimizer that runs without host synchronization: "
+                                 f"--optim adamw_torch_fused or muon (got {cfg.optim})")
+        if not cfg.preload:
+            raise FasttrainError("--cuda-graph-step copies each batch into the captured step's input on the GPU: "
+                                 "add --preload (the corpus on the GPU)")
+        if cfg.fp16 or cfg.gradient_accumulation_steps != 1:
+            raise FasttrainError("--cuda-graph-step takes one micro-batch per step and no fp16 GradScaler; use --bf16 "
+                                 "and --gradient-accumulation-steps 1")
     if cfg.width % cfg.heads:
         raise FasttrainError(f"--heads ({cfg.heads}) must divide --width ({cfg.width})")
     if cfg.heads % cfg.kv:

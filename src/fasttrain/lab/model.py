@@ -47,6 +47,8 @@ import torch.utils.checkpoint
 from torch.utils.checkpoint import checkpoint
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.model_options import (qk_norm, relu_squared, softcap, unet_forward, unet_skip_weights,
+                                         zero_output_projections)
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,7 @@ class GPTConfig:
     kv_heads: int | None = None
     norm: str = "rms"             # rms | layer
     pos: str = "rope"             # rope | learned
-    ffn_act: str = "swiglu"       # swiglu | gelu | relu
+    ffn_act: str = "swiglu"       # swiglu | gelu | relu | relu2 (relu(x)^2)
     tied: bool = False
     bias: bool = False
     dropout: float = 0.0
@@ -72,6 +74,11 @@ class GPTConfig:
     recompute: str = "none"       # none | selective | full
     liger: bool = False
     prompt_tokens: int = 0
+    # the speedrun's options (lab/model_options.py), off by default: the counted model is unchanged
+    qk_norm: bool = False         # queries and keys RMS-normalized per head before attention
+    zero_init_proj: bool = False  # attention's and the MLP's output projections start at zero
+    unet_skips: bool = False      # block i's output feeds block L-1-i (a learned scalar each)
+    logit_softcap: float = 0.0    # logits -> cap tanh(logits / cap); 0: off
 
     @property
     def g(self) -> int:
@@ -206,6 +213,8 @@ class Attention(nn.Module):
         q = q.view(b_, s_, a, d).transpose(1, 2)
         k = k.view(b_, s_, g, d).transpose(1, 2)
         v = v.view(b_, s_, g, d).transpose(1, 2)
+        if c.qk_norm:
+            q, k = qk_norm(q, k)
         if cos is not None:
             if c.liger:
                 q, k = _liger("rope")(q, k, cos[None], sin[None])
@@ -235,6 +244,8 @@ class MLP(nn.Module):
                 z = F.silu(gate) * up
         elif c.ffn_act == "gelu":
             z = F.gelu(self.up(x))
+        elif c.ffn_act == "relu2":
+            z = relu_squared(self.up(x))
         else:
             z = F.relu(self.up(x))
         return F.dropout(self.down(z), c.dropout, self.training)
@@ -263,6 +274,13 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(c, self) for _ in range(c.layers))
         self.norm = make_norm(c)
         self.head = None if c.tied else nn.Linear(h, c.vocab, bias=False)
+        if c.unet_skips and c.recompute != "none":
+            raise FasttrainError("U-net skips keep the first half's outputs for the second: drop "
+                                 "--gradient-checkpointing (or --unet-skips)")
+        if c.logit_softcap and c.liger:
+            raise FasttrainError("liger's fused cross-entropy never forms the logits to cap: drop --logit-softcap "
+                                 "or --use-liger-kernel")
+        self.skip_weights = unet_skip_weights(c.layers) if c.unet_skips else None
         if c.attention == "eager":
             # True above the diagonal: the future positions a query may not see (s^2 bytes)
             self.register_buffer("causal", torch.ones(S_all, S_all, dtype=torch.bool).triu(1), persistent=False)
@@ -286,6 +304,10 @@ class GPT(nn.Module):
                 std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj.weight", "down.weight")) \
                     else 0.02
                 p.normal_(0.0, std)
+        if self.config.zero_init_proj:
+            zero_output_projections(self)
+        if self.skip_weights is not None:
+            self.skip_weights.fill_(1.0)
         self.reset_prompt()
 
     @torch.no_grad()
@@ -322,7 +344,9 @@ class GPT(nn.Module):
             dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
             cos, sin = self.tables(dtype)
             cos, sin = cos[:s_ + P], sin[:s_ + P]
-        if c.recompute == "none":
+        if c.recompute == "none" and self.skip_weights is not None:
+            x = unet_forward(self.blocks, x, self.skip_weights, cos, sin)
+        elif c.recompute == "none":
             # (no recomputation, no context manager: torch.compile traces the forward as one graph)
             for block in self.blocks:
                 x = block(x, cos, sin)
@@ -348,6 +372,8 @@ class GPT(nn.Module):
                 x, w = x.to(dtype), w.to(dtype)
             return _liger("flce")(x.reshape(-1, c.hidden), w, targets.reshape(-1))
         logits = self.head(x) if self.head is not None else F.linear(x, self.tok.weight)
+        if c.logit_softcap:
+            logits = softcap(logits, c.logit_softcap)
         if targets is None:
             return logits
         return F.cross_entropy(logits.view(-1, c.vocab), targets.reshape(-1))

@@ -40,7 +40,8 @@ def _choices() -> dict[str, tuple[str, ...]]:
 
     out = {"style": C.STYLES, "optim": C.OPTIMS, "gradient_checkpointing": C.CHECKPOINTING,
            "attn_implementation": C.ATTENTIONS, "torch_compile_mode": C.COMPILE_MODES}
-    for name, attr in (("torch_compile_scope", "COMPILE_SCOPES"), ("bin_dtype", "BIN_DTYPES")):
+    for name, attr in (("torch_compile_scope", "COMPILE_SCOPES"), ("torch_compile_backend", "COMPILE_BACKENDS"),
+                       ("activation", "ACTIVATIONS"), ("bin_dtype", "BIN_DTYPES")):
         if hasattr(C, attr):
             out[name] = getattr(C, attr)
     return out

@@ -1,32 +1,31 @@
-"""``fasttrain lab speedrun``: the Shakespeare speedrun ladder.
+"""``fasttrain lab speedrun``: the Shakespeare speedrun ladder, under the record protocol.
 
 Each rung is the ``shakespeare-char`` preset plus the overrides of every rung up to it (plain
 :class:`~fasttrain.lab.config.LabConfig` fields, gpt-fast style), so each adds one change to the
-rung before it. Rung 0 is the preset as users run it: eager PyTorch, fp32, AdamW, batches cut on
-the CPU. A run of a rung trains until the first validation over the **whole** validation split
-at or below the target (1.47 nats per character), the end of its schedule, a training-time cap,
-or ``patience`` steps without a new best validation loss (over-fitting: the loss only rises after).
+rung before it. Rung 0 is the preset as users run it (eager PyTorch, fp32, AdamW, batches cut on
+the CPU) with one change that makes it a recipe: its cosine schedule ends at a fixed step count.
 
-What is timed, per rung and seed:
+Every row is a **recipe** (:mod:`fasttrain.lab.record_protocol`): a fixed number of steps
+(``max_steps``), everything else fixed. Per seed, one run trains exactly those steps; its figure
+is their training time (device-synchronized, validation excluded), and after the last step the
+model is scored over the **whole** validation split. A row counts when the mean of its seeds'
+final losses is at or below the target (1.47 nats per character) with a one-sided t-test p < 0.05
+over at least 5 seeds; a row that does not is shown as missing, with the reason. Validation on the
+way (``--eval-interval``, a setting, not a rung) only gives the first crossing, a secondary column.
 
-- training time: from a device synchronization before the first step to one after the step of
-  each evaluation, summed over the segments between evaluations (batch cutting, forward,
-  backward, optimizer, learning-rate schedule included; evaluation excluded). The time to target
-  is the training time up to the first evaluation at or below the target; ms/step is the
-  training time over the steps run;
-- evaluation time (every validation, synchronized), reported apart;
-- setup, once per rung: building the model, compiling and warming up (``timing_warmup_steps``
-  training steps and one validation, which compile the step and capture its CUDA graphs); the
-  warm-up trains the same parameters, so they are then restored in place (:meth:`Trainer.reset`:
-  the initial weights of the seed copied into the same tensors, a fresh optimizer, step 0) and
-  compiled code and CUDA graphs stay valid for every seed. ``reset_s`` is that restoration, per seed;
-- wall time of the rung (setup, every seed's training and evaluations) and of the whole process
-  (from the interpreter's start, read from /proc on Linux).
+What is timed, per row:
 
-A rung counts only if every seed reaches the target; its figure is the median over seeds. Speed-ups
-divide by the rows measured in the same invocation (the baseline is rung 0 when it ran); where the
-row divided by does not count, the ratio is a lower bound (``≥``): its shortest run that missed
-trained that long without reaching the target.
+- setup, once: building the model, compiling or capturing CUDA graphs and warming up
+  (``timing_warmup_steps`` training steps and one validation); the warm-up trains the same
+  parameters, so they are then restored in place (the initial weights of the seed copied into the
+  same tensors, a fresh optimizer, step 0) and compiled code and CUDA graphs stay valid for every
+  seed. ``compile_s``: the setup less what the same work (model build, warm-up steps at the
+  row's step time, one validation) costs once compiled;
+- per seed: the training time of the fixed steps (the figure), the validations apart;
+- the wall time of the row and of the whole process (from the interpreter's start, /proc on Linux).
+
+Speed-ups divide median training times of rows measured in the same invocation (the baseline is
+rung 0 when it ran); a ratio over a row that does not count is marked (its loss was not good enough).
 """
 
 from __future__ import annotations
@@ -46,13 +45,21 @@ import click
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.config import LabConfig, preset
+from fasttrain.lab.record_protocol import ALPHA, MIN_SEEDS
 from fasttrain.lab.overrides import parse_assignments, parse_variant
-from fasttrain.lab.speedrun_ladder import LADDER, Rung
+from fasttrain.lab.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
 from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
-                                           save_fastest, summarize, write_results)
+                                           record_command, save_fastest, summarize, write_results)
 
 TARGET = 1.47
 BASE_PRESET = "shakespeare-char"
+
+
+COMPILING = ("torch_compile", "cuda_graph_step")    # a row whose setup compiles or captures
+
+
+def compiles(cfg) -> bool:
+    return any(getattr(cfg, name, False) for name in COMPILING)
 
 
 def rung_names() -> list[str]:
@@ -149,10 +156,19 @@ def parse_rung_seeds(text: str | None) -> dict[int, int]:
 
 def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, baseline_seeds: int | None = None,
          rung_seeds: dict[int, int] | None = None, variants: list[tuple[str, dict]] = (), sets: dict | None = None,
-         device: str | None = None, data_dir: str | None = None) -> list[Row]:
+         device: str | None = None, data_dir: str | None = None, eval_interval: int = 0) -> list[Row]:
     """The rows to run: each chosen rung's configuration (validated now, before anything trains).
-    ``rung_seeds`` (and ``baseline_seeds``, for rung 0) run some rungs on the first few seeds only."""
+    ``rung_seeds`` (and ``baseline_seeds``, for rung 0) run some rungs on the first few seeds only (such a
+    row cannot count: the protocol wants at least 5 seeds). ``eval_interval``: validations on the way (the
+    first crossing; 0: the final one only), a setting of every row."""
     sets = dict(sets or {})
+    if sets.get("eval_tokens") is not None or any(o.get("eval_tokens") is not None for _, o in variants):
+        raise FasttrainError("the record protocol scores the whole validation split: drop eval_tokens from --set and "
+                             "--variant")
+    if not (isinstance(eval_interval, int) and eval_interval >= 0):
+        raise FasttrainError(f"--eval-interval must be a non-negative number of steps (0: the final validation "
+                             f"only), got {eval_interval!r}")
+    sets.update(eval_interval=eval_interval, eval_tokens=None)
     rung_seeds = dict(rung_seeds or {})
     if baseline_seeds is not None:
         rung_seeds[0] = baseline_seeds
@@ -185,7 +201,7 @@ def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, 
     return rows
 
 
-# --- timing one run ------------------------------------------------------------------------------
+# --- timing one row ------------------------------------------------------------------------------
 
 def process_age_s() -> float | None:
     """Seconds since this process started (interpreter start and imports included), from /proc."""
@@ -203,47 +219,17 @@ def _sync(device) -> None:
     sync(device)
 
 
-def train_to_target(trainer, *, target: float, max_train_s: float, patience_steps: int, log=None) -> dict:
-    """One run from ``trainer``'s current (fresh) state, through the trainer's loop timed by
-    segments between evaluations, until the target, the schedule's end, the training-time cap or
-    ``patience_steps`` without a new best validation loss."""
-    from fasttrain.lab.trainer import Metrics
+def build_trainer(cfg: LabConfig, corpus, device):
+    """The lab's trainer for ``cfg`` (:func:`~fasttrain.lab.build.make_trainer`; whole-model or per-block
+    compilation, the inductor or cudagraphs backend), or with ``cuda_graph_step`` one whose step is a single
+    CUDA graph (:class:`~fasttrain.lab.coldstart.GraphStepTrainer`)."""
+    from fasttrain.lab.build import make_trainer
 
-    cfg = trainer.cfg
-    log = log or (lambda s: None)
-    metrics = Metrics(cfg, trainer.device, trainer.world, curve=False)
-    best = {"val": math.inf, "step": 0}
-    hit = {}
+    if cfg.cuda_graph_step:
+        from fasttrain.lab.coldstart import GraphStepTrainer
 
-    def stop(step, val, train_loss):
-        e = metrics.evals[-1]
-        log(f"  step {step:>5}  {e['train_s']:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
-        if not (math.isfinite(val) and math.isfinite(train_loss)):
-            return "diverged"
-        if val < best["val"]:
-            best.update(val=val, step=step)
-        if val <= target:
-            hit.update(step=step, train_s=e["train_s"], val_loss=val)
-            return "target"
-        if max_train_s and e["train_s"] >= max_train_s:
-            return "time_cap"
-        if patience_steps and step - best["step"] >= patience_steps:
-            return "over-fitting"
-        return None
-
-    reason = trainer.train(timing="segment", metrics=metrics, stop=stop)
-    stop_reason = "max_steps" if reason == "steps" else reason
-    evals = [{k: e[k] for k in ("step", "train_s", "val_loss", "train_loss", "tokens", "ms")} for e in metrics.evals]
-    step, train_s = trainer.step_index, metrics.train_s
-    return {
-        "seed": cfg.seed, "reached": bool(hit), "stop": stop_reason,
-        "time_to_target_s": hit.get("train_s"), "steps_to_target": hit.get("step"),
-        "steps": step, "train_s": train_s, "ms_per_step": 1e3 * train_s / step if step else None,
-        "eval_s": metrics.eval_ms / 1e3, "evals": evals, "best_val_loss": best["val"] if evals else None,
-        "best_step": best["step"],
-        "final_val_loss": evals[-1]["val_loss"] if evals else None,
-        "final_val_tokens": evals[-1]["tokens"] if evals else None,
-    }
+        return GraphStepTrainer.for_config(cfg, corpus, device)
+    return make_trainer(cfg, corpus, device)
 
 
 def _free(device) -> None:
@@ -255,17 +241,17 @@ def _free(device) -> None:
         torch.cuda.empty_cache()
 
 
-def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_steps: int,
-            stop_rung_on_miss: bool = True, keep_states: bool = False, deadline: float | None = None, log=None,
-            progress=None) -> dict:
-    """Every seed of one row in one compiled model: setup (build, compile, warm-up) once, then per
-    seed a reset and a timed run. Returns the row's record (with ``states``, the final weights
-    per seed on the CPU, when ``keep_states``)."""
+def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadline: float | None = None,
+            compile_cache: str | None = None, log=None) -> dict:
+    """Every seed of one row on one built (and compiled) model: setup once, then per seed a reset and a
+    fixed-step run (:func:`~fasttrain.lab.record_protocol.run_fixed_steps`). Returns the row's record
+    (with ``states``, the final weights per seed on the CPU, when ``keep_states``)."""
     import torch
 
-    from fasttrain.lab.build import make_trainer, resolve_device
+    from fasttrain.lab.build import resolve_device
     from fasttrain.lab.checkpoint import eval_settings
     from fasttrain.lab.measure import tf32_matmuls
+    from fasttrain.lab.record_protocol import run_fixed_steps
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -274,15 +260,29 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     runs: list[dict] = []
     states: dict[int, dict] = {}
     out_of_budget = False
+    cache = None
     with tf32_matmuls(cfg.tf32):
         t = time.perf_counter()
-        trainer = make_trainer(cfg, corpus, device)
+        trainer = build_trainer(cfg, corpus, device)
+        _sync(device)
+        build_s = time.perf_counter() - t
         warm = max(1, cfg.timing_warmup_steps)
-        trainer.train(warm, evaluate=False)
+        from fasttrain.lab.trainer import Metrics
+
+        warmup = Metrics(cfg.with_(timing_warmup_steps=0), device, trainer.world, curve=False)
+        trainer.train(warm, metrics=warmup, timing="step", evaluate=False)    # each warm-up step timed
+        warmup_ms = list(warmup.step_ms)
+        t1 = time.perf_counter()
         trainer.evaluate()
+        _sync(device)
+        warmup_eval_ms = 1e3 * (time.perf_counter() - t1)
         trainer.reset(row.seeds[0])         # the warm-up trained these parameters: back to the seed's start
         _sync(device)
         setup_s = time.perf_counter() - t
+        if compile_cache and compiles(cfg):
+            from fasttrain.lab.coldstart import save_compile_cache
+
+            cache = save_compile_cache(compile_cache)
         log(f"[{row.label} {row.name}] setup (build, compile, {warm} warm-up steps, one validation) {setup_s:.1f} s")
         for k, seed in enumerate(row.seeds):
             if deadline is not None and time.perf_counter() >= deadline:
@@ -296,50 +296,50 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
             _sync(device)
             reset_s = time.perf_counter() - t
             log(f"[{row.label} {row.name}] seed {seed}")
-            rec = train_to_target(trainer, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                                  log=log, progress=progress)
+            rec = run_fixed_steps(trainer, target=target, log=log)
             rec.update(reset_s=reset_s, wall_s=time.perf_counter() - seed_wall0)
             runs.append(rec)
-            log(f"[{row.label} {row.name}] seed {seed}: "
-                + (f"{target} reached at step {rec['steps_to_target']} after {rec['time_to_target_s']:.2f} s"
-                   if rec["reached"] else f"not reached ({rec['stop']}; best {rec['best_val_loss']:.4f})")
-                + f", {rec['ms_per_step']:.2f} ms/step")
-            if keep_states:
+            log(f"[{row.label} {row.name}] seed {seed}: {rec['steps']} steps in {rec['train_s']:.2f} s "
+                f"({rec['ms_per_step']:.2f} ms/step), final validation loss "
+                + (f"{rec['final_val_loss']:.4f}" if rec["final_val_loss"] is not None else "none (diverged)"))
+            if keep_states and rec["final_val_loss"] is not None:
                 states[seed] = {n: v.detach().to("cpu", copy=True) for n, v in trainer.model.state_dict().items()}
-            if not rec["reached"] and stop_rung_on_miss:
-                break
         eval_record = eval_settings(cfg, trainer.batch, device)
         model_config = trainer.model_config.to_dict()
     del trainer
-    if cfg.torch_compile:
-        torch.compiler.reset()          # the next rung's model compiles afresh (no stale guards, no cache limit)
+    if compiles(cfg):
+        torch.compiler.reset()          # the next row's model compiles afresh (no stale guards, no cache limit)
     _free(device)
     return {"label": row.label, "index": row.index, "name": row.name, "change": row.change, "config": cfg.to_dict(),
             "model": model_config, "seeds": list(row.seeds), "planned_seeds": row.planned_seeds, "setup_s": setup_s,
-            "warmup_steps": warm, "wall_s": time.perf_counter() - wall0, "runs": runs, "eval": eval_record,
-            "states": states, **({"skipped": "budget"} if out_of_budget else {})}
+            "build_s": build_s, "warmup_steps": warm, "warmup_ms": warmup_ms, "warmup_eval_ms": warmup_eval_ms,
+            "compiles": compiles(cfg), "compile_cache": cache, "wall_s": time.perf_counter() - wall0, "runs": runs,
+            "eval": eval_record, "states": states, **({"skipped": "budget"} if out_of_budget else {})}
 
 
 # --- the whole ladder ------------------------------------------------------------------------------
 
-def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 300.0, patience_steps: int = 1000,
-               stop_rung_on_miss: bool = True, save: str | None = None, out: str | None = None, corpus=None,
-               command: str | None = None, budget_s: float | None = None, log=None, progress=None) -> dict:
-    """Run every row, write the results after each (``out``) and the fastest row's model (``save``;
-    ``result["saved"]`` stays None when no row reached the target on every seed).
-    ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
+def _not_run(row: Row, **why) -> dict:
+    return {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
+            "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
+            "setup_s": None, "wall_s": None, "runs": [], "states": {}, **why}
+
+
+def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_SEEDS, save: str | None = None,
+               out: str | None = None, corpus=None, command: str | None = None, budget_s: float | None = None,
+               compile_cache: str | None = None, log=None) -> dict:
+    """Run every row, write the results after each (``out``) and the model of the fastest counted row's
+    median seed (``save``; ``result["saved"]`` stays None when no row counts). ``budget_s``: no row or seed
+    starts after this many seconds from the call (results stay whole). ``compile_cache``: a file of compiled
+    artifacts loaded first (when it exists) and rewritten after each compiling row's setup."""
     from fasttrain.environment import environment
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.data import load_corpus
 
     if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
         raise FasttrainError(f"--target must be a positive number of nats per character, got {target!r}")
-    if max_train_s is not None and max_train_s < 0:
-        raise FasttrainError(f"--max-train-s must be >= 0 (0: no cap), got {max_train_s}")
     if budget_s is not None and budget_s < 0:
         raise FasttrainError(f"--budget-s must be >= 0 (0: none), got {budget_s}")
-    if patience_steps < 0:
-        raise FasttrainError(f"--patience-steps must be >= 0 (0: never stop early), got {patience_steps}")
     if not rows:
         raise FasttrainError("nothing to run: no rung chosen")
     from fasttrain.lab.outputs import check_save_folder, expand
@@ -353,17 +353,32 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         if out is not None and Path(out).resolve() == Path(save).resolve():
             raise FasttrainError(f"--out and --save name the same folder {save}; the results and the checkpoint "
                                  f"need their own folders")
+    cache_loaded = None
+    if compile_cache:
+        from fasttrain.lab.coldstart import check_compile_cache, load_compile_cache
+
+        check_compile_cache(compile_cache)
     log = log or (lambda s: None)
+    device = resolve_device(rows[0].cfg)
+    graphed = [r.name for r in rows if r.cfg.cuda_graph_step]
+    if graphed and device.type != "cuda":
+        raise FasttrainError(f"{', '.join(graphed)}: graph-step needs a CUDA GPU (the step is captured as a CUDA "
+                             f"graph); choose other rungs on the CPU (see: fasttrain lab speedrun --list)")
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
-    device = resolve_device(rows[0].cfg)
+    if compile_cache:
+        cache_loaded = load_compile_cache(compile_cache)
+        log(f"compile cache {compile_cache}: " + (f"loaded {cache_loaded['bytes']:,} bytes in "
+                                                  f"{cache_loaded['load_s']:.2f} s" if cache_loaded["loaded"]
+                                                  else "empty (this run fills it)"))
     import torch
 
     result = {
-        "kind": "lab-speedrun", "target": target, "command": command, "environment": environment(),
-        "torch": torch.__version__, "device": _device_name(device), "started": _now(),
-        "settings": {"max_train_s": max_train_s, "patience_steps": patience_steps, "budget_s": budget_s,
-                     "stop_rung_on_miss": stop_rung_on_miss, "seeds": max((r.seeds for r in rows), key=len)},
+        "kind": "lab-speedrun", "protocol": "fixed-steps", "target": target, "command": command,
+        "environment": environment(), "torch": torch.__version__, "device": _device_name(device), "started": _now(),
+        "settings": {"budget_s": budget_s, "min_seeds": min_seeds, "alpha": ALPHA,
+                     "eval_interval": rows[0].cfg.eval_interval, "compile_cache": cache_loaded,
+                     "seeds": max((r.seeds for r in rows), key=len)},
         "data": {"chars": len(corpus.chars), "train_chars": int(len(corpus.train)), "val_chars": int(len(corpus.val)),
                  "split": "first 90% of the characters train, last 10% validate"},
         "rows": [], "saved": None,
@@ -373,35 +388,32 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
         try:
             if deadline is not None and time.perf_counter() >= deadline:
                 log(f"[{row.label} {row.name}] out of --budget-s: not run")
-                rec = {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
-                       "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
-                       "setup_s": None, "wall_s": None, "runs": [], "states": {}, "skipped": "budget"}
+                rec = _not_run(row, skipped="budget")
             else:
-                rec = run_row(row, corpus, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                              stop_rung_on_miss=stop_rung_on_miss, keep_states=save is not None, deadline=deadline,
-                              log=log, progress=progress)
+                rec = run_row(row, corpus, target=target, keep_states=save is not None, deadline=deadline,
+                              compile_cache=compile_cache, log=log)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
             msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
             log(f"[{row.label} {row.name}] failed: {msg}")
-            rec = {"label": row.label, "index": row.index, "name": row.name, "change": row.change,
-                   "config": row.cfg.to_dict(), "seeds": list(row.seeds), "planned_seeds": row.planned_seeds,
-                   "setup_s": None, "wall_s": None, "runs": [], "states": {}, "error": msg}
+            rec = _not_run(row, error=msg)
             _free(device)
         states = rec.pop("states")
-        rec["summary"] = summarize(rec)
+        rec["summary"] = summarize(rec, target=target, min_seeds=min_seeds)
         result["rows"].append(rec)
-        if rec["summary"]["counts"] and (best_row is None or rec["summary"]["time_to_target_s"]["p50"]
-                                         < best_row["summary"]["time_to_target_s"]["p50"]):
+        s = rec["summary"]
+        log(f"[{row.label} {row.name}] " + ("counts" if s["counts"] else f"missing: {s['missing']}")
+            + (f"; mean final loss {s['mean']:.4f}, p = {s['p_value']:.3g}" if s.get("p_value") is not None else ""))
+        if s["counts"] and (best_row is None or s["train_s_median"] < best_row["summary"]["train_s_median"]):
             best_row, pick = rec, median_run(rec)
             best_state = (pick, states.get(pick["seed"]))
         result["process_wall_s"] = process_age_s()
         if out:
             write_results(result, out)
     result["fastest"] = None if best_row is None else {
-        "label": best_row["label"], "name": best_row["name"],
-        "time_to_target_s": best_row["summary"]["time_to_target_s"]["p50"], "seed": best_state[0]["seed"]}
+        "label": best_row["label"], "name": best_row["name"], "train_s": best_row["summary"]["train_s_median"],
+        "seed": best_state[0]["seed"]}
     if save and best_row is not None:
         result["saved"] = save_fastest(save, best_row, *best_state, corpus=corpus, target=target)
         log(f"saved {best_row['name']} seed {best_state[0]['seed']} to {save}")
@@ -435,19 +447,20 @@ def _rung_list() -> str:
 @click.group("speedrun", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
 @click.option("--rungs", help="Rungs to run: indices, names or ranges, comma-separated (e.g. 0,5,8 or 0-3,cuda-graphs); "
                               "default all. Each rung includes every change before it.")
-@click.option("--seeds", help=f"A count (default {DEFAULT_SEEDS}, from the preset's seed) or a comma-separated list.")
-@click.option("--baseline-seeds", type=int, help="Fewer seeds for rung 0 (the slow one); marked † in the table.")
+@click.option("--seeds", help=f"A count (default {DEFAULT_SEEDS}, from the preset's seed) or a comma-separated list; "
+                              f"a row counts with at least {MIN_SEEDS}.")
+@click.option("--baseline-seeds", type=int, help="Fewer seeds for rung 0 (the slow one); marked †, it cannot count.")
 @click.option("--rung-seeds", help="Fewer seeds for some rungs, RUNG=COUNT[,...] (e.g. 0=1,1-5=1); marked †.")
 @click.option("--budget-s", type=float, default=0.0, show_default=True,
               help="Start no rung or seed after this many seconds (0: no budget); what ran is written.")
 @click.option("--target", type=float, default=TARGET, show_default=True,
-              help="Validation loss (nats per character, whole validation split) to reach.")
-@click.option("--max-train-s", type=float, default=300.0, show_default=True,
-              help="Training-time cap per run (seconds; 0: none); a run that hits it misses the target.")
-@click.option("--patience-steps", type=int, default=1000, show_default=True,
-              help="Stop a run after this many steps without a new best validation loss (0: never).")
-@click.option("--stop-rung-on-miss/--all-seeds-on-miss", default=True, show_default=True,
-              help="Skip a rung's remaining seeds once one misses (it cannot count any more).")
+              help="Mean final validation loss to beat (nats per character, whole validation split).")
+@click.option("--eval-interval", type=int, default=0, show_default=True,
+              help="Validations every N steps on the way, for the first crossing (a secondary column; timed apart); "
+                   "0: the final validation only.")
+@click.option("--compile-cache", type=click.Path(dir_okay=False),
+              help="A file of compiled artifacts (torch.compiler.save_cache_artifacts): loaded first when it exists, "
+                   "written after each compiling row's setup.")
 @click.option("--variant", "variants", multiple=True,
               help="An extra row: the last chosen rung with overrides, NAME:FIELD=VALUE[,...] (repeatable), "
                    "e.g. lr-2e-3:learning_rate=2e-3,min_lr=2e-4.")
@@ -460,13 +473,15 @@ def _rung_list() -> str:
 @click.option("--out", "out_dir", type=click.Path(file_okay=False),
               help="Write speedrun.json, speedrun.csv, ladder.md and runs/*.json here.")
 @click.option("--save", type=click.Path(file_okay=False),
-              help="Write the fastest rung's final model here (model.safetensors + config.json).")
+              help="Write the final model of the fastest counted row's median seed here (model.safetensors + "
+                   "config.json); re-score it with fasttrain lab eval.")
 @click.option("--list", "list_rungs", is_flag=True, help="List the rungs and exit.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.pass_context
-def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max_train_s, patience_steps,
-            stop_rung_on_miss, variants, sets, base_preset, device, data_dir, out_dir, save, list_rungs, quiet) -> None:
-    """The Shakespeare speedrun: time to validation loss 1.47, one change per rung."""
+def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, eval_interval, compile_cache, variants,
+            sets, base_preset, device, data_dir, out_dir, save, list_rungs, quiet) -> None:
+    """The Shakespeare speedrun: the training time of fixed-step recipes whose mean final validation loss is
+    surely below 1.47, one change per rung."""
     if ctx.invoked_subcommand is not None:
         return
     from rich.console import Console
@@ -485,35 +500,25 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, max
     for text in sets:
         overrides.update(parse_assignments(text))
     rows = plan(chosen, seed_list, base_preset=base_preset, baseline_seeds=baseline_seeds,
-                rung_seeds=parse_rung_seeds(rung_seeds),
-                variants=[parse_variant(v) for v in variants], sets=overrides, device=device, data_dir=data_dir)
+                rung_seeds=parse_rung_seeds(rung_seeds), variants=[parse_variant(v) for v in variants],
+                sets=overrides, device=device, data_dir=data_dir, eval_interval=eval_interval)
     log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
-    from fasttrain.lab.progress import RunProgress
-
-    # the bar moves at every validation (the timed steps stay free of host work); its time left is
-    # to the schedule's end, an upper bound: a run stops at the target
-    bar = None if quiet else RunProgress("speedrun", 1, console=err, say_expected=False)
-    if bar is not None:
-        bar.start()
-    try:
-        result = run_ladder(rows, target=target, max_train_s=max_train_s, patience_steps=patience_steps,
-                            stop_rung_on_miss=stop_rung_on_miss, save=save, out=out_dir, budget_s=budget_s or None,
-                            command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
-                            if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log, progress=bar)
-    finally:
-        if bar is not None:
-            bar.stop()
+    result = run_ladder(rows, target=target, save=save, out=out_dir, budget_s=budget_s or None,
+                        compile_cache=compile_cache,
+                        command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
+                        if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
     if out_dir:
         out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)
     if save and not result["saved"]:
-        raise FasttrainError(f"no rung reached {target} on every seed: nothing saved to {save} "
-                             f"(raise --max-train-s or choose other rungs)")
+        raise FasttrainError(f"no row counts (mean final loss surely <= {target} over >= {MIN_SEEDS} seeds): "
+                             f"nothing saved to {save}")
 
 
 command.add_command(readme_command)
 command.add_command(merge_command)
+command.add_command(record_command)
 
 
-__all__ = ["LADDER", "TARGET", "Rung", "Row", "command", "parse_rungs", "parse_seeds", "plan", "run_ladder",
-           "train_to_target"]
+__all__ = ["LADDER", "RECIPE_STEPS", "TARGET", "Rung", "Row", "build_trainer", "command", "parse_rungs", "parse_seeds",
+           "plan", "run_ladder", "run_row"]

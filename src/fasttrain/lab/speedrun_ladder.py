@@ -1,10 +1,13 @@
 """The speedrun's rows: the ladder of rungs, each a set of :class:`~fasttrain.lab.config.LabConfig`
-overrides on top of the rungs before it. The runner is ``lab/speedrun.py``, the report
-``lab/speedrun_report.py``; both read the ladder from here."""
+overrides on top of the rungs before it, each a recipe of a fixed number of steps (the record protocol,
+``lab/record_protocol.py``). The runner is ``lab/speedrun.py``, the report ``lab/speedrun_report.py``;
+both read the ladder from here."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+
+RECIPE_STEPS = 1550         # the baseline's fixed step count: every seed of the compiled recipe ends below 1.47 there
 
 
 @dataclass(frozen=True)
@@ -15,8 +18,9 @@ class Rung:
 
 
 LADDER: tuple[Rung, ...] = (
-    Rung("baseline", "the shakespeare-char preset as users run it: eager PyTorch, fp32, AdamW (for-each), "
-                     "batches cut on the CPU and copied over", {}),
+    Rung("baseline", f"the shakespeare-char preset as users run it (eager PyTorch, fp32, AdamW for-each, batches cut "
+                     f"on the CPU), its cosine schedule ending at step {RECIPE_STEPS} instead of 5000 (where it "
+                     f"over-fits): a fixed recipe", dict(max_steps=RECIPE_STEPS)),
     Rung("tf32", "TF32 tensor cores for the fp32 matmuls", dict(tf32=True)),
     Rung("bf16", "bf16 autocast", dict(bf16=True)),
     Rung("sdpa", "scaled_dot_product_attention (flash) instead of eager attention", dict(attn_implementation="sdpa")),
@@ -25,12 +29,21 @@ LADDER: tuple[Rung, ...] = (
     Rung("compile", "torch.compile (inductor, default mode)", dict(torch_compile=True)),
     Rung("cuda-graphs", "torch.compile mode reduce-overhead: the step replayed as CUDA graphs",
          dict(torch_compile_mode="reduce-overhead")),
-    Rung("schedule-2000", "cosine schedule ends at step 2000 (where over-fitting starts) instead of 5000",
-         dict(max_steps=2000)),
-    Rung("eval-every-50", "validation every 50 steps instead of 250 (the crossing is seen sooner)",
-         dict(eval_interval=50)),
-    Rung("muon", "Muon for the blocks' matrices (AdamW for embeddings and norms)", dict(optim="muon")),
+    Rung("regional", "each transformer block compiled alone (one compilation serves the six) instead of the whole "
+                     "model", dict(torch_compile_scope="blocks")),
+    Rung("graph-step", "no compiler: the whole eager step (forward, backward, clipping, AdamW) captured as one CUDA "
+                       "graph", dict(torch_compile=False, torch_compile_mode="default", torch_compile_scope="model",
+                                     cuda_graph_step=True)),
+    Rung("muon", "Muon for the blocks' matrices (Newton-Schulz batched over same-shape matrices in bf16; AdamW for "
+                 "embeddings and norms)", dict(optim="muon")),
+    # the speedrun community's architecture changes, one rung each: kept in a record only where they pay here
+    Rung("qk-norm", "queries and keys RMS-normalized per head before attention", dict(qk_norm=True)),
+    Rung("relu2", "the MLP's activation relu(x)^2 instead of GELU", dict(activation="relu2")),
+    Rung("zero-init", "attention's and the MLP's output projections start at zero (each block starts as the "
+                      "identity)", dict(zero_init_proj=True)),
+    Rung("unet", "U-net skips: block i's output feeds block L-1-i through a learned scalar", dict(unet_skips=True)),
+    Rung("softcap", "logits soft-capped at 30 (30 tanh(z / 30))", dict(logit_softcap=30.0)),
 )
 
 
-__all__ = ["Rung", "LADDER"]
+__all__ = ["LADDER", "RECIPE_STEPS", "Rung"]

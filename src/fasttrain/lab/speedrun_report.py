@@ -1,12 +1,16 @@
-"""What a speedrun leaves behind: figures over seeds, the ladder table, the result files, the README section.
+"""What a speedrun leaves behind: figures over seeds, the ladder table, the result files, the record, the
+README section.
 
 A ladder result (the dict :func:`fasttrain.lab.speedrun.run_ladder` returns) becomes
 
-- per row, p20/p50/p80 over seeds of every timed quantity (:func:`summarize`) and speed-ups between
-  rows (:func:`speedup`, :func:`step_speedup`);
+- per row, the record protocol's verdict (:func:`summarize`: counts or missing and why, mean and
+  standard deviation of the seeds' final validation losses, t, df, p) with the median training time,
+  the first crossing and the compile time; speed-ups between rows (:func:`speedup`, :func:`step_speedup`);
 - ``ladder.md`` (:func:`ladder_markdown`), ``speedrun.csv`` (long format, :func:`to_csv`),
   ``speedrun.json`` and one run record per rung and seed (:func:`write_results`);
-- the fastest row's final model (:func:`save_fastest`);
+- the model of the fastest counted row's median seed (:func:`save_fastest`);
+- ``record.json`` of the fastest counted row (:func:`record_of`, ``fasttrain lab speedrun record``), with
+  the whole process's cold and warm times measured from the shell (``dev/speedrun/cold_start.sh``);
 - the README's speedrun section (:func:`readme_section`, ``fasttrain lab speedrun readme``).
 """
 
@@ -15,14 +19,16 @@ from __future__ import annotations
 import csv
 import io
 import json
+import statistics
 from pathlib import Path
 
 import click
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.record_protocol import MIN_SEEDS, breakeven_steps, summarize_recipe
 from fasttrain.timing import summarize as spread_of
 
-DEFAULT_SEEDS = 3           # the seeds of a full row; rows with fewer are marked † in the table
+DEFAULT_SEEDS = MIN_SEEDS   # the seeds of a full row; rows with fewer are marked † and cannot count
 README_START, README_END = "<!-- speedrun-results:start -->", "<!-- speedrun-results:end -->"
 
 
@@ -34,53 +40,73 @@ def _spread(values) -> dict | None:
     return stats if stats["n"] else None
 
 
-def summarize(row: dict) -> dict:
-    """The row's figures over seeds; ``counts`` only if every planned seed ran and reached the target."""
+def summarize(row: dict, *, target: float, min_seeds: int = MIN_SEEDS) -> dict:
+    """The row's verdict under the record protocol and its figures over seeds. A row with an error or cut
+    short by the budget does not count (its seeds did not all finish)."""
     runs = row["runs"]
-    reached = [r for r in runs if r["reached"]]
-    counts = bool(runs) and len(reached) == len(row["seeds"]) and "error" not in row and "skipped" not in row
-    # a row that does not count has no time to target; what is known is that each run that missed
-    # trained train_s without reaching it (the shortest such run bounds a speed-up over this row)
-    missed = [r["train_s"] for r in runs if not r["reached"]]
-    return {
-        "counts": counts, "seeds_run": len(runs), "seeds_reached": len(reached),
-        "time_to_target_s": _spread([r["time_to_target_s"] for r in reached]) if counts else None,
-        "missed_train_s": min(missed) if missed else None,
-        "steps_to_target": _spread([r["steps_to_target"] for r in reached]) if counts else None,
-        "ms_per_step": _spread([r["ms_per_step"] for r in runs]),
-        "train_s": _spread([r["train_s"] for r in runs]),
+    out = summarize_recipe(runs, planned_seeds=len(row["seeds"]), target=target, min_seeds=min_seeds)
+    if "error" in row:
+        out.update(counts=False, missing=f"failed: {row['error'][:120]}")
+    elif not runs:
+        out.update(counts=False, missing="not run (out of --budget-s)" if row.get("skipped") else "not run")
+    out.update({
+        "seeds_run": len(runs),
+        "train_s": _spread([r["train_s"] for r in runs if r["final_val_loss"] is not None]),
+        "ms_per_step": _spread([r["ms_per_step"] for r in runs if r["ms_per_step"] is not None]),
+        "first_crossing_s": _spread([r["first_crossing_s"] for r in runs]),
         "eval_s": _spread([r["eval_s"] for r in runs]),
-        "eval_ms_each": _spread([e["ms"] for r in runs for e in r["evals"]]),
-        "reset_s": _spread([r["reset_s"] for r in runs]),
-        "wall_s_per_seed": _spread([r["wall_s"] for r in runs]),
-        "best_val_loss": _spread([r["best_val_loss"] for r in runs]),
-        "stops": [r["stop"] for r in runs],
-    }
+        "final_eval_ms": _spread([r["final_eval_ms"] for r in runs]),
+        "reset_s": _spread([r.get("reset_s") for r in runs]),
+        "compile_s": compile_seconds(row, out.get("ms_per_step_median")),
+    })
+    return out
+
+
+def compile_seconds(row: dict, ms_per_step: float | None) -> float | None:
+    """What the setup of a compiling row spent beyond the work itself: setup less the model build, the
+    warm-up steps at the row's own step time and one validation at its final-validation time."""
+    if not row.get("compiles") or row.get("setup_s") is None or ms_per_step is None:
+        return None
+    finals = [r["final_eval_ms"] for r in row["runs"] if r.get("final_eval_ms") is not None]
+    eval_s = statistics.median(finals) / 1e3 if finals else 0.0
+    return max(0.0, row["setup_s"] - row.get("build_s", 0.0) - row["warmup_steps"] * ms_per_step / 1e3 - eval_s)
 
 
 def median_run(row: dict) -> dict | None:
-    """The run whose time to target is the median of the row's (the lower one for an even count)."""
-    runs = sorted((r for r in row["runs"] if r["reached"]), key=lambda r: r["time_to_target_s"])
+    """The finished run whose training time is the median of the row's (the lower one for an even count)."""
+    runs = sorted((r for r in row["runs"] if r["final_val_loss"] is not None), key=lambda r: r["train_s"])
     return runs[(len(runs) - 1) // 2] if runs else None
 
 
 def speedup(earlier: dict | None, row: dict) -> tuple[float | None, bool]:
-    """(ratio of median times to target earlier/row, is_lower_bound)."""
-    if earlier is None or not row["summary"]["counts"]:
+    """(ratio of median training times earlier/row, whether the row divided by does not count)."""
+    if earlier is None:
         return None, False
-    mine = row["summary"]["time_to_target_s"]["p50"]
-    s = earlier["summary"]
-    if s["counts"]:
-        return s["time_to_target_s"]["p50"] / mine, False
-    if s["missed_train_s"]:
-        return s["missed_train_s"] / mine, True
-    return None, False
+    a, b = earlier["summary"]["train_s_median"], row["summary"]["train_s_median"]
+    if not a or not b:
+        return None, False
+    return a / b, not earlier["summary"]["counts"]
 
 
 def step_speedup(earlier: dict | None, row: dict) -> float | None:
     a = earlier and earlier["summary"]["ms_per_step"]
     b = row["summary"]["ms_per_step"]
     return a["p50"] / b["p50"] if a and b else None
+
+
+def breakeven_of(result: dict, row: dict) -> float | None:
+    """Steps after which a compiling row's compilation has paid: its compile time over the step time it
+    saves against the nearest earlier row of the same invocation that does not compile."""
+    if not row.get("compiles"):
+        return None
+    rows = result["rows"]
+    i = next(k for k, r in enumerate(rows) if r is row)
+    eager = next((r for r in reversed(rows[:i]) if not r.get("compiles") and r["summary"]["ms_per_step"]), None)
+    mine = row["summary"]["ms_per_step"]
+    if eager is None or not mine:
+        return None
+    return breakeven_steps(row["summary"]["compile_s"], eager["summary"]["ms_per_step"]["p50"] / 1e3,
+                           mine["p50"] / 1e3)
 
 
 # --- the fastest model ----------------------------------------------------------------------------
@@ -97,7 +123,7 @@ def save_fastest(path, row: dict, run: dict, state: dict, *, corpus, target: flo
              "split": {"train_fraction": 0.9, "train_chars": int(len(corpus.train)),
                        "val_chars": int(len(corpus.val))},
              "speedrun": {"rung": row["name"], "label": row["label"], "seed": run["seed"], "target": target,
-                          "time_to_target_s": run["time_to_target_s"], "steps_to_target": run["steps_to_target"]}}
+                          "steps": run["steps"], "train_s": run["train_s"]}}
     lab = dict(row["config"], seed=run["seed"])
     save_checkpoint(model, path, chars=corpus.chars, lab=lab, extra=extra)
     return {"path": str(path), "rung": row["name"], "seed": run["seed"], "val_loss": run["final_val_loss"]}
@@ -114,8 +140,10 @@ def _num(v, digits: int = 3) -> str:
     return f"{v:.2e}" if "e" in text else text
 
 
-def _ratio(value: float | None, lower_bound: bool = False) -> str:
-    return "-" if value is None else ("≥ " if lower_bound else "") + f"{_num(value)}×"
+def _ratio(value: float | None, over_a_miss: bool = False) -> str:
+    if value is None:
+        return "-"
+    return f"*{_num(value)}×*" if over_a_miss else f"{_num(value)}×"
 
 
 def baseline_row(result: dict) -> dict | None:
@@ -123,46 +151,61 @@ def baseline_row(result: dict) -> dict | None:
     return next((r for r in rows if r["index"] == 0), rows[0] if rows else None)
 
 
+def _loss_cell(s: dict) -> str:
+    if s.get("mean") is None:
+        return "-"
+    return f"{s['mean']:.4f}" + (f" ± {s['std']:.4f}" if s.get("std") is not None else "")
+
+
+def _t_cell(s: dict) -> str:
+    return "-" if s.get("t") is None else f"{s['t']:.2f} ({s['df']})"
+
+
 def ladder_markdown(result: dict) -> str:
-    """The ladder table with its header (GPU, command, target) and the definitions of its columns."""
+    """The ladder table with its header (GPU, command, target, protocol) and the definitions of its columns."""
     target = result["target"]
     base = baseline_row(result)
     rows_md, prev = [], None
     few = False
+    min_seeds = (result.get("settings") or {}).get("min_seeds", MIN_SEEDS)
     for row in result["rows"]:
         s = row["summary"]
-        tt = s["time_to_target_s"]
+        tt = s["train_s"]
         if "error" in row:
             time_cell = f"failed: {row['error'][:80]}"
         elif not row["runs"]:
             time_cell = "not run (out of --budget-s)"
-        elif tt:
-            time_cell = f"**{_num(tt['p50'])}**"
+        elif s["train_s_median"] is not None:
+            time_cell = f"**{_num(s['train_s_median'])}**" if s["counts"] else _num(s["train_s_median"])
         else:
-            stops = ", ".join(sorted(set(s["stops"]))) or "-"
-            time_cell = f"not reached ({stops})"
+            time_cell = "- (diverged)"
         spread = f"{_num(tt['p20'])}–{_num(tt['p80'])}" if tt else "-"
-        x_prev, prev_lb = speedup(prev, row)
-        x_base, base_lb = speedup(base, row) if base is not row else (None, False)
-        seeds_cell = f"{s['seeds_reached']}/{len(row['seeds'])}"
-        if s["seeds_run"] < len(row["seeds"]):
-            seeds_cell += f" ({s['seeds_run']} ran" + (", out of budget)" if row.get("skipped") else ")")
-        if len(row["seeds"]) < DEFAULT_SEEDS:
+        x_prev, prev_miss = speedup(prev, row)
+        x_base, base_miss = speedup(base, row) if base is not row else (None, False)
+        seeds_cell = f"{s['seeds_run']}/{len(row['seeds'])}"
+        if row.get("skipped"):
+            seeds_cell += " (out of budget)"
+        if len(row["seeds"]) < min_seeds:
             seeds_cell += " †"
             few = True
         ms = s["ms_per_step"]
+        counts_cell = "**yes**" if s["counts"] else f"no: {s['missing']}"
+        crossing = s["first_crossing_s"]
         rows_md.append([
-            row["label"], row["name"], row["change"], _num(ms and ms["p50"]), time_cell, spread,
-            _num(s["steps_to_target"] and s["steps_to_target"]["p50"]),
-            _ratio(x_prev, prev_lb), _ratio(x_base, base_lb), _ratio(step_speedup(base, row)),
-            _num(row.get("setup_s")), _num(s["eval_s"] and s["eval_s"]["p50"]), _num(row.get("wall_s")),
-            f"{s['best_val_loss']['p50']:.4f}" if s["best_val_loss"] else "-", seeds_cell,
+            row["label"], row["name"], row["change"], _num(s.get("steps")), _num(ms and ms["p50"]), time_cell, spread,
+            _ratio(x_prev, prev_miss), _ratio(x_base, base_miss), _ratio(step_speedup(base, row)), _loss_cell(s),
+            _t_cell(s), "-" if s.get("p_value") is None else f"{s['p_value']:.2g}", counts_cell,
+            _num(crossing and crossing["p50"]) + ("" if not crossing or crossing["n"] == s["seeds_run"] else
+                                                  f" ({crossing['n']}/{s['seeds_run']})"),
+            _num(row.get("setup_s")), _num(s.get("compile_s")), _num(breakeven_of(result, row)),
+            _num(s["eval_s"] and s["eval_s"]["p50"]), _num(row.get("wall_s")), seeds_cell,
         ])
         if "error" not in row and row["runs"]:
             prev = row
-    header = ["#", "rung", "change (since the row above)", "ms/step", f"time to ≤ {target} (s, median)", "p20–p80",
-              "steps", "× prev", f"× {base['name'] if base else 'baseline'}", "step × base", "setup s", "eval s",
-              "wall s", "best val loss", "seeds reached"]
+    header = ["#", "rung", "change (since the row above)", "steps", "ms/step", "train s (median)", "p20–p80", "× prev",
+              f"× {base['name'] if base else 'baseline'}", "step × base", "final val loss (mean ± sd)", "t (df)", "p",
+              "counts", f"first ≤ {target} (s)", "setup s", "compile s", "breakeven steps", "eval s", "wall s",
+              "seeds"]
     align = "rll" + "r" * (len(header) - 3)
     seps = {"l": "---", "r": "---:"}
     lines = ["| " + " | ".join(header) + " |", "| " + " | ".join(seps[a] for a in align) + " |"]
@@ -170,28 +213,35 @@ def ladder_markdown(result: dict) -> str:
     env = result.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or result.get("device")
     settings = result.get("settings", {})
+    alpha = settings.get("alpha", 0.05)
     parts = [
-        f"### Shakespeare speedrun: training time to validation loss ≤ {target}",
+        f"### Shakespeare speedrun: training time of fixed-step recipes whose final validation loss is ≤ {target}",
         f"GPU: **{gpu}** · torch {result.get('torch')} · git {env.get('git_sha') or '?'} · {result.get('started')}"
         + (f" · whole process {result['process_wall_s']:.0f} s" if result.get("process_wall_s") else ""),
         f"Command: `{result.get('command') or 'fasttrain lab speedrun'}`",
         "\n".join(lines),
-        "*Time to target: training time (device synchronized; batches, forward, backward, optimizer) up to the "
-        f"first validation over {_scored(result)} at or below "
-        f"{target}; median over seeds, p20–p80 across seeds. A rung counts only if every seed reaches the target. "
-        "ms/step: training time over the steps run. × prev / × baseline: ratio of median times to target, measured "
-        f"{_where_measured(result)}; ≥ marks a lower bound where the row divided by does not count: a run of it "
-        "trained that long (the shortest such run) without reaching the target. step × base: ratio of ms/step. setup: build, compilation and warm-up steps "
-        "(parameters restored after), once per rung. eval: validation time per seed, apart from training. "
-        f"wall: the whole rung, every seed. Runs stop at the target, the schedule's end, {settings.get('max_train_s')} s "
-        f"of training, or {settings.get('patience_steps')} steps without a new best validation loss (over-fitting).*",
+        f"*Protocol: each row is a recipe of a fixed number of steps. Per seed, train s is the training time of those "
+        f"steps (device synchronized; batches, forward, backward, optimizer; validation excluded), median over seeds, "
+        f"p20–p80 across them. After the last step the model is scored over {_scored(result)}. A row counts when its "
+        f"seeds' mean final validation loss is ≤ {target} by a one-sided one-sample t-test (H1: mean < {target}; "
+        f"t = (mean − {target}) / (sd / √n), df = n − 1) with p < {alpha} over at least {min_seeds} seeds; otherwise "
+        f"the counts column says what is missing. × prev / × baseline: ratio of median training times, measured "
+        f"{_where_measured(result)}; in italics where the row divided by does not count. step × base: ratio of "
+        f"ms/step. First ≤ {target}: training time to the first validation at or below the target (validation every "
+        f"{settings.get('eval_interval') or '-'} steps and at the end; a secondary figure, never the one that counts). "
+        f"setup: build, compilation or CUDA-graph capture and warm-up steps (parameters restored after), once per row; "
+        f"compile s: the setup less the work itself (build, warm-up steps at the row's step time, one validation); "
+        f"breakeven steps: compile s over the step time saved against the nearest earlier row that does not compile "
+        f"(compiling pays after that many steps). eval: validation time per seed, apart from training. wall: the "
+        f"whole row, every seed.*",
     ]
     if few:
-        parts.append(f"*† fewer seeds than the {DEFAULT_SEEDS} of a full row (to save device time).*")
+        parts.append(f"*† fewer seeds than the protocol's {min_seeds}: the row's speed is measured, its loss cannot "
+                     f"count.*")
     if result.get("saved"):
         sv = result["saved"]
-        parts.append(f"*Saved: the final model of rung {sv['rung']} (seed {sv['seed']}, validation loss "
-                     f"{sv['val_loss']:.6f}); check it with `fasttrain lab eval {sv['path']}`.*")
+        parts.append(f"*Saved: the final model of rung {sv['rung']} (seed {sv['seed']}, the median training time; "
+                     f"final validation loss {sv['val_loss']:.6f}); check it with `fasttrain lab eval {sv['path']}`.*")
     return "\n\n".join(parts) + "\n"
 
 
@@ -213,15 +263,15 @@ def _scored(result: dict) -> str:
             "characters (a token budget)")
 
 
-CSV_COLUMNS = ("suite", "row", "rung", "metric", "unit", "p20", "p50", "p80", "n", "counts", "seeds_reached", "seeds",
+CSV_COLUMNS = ("suite", "row", "rung", "metric", "unit", "p20", "p50", "p80", "n", "counts", "missing", "seeds",
                "target", "gpu", "torch", "git_sha", "timestamp")
-METRICS = (("time_to_target_s", "s"), ("steps_to_target", "steps"), ("ms_per_step", "ms"), ("train_s", "s"),
-           ("eval_s", "s"), ("eval_ms_each", "ms"), ("reset_s", "s"), ("wall_s_per_seed", "s"),
-           ("best_val_loss", "nats/char"))
+METRICS = (("train_s", "s"), ("ms_per_step", "ms"), ("first_crossing_s", "s"), ("eval_s", "s"),
+           ("final_eval_ms", "ms"), ("reset_s", "s"))
 
 
 def to_csv(result: dict) -> str:
-    """Long format: one line per row and metric, p20/p50/p80 over seeds."""
+    """Long format: one line per row and metric, p20/p50/p80 over seeds; the protocol's statistics (mean and
+    sd of the final losses, t, df, p) and each seed's final loss as single values."""
     env = result.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or result.get("device")
     buf = io.StringIO()
@@ -231,12 +281,17 @@ def to_csv(result: dict) -> str:
     for row in result["rows"]:
         s = row["summary"]
         common = {"suite": "speedrun", "row": row["label"], "rung": row["name"], "counts": s["counts"],
-                  "seeds_reached": s["seeds_reached"], "seeds": len(row["seeds"]), "target": result["target"],
+                  "missing": s["missing"] or "", "seeds": len(row["seeds"]), "target": result["target"],
                   "gpu": gpu, "torch": result.get("torch"), "git_sha": env.get("git_sha"),
                   "timestamp": result.get("started")}
-        extra = [("setup_s", "s", row.get("setup_s")), ("rung_wall_s", "s", row.get("wall_s"))]
-        x_base, lb = speedup(base, row) if base is not row else (None, False)
-        extra.append(("speedup_vs_baseline_lower_bound" if lb else "speedup_vs_baseline", "x", x_base))
+        extra = [("steps", "steps", s.get("steps")), ("mean_final_val_loss", "nats/char", s.get("mean")),
+                 ("sd_final_val_loss", "nats/char", s.get("std")), ("t", "-", s.get("t")), ("df", "-", s.get("df")),
+                 ("p_value", "-", s.get("p_value")), ("setup_s", "s", row.get("setup_s")),
+                 ("compile_s", "s", s.get("compile_s")), ("breakeven_steps", "steps", breakeven_of(result, row)),
+                 ("rung_wall_s", "s", row.get("wall_s"))]
+        extra += [(f"final_val_loss_seed{r['seed']}", "nats/char", r["final_val_loss"]) for r in row["runs"]]
+        x_base, over_miss = speedup(base, row) if base is not row else (None, False)
+        extra.append(("speedup_vs_uncounted_baseline" if over_miss else "speedup_vs_baseline", "x", x_base))
         for metric, unit in METRICS:
             p = s.get(metric)
             if p:
@@ -284,6 +339,9 @@ def load_result(folder) -> dict:
         raise FasttrainError(f"{path}: not a speedrun result (unreadable JSON)") from None
     if result.get("kind") != "lab-speedrun":
         raise FasttrainError(f"{path}: not a speedrun result (kind {result.get('kind')!r})")
+    if result.get("protocol") != "fixed-steps":
+        raise FasttrainError(f"{path}: a result of the earlier protocol (time to the first crossing); the record "
+                             f"protocol needs a new run of fasttrain lab speedrun")
     return result
 
 
@@ -337,9 +395,10 @@ def merge_results(parts: list[dict]) -> dict:
 
     for other in parts[1:]:
         for what, get in (("GPU", gpu), ("torch", lambda r: r.get("torch")), ("target", lambda r: r.get("target")),
+                          ("protocol", lambda r: r.get("protocol")),
                           ("data", lambda r: r.get("data")),
                           ("settings", lambda r: {k: v for k, v in (r.get("settings") or {}).items()
-                                                  if k not in ("budget_s", "seeds")})):
+                                                  if k not in ("budget_s", "seeds", "compile_cache")})):
             if get(other) != get(first):
                 raise FasttrainError(f"cannot merge speedrun results of different {what}: {get(first)!r} and "
                                      f"{get(other)!r}")
@@ -370,19 +429,19 @@ def merge_results(parts: list[dict]) -> dict:
             row["change"] = LADDER[0].change if i == 0 else " + ".join(r.change for r in LADDER[prev + 1: i + 1])
             prev = i
     counted = [r for r in rows if r["summary"]["counts"]]
-    fastest_row = min(counted, key=lambda r: r["summary"]["time_to_target_s"]["p50"]) if counted else None
+    fastest_row = min(counted, key=lambda r: r["summary"]["train_s_median"]) if counted else None
     saved = None
     fastest = None
     if fastest_row is not None:
         fastest = {"label": fastest_row["label"], "name": fastest_row["name"],
-                   "time_to_target_s": fastest_row["summary"]["time_to_target_s"]["p50"],
+                   "train_s": fastest_row["summary"]["train_s_median"],
                    "seed": median_run(fastest_row)["seed"]}
         saved = next((p["saved"] for p in parts if p.get("saved") and p["saved"].get("rung") == fastest_row["name"]),
                      None)
     settings = dict(first.get("settings") or {})
     settings["seeds"] = max((p.get("settings", {}).get("seeds") or [] for p in parts), key=len)
     return {
-        **{k: first.get(k) for k in ("kind", "target", "environment", "torch", "device", "data")},
+        **{k: first.get(k) for k in ("kind", "protocol", "target", "environment", "torch", "device", "data")},
         "command": " && ".join(p.get("command") or "fasttrain lab speedrun" for p in parts),
         "started": min(p.get("started") or "" for p in parts),
         "finished": max(p.get("finished") or "" for p in parts),
@@ -410,6 +469,80 @@ def merge_command(parts, out_dir) -> None:
     click.echo(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)")
 
 
-__all__ = ["DEFAULT_SEEDS", "merge_command", "merge_results", "README_END", "README_START", "baseline_row", "ladder_markdown", "load_result",
-           "median_run", "readme_command", "readme_section", "save_fastest", "speedup", "step_speedup", "summarize",
+# --- the record ------------------------------------------------------------------------------------
+
+
+def read_process_times(path) -> list[dict]:
+    """The whole-process timings ``dev/speedrun/cold_start.sh`` writes: one JSON object per line with
+    ``rung``, ``cache`` (cold, warm, ...), ``process_s`` and ``rc``."""
+    path = Path(path)
+    try:
+        lines = [line for line in path.read_text().splitlines() if line.strip()]
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no such file; run dev/speedrun/cold_start.sh first") from None
+    out = []
+    for n, line in enumerate(lines, 1):
+        try:
+            item = json.loads(line)
+        except ValueError:
+            raise FasttrainError(f"{path} line {n}: not JSON (a cold_start.sh timing per line)") from None
+        if not (isinstance(item, dict) and {"rung", "cache", "process_s"} <= set(item)):
+            raise FasttrainError(f"{path} line {n}: needs rung, cache and process_s")
+        out.append(item)
+    return out
+
+
+def process_time(times: list[dict], rung: str, cache: str) -> float | None:
+    """The median whole-process time of ``rung`` with ``cache`` (cold or warm) among the successful runs."""
+    values = [t["process_s"] for t in times if t["rung"] == rung and t["cache"] == cache and t.get("rc", 0) == 0]
+    return statistics.median(values) if values else None
+
+
+def record_of(result: dict, times: list[dict] | None = None, *, machine: str | None = None) -> dict:
+    """``record.json`` of the fastest counted row of a ladder result (see record_protocol.RECORD_KEYS), with
+    its whole-process times from ``times`` (cold: empty compiler caches; warm: filled) when measured."""
+    from fasttrain.lab.record_protocol import record
+
+    counted = [r for r in result["rows"] if r["summary"]["counts"]]
+    if not counted:
+        raise FasttrainError("no row of this result counts: there is no record to write")
+    row = min(counted, key=lambda r: r["summary"]["train_s_median"])
+    s = row["summary"]
+    times = times or []
+    env = result.get("environment") or {}
+    saved = result.get("saved") if (result.get("saved") or {}).get("rung") == row["name"] else None
+    return record(s, command=result.get("command") or "fasttrain lab speedrun",
+                  process_cold_s=process_time(times, row["name"], "cold"),
+                  process_warm_s=process_time(times, row["name"], "warm"),
+                  rung=row["name"], label=row["label"], target=result["target"], t=s["t"], df=s["df"], std=s["std"],
+                  alpha=s["alpha"], test="one-sided one-sample t-test (scipy.stats.ttest_1samp, alternative='less')",
+                  ms_per_step=s["ms_per_step_median"], setup_s=row.get("setup_s"), compile_s=s.get("compile_s"),
+                  first_crossing_s=s.get("first_crossing_s_median"), checkpoint=saved,
+                  machine=machine, gpu=(env.get("gpu") or {}).get("name") or result.get("device"),
+                  torch=result.get("torch"), git_sha=env.get("git_sha"), started=result.get("started"),
+                  process_times=[t for t in times if t["rung"] == row["name"]])
+
+
+@click.command("record")
+@click.argument("results_dir", type=click.Path())
+@click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False),
+              help="The machine's result folder, e.g. results/speedrun/nvidia-h100 (record.json goes there).")
+@click.option("--process-times", type=click.Path(dir_okay=False),
+              help="process_times.jsonl of dev/speedrun/cold_start.sh (the whole process, cold and warm).")
+def record_command(results_dir, out_dir, process_times) -> None:
+    """Write record.json for the fastest counted row of a speedrun result folder."""
+    from fasttrain.lab.record_protocol import write_record
+
+    result = load_result(results_dir)
+    times = read_process_times(process_times) if process_times else []
+    rec = record_of(result, times, machine=Path(out_dir).name)
+    path = write_record(rec, out_dir)
+    click.echo(json.dumps({k: rec[k] for k in ("steps", "mean_final_val_loss", "p_value", "train_s", "process_cold_s",
+                                               "process_warm_s")}))
+    click.echo(f"wrote {path}")
+
+
+__all__ = ["DEFAULT_SEEDS", "README_END", "README_START", "baseline_row", "breakeven_of", "ladder_markdown",
+           "load_result", "median_run", "merge_command", "merge_results", "read_process_times", "readme_command",
+           "readme_section", "record_command", "record_of", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]

@@ -215,7 +215,8 @@ class Trainer:
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
         self.trainable = [p for p in module.parameters() if p.requires_grad]
         self.step_index = 0
-        self.cuda_graphs = cfg.torch_compile and cfg.torch_compile_mode == "reduce-overhead" and device.type == "cuda"
+        self.cuda_graphs = cfg.torch_compile and device.type == "cuda" and (
+            cfg.torch_compile_mode == "reduce-overhead" or getattr(cfg, "torch_compile_backend", "inductor") == "cudagraphs")
 
     @property
     def model_config(self):
@@ -238,14 +239,17 @@ class Trainer:
         if not cfg.torch_compile:
             return wrapped
         mode = None if cfg.torch_compile_mode == "default" else cfg.torch_compile_mode
+        backend = getattr(cfg, "torch_compile_backend", "inductor")
+        # cudagraphs: AOT autograd's forward and backward captured as CUDA graphs, no inductor code generation
+        options = {"mode": mode} if backend == "inductor" else {"backend": backend}
         if getattr(cfg, "torch_compile_scope", "model") == "blocks":
             if self.lab_model.blocks is None:
                 raise FasttrainError(f"--torch-compile-scope blocks: {self.lab_model.name} does not say which "
                                      f"are its blocks; compile the whole model")
             for block in self.lab_model.blocks(self.model):
-                block.compile(mode=mode)        # in place: the block's forward becomes the compiled one
+                block.compile(**options)        # in place: the block's forward becomes the compiled one
             return wrapped
-        return torch.compile(wrapped, mode=mode)
+        return torch.compile(wrapped, **options)
 
     # --- state ---------------------------------------------------------------------------------
 
