@@ -616,7 +616,9 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     baseline = fitting.get(plain, [None])[0]
     if len(chosen) <= max_candidates:
         mode = "halving"
-        contenders = sorted(chosen, key=lambda e: e is not baseline)
+        # the plain settings first (the baseline); within a setting the smaller micro-batch first, so that
+        # an out-of-memory error there spares the larger ones their probe
+        contenders = sorted(chosen, key=lambda e: (e.candidate.settings != plain, e.candidate.micro_batch))
     else:
         mode = "screen + halving"
         contenders = _screen(search, axes, fitting, baseline, steps, max_candidates, batch_choices)
@@ -625,6 +627,10 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     measured = [e for e in entries if e.probes]
     if baseline is not None and not baseline.probes and not search.out_of_time():
         search.run(baseline, steps, "baseline")
+    if baseline is not None and not baseline.ok:
+        # the plain settings at their largest micro-batch ran out of memory: the largest that ran stands in
+        plain_ok = [e for e in measured if e.ok and e.candidate.settings == baseline.candidate.settings]
+        baseline = max(plain_ok, key=lambda e: e.candidate.micro_batch) if plain_ok else baseline
     ranked = rank(measured)
     pick = _pick(finalists, ranked)
     loss_step = None
@@ -843,7 +849,8 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
          memory_limit_bytes: int | None = None, steps: int | None = None, max_candidates: int = 8,
          log: Callable | None = None, corpus=None, model=None, model_id: str = "gpt",
          measure: Callable | None = None, predict: Callable | None = None, memory: DeviceMemory | None = None,
-         clock: Callable = time.perf_counter, liger_reason: str | None | bool = False) -> TuneResult:
+         clock: Callable = time.perf_counter, liger_reason: str | None | bool = False, free: Callable | None = None,
+         batch_choices: int = 2) -> TuneResult:
     """``fasttrain tune`` from Python: search, report, and (with ``out``) write the results folder.
 
     Bad input is refused before anything runs (the out folder, the shape, the budget, the list of
@@ -876,7 +883,8 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
                   memory=memory, family=getattr(model, "family", None), allow=allow, precisions=precisions,
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or (3 if memory.cpu else 5),
-                  max_candidates=max_candidates, log=log, free=lambda: free_memory(device), clock=clock,
+                  max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
+                  batch_choices=batch_choices,
                   liger_reason=liger_reason,
                   fixed_batch=base.per_device_train_batch_size if "per_device_train_batch_size" in fixed else None)
     if out is not None:

@@ -103,9 +103,10 @@ def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
     return " ".join(parts)
 
 
-def training_arguments(cfg: LabConfig) -> tuple[dict, dict, list[str]]:
+def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, list[str]]:
     """The Hugging Face equivalent of ``cfg``: (``TrainingArguments`` keyword arguments, keyword
-    arguments of ``from_pretrained`` / ``from_config``, notes on what has no equivalent)."""
+    arguments of ``from_pretrained`` / ``from_config``, notes on what has no equivalent).
+    ``cpu``: it was found on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
     args = {
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
@@ -123,6 +124,8 @@ def training_arguments(cfg: LabConfig) -> tuple[dict, dict, list[str]]:
     }
     if args["tf32"] is None:
         del args["tf32"]
+    if cpu:
+        args["use_cpu"] = True
     if cfg.torch_compile:
         args["torch_compile_mode"] = cfg.torch_compile_mode
     model_kwargs = {"attn_implementation": cfg.attn_implementation}
@@ -151,7 +154,7 @@ def summary(result, model_id: str = "gpt") -> dict:
     cfg = pick_config(result)
     winner = None
     if cfg is not None:
-        args, model_kwargs, notes = training_arguments(cfg)
+        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
         pick_row = entry_row(result.pick, result, 1)
         winner = {**pick_row, "lab_command": lab_command(cfg, model_id), "training_arguments": args,
                   "model_kwargs": model_kwargs, "training_arguments_notes": notes}
@@ -294,7 +297,7 @@ def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> Non
                   f"{result.tune_s:.1f} s" + (" (budget reached: best so far)" if result.budget_hit else ""))
     cfg = pick_config(result)
     if cfg is not None:
-        args, model_kwargs, notes = training_arguments(cfg)
+        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
         console.print("pick: " + lab_command(cfg, model_id), soft_wrap=True)
         console.print("TrainingArguments: " + json.dumps(args), soft_wrap=True)
         console.print("model kwargs: " + json.dumps(model_kwargs), soft_wrap=True)
