@@ -221,7 +221,7 @@ def liger_support(family: str | None) -> str | None:
 
 
 def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=(), precisions=("bf16",),
-               fixed=(), liger_reason: str | None | bool = False) -> tuple[list[Axis], list[str]]:
+               fixed=(), liger_reason: str | None | bool = False, hf: bool = False) -> tuple[list[Axis], list[str]]:
     """The search's axes for ``base`` on this device, and one line for every axis (or choice) dropped.
 
     ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
@@ -258,7 +258,12 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
     else:
         dropped.append("torch.compile: dropped on the CPU (compiling takes minutes per probe and says nothing "
                        "about a GPU)")
-    axes.append(Axis("checkpointing", tuple((c, {"gradient_checkpointing": c}) for c in ("none", "selective", "full"))))
+    checkpointing = ("none", "selective", "full")
+    if hf:
+        checkpointing = ("none", "full")
+        dropped.append("selective checkpointing: a transformers model checkpoints whole layers "
+                       "(gradient_checkpointing_enable); none and full searched")
+    axes.append(Axis("checkpointing", tuple((c, {"gradient_checkpointing": c}) for c in checkpointing)))
     reason = liger_support(family) if liger_reason is False else liger_reason
     if not cuda:
         dropped.append("liger-kernel: dropped on the CPU (its kernels are Triton, GPU only)")
@@ -568,7 +573,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
            budget_s: float | None = None, clock: Callable = time.perf_counter, cache: ProbeCache | None = None,
            steps: int = 4, max_candidates: int = 8, batch_choices: int = 2, log: Callable | None = None,
            free: Callable | None = None, liger_reason: str | None | bool = False,
-           fixed_batch: int | None = None) -> TuneResult:
+           fixed_batch: int | None = None, hf: bool = False) -> TuneResult:
     """Search the space of ``base`` (see the module docstring); ``measure(cfg, steps) -> Probe`` runs
     one probe, ``predict(cfg) -> bytes | None`` the estimator's peak.
 
@@ -585,7 +590,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     cuda = not memory.cpu
     base = validate(base.with_(context=seq))
     axes, dropped = build_axes(base, cuda=cuda, family=family, allow=allow, precisions=precisions, fixed=fixed,
-                               liger_reason=liger_reason)
+                               liger_reason=liger_reason, hf=hf)
     for line in dropped:
         log(line)
     notes = [] if cuda else [CPU_NOTE]
@@ -771,20 +776,40 @@ def nothing_fits_message(base: LabConfig, entries: list[Entry], memory: DeviceMe
 
 # --- the lab: prediction and probes through its trainer -------------------------------------------
 
-def lab_predictor(vocab: int, model=None) -> Callable:
-    """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` (the lab's GPT, or
-    a model whose :class:`~fasttrain.lab.models.LabModel` gives its ``memory_setup``); None when the
-    estimator cannot describe it."""
+def model_of(cfg: LabConfig) -> tuple[str, dict | None]:
+    """(the model's name, its Hugging Face config as a dict or None for the lab's own GPT)."""
+    spec = getattr(cfg, "model", None) or "gpt"
+    if not str(spec).startswith("hf:"):
+        return "gpt", None
+    path = Path(str(spec)[3:]).expanduser()
+    config_file = path / "config.json" if path.is_dir() else path
+    if not config_file.is_file():
+        return str(spec), None          # a hub name: the lab resolves it; the estimator cannot read it here
+    try:
+        return str(spec), json.loads(config_file.read_text())
+    except (OSError, ValueError) as exc:
+        raise FasttrainError(f"--model {spec}: cannot read {config_file} ({exc})") from None
+
+
+def lab_predictor(vocab: int, hf_config: dict | None = None) -> Callable:
+    """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` -- the lab's GPT
+    (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config
+    (``fasttrain.memory.hf_config.setup_from_hf_config``); None where the estimator cannot describe it
+    (then nothing is pruned and the probe finds out)."""
     from fasttrain.memory import estimate
 
     def predict(cfg: LabConfig) -> int | None:
         try:
-            if model is not None:
-                if model.memory_setup is None:
+            if hf_config is not None:
+                try:
+                    from fasttrain.memory.hf_config import setup_from_hf_config
+                except ImportError:
                     return None
-                setup = model.memory_setup(cfg, cfg.per_device_train_batch_size)
-                if setup is None:
-                    return None
+                precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+                setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
+                                             precision=precision, recompute=cfg.gradient_checkpointing,
+                                             attention=cfg.attn_implementation, optim=cfg.optim,
+                                             grad_buffers=cfg.gradient_accumulation_steps > 1)
             else:
                 from fasttrain.lab.train import lab_setup
 
@@ -875,13 +900,19 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
         corpus = load_corpus(base.data_dir)
     vocab = corpus.vocab_size if corpus is not None else (base.vocab_size or 65)
-    predict = predict or lab_predictor(vocab, model)
+    spec, hf_config = model_of(base)
+    if model_id == "gpt":
+        model_id = spec
+    family = getattr(model, "family", None) or (hf_config or {}).get("model_type")
+    predict = predict or lab_predictor(vocab, hf_config)
     measure = measure or lab_measure(corpus)
     if cache_path is True:
         cache_path = default_cache_path()
-    cache = ProbeCache(cache_path or None, identity(device, memory, model_id))
+    # a transformers model is its config.json too (the folder's name alone may hold another model tomorrow)
+    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()[:16] if hf_config else ""
+    cache = ProbeCache(cache_path or None, identity(device, memory, model_id + (f"#{digest}" if digest else "")))
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
-                  memory=memory, family=getattr(model, "family", None), allow=allow, precisions=precisions,
+                  memory=memory, family=family, hf=spec.startswith("hf:"), allow=allow, precisions=precisions,
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or (3 if memory.cpu else 5),
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
