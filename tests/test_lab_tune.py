@@ -367,3 +367,37 @@ def test_cli_end_to_end_on_the_cpu(tmp_path, capsys, monkeypatch):
     assert "pick: fasttrain lab --preset tiny" in out and "TrainingArguments:" in out
     assert "do not transfer to a GPU" in out
     assert (tmp_path / "run" / "tune.json").exists()
+
+
+# --- the GPU benchmark's harness, tiny and on the CPU ---------------------------------------------
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "dev" / "tune" / "bench_tune.py"
+    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    bench = _bench_module()
+    work, results = tmp_path / "work", tmp_path / "results"
+    for phase in ("prepare", "hf", "hf-flags"):
+        assert bench.main([phase, str(work), "--model", "tiny-gpt2", "--steps", "1", "--skip", "1"]) == 0
+    state = bench.load_state(work, "tiny-gpt2")
+    assert state["hf"]["tokens_per_s"] > 0 and state["hf"]["found_batch"] == 8
+    assert state["hf"]["tokens_per_step"] == bench.MODELS["tiny-gpt2"]["tokens"]     # the same global batch
+    assert state["hf_flags"]["flags"]["optim"] == "adamw_torch_fused"
+    assert len(state["hf"]["step_s"]) == 1 and len(state["hf"]["first_steps_s"]) == 1
+    assert bench.main(["report", str(work), "--model", "tiny-gpt2", "--results", str(results)]) == 0
+    (folder,) = list(results.iterdir())
+    data = json.loads((folder / "tune.json").read_text())
+    assert [tuple(c) for c in data["cases"]] == [bench.CASE_KEYS]
+    assert data["cases"][0]["hf_trainer_tokens_per_s"] == state["hf"]["tokens_per_s"]
+    text = (folder / "README.md").read_text()
+    assert "| tiny-gpt2 |" in text and "HF Trainer (users)" in text
