@@ -401,3 +401,34 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     assert data["cases"][0]["hf_trainer_tokens_per_s"] == state["hf"]["tokens_per_s"]
     text = (folder / "README.md").read_text()
     assert "| tiny-gpt2 |" in text and "HF Trainer (users)" in text
+
+
+# --- on a GPU (the device machine: python3 -m pytest -q -m gpu tests/test_lab_tune.py) ------------
+
+@pytest.mark.gpu
+def test_device_memory_is_measured_once_on_a_gpu():
+    dev = torch.device("cuda")
+    mem = T.device_memory(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    assert mem.total_bytes == total and 0 < mem.context_bytes <= total
+    assert 0.0 <= mem.reserve <= 0.25
+    assert T.device_memory(dev, limit_bytes=2 ** 30).total_bytes == 2 ** 30
+
+
+@pytest.mark.gpu
+def test_tune_on_a_gpu_prunes_measures_and_predicts_the_pick(tmp_path):
+    from fasttrain.lab.data import corpus_from_text
+
+    corpus = corpus_from_text(toy_text(400_000))
+    cfg = preset("shakespeare-char", device="cuda")
+    # a 6 GiB device: the estimator prunes the larger micro-batches of eager attention before any run
+    res = T.tune(cfg, seq=256, global_batch_tokens=256 * 256, corpus=corpus, budget="4m", steps=3,
+                 memory_limit_bytes=6 * 2 ** 30, cache_path=None, out=tmp_path / "run")
+    assert res.pruned > 0 and res.pick is not None and res.pick.ok
+    probe = res.pick.last
+    assert probe.peak_bytes and probe.peak_bytes <= 6 * 2 ** 30
+    if not res.pick.candidate.overrides_dict().get("torch_compile") and \
+            not res.pick.candidate.overrides_dict().get("use_liger_kernel"):
+        assert abs(res.pick.predicted_bytes - probe.peak_bytes) <= 0.10 * probe.peak_bytes
+    rows = R.ranked_rows(res)
+    assert all(abs(r["loss_vs_baseline"]) < 0.05 for r in rows if r["loss_vs_baseline"] is not None)
