@@ -591,8 +591,6 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     base = validate(base.with_(context=seq))
     axes, dropped = build_axes(base, cuda=cuda, family=family, allow=allow, precisions=precisions, fixed=fixed,
                                liger_reason=liger_reason, hf=hf)
-    for line in dropped:
-        log(line)
     notes = [] if cuda else [CPU_NOTE]
     sequences = global_batch_tokens // seq
     space = enumerate_space(axes, sequences, fixed_batch)
@@ -729,6 +727,11 @@ def _pick(finalists: list[Entry], ranked: list[Entry]) -> Entry | None:
 
 # --- bad input -----------------------------------------------------------------------------------
 
+def _size(nbytes: float) -> str:
+    mib = nbytes / MIB
+    return f"{mib:,.0f} MiB" if mib >= 10 else f"{mib:.2f} MiB"
+
+
 def check_shape(seq: int, global_batch_tokens: int) -> None:
     for flag, value in (("--seq", seq), ("--global-batch-tokens", global_batch_tokens)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -756,7 +759,7 @@ def nothing_fits_message(base: LabConfig, entries: list[Entry], memory: DeviceMe
         except FasttrainError:
             continue
         if p is not None and memory.fits(p):
-            fixes.append(f"--allow {name} (predicted {p / MIB:,.0f} MiB)")
+            fixes.append(f"--allow {name} (predicted {_size(p)})")
     s = seq
     while s > 1:
         s //= 2
@@ -765,13 +768,13 @@ def nothing_fits_message(base: LabConfig, entries: list[Entry], memory: DeviceMe
         except FasttrainError:
             break
         if p is not None and memory.fits(p):
-            fixes.append(f"--seq {s} (predicted {p / MIB:,.0f} MiB; --global-batch-tokens stays {tokens}: "
+            fixes.append(f"--seq {s} (predicted {_size(p)}; --global-batch-tokens stays {tokens}: "
                          "more sequences per step)")
             break
     hint = "; would fit: " + " or ".join(fixes) if fixes else "; nothing in reach fits: a smaller model or a larger device"
-    return (f"no configuration fits: the smallest predicted peak is {smallest.predicted_bytes / MIB:,.0f} MiB "
-            f"({smallest.candidate.label.strip()}, {need / MIB:,.0f} MiB with the context and the allocator's "
-            f"reserve) on {memory.name} with {memory.total_bytes / MIB:,.0f} MiB" + hint)
+    return (f"no configuration fits: the smallest predicted peak is {_size(smallest.predicted_bytes)} "
+            f"({smallest.candidate.label.strip()}, {_size(need)} with the context and the allocator's "
+            f"reserve) on {memory.name} with {_size(memory.total_bytes)}" + hint)
 
 
 # --- the lab: prediction and probes through its trainer -------------------------------------------
@@ -791,11 +794,13 @@ def model_of(cfg: LabConfig) -> tuple[str, dict | None]:
         raise FasttrainError(f"--model {spec}: cannot read {config_file} ({exc})") from None
 
 
-def lab_predictor(vocab: int, hf_config: dict | None = None) -> Callable:
+def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) -> Callable:
     """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` -- the lab's GPT
     (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config
     (``fasttrain.memory.hf_config.setup_from_hf_config``); None where the estimator cannot describe it
-    (then nothing is pruned and the probe finds out)."""
+    (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS workspaces (the estimator's
+    65 MiB are a GPU's). liger's fused cross-entropy and torch.compile are predicted as the eager
+    model (both keep less: the pruning is on the safe side for them)."""
     from fasttrain.memory import estimate
 
     def predict(cfg: LabConfig) -> int | None:
@@ -814,6 +819,8 @@ def lab_predictor(vocab: int, hf_config: dict | None = None) -> Callable:
                 from fasttrain.lab.train import lab_setup
 
                 setup = lab_setup(cfg, vocab, cfg.per_device_train_batch_size)
+            if cpu:
+                setup = setup.with_(workspace_mib=0.0)
             return int(estimate(setup, "precise").total)
         except FasttrainError:
             return None
@@ -904,7 +911,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     if model_id == "gpt":
         model_id = spec
     family = getattr(model, "family", None) or (hf_config or {}).get("model_type")
-    predict = predict or lab_predictor(vocab, hf_config)
+    predict = predict or lab_predictor(vocab, hf_config, cpu=memory.cpu)
     measure = measure or lab_measure(corpus)
     if cache_path is True:
         cache_path = default_cache_path()
