@@ -278,7 +278,7 @@ def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) ->
     per setting the two largest micro-batches that fit; all of them when at most ``size``, else a
     greedy cover of every axis choice and every micro-batch, filled to ``size`` by a seeded sample."""
     from fasttrain.lab import tune as T
-    from fasttrain.lab.train import resolve_device
+    from fasttrain.lab.build import resolve_device
 
     spec = MODELS[name]
     base = lab_base(work, name, cuda)
@@ -335,7 +335,7 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
                    "predicted_mib": (probe.predicted_bytes or 0) / MIB or None, "compile_s": probe.compile_s}
         except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
             from fasttrain.lab.measure import free_memory
-            from fasttrain.lab.train import resolve_device
+            from fasttrain.lab.build import resolve_device
 
             free_memory(resolve_device(cfg))
             row = {"tokens_per_s": None, "error": str(exc).splitlines()[0][:200]}

@@ -76,7 +76,7 @@ PRECISION_OVERRIDES = {
     "fp32": {"bf16": False, "fp16": False, "tf32": False},
 }
 # the lab's per-block compile setting, where the lab has one (name: field, value)
-PER_BLOCK_COMPILE = (("torch_compile_scope", "block"), ("torch_compile_per_block", True), ("compile_per_block", True))
+PER_BLOCK_COMPILE = (("torch_compile_scope", "blocks"),)
 CPU_NOTE = "timings on a CPU do not transfer to a GPU: this run checks the search, not what a GPU would pick"
 
 
@@ -835,23 +835,63 @@ def probe_config(cfg: LabConfig, steps: int, warmup: int) -> LabConfig:
                      save=None, auto_find_batch_size=False)
 
 
-def probe_from_record(record: dict, steps: int) -> Probe:
-    warm = record.get("warmup_ms") or []
-    mem = record.get("memory") or {}
-    est = record.get("estimate") or {}
-    return Probe(steps=steps, tokens_per_s=record.get("tokens_per_s"), peak_bytes=mem.get("peak_allocated_bytes"),
-                 reserved_bytes=mem.get("peak_reserved_bytes"), predicted_bytes=est.get("precise_bytes"),
-                 compile_s=(warm[0] / 1e3) if warm else 0.0, warmup_s=sum(warm[1:]) / 1e3,
-                 losses=[p["loss"] for p in record.get("loss_curve", [])])
+def load_corpus_for(cfg: LabConfig):
+    """The corpus ``cfg`` names (Tiny Shakespeare, or the user's text or token files where the lab reads them)."""
+    from fasttrain.lab import data
+
+    if hasattr(data, "corpus_for"):
+        return data.corpus_for(cfg)
+    return data.load_corpus(cfg.data_dir)
 
 
-def lab_measure(corpus, warmup: int = 2, run: Callable | None = None) -> Callable:
-    """``measure(cfg, steps) -> Probe`` through the lab's one trainer (``fasttrain.lab.train.run``)."""
+def lab_measure(corpus=None, warmup: int = 2) -> Callable:
+    """``measure(cfg, steps) -> Probe``: one probe through the lab's trainer (``make_trainer`` builds the
+    model ``cfg`` names; ``Trainer.train`` is the loop; ``Metrics`` times each step between device
+    synchronizations, the first ``warmup`` apart, and reads the peaks less what was held before). An
+    out-of-memory error is caught, the frames holding the probe's tensors are left, and the cache is
+    emptied before the probe is answered as out of memory (no batch search: the tuner chooses)."""
+    loaded: dict = {}
+
     def measure(cfg: LabConfig, steps: int) -> Probe:
-        from fasttrain.lab.train import run as lab_run
+        import torch
 
-        record = (run or lab_run)(probe_config(cfg, steps, warmup), corpus=corpus)
-        return probe_from_record(record, steps)
+        from fasttrain.lab.build import make_trainer, resolve_device
+        from fasttrain.lab.measure import free_memory, held_before, oom_types, tf32_matmuls
+        from fasttrain.lab.trainer import Metrics
+
+        pc = validate(probe_config(cfg, steps, warmup))
+        device = resolve_device(pc)
+        data = corpus if corpus is not None else loaded.get("corpus")
+        if data is None:
+            data = loaded["corpus"] = load_corpus_for(pc)
+        cuda = device.type == "cuda"
+        free_memory(device)
+        held = held_before(device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats(device)
+        oom = False
+        metrics = Metrics(pc, device, held=held, curve=True)
+        with tf32_matmuls(pc.tf32):
+            try:
+                trainer = make_trainer(pc, data, device)
+                trainer.train(metrics=metrics, evaluate=False)
+            except oom_types():
+                oom = True          # answered below, once the exception (and its frames' tensors) is gone
+        if oom:
+            trainer = None
+            free_memory(device)
+            return Probe(steps=steps, oom=True, error="out of memory",
+                         compile_s=metrics.warmup_ms[0] / 1e3 if metrics.warmup_ms else 0.0)
+        del trainer
+        free_memory(device)
+        timed = metrics.step_ms
+        tokens = pc.per_device_train_batch_size * pc.gradient_accumulation_steps * pc.context
+        return Probe(steps=steps, tokens_per_s=tokens / (sum(timed) / len(timed) / 1e3) if timed else None,
+                     peak_bytes=metrics.train_peak if cuda else None,
+                     reserved_bytes=metrics.reserved_peak if cuda else None,
+                     compile_s=metrics.warmup_ms[0] / 1e3 if metrics.warmup_ms else 0.0,
+                     warmup_s=sum(metrics.warmup_ms[1:]) / 1e3,
+                     losses=[p["loss"] for p in metrics.loss_curve])
     return measure
 
 
@@ -887,8 +927,8 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
     Bad input is refused before anything runs (the out folder, the shape, the budget, the list of
     techniques); a device the lab cannot use says so."""
+    from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
-    from fasttrain.lab.train import resolve_device
 
     budget_s = parse_budget(budget)
     allow = parse_allow(allow)
@@ -903,9 +943,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     device = resolve_device(base)
     memory = memory or device_memory(device, memory_limit_bytes)
     if corpus is None and measure is None:
-        from fasttrain.lab.data import load_corpus
-
-        corpus = load_corpus(base.data_dir)
+        corpus = load_corpus_for(base)
     vocab = corpus.vocab_size if corpus is not None else (base.vocab_size or 65)
     spec, hf_config = model_of(base)
     if model_id == "gpt":
