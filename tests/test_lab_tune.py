@@ -432,3 +432,29 @@ def test_tune_on_a_gpu_prunes_measures_and_predicts_the_pick(tmp_path):
         assert abs(res.pick.predicted_bytes - probe.peak_bytes) <= 0.10 * probe.peak_bytes
     rows = R.ranked_rows(res)
     assert all(abs(r["loss_vs_baseline"]) < 0.05 for r in rows if r["loss_vs_baseline"] is not None)
+
+
+def test_bench_harness_every_phase_on_the_cpu(tmp_path):
+    """prepare, both HF Trainer runs, tune, a grid of 3, confirm and the report, on a tiny GPT-2 (needs the lab's
+    --model hf: and --train-bin)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from dataclasses import fields as dc_fields
+    from fasttrain.lab.config import LabConfig
+    names = {f.name for f in dc_fields(LabConfig)}
+    if not {"model", "train_bin"} <= names:
+        pytest.skip("this lab has no --model / --train-bin yet (the model and data branches of issue 28)")
+    bench = _bench_module()
+    work, results = tmp_path / "work", tmp_path / "results"
+    assert bench.main(["all", str(work), "--model", "tiny-gpt2", "--steps", "1", "--skip", "1", "--budget", "40s",
+                       "--probe-steps", "1", "--max-candidates", "2", "--grid-size", "3", "--grid-steps", "1",
+                       "--confirm-steps", "2", "--results", str(results)]) == 0
+    state = bench.load_state(work, "tiny-gpt2")
+    assert state["tune"]["pick"] and state["tune"]["pick_tokens_per_s"] > 0
+    assert len(state["grid_members"]) == 3 and len(state["grid"]) == 3
+    assert state["confirm"]["oom"] is False and state["confirm"]["steps"] == 2
+    (folder,) = list(results.iterdir())
+    case = json.loads((folder / "tune.json").read_text())["cases"][0]
+    assert tuple(case) == bench.CASE_KEYS
+    assert case["best_tokens_per_s"] == max(g["tokens_per_s"] for g in state["grid"].values())
+    assert "--model hf:" in state["tune"]["lab_command"] and state["tune"]["lab_command"].count("--model") == 1

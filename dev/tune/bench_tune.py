@@ -30,7 +30,7 @@ one lease::
     python3 dev/tune/bench_tune.py prepare  WORK --model gpt2-124m
     python3 dev/tune/bench_tune.py hf       WORK --model gpt2-124m
     python3 dev/tune/bench_tune.py hf-flags WORK --model gpt2-124m
-    python3 dev/tune/bench_tune.py tune     WORK --model gpt2-124m --budget 8m
+    python3 dev/tune/bench_tune.py tune     WORK --model gpt2-124m --budget 7m
     python3 dev/tune/bench_tune.py grid     WORK --model gpt2-124m --part 1/3     (2/3, 3/3)
     python3 dev/tune/bench_tune.py confirm  WORK --model gpt2-124m
     python3 dev/tune/bench_tune.py report   WORK --results results/tune
@@ -332,7 +332,7 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
         try:
             probe = measure(cfg, steps)
             row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
-                   "predicted_mib": (probe.predicted_bytes or 0) / MIB or None, "compile_s": probe.compile_s}
+                   "compile_s": probe.compile_s, "error": probe.error}
         except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
             from fasttrain.lab.measure import free_memory
             from fasttrain.lab.build import resolve_device
@@ -361,7 +361,8 @@ def confirm_case(work: Path, name: str, *, cuda: bool, steps: int) -> dict:
     except Exception as exc:  # noqa: BLE001
         return {"steps": steps, "oom": "out of memory" in str(exc).lower(), "error": str(exc).splitlines()[0][:200]}
     peak = probe.peak_bytes
-    predicted = probe.predicted_bytes
+    _, hf_config = T.model_of(cfg)
+    predicted = T.lab_predictor(0, hf_config, cpu=not cuda)(cfg)
     return {"steps": steps, "oom": False, "tokens_per_s": probe.tokens_per_s,
             "peak_mib": peak / MIB if peak else None, "predicted_mib": predicted / MIB if predicted else None,
             "predicted_error_pct": 100.0 * (predicted - peak) / peak if peak and predicted else None}
@@ -419,14 +420,16 @@ def readme(folder: Path) -> str:
     """The README section, generated from ``folder``'s ``tune.json``."""
     data = json.loads((folder / "tune.json").read_text())
     lines = ["## fasttrain tune against the Hugging Face Trainer", "",
-             f"Device: {data.get('device', '-')}. Global batch {GLOBAL_TOKENS:,} tokens, bf16, random init; "
-             "tokens/s over optimizer steps after the first (compilation, warm-up) ones. Command: "
-             f"`{data.get('command', '-')}`.", "",
-             "| model | HF Trainer (users) | HF Trainer (its best flags) | tune's pick | grid's best | pick peak MiB "
-             "| predicted MiB | search s |",
-             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+             f"Device: {data.get('device', '-')}. bf16, random init, the same global batch for every column "
+             "(tokens per optimizer step below); tokens/s over optimizer steps after the first (compilation, "
+             f"warm-up) ones. Command: `{data.get('command', '-')}`.", "",
+             "| model | tokens per step | HF Trainer (users) | HF Trainer (its best flags) | tune's pick | grid's best "
+             "| pick peak MiB | predicted MiB | search s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
     for c in data["cases"]:
-        lines.append(f"| {c['model']} | {_fmt(c['hf_trainer_tokens_per_s'])} | {_fmt(c['hf_trainer_flags_tokens_per_s'])} "
+        tokens = (data.get("states", {}).get(c["model"]) or {}).get("global_batch_tokens")
+        lines.append(f"| {c['model']} | {_fmt(tokens)} | {_fmt(c['hf_trainer_tokens_per_s'])} "
+                     f"| {_fmt(c['hf_trainer_flags_tokens_per_s'])} "
                      f"| {_fmt(c['pick_tokens_per_s'])} | {_fmt(c['best_tokens_per_s'])} | {_fmt(c['pick_peak_mib'])} "
                      f"| {_fmt(c['pick_predicted_mib'])} | {_fmt(c['tune_s'])} |")
     for detail in data.get("details", []):
@@ -474,7 +477,7 @@ def main(argv=None) -> int:
     ap.add_argument("phase", choices=("prepare", "hf", "hf-flags", "tune", "grid", "confirm", "report", "all"))
     ap.add_argument("work", type=Path)
     ap.add_argument("--model", action="append", choices=tuple(MODELS), help="repeatable for report")
-    ap.add_argument("--budget", default="8m", help="tune's --budget")
+    ap.add_argument("--budget", default="7m", help="tune's --budget (the phase must end within the device's 10 minutes)")
     ap.add_argument("--quick", action="store_true", help="short probes: a sanity run, not the committed figures")
     ap.add_argument("--steps", type=int, default=None, help="timed HF Trainer steps (after --skip)")
     ap.add_argument("--skip", type=int, default=None, help="first HF Trainer steps excluded from the timing")

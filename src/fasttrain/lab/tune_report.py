@@ -81,8 +81,8 @@ def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
     preset = cfg.name if cfg.name in PRESETS else None
     reference = LabConfig(name=cfg.name, **PRESETS[preset]) if preset else LabConfig()
     parts = ["fasttrain", "lab"]
-    if model_id and model_id != "gpt":
-        parts += ["--model", model_id]
+    if model_id and model_id != "gpt" and "model" not in {f.name for f in fields(LabConfig)}:
+        parts += ["--model", model_id]          # (a lab whose configuration names the model says it below)
     if preset:
         parts += ["--preset", preset]
     for f in fields(LabConfig):
