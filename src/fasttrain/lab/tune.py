@@ -627,9 +627,9 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         contenders = _screen(search, axes, fitting, baseline, steps, max_candidates, batch_choices)
         baseline = baseline if baseline is not None else next((e for e in contenders), None)
     finalists = search.halving(contenders, steps)
-    measured = [e for e in entries if e.probes]
     if baseline is not None and not baseline.probes and not search.out_of_time():
         search.run(baseline, steps, "baseline")
+    measured = [e for e in entries if e.probes]
     if baseline is not None and not baseline.ok:
         # the plain settings at their largest micro-batch ran out of memory: the largest that ran stands in
         plain_ok = [e for e in measured if e.ok and e.candidate.settings == baseline.candidate.settings]
