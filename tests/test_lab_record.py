@@ -72,6 +72,7 @@ def test_run_record_object_carries_the_trained_model(corpus):
     import fasttrain.lab
     from fasttrain.lab.record import RunRecord
 
-    rec = fasttrain.lab.run("tiny", data=corpus, device="cpu", max_steps=2, eval_interval=0)
+    rec = fasttrain.lab.run("tiny", data=corpus, device="cpu", max_steps=4, eval_interval=0)
     assert isinstance(rec, RunRecord) and isinstance(rec.model, torch.nn.Module)
     assert rec.to_dict()["kind"] == "lab-run" and rec.losses == [p["loss"] for p in rec.to_dict()["loss_curve"]]
+    assert rec.timings["step_ms"]["p50"] > 0 and rec.timings["setup_ms"] > 0 and rec.memory["by_kind"]["parameters"] > 0
