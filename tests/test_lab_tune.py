@@ -458,3 +458,17 @@ def test_bench_harness_every_phase_on_the_cpu(tmp_path):
     assert tuple(case) == bench.CASE_KEYS
     assert case["best_tokens_per_s"] == max(g["tokens_per_s"] for g in state["grid"].values())
     assert "--model hf:" in state["tune"]["lab_command"] and state["tune"]["lab_command"].count("--model") == 1
+
+
+def test_a_probe_a_library_cannot_run_is_recorded_and_the_search_goes_on():
+    class Broken(FakeMeasure):
+        def __call__(self, cfg, steps):
+            if cfg.attn_implementation == "sdpa":
+                raise RuntimeError("backend compiler failed\nlong trace")
+            return super().__call__(cfg, steps)
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16",
+             "gradient_checkpointing"}
+    res = run_search(Broken(), gpu_memory(4000), fixed=fixed, max_candidates=16)
+    failed = [r for r in R.ranked_rows(res) if r["status"].startswith("failed")]
+    assert failed and failed[0]["status"] == "failed: RuntimeError: backend compiler failed"
+    assert res.base.with_(**res.pick.candidate.overrides_dict()).attn_implementation == "eager"

@@ -514,7 +514,11 @@ class Search:
                 probe = Probe(steps=steps, oom=True, error=f"out of memory: {str(exc).splitlines()[0][:160]}")
             except FasttrainError as exc:
                 probe = Probe(steps=steps, error=str(exc))
-            if probe.oom:
+            except Exception as exc:  # noqa: BLE001 - one configuration a library cannot run (a compiler
+                # error, a kernel without a case for this shape) is that probe's result, not the search's end
+                first = (str(exc).strip().splitlines() or [""])[0][:200]
+                probe = Probe(steps=steps, error=f"{type(exc).__name__}: {first}")
+            if probe.oom or probe.error:
                 self.free()             # the probe's frames are gone: give its cached blocks back
             probe.wall_s = self.clock() - t0
             self.measured += 1
