@@ -235,12 +235,15 @@ def plot(result, path: str | os.PathLike) -> bool:
             if pm:
                 ax.scatter([pm / MIB], [result.pick.last.tokens_per_s], marker="*", s=160, color="#236",
                            label="pick", zorder=5)
-    ax.axvline(result.memory.total_bytes / MIB, color="#999", ls="--", lw=1, label="device memory")
+    device_mib = result.memory.total_bytes / MIB
+    largest = max((p[0] for p in pts), default=device_mib)
+    if device_mib <= 2 * largest:       # else the line would squash every point against the axis
+        ax.axvline(device_mib, color="#999", ls="--", lw=1, label="device memory")
     measured = any(e.ok and e.last.peak_bytes for e in result.entries)
     ax.set_xlabel("peak memory, MiB (" + ("measured" if measured else "predicted") + ")")
     ax.set_ylabel("tokens / s")
     ax.set_title(f"fasttrain tune: seq {result.seq}, {result.global_batch_tokens:,} tokens per step "
-                 f"({result.memory.name})", fontsize=9)
+                 f"({result.memory.name}, {device_mib:,.0f} MiB)", fontsize=9)
     ax.legend(fontsize=8)
     save_figure(fig, path, dpi=120, bbox_inches="tight")
     plt.close(fig)
