@@ -1,0 +1,536 @@
+"""The GPU benchmark of ``fasttrain tune`` against the Hugging Face Trainer, one model per call sequence.
+
+For one model -- a GPT-2 124M at seq 1024 or a Llama of about 1B parameters at seq 2048, both written
+here as config folders (random init), bf16, a global batch of 524,288 tokens -- it measures side by side:
+
+(a) ``hf``:       the HF Trainer as its users run it: ``bf16=True``, sdpa, ``auto_find_batch_size=True``
+                  from the Trainer's default micro-batch (8), ``gradient_accumulation_steps`` reaching
+                  the global batch (re-derived when the finder halves the micro-batch: the Trainer
+                  keeps the accumulation, so a user keeps the global batch by rerunning at the found size);
+(b) ``hf-flags``: the same with the best of its own flags, as a careful user sets them: ``torch_compile``,
+                  ``use_liger_kernel`` (where liger has the family's kernels), ``optim="adamw_torch_fused"``,
+                  ``tf32``, two DataLoader workers, the finder started at twice the default;
+(c) ``tune``:     ``fasttrain tune``'s pick within its budget (``--budget``);
+(d) ``grid``:     a grid over tune's space fixed before the search, not derived from it: every
+                  configuration that fits (by the estimator) when they are at most ``--grid-size``,
+                  else ``--grid-size`` of them chosen to span every choice of every axis (a seeded
+                  sample after a greedy cover); measured through the same probes as tune's;
+(e) ``confirm``:  the pick trained ``--confirm-steps`` steps through the lab (its measured peak against
+                  the estimator's prediction, and whether it runs out of memory).
+
+Every HF figure is timed by a ``TrainerCallback`` (the device synchronized at every optimizer step's
+end; the first ``--skip`` steps excluded); the lab's probes by the lab's trainer (the first steps
+timed apart). Everything sees the same model (config folder, seed) and the same data: random token
+windows of a seeded ``train.bin`` (uint16), so no tokenizer or download is needed.
+
+Each phase is one command that fits the device's 10-minute limit; the phases of one model share a
+work folder (``WORK/<model>/state.json`` holds every phase's figures), so they can run in a row in
+one lease::
+
+    python3 dev/tune/bench_tune.py prepare  WORK --model gpt2-124m
+    python3 dev/tune/bench_tune.py hf       WORK --model gpt2-124m
+    python3 dev/tune/bench_tune.py hf-flags WORK --model gpt2-124m
+    python3 dev/tune/bench_tune.py tune     WORK --model gpt2-124m --budget 7m
+    python3 dev/tune/bench_tune.py grid     WORK --model gpt2-124m --part 1/3     (2/3, 3/3)
+    python3 dev/tune/bench_tune.py confirm  WORK --model gpt2-124m
+    python3 dev/tune/bench_tune.py report   WORK --results results/tune
+
+``all`` runs every phase in one process (the CPU test's tiny model; ``--quick`` on a GPU).
+``report`` writes ``results/tune/<machine>/tune.json`` (``cases``: one entry per model with exactly
+the keys of :data:`CASE_KEYS`) and ``README.md`` generated from that folder.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+CASE_KEYS = ("model", "pick_tokens_per_s", "best_tokens_per_s", "hf_trainer_tokens_per_s",
+             "hf_trainer_flags_tokens_per_s", "pick_peak_mib", "pick_predicted_mib", "tune_s")
+MIB = 2 ** 20
+GLOBAL_TOKENS = 524_288         # 0.5M tokens per optimizer step
+
+MODELS = {
+    # GPT-2 small: 12 x 768, 12 heads, 1024 positions, vocabulary 50257 padded to 50304 (a multiple of 64), tied
+    "gpt2-124m": dict(seq=1024, tokens=GLOBAL_TOKENS, config=dict(
+        model_type="gpt2", vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # Llama-3.2-1B's shape with a 32000 vocabulary: 16 x 2048, 32 heads over 8 key/value heads, SwiGLU 8192,
+    # tied embeddings: 1.03B parameters
+    "llama-1b": dict(seq=2048, tokens=GLOBAL_TOKENS, config=dict(
+        model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
+        rope_theta=500000.0)),
+    # the CPU test's model: every phase in seconds
+    "tiny-gpt2": dict(seq=32, tokens=32 * 8, config=dict(
+        model_type="gpt2", vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+}
+HF_DEFAULT_BATCH = 8            # TrainingArguments.per_device_train_batch_size's default
+LEARNING_RATE = 3e-4
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+# --- the work folder -----------------------------------------------------------------------------
+
+def model_dir(work: Path, name: str) -> Path:
+    return work / name
+
+
+def load_state(work: Path, name: str) -> dict:
+    path = model_dir(work, name) / "state.json"
+    return json.loads(path.read_text()) if path.exists() else {"model": name}
+
+
+def save_state(work: Path, name: str, state: dict) -> None:
+    from fasttrain.files import atomic_write_text
+
+    atomic_write_text(model_dir(work, name) / "state.json", json.dumps(state, indent=2, default=str))
+
+
+def prepare(work: Path, name: str, n_tokens: int | None = None) -> Path:
+    """The model's config folder and the data: ``train.bin`` / ``val.bin``, seeded random uint16 ids."""
+    import numpy as np
+    import transformers as tf
+
+    spec = MODELS[name]
+    folder = model_dir(work, name)
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    cfg = dict(spec["config"])
+    kind = cfg.pop("model_type")
+    config = (tf.GPT2Config if kind == "gpt2" else tf.LlamaConfig)(**cfg)
+    config.save_pretrained(folder / "model")
+    vocab = cfg["vocab_size"]
+    n = n_tokens or max(4 * spec["tokens"], 200_000)
+    rng = np.random.default_rng(1234)
+    for split, size in (("train", n), ("val", max(n // 10, 4 * spec["seq"] + 2))):
+        rng.integers(0, vocab, size=size, dtype=np.int64).astype(np.uint16).tofile(folder / f"{split}.bin")
+    with __import__("torch").device("meta"):
+        params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
+    state = load_state(work, name)
+    state.update({"params": params, "seq": spec["seq"], "global_batch_tokens": spec["tokens"]})
+    save_state(work, name, state)
+    log(f"{name}: {kind}, {params / 1e6:.1f}M parameters, {n:,} training tokens -> {folder}")
+    return folder
+
+
+# --- (a), (b): the Hugging Face Trainer ------------------------------------------------------------
+
+def hf_trainer_case(work: Path, name: str, *, flags: bool, steps: int, skip: int, cuda: bool) -> dict:
+    """One HF Trainer run: tokens/s over its optimizer steps after the first ``skip``; the micro-batch
+    its finder settled on; the peak memory."""
+    spec = MODELS[name]
+    seq, tokens = spec["seq"], spec["tokens"]
+    start = HF_DEFAULT_BATCH * (2 if flags else 1)
+    start = min(start, tokens // seq)
+    notes = []
+    extra = {}
+    if flags:
+        extra = dict(optim="adamw_torch_fused", dataloader_num_workers=2)
+        if cuda:
+            extra.update(torch_compile=True, tf32=True)
+            from fasttrain.lab.tune import liger_support
+
+            reason = liger_support(spec["config"]["model_type"])
+            if reason:
+                notes.append(f"use_liger_kernel off: {reason}")
+            else:
+                extra["use_liger_kernel"] = True
+        else:
+            notes.append("on the CPU: no torch_compile, tf32 or liger (GPU techniques)")
+    result = _hf_run(work, name, batch=start, extra=extra, steps=steps, skip=skip, cuda=cuda)
+    found = result["found_batch"]
+    if found != start:
+        # the finder halved the micro-batch but kept the accumulation: the global batch shrank by start/found;
+        # a user keeping the global batch reruns at the found size with the accumulation re-derived
+        notes.append(f"auto_find_batch_size found {found} (from {start}); rerun at {found} x "
+                     f"{tokens // (found * seq)} to keep {tokens:,} tokens per step")
+        result = _hf_run(work, name, batch=found, extra=extra, steps=steps, skip=skip, cuda=cuda)
+    result["notes"] = notes
+    result["flags"] = {k: v for k, v in extra.items()}
+    return result
+
+
+def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip: int, cuda: bool) -> dict:
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    spec = MODELS[name]
+    seq, tokens = spec["seq"], spec["tokens"]
+    folder = model_dir(work, name)
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    accumulation = max(1, tokens // (batch * seq))
+
+    class Windows(torch.utils.data.Dataset):
+        """Token windows at seeded random offsets: ``input_ids`` = ``labels`` (the model shifts them)."""
+
+        def __init__(self, count: int):
+            self.offsets = np.random.default_rng(0).integers(0, len(ids) - seq - 1, size=count)
+
+        def __len__(self):
+            return len(self.offsets)
+
+        def __getitem__(self, i):
+            w = torch.from_numpy(ids[self.offsets[i]:self.offsets[i] + seq].astype(np.int64))
+            return {"input_ids": w, "labels": w}
+
+    class StepTimer(tf.TrainerCallback):
+        """The time of every optimizer step: the device synchronized at each step's end (and at the start);
+        the finder's retries restart the list."""
+
+        def on_train_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.times, self.t = [], time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.times.append(now - self.t)
+            self.t = now
+
+    config = tf.AutoConfig.from_pretrained(folder / "model")
+    torch.manual_seed(0)
+    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+    model.config.use_cache = False
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as out:
+        args = tf.TrainingArguments(
+            output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
+            gradient_accumulation_steps=accumulation, bf16=True, auto_find_batch_size=True,
+            learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1,
+            logging_steps=max(1, steps), save_strategy="no", report_to="none", seed=0, use_cpu=not cuda,
+            disable_tqdm=True, **extra)
+        trainer = tf.Trainer(model=model, args=args, train_dataset=Windows(steps * batch * accumulation * 4),
+                             callbacks=[timer])
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+        found = int(getattr(trainer, "_train_batch_size", batch) or batch)
+    timed = timer.times[skip:]
+    per_step = found * accumulation * seq
+    mean = sum(timed) / len(timed) if timed else None
+    peak = torch.cuda.max_memory_allocated() if cuda else None
+    del trainer, model
+    if cuda:
+        torch.cuda.empty_cache()
+    return {"tokens_per_s": per_step / mean if mean else None, "found_batch": found, "batch": batch,
+            "gradient_accumulation_steps": accumulation, "tokens_per_step": per_step, "step_s": timed,
+            "first_steps_s": timer.times[:skip], "peak_mib": peak / MIB if peak else None, "wall_s": wall,
+            "steps": steps, "skip": skip}
+
+
+# --- (c), (d), (e): the lab ----------------------------------------------------------------------
+
+def lab_base(work: Path, name: str, cuda: bool):
+    """The lab's configuration of the same model and data (the search's fixed part)."""
+    from fasttrain.errors import FasttrainError
+    from fasttrain.lab.config import LabConfig
+
+    spec = MODELS[name]
+    folder = model_dir(work, name)
+    try:
+        return LabConfig(name="custom").with_(
+            model=f"hf:{folder / 'model'}", train_bin=str(folder / "train.bin"), val_bin=str(folder / "val.bin"),
+            bin_dtype="uint16", context=spec["seq"], learning_rate=LEARNING_RATE, min_lr=LEARNING_RATE,
+            warmup_steps=0, weight_decay=0.1, dropout=0.0, device="cuda" if cuda else "cpu", eval_interval=0,
+            eval_tokens=spec["seq"], seed=0)
+    except FasttrainError as exc:
+        raise SystemExit(f"this lab cannot train a transformers model on token files yet ({exc}); "
+                         "it needs the lab's --model hf: and --train-bin") from None
+
+
+def tune_case(work: Path, name: str, *, budget: str, cuda: bool, steps: int | None, max_candidates: int) -> dict:
+    from fasttrain.lab.tune import tune
+
+    spec = MODELS[name]
+    out = model_dir(work, name) / f"tune-{time.strftime('%Y%m%d-%H%M%S')}"
+    t0 = time.perf_counter()
+    result = tune(lab_base(work, name, cuda), seq=spec["seq"], global_batch_tokens=spec["tokens"], budget=budget,
+                  out=out, cache_path=model_dir(work, name) / "tune-cache.json", steps=steps,
+                  max_candidates=max_candidates, log=log)
+    wall = time.perf_counter() - t0
+    data = json.loads((out / "tune.json").read_text())
+    pick = data["pick"] or {}
+    return {"pick": pick.get("overrides"), "pick_label": pick.get("label"),
+            "pick_tokens_per_s": pick.get("tokens_per_s"), "pick_peak_mib": pick.get("peak_mib"),
+            "pick_predicted_mib": pick.get("predicted_mib"), "tune_s": result.tune_s, "wall_s": wall,
+            "budget_hit": result.budget_hit, "probes_measured": result.probes_measured,
+            "probes_cached": result.probes_cached, "lab_command": pick.get("lab_command"),
+            "training_arguments": pick.get("training_arguments"), "folder": str(out)}
+
+
+def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) -> list[dict]:
+    """The grid, fixed before (and without) the search: tune's space, pruned by the same prediction;
+    per setting the two largest micro-batches that fit; all of them when at most ``size``, else a
+    greedy cover of every axis choice and every micro-batch, filled to ``size`` by a seeded sample."""
+    from fasttrain.lab import tune as T
+    from fasttrain.lab.build import resolve_device
+
+    spec = MODELS[name]
+    base = lab_base(work, name, cuda)
+    spec_name, hf_config = T.model_of(base)
+    axes, _ = T.build_axes(base, cuda=cuda, family=(hf_config or {}).get("model_type"), hf=True)
+    memory = T.device_memory(resolve_device(base))
+    predict = T.lab_predictor(hf_config.get("vocab_size", 0) if hf_config else 65, hf_config)
+    fitting: dict = {}
+    for cand in T.enumerate_space(axes, spec["tokens"] // spec["seq"]):
+        p = predict(base.with_(**cand.overrides_dict()))
+        if memory.fits(p):
+            fitting.setdefault(cand.settings, []).append(cand)
+    pool = [c for v in fitting.values() for c in sorted(v, key=lambda c: -c.micro_batch)[:2]]
+    if len(pool) <= size:
+        chosen = pool
+    else:
+        rng = random.Random(seed)
+        chosen = []
+        wanted = {(a, c) for c_ in pool for a, c in c_.settings} | {("batch", c_.micro_batch) for c_ in pool}
+        while wanted:
+            best = max(pool, key=lambda c: (len(wanted & (set(c.settings) | {("batch", c.micro_batch)})),
+                                            rng.random()))
+            chosen.append(best)
+            wanted -= set(best.settings) | {("batch", best.micro_batch)}
+        rest = [c for c in pool if c not in chosen]
+        rng.shuffle(rest)
+        chosen += rest[:max(0, size - len(chosen))]
+    return [c.overrides_dict() for c in chosen]
+
+
+def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part: tuple[int, int]) -> dict:
+    from fasttrain.lab import tune as T
+
+    state = load_state(work, name)
+    members = state.get("grid_members")
+    if members is None:
+        members = grid_members(work, name, cuda, size)
+        state["grid_members"] = members
+        save_state(work, name, state)
+    k, n = part
+    mine = [m for i, m in enumerate(members) if i % n == k - 1]
+    base = lab_base(work, name, cuda)
+    measure = T.lab_measure(None)
+    results = dict(state.get("grid", {}))
+    for overrides in mine:
+        key = json.dumps(sorted(overrides.items()), default=str)
+        if key in results:
+            continue
+        cfg = T.validate(base.with_(**overrides))
+        t0 = time.perf_counter()
+        try:
+            probe = measure(cfg, steps)
+            row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
+                   "compile_s": probe.compile_s, "error": probe.error}
+        except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
+            from fasttrain.lab.measure import free_memory
+            from fasttrain.lab.build import resolve_device
+
+            free_memory(resolve_device(cfg))
+            row = {"tokens_per_s": None, "error": str(exc).splitlines()[0][:200]}
+        row["wall_s"] = time.perf_counter() - t0
+        results[key] = {**row, "overrides": overrides}
+        log(f"grid {len(results):>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}")
+        state["grid"] = results
+        save_state(work, name, state)
+    return results
+
+
+def confirm_case(work: Path, name: str, *, cuda: bool, steps: int) -> dict:
+    """The pick trained ``steps`` steps through the lab: measured peak against the prediction, OOM or not."""
+    from fasttrain.lab import tune as T
+
+    state = load_state(work, name)
+    pick = (state.get("tune") or {}).get("pick")
+    if not pick:
+        raise SystemExit("no pick yet: run the tune phase first")
+    cfg = T.validate(lab_base(work, name, cuda).with_(**pick))
+    try:
+        probe = T.lab_measure(None, warmup=2)(cfg, steps)
+    except Exception as exc:  # noqa: BLE001
+        return {"steps": steps, "oom": "out of memory" in str(exc).lower(), "error": str(exc).splitlines()[0][:200]}
+    peak = probe.peak_bytes
+    _, hf_config = T.model_of(cfg)
+    predicted = T.lab_predictor(0, hf_config, cpu=not cuda)(cfg)
+    return {"steps": steps, "oom": False, "tokens_per_s": probe.tokens_per_s,
+            "peak_mib": peak / MIB if peak else None, "predicted_mib": predicted / MIB if predicted else None,
+            "predicted_error_pct": 100.0 * (predicted - peak) / peak if peak and predicted else None}
+
+
+# --- the report ----------------------------------------------------------------------------------
+
+def case_of(state: dict) -> dict:
+    """One ``cases`` entry (exactly :data:`CASE_KEYS`) from a model's state."""
+    tune = state.get("tune") or {}
+    confirm = state.get("confirm") or {}
+    grid = [g["tokens_per_s"] for g in (state.get("grid") or {}).values() if g.get("tokens_per_s")]
+    return {
+        "model": state["model"],
+        "pick_tokens_per_s": tune.get("pick_tokens_per_s"),
+        "best_tokens_per_s": max(grid) if grid else None,
+        "hf_trainer_tokens_per_s": (state.get("hf") or {}).get("tokens_per_s"),
+        "hf_trainer_flags_tokens_per_s": (state.get("hf_flags") or {}).get("tokens_per_s"),
+        "pick_peak_mib": confirm.get("peak_mib") or tune.get("pick_peak_mib"),
+        "pick_predicted_mib": confirm.get("predicted_mib") or tune.get("pick_predicted_mib"),
+        "tune_s": tune.get("tune_s"),
+    }
+
+
+def goals(case: dict, state: dict) -> list[tuple[str, str]]:
+    """The issue's goals, each (goal, "met ..." / "MISSED ...")."""
+    def ratio(a, b):
+        return a / b if a and b else None
+    out = []
+    r = ratio(case["pick_tokens_per_s"], case["best_tokens_per_s"])
+    out.append(("pick within 5% of the grid's best", "-" if r is None else
+                f"{'met' if r >= 0.95 else 'MISSED'}: {r:.3f}x"))
+    t = case["tune_s"]
+    out.append(("found in at most 10 minutes", "-" if t is None else f"{'met' if t <= 600 else 'MISSED'}: {t:.0f} s"))
+    r = ratio(case["pick_tokens_per_s"], case["hf_trainer_tokens_per_s"])
+    out.append(("at least 2x the HF Trainer as users run it", "-" if r is None else
+                f"{'met' if r >= 2 else 'MISSED'}: {r:.2f}x"))
+    r = ratio(case["pick_tokens_per_s"], case["hf_trainer_flags_tokens_per_s"])
+    out.append(("at least 1.1x the HF Trainer with its best flags", "-" if r is None else
+                f"{'met' if r >= 1.1 else 'MISSED'}: {r:.2f}x"))
+    p, m = case["pick_predicted_mib"], case["pick_peak_mib"]
+    out.append(("memory predicted within 5%", "-" if not (p and m) else
+                f"{'met' if abs(p - m) <= 0.05 * m else 'MISSED'}: {100 * (p - m) / m:+.1f}%"))
+    c = state.get("confirm") or {}
+    out.append((f"trains {c.get('steps', 200)} steps without running out of memory", "-" if not c else
+                ("MISSED: out of memory" if c.get("oom") else "met" if not c.get("error") else f"MISSED: {c['error']}")))
+    return out
+
+
+def _fmt(v, spec=",.0f"):
+    return "-" if v is None else format(v, spec)
+
+
+def readme(folder: Path) -> str:
+    """The README section, generated from ``folder``'s ``tune.json``."""
+    data = json.loads((folder / "tune.json").read_text())
+    lines = ["## fasttrain tune against the Hugging Face Trainer", "",
+             f"Device: {data.get('device', '-')}. bf16, random init, the same global batch for every column "
+             "(tokens per optimizer step below); tokens/s over optimizer steps after the first (compilation, "
+             f"warm-up) ones. Command: `{data.get('command', '-')}`.", "",
+             "| model | tokens per step | HF Trainer (users) | HF Trainer (its best flags) | tune's pick | grid's best "
+             "| pick peak MiB | predicted MiB | search s |",
+             "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
+    for c in data["cases"]:
+        tokens = (data.get("states", {}).get(c["model"]) or {}).get("global_batch_tokens")
+        lines.append(f"| {c['model']} | {_fmt(tokens)} | {_fmt(c['hf_trainer_tokens_per_s'])} "
+                     f"| {_fmt(c['hf_trainer_flags_tokens_per_s'])} "
+                     f"| {_fmt(c['pick_tokens_per_s'])} | {_fmt(c['best_tokens_per_s'])} | {_fmt(c['pick_peak_mib'])} "
+                     f"| {_fmt(c['pick_predicted_mib'])} | {_fmt(c['tune_s'])} |")
+    for detail in data.get("details", []):
+        lines += ["", f"### {detail['model']}", ""]
+        if detail.get("pick_label"):
+            lines.append(f"Pick: `{detail['pick_label']}` — `{detail.get('lab_command', '')}`")
+            lines.append("")
+        lines += ["| goal | result |", "| --- | --- |"]
+        lines += [f"| {g} | {r} |" for g, r in detail["goals"]]
+        for note in detail.get("notes", []):
+            lines.append(f"\n- {note}")
+    return "\n".join(lines) + "\n"
+
+
+def report(work: Path, results: Path, models: list[str], command: str) -> Path:
+    from fasttrain.environment import environment, machine_slug
+    from fasttrain.files import atomic_write_text
+
+    cases, details = [], []
+    for name in models:
+        state = load_state(work, name)
+        case = case_of(state)
+        assert tuple(case) == CASE_KEYS
+        cases.append(case)
+        tune = state.get("tune") or {}
+        details.append({"model": name, "goals": goals(case, state), "pick_label": tune.get("pick_label"),
+                        "lab_command": tune.get("lab_command"),
+                        "notes": (state.get("hf") or {}).get("notes", []) + (state.get("hf_flags") or {}).get("notes", [])})
+    env = environment()
+    folder = results / machine_slug()
+    folder.mkdir(parents=True, exist_ok=True)
+    gpu = env.get("gpu") or {}
+    data = {"kind": "tune-bench", "schema": 1, "device": gpu.get("name") or env.get("cpu"), "command": command,
+            "environment": env, "cases": cases, "details": details,
+            "states": {n: load_state(work, n) for n in models}}
+    atomic_write_text(folder / "tune.json", json.dumps(data, indent=2, default=str))
+    atomic_write_text(folder / "README.md", readme(folder))
+    return folder
+
+
+# --- the command line ------------------------------------------------------------------------------
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("phase", choices=("prepare", "hf", "hf-flags", "tune", "grid", "confirm", "report", "all"))
+    ap.add_argument("work", type=Path)
+    ap.add_argument("--model", action="append", choices=tuple(MODELS), help="repeatable for report")
+    ap.add_argument("--budget", default="7m", help="tune's --budget (the phase must end within the device's 10 minutes)")
+    ap.add_argument("--quick", action="store_true", help="short probes: a sanity run, not the committed figures")
+    ap.add_argument("--steps", type=int, default=None, help="timed HF Trainer steps (after --skip)")
+    ap.add_argument("--skip", type=int, default=None, help="first HF Trainer steps excluded from the timing")
+    ap.add_argument("--probe-steps", type=int, default=None, help="tune's first-rung steps")
+    ap.add_argument("--max-candidates", type=int, default=8)
+    ap.add_argument("--grid-size", type=int, default=30)
+    ap.add_argument("--grid-steps", type=int, default=None)
+    ap.add_argument("--part", default="1/1", help="grid part k/n (each part one command)")
+    ap.add_argument("--confirm-steps", type=int, default=None)
+    ap.add_argument("--results", type=Path, default=Path("results/tune"))
+    args = ap.parse_args(argv)
+    import torch
+
+    cuda = torch.cuda.is_available()
+    models = args.model or ["gpt2-124m"]
+    quick = args.quick or not cuda
+    steps = args.steps or (3 if quick else 10)
+    skip = args.skip if args.skip is not None else (2 if quick else 3)
+    grid_steps = args.grid_steps or (2 if quick else 8)
+    confirm_steps = args.confirm_steps or (4 if quick else 200)
+    k, n = (int(x) for x in args.part.split("/"))
+    command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.phase == "report":
+        folder = report(args.work, args.results, models, command)
+        print(readme(folder))
+        return 0
+    for name in models:
+        phases = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"] if args.phase == "all" else [args.phase]
+        for phase in phases:
+            state = load_state(args.work, name)
+            log(f"== {name}: {phase}")
+            if phase == "prepare":
+                prepare(args.work, name)
+                continue
+            if phase == "hf":
+                state["hf"] = hf_trainer_case(args.work, name, flags=False, steps=skip + steps, skip=skip, cuda=cuda)
+            elif phase == "hf-flags":
+                state["hf_flags"] = hf_trainer_case(args.work, name, flags=True, steps=skip + steps, skip=skip, cuda=cuda)
+            elif phase == "tune":
+                state["tune"] = tune_case(args.work, name, budget=args.budget, cuda=cuda, steps=args.probe_steps,
+                                          max_candidates=args.max_candidates)
+            elif phase == "grid":
+                grid_case(args.work, name, cuda=cuda, size=args.grid_size, steps=grid_steps, part=(k, n))
+                state = load_state(args.work, name)
+            elif phase == "confirm":
+                state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)
+            save_state(args.work, name, state)
+            log(json.dumps({key: state.get(key.replace("-", "_")) for key in (phase,)}, default=str)[:400])
+    if args.phase == "all":
+        folder = report(args.work, args.results, models, command)
+        print(readme(folder))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

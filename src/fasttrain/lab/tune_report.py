@@ -1,0 +1,310 @@
+"""What ``fasttrain tune`` answers: the ranked table, the pick as a ``fasttrain lab`` command line and as
+Hugging Face ``TrainingArguments``, and the results folder (``tune.json``, ``tune.csv`` in long format,
+``tune.png``: throughput against memory with the frontier marked)."""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+import os
+from dataclasses import fields
+from pathlib import Path
+
+from fasttrain.lab.config import PRESETS, LabConfig
+
+MIB = 2 ** 20
+# fields that are not the training's (where to write, the preset's name, a search of its own)
+ANSWER_SKIPS = {"save", "auto_find_batch_size", "name"}
+
+
+def _mib(value) -> float | None:
+    return None if value is None else value / MIB
+
+
+def entry_row(entry, result, rank: int | None) -> dict:
+    """One row of the ranked table (and of ``tune.json``'s ``ranked``)."""
+    probe = entry.last
+    base_loss = None
+    loss = None
+    step = result.loss_step
+    if step and probe is not None and len(entry.probes[0].losses) >= step:
+        loss = entry.probes[0].losses[step - 1]
+        if result.baseline is not None and result.baseline.ok:
+            base_loss = result.baseline.probes[0].losses[step - 1]
+    status = ("ok" if entry.ok else "out of memory" if probe is not None and probe.oom
+              else f"failed: {probe.error}" if probe is not None else entry.skipped or "not measured")
+    return {
+        "rank": rank,
+        "label": entry.candidate.label.strip(),
+        "settings": dict(entry.candidate.settings),
+        "per_device_train_batch_size": entry.candidate.micro_batch,
+        "gradient_accumulation_steps": entry.candidate.accumulation,
+        "stage": entry.stage,
+        "rungs": len(entry.probes),
+        "steps_measured": entry.steps_measured,
+        "tokens_per_s": probe.tokens_per_s if entry.ok else None,
+        "peak_mib": _mib(probe.peak_bytes) if probe is not None else None,
+        "reserved_mib": _mib(probe.reserved_bytes) if probe is not None else None,
+        "predicted_mib": _mib(entry.predicted_bytes),
+        "compile_s": max((p.compile_s for p in entry.probes), default=None),
+        "warmup_s": max((p.warmup_s for p in entry.probes), default=None),
+        "loss": loss,
+        "loss_vs_baseline": None if loss is None or base_loss is None else loss - base_loss,
+        "cached": bool(entry.probes) and all(p.cached for p in entry.probes),
+        "status": status,
+        "baseline": entry is result.baseline,
+        "overrides": {k: v for k, v in entry.candidate.overrides},
+    }
+
+
+def ranked_rows(result) -> list[dict]:
+    rows = []
+    rank = 0
+    for entry in result.entries:
+        if not entry.probes and not entry.skipped:
+            continue
+        if entry.ok:
+            rank += 1
+        rows.append(entry_row(entry, result, rank if entry.ok else None))
+    return rows
+
+
+def pick_config(result) -> LabConfig | None:
+    if result.pick is None:
+        return None
+    return result.base.with_(**result.pick.candidate.overrides_dict())
+
+
+def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
+    """``fasttrain lab ...`` that trains ``cfg``: the preset and every field that differs from it."""
+    preset = cfg.name if cfg.name in PRESETS else None
+    reference = LabConfig(name=cfg.name, **PRESETS[preset]) if preset else LabConfig()
+    parts = ["fasttrain", "lab"]
+    if model_id and model_id != "gpt" and "model" not in {f.name for f in fields(LabConfig)}:
+        parts += ["--model", model_id]          # (a lab whose configuration names the model says it below)
+    if preset:
+        parts += ["--preset", preset]
+    for f in fields(LabConfig):
+        if f.name in ANSWER_SKIPS:
+            continue
+        value, ref = getattr(cfg, f.name), getattr(reference, f.name)
+        if value == ref:
+            continue
+        flag = "--" + f.name.replace("_", "-")
+        if isinstance(value, bool):
+            parts.append(flag if value else f"--no-{flag[2:]}")
+        elif value is None:
+            continue
+        elif isinstance(value, (tuple, list)):
+            parts += [flag, ",".join(map(str, value))]
+        else:
+            parts += [flag, str(value)]
+    return " ".join(parts)
+
+
+def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, list[str]]:
+    """The Hugging Face equivalent of ``cfg``: (``TrainingArguments`` keyword arguments, keyword
+    arguments of ``from_pretrained`` / ``from_config``, notes on what has no equivalent).
+    ``cpu``: it was found on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
+    args = {
+        "per_device_train_batch_size": cfg.per_device_train_batch_size,
+        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
+        "bf16": cfg.bf16, "fp16": cfg.fp16, "tf32": cfg.tf32 or None,
+        "torch_compile": cfg.torch_compile,
+        "gradient_checkpointing": cfg.gradient_checkpointing == "full",
+        "use_liger_kernel": cfg.use_liger_kernel,
+        "optim": cfg.optim,
+        "learning_rate": cfg.learning_rate, "weight_decay": cfg.weight_decay,
+        "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_epsilon": cfg.adam_epsilon,
+        "max_grad_norm": cfg.max_grad_norm, "max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps,
+        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": cfg.min_lr},
+        "dataloader_num_workers": cfg.dataloader_num_workers, "dataloader_pin_memory": cfg.dataloader_pin_memory,
+        "seed": cfg.seed,
+    }
+    if args["tf32"] is None:
+        del args["tf32"]
+    if cpu:
+        args["use_cpu"] = True
+    if cfg.torch_compile:
+        args["torch_compile_mode"] = cfg.torch_compile_mode
+    model_kwargs = {"attn_implementation": cfg.attn_implementation}
+    notes = []
+    if cfg.gradient_checkpointing == "selective":
+        notes.append("selective checkpointing (the attention core only) has no TrainingArguments flag: "
+                     "gradient_checkpointing=False here")
+    if cfg.preload:
+        notes.append("preload (the corpus on the device) has no TrainingArguments flag: the Trainer loads "
+                     "batches through its DataLoader")
+    for field_name in fields(LabConfig):
+        if field_name.name in ("torch_compile_scope", "torch_compile_per_block", "compile_per_block") and \
+                getattr(cfg, field_name.name) not in (None, False, "model", "whole"):
+            notes.append("per-block compile has no TrainingArguments flag: torch_compile compiles the whole model")
+    if cfg.lora_r:
+        notes.append(f"LoRA: wrap the model with peft.LoraConfig(r={cfg.lora_r}, lora_alpha={cfg.lora_alpha}) "
+                     "before the Trainer")
+    if cfg.prompt_tuning_tokens:
+        notes.append(f"prompt tuning: peft.PromptTuningConfig(num_virtual_tokens={cfg.prompt_tuning_tokens})")
+    return args, model_kwargs, notes
+
+
+def summary(result, model_id: str = "gpt") -> dict:
+    """``tune.json``: the question, the device, the ranked table, the pick and how it was found."""
+    rows = ranked_rows(result)
+    cfg = pick_config(result)
+    winner = None
+    if cfg is not None:
+        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
+        pick_row = entry_row(result.pick, result, 1)
+        winner = {**pick_row, "lab_command": lab_command(cfg, model_id), "training_arguments": args,
+                  "model_kwargs": model_kwargs, "training_arguments_notes": notes}
+    mem = result.memory
+    return {
+        "kind": "tune", "schema": 1, "model": model_id,
+        "device": {"name": mem.name, "total_mib": mem.total_bytes / MIB, "context_mib": mem.context_bytes / MIB,
+                   "reserve": mem.reserve, "cpu": mem.cpu},
+        "seq": result.seq, "global_batch_tokens": result.global_batch_tokens,
+        "budget_s": result.budget_s, "budget_hit": result.budget_hit, "tune_s": result.tune_s,
+        "mode": result.mode, "space_size": result.space_size, "pruned_by_prediction": result.pruned,
+        "probes_measured": result.probes_measured, "probes_cached": result.probes_cached,
+        "loss_compared_at_step": result.loss_step,
+        "dropped": result.dropped, "notes": result.notes,
+        "base": result.base.to_dict(),
+        "pick": winner,
+        "ranked": rows,
+        "method": "predicted peak: the memory estimator (precise) of each configuration, pruned when predicted x "
+                  "(1 + reserve) + context exceeds the device; probes: short runs of the lab's trainer at a constant "
+                  "learning rate, the first steps (compilation, warm-up) timed apart; successive halving, eta 2",
+    }
+
+
+def long_rows(result) -> list[dict]:
+    """One row per (configuration, rung, metric): the long CSV."""
+    out = []
+    for i, entry in enumerate(e for e in result.entries if e.probes):
+        for rung, probe in enumerate(entry.probes):
+            metrics = {"tokens_per_s": probe.tokens_per_s, "peak_mib": _mib(probe.peak_bytes),
+                       "reserved_mib": _mib(probe.reserved_bytes), "predicted_mib": _mib(entry.predicted_bytes),
+                       "compile_s": probe.compile_s, "warmup_s": probe.warmup_s, "wall_s": probe.wall_s,
+                       "final_loss": probe.losses[-1] if probe.losses else None, "oom": int(probe.oom)}
+            for metric, value in metrics.items():
+                out.append({"config": i, "label": entry.candidate.label.strip(), "stage": entry.stage, "rung": rung,
+                            "steps": probe.steps, "metric": metric, "value": "" if value is None else value,
+                            **{f"axis_{a}": c for a, c in entry.candidate.settings},
+                            "per_device_train_batch_size": entry.candidate.micro_batch,
+                            "gradient_accumulation_steps": entry.candidate.accumulation})
+    return out
+
+
+def frontier(points: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    """The (memory, throughput) points no other point beats on both: less memory and more throughput."""
+    best = -1.0
+    out = []
+    for mem, speed in sorted(points, key=lambda p: (p[0], -p[1])):
+        if speed > best:
+            out.append((mem, speed))
+            best = speed
+    return out
+
+
+def plot(result, path: str | os.PathLike) -> bool:
+    """Throughput against peak memory (measured; predicted where nothing was measured, as on a CPU)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return False
+    from fasttrain.files import save_figure
+
+    pts = []
+    for e in result.entries:
+        if not e.ok:
+            continue
+        mem = e.last.peak_bytes if e.last.peak_bytes else e.predicted_bytes
+        if mem is not None:
+            pts.append((mem / MIB, e.last.tokens_per_s, e))
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    if pts:
+        ax.scatter([p[0] for p in pts], [p[1] for p in pts], s=18, color="#888", label="measured configurations")
+        front = frontier([(p[0], p[1]) for p in pts])
+        ax.plot([p[0] for p in front], [p[1] for p in front], "-o", color="#c33", ms=4, label="frontier")
+        if result.pick is not None:
+            pm = result.pick.last.peak_bytes or result.pick.predicted_bytes
+            if pm:
+                ax.scatter([pm / MIB], [result.pick.last.tokens_per_s], marker="*", s=160, color="#236",
+                           label="pick", zorder=5)
+    device_mib = result.memory.total_bytes / MIB
+    largest = max((p[0] for p in pts), default=device_mib)
+    if device_mib <= 2 * largest:       # else the line would squash every point against the axis
+        ax.axvline(device_mib, color="#999", ls="--", lw=1, label="device memory")
+    measured = any(e.ok and e.last.peak_bytes for e in result.entries)
+    ax.set_xlabel("peak memory, MiB (" + ("measured" if measured else "predicted") + ")")
+    ax.set_ylabel("tokens / s")
+    ax.set_title(f"fasttrain tune: seq {result.seq}, {result.global_batch_tokens:,} tokens per step "
+                 f"({result.memory.name}, {device_mib:,.0f} MiB)", fontsize=9)
+    ax.legend(fontsize=8)
+    save_figure(fig, path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    return True
+
+
+def write_results(result, folder: str | os.PathLike, model_id: str = "gpt") -> Path:
+    """``tune.json``, ``tune.csv``, ``training_arguments.json`` and ``tune.png`` in ``folder``."""
+    from fasttrain.files import atomic_write_text
+
+    folder = Path(folder)
+    folder.mkdir(parents=False, exist_ok=True)
+    data = summary(result, model_id)
+    atomic_write_text(folder / "tune.json", json.dumps(data, indent=2, default=str))
+    rows = long_rows(result)
+    buf = io.StringIO()
+    if rows:
+        keys = list(dict.fromkeys(k for r in rows for k in r))
+        writer = csv.DictWriter(buf, fieldnames=keys, lineterminator="\n")
+        writer.writeheader()
+        writer.writerows(rows)
+    atomic_write_text(folder / "tune.csv", buf.getvalue())
+    if data["pick"] is not None:
+        atomic_write_text(folder / "training_arguments.json", json.dumps(data["pick"]["training_arguments"], indent=2))
+    plot(result, folder / "tune.png")
+    return folder
+
+
+def _fmt(value, spec: str, dash: str = "-") -> str:
+    return dash if value is None else format(value, spec)
+
+
+def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> None:
+    """The ranked table, the pick's command line and TrainingArguments, and the notes."""
+    from rich.table import Table
+
+    for line in result.dropped:
+        console.print(f"[dim]dropped: {line}[/dim]")
+    rows = ranked_rows(result)
+    table = Table(title=f"fasttrain tune · {model_id} · {result.memory.name} · seq {result.seq} · "
+                        f"{result.global_batch_tokens:,} tokens per step · {result.mode}")
+    for col in ("#", "configuration", "steps", "tokens/s", "peak MiB", "predicted MiB", "compile s", "warm-up s",
+                "loss", "vs baseline", "status"):
+        table.add_column(col, justify="left" if col in ("configuration", "status") else "right")
+    for r in rows[:limit]:
+        table.add_row(_fmt(r["rank"], "d"), r["label"] + (" (baseline)" if r["baseline"] else ""),
+                      str(r["steps_measured"]), _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_mib"], ",.0f"),
+                      _fmt(r["predicted_mib"], ",.0f"), _fmt(r["compile_s"], ".1f"), _fmt(r["warmup_s"], ".1f"),
+                      _fmt(r["loss"], ".4f"), _fmt(r["loss_vs_baseline"], "+.4f"),
+                      r["status"] + (" (cached)" if r["cached"] else ""))
+    console.print(table)
+    console.print(f"{result.space_size} configurations, {result.pruned} pruned by prediction, "
+                  f"{result.probes_measured} probes measured, {result.probes_cached} from the cache, "
+                  f"{result.tune_s:.1f} s" + (" (budget reached: best so far)" if result.budget_hit else ""))
+    cfg = pick_config(result)
+    if cfg is not None:
+        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
+        console.print("pick: " + lab_command(cfg, model_id), soft_wrap=True)
+        console.print("TrainingArguments: " + json.dumps(args), soft_wrap=True)
+        console.print("model kwargs: " + json.dumps(model_kwargs), soft_wrap=True)
+        for note in notes:
+            console.print(f"note: {note}")
+    for note in result.notes:
+        console.print(f"[yellow]note: {note}[/yellow]")

@@ -1,0 +1,474 @@
+"""``fasttrain tune`` on the CPU: the search with fake probes of known speeds and memory (pruning by the
+estimator, successive halving, the cache, out-of-memory above a fake allocator limit, the budget with a
+fake clock), every bad input, the answer's forms (lab command line, TrainingArguments), and a real run
+through the lab's trainer on a tiny model."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests_support import fasttrain_cli, one_line_error, run_cli, toy_text  # noqa: E402
+from fasttrain.errors import FasttrainError  # noqa: E402
+from fasttrain.lab.cli import config_from  # noqa: E402
+from fasttrain.lab.config import preset  # noqa: E402
+from fasttrain.lab import tune as T  # noqa: E402
+from fasttrain.lab import tune_report as R  # noqa: E402
+
+MIB = 2 ** 20
+SEQ = 32
+
+
+def base(**kw):
+    return preset("tiny", device="cpu", **kw)
+
+
+def fake_predict(cfg):
+    """Bytes a configuration would take: 100 MiB + per sequence 40 MiB (eager) or 20 (sdpa), /4 with full
+    checkpointing."""
+    per = 40 if cfg.attn_implementation == "eager" else 20
+    if cfg.gradient_checkpointing == "full":
+        per /= 4
+    return int((100 + per * cfg.per_device_train_batch_size) * MIB)
+
+
+def fake_speed(cfg):
+    """Known speeds: sdpa 1.5x, fused AdamW 1.2x, preload 1.1x, checkpointing 0.7x (full), larger micro-batches
+    faster up to 8."""
+    s = 1000.0 * min(cfg.per_device_train_batch_size, 8) ** 0.5
+    s *= 1.5 if cfg.attn_implementation == "sdpa" else 1.0
+    s *= 1.2 if cfg.optim == "adamw_torch_fused" else 1.0
+    s *= 1.1 if cfg.preload else 1.0
+    s *= {"none": 1.0, "selective": 0.9, "full": 0.7}[cfg.gradient_checkpointing]
+    return s
+
+
+class FakeMeasure:
+    """``measure(cfg, steps)``: the known speed, the predicted peak as the measured one; counts its calls.
+    ``limit``: a fake allocator limit above which it raises the CUDA out-of-memory error; ``clock``: a
+    fake clock it advances by ``cost`` seconds a probe."""
+
+    def __init__(self, limit=None, clock=None, cost=10.0):
+        self.calls = []
+        self.limit, self.clock, self.cost = limit, clock, cost
+
+    def __call__(self, cfg, steps):
+        self.calls.append((cfg, steps))
+        if self.clock is not None:
+            self.clock.now += self.cost
+        peak = fake_predict(cfg)
+        if self.limit is not None and peak > self.limit:
+            raise torch.cuda.OutOfMemoryError(f"CUDA out of memory. Tried to allocate {peak} bytes")
+        return T.Probe(steps=steps, tokens_per_s=fake_speed(cfg), peak_bytes=peak, reserved_bytes=peak,
+                       losses=[3.0 - 0.01 * i for i in range(steps + 2)])
+
+
+class Clock:
+    def __init__(self):
+        self.now = 0.0
+
+    def __call__(self):
+        return self.now
+
+
+def gpu_memory(total_mib=1000):
+    # a pretend GPU: the axes of a GPU (compile, liger...) take part; the speeds are the fakes'
+    return T.DeviceMemory("fake GPU", total_mib * MIB, context_bytes=50 * MIB, reserve=0.0, cpu=False)
+
+
+def run_search(measure, memory=None, **kw):
+    kw.setdefault("liger_reason", None)
+    return T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 16, measure=measure, predict=fake_predict,
+                  memory=memory or gpu_memory(), cache_path=None, **kw)
+
+
+# --- the space -----------------------------------------------------------------------------------
+
+def test_space_keeps_the_math_by_default_and_opt_in_adds_techniques():
+    axes, dropped = T.build_axes(base(), cuda=True, liger_reason=None)
+    names = [a.name for a in axes]
+    assert names == ["precision", "attention", "compile", "checkpointing", "liger", "optimizer", "data"]
+    assert not any(a.changes_math for a in axes)
+    space = T.enumerate_space(axes, 16)
+    # every candidate reaches the global batch exactly: b k = 16 sequences of SEQ
+    assert {c.micro_batch * c.accumulation for c in space} == {16}
+    assert {c.micro_batch for c in space} == {1, 2, 4, 8, 16}
+    assert not any(dict(c.overrides).get("lora_r") for c in space)
+    axes, _ = T.build_axes(base(), cuda=True, allow="lora,adamw_8bit", liger_reason=None)
+    assert "adapter" in [a.name for a in axes]
+    assert [c for c, _ in axes[[a.name for a in axes].index("optimizer")].choices][-1] == "adamw_8bit"
+    # selective checkpointing with sdpa is the plain sdpa configuration: not searched twice
+    labels = {dict(c.choices)["checkpointing"] for c in space if dict(c.choices)["attention"] == "sdpa"}
+    assert labels == {"none", "full"}
+
+
+def test_fixed_settings_are_not_searched():
+    axes, dropped = T.build_axes(base(), cuda=True, fixed={"attn_implementation", "optim"}, liger_reason=None)
+    by_name = {a.name: a for a in axes}
+    assert len(by_name["attention"].choices) == 1 and len(by_name["optimizer"].choices) == 1
+    assert any("fixed by you (--attn-implementation)" in d for d in dropped)
+
+
+def test_cpu_drops_compile_and_liger_with_one_line_each():
+    axes, dropped = T.build_axes(base(), cuda=False, liger_reason=None)
+    names = [a.name for a in axes]
+    assert "compile" not in names and "liger" not in names
+    assert sum("torch.compile" in d for d in dropped) == 1 and sum("liger-kernel" in d for d in dropped) == 1
+
+
+def test_a_family_liger_cannot_patch_drops_the_axis():
+    pytest.importorskip("liger_kernel")
+    assert T.liger_support("llama") is None
+    reason = T.liger_support("gpt2")
+    assert reason and "gpt2" in reason
+    axes, dropped = T.build_axes(base(), cuda=True, family="gpt2")
+    assert "liger" not in [a.name for a in axes]
+    assert [d for d in dropped if "liger" in d] == [f"liger-kernel: {reason}; dropped"]
+
+
+# --- predict, then measure -----------------------------------------------------------------------
+
+def test_the_estimator_prunes_before_anything_is_measured():
+    measure = FakeMeasure()
+    memory = gpu_memory(400)          # 50 MiB taken: eager fits up to 6 sequences, sdpa up to 12
+    res = run_search(measure, memory)
+    assert res.pruned > 0
+    assert measure.calls, "the survivors are measured"
+    for cfg, _ in measure.calls:
+        assert memory.need(fake_predict(cfg)) <= memory.total_bytes, cfg
+    # the largest that fit were measured: eager at 4 (8 does not fit), sdpa at 8 (16 does not)
+    eager = {c.per_device_train_batch_size for c, _ in measure.calls if c.attn_implementation == "eager"
+             and c.gradient_checkpointing == "none"}
+    assert max(eager) == 4
+
+
+def test_successive_halving_keeps_the_best_and_gives_bad_ones_fewer_steps():
+    measure = FakeMeasure()
+    # a small space: everything fixed but attention, checkpointing and the micro-batch
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16"}
+    res = run_search(measure, gpu_memory(4000), fixed=fixed, max_candidates=16, steps=2)
+    assert res.mode == "halving"
+    best = max((T.validate(res.base.with_(**e.candidate.overrides_dict())) for e in res.entries),
+               key=fake_speed)
+    assert res.pick.candidate.overrides_dict()["attn_implementation"] == best.attn_implementation == "sdpa"
+    assert res.pick.candidate.micro_batch >= 8
+    worst = min((e for e in res.entries if e.ok), key=lambda e: e.last.tokens_per_s)
+    assert worst.steps_measured < res.pick.steps_measured
+    assert len(res.pick.probes) >= 3          # rungs of 2, 4, 8 steps
+    assert [p.steps for p in res.pick.probes] == [2 * 2 ** i for i in range(len(res.pick.probes))]
+
+
+def test_large_space_is_screened_then_halved_and_the_pick_is_the_known_best():
+    measure = FakeMeasure()
+    res = run_search(measure, gpu_memory(4000), steps=2)
+    assert res.mode == "screen + halving"
+    assert len(measure.calls) < res.space_size / 4           # far fewer probes than configurations
+    cfg = res.base.with_(**res.pick.candidate.overrides_dict())
+    assert (cfg.attn_implementation, cfg.optim, cfg.preload, cfg.gradient_checkpointing) == \
+        ("sdpa", "adamw_torch_fused", True, "none")
+    assert res.pick.candidate.micro_batch >= 8
+    assert res.baseline is not None and res.baseline.ok
+    assert dict(res.baseline.candidate.settings)["attention"] == "eager"
+
+
+def test_out_of_memory_is_recorded_freed_and_the_search_goes_on():
+    frees = []
+    # the estimator says 16 eager sequences fit (740 MiB < 950) but the (fake) allocator stops at 500 MiB
+    measure = FakeMeasure(limit=500 * MIB)
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16",
+             "gradient_checkpointing"}
+    res = run_search(measure, gpu_memory(1000), fixed=fixed, max_candidates=16, free=lambda: frees.append(1))
+    ooms = [e for e in res.entries if e.probes and e.last.oom]
+    assert ooms and frees and len(frees) == len(ooms)
+    assert res.pick is not None and res.pick.ok and fake_predict(
+        res.base.with_(**res.pick.candidate.overrides_dict())) <= 500 * MIB
+    rows = R.ranked_rows(res)
+    assert any(r["status"] == "out of memory" for r in rows)
+
+
+def test_out_of_memory_skips_larger_micro_batches_of_the_same_settings():
+    measure = FakeMeasure(limit=300 * MIB)
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16",
+             "gradient_checkpointing", "attn_implementation"}
+    res = run_search(measure, gpu_memory(2000), fixed=fixed, max_candidates=16, batch_choices=5)
+    # eager: 100 + 40 b MiB; 300 MiB stops b = 8 and 16; only one of them is tried
+    tried = sorted(c.per_device_train_batch_size for c, _ in measure.calls)
+    assert tried.count(8) + tried.count(16) == 1
+    assert any(e.skipped for e in res.entries)
+
+
+def test_the_budget_answers_with_the_best_so_far():
+    clock = Clock()
+    measure = FakeMeasure(clock=clock, cost=10.0)
+    res = run_search(measure, gpu_memory(4000), budget="35s", clock=clock, steps=2)
+    assert res.budget_hit
+    assert len(measure.calls) == 4            # probes start at 0, 10, 20, 30 s; none at 40
+    assert res.pick is not None
+    measured = [e for e in res.entries if e.ok]
+    assert res.pick.last.tokens_per_s == max(e.last.tokens_per_s for e in measured)
+
+
+def test_the_cache_measures_nothing_the_second_time(tmp_path):
+    cache = tmp_path / "cache.json"
+    first = FakeMeasure()
+    kw = dict(seq=SEQ, global_batch_tokens=SEQ * 16, predict=fake_predict, memory=gpu_memory(4000), steps=2,
+              liger_reason=None, cache_path=cache)
+    a = T.tune(base(), measure=first, **kw)
+    assert first.calls and cache.exists()
+    second = FakeMeasure()
+    b = T.tune(base(), measure=second, **kw)
+    assert second.calls == []
+    assert b.probes_cached == a.probes_measured and b.probes_measured == 0
+    assert b.pick.candidate == a.pick.candidate
+    # another device is another key: measured again
+    third = FakeMeasure()
+    T.tune(base(), measure=third, **{**kw, "memory": T.DeviceMemory("other GPU", 4000 * MIB)})
+    assert third.calls
+
+
+def test_cpu_runs_say_their_timings_do_not_transfer():
+    res = run_search(FakeMeasure(), T.DeviceMemory("cpu", 4000 * MIB, cpu=True), steps=1)
+    assert T.CPU_NOTE in res.notes
+    assert not any("torch_compile" in dict(c.overrides) and dict(c.overrides)["torch_compile"]
+                   for c in (e.candidate for e in res.entries))
+
+
+# --- bad input -----------------------------------------------------------------------------------
+
+def test_nothing_fits_names_the_smallest_peak_the_device_and_what_would_fit():
+    def predict(cfg):
+        base_mib = 20 if cfg.lora_r else 900
+        return int((base_mib + cfg.per_device_train_batch_size * cfg.context / 32) * MIB)
+    with pytest.raises(FasttrainError) as err:
+        T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=predict,
+               memory=gpu_memory(500), cache_path=None, liger_reason=None)
+    msg = str(err.value)
+    assert "\n" not in msg
+    assert "smallest predicted peak is 901 MiB" in msg and "500 MiB" in msg and "--allow lora" in msg
+
+
+def test_nothing_fits_suggests_a_shorter_sequence():
+    def predict(cfg):
+        return int((cfg.per_device_train_batch_size * cfg.context * 30) * MIB)
+    with pytest.raises(FasttrainError, match=r"--seq 8 \(predicted 240 MiB"):
+        T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=predict,
+               memory=gpu_memory(400), cache_path=None, liger_reason=None)
+
+
+@pytest.mark.parametrize("kw, pattern", [
+    (dict(global_batch_tokens=SEQ * 4 + 1), r"not a whole number of sequences .* use 128 or 160"),
+    (dict(seq=0), r"--seq must be a positive integer"),
+    (dict(budget="five minutes"), r"--budget 'five minutes': give a duration"),
+    (dict(budget="0s"), r"--budget must be positive"),
+    (dict(allow="lora,bogus"), r"--allow bogus: unknown technique"),
+])
+def test_bad_input_is_one_line(kw, pattern):
+    args = dict(seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=fake_predict,
+                memory=gpu_memory(), cache_path=None)
+    with pytest.raises(FasttrainError, match=pattern):
+        T.tune(base(), **{**args, **kw})
+
+
+def test_an_out_folder_holding_files_is_refused_before_any_work(tmp_path):
+    (tmp_path / "keep.txt").write_text("mine")
+    measure = FakeMeasure()
+    with pytest.raises(FasttrainError, match="holds files already"):
+        T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=measure, predict=fake_predict,
+               memory=gpu_memory(), cache_path=None, out=tmp_path)
+    assert measure.calls == [] and (tmp_path / "keep.txt").read_text() == "mine"
+
+
+@pytest.mark.parametrize("args, pattern", [
+    (["--seq", "32", "--global-batch-tokens", "100"], r"not a whole number of sequences"),
+    (["--seq", "32", "--global-batch-tokens", "128", "--budget", "soon"], r"--budget 'soon'"),
+    (["--seq", "32", "--global-batch-tokens", "128", "--allow", "magic"], r"--allow magic"),
+    (["--seq", "32", "--global-batch-tokens", "128", "--memory-limit", "lots"], r"--memory-limit 'lots'"),
+])
+def test_cli_bad_input_is_one_line(args, pattern, tmp_path):
+    res = fasttrain_cli("tune", "--preset", "tiny", "--device", "cpu", *args, "--no-cache",
+                        env={"FASTTRAIN_DATA_DIR": str(tmp_path)})
+    one_line_error(res, pattern)
+
+
+# --- the answer ----------------------------------------------------------------------------------
+
+def test_the_answer_as_a_lab_command_and_training_arguments(tmp_path):
+    res = run_search(FakeMeasure(), gpu_memory(4000), steps=2, out=tmp_path / "run")
+    cfg = R.pick_config(res)
+    command = R.lab_command(cfg)
+    assert command.startswith("fasttrain lab --preset tiny ")
+    # the command line parses back to the same configuration through the lab's own CLI parser
+    from fasttrain.lab.cli import command as lab_command
+    ctx = lab_command.make_context("lab", command.split()[2:])
+    options = {k: v for k, v in ctx.params.items() if k in {f for f in cfg.to_dict()}}
+    assert config_from(ctx.params["preset_name"], options) == cfg
+    args, model_kwargs, _ = R.training_arguments(cfg)
+    assert args["per_device_train_batch_size"] * args["gradient_accumulation_steps"] * SEQ == SEQ * 16
+    assert args["optim"] == "adamw_torch_fused" and model_kwargs == {"attn_implementation": "sdpa"}
+    data = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert data["pick"]["lab_command"] == command
+    assert data["ranked"][0]["rank"] == 1 and data["pruned_by_prediction"] == res.pruned
+    csv_text = (tmp_path / "run" / "tune.csv").read_text().splitlines()
+    assert csv_text[0].startswith("config,label,stage,rung,steps,metric,value")
+    assert (tmp_path / "run" / "tune.png").stat().st_size > 1000
+
+
+def test_training_arguments_are_accepted_by_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    cfg = base(per_device_train_batch_size=4, gradient_accumulation_steps=4, bf16=True, optim="adamw_torch_fused",
+               gradient_checkpointing="full")
+    args, _, _ = R.training_arguments(cfg, cpu=True)
+    ta = transformers.TrainingArguments(output_dir=str(tmp_path), **args)
+    assert (ta.per_device_train_batch_size, ta.gradient_accumulation_steps, ta.bf16, ta.gradient_checkpointing) == \
+        (4, 4, True, True)
+
+
+def test_frontier_keeps_only_points_nothing_beats():
+    pts = [(100, 5.0), (200, 4.0), (200, 7.0), (300, 6.0), (400, 9.0)]
+    assert R.frontier(pts) == [(100, 5.0), (200, 7.0), (400, 9.0)]
+
+
+# --- through the lab's trainer -------------------------------------------------------------------
+
+def test_end_to_end_on_a_tiny_model_through_the_real_trainer(tmp_path):
+    from fasttrain.lab.data import corpus_from_text
+
+    corpus = corpus_from_text(toy_text(20000))
+    fixed = {"optim", "preload", "dataloader_num_workers", "gradient_checkpointing", "bf16"}
+    res = T.tune(base(), seq=16, global_batch_tokens=16 * 8, corpus=corpus, fixed=fixed, steps=1,
+                 max_candidates=4, cache_path=tmp_path / "cache.json", out=tmp_path / "run")
+    assert res.pick is not None and res.pick.ok and res.pick.last.tokens_per_s > 0
+    assert T.CPU_NOTE in res.notes
+    assert res.pick.predicted_bytes > 0                  # the estimator's prediction of the lab's GPT
+    assert len(res.baseline.probes[0].losses) == 1 + 2   # warm-up steps, then the timed one
+    data = json.loads((tmp_path / "run" / "tune.json").read_text())
+    assert data["pick"]["training_arguments"]["use_cpu"] is True
+    again = T.tune(base(), seq=16, global_batch_tokens=16 * 8, corpus=corpus, fixed=fixed, steps=1,
+                   max_candidates=4, cache_path=tmp_path / "cache.json")
+    assert again.probes_measured == 0 and again.pick.candidate == res.pick.candidate
+
+
+def test_cli_end_to_end_on_the_cpu(tmp_path, capsys, monkeypatch):
+    (tmp_path / "data" / "tinyshakespeare").mkdir(parents=True)
+    monkeypatch.setenv("FASTTRAIN_DATA_DIR", "/work/shared/data")
+    import os
+    if not os.path.exists("/work/shared/data/tinyshakespeare/input.txt"):
+        pytest.skip("Tiny Shakespeare is not here")
+    code, out, err = run_cli(["tune", "--preset", "tiny", "--device", "cpu", "--seq", "16",
+                              "--global-batch-tokens", "64", "--probe-steps", "1", "--optim", "adamw_torch",
+                              "--no-preload", "--gradient-checkpointing", "none", "--bf16",
+                              "--max-candidates", "2", "--cache", str(tmp_path / "c.json"),
+                              "--out", str(tmp_path / "run"), "--quiet"], capsys)
+    assert code == 0, err
+    assert "pick: fasttrain lab --preset tiny" in out and "TrainingArguments:" in out
+    assert "do not transfer to a GPU" in out
+    assert (tmp_path / "run" / "tune.json").exists()
+
+
+# --- the GPU benchmark's harness, tiny and on the CPU ---------------------------------------------
+
+def _bench_module():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "dev" / "tune" / "bench_tune.py"
+    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    bench = _bench_module()
+    work, results = tmp_path / "work", tmp_path / "results"
+    for phase in ("prepare", "hf", "hf-flags"):
+        assert bench.main([phase, str(work), "--model", "tiny-gpt2", "--steps", "1", "--skip", "1"]) == 0
+    state = bench.load_state(work, "tiny-gpt2")
+    assert state["hf"]["tokens_per_s"] > 0 and state["hf"]["found_batch"] == 8
+    assert state["hf"]["tokens_per_step"] == bench.MODELS["tiny-gpt2"]["tokens"]     # the same global batch
+    assert state["hf_flags"]["flags"]["optim"] == "adamw_torch_fused"
+    assert len(state["hf"]["step_s"]) == 1 and len(state["hf"]["first_steps_s"]) == 1
+    assert bench.main(["report", str(work), "--model", "tiny-gpt2", "--results", str(results)]) == 0
+    (folder,) = list(results.iterdir())
+    data = json.loads((folder / "tune.json").read_text())
+    assert [tuple(c) for c in data["cases"]] == [bench.CASE_KEYS]
+    assert data["cases"][0]["hf_trainer_tokens_per_s"] == state["hf"]["tokens_per_s"]
+    text = (folder / "README.md").read_text()
+    assert "| tiny-gpt2 |" in text and "HF Trainer (users)" in text
+
+
+# --- on a GPU (the device machine: python3 -m pytest -q -m gpu tests/test_lab_tune.py) ------------
+
+@pytest.mark.gpu
+def test_device_memory_is_measured_once_on_a_gpu():
+    dev = torch.device("cuda")
+    mem = T.device_memory(dev)
+    free, total = torch.cuda.mem_get_info(dev)
+    assert mem.total_bytes == total and 0 < mem.context_bytes <= total
+    assert 0.0 <= mem.reserve <= 0.25
+    assert T.device_memory(dev, limit_bytes=2 ** 30).total_bytes == 2 ** 30
+
+
+@pytest.mark.gpu
+def test_tune_on_a_gpu_prunes_measures_and_predicts_the_pick(tmp_path):
+    from fasttrain.lab.data import corpus_from_text
+
+    corpus = corpus_from_text(toy_text(400_000))
+    cfg = preset("shakespeare-char", device="cuda")
+    # a 6 GiB device: the estimator prunes the larger micro-batches of eager attention before any run
+    res = T.tune(cfg, seq=256, global_batch_tokens=256 * 256, corpus=corpus, budget="4m", steps=3,
+                 memory_limit_bytes=6 * 2 ** 30, cache_path=None, out=tmp_path / "run")
+    assert res.pruned > 0 and res.pick is not None and res.pick.ok
+    probe = res.pick.last
+    assert probe.peak_bytes and probe.peak_bytes <= 6 * 2 ** 30
+    if not res.pick.candidate.overrides_dict().get("torch_compile") and \
+            not res.pick.candidate.overrides_dict().get("use_liger_kernel"):
+        assert abs(res.pick.predicted_bytes - probe.peak_bytes) <= 0.10 * probe.peak_bytes
+    rows = R.ranked_rows(res)
+    assert all(abs(r["loss_vs_baseline"]) < 0.05 for r in rows if r["loss_vs_baseline"] is not None)
+
+
+def test_bench_harness_every_phase_on_the_cpu(tmp_path):
+    """prepare, both HF Trainer runs, tune, a grid of 3, confirm and the report, on a tiny GPT-2 (needs the lab's
+    --model hf: and --train-bin)."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from dataclasses import fields as dc_fields
+    from fasttrain.lab.config import LabConfig
+    names = {f.name for f in dc_fields(LabConfig)}
+    if not {"model", "train_bin"} <= names:
+        pytest.skip("this lab has no --model / --train-bin yet (the model and data branches of issue 28)")
+    bench = _bench_module()
+    work, results = tmp_path / "work", tmp_path / "results"
+    assert bench.main(["all", str(work), "--model", "tiny-gpt2", "--steps", "1", "--skip", "1", "--budget", "40s",
+                       "--probe-steps", "1", "--max-candidates", "2", "--grid-size", "3", "--grid-steps", "1",
+                       "--confirm-steps", "2", "--results", str(results)]) == 0
+    state = bench.load_state(work, "tiny-gpt2")
+    assert state["tune"]["pick"] and state["tune"]["pick_tokens_per_s"] > 0
+    assert len(state["grid_members"]) == 3 and len(state["grid"]) == 3
+    assert state["confirm"]["oom"] is False and state["confirm"]["steps"] == 2
+    (folder,) = list(results.iterdir())
+    case = json.loads((folder / "tune.json").read_text())["cases"][0]
+    assert tuple(case) == bench.CASE_KEYS
+    assert case["best_tokens_per_s"] == max(g["tokens_per_s"] for g in state["grid"].values())
+    assert "--model hf:" in state["tune"]["lab_command"] and state["tune"]["lab_command"].count("--model") == 1
+
+
+def test_a_probe_a_library_cannot_run_is_recorded_and_the_search_goes_on():
+    class Broken(FakeMeasure):
+        def __call__(self, cfg, steps):
+            if cfg.attn_implementation == "sdpa":
+                raise RuntimeError("backend compiler failed\nlong trace")
+            return super().__call__(cfg, steps)
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16",
+             "gradient_checkpointing"}
+    res = run_search(Broken(), gpu_memory(4000), fixed=fixed, max_candidates=16)
+    failed = [r for r in R.ranked_rows(res) if r["status"].startswith("failed")]
+    assert failed and failed[0]["status"] == "failed: RuntimeError: backend compiler failed"
+    assert res.base.with_(**res.pick.candidate.overrides_dict()).attn_implementation == "eager"
