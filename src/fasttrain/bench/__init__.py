@@ -9,6 +9,11 @@ already there. ``bench merge`` folds runs split over several calls, ``bench rend
 reports from the JSON (e.g. after a machine without matplotlib), ``bench readme`` prints (or, with
 ``--into README.md``, writes) the README's Results section from committed result files.
 
+Layout: each suite is a module of :mod:`fasttrain.bench.suites` whose ``SPEC`` carries its builder,
+its Markdown, its plots and (where its cases are not single runs) its runner; :mod:`~fasttrain.bench.runner`
+and :mod:`~fasttrain.bench.report` reach a suite only through that registration, and the pieces every
+report shares are :mod:`~fasttrain.bench.tables` and :mod:`~fasttrain.bench.figures`.
+
 Protocol
 --------
 What is timed. Every run goes through the shared driver (:func:`fasttrain.training.run`), so every
