@@ -95,7 +95,7 @@ def test_a_crash_during_training_leaves_the_earlier_checkpoint(fake_corpus, tmp_
 
     def interrupted(self, x, y):
         raise KeyboardInterrupt
-    monkeypatch.setattr(train.Trainer, "step", interrupted)
+    monkeypatch.setattr(train.Trainer, "train_step", interrupted)
     code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(ck)], capsys)
     assert code == 130                  # Ctrl-C: click says "aborted"
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before

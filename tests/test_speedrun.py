@@ -373,7 +373,7 @@ def test_cli_save_into_a_folder_of_other_files_is_refused_before_any_rung(fake_c
     victim = tmp_path / "victim"
     victim.mkdir()
     (victim / "notes.txt").write_text("precious")
-    monkeypatch.setattr(sr, "train_to_target", lambda *a, **k: pytest.fail("a rung ran"))
+    monkeypatch.setattr(sr, "run_row", lambda *a, **k: pytest.fail("a rung ran"))
     out = victim if same else tmp_path / "out"
     code, _, stderr = run_cli(["lab", "speedrun", "--preset", "tiny", "--rungs", "0", "--seeds", "1", "--device", "cpu",
                                "--quiet", "--out", str(out), "--save", str(victim)], capsys)
@@ -382,9 +382,9 @@ def test_cli_save_into_a_folder_of_other_files_is_refused_before_any_rung(fake_c
     assert [p.name for p in victim.iterdir()] == ["notes.txt"] and (victim / "notes.txt").read_text() == "precious"
 
 
-def test_progress_hears_the_start_and_every_validation_only(corpus):
-    cfg = sr.plan([0], [0], base_preset="tiny", sets=dict(SMALL))[0].cfg
-    trainer = lab.Trainer(cfg, corpus, torch.device("cpu"))
+def test_progress_hears_the_start_and_every_seed_after_its_run(fake_corpus):
+    """The bar moves between runs only (a call inside the timed steps would add host work to them)."""
+    rows = sr.plan([0], [0, 1], base_preset="tiny", sets=dict(SMALL))
     calls = []
 
     class Recorder:
@@ -392,7 +392,6 @@ def test_progress_hears_the_start_and_every_validation_only(corpus):
 
         def __call__(self, step, total, loss=None):
             calls.append((step, total, loss))
-    rec = sr.train_to_target(trainer, target=0.01, max_train_s=0, patience_steps=0, progress=Recorder())
-    assert calls[0] == (0, cfg.max_steps, None)
-    assert [c[0] for c in calls[1:]] == [e["step"] for e in rec["evals"]]
-    assert [c[2] for c in calls[1:]] == [e["train_loss"] for e in rec["evals"]]
+    result = sr.run_ladder(rows, progress=Recorder())
+    finals = [r["final_val_loss"] for r in result["rows"][0]["runs"]]
+    assert calls == [(0, 2, None), (1, 2, finals[0]), (2, 2, finals[1])]

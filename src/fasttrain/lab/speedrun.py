@@ -44,6 +44,7 @@ import click
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
+from fasttrain.lab.progress import report
 from fasttrain.lab.config import LabConfig, preset
 from fasttrain.lab.record_protocol import ALPHA, MIN_SEEDS
 from fasttrain.lab.overrides import parse_assignments, parse_variant
@@ -242,7 +243,7 @@ def _free(device) -> None:
 
 
 def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadline: float | None = None,
-            compile_cache: str | None = None, log=None) -> dict:
+            compile_cache: str | None = None, log=None, seed_done=None) -> dict:
     """Every seed of one row on one built (and compiled) model: setup once, then per seed a reset and a
     fixed-step run (:func:`~fasttrain.lab.record_protocol.run_fixed_steps`). Returns the row's record
     (with ``states``, the final weights per seed on the CPU, when ``keep_states``)."""
@@ -302,6 +303,8 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
             log(f"[{row.label} {row.name}] seed {seed}: {rec['steps']} steps in {rec['train_s']:.2f} s "
                 f"({rec['ms_per_step']:.2f} ms/step), final validation loss "
                 + (f"{rec['final_val_loss']:.4f}" if rec["final_val_loss"] is not None else "none (diverged)"))
+            if seed_done is not None:
+                seed_done(rec["final_val_loss"])     # outside the timed steps: the bar adds no host work to them
             if keep_states and rec["final_val_loss"] is not None:
                 states[seed] = {n: v.detach().to("cpu", copy=True) for n, v in trainer.model.state_dict().items()}
         eval_record = eval_settings(cfg, trainer.batch, device)
@@ -327,7 +330,7 @@ def _not_run(row: Row, **why) -> dict:
 
 def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_SEEDS, save: str | None = None,
                out: str | None = None, corpus=None, command: str | None = None, budget_s: float | None = None,
-               compile_cache: str | None = None, log=None) -> dict:
+               compile_cache: str | None = None, log=None, progress=None) -> dict:
     """Run every row, write the results after each (``out``) and the model of the fastest counted row's
     median seed (``save``; ``result["saved"]`` stays None when no row counts). ``budget_s``: no row or seed
     starts after this many seconds from the call (results stay whole). ``compile_cache``: a file of compiled
@@ -384,6 +387,15 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         "rows": [], "saved": None,
     }
     best_row, best_state = None, None
+    # ``progress(done, total, loss)``: after every seed's run (its final validation loss), never inside one
+    seeds_total, seeds_done = sum(len(r.seeds) for r in rows), 0
+
+    def seed_done(final_loss):
+        nonlocal seeds_done
+        seeds_done += 1
+        report(progress, seeds_done, seeds_total, final_loss)
+
+    report(progress, 0, seeds_total)
     for row in rows:
         try:
             if deadline is not None and time.perf_counter() >= deadline:
@@ -391,7 +403,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
                 rec = _not_run(row, skipped="budget")
             else:
                 rec = run_row(row, corpus, target=target, keep_states=save is not None, deadline=deadline,
-                              compile_cache=compile_cache, log=log)
+                              compile_cache=compile_cache, log=log, seed_done=seed_done)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
@@ -503,10 +515,21 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, eva
                 rung_seeds=parse_rung_seeds(rung_seeds), variants=[parse_variant(v) for v in variants],
                 sets=overrides, device=device, data_dir=data_dir, eval_interval=eval_interval)
     log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False))
-    result = run_ladder(rows, target=target, save=save, out=out_dir, budget_s=budget_s or None,
-                        compile_cache=compile_cache,
-                        command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
-                        if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log)
+    from fasttrain.lab.progress import RunProgress
+
+    # one bar over every seed of every row, moved between runs (the timed steps stay free of host work)
+    bar = None if quiet else RunProgress("speedrun (seeds)", sum(len(r.seeds) for r in rows), console=err,
+                                         say_expected=False)
+    if bar is not None:
+        bar.start()
+    try:
+        result = run_ladder(rows, target=target, save=save, out=out_dir, budget_s=budget_s or None,
+                            compile_cache=compile_cache,
+                            command=" ".join(["fasttrain", "lab", "speedrun", *map(shlex.quote, sys.argv[3:])])
+                            if sys.argv[1:3] == ["lab", "speedrun"] else None, log=log, progress=bar)
+    finally:
+        if bar is not None:
+            bar.stop()
     out.print(ladder_markdown(result), markup=False, highlight=False, soft_wrap=True)
     if out_dir:
         out.print(f"results: {out_dir}/ (speedrun.json, speedrun.csv, ladder.md, runs/)", markup=False)
