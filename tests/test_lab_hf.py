@@ -1,0 +1,302 @@
+"""Hugging Face causal LMs in the lab (``fasttrain.lab.hf``), on the CPU with tiny configs the tests
+write: Llama, GPT-2 and Qwen2 shapes of 2 layers, width 32-64, vocabularies of 100-300. No hub."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+transformers = pytest.importorskip("transformers")
+
+import torch.nn.functional as F  # noqa: E402
+
+from fasttrain.errors import FasttrainError  # noqa: E402
+from fasttrain.lab import hf  # noqa: E402
+from fasttrain.lab.config import LabConfig  # noqa: E402
+from fasttrain.lab.models import forward_logits, forward_loss  # noqa: E402
+
+FAMILIES = ("llama", "gpt2", "qwen2")
+
+
+def write_config(folder: Path, family: str, vocab: int = 120, **kw) -> Path:
+    """A tiny config.json of ``family`` (no weights) in ``folder``."""
+    if family == "llama":
+        c = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, **kw)
+    elif family == "gpt2":
+        c = transformers.GPT2Config(vocab_size=vocab, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+                                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0, **kw)
+    elif family == "qwen2":
+        c = transformers.Qwen2Config(vocab_size=vocab, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                     tie_word_embeddings=True, **kw)
+    else:
+        raise ValueError(family)
+    c.save_pretrained(folder)
+    return folder
+
+
+def cfg(**kw) -> LabConfig:
+    return LabConfig(**{"device": "cpu", "context": 16, "seed": 7, **kw})
+
+
+def batch(vocab=100, b=2, t=16, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, vocab, (b, t + 1), generator=g)
+    return ids[:, :-1], ids[:, 1:]
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_loss_is_the_models_own_path_and_equals_cross_entropy(tmp_path, family):
+    write_config(tmp_path, family)
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), 100, "cpu")
+    assert m.family == family and m.vocab_size == 120 and m.context == 64
+    x, y = batch()
+    loss = forward_loss(m, m.module, x, y)
+    logits = forward_logits(m, m.module, x)
+    manual = F.cross_entropy(logits.float().reshape(-1, 120), y.reshape(-1))
+    torch.testing.assert_close(loss, manual, rtol=1e-5, atol=1e-6)
+    # every target counts: the last position's target changes the loss (labels alone would drop it)
+    y2 = y.clone()
+    y2[:, -1] = (y2[:, -1] + 1) % 100
+    assert forward_loss(m, m.module, x, y2).item() != pytest.approx(loss.item(), abs=1e-7)
+    loss.backward()
+    assert all(p.grad is not None for p in m.module.parameters() if p.requires_grad)
+
+
+def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
+    write_config(tmp_path, "llama")
+    a = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu").module.state_dict()
+    b = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu").module.state_dict()
+    c = hf.build_hf_model(f"hf:{tmp_path}", cfg(seed=8), None, "cpu").module.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert not all(torch.equal(a[k], c[k]) for k in a)
+
+
+def test_weights_in_the_folder_are_loaded_and_said(tmp_path):
+    write_config(tmp_path / "cfg", "gpt2")
+    lines = []
+    m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(seed=3), None, "cpu", log=lines.append)
+    assert "initialized from config.json" in lines[0]
+    m.module.save_pretrained(tmp_path / "w")
+    lines.clear()
+    again = hf.build_hf_model(f"hf:{tmp_path / 'w'}", cfg(seed=99), None, "cpu", log=lines.append)
+    assert "weights loaded" in lines[0]
+    sd = m.module.state_dict()
+    assert all(torch.equal(sd[k], v) for k, v in again.module.state_dict().items())
+    assert next(again.module.parameters()).dtype == torch.float32
+
+
+def test_bf16_config_dtype_still_trains_fp32_master_weights(tmp_path):
+    write_config(tmp_path, "qwen2", dtype="bfloat16")
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
+    assert {p.dtype for p in m.module.parameters()} == {torch.float32}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_autocast_forward_backward(tmp_path, family):
+    write_config(tmp_path, family)
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
+    x, y = batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = forward_loss(m, m.module, x, y)
+    assert loss.dtype == torch.float32 and torch.isfinite(loss)
+    loss.backward()
+    assert all(p.grad.dtype == torch.float32 for p in m.module.parameters())
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_eager_and_sdpa_give_the_same_function(tmp_path, family):
+    write_config(tmp_path, family)
+    eager = hf.build_hf_model(f"hf:{tmp_path}", cfg(attn_implementation="eager"), None, "cpu")
+    sdpa = hf.build_hf_model(f"hf:{tmp_path}", cfg(attn_implementation="sdpa"), None, "cpu")
+    assert eager.module.config._attn_implementation == "eager"
+    assert sdpa.module.config._attn_implementation == "sdpa"
+    x, y = batch()
+    torch.testing.assert_close(forward_loss(eager, eager.module, x, y), forward_loss(sdpa, sdpa.module, x, y),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_full_checkpointing_is_the_models_own_and_keeps_gradients(tmp_path, family):
+    write_config(tmp_path, family)
+    plain = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
+    ckpt = hf.build_hf_model(f"hf:{tmp_path}", cfg(gradient_checkpointing="full"), None, "cpu")
+    assert ckpt.module.is_gradient_checkpointing and not plain.module.is_gradient_checkpointing
+    x, y = batch()
+    for m in (plain, ckpt):
+        m.module.train()
+        forward_loss(m, m.module, x, y).backward()
+    for (name, a), b in zip(plain.module.named_parameters(), ckpt.module.parameters()):
+        torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
+
+
+def test_selective_checkpointing_is_refused_in_one_line(tmp_path):
+    write_config(tmp_path, "llama")
+    with pytest.raises(FasttrainError, match="selective.*use --gradient-checkpointing full"):
+        hf.build_hf_model(f"hf:{tmp_path}", cfg(gradient_checkpointing="selective"), None, "cpu")
+
+
+@pytest.mark.parametrize("family,path", [("llama", "model.layers"), ("gpt2", "transformer.h"),
+                                         ("qwen2", "model.layers")])
+def test_blocks_are_the_decoder_layers(tmp_path, family, path):
+    write_config(tmp_path, family)
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
+    expected = m.module.get_submodule(path)
+    assert m.blocks(m.module) is expected and len(expected) == 2
+    lora = hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2), None, "cpu")     # through peft's wrapper too
+    assert len(lora.blocks(lora.module)) == 2
+
+
+def test_compile_per_block_gives_the_same_loss(tmp_path):
+    write_config(tmp_path, "llama")
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
+    x, y = batch()
+    before = forward_loss(m, m.module, x, y).item()
+    hf.compile_blocks(m)
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in m.blocks(m.module))
+    assert forward_loss(m, m.module, x, y).item() == pytest.approx(before, rel=1e-5)
+
+
+@pytest.mark.parametrize("family,targets", [("llama", ("q_proj", "v_proj")), ("gpt2", ("c_attn",)),
+                                            ("qwen2", ("q_proj", "v_proj"))])
+def test_lora_default_targets_per_family_and_merge_on_save(tmp_path, family, targets):
+    write_config(tmp_path / "cfg", family)
+    m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(lora_r=4), None, "cpu")
+    assert m.lora_targets == targets
+    trainable = [n for n, p in m.module.named_parameters() if p.requires_grad]
+    assert trainable and all("lora_" in n for n in trainable)
+    assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} == set(targets)
+    # move B off zero so the adapter changes the function, then merge and save
+    with torch.no_grad():
+        for n, p in m.module.named_parameters():
+            if "lora_B" in n:
+                p.normal_(0, 0.5)
+    x, y = batch()
+    m.module.eval()
+    with torch.no_grad():
+        expected = forward_logits(m, m.module, x)
+    hf.save_hf(m.module, tmp_path / "saved", lab={"lora_r": 4}, extra={"val_loss": 1.5})
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
+    assert not any("lora" in n for n, _ in loaded.named_parameters())
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(input_ids=x).logits, expected, rtol=1e-4, atol=1e-5)
+    meta = json.loads((tmp_path / "saved" / "fasttrain.json").read_text())
+    assert meta["val_loss"] == 1.5 and meta["lab"] == {"lora_r": 4} and hf.is_hf_checkpoint(tmp_path / "saved")
+
+
+def test_lora_targets_in_the_models_own_names(tmp_path):
+    write_config(tmp_path, "llama")
+    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2, lora_target_modules=("o_proj", "down_proj")), None, "cpu")
+    trainable = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in m.module.named_parameters() if p.requires_grad}
+    assert trainable == {"o_proj", "down_proj"}
+    with pytest.raises(FasttrainError, match="unknown --lora-target-modules c_attn.*q_proj"):
+        hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2, lora_target_modules=("c_attn",)), None, "cpu")
+
+
+@pytest.mark.parametrize("family", ("llama", "gpt2"))
+def test_prompt_tuning_trains_the_prompt_only_and_scores_real_positions(tmp_path, family):
+    write_config(tmp_path / "cfg", family)
+    m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(prompt_tuning_tokens=3), None, "cpu")
+    trainable = [(n, p) for n, p in m.module.named_parameters() if p.requires_grad]
+    assert len(trainable) == 1 and trainable[0][1].shape == (3, 32)
+    x, y = batch()
+    logits = forward_logits(m, m.module, x)
+    assert logits.shape == (2, 16, 120)
+    loss = forward_loss(m, m.module, x, y)
+    torch.testing.assert_close(loss, F.cross_entropy(logits.reshape(-1, 120), y.reshape(-1)), rtol=1e-5, atol=1e-6)
+    loss.backward()
+    assert trainable[0][1].grad is not None
+    # saved: the base loads with from_pretrained; the prompt comes back with the checkpoint
+    hf.save_hf(m.module, tmp_path / "saved")
+    again, meta = hf.load_hf_checkpoint(tmp_path / "saved")
+    assert meta["prompt_tuning_tokens"] == 3
+    m.module.eval()
+    with torch.no_grad():
+        torch.testing.assert_close(hf.hf_logits(again, x), forward_logits(m, m.module, x), rtol=1e-5, atol=1e-5)
+    transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+
+
+def test_save_is_whole_or_absent_and_replaces_an_old_checkpoint(tmp_path):
+    write_config(tmp_path / "cfg", "gpt2")
+    m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(), None, "cpu")
+    hf.save_hf(m.module, tmp_path / "out", extra={"val_loss": 2.0})
+    hf.save_hf(m.module, tmp_path / "out", extra={"val_loss": 1.0})
+    assert hf.read_hf_checkpoint(tmp_path / "out")["val_loss"] == 1.0
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["cfg", "out"]      # no temporary folders left
+
+
+def test_bad_input_is_one_line(tmp_path):
+    with pytest.raises(FasttrainError, match="no such folder"):
+        hf.build_hf_model(f"hf:{tmp_path / 'missing'}", cfg(), None, "cpu")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(FasttrainError, match="has no config.json"):
+        hf.build_hf_model(f"hf:{tmp_path / 'empty'}", cfg(), None, "cpu")
+    write_config(tmp_path / "unknown", "llama")
+    raw = json.loads((tmp_path / "unknown" / "config.json").read_text())
+    (tmp_path / "unknown" / "config.json").write_text(json.dumps({**raw, "model_type": "no-such-family"}))
+    with pytest.raises(FasttrainError, match="unknown model_type 'no-such-family'"):
+        hf.build_hf_model(f"hf:{tmp_path / 'unknown'}", cfg(), None, "cpu")
+    (tmp_path / "notjson").mkdir()
+    (tmp_path / "notjson" / "config.json").write_text("{oops")
+    with pytest.raises(FasttrainError, match="not JSON"):
+        hf.build_hf_model(f"hf:{tmp_path / 'notjson'}", cfg(), None, "cpu")
+    with pytest.raises(FasttrainError, match="after 'hf:'"):
+        hf.build_hf_model("hf:", cfg(), None, "cpu")
+    write_config(tmp_path / "ok", "llama")
+    with pytest.raises(FasttrainError, match="corpus has 500 symbols.*vocabulary of 120"):
+        hf.build_hf_model(f"hf:{tmp_path / 'ok'}", cfg(), 500, "cpu")
+    with pytest.raises(FasttrainError, match="--context 128 exceeds.*64 positions"):
+        hf.build_hf_model(f"hf:{tmp_path / 'ok'}", LabConfig(device="cpu", context=128), None, "cpu")
+
+
+def test_hub_name_offline_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.setattr(hf, "_hub_reachable", lambda timeout=3.0: False)
+    with pytest.raises(FasttrainError, match="hub cannot be reached.*local folder") as info:
+        hf.build_hf_model("hf:someone/some-model", cfg(), None, "cpu")
+    assert "\n" not in str(info.value)
+    monkeypatch.undo()
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")        # the hub's own offline switch is honoured without a probe
+    assert hf._hub_reachable() is False
+    with pytest.raises(FasttrainError, match="no such folder; give a folder"):
+        hf.build_hf_model("hf:./not/here", cfg(), None, "cpu")
+
+
+def test_liger_is_refused_on_the_cpu_and_for_families_it_does_not_patch(tmp_path):
+    pytest.importorskip("liger_kernel")
+    write_config(tmp_path / "llama", "llama")
+    with pytest.raises(FasttrainError, match="needs a CUDA GPU"):
+        hf.build_hf_model(f"hf:{tmp_path / 'llama'}", cfg(use_liger_kernel=True), None, "cpu")
+    assert {"llama", "qwen2", "mistral", "gemma", "phi3"} <= hf.liger_families()
+    assert "gpt2" not in hf.liger_families()
+    config, _ = hf.load_hf_config(f"hf:{write_config(tmp_path / 'gpt2', 'gpt2')}")
+    with pytest.raises(FasttrainError, match="no patches for model_type 'gpt2'"):
+        hf.check_hf_setup(cfg(use_liger_kernel=True), config, None, "cuda")
+
+
+def test_tensor_parallel_is_refused_in_one_line():
+    hf.check_hf_parallel("ddp")
+    with pytest.raises(FasttrainError, match="--strategy tp is not supported for --model hf"):
+        hf.check_hf_parallel("tp")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("family", ("llama", "qwen2"))
+def test_liger_fused_loss_equals_the_plain_loss_on_the_gpu(tmp_path, family):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel")
+    write_config(tmp_path, family)
+    x, y = (t.cuda() for t in batch())
+    plain = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cuda")
+    plain.module.train()
+    expected = forward_loss(plain, plain.module, x, y).item()       # before liger patches the class
+    liger = hf.build_hf_model(f"hf:{tmp_path}", cfg(use_liger_kernel=True), None, "cuda")
+    assert "Liger" in type(liger.module.model.norm).__name__
+    liger.module.train()
+    loss = forward_loss(liger, liger.module, x, y)
+    assert loss.item() == pytest.approx(expected, rel=1e-4)
+    loss.backward()
