@@ -24,7 +24,8 @@ from fasttrain.lab import dist_launch
 from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
                                   LabConfig, preset)
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch")
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch",
+                                 "fasttrain.lab.sample")
 
 out = Console(width=160)
 err = Console(stderr=True)
