@@ -90,9 +90,13 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     (:func:`eval_settings`): the validation batch, the token budget (default the whole split),
     autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
     same kind of device the recorded loss comes back exactly."""
+    from fasttrain.lab import hf
     from fasttrain.lab.data import load_corpus
     from fasttrain.lab.train import Trainer, config_from_model, resolve_device
 
+    if hf.is_hf_checkpoint(path):
+        return _evaluate_hf_checkpoint(path, data_dir, eval_tokens=eval_tokens, device=device, batch=batch, bf16=bf16,
+                                       tf32=tf32, corpus=corpus)
     meta = read_checkpoint(path)
     recorded = meta.get("eval") or {}
     batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
@@ -114,6 +118,49 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
         trainer = Trainer(cfg, corpus, dev)
         if cfg.prompt_tuning_tokens:
             load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+        t = time.perf_counter()
+        loss, n = trainer.evaluate()
+        sync(dev)
+        ms = 1e3 * (time.perf_counter() - t)
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
+            "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
+            "recorded_device": recorded.get("device"),
+            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
+                         "tf32": tf32}}
+
+
+def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="auto", batch=None, bf16=None, tf32=None,
+                            corpus=None) -> dict:
+    """:func:`evaluate_checkpoint` for a folder saved from ``--model hf:...`` (``fasttrain.json``
+    beside the ``transformers`` files): the model loaded with ``from_pretrained`` (its soft prompt
+    re-attached), scored by the same evaluation as in training."""
+    from fasttrain.lab import hf
+    from fasttrain.lab.data import load_corpus
+    from fasttrain.lab.train import Trainer, resolve_device
+
+    meta = hf.read_hf_checkpoint(path)
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    corpus = corpus or load_corpus(data_dir)
+    if meta.get("chars") not in (None, corpus.chars):
+        raise FasttrainError(f"{path} was trained on another vocabulary than this corpus")
+    lab = meta.get("lab") or {}
+    attention = recorded.get("attn_implementation") or lab.get("attn_implementation") or "sdpa"
+    cfg = validate(LabConfig(name="eval", model=f"hf:{path}", device=device, bf16=bf16, fp16=fp16, tf32=tf32,
+                             eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch,
+                             max_steps=1, context=lab.get("context", 256), attn_implementation=attention,
+                             dropout=0.0))
+    dev = resolve_device(cfg)
+    with tf32_matmuls(tf32):
+        trainer = Trainer(cfg, corpus, dev)
+        if meta.get("prompt_tuning_tokens"):
+            # the soft prompt is a peft adapter beside the base weights: the model with it attached
+            model, _ = hf.load_hf_checkpoint(path, dev, attn_implementation=attention)
+            trainer.lab_model.module = trainer.model.inner = model
         t = time.perf_counter()
         loss, n = trainer.evaluate()
         sync(dev)

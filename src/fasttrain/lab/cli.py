@@ -31,6 +31,8 @@ out = Console(width=160)
 err = Console(stderr=True)
 
 HELP = {
+    "model": "gpt (the lab's own GPT, shaped by the flags below) or hf:PATH_OR_NAME (a transformers causal LM: "
+             "a folder with config.json, weights loaded if present, else initialized from the config).",
     "style": "gpt2 (LayerNorm, learned positions, GELU, tied) or llama (RMSNorm, RoPE, SwiGLU, GQA).",
     "layers": "Transformer blocks.", "heads": "Attention heads.", "kv_heads": "Key/value heads (llama: GQA).",
     "width": "Hidden size.", "ffn": "Feed-forward width (default 4 w; llama 8/3 w).",
@@ -88,7 +90,7 @@ def config_options(fn):
         elif f.name in ("dropout", "learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
                         "adam_epsilon", "max_grad_norm", "lora_alpha", "lora_dropout"):
             opt = click.option(flag, f.name, type=float, default=None, help=help_)
-        elif f.name in ("data_dir", "init_from", "save", "device"):
+        elif f.name in ("data_dir", "init_from", "save", "device", "model"):
             opt = click.option(flag, f.name, type=str, default=None, help=help_)
         else:
             opt = click.option(flag, f.name, type=int, default=None, help=help_)

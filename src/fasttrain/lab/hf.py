@@ -73,6 +73,8 @@ def _transformers():
         import transformers
     except ImportError as exc:
         raise missing_extra("transformers (--model hf:...)", exc) from None
+    # its loading and saving bars would interleave with the lab's own progress line
+    transformers.utils.logging.disable_progress_bar()
     return transformers
 
 
@@ -393,6 +395,38 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
         context=max_positions(config), config=config_dict, family=family, loss=hf_loss, logits=hf_logits,
         blocks=decoder_layers, save=lambda m, folder: save_hf(m, folder), lora_targets=LORA_TARGETS.get(family, ()),
         memory_setup=memory_setup_for(config_dict))
+
+
+_ADAPTER: dict = {}
+
+
+def calling_convention(model: LabModel):
+    """``model`` as an ``nn.Module`` called as the lab's GPT is: ``m(x, y) -> loss``,
+    ``m(x) -> logits``; the ``transformers`` model is its submodule ``inner`` (so DDP, FSDP and
+    ``torch.compile`` wrap it whole), its decoder layers are ``m.blocks``."""
+    if "cls" not in _ADAPTER:
+        import torch.nn as nn
+
+        from fasttrain.lab.models import forward_logits, forward_loss
+
+        class CausalLM(nn.Module):
+            def __init__(self, lab_model: LabModel):
+                super().__init__()
+                self.inner = lab_model.module
+                self.lab_model = [lab_model]        # a list: not a submodule
+
+            @property
+            def blocks(self):
+                return self.lab_model[0].blocks(self.inner)
+
+            def forward(self, idx, targets=None):
+                lab_model = self.lab_model[0]
+                if targets is None:
+                    return forward_logits(lab_model, self.inner, idx)
+                return forward_loss(lab_model, self.inner, idx, targets)
+
+        _ADAPTER["cls"] = CausalLM
+    return _ADAPTER["cls"](model)
 
 
 # --- saving ----------------------------------------------------------------------------------------

@@ -159,7 +159,7 @@ class Trainer:
     (:class:`~fasttrain.lab.distributed.World`): this process's rank and strategy; without ``wrap``
     the strategy wraps the model."""
 
-    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, world=None):
+    def __init__(self, cfg: LabConfig, corpus, device, *, batch: int | None = None, wrap=None, world=None, log=None):
         import torch
 
         from fasttrain.lab import distributed as D
@@ -169,7 +169,16 @@ class Trainer:
         self.cfg, self.device, self.corpus = cfg, device, corpus
         self.batch = batch or cfg.per_device_train_batch_size
         self.checkpoint_meta = None
-        if cfg.init_from:
+        self.lab_model = None
+        if cfg.model != "gpt":
+            from fasttrain.lab import hf
+
+            # a transformers model: its own attention, checkpointing, liger patches and peft
+            # adapters are applied as it is built; it is called as the lab's GPT is
+            self.lab_model = hf.build_hf_model(cfg.model, cfg, corpus.vocab_size, device, log=log)
+            self.model_config = None
+            model = hf.calling_convention(self.lab_model)
+        elif cfg.init_from:
             meta = read_checkpoint(cfg.init_from)
             if meta.get("chars") not in (None, corpus.chars):
                 raise FasttrainError(f"{cfg.init_from} was trained on another vocabulary")
@@ -180,16 +189,17 @@ class Trainer:
             self.checkpoint_meta = meta
         else:
             self.model_config = model_config(cfg, corpus.vocab_size)
-        model = build(self.model_config, device, seed=cfg.seed)
-        if cfg.init_from:
-            load_weights(model, cfg.init_from)
+        if self.lab_model is None:
+            model = build(self.model_config, device, seed=cfg.seed)
+            if cfg.init_from:
+                load_weights(model, cfg.init_from)
+                if cfg.prompt_tuning_tokens:
+                    with torch.no_grad():
+                        model.reset_prompt()
             if cfg.prompt_tuning_tokens:
-                with torch.no_grad():
-                    model.reset_prompt()
-        if cfg.prompt_tuning_tokens:
-            freeze_for_prompt_tuning(model)
-        if cfg.lora_r:
-            model = apply_lora(cfg, model)
+                freeze_for_prompt_tuning(model)
+            if cfg.lora_r:
+                model = apply_lora(cfg, model)
         # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
         # (before the optimizer is built: it must hold the sharded parameters)
         wrapped = wrap(model) if wrap is not None else D.wrap_model(model, world, mixed_bf16=cfg.bf16)
@@ -214,6 +224,8 @@ class Trainer:
         from fasttrain.lab.model import build
 
         cfg = self.cfg if seed is None else replace(self.cfg, seed=seed)
+        if self.lab_model is not None:
+            raise FasttrainError("Trainer.reset restarts the lab's GPT only; build a new Trainer for --model hf:...")
         if cfg.init_from or cfg.lora_r or cfg.prompt_tuning_tokens:
             raise FasttrainError("Trainer.reset restarts runs from scratch only (no --init-from, LoRA or prompt tuning)")
         fresh = build(self.model_config, self.device, seed=cfg.seed)
@@ -343,7 +355,12 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None) 
     try:
         device = torch.device(world.device) if world.distributed else resolve_device(cfg)
         cfg = D.resolve_batch(cfg, parallel, world.dp)
-        D.check_model_fits(cfg, world.world_size, world.strategy)
+        if cfg.model != "gpt":
+            from fasttrain.lab.hf import check_hf_parallel
+
+            check_hf_parallel(world.strategy)
+        else:
+            D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
             return _run_on(cfg, device, log, progress, corpus, wall0, environment, world)
     finally:
@@ -412,7 +429,7 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
         held = held_before(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    trainer = Trainer(cfg, corpus, device, batch=batch, world=world)
+    trainer = Trainer(cfg, corpus, device, batch=batch, world=world, log=log)
     sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
 
@@ -494,11 +511,28 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     }
     if cuda:
         kinds["activations"] = peak - sum(kinds.values())
-    estimate = _estimate(cfg, corpus.vocab_size, batch, peak,
-                         parallel=D.estimator_parallelism(world, cfg.bf16) if world.distributed else None)
+    if trainer.lab_model is None:
+        estimate = _estimate(cfg, corpus.vocab_size, batch, peak,
+                             parallel=D.estimator_parallelism(world, cfg.bf16) if world.distributed else None)
+    else:
+        estimate = _estimate_hf(trainer.lab_model, cfg, batch, peak)
 
     model = trainer.model
-    if cfg.save:
+    if cfg.save and trainer.lab_model is not None:
+        from fasttrain.lab.hf import save_hf
+
+        extra = {"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
+                 "eval_batch_size": cfg.eval_batch_size or batch, "step": cfg.max_steps,
+                 "eval": eval_settings(cfg, batch, device), "chars": corpus.chars}
+        if world.distributed:
+            state = D.full_state_dict(trainer.train_model, world)
+            if world.is_main:
+                model.load_state_dict(state)
+                save_hf(model.inner, cfg.save, lab=cfg.to_dict(), extra=extra)
+            D.barrier(world)
+        else:
+            save_hf(model.inner, cfg.save, lab=cfg.to_dict(), extra=extra)
+    elif cfg.save:
         if cfg.lora_r:
             merge_lora(model)
         extra = {"val_loss": record_eval[-1]["val_loss"], "val_tokens": record_eval[-1]["tokens"],
@@ -538,13 +572,20 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     if cfg.gradient_checkpointing == "selective" and cfg.attn_implementation == "sdpa":
         notes.append("selective checkpointing recomputes the eager attention core; with sdpa (which keeps no "
                      "s^2 scores) it changes nothing")
-    if cfg.use_liger_kernel:
+    if trainer.lab_model is not None:
+        notes.append(f"{trainer.lab_model.name}: the model's shape, dropout and vocabulary come from its config.json; "
+                     f"--style, --layers, --heads, --width, --ffn, --dropout and --bias do not apply")
+    if cfg.use_liger_kernel and trainer.lab_model is not None:
+        notes.append(f"liger: liger-kernel's patches for {trainer.lab_model.family} (its norms, RoPE, MLP and the "
+                     f"fused linear cross-entropy)")
+    elif cfg.use_liger_kernel:
         notes.append("liger: RMSNorm or LayerNorm, RoPE (llama), SwiGLU (llama) and the fused linear cross-entropy")
     record = {
         "kind": "lab-run",
         "schema": 1,
         "config": cfg.to_dict(),
-        "model": trainer.model_config.to_dict(),
+        "model": trainer.model_config.to_dict() if trainer.lab_model is None else
+                 {"source": trainer.lab_model.name, "family": trainer.lab_model.family, **trainer.lab_model.config},
         "environment": environment(),
         "device": gpu_name(device),
         "precision": cfg.precision,
@@ -577,6 +618,24 @@ def _run(cfg, corpus, device, log, progress, wall0, environment, world) -> dict:
     del trainer, model
     free_memory(device)
     return record
+
+
+def _estimate_hf(lab_model, cfg: LabConfig, batch: int, measured) -> dict:
+    """The estimator's prediction for a HF model, through its ``memory_setup`` hook (None: no mapping yet)."""
+    if lab_model.memory_setup is None:
+        return {"precise_bytes": None, "error": f"no memory estimate for {lab_model.family} models yet"}
+    from fasttrain.memory import estimate
+
+    try:
+        setup = lab_model.memory_setup(cfg, batch)
+        est = estimate(setup, "precise")
+    except FasttrainError as exc:
+        return {"precise_bytes": None, "error": str(exc)}
+    out = {"precise_bytes": est.total, "peak_at": est.extra.get("peak_moment"), "setup": setup.to_dict(),
+           "notes": estimate_notes(cfg)}
+    if measured:
+        out["error_pct"] = 100.0 * (est.total - measured) / measured
+    return out
 
 
 def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict | None = None) -> dict:
