@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -300,3 +301,147 @@ def test_liger_fused_loss_equals_the_plain_loss_on_the_gpu(tmp_path, family):
     loss = forward_loss(liger, liger.module, x, y)
     assert loss.item() == pytest.approx(expected, rel=1e-4)
     loss.backward()
+
+
+# --- through the lab: fasttrain lab --model hf:DIR ------------------------------------------------
+
+@pytest.fixture(scope="module")
+def corpus():
+    from tests_support import toy_text
+    from fasttrain.lab.data import corpus_from_text
+
+    return corpus_from_text(toy_text())
+
+
+def lab_cfg(folder, **kw):
+    from fasttrain.lab.config import preset
+
+    base = dict(model=f"hf:{folder}", max_steps=6, eval_tokens=256, eval_interval=0, log_interval=1,
+                timing_warmup_steps=1, device="cpu", context=16, per_device_train_batch_size=4, warmup_steps=1)
+    return preset("tiny", **{**base, **kw})
+
+
+def losses(record):
+    return [p["loss"] for p in record["loss_curve"]]
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("hf-configs")
+    return {family: write_config(root / family, family) for family in FAMILIES}
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trains_through_the_lab_and_techniques_keep_the_function(folders, corpus, family):
+    from fasttrain.lab.train import run
+
+    folder = folders[family]
+    base = run(lab_cfg(folder), corpus=corpus)
+    assert base["model"]["source"] == f"hf:{folder}" and base["model"]["family"] == family
+    assert base["params"]["total"] == base["params"]["trainable"] > 0
+    assert losses(base)[-1] < losses(base)[0]                       # it learns
+    assert base["estimate"]["precise_bytes"] is None and "no memory estimate" in base["estimate"]["error"]
+    # the same function, other kernels / schedules of the same sums
+    same = {"sdpa": dict(attn_implementation="sdpa"), "checkpointing": dict(gradient_checkpointing="full"),
+            "accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)}
+    for name, kw in same.items():
+        rec = run(lab_cfg(folder, **kw), corpus=corpus)
+        assert losses(rec) == pytest.approx(losses(base), rel=2e-4), name
+    # bf16 autocast and Muon (which finds the family's decoder layers): they train, finite and falling
+    for kw in (dict(bf16=True), dict(optim="muon")):
+        rec = run(lab_cfg(folder, max_steps=8, **kw), corpus=corpus)
+        assert all(np.isfinite(losses(rec))) and losses(rec)[-1] < losses(rec)[0], kw
+
+
+def test_model_independent_techniques_through_the_lab(folders, corpus):
+    """Data loading, the allocator and the batch finder do not look inside the model: one family."""
+    from fasttrain.lab.train import run
+
+    folder = folders["llama"]
+    base = run(lab_cfg(folder), corpus=corpus)
+    for kw in (dict(preload=True), dict(torch_empty_cache_steps=1), dict(auto_find_batch_size=True)):
+        assert losses(run(lab_cfg(folder, **kw), corpus=corpus)) == pytest.approx(losses(base), rel=2e-4), kw
+    for kw in (dict(optim="adafactor"), dict(optim="sgd", learning_rate=0.5), dict(optim="adamw_torch_fused")):
+        rec = run(lab_cfg(folder, max_steps=8, **kw), corpus=corpus)
+        assert all(np.isfinite(losses(rec))) and losses(rec)[-1] < losses(rec)[0], kw
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_peft_through_the_lab(folders, corpus, family):
+    from fasttrain.lab.train import run
+
+    lora = run(lab_cfg(folders[family], lora_r=2), corpus=corpus)
+    prompt = run(lab_cfg(folders[family], prompt_tuning_tokens=4), corpus=corpus)
+    assert 0 < lora["params"]["trainable"] < lora["params"]["total"]
+    width = 48 if family == "qwen2" else 32
+    assert prompt["params"]["trainable"] == 4 * width
+    assert all(np.isfinite(losses(lora) + losses(prompt)))
+
+
+def test_compile_through_the_lab(folders, corpus):
+    from fasttrain.lab.train import run
+
+    base = run(lab_cfg(folders["llama"], max_steps=2), corpus=corpus)
+    compiled = run(lab_cfg(folders["llama"], max_steps=2, torch_compile=True), corpus=corpus)
+    assert losses(compiled) == pytest.approx(losses(base), rel=1e-4)
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {"lora_r": 2}), ("qwen2", {"prompt_tuning_tokens": 3})])
+def test_save_loads_with_from_pretrained_and_lab_eval_rescores(folders, corpus, tmp_path, family, extra):
+    from fasttrain.lab.checkpoint import evaluate_checkpoint
+    from fasttrain.lab.train import run
+
+    out = tmp_path / "saved"
+    rec = run(lab_cfg(folders[family], save=str(out), **extra), corpus=corpus)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(out)
+    assert loaded.config.model_type == family
+    assert not any("lora" in n for n, _ in loaded.named_parameters())
+    meta = hf.read_hf_checkpoint(out)
+    assert meta["val_loss"] == rec["final"]["val_loss"] and meta["lab"]["model"] == f"hf:{folders[family]}"
+    again = evaluate_checkpoint(out, device="cpu", corpus=corpus)
+    if extra.get("lora_r"):     # merged weights: the same function up to rounding
+        assert again["val_loss"] == pytest.approx(rec["final"]["val_loss"], rel=1e-5)
+    else:
+        assert again["val_loss"] == rec["final"]["val_loss"]
+    # the saved folder is a model to train on: --model hf:SAVED loads its weights
+    lines = []
+    from fasttrain.lab.train import Trainer
+
+    Trainer(lab_cfg(out), corpus, torch.device("cpu"), log=lines.append)
+    assert "weights loaded" in lines[0]
+
+
+def test_cli_trains_saves_evaluates_and_samples(folders, tmp_path):
+    import os
+
+    from tests_support import fasttrain_cli
+
+    shakespeare = os.path.join(os.environ.get("FASTTRAIN_DATA_DIR", ""), "tinyshakespeare", "input.txt")
+    if not os.path.isfile(shakespeare):
+        pytest.skip("needs Tiny Shakespeare in $FASTTRAIN_DATA_DIR")
+    ck = tmp_path / "ck"
+    res = fasttrain_cli("lab", "--preset", "tiny", "--model", f"hf:{folders['gpt2']}", "--max-steps", "4",
+                        "--device", "cpu", "--eval-tokens", "256", "--context", "16", "--save", ck, "--out",
+                        tmp_path / "run.json", "--quiet")
+    assert res.returncode == 0, res.stderr[-2000:]
+    record = json.loads((tmp_path / "run.json").read_text())
+    assert record["config"]["model"] == f"hf:{folders['gpt2']}"
+    ev = fasttrain_cli("lab", "eval", ck, "--device", "cpu")
+    assert ev.returncode == 0 and "(identical)" in ev.stdout, ev.stderr[-2000:]
+    sample = fasttrain_cli("lab", "sample", ck, "--prompt", "ROMEO:", "--max-new-tokens", "8", "--device", "cpu")
+    assert sample.returncode == 0 and sample.stdout.startswith("ROMEO:"), sample.stderr[-2000:]
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--model", "bert"], "unknown --model 'bert'"),
+    (["--model", "hf:/no/such/folder"], "no such folder"),
+    (["--model", "hf:{folder}", "--gradient-checkpointing", "selective"], "transformers checkpoints whole"),
+    (["--model", "hf:{folder}", "--init-from", "x"], "--init-from loads the lab GPT"),
+    (["--model", "hf:{folder}", "--context", "1000"], "exceeds the llama model's 64 positions"),
+    (["--model", "hf:{folder}", "--strategy", "tp", "--nproc-per-node", "2"], "tp is not supported for --model hf"),
+])
+def test_cli_bad_input_is_one_line(folders, args, message):
+    from tests_support import fasttrain_cli, one_line_error
+
+    args = [a.replace("{folder}", str(folders["llama"])) for a in args]
+    one_line_error(fasttrain_cli("lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "1", *args), message)

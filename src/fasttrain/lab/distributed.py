@@ -191,6 +191,10 @@ def check_config(cfg, parallel: ParallelConfig) -> None:
     if cfg.auto_find_batch_size:
         raise FasttrainError("--auto-find-batch-size searches on one GPU; run it there without --strategy and "
                              "pass the batch it finds as --per-device-train-batch-size")
+    if s == "tp" and getattr(cfg, "model", "gpt") != "gpt":
+        from fasttrain.lab.hf import check_hf_parallel
+
+        check_hf_parallel(s)
     if cfg.fp16 and s in ("fsdp", "tp"):
         raise FasttrainError(f"--fp16 (GradScaler) is not supported with --strategy {s}; use --bf16")
     if s == "tp" and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
