@@ -24,6 +24,8 @@ from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
 from fasttrain.lab import pitfall as lab_pitfall  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
+from fasttrain.lab import evaluate as lab_evaluate  # noqa: E402
+from fasttrain.lab.build import make_trainer  # noqa: E402
 
 SHAKESPEARE_SHA = "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"
 
@@ -156,7 +158,7 @@ def test_checkpoint_then_lora_prompt_and_full_fine_tuning(corpus, tmp_path):
     pre = lab.run(tiny(style="llama", kv_heads=1, save=str(ck)), corpus=corpus)
     assert (ck / "model.safetensors").exists() and json.loads((ck / "config.json").read_text())["model"]["norm"] == "rms"
     # the saved model alone reproduces the recorded validation loss, exactly
-    again = lab_checkpoint.evaluate_checkpoint(ck, eval_tokens=256, device="cpu", corpus=corpus)
+    again = lab_evaluate.evaluate_checkpoint(ck, eval_tokens=256, device="cpu", corpus=corpus)
     assert again["val_loss"] == pre["final"]["val_loss"] == again["recorded_val_loss"]
     runs = {}
     for name, kw in {"full": {}, "lora": dict(lora_r=2), "prompt": dict(prompt_tuning_tokens=4)}.items():
@@ -477,11 +479,11 @@ def test_every_optimizer_follows_the_learning_rate_schedule(corpus):
     lr as a tensor and refuses a float: seen on the GPU)."""
     pytest.importorskip("torchao")
     from fasttrain.lab.optim import lr_at
-    from fasttrain.lab.train import Trainer
+    from fasttrain.lab.build import make_trainer
 
     cfg = tiny(optim="adamw_8bit", max_steps=3, warmup_steps=2)
-    trainer = Trainer(cfg, corpus, torch.device("cpu"))
+    trainer = make_trainer(cfg, corpus, torch.device("cpu"))
     for step, (x, y) in zip(range(2), trainer.batches(2)):
-        trainer.step(x, y)
+        trainer.train_step(x, y)
         lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
         assert lrs == pytest.approx([lr_at(cfg, step)] * len(lrs))

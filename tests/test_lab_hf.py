@@ -121,17 +121,30 @@ def test_eager_and_sdpa_give_the_same_function(tmp_path, family):
                                rtol=1e-5, atol=1e-5)
 
 
+def trainer_for(folder, **kw):
+    """The lab's trainer of the HF model in ``folder`` (a 65-symbol corpus stands in)."""
+    from types import SimpleNamespace
+
+    import numpy as np
+
+    from fasttrain.lab.trainer import Trainer
+
+    ids = np.arange(400, dtype=np.int64) % 65
+    data = SimpleNamespace(train=ids, val=ids, vocab_size=65, chars=None)
+    c = cfg(**kw)
+    return Trainer(c, hf.build_hf_model(f"hf:{folder}", c, 65, "cpu"), data, torch.device("cpu"))
+
+
 @pytest.mark.parametrize("family", ("llama", "gpt2"))
 def test_full_checkpointing_is_the_models_own_and_keeps_gradients(tmp_path, family):
     write_config(tmp_path, family)
-    plain = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
-    ckpt = hf.build_hf_model(f"hf:{tmp_path}", cfg(gradient_checkpointing="full"), None, "cpu")
-    assert ckpt.module.is_gradient_checkpointing and not plain.module.is_gradient_checkpointing
-    x, y = batch()
-    for m in (plain, ckpt):
-        m.module.train()
-        forward_loss(m, m.module, x, y).backward()
-    for (name, a), b in zip(plain.module.named_parameters(), ckpt.module.parameters()):
+    plain = trainer_for(tmp_path)
+    ckpt = trainer_for(tmp_path, gradient_checkpointing="full")
+    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    x, y = batch(vocab=65)
+    for t in (plain, ckpt):
+        t.forward_backward_step(x, y)
+    for (name, a), b in zip(plain.model.named_parameters(), ckpt.model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
 
@@ -148,39 +161,43 @@ def test_blocks_are_the_decoder_layers(tmp_path, family, path):
     m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
     expected = m.module.get_submodule(path)
     assert m.blocks(m.module) is expected and len(expected) == 2
-    lora = hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2), None, "cpu")     # through peft's wrapper too
-    assert len(lora.blocks(lora.module)) == 2
+    lora = trainer_for(tmp_path, lora_r=2)                           # with LoRA's wrappers inside
+    assert len(lora.lab_model.blocks(lora.model)) == 2
+    prompt = hf.build_hf_model(f"hf:{tmp_path}", cfg(prompt_tuning_tokens=2), None, "cpu")   # through peft's model
+    assert len(prompt.blocks(prompt.module)) == 2
 
 
 def test_compile_per_block_gives_the_same_loss(tmp_path):
     write_config(tmp_path, "llama")
-    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu")
-    x, y = batch()
-    before = forward_loss(m, m.module, x, y).item()
-    hf.compile_blocks(m)
-    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in m.blocks(m.module))
-    assert forward_loss(m, m.module, x, y).item() == pytest.approx(before, rel=1e-5)
+    plain = trainer_for(tmp_path)
+    blocks = trainer_for(tmp_path, torch_compile=True, torch_compile_scope="blocks")
+    assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks.lab_model.blocks(blocks.model))
+    x, y = batch(vocab=65)
+    assert blocks.forward_backward_step(x, y).item() == pytest.approx(plain.forward_backward_step(x, y).item(),
+                                                                       rel=1e-5)
 
 
 @pytest.mark.parametrize("family,targets", [("llama", ("q_proj", "v_proj")), ("gpt2", ("c_attn",)),
                                             ("qwen2", ("q_proj", "v_proj"))])
 def test_lora_default_targets_per_family_and_merge_on_save(tmp_path, family, targets):
+    from fasttrain.lab.adapters import merge_lora
+
     write_config(tmp_path / "cfg", family)
-    m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(lora_r=4), None, "cpu")
-    assert m.lora_targets == targets
-    trainable = [n for n, p in m.module.named_parameters() if p.requires_grad]
+    trainer = trainer_for(tmp_path / "cfg", lora_r=4)
+    assert trainer.lab_model.lora_targets == targets
+    trainable = [n for n, p in trainer.model.named_parameters() if p.requires_grad]
     assert trainable and all("lora_" in n for n in trainable)
     assert {n.split(".lora_")[0].rsplit(".", 1)[-1] for n in trainable} == set(targets)
     # move B off zero so the adapter changes the function, then merge and save
     with torch.no_grad():
-        for n, p in m.module.named_parameters():
+        for n, p in trainer.model.named_parameters():
             if "lora_B" in n:
                 p.normal_(0, 0.5)
-    x, y = batch()
-    m.module.eval()
+    x, y = batch(vocab=65)
+    trainer.model.eval()
     with torch.no_grad():
-        expected = forward_logits(m, m.module, x)
-    hf.save_hf(m.module, tmp_path / "saved", lab={"lora_r": 4}, extra={"val_loss": 1.5})
+        expected = forward_logits(trainer.lab_model, trainer.model, x)
+    hf.save_hf(merge_lora(trainer.model), tmp_path / "saved", lab={"lora_r": 4}, extra={"val_loss": 1.5})
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "saved").eval()
     assert not any("lora" in n for n, _ in loaded.named_parameters())
     with torch.no_grad():
@@ -191,11 +208,12 @@ def test_lora_default_targets_per_family_and_merge_on_save(tmp_path, family, tar
 
 def test_lora_targets_in_the_models_own_names(tmp_path):
     write_config(tmp_path, "llama")
-    m = hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2, lora_target_modules=("o_proj", "down_proj")), None, "cpu")
-    trainable = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in m.module.named_parameters() if p.requires_grad}
+    trainer = trainer_for(tmp_path, lora_r=2, lora_target_modules=("o_proj", "down_proj"))
+    trainable = {n.split(".lora_")[0].rsplit(".", 1)[-1] for n, p in trainer.model.named_parameters()
+                 if p.requires_grad}
     assert trainable == {"o_proj", "down_proj"}
     with pytest.raises(FasttrainError, match="unknown --lora-target-modules c_attn.*q_proj"):
-        hf.build_hf_model(f"hf:{tmp_path}", cfg(lora_r=2, lora_target_modules=("c_attn",)), None, "cpu")
+        trainer_for(tmp_path, lora_r=2, lora_target_modules=("c_attn",))
 
 
 @pytest.mark.parametrize("family", ("llama", "gpt2"))
@@ -204,6 +222,7 @@ def test_prompt_tuning_trains_the_prompt_only_and_scores_real_positions(tmp_path
     m = hf.build_hf_model(f"hf:{tmp_path / 'cfg'}", cfg(prompt_tuning_tokens=3), None, "cpu")
     trainable = [(n, p) for n, p in m.module.named_parameters() if p.requires_grad]
     assert len(trainable) == 1 and trainable[0][1].shape == (3, 32)
+    assert trainer_for(tmp_path / "cfg", prompt_tuning_tokens=3).trainable[0].shape == (3, 32)
     x, y = batch()
     logits = forward_logits(m, m.module, x)
     assert logits.shape == (2, 16, 120)
@@ -337,10 +356,11 @@ def test_trains_through_the_lab_and_techniques_keep_the_function(folders, corpus
 
     folder = folders[family]
     base = run(lab_cfg(folder), corpus=corpus)
-    assert base["model"]["source"] == f"hf:{folder}" and base["model"]["family"] == family
+    assert base["model_source"]["name"] == f"hf:{folder}" and base["model_source"]["family"] == family
+    assert base["model"]["model_type"] == family
     assert base["params"]["total"] == base["params"]["trainable"] > 0
     assert losses(base)[-1] < losses(base)[0]                       # it learns
-    assert base["estimate"]["precise_bytes"] is None and "no memory estimate" in base["estimate"]["error"]
+    assert base["estimate"]["precise_bytes"] is None and "no memory model" in base["estimate"]["error"]
     # the same function, other kernels / schedules of the same sums
     same = {"sdpa": dict(attn_implementation="sdpa"), "checkpointing": dict(gradient_checkpointing="full"),
             "accumulation": dict(per_device_train_batch_size=2, gradient_accumulation_steps=2)}
@@ -388,7 +408,7 @@ def test_compile_through_the_lab(folders, corpus):
 
 @pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {"lora_r": 2}), ("qwen2", {"prompt_tuning_tokens": 3})])
 def test_save_loads_with_from_pretrained_and_lab_eval_rescores(folders, corpus, tmp_path, family, extra):
-    from fasttrain.lab.checkpoint import evaluate_checkpoint
+    from fasttrain.lab.evaluate import evaluate_checkpoint
     from fasttrain.lab.train import run
 
     out = tmp_path / "saved"
@@ -404,10 +424,10 @@ def test_save_loads_with_from_pretrained_and_lab_eval_rescores(folders, corpus, 
     else:
         assert again["val_loss"] == rec["final"]["val_loss"]
     # the saved folder is a model to train on: --model hf:SAVED loads its weights
-    lines = []
-    from fasttrain.lab.train import Trainer
+    from fasttrain.lab.build import build_model
 
-    Trainer(lab_cfg(out), corpus, torch.device("cpu"), log=lines.append)
+    lines = []
+    build_model(lab_cfg(out), corpus.vocab_size, torch.device("cpu"), log=lines.append)
     assert "weights loaded" in lines[0]
 
 

@@ -7,9 +7,10 @@ import pytest
 
 @pytest.mark.gpu
 def test_precise_estimate_within_10_percent_of_measured_peak():
+    from fasttrain.lab import memory_check
     from fasttrain.memory import validate
 
-    rows, env = validate.run(list(validate.QUICK), log=lambda m: None)
+    rows, env = memory_check.run(list(validate.QUICK), log=lambda m: None)
     assert len(rows) == len(validate.QUICK)
     for row in rows:
         assert row["error"] == "", row

@@ -208,10 +208,10 @@ torch = pytest.importorskip("torch")
 
 
 def _measure(setup):
-    from fasttrain.memory import validate
+    from fasttrain.lab import memory_check
 
     torch.set_num_threads(2)
-    row = validate.run_case("cpu", device="cpu", setup=setup, steps=2)
+    row = memory_check.run_case("cpu", device="cpu", setup=setup, steps=2)
     return row
 
 

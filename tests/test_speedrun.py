@@ -21,6 +21,8 @@ from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
 from fasttrain.lab import speedrun_report as report  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
+from fasttrain.lab import evaluate as lab_evaluate  # noqa: E402
+from fasttrain.lab.build import make_trainer  # noqa: E402
 
 TARGET = 2.2           # the tiny model reaches it on the synthetic corpus after ~10 steps
 SMALL = dict(max_steps=20, eval_interval=5, eval_tokens=512, device="cpu", torch_compile=False)
@@ -84,11 +86,11 @@ def test_bad_input_is_a_one_line_error(call, message):
 
 def test_warm_up_then_reset_trains_exactly_like_a_fresh_model(corpus):
     cfg = sr.plan([0], [5], base_preset="tiny", sets=SMALL)[0].cfg.with_(seed=5)
-    fresh = lab.Trainer(cfg, corpus, torch.device("cpu"))
+    fresh = make_trainer(cfg, corpus, torch.device("cpu"))
     a = sr.train_to_target(fresh, target=0.01, max_train_s=0, patience_steps=0)
-    warmed = lab.Trainer(cfg.with_(seed=9), corpus, torch.device("cpu"))
+    warmed = make_trainer(cfg.with_(seed=9), corpus, torch.device("cpu"))
     for x, y in warmed.batches(3):                   # warm-up steps train the parameters ...
-        warmed.step(x, y)
+        warmed.train_step(x, y)
     params = [p for p in warmed.model.parameters()]
     warmed.reset(5)                                  # ... which go back to seed 5's start, in place
     assert all(p is q for p, q in zip(params, warmed.model.parameters()))
@@ -100,7 +102,7 @@ def test_warm_up_then_reset_trains_exactly_like_a_fresh_model(corpus):
 def test_patience_stops_a_run_that_no_longer_improves(corpus):
     cfg = sr.plan([0], [0], base_preset="tiny", sets=dict(SMALL, learning_rate=1e-3, min_lr=1e-3, warmup_steps=0,
                                                            dropout=0.0))[0].cfg
-    trainer = lab.Trainer(cfg, corpus, torch.device("cpu"))
+    trainer = make_trainer(cfg, corpus, torch.device("cpu"))
     rec = sr.train_to_target(trainer, target=0.01, max_train_s=0, patience_steps=5)
     # a new best at every validation: never stopped for patience; the target is out of reach
     assert rec["stop"] == "max_steps" and rec["best_step"] == 20
@@ -161,7 +163,7 @@ def test_ladder_on_a_tiny_budget_writes_results_and_a_checkpoint_lab_eval_reprod
     assert meta["chars"] == corpus.chars and meta["split"]["val_chars"] == len(corpus.val)
     assert meta["eval"]["eval_batch_size"] == 8 and meta["eval"]["eval_tokens"] == 512
     assert meta["speedrun"]["rung"] == res["fastest"]["name"] == res["saved"]["rung"]
-    again = lab_checkpoint.evaluate_checkpoint(ck, device="cpu", corpus=corpus)
+    again = lab_evaluate.evaluate_checkpoint(ck, device="cpu", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"] == res["saved"]["val_loss"] and again["val_loss"] <= TARGET
 
 
@@ -247,19 +249,19 @@ def test_gpu_cuda_graph_rung_reaches_a_loose_target_and_the_checkpoint_reevaluat
     assert all(r["summary"]["counts"] for r in res["rows"]), [r.get("error") or r["summary"] for r in res["rows"]]
     meta = json.loads((tmp_path / "ck" / "config.json").read_text())
     assert meta["eval"]["device_type"] == "cuda" and meta["eval"]["bf16"] and meta["eval"]["tf32"]
-    again = lab_checkpoint.evaluate_checkpoint(tmp_path / "ck", device="cuda", corpus=corpus)
+    again = lab_evaluate.evaluate_checkpoint(tmp_path / "ck", device="cuda", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"]
 
 
 def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
     cfg = sr.plan([10], [0], base_preset="tiny", sets=SMALL)[0].cfg
-    trainer = lab.Trainer(cfg, corpus, torch.device("cpu"))
+    trainer = make_trainer(cfg, corpus, torch.device("cpu"))
     muon, adamw = trainer.optimizer.optimizers
     named = dict(trainer.model.named_parameters())
     in_muon = {n for n, p in named.items() if any(p is q for g in muon.param_groups for q in g["params"])}
     assert in_muon == {n for n, p in named.items() if n.startswith("blocks.") and p.dim() == 2}
     assert len(trainer.optimizer.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
-    trainer.step(*next(trainer.batches(1)))
+    trainer.train_step(*next(trainer.batches(1)))
     assert all(g["lr"] == lab_optim.lr_at(cfg, 0) for g in trainer.optimizer.param_groups)
     rec = lab.run(cfg.with_(max_steps=2, eval_interval=0), corpus=corpus)      # the lab's own loop takes it too
     hidden = sum(p.numel() for n, p in named.items() if n in in_muon)

@@ -132,3 +132,37 @@ def check_output_folder(path: str | os.PathLike, flag: str, parents: bool = Fals
     if not os.access(folder, os.W_OK):
         raise FasttrainError(f"{flag} {text}: folder is not writable; choose another")
     return folder
+
+
+def finite_or_none(value):
+    """``value`` with every NaN or infinite float replaced by None, recursively: JSON has no NaN,
+    and a run record must stay readable by any JSON parser."""
+    import math
+
+    import numpy as np
+
+    if isinstance(value, float | np.floating):
+        return float(value) if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: finite_or_none(v) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [finite_or_none(v) for v in value]
+    return value
+
+
+def replace_between_markers(readme, section: str, *, start: str, end: str) -> None:
+    """Replace what lies between the ``start`` and ``end`` marker lines of ``readme`` with ``section``
+    (the file written whole or not at all)."""
+    path = Path(readme)
+    try:
+        text = path.read_text()
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: no such file") from None
+    lines = text.splitlines(keepends=True)
+    starts = [i for i, line in enumerate(lines) if line.strip() == start]
+    ends = [i for i, line in enumerate(lines) if line.strip() == end]
+    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
+        raise FasttrainError(f"{path}: needs exactly one line {start} and, below it, one line {end} "
+                             "around the place for the results")
+    new = "".join(lines[: starts[0] + 1]) + section.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
+    atomic_write_text(path, new)

@@ -31,6 +31,7 @@ from fasttrain.engines import get_engine
 from fasttrain.engines.base import EpochStats, Job, Weights, make_options, options_dict
 from fasttrain.environment import environment
 from fasttrain.errors import EngineUnavailable, FasttrainError
+from fasttrain.files import finite_or_none  # noqa: F401 - the run records of this driver and its callers
 from fasttrain.files import atomic_path, atomic_write_text, check_distinct_outputs, check_output_path
 
 SCHEMA = 1
@@ -75,18 +76,6 @@ class RunRecord:
     @classmethod
     def load(cls, path: str | os.PathLike) -> "RunRecord":
         return cls.from_dict(json.loads(Path(path).read_text()))
-
-
-def finite_or_none(value):
-    """``value`` with every NaN or infinite float replaced by None, recursively: JSON has no NaN,
-    and a run record must stay readable by any JSON parser."""
-    if isinstance(value, float | np.floating):
-        return float(value) if math.isfinite(value) else None
-    if isinstance(value, dict):
-        return {k: finite_or_none(v) for k, v in value.items()}
-    if isinstance(value, list | tuple):
-        return [finite_or_none(v) for v in value]
-    return value
 
 
 def _divergence(row: dict) -> dict | None:

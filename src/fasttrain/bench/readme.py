@@ -13,7 +13,7 @@ from pathlib import Path
 from fasttrain.bench.report import load_result, machine_line, to_markdown
 from fasttrain.bench.suites import all_suites
 from fasttrain.errors import FasttrainError
-from fasttrain.files import atomic_write_text
+from fasttrain.files import replace_between_markers
 
 START, END = "<!-- bench-results:start -->", "<!-- bench-results:end -->"
 
@@ -59,16 +59,4 @@ def readme_section(results_dir: str | Path, link_base: str | None = None, headin
 
 def write_into(readme: str | Path, section: str, *, start: str = START, end: str = END) -> None:
     """Replace what lies between the ``start`` and ``end`` marker lines of ``readme`` with ``section``."""
-    path = Path(readme)
-    try:
-        text = path.read_text()
-    except FileNotFoundError:
-        raise FasttrainError(f"{path}: no such file") from None
-    lines = text.splitlines(keepends=True)
-    starts = [i for i, line in enumerate(lines) if line.strip() == start]
-    ends = [i for i, line in enumerate(lines) if line.strip() == end]
-    if len(starts) != 1 or len(ends) != 1 or ends[0] < starts[0]:
-        raise FasttrainError(f"{path}: needs exactly one line {start} and, below it, one line {end} "
-                             "around the place for the results")
-    new = "".join(lines[: starts[0] + 1]) + section.rstrip("\n") + "\n" + "".join(lines[ends[0]:])
-    atomic_write_text(path, new)
+    replace_between_markers(readme, section, start=start, end=end)

@@ -27,23 +27,24 @@ def find_batch_size(start: int, fits) -> int:
     return lo
 
 
-def _steps_fit(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    from fasttrain.lab.train import Trainer     # train.py imports this module
+def _steps_fit(cfg: LabConfig, corpus, device, batch: int, make) -> bool:
+    from fasttrain.lab.build import build_model
+    from fasttrain.lab.trainer import Trainer
 
     try:
-        trainer = Trainer(cfg, corpus, device, batch=batch)
-        for x, y in trainer.batches(2):
-            trainer.step(x, y)
+        model = make() if make is not None else build_model(cfg, corpus.vocab_size, device)
+        trainer = Trainer(cfg, model, corpus, device, batch=batch)
+        trainer.train(2, evaluate=False)
         sync(device)
         return True
     except oom_types():
         return False
 
 
-def probe_batch(cfg: LabConfig, corpus, device, batch: int) -> bool:
-    """Does training at micro-batch ``batch`` fit? (a fresh model, two steps so that the optimizer
-    state exists). Out-of-memory is caught in a frame that is gone, with its tensors, before the
-    cache is emptied."""
-    fits = _steps_fit(cfg, corpus, device, batch)
+def probe_batch(cfg: LabConfig, corpus, device, batch: int, make=None) -> bool:
+    """Does training at micro-batch ``batch`` fit? (a fresh model -- ``make()``, default the one
+    ``cfg`` names -- trained two steps through the trainer, so that the optimizer state exists).
+    Out-of-memory is caught in a frame that is gone, with its tensors, before the cache is emptied."""
+    fits = _steps_fit(cfg, corpus, device, batch, make)
     free_memory(device)
     return fits

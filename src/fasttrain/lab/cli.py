@@ -21,8 +21,7 @@ from rich.table import Table
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_path
 from fasttrain.lab import dist_launch
-from fasttrain.lab.config import (ATTENTIONS, CHECKPOINTING, COMPILE_MODES, OPTIMS, PRESET_NOTES, PRESETS, STYLES,
-                                  LabConfig, preset)
+from fasttrain.lab.config import PRESET_NOTES, PRESETS, LabConfig, preset
 
 SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch",
                                  "fasttrain.lab.sample")
@@ -66,45 +65,71 @@ HELP = {
     "init_from": "Start from a checkpoint written with --save (fine-tuning).",
     "save": "Write the trained model to this folder (model.safetensors + config.json).",
 }
-CHOICES = {"style": STYLES, "optim": OPTIMS, "attn_implementation": ATTENTIONS, "torch_compile_mode": COMPILE_MODES}
+HELP.update({
+    "torch_compile_scope": "What torch.compile compiles: model (one graph) or blocks (each repeated block alone).",
+    "save_steps": "Write a training-state checkpoint (weights, optimizer, schedule, data position, random states) "
+                  "every N steps into --output-dir.",
+    "save_total_limit": "Keep only the newest N checkpoints.", "output_dir": "Where --save-steps writes checkpoint-N/.",
+    "resume": "Continue from a checkpoint (a checkpoint-N folder, or the newest in an --output-dir).",
+})
 SKIP = {"name"}
+NONE = object()          # "none" given for an optional setting: None, not "keep the preset's value"
+
+
+def _given(options: dict) -> dict:
+    """The LabConfig fields given on the command line (``none`` -> None)."""
+    fields = {f.name for f in dataclasses.fields(LabConfig)}
+    return {k: (None if v is NONE else v) for k, v in options.items() if v is not None and k in fields}
+
+
+def _option_for(kind):
+    """The click option of one LabConfig field, typed by :mod:`fasttrain.lab.overrides`."""
+    from fasttrain.lab.overrides import parse_value
+
+    help_ = HELP.get(kind.name, "")
+    if kind.name == "gradient_checkpointing":
+        # --gradient-checkpointing alone means full
+        return click.option(kind.flag, kind.name, type=click.Choice(kind.choices), is_flag=False, flag_value="full",
+                            default=None, help=help_ + " [none|full|selective; alone: full]")
+    if kind.type is bool:
+        return click.option(f"{kind.flag}/--no-{kind.flag[2:]}", kind.name, default=None, help=help_)
+    if kind.choices is not None:
+        return click.option(kind.flag, kind.name, type=click.Choice(kind.choices), default=None, help=help_)
+    if kind.type in (tuple, str) or kind.optional:
+        # parsed by the one override parser (lists comma-separated; "none" for an optional field)
+        def convert(ctx, param, value, name=kind.name):
+            if value is None:
+                return None
+            parsed = parse_value(name, value)
+            return NONE if parsed is None else parsed
+        return click.option(kind.flag, kind.name, type=str, default=None, callback=convert, help=help_)
+    return click.option(kind.flag, kind.name, type=kind.type, default=None, help=help_)
 
 
 def config_options(fn):
-    """One click option per LabConfig field; every default is None (= keep the preset's value)."""
-    for f in reversed(dataclasses.fields(LabConfig)):
-        if f.name in SKIP:
+    """One click option per LabConfig field, typed by its annotation; every default is None (= keep
+    the preset's value)."""
+    from fasttrain.lab.overrides import field_kinds
+
+    for kind in reversed(list(field_kinds().values())):
+        if kind.name in SKIP:
             continue
-        flag = "--" + f.name.replace("_", "-")
-        help_ = HELP.get(f.name, "")
-        if f.name == "gradient_checkpointing":
-            # --gradient-checkpointing alone means full
-            opt = click.option(flag, f.name, type=click.Choice(CHECKPOINTING), is_flag=False, flag_value="full",
-                               default=None, help=help_ + " [none|full|selective; alone: full]")
-        elif isinstance(f.default, bool):
-            opt = click.option(f"{flag}/--no-{flag[2:]}", f.name, default=None, help=help_)
-        elif f.name in CHOICES:
-            opt = click.option(flag, f.name, type=click.Choice(CHOICES[f.name]), default=None, help=help_)
-        elif f.name == "lora_target_modules":
-            opt = click.option(flag, f.name, default=None, help=help_)
-        elif f.name in ("dropout", "learning_rate", "min_lr", "weight_decay", "adam_beta1", "adam_beta2",
-                        "adam_epsilon", "max_grad_norm", "lora_alpha", "lora_dropout"):
-            opt = click.option(flag, f.name, type=float, default=None, help=help_)
-        elif f.name in ("data_dir", "init_from", "save", "device", "model"):
-            opt = click.option(flag, f.name, type=str, default=None, help=help_)
-        else:
-            opt = click.option(flag, f.name, type=int, default=None, help=help_)
-        fn = opt(fn)
+        fn = _option_for(kind)(fn)
     fn = click.option("--preset", "preset_name", default="shakespeare-char", show_default=True,
                       help=f"Start from a preset: {', '.join(PRESETS)}.")(fn)
     return fn
 
 
 def config_from(preset_name: str, options: dict) -> LabConfig:
-    given = {k: v for k, v in options.items() if v is not None}
-    if isinstance(given.get("lora_target_modules"), str):
-        given["lora_target_modules"] = tuple(t.strip() for t in given["lora_target_modules"].split(",") if t.strip())
-    return preset(preset_name, **given)
+    return preset(preset_name, **_given(options))
+
+
+def config_from_record(path, options: dict) -> LabConfig:
+    """The configuration a run record ran, with the flags given beside ``--from-record`` on top."""
+    from fasttrain.lab.config import validate
+    from fasttrain.lab.record import config_of_record, load_record
+
+    return validate(config_of_record(load_record(path)).with_(**_given(options)))
 
 
 def _mib(value) -> str:
@@ -139,10 +164,12 @@ def print_summary(record: dict) -> None:
 @config_options
 @dist_launch.parallel_options
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
+@click.option("--from-record", "from_record", type=click.Path(dir_okay=False),
+              help="Rerun the configuration of a run record (flags given beside it override it).")
 @click.option("--list-presets", is_flag=True, help="List the presets and exit.")
 @click.option("--quiet", is_flag=True, help="No progress or table.")
 @click.pass_context
-def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
+def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **options) -> None:
     """Train the lab's transformer on Tiny Shakespeare and measure speed, memory and loss."""
     if ctx.invoked_subcommand is not None:
         return
@@ -151,7 +178,7 @@ def command(ctx, preset_name, out_path, list_presets, quiet, **options) -> None:
             out.print(f"{name:18s} {PRESET_NOTES.get(name, '')}")
         return
     parallel, launch = dist_launch.parallel_from_options(options)
-    cfg = config_from(preset_name, options)
+    cfg = config_from_record(from_record, options) if from_record else config_from(preset_name, options)
     check_output_path(out_path, "--out")        # before training: a bad path must not cost the run
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
@@ -228,7 +255,7 @@ def pitfall(preset_name, repeats, **options) -> None:
 @click.option("--batch", type=int, help="Validation windows per forward (default: as recorded).")
 def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> None:
     """The validation loss of a checkpoint written with --save, recomputed from it alone."""
-    from fasttrain.lab.checkpoint import evaluate_checkpoint
+    from fasttrain.lab.evaluate import evaluate_checkpoint
 
     if batch is not None and batch < 1:
         raise FasttrainError(f"--batch must be a positive integer, got {batch}")
@@ -246,6 +273,18 @@ def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> No
                   "differences in the last digits")
 
 
+@command.command("plot")
+@click.argument("record", type=click.Path(dir_okay=False))
+@click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
+def plot_cmd(record, out_path) -> None:
+    """Plot a run record's loss curve (training and validation loss against the step)."""
+    from fasttrain.lab.record import load_record, plot_loss_curve
+
+    check_output_path(out_path, "--out")
+    path = plot_loss_curve(load_record(record), out_path)
+    out.print(f"loss curve: {path}")
+
+
 def _load_subcommands() -> None:
     for module in SUBCOMMANDS:
         try:
@@ -259,5 +298,14 @@ def _load_subcommands() -> None:
 
 
 _load_subcommands()
+
+
+def _attach_memory_validation() -> None:
+    from fasttrain.lab.memory_check import attach
+
+    attach()
+
+
+_attach_memory_validation()
 
 __all__ = ["command", "config_options", "config_from", "FasttrainError"]

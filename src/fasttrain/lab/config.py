@@ -33,6 +33,7 @@ OPTIMS = ("adamw_torch", "adamw_torch_fused", "adafactor", "adamw_8bit", "sgd", 
 CHECKPOINTING = ("none", "full", "selective")
 ATTENTIONS = ("eager", "sdpa")
 COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
+COMPILE_SCOPES = ("model", "blocks")
 
 
 @dataclass
@@ -74,6 +75,7 @@ class LabConfig:
     gradient_checkpointing: str = "none"
     torch_compile: bool = False
     torch_compile_mode: str = "default"
+    torch_compile_scope: str = "model"  # model: the whole model as one graph; blocks: each repeated block alone
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
     # --- data ------------------------------------------------------------------------------
@@ -99,6 +101,11 @@ class LabConfig:
     prompt_tuning_tokens: int = 0       # trainable soft-prompt vectors prepended to every sequence; 0 = off
     init_from: str | None = None        # a checkpoint saved with ``save`` (fine-tuning)
     save: str | None = None             # write the trained model here (folder: model.safetensors + config.json)
+    # --- training state checkpoints (a long run survives a crash) ---------------------------
+    save_steps: int = 0                 # write output_dir/checkpoint-<step> every N steps; 0 = never
+    save_total_limit: int | None = None  # keep the newest N checkpoints; None = all
+    output_dir: str | None = None       # where --save-steps writes
+    resume: str | None = None           # continue from this checkpoint (or the newest in this output_dir)
 
     # ---------------------------------------------------------------------------------------
     def with_(self, **changes) -> "LabConfig":
@@ -178,6 +185,12 @@ def validate(cfg: LabConfig) -> LabConfig:
     _choice(cfg, "gradient_checkpointing", CHECKPOINTING)
     _choice(cfg, "attn_implementation", ATTENTIONS)
     _choice(cfg, "torch_compile_mode", COMPILE_MODES)
+    _choice(cfg, "torch_compile_scope", COMPILE_SCOPES)
+    _positive(cfg, "save_steps", allow_zero=True)
+    if cfg.save_total_limit is not None:
+        _positive(cfg, "save_total_limit")
+    if cfg.save_steps and not cfg.output_dir:
+        raise FasttrainError("--save-steps needs --output-dir (the folder its checkpoint-N folders go to)")
     if cfg.width % cfg.heads:
         raise FasttrainError(f"--heads ({cfg.heads}) must divide --width ({cfg.width})")
     if cfg.heads % cfg.kv:

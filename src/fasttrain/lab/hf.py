@@ -1,20 +1,20 @@
 """Hugging Face ``transformers`` causal LMs in the lab: ``--model hf:PATH_OR_NAME``.
 
 :func:`build_hf_model` turns a folder holding a ``config.json`` (with weights: ``from_pretrained``;
-without: ``from_config``, seeded) or a hub name into a :class:`~fasttrain.lab.models.LabModel`, with
-the lab's techniques applied the model's own way:
+without: ``from_config``, seeded) or a hub name into a :class:`~fasttrain.lab.models.LabModel`.
+Every technique of the lab applies to it, the model's own way, here or in the trainer:
 
 - precision (fp16 / bf16 / tf32): the trainer's autocast and TF32 switch; the weights stay fp32
   (master weights), whatever dtype the folder's config names;
-- ``attn_implementation`` eager / sdpa: given to ``transformers`` at load;
-- gradient checkpointing ``full``: the model's ``gradient_checkpointing_enable`` (non-reentrant),
-  which recomputes each decoder layer in backward; ``selective`` (the lab GPT's attention core
-  alone) has no counterpart in ``transformers`` and is refused;
-- ``torch.compile``: whole model by the trainer, per block through the ``blocks`` hook
-  (:func:`decoder_layers`; :func:`compile_blocks`);
-- LoRA and prompt tuning through ``peft`` (``get_peft_model``), LoRA targets in the model's own
-  module names, a default per family (:data:`LORA_TARGETS`);
-- liger-kernel's patches for the families it knows (its own table), CUDA only;
+- ``attn_implementation`` eager / sdpa: given to ``transformers`` at load (here);
+- gradient checkpointing ``full``: the trainer calls the model's ``gradient_checkpointing_enable``
+  (non-reentrant), which recomputes each decoder layer in backward; ``selective`` (the lab GPT's
+  attention core alone) has no counterpart in ``transformers`` and is refused here;
+- ``torch.compile``: the trainer's, of the whole model or per block through the ``blocks`` hook
+  (:func:`decoder_layers`);
+- LoRA: the trainer's (peft), in the model's own module names, a default per family
+  (:data:`LORA_TARGETS`); prompt tuning: peft's ``PromptTuningConfig`` (here);
+- liger-kernel's patches for the families it knows (its own table), CUDA only (here);
 - tensor parallelism: refused (:func:`check_hf_parallel`).
 
 The loss is the model's own loss path: ``model(input_ids=x, labels=x, shift_labels=y)``. With
@@ -233,36 +233,18 @@ def apply_liger(model) -> None:
     _apply_liger_kernel_to_instance(model=model)
 
 
-def lora_targets_for(cfg: LabConfig, family: str) -> tuple[str, ...]:
-    """The LoRA targets: the ones given, or (flag left at the lab GPT's default) the family's own."""
-    if tuple(cfg.lora_target_modules) == LabConfig.lora_target_modules:
-        return LORA_TARGETS.get(family, ())
-    return tuple(cfg.lora_target_modules)
-
-
-def apply_peft(model, cfg: LabConfig, family: str):
-    """LoRA (``LoraConfig``) or prompt tuning (``PromptTuningConfig``) through ``peft``'s
-    ``get_peft_model``: the base frozen, the adapter or the soft prompt trainable."""
+def apply_prompt_tuning(model, cfg: LabConfig):
+    """Prompt tuning through ``peft`` (``PromptTuningConfig``, ``get_peft_model``): n trainable
+    vectors prepended to every sequence's embeddings, the model frozen. (LoRA is applied by the
+    trainer, as for every model, in the model's own module names: :data:`LORA_TARGETS`.)"""
+    if not cfg.prompt_tuning_tokens:
+        return model
     try:
         import peft
     except ImportError as exc:
-        raise missing_extra("peft (LoRA, prompt tuning)", exc) from None
-    if cfg.lora_r:
-        targets = lora_targets_for(cfg, family)
-        known = {name.rsplit(".", 1)[-1] for name, m in model.named_modules()
-                 if type(m).__name__ in ("Linear", "Conv1D")}
-        unknown = [t for t in targets if t not in known]
-        if unknown:
-            raise FasttrainError(f"unknown --lora-target-modules {','.join(unknown)} for the {family} model; "
-                                 f"it has {', '.join(sorted(known))}")
-        config = peft.LoraConfig(r=cfg.lora_r, lora_alpha=cfg.lora_alpha, lora_dropout=cfg.lora_dropout,
-                                 target_modules=list(targets), task_type="CAUSAL_LM",
-                                 fan_in_fan_out=family == "gpt2")   # GPT-2's Conv1D stores W as (in, out)
-        return peft.get_peft_model(model, config)
-    if cfg.prompt_tuning_tokens:
-        config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.prompt_tuning_tokens)
-        return peft.get_peft_model(model, config)
-    return model
+        raise missing_extra("peft (prompt tuning)", exc) from None
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.prompt_tuning_tokens)
+    return peft.get_peft_model(model, config)
 
 
 def prompt_tokens_of(module) -> int:
@@ -309,15 +291,6 @@ def decoder_layers(module):
         if isinstance(sub, nn.ModuleList) and len(sub) == n:
             return sub
     raise FasttrainError(f"cannot find the decoder layers of {type(base).__name__} (per-block compile needs them)")
-
-
-def compile_blocks(model: LabModel, mode: str | None = None) -> None:
-    """``torch.compile`` each repeated block in place (``nn.Module.compile``): one graph per block
-    shape, compiled once and reused by every layer, instead of one graph of the whole model."""
-    if model.blocks is None:
-        raise FasttrainError(f"{model.name} names no repeated blocks; compile the whole model instead")
-    for block in model.blocks(model.module):
-        block.compile(mode=None if mode in (None, "default") else mode)
 
 
 def hf_loss(module, x, y):
@@ -384,49 +357,17 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
     else:
         log(f"{spec}: no weights in {source}: initialized from config.json (seed {cfg.seed})")
     module.config.use_cache = False
-    if cfg.gradient_checkpointing == "full":
-        module.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if cfg.use_liger_kernel:
         apply_liger(module)
-    module = apply_peft(module, cfg, family)
+    # gradient checkpointing (the model's gradient_checkpointing_enable) and LoRA are the trainer's,
+    # as for any model; the soft prompt is peft's own for a transformers model
+    module = apply_prompt_tuning(module, cfg)
     config_dict = base_model_of(module).config.to_dict()
     return LabModel(
         module=module, name=f"{HF_PREFIX}{source_of(spec)}", vocab_size=int(config.vocab_size),
         context=max_positions(config), config=config_dict, family=family, loss=hf_loss, logits=hf_logits,
         blocks=decoder_layers, save=lambda m, folder: save_hf(m, folder), lora_targets=LORA_TARGETS.get(family, ()),
         memory_setup=memory_setup_for(config_dict))
-
-
-_ADAPTER: dict = {}
-
-
-def calling_convention(model: LabModel):
-    """``model`` as an ``nn.Module`` called as the lab's GPT is: ``m(x, y) -> loss``,
-    ``m(x) -> logits``; the ``transformers`` model is its submodule ``inner`` (so DDP, FSDP and
-    ``torch.compile`` wrap it whole), its decoder layers are ``m.blocks``."""
-    if "cls" not in _ADAPTER:
-        import torch.nn as nn
-
-        from fasttrain.lab.models import forward_logits, forward_loss
-
-        class CausalLM(nn.Module):
-            def __init__(self, lab_model: LabModel):
-                super().__init__()
-                self.inner = lab_model.module
-                self.lab_model = [lab_model]        # a list: not a submodule
-
-            @property
-            def blocks(self):
-                return self.lab_model[0].blocks(self.inner)
-
-            def forward(self, idx, targets=None):
-                lab_model = self.lab_model[0]
-                if targets is None:
-                    return forward_logits(lab_model, self.inner, idx)
-                return forward_loss(lab_model, self.inner, idx, targets)
-
-        _ADAPTER["cls"] = CausalLM
-    return _ADAPTER["cls"](model)
 
 
 # --- saving ----------------------------------------------------------------------------------------
@@ -468,6 +409,15 @@ def save_hf(module, folder, *, tokenizer=None, lab: dict | None = None, extra: d
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def fresh_copy(module):
+    """A new model of ``module``'s config on the CPU (FSDP's gathered weights are loaded into it)."""
+    import torch
+
+    tf = _transformers()
+    base = base_model_of(module)
+    return tf.AutoModelForCausalLM.from_config(base.config, dtype=torch.float32)
 
 
 def is_hf_checkpoint(path) -> bool:
@@ -518,6 +468,6 @@ def load_tokenizer(path):
         raise FasttrainError(f"{p}: its tokenizer cannot be loaded ({str(exc).splitlines()[0][:160]})") from None
 
 
-__all__ = ["HF_PREFIX", "LORA_TARGETS", "build_hf_model", "check_hf_parallel", "compile_blocks", "decoder_layers",
+__all__ = ["HF_PREFIX", "LORA_TARGETS", "build_hf_model", "check_hf_parallel", "decoder_layers", "fresh_copy",
            "hf_logits", "hf_loss", "is_hf", "is_hf_checkpoint", "load_hf_checkpoint", "load_hf_config",
            "memory_setup_for", "read_hf_checkpoint", "save_hf"]

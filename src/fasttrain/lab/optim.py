@@ -38,6 +38,10 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
     rest = [p for p in params if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": rest, "weight_decay": 0.0}]
     groups = [g for g in groups if g["params"]]
+    if cfg.weight_decay == 0.0:
+        # no decay anywhere: one group (a for-each optimizer then steps every tensor in one call, as
+        # the memory estimator's validation measured it)
+        groups = [{"params": params, "weight_decay": 0.0}]
     if world is not None and world.strategy == "tp":
         from fasttrain.lab.distributed import split_param_groups
 

@@ -38,7 +38,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 
 import click
@@ -46,37 +46,13 @@ import click
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.config import LabConfig, preset
+from fasttrain.lab.overrides import parse_assignments, parse_variant
+from fasttrain.lab.speedrun_ladder import LADDER, Rung
 from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
                                            save_fastest, summarize, write_results)
 
 TARGET = 1.47
 BASE_PRESET = "shakespeare-char"
-
-
-@dataclass(frozen=True)
-class Rung:
-    name: str
-    change: str              # what this rung adds to the one before, one line
-    overrides: dict          # the LabConfig fields it sets
-
-
-LADDER: tuple[Rung, ...] = (
-    Rung("baseline", "the shakespeare-char preset as users run it: eager PyTorch, fp32, AdamW (for-each), "
-                     "batches cut on the CPU and copied over", {}),
-    Rung("tf32", "TF32 tensor cores for the fp32 matmuls", dict(tf32=True)),
-    Rung("bf16", "bf16 autocast", dict(bf16=True)),
-    Rung("sdpa", "scaled_dot_product_attention (flash) instead of eager attention", dict(attn_implementation="sdpa")),
-    Rung("fused-adamw", "fused AdamW (one kernel for all parameters)", dict(optim="adamw_torch_fused")),
-    Rung("preload", "the corpus on the GPU, batches cut there", dict(preload=True)),
-    Rung("compile", "torch.compile (inductor, default mode)", dict(torch_compile=True)),
-    Rung("cuda-graphs", "torch.compile mode reduce-overhead: the step replayed as CUDA graphs",
-         dict(torch_compile_mode="reduce-overhead")),
-    Rung("schedule-2000", "cosine schedule ends at step 2000 (where over-fitting starts) instead of 5000",
-         dict(max_steps=2000)),
-    Rung("eval-every-50", "validation every 50 steps instead of 250 (the crossing is seen sooner)",
-         dict(eval_interval=50)),
-    Rung("muon", "Muon for the blocks' matrices (AdamW for embeddings and norms)", dict(optim="muon")),
-)
 
 
 def rung_names() -> list[str]:
@@ -138,53 +114,6 @@ def parse_seeds(text: str | None, first: int) -> list[int]:
     if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
         raise bad
     return seeds
-
-
-def _field_value(name: str, raw: str):
-    by_name = {f.name: f for f in fields(LabConfig)}
-    if name not in by_name:
-        raise FasttrainError(f"unknown lab setting {name!r} in an override; settings are LabConfig fields "
-                             f"(see: fasttrain lab --help, flag names with underscores)")
-    raw = raw.strip()
-    default = by_name[name].default
-    if raw.lower() in ("none", "null"):
-        return None
-    if isinstance(default, bool):
-        if raw.lower() in ("1", "true", "yes", "on"):
-            return True
-        if raw.lower() in ("0", "false", "no", "off"):
-            return False
-        raise FasttrainError(f"override {name}={raw!r}: give true or false")
-    if isinstance(default, tuple):
-        return tuple(t for t in raw.split("+") if t)
-    for kind in (int, float):
-        try:
-            return kind(raw)
-        except ValueError:
-            pass
-    return raw
-
-
-def parse_assignments(text: str) -> dict:
-    """"learning_rate=2e-3,max_steps=1200" -> {field: value}; values typed as the field's default."""
-    out = {}
-    for item in (t for t in text.split(",") if t.strip()):
-        key, sep, value = item.partition("=")
-        key = key.strip().replace("-", "_")
-        if not sep or not key:
-            raise FasttrainError(f"override {item!r}: write FIELD=VALUE (e.g. learning_rate=2e-3)")
-        out[key] = _field_value(key, value)
-    return out
-
-
-def parse_variant(text: str) -> tuple[str, dict]:
-    """"NAME:field=value,..." -> (NAME, overrides)."""
-    name, sep, body = text.partition(":")
-    name = name.strip()
-    if not sep or not name or not body.strip():
-        raise FasttrainError(f"--variant {text!r}: write NAME:FIELD=VALUE[,FIELD=VALUE...] "
-                             f"(e.g. lr-2e-3:learning_rate=2e-3,min_lr=2e-4)")
-    return name, parse_assignments(body)
 
 
 # --- the plan ----------------------------------------------------------------------------------
@@ -275,57 +204,43 @@ def _sync(device) -> None:
 
 
 def train_to_target(trainer, *, target: float, max_train_s: float, patience_steps: int, log=None) -> dict:
-    """One run from ``trainer``'s current (fresh) state until the target, the schedule's end, the
-    training-time cap or ``patience_steps`` without a new best validation loss."""
-    cfg, device = trainer.cfg, trainer.device
+    """One run from ``trainer``'s current (fresh) state, through the trainer's loop timed by
+    segments between evaluations, until the target, the schedule's end, the training-time cap or
+    ``patience_steps`` without a new best validation loss."""
+    from fasttrain.lab.trainer import Metrics
+
+    cfg = trainer.cfg
     log = log or (lambda s: None)
-    evals: list[dict] = []
-    train_s = eval_s = 0.0
-    best, best_step = math.inf, 0
-    hit = None
-    stop = "max_steps"
-    step = 0
-    batches = trainer.batches(cfg.max_steps)
-    _sync(device)
-    t0 = time.perf_counter()
-    for i, (x, y) in enumerate(batches):
-        loss = trainer.step(x, y)
-        step = i + 1
-        if not (step == cfg.max_steps or (cfg.eval_interval and step % cfg.eval_interval == 0)):
-            continue
-        _sync(device)
-        train_s += time.perf_counter() - t0
-        train_loss = float(loss)
-        t = time.perf_counter()
-        val, tokens = trainer.evaluate()
-        _sync(device)
-        ms = 1e3 * (time.perf_counter() - t)
-        eval_s += ms / 1e3
-        evals.append({"step": step, "train_s": train_s, "val_loss": val, "train_loss": train_loss, "tokens": tokens,
-                      "ms": ms})
-        log(f"  step {step:>5}  {train_s:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
+    metrics = Metrics(cfg, trainer.device, trainer.world, curve=False)
+    best = {"val": math.inf, "step": 0}
+    hit = {}
+
+    def stop(step, val, train_loss):
+        e = metrics.evals[-1]
+        log(f"  step {step:>5}  {e['train_s']:7.2f} s  val {val:.4f}  train {train_loss:.4f}")
         if not (math.isfinite(val) and math.isfinite(train_loss)):
-            stop = "diverged"
-            break
-        if val < best:
-            best, best_step = val, step
+            return "diverged"
+        if val < best["val"]:
+            best.update(val=val, step=step)
         if val <= target:
-            hit = {"step": step, "train_s": train_s, "val_loss": val}
-            stop = "target"
-            break
-        if max_train_s and train_s >= max_train_s:
-            stop = "time_cap"
-            break
-        if patience_steps and step - best_step >= patience_steps:
-            stop = "over-fitting"
-            break
-        _sync(device)
-        t0 = time.perf_counter()
+            hit.update(step=step, train_s=e["train_s"], val_loss=val)
+            return "target"
+        if max_train_s and e["train_s"] >= max_train_s:
+            return "time_cap"
+        if patience_steps and step - best["step"] >= patience_steps:
+            return "over-fitting"
+        return None
+
+    reason = trainer.train(timing="segment", metrics=metrics, stop=stop)
+    stop_reason = "max_steps" if reason == "steps" else reason
+    evals = [{k: e[k] for k in ("step", "train_s", "val_loss", "train_loss", "tokens", "ms")} for e in metrics.evals]
+    step, train_s = trainer.step_index, metrics.train_s
     return {
-        "seed": cfg.seed, "reached": hit is not None, "stop": stop,
-        "time_to_target_s": hit["train_s"] if hit else None, "steps_to_target": hit["step"] if hit else None,
+        "seed": cfg.seed, "reached": bool(hit), "stop": stop_reason,
+        "time_to_target_s": hit.get("train_s"), "steps_to_target": hit.get("step"),
         "steps": step, "train_s": train_s, "ms_per_step": 1e3 * train_s / step if step else None,
-        "eval_s": eval_s, "evals": evals, "best_val_loss": best if evals else None, "best_step": best_step,
+        "eval_s": metrics.eval_ms / 1e3, "evals": evals, "best_val_loss": best["val"] if evals else None,
+        "best_step": best["step"],
         "final_val_loss": evals[-1]["val_loss"] if evals else None,
         "final_val_tokens": evals[-1]["tokens"] if evals else None,
     }
@@ -347,9 +262,9 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     per seed on the CPU, when ``keep_states``)."""
     import torch
 
+    from fasttrain.lab.build import make_trainer, resolve_device
     from fasttrain.lab.checkpoint import eval_settings
     from fasttrain.lab.measure import tf32_matmuls
-    from fasttrain.lab.train import Trainer, resolve_device
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -360,10 +275,9 @@ def run_row(row: Row, corpus, *, target: float, max_train_s: float, patience_ste
     out_of_budget = False
     with tf32_matmuls(cfg.tf32):
         t = time.perf_counter()
-        trainer = Trainer(cfg, corpus, device)
+        trainer = make_trainer(cfg, corpus, device)
         warm = max(1, cfg.timing_warmup_steps)
-        for x, y in trainer.batches(warm):
-            trainer.step(x, y)
+        trainer.train(warm, evaluate=False)
         trainer.evaluate()
         trainer.reset(row.seeds[0])         # the warm-up trained these parameters: back to the seed's start
         _sync(device)
@@ -414,8 +328,8 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, max_train_s: float = 
     ``result["saved"]`` stays None when no row reached the target on every seed).
     ``budget_s``: no row or seed starts after this many seconds from the call (results stay whole)."""
     from fasttrain.environment import environment
+    from fasttrain.lab.build import resolve_device
     from fasttrain.lab.data import load_corpus
-    from fasttrain.lab.train import resolve_device
 
     if not (isinstance(target, (int, float)) and math.isfinite(target) and target > 0):
         raise FasttrainError(f"--target must be a positive number of nats per character, got {target!r}")

@@ -304,9 +304,9 @@ def readme_command(results_dir, into) -> None:
     """Print (or write into a README) the speedrun section generated from a result folder."""
     section = readme_section(results_dir)
     if into:
-        from fasttrain.bench.readme import write_into
+        from fasttrain.files import replace_between_markers
 
-        write_into(into, section, start=README_START, end=README_END)
+        replace_between_markers(into, section, start=README_START, end=README_END)
         click.echo(f"wrote the speedrun section into {into}")
     else:
         click.echo(section, nl=False)
@@ -361,7 +361,7 @@ def merge_results(parts: list[dict]) -> dict:
     rows = sorted((dict(row) for _, row in chosen.values()), key=_row_key)
     # each rung's change is now said since the rung above it in the merged ladder (a part's first row listed
     # every change since the last rung of that part, e.g. all of them since the preset)
-    from fasttrain.lab.speedrun import LADDER
+    from fasttrain.lab.speedrun_ladder import LADDER
 
     prev = -1
     for row in rows:

@@ -245,24 +245,5 @@ def parse_mfu_percent(text: str | None) -> float | None:
     return value / 100
 
 
-@command.command("validate")
-@click.option("--out", default="results/memory/validation.csv", show_default=True, type=click.Path(dir_okay=False))
-@click.option("--cases", help="Comma-separated case names (default: all).")
-@click.option("--quick", is_flag=True, help="Three cases only.")
-@click.option("--steps", type=click.IntRange(2, 20), default=3, show_default=True)
-@click.option("--debug", "debug_dir", type=click.Path(file_okay=False), help="Write the allocator analysis here.")
-@click.option("--rescore", type=click.Path(dir_okay=False, exists=True),
-              help="No GPU: recompute the estimates of a device run's .json with the current model.")
-def validate_cmd(out, cases, quick, steps, debug_dir, rescore) -> None:
-    """Train small GPTs on the GPU; compare max_memory_allocated with the precise estimate."""
-    from fasttrain.memory import validate as V
-
-    if rescore:
-        rows, env = V.rescore(rescore)
-        csv_path, md_path = V.write(rows, env, out)
-        click.echo(f"wrote {csv_path} and {md_path}")
-        return
-    names = [c.strip() for c in cases.split(",")] if cases else (list(V.QUICK) if quick else None)
-    rows, env = V.run(names, steps=steps, debug_dir=debug_dir, log=lambda m: click.echo(m))
-    csv_path, md_path = V.write(rows, env, out)
-    click.echo(f"wrote {csv_path} and {md_path}")
+# ``fasttrain memory validate`` trains through the lab's trainer: it is defined in
+# fasttrain.lab.memory_check and added to this group from there (this package does not import the lab).

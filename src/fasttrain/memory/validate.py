@@ -1,7 +1,8 @@
-"""Check the ``precise`` estimate against a GPU: train the reference GPT for a few steps and
-compare ``torch.cuda.max_memory_allocated`` with the estimate, case by case.
+"""Check the ``precise`` estimate against a GPU: the cases, each measured row beside its estimate,
+and the CSV and Markdown of a validation run. What trains the cases is the lab's trainer
+(``fasttrain.lab.memory_check``; this package does not import the lab).
 
-Every case trains ``fasttrain.lab.model`` with plain PyTorch and AdamW (foreach, PyTorch's
+Every case trains the lab's GPT through the lab's trainer with AdamW (foreach, PyTorch's
 default on CUDA, unless the case says fused) for ``steps`` steps on fixed random tokens: fp32 or
 bf16 autocast, eager or flash attention (``F.scaled_dot_product_attention``), without or with
 activation checkpointing (selective: the attention core; full: every block). The peak covers all
@@ -19,8 +20,6 @@ from __future__ import annotations
 import csv
 import gc
 import json
-import platform
-import time
 from contextlib import nullcontext
 from pathlib import Path
 
@@ -104,7 +103,7 @@ def warm_up(device):
     return torch.cuda.memory_allocated() - before
 
 
-def _trace_peak(snapshot, start_bytes: int, top: int = 40) -> dict:
+def trace_peak(snapshot, start_bytes: int, top: int = 40) -> dict:
     """Replay the allocator history: the peak and what was alive then, grouped by size and by the
     innermost fasttrain (else any) Python frame of the allocation."""
     events = snapshot["device_traces"][0] if snapshot["device_traces"] else []
@@ -131,79 +130,17 @@ def _trace_peak(snapshot, start_bytes: int, top: int = 40) -> dict:
             "alive_at_peak": [{"mib": size / MiB, "count": n, "where": where} for (size, where), n in rows]}
 
 
-def run_case(name: str, steps: int = 3, debug: bool = False, device: str = "cuda", setup=None) -> dict:
-    """Train one case; return the measured and estimated peaks.
+def row_for(name: str, setup, *, measured: int, params: int, losses: list[float], seconds: float, cuda: bool,
+            debug: dict | None = None) -> dict:
+    """One case's row: the measured peak beside the estimate.
 
     On CUDA the measurement is ``max_memory_allocated`` over all steps. On the CPU (for the tests)
     it is the live-tensor peak of the last step counted by ``fasttrain.memory.tracker`` plus the
     parameters, buffers and optimizer state, and the estimate leaves out the cuBLAS workspaces,
     the token ids (made outside the tracker) and CUDA's in-kernel buffers, and takes PyTorch's
-    CPU dropout masks as 4 bytes.
+    CPU dropout masks as 4 bytes. (The training itself is the lab's: ``fasttrain.lab.memory_check``.)
     """
-    import torch
-
-    from fasttrain.lab import model as gpt
-
-    setup = setup or case_setup(name)
-    dev = torch.device(device)
-    cuda = dev.type == "cuda"
     if cuda:
-        gc.collect()
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-        torch.cuda.reset_peak_memory_stats()
-    start = time.perf_counter()
-    model = gpt.build(setup, dev)
-    kw = {"fused": True} if setup.optimizer == "fused" else {"foreach": True}
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, **kw)
-    gen = torch.Generator(dev).manual_seed(0)
-    idx = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
-    tgt = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
-    amp_dtype = torch.bfloat16 if setup.precision == "amp" else None
-    amp = (lambda: torch.autocast(dev.type, dtype=amp_dtype)) if amp_dtype else nullcontext
-    info: dict = {}
-    losses = []
-    n_plain = steps if cuda else steps - 1
-    for step in range(n_plain):
-        last = step == steps - 1
-        if debug and last:
-            torch.cuda.synchronize()
-            before = torch.cuda.memory_allocated()
-            torch.cuda.memory._record_memory_history(max_entries=500_000, stacks="python")
-        with amp():
-            loss = model(idx, tgt)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-        del loss
-        if debug and last:
-            torch.cuda.synchronize()
-            snap = torch.cuda.memory._snapshot()
-            torch.cuda.memory._record_memory_history(enabled=None)
-            info = _trace_peak(snap, before)
-            del snap
-    from fasttrain.memory.tracker import tracked_peak_step
-
-    if cuda:
-        torch.cuda.synchronize()
-        measured = torch.cuda.max_memory_allocated()
-    else:
-        measured, _, _ = tracked_peak_step(model, opt, idx, tgt, amp_dtype)
-    seconds = time.perf_counter() - start
-    if cuda and debug:
-        try:
-            total, _, tracker = tracked_peak_step(model, opt, idx, tgt, amp_dtype)
-            info["dispatch_tracked_mib"] = total / MiB
-            info["dispatch_peak_op"] = tracker.peak_op
-        except Exception as exc:  # diagnostic only
-            info["dispatch_tracked_error"] = repr(exc)[:200]
-    params = sum(p.numel() for p in model.parameters())
-    del model, opt, idx, tgt
-    gc.collect()
-    if cuda:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
         est = estimate(setup)
     else:
         est = estimate(setup.with_(workspace_mib=0.0), mask_bytes=4, kernel_temps=False)
@@ -221,51 +158,20 @@ def run_case(name: str, steps: int = 3, debug: bool = False, device: str = "cuda
     }
     if params != est.params:
         row["error"] = f"parameter count differs: model {params}, estimate {est.params:.0f}"
-    row["_debug"] = info
+    row["_debug"] = debug or {}
     row["_losses"] = losses
     return row
 
 
-def run(cases=None, steps: int = 3, debug_dir: str | None = None, log=print) -> tuple[list[dict], dict]:
-    """Run the cases (all by default) on the GPU; return the rows and the environment."""
-    import torch
-
-    if not torch.cuda.is_available():
-        raise FasttrainError("memory validation needs a CUDA GPU (run it on the device machine)")
-    names = [c[0] for c in CASES] if not cases else list(cases)
-    for name in names:
-        case_setup(name)
-    device = torch.device("cuda")
-    torch.cuda.init()
-    resident = warm_up(device)
-    env = {
-        "gpu": torch.cuda.get_device_name(0), "torch": torch.__version__, "cuda": torch.version.cuda,
-        "python": platform.python_version(), "steps": steps,
-        "resident_after_warmup_mib": round(resident / MiB, 2),
-    }
-    log(f"{env['gpu']} torch {env['torch']}: {resident / MiB:.1f} MiB stay allocated after warm-up (cuBLAS workspaces)")
-    rows = []
-    debug_out = {}
-    for name in names:
-        try:
-            row = run_case(name, steps=steps, debug=debug_dir is not None)
-        except Exception as exc:  # a failed case is reported, not hidden
-            setup = case_setup(name)
-            row = {k: "" for k in FIELDS}
-            row.update(case=name, preset=next(c[1] for c in CASES if c[0] == name), precision=setup.precision,
-                       attention=setup.attention, recompute=setup.recompute, optimizer=setup.optimizer,
-                       micro_batch=setup.micro_batch, seq=setup.seq, within_10pct=False,
-                       error=f"{type(exc).__name__}: {str(exc)[:160]}")
-            gc.collect()
-            torch.cuda.empty_cache()
-        debug_out[name] = {"debug": row.pop("_debug", {}), "losses": row.pop("_losses", [])}
-        rows.append(row)
-        log(f"{name:32s} measured {row['measured_mib']!s:>9} MiB  estimate {row['estimate_mib']!s:>9} MiB  "
-            f"error {row['error_pct']!s:>7}%  {row['error']}")
-    if debug_dir:
-        Path(debug_dir).mkdir(parents=True, exist_ok=True)
-        (Path(debug_dir) / "validation_debug.json").write_text(json.dumps({"env": env, "cases": debug_out}, indent=1))
-    return rows, env
+def failed_row(name: str, exc: BaseException) -> dict:
+    """The row of a case that raised (a failed case is reported, not hidden)."""
+    setup = case_setup(name)
+    row = {k: "" for k in FIELDS}
+    row.update(case=name, preset=next(c[1] for c in CASES if c[0] == name), precision=setup.precision,
+               attention=setup.attention, recompute=setup.recompute, optimizer=setup.optimizer,
+               micro_batch=setup.micro_batch, seq=setup.seq, within_10pct=False,
+               error=f"{type(exc).__name__}: {str(exc)[:160]}")
+    return row
 
 
 def write(rows: list[dict], env: dict, out: str) -> tuple[Path, Path]:

@@ -1,0 +1,96 @@
+"""``fasttrain lab eval``: the validation loss of a checkpoint written with ``--save``, from it alone."""
+
+from __future__ import annotations
+
+from fasttrain.lab.build import build_model, config_from_model, resolve_device
+from fasttrain.lab.checkpoint import load_weights, read_checkpoint
+from fasttrain.lab.config import LabConfig, validate
+from fasttrain.lab.measure import gpu_name, tf32_matmuls
+from fasttrain.lab.trainer import Trainer
+
+
+def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, device: str = "auto",
+                        batch: int | None = None, bf16: bool | None = None, tf32: bool | None = None,
+                        corpus=None) -> dict:
+    """The validation loss of a checkpoint written with ``--save``, from it alone.
+
+    Every setting left ``None`` comes from the checkpoint's record of its own evaluation
+    (:func:`eval_settings`): the validation batch, the token budget (default the whole split),
+    autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
+    same kind of device the recorded loss comes back exactly."""
+    from fasttrain.lab import hf
+    from fasttrain.lab.data import load_corpus
+
+    if hf.is_hf_checkpoint(path):
+        return _evaluate_hf_checkpoint(path, data_dir, eval_tokens=eval_tokens, device=device, batch=batch, bf16=bf16,
+                                       tf32=tf32, corpus=corpus)
+    meta = read_checkpoint(path)
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    corpus = corpus or load_corpus(data_dir)
+    model = meta["model"]
+    cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
+                    eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
+                    prompt_tuning_tokens=model.get("prompt_tokens", 0), attn_implementation=model["attention"],
+                    dropout=0.0)
+    from fasttrain.lab.model import GPTConfig
+
+    cfg = validate(config_from_model(cfg, GPTConfig.from_dict(model)))
+    dev = resolve_device(cfg)
+    with tf32_matmuls(tf32):
+        trainer = Trainer(cfg, build_model(cfg, corpus.vocab_size, dev, checkpoint=meta), corpus, dev)
+        if cfg.prompt_tuning_tokens:
+            load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+        loss, n, ms = trainer.timed_evaluation()
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
+            "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
+            "recorded_device": recorded.get("device"),
+            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
+                         "tf32": tf32}}
+
+
+def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="auto", batch=None, bf16=None, tf32=None,
+                            corpus=None) -> dict:
+    """:func:`evaluate_checkpoint` for a folder saved from ``--model hf:...`` (``fasttrain.json``
+    beside the ``transformers`` files): the model loaded with ``from_pretrained`` (its soft prompt
+    re-attached), scored by the trainer's evaluation with the recorded settings."""
+    from fasttrain.errors import FasttrainError
+    from fasttrain.lab import hf
+    from fasttrain.lab.data import load_corpus
+
+    meta = hf.read_hf_checkpoint(path)
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    corpus = corpus or load_corpus(data_dir)
+    if meta.get("chars") not in (None, getattr(corpus, "chars", None)):
+        raise FasttrainError(f"{path} was trained on another vocabulary than this corpus")
+    lab = meta.get("lab") or {}
+    attention = recorded.get("attn_implementation") or lab.get("attn_implementation") or "sdpa"
+    cfg = validate(LabConfig(name="eval", model=f"hf:{path}", device=device, bf16=bf16, fp16=fp16, tf32=tf32,
+                             eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch,
+                             max_steps=1, context=lab.get("context", 256), attn_implementation=attention,
+                             dropout=0.0))
+    dev = resolve_device(cfg)
+    with tf32_matmuls(tf32):
+        model = build_model(cfg, corpus.vocab_size, dev)
+        if meta.get("prompt_tuning_tokens"):
+            # the soft prompt is a peft adapter beside the base weights: the model with it attached
+            model.module, _ = hf.load_hf_checkpoint(path, dev, attn_implementation=attention)
+        trainer = Trainer(cfg, model, corpus, dev)
+        loss, n, ms = trainer.timed_evaluation()
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
+            "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
+            "recorded_device": recorded.get("device"),
+            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
+                         "tf32": tf32}}
+
+
+__all__ = ["evaluate_checkpoint"]

@@ -1,0 +1,173 @@
+"""Run records a person can rerun: what a lab run record holds besides its measurements, the record
+as a Python object (:class:`RunRecord`, what ``fasttrain.lab.run`` returns), reading a record back
+(``fasttrain lab --from-record RUN.json``) and plotting its loss curve (``fasttrain lab plot``).
+
+Provenance (:func:`provenance`): the command line that runs the configuration again, this
+process's own argv, the versions of every library a technique uses, the model's source, family
+and configuration, and the corpus -- its file's SHA-256 where the data source knows it, and the
+SHA-256 of the token ids themselves (train then validation, as stored), so that a rerun on other
+data is seen even where the text is the same.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import sys
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from fasttrain.errors import FasttrainError
+
+# every library a lab technique runs on (distribution names)
+LIBRARIES = ("torch", "numpy", "transformers", "tokenizers", "peft", "torchao", "liger-kernel", "safetensors",
+             "bitsandbytes")
+
+
+def library_versions() -> dict[str, str | None]:
+    """Installed version of each of :data:`LIBRARIES` (None: not installed)."""
+    out = {}
+    for name in LIBRARIES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def tokens_sha256(corpus) -> str:
+    """SHA-256 of the corpus' token ids: the training split's bytes, then the validation split's."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for ids in (corpus.train, corpus.val):
+        arr = np.ascontiguousarray(ids)
+        digest.update(str(arr.dtype).encode() + b":" + str(arr.shape[0]).encode() + b":")
+        digest.update(arr.tobytes())
+    return digest.hexdigest()
+
+
+def provenance(cfg, lab_model, corpus) -> dict:
+    """The record's rerun section (see the module docstring)."""
+    from fasttrain.lab.config import PRESETS
+    from fasttrain.lab.overrides import command_line
+
+    return {
+        "command": command_line(cfg, cfg.name if cfg.name in PRESETS else "shakespeare-char")
+        if lab_model.name == "gpt" or lab_model.name.startswith("hf:") else None,
+        "argv": list(sys.argv),
+        "libraries": library_versions(),
+        "model_source": {"name": lab_model.name, "family": lab_model.family, "vocab_size": lab_model.vocab_size,
+                         "context": lab_model.context},
+        "corpus": {"sha256": getattr(corpus, "sha256", None), "tokens_sha256": tokens_sha256(corpus),
+                   "vocab_size": int(corpus.vocab_size), "train_tokens": int(len(corpus.train)),
+                   "val_tokens": int(len(corpus.val)), "tokenizer": getattr(corpus, "tokenizer", None)},
+    }
+
+
+@dataclass
+class RunRecord:
+    """One lab run: the measurements of its JSON record as attributes, and the trained model.
+
+    ``record.to_dict()`` is the JSON run record (``fasttrain lab --out``)."""
+
+    config: dict
+    loss_curve: list[dict]
+    evals: list[dict]
+    memory: dict
+    step_ms: dict
+    tokens_per_s: float | None
+    final: dict
+    model: Any = None                       # the trained nn.Module (the module itself, not a wrapper)
+    data: dict = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_dict(cls, record: dict, model=None) -> "RunRecord":
+        return cls(config=record["config"], loss_curve=record["loss_curve"], evals=record["eval"],
+                   memory=record["memory"], step_ms=record["step_ms"], tokens_per_s=record["tokens_per_s"],
+                   final=record["final"], model=model, data=record)
+
+    @property
+    def losses(self) -> list[float]:
+        return [p["loss"] for p in self.loss_curve]
+
+    @property
+    def val_loss(self) -> float | None:
+        return self.final.get("val_loss")
+
+    @property
+    def peak_memory_bytes(self) -> int | None:
+        return self.memory.get("peak_allocated_bytes")
+
+    def to_dict(self) -> dict:
+        return dict(self.data)
+
+    def save(self, path) -> Path:
+        from fasttrain.lab.checkpoint import write_record
+
+        return write_record(self.data, path)
+
+    def plot(self, path) -> Path:
+        return plot_loss_curve(self.data, path)
+
+
+def load_record(path) -> dict:
+    """A lab run record (JSON) from ``path``; one line saying what is wrong otherwise."""
+    p = Path(path)
+    if not p.is_file():
+        raise FasttrainError(f"{p}: no such run record; write one with: fasttrain lab ... --out {p}")
+    try:
+        record = json.loads(p.read_text())
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FasttrainError(f"{p}: not a run record (unreadable JSON: {str(exc)[:80]})") from None
+    if not isinstance(record, dict) or record.get("kind") != "lab-run" or "config" not in record:
+        raise FasttrainError(f"{p}: not a lab run record (written by fasttrain lab --out)")
+    return record
+
+
+def config_of_record(record: dict):
+    """The :class:`~fasttrain.lab.config.LabConfig` a record ran (validated); ``save`` and ``resume`` dropped."""
+    from fasttrain.lab.config import validate
+    from fasttrain.lab.overrides import config_from_dict
+
+    cfg = config_from_dict(record["config"])
+    drop = {name: None for name in ("save", "resume") if hasattr(cfg, name)}
+    return validate(cfg.with_(**drop))
+
+
+def plot_loss_curve(record: dict, out) -> Path:
+    """The training loss (every logged step) and the validation loss (every evaluation) against the
+    step, on a log scale, as a PNG at ``out``."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as exc:
+        raise FasttrainError(f"plotting needs matplotlib ({exc.name} missing): pip install matplotlib") from None
+    from fasttrain.files import save_figure
+
+    curve, evals = record.get("loss_curve") or [], record.get("eval") or []
+    if not curve and not evals:
+        raise FasttrainError("the record has no loss curve to plot (it logged no step)")
+    fig, ax = plt.subplots(figsize=(7, 4))
+    if curve:
+        ax.plot([p["step"] for p in curve], [p["loss"] for p in curve], label="train loss", lw=1.2)
+    if evals:
+        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation loss", lw=1.2)
+    cfg = record.get("config", {})
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", yscale="log",
+           title=f"{cfg.get('name', 'lab run')} · {record.get('device', '')} · {record.get('precision', '')}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(out)
+    save_figure(fig, path)
+    plt.close(fig)
+    return path
+
+
+__all__ = ["RunRecord", "LIBRARIES", "library_versions", "provenance", "load_record", "config_of_record",
+           "plot_loss_curve", "tokens_sha256"]

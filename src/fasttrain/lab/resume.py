@@ -1,0 +1,167 @@
+"""Training state checkpoints: ``--save-steps N`` writes one every N steps, ``--resume DIR`` continues.
+
+A checkpoint is a folder ``OUTPUT_DIR/checkpoint-<step>/`` holding ``state.pt`` -- the weights, the
+optimizer's state, the GradScaler's, the step index (which is both the learning-rate schedule's
+position and the data's: step ``i``'s batch is drawn from ``(seed, i)`` alone), the random
+generators (torch's CPU and CUDA ones, numpy's, Python's), the loss curve and evaluations so far
+and the run's configuration -- and ``trainer_state.json`` (the step and configuration, to read).
+It is written into a temporary folder beside it and renamed into place, so a run killed while
+writing leaves the previous checkpoints whole; then all but the newest ``save_total_limit`` are
+removed. ``state.pt`` holds tensors, numbers, strings, lists and dicts only (the generators'
+states as tensors and lists): it loads with ``torch.load(weights_only=True)``.
+
+On the CPU a run killed after a checkpoint and resumed from it follows the uninterrupted run's loss
+curve bit for bit: the same weights, optimizer moments, batches and random draws, in the same order.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from fasttrain.errors import FasttrainError
+
+STATE = "state.pt"
+PATTERN = re.compile(r"^checkpoint-(\d+)$")
+# settings that may differ between the run that saved and the run that resumes: where things are
+# written, what is logged, the step budget... not what the trajectory depends on
+OPERATIONAL = {"name", "save", "resume", "output_dir", "save_steps", "save_total_limit", "data_dir", "device",
+               "max_steps", "eval_interval", "eval_tokens", "eval_batch_size", "log_interval", "timing_warmup_steps",
+               "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "preload"}
+
+
+def _portable_rng(rng: dict) -> dict:
+    """The generators' states as tensors and lists (loadable with ``weights_only=True``)."""
+    import torch
+
+    kind, keys, pos, has_gauss, cached = rng["numpy"]
+    version, state, gauss = rng["python"]
+    out = {"torch": rng["torch"], "numpy": {"kind": kind, "keys": torch.from_numpy(keys.copy()), "pos": int(pos),
+                                            "has_gauss": int(has_gauss), "cached": float(cached)},
+           "python": {"version": version, "state": list(state), "gauss": gauss}}
+    if "cuda" in rng:
+        out["cuda"] = list(rng["cuda"])
+    return out
+
+
+def _native_rng(rng: dict) -> dict:
+    n, p = rng["numpy"], rng["python"]
+    out = {"torch": rng["torch"],
+           "numpy": (n["kind"], n["keys"].numpy(), n["pos"], n["has_gauss"], n["cached"]),
+           "python": (p["version"], tuple(p["state"]), p["gauss"])}
+    if "cuda" in rng:
+        out["cuda"] = rng["cuda"]
+    return out
+
+
+def save_state(trainer, metrics, output_dir, *, keep: int | None = None) -> Path:
+    """Write ``output_dir/checkpoint-<step>`` atomically; keep the newest ``keep`` (None: all)."""
+    import torch
+
+    out = Path(output_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    step = trainer.step_index
+    final = out / f"checkpoint-{step}"
+    state = trainer.state_dict()
+    state["rng"] = _portable_rng(state["rng"])
+    state["metrics"] = metrics.state()
+    state["config"] = trainer.cfg.to_dict()
+    state["format"] = "fasttrain-lab-state-1"
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=out))
+    try:
+        torch.save(state, tmp / STATE)
+        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": state["config"]}, indent=1))
+        if final.exists():                   # an earlier run's checkpoint of the same step: replaced whole
+            old = final.with_name(final.name + ".old")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    if keep:
+        for old in checkpoints(out)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def checkpoints(folder) -> list[Path]:
+    """The complete checkpoints in ``folder``, oldest first."""
+    found = []
+    for p in Path(folder).iterdir():
+        m = PATTERN.match(p.name)
+        if m and (p / STATE).is_file():
+            found.append((int(m.group(1)), p))
+    return [p for _, p in sorted(found)]
+
+
+def find_checkpoint(path) -> Path:
+    """``path`` itself when it is a checkpoint, else the newest checkpoint inside it."""
+    p = Path(path)
+    if (p / STATE).is_file():
+        return p
+    if not p.is_dir():
+        raise FasttrainError(f"--resume {path}: no such folder; give the --output-dir of a run saved with "
+                             f"--save-steps, or one of its checkpoint-N folders")
+    found = checkpoints(p)
+    if not found:
+        raise FasttrainError(f"--resume {path}: no checkpoint in it (checkpoint-N/{STATE}); "
+                             f"write some with --save-steps N --output-dir {path}")
+    return found[-1]
+
+
+def resume(trainer, metrics, path, *, log=None) -> Path:
+    """Load the newest checkpoint of ``path`` into ``trainer`` and ``metrics``."""
+    import torch
+
+    where = find_checkpoint(path)
+    try:
+        state = torch.load(where / STATE, map_location=trainer.device, weights_only=True)
+    except Exception as exc:  # noqa: BLE001 - a damaged file of any kind: one line
+        raise FasttrainError(f"--resume {where}: cannot read {STATE} ({type(exc).__name__}: {str(exc)[:100]})") \
+            from None
+    if not isinstance(state, dict) or state.get("format") != "fasttrain-lab-state-1":
+        raise FasttrainError(f"--resume {where}: {STATE} is not a fasttrain lab training state")
+    saved, now = state["config"], trainer.cfg.to_dict()
+    differ = sorted(k for k in set(saved) | set(now) if k not in OPERATIONAL and saved.get(k) != now.get(k))
+    if differ:
+        shown = ", ".join(f"{k} (saved {saved.get(k)!r}, now {now.get(k)!r})" for k in differ[:3])
+        raise FasttrainError(f"--resume {where}: the run was saved with other settings: {shown}; "
+                             f"resume with the settings it was saved with")
+    if state["step_index"] >= trainer.cfg.max_steps:
+        raise FasttrainError(f"--resume {where}: that run already finished ({state['step_index']} of "
+                             f"{trainer.cfg.max_steps} steps); raise --max-steps to train further")
+    state["rng"] = _native_rng(state["rng"])
+    state["rng"]["torch"] = state["rng"]["torch"].cpu()
+    if "cuda" in state["rng"]:
+        state["rng"]["cuda"] = [t.cpu() for t in state["rng"]["cuda"]]
+    trainer.load_state_dict(state)
+    metrics.restore(state["metrics"])
+    if log:
+        log(f"resumed from {where} at step {trainer.step_index}")
+    return where
+
+
+class Saver:
+    """``on_step`` for the loop: a checkpoint every ``save_steps`` steps (not after the last: the run
+    is over, its model goes to ``--save``)."""
+
+    def __init__(self, trainer, metrics, cfg, world):
+        if world.distributed:
+            raise FasttrainError("--save-steps with several processes is not supported yet; "
+                                 "save from a single-process run")
+        self.trainer, self.metrics, self.cfg = trainer, metrics, cfg
+
+    def __call__(self, step: int) -> None:
+        cfg = self.cfg
+        if step % cfg.save_steps == 0 and step < cfg.max_steps:
+            save_state(self.trainer, self.metrics, cfg.output_dir, keep=cfg.save_total_limit)
+
+
+__all__ = ["save_state", "resume", "find_checkpoint", "checkpoints", "Saver"]
