@@ -324,14 +324,6 @@ def test_liger_fused_loss_equals_the_plain_loss_on_the_gpu(tmp_path, family):
 
 # --- through the lab: fasttrain lab --model hf:DIR ------------------------------------------------
 
-@pytest.fixture(scope="module")
-def corpus():
-    from tests_support import toy_text
-    from fasttrain.lab.data import corpus_from_text
-
-    return corpus_from_text(toy_text())
-
-
 def lab_cfg(folder, **kw):
     from fasttrain.lab.config import preset
 

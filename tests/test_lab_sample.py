@@ -10,13 +10,7 @@ pytest.importorskip("safetensors")
 from tests_support import fasttrain_cli, one_line_error, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.config import LabConfig, preset  # noqa: E402
-from fasttrain.lab.data import corpus_from_text  # noqa: E402
 from fasttrain.lab.sample import sample  # noqa: E402
-
-
-@pytest.fixture(scope="module")
-def corpus():
-    return corpus_from_text(toy_text())
 
 
 @pytest.fixture(scope="module")
