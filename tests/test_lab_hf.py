@@ -457,3 +457,49 @@ def test_cli_bad_input_is_one_line(folders, args, message):
 
     args = [a.replace("{folder}", str(folders["llama"])) for a in args]
     one_line_error(fasttrain_cli("lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "1", *args), message)
+
+
+# --- several processes (gloo on the CPU) ---------------------------------------------------------
+
+def _dist_worker(rank: int, port: int, folder: str, out_dir: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests_support import toy_text
+    from fasttrain.lab import distributed as D
+    from fasttrain.lab.data import corpus_from_text
+    from fasttrain.lab.train import run
+
+    corpus = corpus_from_text(toy_text())
+    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=60), device="cpu")
+    records = {}
+    for strategy in ("ddp", "fsdp"):
+        parallel = D.ParallelConfig(strategy=strategy, global_batch_size=8)
+        records[strategy] = run(lab_cfg(folder, max_steps=3, save=os.path.join(out_dir, strategy)), corpus=corpus,
+                                parallel=parallel)
+    if rank == 0:
+        with open(os.path.join(out_dir, "records.json"), "w") as f:
+            json.dump({k: losses(v) for k, v in records.items()}, f)
+    group.owns_group = True
+    D.shutdown(group)
+
+
+def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, corpus, tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from fasttrain.lab.train import run
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_dist_worker, args=(port, str(folders["llama"]), str(tmp_path)), nprocs=2, start_method="spawn")
+    two = json.loads((tmp_path / "records.json").read_text())
+    one = losses(run(lab_cfg(folders["llama"], max_steps=3, per_device_train_batch_size=8), corpus=corpus))
+    for strategy in ("ddp", "fsdp"):
+        assert two[strategy] == pytest.approx(one, rel=1e-5), strategy
+        # FSDP's shards gathered into one folder from_pretrained loads
+        assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"

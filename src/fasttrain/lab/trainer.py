@@ -195,7 +195,8 @@ class Trainer:
             module = apply_lora(cfg, module, targets=self.lora_targets())
         # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
         # (before the optimizer is built: it must hold the sharded parameters)
-        wrapped = wrap(module) if wrap is not None else D.wrap_model(module, world, mixed_bf16=cfg.bf16)
+        wrapped = wrap(module) if wrap is not None else D.wrap_model(module, world, mixed_bf16=cfg.bf16,
+                                                                            blocks=model.blocks)
         self.model = module              # the module itself (evaluation, saving, counting)
         self.train_model = self._compiled(wrapped)
         self.optimizer = D.wrap_optimizer(build_optimizer(cfg, wrapped, world=world), world)
