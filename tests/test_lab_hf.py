@@ -140,7 +140,10 @@ def test_full_checkpointing_is_the_models_own_and_keeps_gradients(tmp_path, fami
     write_config(tmp_path, family)
     plain = trainer_for(tmp_path)
     ckpt = trainer_for(tmp_path, gradient_checkpointing="full")
-    assert ckpt.model.is_gradient_checkpointing and not plain.model.is_gradient_checkpointing
+    def on(module):     # (transformers 5.2x renamed it activation checkpointing)
+        return getattr(module, "is_activation_checkpointing", None) or module.is_gradient_checkpointing
+
+    assert on(ckpt.model) and not on(plain.model)
     x, y = batch(vocab=65)
     for t in (plain, ckpt):
         t.forward_backward_step(x, y)
@@ -503,3 +506,18 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert two[strategy] == pytest.approx(one, rel=1e-5), strategy
         # FSDP's shards gathered into one folder from_pretrained loads
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
+
+
+@pytest.mark.gpu
+def test_a_hf_model_trains_on_the_gpu_with_its_kernels(folders, corpus):
+    """bf16 autocast, sdpa, liger's patches and torch.compile on a HF Llama: it trains, its peak is
+    measured."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel")
+    from fasttrain.lab.train import run
+
+    rec = run(lab_cfg(folders["llama"], device="cuda", max_steps=8, bf16=True, attn_implementation="sdpa",
+                      use_liger_kernel=True, torch_compile=True), corpus=corpus)
+    assert all(np.isfinite(losses(rec))) and losses(rec)[-1] < losses(rec)[0]
+    assert rec["memory"]["peak_allocated_bytes"] > 0

@@ -8,7 +8,6 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
@@ -250,9 +249,52 @@ def test_the_gpt_classes_live_at_module_level_and_keep_their_weights():
         assert float(sum((p.double() * (i + 1)).sum() for i, p in enumerate(state))) == checksum
 
 
-def test_memory_validation_is_a_command_of_the_memory_group_defined_by_the_lab():
+def test_memory_validation_is_a_command_of_the_memory_group_defined_by_the_lab(capsys):
+    from tests_support import run_cli
+
     from fasttrain.cli import cli
 
+    code, out, _ = run_cli(["memory", "validate", "--help"], capsys)
+    assert code == 0 and "--rescore" in out
     memory = cli.commands["memory"]
     assert "validate" in memory.commands
     assert memory.commands["validate"].callback.__module__ == "fasttrain.lab.memory_check"
+
+
+# --- a Hugging Face model through the seam (what lab/hf.py builds) --------------------------------
+
+def _tiny_llama(vocab):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=vocab, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+@pytest.mark.parametrize("technique", [
+    dict(), dict(bf16=True), dict(gradient_checkpointing="full"), dict(lora_r=4), dict(preload=True),
+    dict(optim="adafactor"), dict(gradient_accumulation_steps=2, per_device_train_batch_size=4),
+    dict(auto_find_batch_size=True),
+], ids=lambda t: ",".join(f"{k}={v}" for k, v in t.items()) or "plain")
+def test_a_hugging_face_model_trains_through_the_trainer_with_each_technique(corpus, tmp_path, technique):
+    pytest.importorskip("peft")
+    import fasttrain.lab
+    from fasttrain.lab.models import LabModel
+
+    module = _tiny_llama(corpus.vocab_size)
+    saved = []
+    model = LabModel(module=module, name="hf:tiny-llama", vocab_size=corpus.vocab_size, context=64,
+                     config=module.config.to_dict(), family="llama", blocks=lambda m: list(m.model.layers),
+                     save=lambda m, folder: saved.append(folder), lora_targets=("q_proj", "v_proj"))
+    rec = fasttrain.lab.run("tiny", model=model, data=corpus, device="cpu", max_steps=3, eval_interval=0,
+                            save=str(tmp_path / "saved"), **technique)
+    d = rec.to_dict()
+    assert len(rec.losses) == 3 and all(l == l for l in rec.losses) and rec.val_loss is not None
+    assert d["model_source"] == {"name": "hf:tiny-llama", "family": "llama", "vocab_size": corpus.vocab_size,
+                                 "context": 64}
+    assert d["model"]["model_type"] == "llama" and saved == [str(tmp_path / "saved")]
+    if technique.get("lora_r"):
+        # the model's own default targets: q_proj (32 -> 32) and v_proj (32 -> 2 x 8), r (in + out) each, 2 layers
+        assert d["params"]["trainable"] == 2 * 4 * ((32 + 32) + (32 + 16))
+    if technique.get("gradient_checkpointing"):
+        assert getattr(module, "is_activation_checkpointing", None) or module.is_gradient_checkpointing

@@ -386,7 +386,9 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
     base = lab_preset(preset, device=device, model=model)     # a bad --model: one line, before any work
     wanted = _parse_list(rows, "--rows")
     chosen = bench_lab.select_rows(bench_lab.lab_rows(base.per_device_train_batch_size), wanted)
-    plan = bench_lab.LabPlan(preset, steps, warmup, repeats, chosen, bench_lab.sweep_selected(wanted), sweep_steps,
+    # the batch-size sweep trains its own preset of the lab's GPT: a HF model's table leaves it out
+    sweep = bench_lab.sweep_selected(wanted) and model == "gpt"
+    plan = bench_lab.LabPlan(preset, steps, warmup, repeats, chosen, sweep, sweep_steps,
                              data_dir=data_dir, device=device, model=model)
     if list_only:
         from fasttrain.lab.train import resolve_device

@@ -102,12 +102,12 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
 
 
 def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, world=None,
-                 checkpoint: dict | None = None):
+                 checkpoint: dict | None = None, log=None):
     """A :class:`~fasttrain.lab.trainer.Trainer` of the model ``cfg`` names, which it can rebuild
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
 
-    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint)
+    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log)
     rebuild = None
     if model.name == "gpt":
         def rebuild(seed):

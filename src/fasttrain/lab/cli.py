@@ -102,7 +102,10 @@ def _option_for(kind):
                 return None
             parsed = parse_value(name, value)
             return NONE if parsed is None else parsed
-        return click.option(kind.flag, kind.name, type=str, default=None, callback=convert, help=help_)
+        metavar = {int: "INTEGER", float: "FLOAT", tuple: "A,B,..."}.get(kind.type, "TEXT") \
+            + ("|none" if kind.optional else "")
+        return click.option(kind.flag, kind.name, type=str, default=None, callback=convert, metavar=metavar,
+                            help=help_)
     return click.option(kind.flag, kind.name, type=kind.type, default=None, help=help_)
 
 

@@ -116,8 +116,11 @@ def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps
                 w = corpus[starts[i][:, None] + ramp].long()
                 yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
         return gen()
+    # its own generator: starting an iterator draws a seed for its workers, which must not come
+    # from the global generator (dropout's): a resumed run starts its iterator at another moment
     loader = torch.utils.data.DataLoader(
         StepBatches(ids, seed, batch, context, steps, start), batch_size=None, shuffle=False,
+        generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers, pin_memory=pin_memory and torch.device(device).type == "cuda",
         prefetch_factor=prefetch_factor if num_workers else None, persistent_workers=False)
     non_blocking = pin_memory

@@ -314,10 +314,27 @@ def hf_logits(module, x):
 
 
 def memory_setup_for(hf_config: dict):
-    """PLUG (memory for HF models): the estimator's mapping from an HF config dict to a
-    ``fasttrain.memory.config.Setup`` comes from ``fasttrain.memory`` (written beside this); until it
-    is wired, HF runs carry no estimate. Return ``(cfg, micro_batch) -> Setup`` or None."""
-    return None
+    """PLUG (memory for HF models): ``(cfg, micro_batch) -> Setup | None`` through
+    ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers
+    config, written beside this); None while that module is not there (the run then records no
+    estimate). A setting the estimator does not model (it raises) gives None: no estimate, no error."""
+    try:
+        from fasttrain.memory.hf_config import setup_from_hf_config
+    except ImportError:
+        return None
+
+    def setup(cfg: LabConfig, micro_batch: int):
+        extra = {"grad_buffers": True} if cfg.gradient_accumulation_steps > 1 else {}
+        if cfg.prompt_tuning_tokens:
+            extra["prompt_tokens"] = cfg.prompt_tuning_tokens
+        try:
+            return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
+                                        precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
+                                        recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
+                                        optim=cfg.optim, lora_rank=cfg.lora_r, **extra)
+        except FasttrainError:
+            return None
+    return setup
 
 
 def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *, log=None) -> LabModel:

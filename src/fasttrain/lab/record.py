@@ -101,6 +101,12 @@ class RunRecord:
     def peak_memory_bytes(self) -> int | None:
         return self.memory.get("peak_allocated_bytes")
 
+    @property
+    def timings(self) -> dict:
+        """Setup, warm-up steps, the other steps (p20/p50/p80/mean ms), training, evaluation and wall time."""
+        return {k: self.data.get(k) for k in ("setup_ms", "warmup_ms", "step_ms", "train_ms", "eval_ms", "wall_ms",
+                                              "tokens_per_s")}
+
     def to_dict(self) -> dict:
         return dict(self.data)
 

@@ -31,7 +31,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.timing import summarize
 from fasttrain.lab.adapters import merge_lora
 from fasttrain.lab.batchsize import find_batch_size, probe_batch
-from fasttrain.lab.build import build_model, config_from_model, model_config, model_source, resolve_device
+from fasttrain.lab.build import config_from_model, make_trainer, model_config, resolve_device
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra, validate
 from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, sync, tf32_matmuls
@@ -122,7 +122,8 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
         if model is None:
             D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
-            return _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model)
+            return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
+                           keep_model=keep_model)
     finally:
         D.shutdown(world)
 
@@ -148,10 +149,18 @@ def _check_libraries(cfg: LabConfig, device) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model):
     from fasttrain.lab.data import load_corpus
 
     _check_libraries(cfg, device)
+    if cfg.save_steps:
+        from fasttrain.files import check_new_folder
+
+        check_new_folder(cfg.output_dir, "--output-dir")        # before training, not at the first save
+    if cfg.resume:
+        from fasttrain.lab.resume import find_checkpoint
+
+        find_checkpoint(cfg.resume)
     corpus = corpus or load_corpus(cfg.data_dir)
     checkpoint = None
     if cfg.init_from and model is None:
@@ -167,21 +176,18 @@ def _run_on(cfg, device, log, progress, corpus, wall0, world, model, keep_model)
         raise FasttrainError(f"--save: {model.name} has no save hook; save record.model yourself "
                              f"(e.g. safetensors.torch.save_model)")
     with tf32_matmuls(cfg.tf32):
-        return _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, keep_model)
+        return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
+                      checkpoint=checkpoint, keep_model=keep_model)
 
 
-def _factory(cfg, corpus, device, model, checkpoint, log=None):
-    """``make(batch_probe: bool) -> LabModel``: the model ``cfg`` names, or the given one (a probe
-    trains a copy of its initial state, so the run starts from the same weights)."""
-    if model is None:
-        return lambda: build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log)
+def _copies_of(model, device):
+    """``make() -> LabModel``: fresh copies of a given model's initial state (a batch-size probe must
+    not train the run's own module)."""
     import copy
+    import dataclasses
 
     initial = copy.deepcopy(model.module).to("cpu")
-
-    def copy_of_initial():
-        return copy.copy(model).__class__(**{**model.__dict__, "module": copy.deepcopy(initial).to(device)})
-    return copy_of_initial
+    return lambda: dataclasses.replace(model, module=copy.deepcopy(initial).to(device))
 
 
 def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
@@ -201,26 +207,24 @@ def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
     return found, {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
 
 
-def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, keep_model):
+def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model):
+    """Build, train through the trainer's loop, save and record (one process's part of the run)."""
     import torch
 
-    from fasttrain.lab import distributed as D
-
     cuda = device.type == "cuda"
-    make = _factory(cfg, corpus, device, model, checkpoint, log)
-    batch, auto = _find_batch(cfg, corpus, device, make if model is not None else None, log)
+    # probes build the model cfg names afresh, or train copies of a given one
+    make = _copies_of(model, device) if model is not None and cfg.auto_find_batch_size and cuda else None
+    batch, auto = _find_batch(cfg, corpus, device, make, log)
     held = 0
     if cuda:
         free_memory(device)
         held = held_before(device)
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
-    lab_model = model if model is not None else make()
-    rebuild = None
-    if model is None and lab_model.name == "gpt":
-        rebuild = lambda seed: build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint,  # noqa: E731
-                                           seed=seed).module
-    trainer = Trainer(cfg, lab_model, corpus, device, batch=batch, world=world, rebuild=rebuild)
+    if model is None:
+        trainer = make_trainer(cfg, corpus, device, batch=batch, world=world, checkpoint=checkpoint, log=log)
+    else:
+        trainer = Trainer(cfg, model, corpus, device, batch=batch, world=world)
     sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
     metrics = Metrics(cfg, device, world, log=log, held=held)
@@ -238,26 +242,30 @@ def _train(cfg, corpus, device, log, progress, wall0, world, model, checkpoint, 
     else:
         oom = False
     if oom:
-        del trainer, lab_model
+        del trainer
         free_memory(device)
-        _out_of_memory(cfg, corpus, device, batch, world, make if model is not None else None)
-    record = _record(cfg, trainer, metrics, corpus, device, world, batch, auto, setup_ms, wall0)
+        _out_of_memory(cfg, corpus, device, batch, world, searchable=model is None)
+    record = _record(cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms,
+                     wall0=wall0)
     if cfg.save:
         _save(cfg, trainer, record, corpus, device, world, batch)
         record["saved"] = str(cfg.save)
     trained = trainer.model if keep_model else None
-    del trainer, lab_model
+    del trainer
     free_memory(device)
     return record, trained
 
 
-def _out_of_memory(cfg, corpus, device, batch, world, make):
+def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):
     if world.distributed:
         raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
                              f"{gpu_name(device)} under --strategy {world.strategy}; lower "
                              f"--per-device-train-batch-size (find the largest on one GPU with "
                              f"--auto-find-batch-size)") from None
-    largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b, make=make))
+    if not searchable:          # a given model has trained: no fresh copy of it is left to probe with
+        raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; lower "
+                             f"--per-device-train-batch-size or use --auto-find-batch-size")
+    largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
     hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
             f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
     raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; {hint}")
@@ -319,7 +327,7 @@ MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and 
                  "process held before the run (held_before_bytes)")
 
 
-def _record(cfg, trainer, metrics, corpus, device, world, batch, auto, setup_ms, wall0) -> dict:
+def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_ms, wall0) -> dict:
     from fasttrain.environment import environment
     from fasttrain.lab import distributed as D
     from fasttrain.lab.record import provenance

@@ -183,12 +183,17 @@ class Trainer:
             freeze_for_prompt_tuning(module)
         if cfg.gradient_checkpointing != "none" and model.name != "gpt":
             # the lab's GPT recomputes by its config; any other model through its own switch
-            enable = getattr(module, "gradient_checkpointing_enable", None)
+            # (transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable)
+            enable = getattr(module, "activation_checkpointing_enable", None)
+            kwargs = {"activation_checkpointing_kwargs": {"use_reentrant": False}}
+            if enable is None:
+                enable = getattr(module, "gradient_checkpointing_enable", None)
+                kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
             if enable is None or cfg.gradient_checkpointing != "full":
                 raise FasttrainError(f"--gradient-checkpointing {cfg.gradient_checkpointing}: {model.name} "
                                      + ("has no gradient_checkpointing_enable()" if enable is None
                                         else "recomputes whole layers only; use --gradient-checkpointing full"))
-            enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            enable(**kwargs)
         if cfg.lora_r:
             from fasttrain.lab.adapters import apply_lora
 

@@ -1,0 +1,78 @@
+"""Run records a person can rerun: what a record holds (command line, libraries, model source and
+config, the corpus' hashes), ``fasttrain lab --from-record`` reproducing a CPU run's loss curve
+exactly, ``fasttrain lab plot`` drawing a run's loss curve, and bad records refused in one line."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests_support import run_cli  # noqa: E402
+
+
+def test_from_record_reruns_a_cpu_run_exactly(fake_corpus, tmp_path, capsys):
+    first = tmp_path / "run.json"
+    code, _, err = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "5",
+                            "--dropout", "0.1", "--learning-rate", "0.02", "--eval-interval", "2", "--out", str(first)],
+                           capsys)
+    assert code == 0, err
+    rec = json.loads(first.read_text())
+    assert rec["command"].startswith("fasttrain lab --preset tiny") and "--dropout 0.1" in rec["command"]
+    assert set(rec["libraries"]) >= {"torch", "transformers", "peft", "torchao", "liger-kernel", "tokenizers"}
+    assert rec["libraries"]["torch"] == torch.__version__
+    assert rec["model_source"]["name"] == "gpt" and rec["model"]["layers"] == 2
+    assert len(rec["corpus"]["tokens_sha256"]) == 64 and "sha256" in rec["corpus"]
+    again = tmp_path / "again.json"
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet", "--out", str(again)], capsys)
+    assert code == 0, err
+    rerun = json.loads(again.read_text())
+    assert rerun["config"] == rec["config"]
+    assert [(p["step"], p["loss"]) for p in rerun["loss_curve"]] == [(p["step"], p["loss"]) for p in rec["loss_curve"]]
+    assert [e["val_loss"] for e in rerun["eval"]] == [e["val_loss"] for e in rec["eval"]]
+    # flags beside --from-record change the rerun
+    third = tmp_path / "third.json"
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--max-steps", "3", "--quiet", "--out", str(third)],
+                           capsys)
+    assert code == 0, err
+    assert json.loads(third.read_text())["config"]["max_steps"] == 3
+
+
+@pytest.mark.parametrize("content, message", [
+    (None, "no such run record"), ("{not json", "unreadable JSON"), ('{"kind": "bench"}', "not a lab run record"),
+    ('{"kind": "lab-run", "config": {"max_steps": "many"}}', "--max-steps 'many': give an integer"),
+])
+def test_a_bad_record_is_one_line(fake_corpus, tmp_path, capsys, content, message):
+    path = tmp_path / "r.json"
+    if content is not None:
+        path.write_text(content)
+    code, _, err = run_cli(["lab", "--from-record", str(path), "--quiet"], capsys)
+    assert code == 1 and message in err and "Traceback" not in err
+
+
+def test_plot_draws_a_runs_loss_curve(tmp_path, capsys):
+    pytest.importorskip("matplotlib")
+    record = {"kind": "lab-run", "config": {"name": "tiny"}, "device": "cpu", "precision": "fp32",
+              "loss_curve": [{"step": s, "loss": 4.0 / s} for s in range(1, 6)],
+              "eval": [{"step": 5, "val_loss": 1.0}]}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    code, out, err = run_cli(["lab", "plot", str(path), "--out", str(tmp_path / "curve.png")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "curve.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    empty = tmp_path / "empty.json"
+    empty.write_text(json.dumps({**record, "loss_curve": [], "eval": []}))
+    code, _, err = run_cli(["lab", "plot", str(empty), "--out", str(tmp_path / "e.png")], capsys)
+    assert code == 1 and "no loss curve" in err and not (tmp_path / "e.png").exists()
+
+
+def test_run_record_object_carries_the_trained_model(corpus):
+    import fasttrain.lab
+    from fasttrain.lab.record import RunRecord
+
+    rec = fasttrain.lab.run("tiny", data=corpus, device="cpu", max_steps=4, eval_interval=0)
+    assert isinstance(rec, RunRecord) and isinstance(rec.model, torch.nn.Module)
+    assert rec.to_dict()["kind"] == "lab-run" and rec.losses == [p["loss"] for p in rec.to_dict()["loss_curve"]]
+    assert rec.timings["step_ms"]["p50"] > 0 and rec.timings["setup_ms"] > 0 and rec.memory["by_kind"]["parameters"] > 0
