@@ -383,7 +383,7 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
     return LabModel(
         module=module, name=f"{HF_PREFIX}{source_of(spec)}", vocab_size=int(config.vocab_size),
         context=max_positions(config), config=config_dict, family=family, loss=hf_loss, logits=hf_logits,
-        blocks=decoder_layers, save=lambda m, folder: save_hf(m, folder), lora_targets=LORA_TARGETS.get(family, ()),
+        blocks=decoder_layers, save=save_hf, lora_targets=LORA_TARGETS.get(family, ()),
         memory_setup=memory_setup_for(config_dict))
 
 

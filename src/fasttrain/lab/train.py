@@ -283,11 +283,12 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
     extra = {"val_loss": final["val_loss"], "val_tokens": final["tokens"], "eval_batch_size": cfg.eval_batch_size or batch,
              "step": trainer.step_index, "eval": eval_settings(cfg, batch, device)}
     chars = getattr(corpus, "chars", None)
-    if trainer.lab_model.name.startswith("hf:"):
-        # a folder from_pretrained loads, with the lab's record of it (fasttrain.json) and the
-        # corpus' tokenizer (or its characters) so that lab eval and lab sample need nothing else
-        from fasttrain.lab.hf import save_hf
+    from fasttrain.lab.hf import save_hf
 
+    if trainer.lab_model.save is save_hf:
+        # a model lab/hf.py built: a folder from_pretrained loads, with the lab's record of it
+        # (fasttrain.json) and the corpus' tokenizer (or its characters), so that lab eval and
+        # lab sample need nothing else
         if world.strategy == "fsdp":
             # the whole model gathered from FSDP's shards on every rank, loaded into a fresh copy on
             # the CPU by rank 0 (ddp and zero1 keep whole weights on every rank)
