@@ -188,6 +188,8 @@ def test_a_run_cut_short_keeps_its_finished_rows(corpus):
     (["--preset", "nope"], "unknown --preset"),
     (["--preset", "tiny", "--rows", "zzz"], "no row"),
     (["--preset", "tiny", "--steps", "0"], "--steps"),
+    (["--preset", "tiny", "--model", "bert"], "unknown --model 'bert'"),
+    (["--preset", "tiny", "--model", "hf:/no/such/folder", "--rows", "baseline"], "no such folder"),
 ])
 def test_bench_lab_bad_input_is_one_line(fake_corpus, tmp_path, capsys, args, message):
     code, _, err = run_cli(["bench", "lab", "--device", "cpu", "--out", str(tmp_path / "r"), *args], capsys)

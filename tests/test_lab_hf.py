@@ -401,7 +401,8 @@ def test_compile_through_the_lab(folders, corpus):
     assert losses(compiled) == pytest.approx(losses(base), rel=1e-4)
 
 
-@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {"lora_r": 2}), ("qwen2", {"prompt_tuning_tokens": 3})])
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {"lora_r": 2}),
+                                          ("qwen2", {"prompt_tuning_tokens": 3})])
 def test_save_loads_with_from_pretrained_and_lab_eval_rescores(folders, corpus, tmp_path, family, extra):
     from fasttrain.lab.evaluate import evaluate_checkpoint
     from fasttrain.lab.train import run

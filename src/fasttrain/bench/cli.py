@@ -384,6 +384,10 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
     if preset not in PRESETS:
         raise FasttrainError(f"unknown --preset {preset!r}; use one of {', '.join(PRESETS)}")
     base = lab_preset(preset, device=device, model=model)     # a bad --model: one line, before any work
+    if model != "gpt":
+        from fasttrain.lab.hf import load_hf_config
+
+        load_hf_config(model)       # a missing folder or config, an unknown model_type: here, not in every row
     wanted = _parse_list(rows, "--rows")
     chosen = bench_lab.select_rows(bench_lab.lab_rows(base.per_device_train_batch_size), wanted)
     # the batch-size sweep trains its own preset of the lab's GPT: a HF model's table leaves it out
