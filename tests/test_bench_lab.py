@@ -188,6 +188,8 @@ def test_a_run_cut_short_keeps_its_finished_rows(corpus):
     (["--preset", "nope"], "unknown --preset"),
     (["--preset", "tiny", "--rows", "zzz"], "no row"),
     (["--preset", "tiny", "--steps", "0"], "--steps"),
+    (["--preset", "tiny", "--model", "bert"], "unknown --model 'bert'"),
+    (["--preset", "tiny", "--model", "hf:/no/such/folder", "--rows", "baseline"], "no such folder"),
 ])
 def test_bench_lab_bad_input_is_one_line(fake_corpus, tmp_path, capsys, args, message):
     code, _, err = run_cli(["bench", "lab", "--device", "cpu", "--out", str(tmp_path / "r"), *args], capsys)
@@ -229,3 +231,27 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
     assert report.to_csv([result]).count("sweep batch") >= 2
     if figures.matplotlib_or_none() is not None:
         assert (tmp_path / "lab_batch_sweep.png") in lab_report.write_plots(result, tmp_path)
+
+
+def test_bench_lab_takes_a_hf_model(corpus, tmp_path):
+    """``--model hf:DIR``: every row trains the HF model (the PEFT rows fine-tune the folder the
+    baseline saved), rows that shape the lab's own GPT are skipped with their one line, and the
+    model column names the model."""
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    transformers.LlamaConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(tmp_path / "tiny-llama")
+    rows = bench_lab.select_rows(bench_lab.lab_rows(8), ["baseline", "PEFT", "selective", "vocab"])
+    plan = bench_lab.LabPlan("tiny", 2, 1, 1, rows, False, 2, device="cpu", model=f"hf:{tmp_path / 'tiny-llama'}")
+    result = bench_lab.run_lab(plan, corpus=corpus)
+    cases = {c.label: c for c in result.cases}
+    assert {c.model for c in result.cases} == {"hf:tiny-llama"}
+    assert cases["baseline"].status == "ok" and cases["baseline"].records[0]["model"]["model_type"] == "llama"
+    for label in ("full fine-tune", "LoRA r=8 qkv,proj", "prompt tuning 16"):
+        assert cases[label].status == "ok", (label, cases[label].reason)
+        assert cases[label].records[0]["config"]["model"].endswith("pretrained")
+    lora = cases["LoRA r=8 qkv,proj"].records[0]["params"]
+    assert 0 < lora["trainable"] < lora["total"]
+    assert cases["checkpointing selective"].status == "skipped" and "full" in cases["checkpointing selective"].reason
+    assert cases["vocab padded to 64"].status == "skipped" and "vocab_size" in cases["vocab padded to 64"].reason

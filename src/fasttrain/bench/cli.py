@@ -369,8 +369,12 @@ def readme(results_dir, link_base, into, marker) -> None:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 @click.option("--fresh", is_flag=True, help="Discard earlier lab results in --out instead of merging with them.")
 @click.option("--list", "list_only", is_flag=True, help="Show the rows, and which would be skipped and why; run nothing.")
+@click.option("--model", "model", default="gpt", show_default=True,
+              help="The model of the table: gpt (the lab's own, shaped by the preset) or hf:PATH_OR_NAME "
+                   "(a transformers causal LM; the preset gives the batch, context and schedule).")
 @click.pass_context
-def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, device, fresh, list_only) -> None:
+def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, device, fresh, list_only,
+        model) -> None:
     """The lecture's table of single-GPU techniques, measured on the lab's transformer: speed, memory and
     validation loss of every technique against one baseline, the estimator's prediction beside each peak,
     and a batch-size sweep to the out-of-memory edge (runs for minutes on a GPU)."""
@@ -380,11 +384,17 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
 
     if preset not in PRESETS:
         raise FasttrainError(f"unknown --preset {preset!r}; use one of {', '.join(PRESETS)}")
-    base = lab_preset(preset, device=device)
+    base = lab_preset(preset, device=device, model=model)     # a bad --model: one line, before any work
+    if model != "gpt":
+        from fasttrain.lab.hf import load_hf_config
+
+        load_hf_config(model)       # a missing folder or config, an unknown model_type: here, not in every row
     wanted = _parse_list(rows, "--rows")
     chosen = bench_lab.select_rows(bench_lab.lab_rows(base.per_device_train_batch_size), wanted)
-    plan = bench_lab.LabPlan(preset, steps, warmup, repeats, chosen, bench_lab.sweep_selected(wanted), sweep_steps,
-                             data_dir=data_dir, device=device)
+    # the batch-size sweep trains its own preset of the lab's GPT: a HF model's table leaves it out
+    sweep = bench_lab.sweep_selected(wanted) and model == "gpt"
+    plan = bench_lab.LabPlan(preset, steps, warmup, repeats, chosen, sweep, sweep_steps,
+                             data_dir=data_dir, device=device, model=model)
     if list_only:
         from fasttrain.lab.train import resolve_device
 

@@ -289,6 +289,16 @@ class LabPlan:
     sweep_steps: int
     data_dir: str | None = None
     device: str = "auto"
+    model: str = "gpt"              # the LabConfig's --model: gpt (the lab's own) or hf:PATH_OR_NAME
+
+    @property
+    def model_label(self) -> str:
+        """The table's ``model`` column: the preset for the lab's GPT, else the HF model's folder name."""
+        if self.model == "gpt":
+            return self.preset
+        from pathlib import PurePath
+
+        return "hf:" + PurePath(self.model[3:].rstrip("/")).name
 
 
 def _case(row_label: str, rung: str, model: str, cfg, status: str, reason: str | None = None,
@@ -315,7 +325,7 @@ def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callabl
     runner = runner or lab_train.run
     progress = progress or Progress()
     corpus = corpus or load_corpus(plan.data_dir)
-    base = preset(plan.preset, **BASELINE, data_dir=plan.data_dir, device=plan.device)
+    base = preset(plan.preset, **BASELINE, data_dir=plan.data_dir, device=plan.device, model=plan.model)
     cuda = lab_train.resolve_device(base).type == "cuda"
     result = SuiteResult("lab", title(plan.preset), False, command, utc_now(), dataset_info(corpus, plan),
                          environment(), plan.repeats, commands=[command] if command else [], baselines=["baseline"])
@@ -331,15 +341,17 @@ def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callabl
             options = {**_jsonable(row.overrides), "_pair": row.pair}
             if reason:
                 progress.log(f"[yellow]skip[/] lab {row.label}: {reason}")
-                result.cases.append(_case(row.label, row.technique, plan.preset, cfg, "skipped", reason, options))
+                result.cases.append(_case(row.label, row.technique, plan.model_label, cfg, "skipped", reason, options))
                 continue
             if row.finetune:
                 if not checkpoint.exists():
                     _pretrain(base, plan, checkpoint, corpus, runner, progress)
-                cfg = cfg.with_(init_from=str(checkpoint))
+                # the lab's GPT fine-tunes its checkpoint; a HF model loads the saved folder as its model
+                cfg = cfg.with_(init_from=str(checkpoint)) if plan.model == "gpt" else \
+                    cfg.with_(model=f"hf:{checkpoint}")
             elif row.label == "baseline" and needs_checkpoint:
                 cfg = cfg.with_(save=str(checkpoint))     # the baseline's model is the PEFT rows' checkpoint
-            result.cases.append(_run_row(row.label, row.technique, plan.preset, cfg, options, plan.repeats,
+            result.cases.append(_run_row(row.label, row.technique, plan.model_label, cfg, options, plan.repeats,
                                          corpus, runner, progress))
             if on_case:
                 derive(result)
@@ -485,7 +497,8 @@ def dataset_info(corpus, plan: LabPlan) -> dict:
     """The data and the setting of the run (two runs merge only when they agree on both)."""
     return {"name": "tinyshakespeare", "n_train": int(len(corpus.train)), "n_test": int(len(corpus.val)),
             "unit": "characters", "preset": plan.preset, "steps": plan.steps, "warmup": plan.warmup,
-            "sweep_preset": SWEEP_PRESET, "sweep_steps": plan.sweep_steps}
+            "sweep_preset": SWEEP_PRESET, "sweep_steps": plan.sweep_steps,
+            **({"model": plan.model} if plan.model != "gpt" else {})}
 
 
 def sweep_edge(result: SuiteResult) -> CaseResult | None:

@@ -77,8 +77,8 @@ def gpt_config_for(cfg: LabConfig, vocab: int, checkpoint: dict | None):
                    prompt_tokens=cfg.prompt_tuning_tokens)
 
 
-def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None = None, seed: int | None = None) \
-        -> LabModel:
+def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None = None, seed: int | None = None,
+                log=None) -> LabModel:
     """The model of one run, on ``device``: its weights drawn from ``seed`` (default ``cfg.seed``),
     then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it."""
     source = model_source(cfg)
@@ -87,7 +87,7 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
             raise FasttrainError(f"unknown --model {source!r}; use gpt or hf:PATH_OR_NAME")
         from fasttrain.lab.hf import build_hf_model
 
-        return build_hf_model(source[3:], cfg, vocab, device)
+        return build_hf_model(source, cfg, vocab, device, log=log)
     import torch
 
     from fasttrain.lab.model import build
@@ -104,7 +104,7 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
 
 
 def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, world=None,
-                 checkpoint: dict | None = None):
+                 checkpoint: dict | None = None, log=None):
     """A :class:`~fasttrain.lab.trainer.Trainer` of the model ``cfg`` names, which it can rebuild
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
@@ -112,7 +112,7 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     if getattr(cfg, "cuda_graph_step", False):
         raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
                              "with fasttrain lab speedrun --rungs graph-step, or drop it here")
-    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint)
+    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log)
     rebuild = None
     if model.name == "gpt":
         def rebuild(seed):

@@ -24,12 +24,14 @@ from fasttrain.lab import dist_launch
 from fasttrain.lab.config import PRESET_NOTES, PRESETS, LabConfig, preset
 
 SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch",
-                                 "fasttrain.lab.tokenizer")
+                                 "fasttrain.lab.tokenizer", "fasttrain.lab.sample")
 
 out = Console(width=160)
 err = Console(stderr=True)
 
 HELP = {
+    "model": "gpt (the lab's own GPT, shaped by the flags below) or hf:PATH_OR_NAME (a transformers causal LM: "
+             "a folder with config.json, weights loaded if present, else initialized from the config).",
     "style": "gpt2 (LayerNorm, learned positions, GELU, tied) or llama (RMSNorm, RoPE, SwiGLU, GQA).",
     "layers": "Transformer blocks.", "heads": "Attention heads.", "kv_heads": "Key/value heads (llama: GQA).",
     "width": "Hidden size.", "ffn": "Feed-forward width (default 4 w; llama 8/3 w).",

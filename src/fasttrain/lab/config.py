@@ -45,6 +45,7 @@ class LabConfig:
     """One lab run. ``None`` for a model size means "derive it" (see :meth:`resolved`)."""
 
     name: str = "custom"
+    model: str = "gpt"                  # gpt: the lab's own GPT (the shape below); hf:PATH_OR_NAME: a transformers causal LM
     # --- model shape -----------------------------------------------------------------------
     style: str = "gpt2"                 # gpt2: LayerNorm, learned positions, GELU, tied; llama: RMSNorm, RoPE, SwiGLU, GQA
     layers: int = 6
@@ -285,6 +286,16 @@ def validate(cfg: LabConfig) -> LabConfig:
         if getattr(cfg, name) is not None:
             _positive(cfg, name)
     _choice(cfg, "style", STYLES)
+    if not isinstance(cfg.model, str) or not (cfg.model == "gpt" or cfg.model.startswith("hf:")):
+        raise FasttrainError(f"unknown --model {cfg.model!r}; use gpt (the lab's own) or hf:PATH_OR_NAME "
+                             f"(a folder holding a transformers config.json, or a hub name)")
+    if cfg.model != "gpt":
+        if cfg.init_from:
+            raise FasttrainError("--init-from loads the lab GPT's checkpoints; a HF model starts from its own "
+                                 "folder: pass the saved folder as --model hf:FOLDER")
+        if cfg.pad_vocab_to_multiple_of:
+            raise FasttrainError("--pad-vocab-to-multiple-of shapes the lab GPT; a HF model's vocabulary is its "
+                                 "config's vocab_size")
     _choice(cfg, "optim", OPTIMS)
     _choice(cfg, "gradient_checkpointing", CHECKPOINTING)
     _choice(cfg, "attn_implementation", ATTENTIONS)

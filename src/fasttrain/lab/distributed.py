@@ -191,6 +191,10 @@ def check_config(cfg, parallel: ParallelConfig) -> None:
     if cfg.auto_find_batch_size:
         raise FasttrainError("--auto-find-batch-size searches on one GPU; run it there without --strategy and "
                              "pass the batch it finds as --per-device-train-batch-size")
+    if s == "tp" and getattr(cfg, "model", "gpt") != "gpt":
+        from fasttrain.lab.hf import check_hf_parallel
+
+        check_hf_parallel(s)
     if cfg.fp16 and s in ("fsdp", "tp"):
         raise FasttrainError(f"--fp16 (GradScaler) is not supported with --strategy {s}; use --bf16")
     if s == "tp" and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
@@ -358,8 +362,9 @@ def apply_tensor_parallel(model, world: World) -> None:
                                                "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
 
 
-def wrap_model(model, world: World, mixed_bf16: bool = False):
-    """The model as the strategy trains it (the same object for ``none`` and ``tp``)."""
+def wrap_model(model, world: World, mixed_bf16: bool = False, blocks=None):
+    """The model as the strategy trains it (the same object for ``none`` and ``tp``). ``blocks``:
+    ``module -> its repeated blocks`` (a LabModel's hook; default ``module.blocks``), FSDP's units."""
     if world.strategy == "none":
         return model
     import torch
@@ -381,7 +386,7 @@ def wrap_model(model, world: World, mixed_bf16: bool = False):
 
         policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_bf16 \
             else MixedPrecisionPolicy()
-        for block in _blocks(model):
+        for block in (blocks(model) if blocks is not None else _blocks(model)):
             fully_shard(block, mesh=world.mesh, reshard_after_forward=world.reshard_after_forward, mp_policy=policy)
         # the root group holds the embedding, final norm and output layer; its parameters are
         # needed right away by the backward, so it is never resharded after the forward

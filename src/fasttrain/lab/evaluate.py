@@ -22,17 +22,21 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     (:func:`eval_settings`): the validation batch, the token budget (default the whole split),
     autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
     same kind of device the recorded loss comes back exactly."""
+    from fasttrain.lab import hf
     from fasttrain.lab.data import load_corpus
 
     from fasttrain.lab.preflight import check_device
 
-    meta = read_checkpoint(path)
-    recorded = meta.get("eval") or {}
-    check_recorded_eval(recorded, Path(os.fspath(path)).expanduser() / "config.json")
     if eval_tokens is not None and (isinstance(eval_tokens, bool) or not isinstance(eval_tokens, int)
                                     or eval_tokens < 1):
         raise FasttrainError(f"--eval-tokens must be a positive integer, got {eval_tokens!r}")
     check_device(device)
+    if hf.is_hf_checkpoint(path):
+        return _evaluate_hf_checkpoint(path, data_dir, eval_tokens=eval_tokens, device=device, batch=batch, bf16=bf16,
+                                       tf32=tf32, corpus=corpus)
+    meta = read_checkpoint(path)
+    recorded = meta.get("eval") or {}
+    check_recorded_eval(recorded, Path(os.fspath(path)).expanduser() / "config.json")
     batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
     eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
     bf16 = recorded.get("bf16", False) if bf16 is None else bf16
@@ -52,6 +56,46 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
         trainer = Trainer(cfg, build_model(cfg, corpus.vocab_size, dev, checkpoint=meta), corpus, dev)
         if cfg.prompt_tuning_tokens:
             load_weights(trainer.model, path)           # the trained prompt, not a fresh one
+        loss, n, ms = trainer.timed_evaluation()
+    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
+            "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
+            "recorded_device": recorded.get("device"),
+            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
+                         "tf32": tf32}}
+
+
+def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="auto", batch=None, bf16=None, tf32=None,
+                            corpus=None) -> dict:
+    """:func:`evaluate_checkpoint` for a folder saved from ``--model hf:...`` (``fasttrain.json``
+    beside the ``transformers`` files): the model loaded with ``from_pretrained`` (its soft prompt
+    re-attached), scored by the trainer's evaluation with the recorded settings."""
+    from fasttrain.errors import FasttrainError
+    from fasttrain.lab import hf
+    from fasttrain.lab.data import load_corpus
+
+    meta = hf.read_hf_checkpoint(path)
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    corpus = corpus or load_corpus(data_dir)
+    if meta.get("chars") not in (None, getattr(corpus, "chars", None)):
+        raise FasttrainError(f"{path} was trained on another vocabulary than this corpus")
+    lab = meta.get("lab") or {}
+    attention = recorded.get("attn_implementation") or lab.get("attn_implementation") or "sdpa"
+    cfg = validate(LabConfig(name="eval", model=f"hf:{path}", device=device, bf16=bf16, fp16=fp16, tf32=tf32,
+                             eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch,
+                             max_steps=1, context=lab.get("context", 256), attn_implementation=attention,
+                             dropout=0.0))
+    dev = resolve_device(cfg)
+    with tf32_matmuls(tf32):
+        model = build_model(cfg, corpus.vocab_size, dev)
+        if meta.get("prompt_tuning_tokens"):
+            # the soft prompt is a peft adapter beside the base weights: the model with it attached
+            model.module, _ = hf.load_hf_checkpoint(path, dev, attn_implementation=attention)
+        trainer = Trainer(cfg, model, corpus, dev)
         loss, n, ms = trainer.timed_evaluation()
     return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
             "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),

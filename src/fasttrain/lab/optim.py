@@ -12,6 +12,7 @@ linear warm-up, then cosine decay.
 from __future__ import annotations
 
 import math
+import re
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, missing_extra
@@ -275,7 +276,8 @@ def build_muon(cfg: LabConfig, model, lr, *, capturable: bool = False, compile_n
     import torch
 
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
-    hidden = [p for n, p in named if p.dim() == 2 and ".blocks." in f".{n}"]
+    # the repeated blocks: the lab GPT's "blocks.N.", a transformers model's "layers.N." (Llama-likes) or "h.N." (GPT-2)
+    hidden = [p for n, p in named if p.dim() == 2 and re.search(r"\.(blocks|layers|h)\.\d+\.", f".{n}")]
     hidden_ids = {id(p) for p in hidden}
     rest = [p for _, p in named if id(p) not in hidden_ids]
     if not hidden:

@@ -179,7 +179,7 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     if model is None:
-        trainer = make_trainer(cfg, corpus, device, batch=batch, world=world, checkpoint=checkpoint)
+        trainer = make_trainer(cfg, corpus, device, batch=batch, world=world, checkpoint=checkpoint, log=log)
     else:
         trainer = Trainer(cfg, model, corpus, device, batch=batch, world=world)
     sync(device)
@@ -236,15 +236,35 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
     model = trainer.model
     if cfg.lora_r:
         merge_lora(model)
+    final = record["eval"][-1]
+    extra = {"val_loss": final["val_loss"], "val_tokens": final["tokens"], "eval_batch_size": cfg.eval_batch_size or batch,
+             "step": trainer.step_index, "eval": eval_settings(cfg, batch, device)}
+    chars = getattr(corpus, "chars", None)
+    from fasttrain.lab.hf import save_hf
+
+    if trainer.lab_model.save is save_hf:
+        # a model lab/hf.py built: a folder from_pretrained loads, with the lab's record of it
+        # (fasttrain.json) and the corpus' tokenizer (or its characters), so that lab eval and
+        # lab sample need nothing else
+        if world.strategy == "fsdp":
+            # the whole model gathered from FSDP's shards on every rank, loaded into a fresh copy on
+            # the CPU by rank 0 (ddp and zero1 keep whole weights on every rank)
+            state = D.full_state_dict(trainer.train_model, world)
+            if world.is_main:
+                from fasttrain.lab.hf import fresh_copy
+
+                model = fresh_copy(model)
+                model.load_state_dict(state)
+        if world.is_main:
+            save_hf(model, cfg.save, tokenizer=getattr(corpus, "hf_tokenizer", None), lab=cfg.to_dict(),
+                    extra={**extra, "chars": chars})
+        D.barrier(world)
+        return
     if trainer.lab_model.name != "gpt":
         if world.is_main:
             trainer.lab_model.save(model, cfg.save)
         D.barrier(world)
         return
-    final = record["eval"][-1]
-    extra = {"val_loss": final["val_loss"], "val_tokens": final["tokens"], "eval_batch_size": cfg.eval_batch_size or batch,
-             "step": trainer.step_index, "eval": eval_settings(cfg, batch, device)}
-    chars = getattr(corpus, "chars", None)
     if world.distributed:
         # the whole model gathered on every rank (FSDP's shards), written by rank 0 alone
         state = D.full_state_dict(trainer.train_model, world)

@@ -180,7 +180,8 @@ class Trainer:
         self.batch = batch or cfg.per_device_train_batch_size
         self.rebuild = rebuild
         module = model.module
-        if cfg.prompt_tuning_tokens:
+        # a transformers model's soft prompt is peft's, attached when it was built (lab/hf.py)
+        if cfg.prompt_tuning_tokens and getattr(module, "peft_config", None) is None:
             if not any(name == "prompt" for name, _ in module.named_parameters()):
                 raise FasttrainError(f"--prompt-tuning-tokens: {model.name} has no soft prompt of the lab's kind; "
                                      f"use --lora-r to fine-tune it with few parameters")
@@ -206,7 +207,8 @@ class Trainer:
             module = apply_lora(cfg, module, targets=self.lora_targets())
         # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
         # (before the optimizer is built: it must hold the sharded parameters)
-        wrapped = wrap(module) if wrap is not None else D.wrap_model(module, world, mixed_bf16=cfg.bf16)
+        wrapped = wrap(module) if wrap is not None else D.wrap_model(module, world, mixed_bf16=cfg.bf16,
+                                                                            blocks=model.blocks)
         self.model = module              # the module itself (evaluation, saving, counting)
         self.train_model = self._compiled(wrapped)
         self.optimizer = D.wrap_optimizer(build_optimizer(cfg, wrapped, world=world), world)

@@ -1,0 +1,490 @@
+"""Hugging Face ``transformers`` causal LMs in the lab: ``--model hf:PATH_OR_NAME``.
+
+:func:`build_hf_model` turns a folder holding a ``config.json`` (with weights: ``from_pretrained``;
+without: ``from_config``, seeded) or a hub name into a :class:`~fasttrain.lab.models.LabModel`.
+Every technique of the lab applies to it, the model's own way, here or in the trainer:
+
+- precision (fp16 / bf16 / tf32): the trainer's autocast and TF32 switch; the weights stay fp32
+  (master weights), whatever dtype the folder's config names;
+- ``attn_implementation`` eager / sdpa: given to ``transformers`` at load (here);
+- gradient checkpointing ``full``: the trainer calls the model's ``gradient_checkpointing_enable``
+  (non-reentrant), which recomputes each decoder layer in backward; ``selective`` (the lab GPT's
+  attention core alone) has no counterpart in ``transformers`` and is refused here;
+- ``torch.compile``: the trainer's, of the whole model or per block through the ``blocks`` hook
+  (:func:`decoder_layers`);
+- LoRA: the trainer's (peft), in the model's own module names, a default per family
+  (:data:`LORA_TARGETS`); prompt tuning: peft's ``PromptTuningConfig`` (here);
+- liger-kernel's patches for the families it knows (its own table), CUDA only (here);
+- tensor parallelism: refused (:func:`check_hf_parallel`).
+
+The loss is the model's own loss path: ``model(input_ids=x, labels=x, shift_labels=y)``. With
+``shift_labels`` given, ``transformers``' ``ForCausalLMLoss`` skips its own shift and takes
+mean_{b,t} CE(logits[b, t], y[b, t]) over every position, the same number as
+``F.cross_entropy(logits.view(-1, V), y.view(-1))``; liger's patched forward reads the same
+``shift_labels`` and fuses the output projection into the cross-entropy (the (B, T, V) logits
+never exist in memory).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import socket
+import tempfile
+from pathlib import Path
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import LabConfig, missing_extra
+from fasttrain.lab.models import LabModel
+
+HF_PREFIX = "hf:"
+HF_CHECKPOINT_FORMAT = "fasttrain-lab-hf-1"
+FASTTRAIN_JSON = "fasttrain.json"           # beside the HF files of a saved checkpoint: the lab's record
+PROMPT_FOLDER = "prompt_tuning"             # a saved soft prompt (peft adapter) inside a checkpoint
+
+# LoRA's default targets per model_type: the attention projections LoRA's authors adapted (query
+# and value), under each family's own module names; GPT-2 fuses q, k, v into one Conv1D (c_attn),
+# Phi-3 into one Linear (qkv_proj)
+LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "gemma": ("q_proj", "v_proj"),
+    "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"), "olmo2": ("q_proj", "v_proj"),
+    "gpt2": ("c_attn",), "phi3": ("qkv_proj",), "gpt_neox": ("query_key_value",),
+}
+
+# files whose presence means "this folder holds weights": from_pretrained, not from_config
+WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                "pytorch_model.bin.index.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt", "tokenizer.model",
+                   "special_tokens_map.json")
+
+# a hub repository id: "name" or "namespace/name" of letters, digits, '-', '_', '.'
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+
+
+def is_hf(spec: str | None) -> bool:
+    return isinstance(spec, str) and spec.startswith(HF_PREFIX)
+
+
+def _transformers():
+    try:
+        import transformers
+    except ImportError as exc:
+        raise missing_extra("transformers (--model hf:...)", exc) from None
+    # its loading and saving bars would interleave with the lab's own progress line
+    transformers.utils.logging.disable_progress_bar()
+    return transformers
+
+
+def _hub_reachable(timeout: float = 3.0) -> bool:
+    """Whether the hub's host answers a TCP connection (a quick probe, so that an offline machine
+    gets its one line at once instead of after ``huggingface_hub``'s retries)."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return False
+    try:
+        from huggingface_hub import constants
+
+        endpoint = constants.ENDPOINT
+    except Exception:
+        endpoint = "https://huggingface.co"
+    host = re.sub(r"^https?://", "", endpoint).split("/")[0]
+    host, _, port = host.partition(":")
+    try:
+        with socket.create_connection((host, int(port or 443)), timeout=timeout):
+            return True
+    except OSError:
+        return False
+
+
+def source_of(spec: str) -> str:
+    source = spec[len(HF_PREFIX):] if is_hf(spec) else spec
+    if not source:
+        raise FasttrainError("--model hf: needs a folder or a hub name after 'hf:' (e.g. --model hf:./my-llama)")
+    return source
+
+
+def load_hf_config(spec: str):
+    """``(config, folder)``: the ``transformers`` config of ``hf:PATH_OR_NAME``; ``folder`` is the
+    local folder (None for a hub name). Every way it can fail is one line."""
+    tf = _transformers()
+    source = source_of(spec)
+    path = Path(source).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            if path.name == "config.json":
+                path = path.parent
+            else:
+                raise FasttrainError(f"--model hf:{source}: not a folder; give the folder holding config.json")
+        if not (path / "config.json").is_file():
+            raise FasttrainError(f"--model hf:{source}: the folder has no config.json; give a folder written by "
+                                 f"save_pretrained (or holding a model's config.json)")
+        try:
+            raw = json.loads((path / "config.json").read_text())
+        except ValueError as exc:
+            raise FasttrainError(f"{path / 'config.json'}: not JSON ({exc})") from None
+        if not isinstance(raw, dict) or "model_type" not in raw:
+            raise FasttrainError(f"{path / 'config.json'} names no model_type; it is not a transformers config")
+        try:
+            config = tf.AutoConfig.from_pretrained(str(path))
+        except (ValueError, KeyError) as exc:
+            if "model type" in str(exc) or isinstance(exc, KeyError):
+                raise FasttrainError(f"{path / 'config.json'}: unknown model_type {raw.get('model_type')!r} for "
+                                     f"transformers {tf.__version__}; use a causal LM family it knows (llama, "
+                                     f"gpt2, qwen2, mistral, gemma, phi3, ...) or upgrade transformers") from None
+            raise FasttrainError(f"{path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+        return config, path
+    looks_local = source.startswith(("/", ".", "~")) or source.count("/") > 1 or not _HUB_ID.match(source)
+    if looks_local:
+        raise FasttrainError(f"--model hf:{source}: no such folder; give a folder holding config.json")
+    if not _hub_reachable():
+        raise FasttrainError(f"--model hf:{source}: no such folder here, and the Hugging Face hub cannot be "
+                             f"reached (offline?); download the model elsewhere and pass its local folder "
+                             f"(hf:PATH holding config.json)")
+    try:
+        config = tf.AutoConfig.from_pretrained(source)
+    except (OSError, ValueError) as exc:
+        raise FasttrainError(f"--model hf:{source}: not found as a folder or on the hub "
+                             f"({str(exc).splitlines()[0][:160]})") from None
+    return config, None
+
+
+def has_weights(folder: Path | None) -> bool:
+    return folder is None or any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def max_positions(config) -> int | None:
+    for name in ("max_position_embeddings", "n_positions", "max_sequence_length", "seq_length"):
+        value = getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> None:
+    """Everything about ``cfg`` that cannot run with this model, as one line, before any weights
+    are built."""
+    import torch
+
+    family = config.model_type
+    where = f"the {family} model"
+    if not getattr(config, "is_decoder", True) and getattr(config, "is_encoder_decoder", False):
+        raise FasttrainError(f"{where} is an encoder-decoder; the lab trains causal LMs (AutoModelForCausalLM)")
+    limit = max_positions(config)
+    if limit is not None and cfg.context > limit:
+        raise FasttrainError(f"--context {cfg.context} exceeds {where}'s {limit} positions "
+                             f"(max_position_embeddings); use --context {limit} or less")
+    if vocab_size is not None and vocab_size > config.vocab_size:
+        raise FasttrainError(f"the corpus has {vocab_size} symbols but {where} has a vocabulary of "
+                             f"{config.vocab_size}; use a tokenizer within it or a config with vocab_size >= "
+                             f"{vocab_size}")
+    if cfg.gradient_checkpointing == "selective":
+        raise FasttrainError("--gradient-checkpointing selective recomputes the lab GPT's attention core; "
+                             "transformers checkpoints whole decoder layers only: use --gradient-checkpointing full")
+    if cfg.use_liger_kernel:
+        dev = torch.device(device)
+        if dev.type != "cuda":
+            raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); "
+                                 "drop it on the CPU")
+        supported = liger_families()
+        if family not in supported:
+            raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r} "
+                                 f"(it patches {', '.join(sorted(f for f in supported if f))}); drop "
+                                 f"--use-liger-kernel")
+    if cfg.lora_r:
+        targets = cfg.lora_target_modules
+        if tuple(targets) == LabConfig.lora_target_modules and family not in LORA_TARGETS:
+            raise FasttrainError(f"no default LoRA targets for model_type {family!r}; name its linear layers "
+                                 f"with --lora-target-modules (e.g. q_proj,v_proj)")
+
+
+def check_hf_parallel(strategy: str | None) -> None:
+    """Tensor parallelism splits the lab GPT's own matrices; for a HF model it is not wired."""
+    if strategy == "tp":
+        raise FasttrainError("--strategy tp is not supported for --model hf:... (the lab splits its own GPT's "
+                             "matrices only); use ddp, zero1 or fsdp")
+
+
+def _liger_version() -> str:
+    try:
+        from importlib.metadata import version
+
+        return version("liger-kernel")
+    except Exception:
+        return "(not installed)"
+
+
+def liger_families() -> set[str]:
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError as exc:
+        raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
+    return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
+def apply_liger(model) -> None:
+    """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
+    cross-entropy (which the model's loss path then uses whenever it is given labels in training)."""
+    try:
+        from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    except ImportError as exc:
+        raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
+    _apply_liger_kernel_to_instance(model=model)
+
+
+def apply_prompt_tuning(model, cfg: LabConfig):
+    """Prompt tuning through ``peft`` (``PromptTuningConfig``, ``get_peft_model``): n trainable
+    vectors prepended to every sequence's embeddings, the model frozen. (LoRA is applied by the
+    trainer, as for every model, in the model's own module names: :data:`LORA_TARGETS`.)"""
+    if not cfg.prompt_tuning_tokens:
+        return model
+    try:
+        import peft
+    except ImportError as exc:
+        raise missing_extra("peft (prompt tuning)", exc) from None
+    config = peft.PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=cfg.prompt_tuning_tokens)
+    return peft.get_peft_model(model, config)
+
+
+def prompt_tokens_of(module) -> int:
+    """Soft-prompt vectors ``peft`` prepends to every sequence (0 without prompt tuning)."""
+    config = getattr(module, "peft_config", None)
+    if not config:
+        return 0
+    active = config.get(getattr(module, "active_adapter", "default")) or next(iter(config.values()))
+    return int(getattr(active, "num_virtual_tokens", 0) or 0) if getattr(active, "is_prompt_learning", False) else 0
+
+
+def base_model_of(module):
+    """The ``transformers`` model inside ``module`` (a PeftModel, a compiled or DDP wrapper)."""
+    seen = 0
+    while seen < 8:
+        seen += 1
+        if hasattr(module, "get_base_model"):
+            module = module.get_base_model()
+        elif hasattr(module, "_orig_mod"):
+            module = module._orig_mod
+        elif hasattr(module, "module") and not hasattr(module, "config"):
+            module = module.module
+        else:
+            break
+    return module
+
+
+def decoder_layers(module):
+    """The repeated decoder layers (an ``nn.ModuleList``): ``model.layers`` for Llama-likes,
+    ``transformer.h`` for GPT-2, else the first module list as long as ``num_hidden_layers``."""
+    import torch.nn as nn
+
+    base = base_model_of(module)
+    for path in ("model.layers", "transformer.h", "gpt_neox.layers", "model.decoder.layers"):
+        obj = base
+        for part in path.split("."):
+            obj = getattr(obj, part, None)
+            if obj is None:
+                break
+        if isinstance(obj, nn.ModuleList):
+            return obj
+    n = getattr(base.config, "num_hidden_layers", None)
+    for sub in base.modules():
+        if isinstance(sub, nn.ModuleList) and len(sub) == n:
+            return sub
+    raise FasttrainError(f"cannot find the decoder layers of {type(base).__name__} (per-block compile needs them)")
+
+
+def hf_loss(module, x, y):
+    """Mean next-token cross-entropy through the model's own loss path (liger's fused one when
+    patched): ``labels`` switches the loss on, ``shift_labels`` (already shifted targets, one per
+    input position) replaces the internal shift. A soft prompt of n vectors adds n leading
+    positions, whose targets are ignored (-100)."""
+    import torch
+
+    n = prompt_tokens_of(module)
+    y = y.contiguous()              # transformers views the targets flat: a sliced batch must be copied
+    targets = y if not n else torch.cat((torch.full((y.shape[0], n), -100, dtype=y.dtype, device=y.device), y), 1)
+    return module(input_ids=x, labels=x, shift_labels=targets, use_cache=False).loss
+
+
+def hf_logits(module, x):
+    """(B, T, V) logits; a soft prompt's leading positions cut off."""
+    logits = module(input_ids=x, use_cache=False).logits
+    n = prompt_tokens_of(module)
+    return logits[:, n:] if n else logits
+
+
+def memory_setup_for(hf_config: dict):
+    """PLUG (memory for HF models): ``(cfg, micro_batch) -> Setup | None`` through
+    ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers
+    config, written beside this); None while that module is not there (the run then records no
+    estimate). A setting the estimator does not model (it raises) gives None: no estimate, no error."""
+    try:
+        from fasttrain.memory.hf_config import setup_from_hf_config
+    except ImportError:
+        return None
+
+    def setup(cfg: LabConfig, micro_batch: int):
+        extra = {"grad_buffers": True} if cfg.gradient_accumulation_steps > 1 else {}
+        if cfg.prompt_tuning_tokens:
+            extra["prompt_tokens"] = cfg.prompt_tuning_tokens
+        try:
+            return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
+                                        precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
+                                        recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
+                                        optim=cfg.optim, lora_rank=cfg.lora_r, **extra)
+        except FasttrainError:
+            return None
+    return setup
+
+
+def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *, log=None) -> LabModel:
+    """The ``transformers`` causal LM ``spec`` (``hf:PATH_OR_NAME``) on ``device``, every technique
+    of ``cfg`` that belongs to the model applied (attention kernel, checkpointing, liger, peft);
+    ``vocab_size``: the corpus' vocabulary (checked to fit), or None. Weights from the folder when
+    it holds some, else drawn from the config's initializers under ``cfg.seed`` (the same seed
+    gives the same weights on the same kind of device)."""
+    import torch
+
+    tf = _transformers()
+    log = log or (lambda line: None)
+    config, folder = load_hf_config(spec)
+    check_hf_setup(cfg, config, vocab_size, device)
+    family = config.model_type
+    device = torch.device(device)
+    pretrained = has_weights(folder)
+    source = str(folder) if folder is not None else source_of(spec)
+    kwargs = dict(attn_implementation=cfg.attn_implementation, dtype=torch.float32)
+    torch.manual_seed(cfg.seed)
+    try:
+        if pretrained:
+            module = tf.AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
+        else:
+            with device:
+                module = tf.AutoModelForCausalLM.from_config(config, **kwargs)
+    except ValueError as exc:
+        first = str(exc).strip().splitlines()[0][:200]
+        if "attn" in first.lower() or "attention" in first.lower():
+            raise FasttrainError(f"the {family} model cannot use --attn-implementation {cfg.attn_implementation} "
+                                 f"({first}); use eager") from None
+        raise FasttrainError(f"--model {spec}: transformers cannot build a causal LM from it ({first})") from None
+    except OSError as exc:
+        raise FasttrainError(f"--model {spec}: cannot read the weights ({str(exc).splitlines()[0][:200]})") from None
+    if pretrained:
+        log(f"{spec}: {family} weights loaded from {source}")
+    else:
+        log(f"{spec}: no weights in {source}: initialized from config.json (seed {cfg.seed})")
+    module.config.use_cache = False
+    if cfg.use_liger_kernel:
+        apply_liger(module)
+    # gradient checkpointing (the model's gradient_checkpointing_enable) and LoRA are the trainer's,
+    # as for any model; the soft prompt is peft's own for a transformers model
+    module = apply_prompt_tuning(module, cfg)
+    config_dict = base_model_of(module).config.to_dict()
+    return LabModel(
+        module=module, name=f"{HF_PREFIX}{source_of(spec)}", vocab_size=int(config.vocab_size),
+        context=max_positions(config), config=config_dict, family=family, loss=hf_loss, logits=hf_logits,
+        blocks=decoder_layers, save=save_hf, lora_targets=LORA_TARGETS.get(family, ()),
+        memory_setup=memory_setup_for(config_dict))
+
+
+# --- saving ----------------------------------------------------------------------------------------
+
+def save_hf(module, folder, *, tokenizer=None, lab: dict | None = None, extra: dict | None = None) -> Path:
+    """A folder ``AutoModelForCausalLM.from_pretrained`` loads: ``save_pretrained`` of the model
+    (LoRA merged into its base weights first: W += (alpha / r) B A), the tokenizer if given, and
+    ``fasttrain.json`` (the lab configuration, the final validation loss, what ``lab eval`` and
+    ``lab sample`` need). A soft prompt cannot be folded into the weights: it is written as a peft
+    adapter in ``prompt_tuning/`` beside the base model. Written to a temporary folder and renamed
+    into place: the folder is whole or absent."""
+    final = Path(folder)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
+    try:
+        model = module._orig_mod if hasattr(module, "_orig_mod") else module
+        prompt = prompt_tokens_of(model)
+        if prompt:
+            model.save_pretrained(str(tmp / PROMPT_FOLDER))
+            base = model.get_base_model()
+        elif hasattr(model, "merge_and_unload"):
+            base = model.merge_and_unload()
+        else:
+            base = model
+        base.save_pretrained(str(tmp))
+        if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
+            tokenizer.save_pretrained(str(tmp))
+        meta = {"format": HF_CHECKPOINT_FORMAT, "model_type": base.config.model_type,
+                "prompt_tuning_tokens": prompt, "lab": lab or {}, **(extra or {})}
+        (tmp / FASTTRAIN_JSON).write_text(json.dumps(meta, indent=1, default=str))
+        if final.exists():
+            old = final.with_name(final.name + ".old")
+            os.replace(final, old)
+            os.replace(tmp, final)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.replace(tmp, final)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def fresh_copy(module):
+    """A new model of ``module``'s config on the CPU (FSDP's gathered weights are loaded into it)."""
+    import torch
+
+    tf = _transformers()
+    base = base_model_of(module)
+    return tf.AutoModelForCausalLM.from_config(base.config, dtype=torch.float32)
+
+
+def is_hf_checkpoint(path) -> bool:
+    p = Path(path)
+    if not (p / FASTTRAIN_JSON).is_file():
+        return False
+    try:
+        return json.loads((p / FASTTRAIN_JSON).read_text()).get("format") == HF_CHECKPOINT_FORMAT
+    except ValueError:
+        return False
+
+
+def read_hf_checkpoint(path) -> dict:
+    p = Path(path)
+    if not is_hf_checkpoint(p):
+        raise FasttrainError(f"{p} is not a lab HF checkpoint (needs {FASTTRAIN_JSON}); write one with "
+                             f"fasttrain lab --model hf:... --save {p}")
+    return json.loads((p / FASTTRAIN_JSON).read_text())
+
+
+def load_hf_checkpoint(path, device="cpu", *, attn_implementation: str = "sdpa"):
+    """The saved model (its soft prompt re-attached when it has one), in eval mode."""
+    import torch
+
+    tf = _transformers()
+    p = Path(path)
+    meta = read_hf_checkpoint(p)
+    model = tf.AutoModelForCausalLM.from_pretrained(str(p), dtype=torch.float32,
+                                                    attn_implementation=attn_implementation)
+    if meta.get("prompt_tuning_tokens"):
+        try:
+            from peft import PeftModel
+        except ImportError as exc:
+            raise missing_extra("peft (a prompt-tuned checkpoint)", exc) from None
+        model = PeftModel.from_pretrained(model, str(p / PROMPT_FOLDER))
+    return model.to(device).eval(), meta
+
+
+def load_tokenizer(path):
+    """The tokenizer saved in a checkpoint folder, or None when it holds none."""
+    p = Path(path)
+    if not any((p / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")):
+        return None
+    tf = _transformers()
+    try:
+        return tf.AutoTokenizer.from_pretrained(str(p))
+    except (OSError, ValueError) as exc:
+        raise FasttrainError(f"{p}: its tokenizer cannot be loaded ({str(exc).splitlines()[0][:160]})") from None
+
+
+__all__ = ["HF_PREFIX", "LORA_TARGETS", "build_hf_model", "check_hf_parallel", "decoder_layers", "fresh_copy",
+           "hf_logits", "hf_loss", "is_hf", "is_hf_checkpoint", "load_hf_checkpoint", "load_hf_config",
+           "memory_setup_for", "read_hf_checkpoint", "save_hf"]
