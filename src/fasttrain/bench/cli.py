@@ -372,9 +372,12 @@ def readme(results_dir, link_base, into, marker) -> None:
 @click.option("--model", "model", default="gpt", show_default=True,
               help="The model of the table: gpt (the lab's own, shaped by the preset) or hf:PATH_OR_NAME "
                    "(a transformers causal LM; the preset gives the batch, context and schedule).")
+@click.option("--tokenizer", default=None,
+              help="The corpus' tokenizer: char, hf:PATH or tiktoken:NAME (default: the model folder's own, "
+                   "else characters).")
 @click.pass_context
 def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, device, fresh, list_only,
-        model) -> None:
+        model, tokenizer) -> None:
     """The lecture's table of single-GPU techniques, measured on the lab's transformer: speed, memory and
     validation loss of every technique against one baseline, the estimator's prediction beside each peak,
     and a batch-size sweep to the out-of-memory edge (runs for minutes on a GPU)."""
@@ -384,7 +387,8 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
 
     if preset not in PRESETS:
         raise FasttrainError(f"unknown --preset {preset!r}; use one of {', '.join(PRESETS)}")
-    base = lab_preset(preset, device=device, model=model)     # a bad --model: one line, before any work
+    base = lab_preset(preset, device=device, model=model, data_dir=data_dir,
+                      tokenizer=tokenizer)      # a bad --model or --tokenizer: one line, before any work
     if model != "gpt":
         from fasttrain.lab.hf import load_hf_config
 
@@ -409,9 +413,12 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
             out_console.print(f"  {bench_lab.SWEEP_RUNG:<24} {bench_lab.SWEEP_PRESET + ' bf16':<28} {status}")
         return
     from fasttrain.environment import machine_slug
-    from fasttrain.lab.data import load_corpus
+    from fasttrain.lab.data import corpus_for
+    from fasttrain.lab.tokenizer import model_tokenizer
 
-    corpus = load_corpus(data_dir)      # missing or corrupt data: one line, before any folder is made
+    # missing or corrupt data: one line, before any folder is made; a HF model folder's own tokenizer
+    # is the default, as in fasttrain lab
+    corpus = corpus_for(base, default_tokenizer=model_tokenizer(model[3:]) if model.startswith("hf:") else None)
     folder = check_output_folder(out if out else Path("results") / machine_slug(), "--out", parents=True)
     with folder_lock(folder):
         _run_lab_locked(ctx, plan, folder, corpus, fresh)

@@ -495,8 +495,10 @@ def title(preset_name: str) -> str:
 
 def dataset_info(corpus, plan: LabPlan) -> dict:
     """The data and the setting of the run (two runs merge only when they agree on both)."""
+    tokenizer = getattr(corpus, "tokenizer", None)
+    unit = "characters" if getattr(corpus, "chars", None) is not None else "tokens"
     return {"name": "tinyshakespeare", "n_train": int(len(corpus.train)), "n_test": int(len(corpus.val)),
-            "unit": "characters", "preset": plan.preset, "steps": plan.steps, "warmup": plan.warmup,
+            "unit": unit, **({"tokenizer": tokenizer.describe()} if unit == "tokens" and tokenizer is not None else {}), "preset": plan.preset, "steps": plan.steps, "warmup": plan.warmup,
             "sweep_preset": SWEEP_PRESET, "sweep_steps": plan.sweep_steps,
             **({"model": plan.model} if plan.model != "gpt" else {})}
 

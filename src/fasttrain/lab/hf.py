@@ -412,6 +412,10 @@ def save_hf(module, folder, *, tokenizer=None, lab: dict | None = None, extra: d
         base.save_pretrained(str(tmp))
         if tokenizer is not None and hasattr(tokenizer, "save_pretrained"):
             tokenizer.save_pretrained(str(tmp))
+        elif tokenizer is not None:             # the lab's tokenizer object (lab/tokenizer.py): its files, if any
+            from fasttrain.lab.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, tmp)
         meta = {"format": HF_CHECKPOINT_FORMAT, "model_type": base.config.model_type,
                 "prompt_tuning_tokens": prompt, "lab": lab or {}, **(extra or {})}
         (tmp / FASTTRAIN_JSON).write_text(json.dumps(meta, indent=1, default=str))

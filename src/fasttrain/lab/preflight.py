@@ -114,9 +114,28 @@ def predicted_peak(cfg, vocab: int, batch: int | None = None) -> int | None:
     from fasttrain.memory import estimate
 
     try:
+        if cfg.model.startswith("hf:"):
+            setup = _hf_setup(cfg, batch or cfg.per_device_train_batch_size)
+            return None if setup is None else int(estimate(setup, "precise").total)
         return int(estimate(lab_setup(cfg, vocab, batch), "precise").total)
     except FasttrainError:
         return None
+
+
+def _hf_setup(cfg, batch: int):
+    """The estimator's Setup for a local Hugging Face model folder (None: a hub name, or a config
+    the estimator does not model; the run is then not refused on a prediction)."""
+    import json
+
+    from fasttrain.lab.hf import memory_setup_for
+
+    config = Path(cfg.model[3:]).expanduser() / "config.json"
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError):
+        return None
+    make = memory_setup_for(data) if isinstance(data, dict) else None
+    return make(cfg, batch) if make is not None else None
 
 
 def _gib(n: int) -> str:

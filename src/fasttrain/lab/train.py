@@ -115,7 +115,12 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
         from fasttrain.lab.resume import find_checkpoint
 
         find_checkpoint(cfg.resume)
-    corpus = corpus or corpus_for(cfg)
+    if corpus is None:
+        # a Hugging Face model folder that ships a tokenizer: it is the default --tokenizer
+        from fasttrain.lab.tokenizer import model_tokenizer
+
+        spec = cfg.model[3:] if cfg.model.startswith("hf:") else None
+        corpus = corpus_for(cfg, default_tokenizer=model_tokenizer(spec) if spec else None)
     checkpoint = None
     if cfg.init_from and model is None:
         from fasttrain.lab.distributed import check_model_fits
@@ -256,7 +261,7 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
                 model = fresh_copy(model)
                 model.load_state_dict(state)
         if world.is_main:
-            save_hf(model, cfg.save, tokenizer=getattr(corpus, "hf_tokenizer", None), lab=cfg.to_dict(),
+            save_hf(model, cfg.save, tokenizer=getattr(corpus, "tokenizer", None), lab=cfg.to_dict(),
                     extra={**extra, "chars": chars})
         D.barrier(world)
         return
