@@ -318,7 +318,8 @@ def test_liger_fused_loss_equals_the_plain_loss_on_the_gpu(tmp_path, family):
     plain.module.train()
     expected = forward_loss(plain, plain.module, x, y).item()       # before liger patches the class
     liger = hf.build_hf_model(f"hf:{tmp_path}", cfg(use_liger_kernel=True), None, "cuda")
-    assert "Liger" in type(liger.module.model.norm).__name__
+    # the patch swaps the instance's modules and forwards in place (its class name stays transformers')
+    assert "Liger" in repr(liger.module.model.norm)
     liger.module.train()
     loss = forward_loss(liger, liger.module, x, y)
     assert loss.item() == pytest.approx(expected, rel=1e-4)
@@ -524,6 +525,10 @@ def test_a_hf_model_trains_on_the_gpu_with_its_kernels(folders, corpus):
     from fasttrain.lab.train import run
 
     rec = run(lab_cfg(folders["llama"], device="cuda", max_steps=8, bf16=True, attn_implementation="sdpa",
-                      use_liger_kernel=True, torch_compile=True), corpus=corpus)
+                      use_liger_kernel=True, torch_compile=True, torch_compile_scope="blocks"), corpus=corpus)
     assert all(np.isfinite(losses(rec))) and losses(rec)[-1] < losses(rec)[0]
     assert rec["memory"]["peak_allocated_bytes"] > 0
+    # the whole model compiled around liger's fused loss does not trace: refused in one line, before any work
+    with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
+        run(lab_cfg(folders["llama"], device="cuda", max_steps=2, bf16=True, use_liger_kernel=True,
+                    torch_compile=True), corpus=corpus)

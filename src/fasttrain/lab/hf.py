@@ -192,6 +192,13 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
             raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r} "
                                  f"(it patches {', '.join(sorted(f for f in supported if f))}); drop "
                                  f"--use-liger-kernel")
+        if cfg.torch_compile and cfg.torch_compile_scope == "model":
+            # measured (H100, torch 2.11, liger-kernel 0.8.5): dynamo cannot trace liger's fused linear
+            # cross-entropy (its addmm with out_dtype fails on fake tensors); compiling the decoder
+            # layers alone leaves the loss outside the graph
+            raise FasttrainError("--use-liger-kernel with --torch-compile: liger's fused cross-entropy does not "
+                                 "trace under torch.compile; add --torch-compile-scope blocks (the decoder layers "
+                                 "compiled, the loss eager) or drop one of them")
     if cfg.lora_r:
         targets = cfg.lora_target_modules
         if tuple(targets) == LabConfig.lora_target_modules and family not in LORA_TARGETS:

@@ -63,8 +63,16 @@ def provenance(cfg, lab_model, corpus) -> dict:
                          "context": lab_model.context},
         "corpus": {"sha256": getattr(corpus, "sha256", None), "tokens_sha256": tokens_sha256(corpus),
                    "vocab_size": int(corpus.vocab_size), "train_tokens": int(len(corpus.train)),
-                   "val_tokens": int(len(corpus.val)), "tokenizer": getattr(corpus, "tokenizer", None)},
+                   "val_tokens": int(len(corpus.val)), "tokenizer": _tokenizer_description(corpus)},
     }
+
+
+def _tokenizer_description(corpus) -> dict | str | None:
+    """What rebuilds the corpus' tokenizer (a JSON-able description), never the object itself."""
+    tok = getattr(corpus, "tokenizer", None)
+    if tok is None or isinstance(tok, str | dict):
+        return tok
+    return tok.describe() if hasattr(tok, "describe") else type(tok).__name__
 
 
 @dataclass
