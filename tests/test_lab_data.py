@@ -283,3 +283,18 @@ def test_wide_token_files_preload_and_train_on_the_gpu(tmp_path, dtype):
         assert torch.equal(xp.cpu(), xh) and torch.equal(yp.cpu(), yh)
     rec = lab.run(cfg)
     assert rec["model"]["vocab"] == corpus.vocab_size and np.isfinite(rec["final"]["val_loss"])
+
+
+def test_lab_eval_scores_a_checkpoint_on_the_corpus_it_was_trained_on(wide_file, tmp_path):
+    """A checkpoint records its corpus (files with their SHA-256, split, tokenizer): lab eval reads the
+    same text again, not Tiny Shakespeare, and gives the recorded loss exactly."""
+    pytest.importorskip("safetensors")
+    from fasttrain.lab.evaluate import evaluate_checkpoint
+    from fasttrain.lab.tokenizer import train_bpe
+
+    train_bpe(wide_file, 400, tmp_path / "tok")
+    for name, extra in (("char", {}), ("bpe", {"tokenizer": f"hf:{tmp_path / 'tok'}"})):
+        cfg = tiny(train_file=str(wide_file), val_fraction=0.2, save=str(tmp_path / name), **extra)
+        rec = lab.run(cfg)
+        res = evaluate_checkpoint(tmp_path / name, device="cpu")
+        assert res["val_loss"] == rec["final"]["val_loss"], name

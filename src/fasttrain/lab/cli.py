@@ -311,7 +311,10 @@ def pitfall(preset_name, repeats, **options) -> None:
 @click.option("--batch", type=int, help="Validation windows per forward (default: as recorded).")
 def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> None:
     """The validation loss of a checkpoint written with --save, recomputed from it alone."""
+    from fasttrain.lab import noise
     from fasttrain.lab.evaluate import evaluate_checkpoint
+
+    noise.filter_known_noise()                  # before peft/torchao are imported
 
     if batch is not None and batch < 1:
         raise FasttrainError(f"--batch must be a positive integer, got {batch}")
@@ -320,7 +323,7 @@ def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> No
     recorded = res["recorded_val_loss"]
     s = res["settings"]
     precision = "bf16 autocast" if s["bf16"] else "fp16 autocast" if s["fp16"] else "tf32" if s["tf32"] else "fp32"
-    out.print(f"val loss {res['val_loss']:.6f} over {res['tokens']:,} characters ({res['ms']:.0f} ms, {res['device']}, "
+    out.print(f"val loss {res['val_loss']:.6f} over {res['tokens']:,} predicted tokens ({res['ms']:.0f} ms, {res['device']}, "
               f"{precision}, batch {s['eval_batch_size']})"
               + ("" if recorded is None else f"; recorded at save: {recorded:.6f}"
                  + (" (identical)" if res["val_loss"] == recorded else f" (differs by {res['val_loss'] - recorded:+.2e})")))

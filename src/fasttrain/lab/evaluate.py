@@ -23,7 +23,6 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     autocast and TF32. With those the same sums are formed in the same order and dtype, so on the
     same kind of device the recorded loss comes back exactly."""
     from fasttrain.lab import hf
-    from fasttrain.lab.data import load_corpus
 
     from fasttrain.lab.preflight import check_device
 
@@ -42,7 +41,7 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     bf16 = recorded.get("bf16", False) if bf16 is None else bf16
     fp16 = recorded.get("fp16", False) and not bf16
     tf32 = recorded.get("tf32", False) if tf32 is None else tf32
-    corpus = corpus or load_corpus(data_dir)
+    corpus = corpus or corpus_of(meta, data_dir, path)
     model = meta["model"]
     cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
                     eval_tokens=eval_tokens, eval_batch_size=batch, per_device_train_batch_size=batch, max_steps=1,
@@ -71,7 +70,6 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
     re-attached), scored by the trainer's evaluation with the recorded settings."""
     from fasttrain.errors import FasttrainError
     from fasttrain.lab import hf
-    from fasttrain.lab.data import load_corpus
 
     meta = hf.read_hf_checkpoint(path)
     recorded = meta.get("eval") or {}
@@ -80,7 +78,7 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
     bf16 = recorded.get("bf16", False) if bf16 is None else bf16
     fp16 = recorded.get("fp16", False) and not bf16
     tf32 = recorded.get("tf32", False) if tf32 is None else tf32
-    corpus = corpus or load_corpus(data_dir)
+    corpus = corpus or corpus_of(meta, data_dir, path)
     if meta.get("chars") not in (None, getattr(corpus, "chars", None)):
         raise FasttrainError(f"{path} was trained on another vocabulary than this corpus")
     lab = meta.get("lab") or {}
@@ -104,4 +102,14 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
                          "tf32": tf32}}
 
 
-__all__ = ["evaluate_checkpoint"]
+def corpus_of(meta: dict, data_dir, path):
+    """The corpus a checkpoint was trained on, from its record (``data``: the files with their SHA-256,
+    the split, the tokenizer); a checkpoint from before that record: Tiny Shakespeare, as then."""
+    from fasttrain.lab.data import corpus_from_description, load_corpus
+
+    if isinstance(meta.get("data"), dict):
+        return corpus_from_description(meta["data"], data_dir, tokenizer_folder=path)
+    return load_corpus(data_dir)
+
+
+__all__ = ["evaluate_checkpoint", "corpus_of"]

@@ -144,6 +144,9 @@ def _sample_gpt(path, prompt, max_new_tokens, temperature, seed, dev) -> str:
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda or cuda:N.")
 def command(checkpoint, prompt, max_new_tokens, temperature, seed, device) -> None:
     """Generate text from a checkpoint written with --save (a HF model or the lab's GPT)."""
+    from fasttrain.lab import noise
+
+    noise.filter_known_noise()                  # before peft/torchao are imported
     text = sample(checkpoint, prompt, max_new_tokens=max_new_tokens, temperature=temperature, seed=seed,
                   device=device)
     click.echo(text)

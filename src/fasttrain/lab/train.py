@@ -244,6 +244,8 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
     final = record["eval"][-1]
     extra = {"val_loss": final["val_loss"], "val_tokens": final["tokens"], "eval_batch_size": cfg.eval_batch_size or batch,
              "step": trainer.step_index, "eval": eval_settings(cfg, batch, device)}
+    if hasattr(corpus, "describe"):
+        extra["data"] = corpus.describe()       # lab eval reads the same text, split and tokenizer again
     chars = getattr(corpus, "chars", None)
     from fasttrain.lab.hf import save_hf
 
