@@ -175,3 +175,18 @@ def check_output_folder(path: str | os.PathLike, flag: str, parents: bool = Fals
         raise FasttrainError(f"{flag} {text}: folder is not writable; choose another")
     return folder
 
+
+def swap_folder(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
+    """Put the finished folder ``tmp`` in place of ``final`` whole: an existing ``final`` is first
+    renamed aside (to a fresh name beside it) and removed only once ``tmp`` has taken its place, so a
+    crash leaves either the old folder or the new one, never a mix."""
+    import shutil
+
+    tmp, final = Path(tmp), Path(final)
+    if final.exists():
+        old = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".old", dir=final.parent))
+        os.replace(final, old)          # onto an empty folder: the rename replaces it
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)

@@ -11,7 +11,7 @@ import tempfile
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-from fasttrain.files import atomic_write_text
+from fasttrain.files import atomic_write_text, swap_folder
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.measure import gpu_name
 from fasttrain.lab.outputs import CHECKPOINT_FORMAT, check_save_folder
@@ -36,13 +36,7 @@ def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = 
         meta = {"format": CHECKPOINT_FORMAT, "model": model.config.to_dict(), "chars": chars,
                 "lab": lab, **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1))
-        if final.exists():
-            old = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".old", dir=final.parent))
-            os.replace(final, old)          # an empty folder: the rename replaces it
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        swap_folder(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

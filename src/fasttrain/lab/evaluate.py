@@ -36,11 +36,8 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
     meta = read_checkpoint(path)
     recorded = meta.get("eval") or {}
     check_recorded_eval(recorded, Path(os.fspath(path)).expanduser() / "config.json")
-    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
-    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
-    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
-    fp16 = recorded.get("fp16", False) and not bf16
-    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    batch, eval_tokens, bf16, fp16, tf32 = recorded_settings(meta, batch=batch, eval_tokens=eval_tokens, bf16=bf16,
+                                                             tf32=tf32)
     corpus = corpus or corpus_of(meta, data_dir, path)
     model = meta["model"]
     cfg = LabConfig(name="eval", device=device, bf16=bf16, fp16=fp16, tf32=tf32, init_from=str(path),
@@ -73,11 +70,8 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
 
     meta = hf.read_hf_checkpoint(path)
     recorded = meta.get("eval") or {}
-    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
-    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
-    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
-    fp16 = recorded.get("fp16", False) and not bf16
-    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    batch, eval_tokens, bf16, fp16, tf32 = recorded_settings(meta, batch=batch, eval_tokens=eval_tokens, bf16=bf16,
+                                                             tf32=tf32)
     corpus = corpus or corpus_of(meta, data_dir, path)
     if meta.get("chars") not in (None, getattr(corpus, "chars", None)):
         raise FasttrainError(f"{path} was trained on another vocabulary than this corpus")
@@ -100,6 +94,18 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
             "recorded_device": recorded.get("device"),
             "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
                          "tf32": tf32}}
+
+
+def recorded_settings(meta: dict, *, batch, eval_tokens, bf16, tf32) -> tuple:
+    """``(batch, eval_tokens, bf16, fp16, tf32)``: each setting given, else as the checkpoint recorded
+    its own evaluation (the same sums in the same order and dtype: the recorded loss comes back)."""
+    recorded = meta.get("eval") or {}
+    batch = batch or recorded.get("eval_batch_size") or meta.get("eval_batch_size") or 64
+    eval_tokens = eval_tokens if eval_tokens is not None else recorded.get("eval_tokens")
+    bf16 = recorded.get("bf16", False) if bf16 is None else bf16
+    fp16 = recorded.get("fp16", False) and not bf16
+    tf32 = recorded.get("tf32", False) if tf32 is None else tf32
+    return batch, eval_tokens, bf16, fp16, tf32
 
 
 def corpus_of(meta: dict, data_dir, path):

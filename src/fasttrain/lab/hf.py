@@ -36,6 +36,7 @@ import tempfile
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import swap_folder
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.models import LabModel
 
@@ -426,13 +427,7 @@ def save_hf(module, folder, *, tokenizer=None, lab: dict | None = None, extra: d
         meta = {"format": HF_CHECKPOINT_FORMAT, "model_type": base.config.model_type,
                 "prompt_tuning_tokens": prompt, "lab": lab or {}, **(extra or {})}
         (tmp / FASTTRAIN_JSON).write_text(json.dumps(meta, indent=1, default=str))
-        if final.exists():
-            old = final.with_name(final.name + ".old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        swap_folder(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)

@@ -17,13 +17,13 @@ curve bit for bit: the same weights, optimizer moments, batches and random draws
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import tempfile
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.files import swap_folder
 
 STATE = "state.pt"
 PATTERN = re.compile(r"^checkpoint-(\d+)$")
@@ -75,13 +75,8 @@ def save_state(trainer, metrics, output_dir, *, keep: int | None = None) -> Path
     try:
         torch.save(state, tmp / STATE)
         (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": state["config"]}, indent=1))
-        if final.exists():                   # an earlier run's checkpoint of the same step: replaced whole
-            old = final.with_name(final.name + ".old")
-            os.replace(final, old)
-            os.replace(tmp, final)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.replace(tmp, final)
+        # an earlier run's checkpoint of the same step: replaced whole
+        swap_folder(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
