@@ -184,6 +184,23 @@ def test_a_run_cut_short_keeps_its_finished_rows(corpus):
     assert saved[-1] == ["baseline", "batch 2"]
 
 
+def test_the_bar_names_each_rows_step_loss_and_throughput(corpus):
+    from fasttrain.bench.results import Progress
+
+    class Recorder(Progress):
+        def __init__(self):
+            self.lines = []
+
+        def describe(self, description):
+            self.lines.append(description)
+
+    bar = Recorder()
+    rows = bench_lab.select_rows(bench_lab.lab_rows(8), ["baseline"])
+    bench_lab.run_lab(bench_lab.LabPlan("tiny", 20, 1, 1, rows, False, 2, device="cpu"), corpus=corpus, progress=bar)
+    last = [line for line in bar.lines if "step 20/" in line][-1]
+    assert "lab: baseline" in last and "loss " in last and "tok/s" in last, bar.lines
+
+
 @pytest.mark.parametrize("args, message", [
     (["--preset", "nope"], "unknown --preset"),
     (["--preset", "tiny", "--rows", "zzz"], "no row"),

@@ -101,11 +101,12 @@ class _RichProgress(Progress):
     """rich progress bars for the runner (stderr), with one line per finished or skipped row."""
 
     def __init__(self):
-        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn
+        from rich.progress import BarColumn, MofNCompleteColumn, TextColumn, TimeElapsedColumn, TimeRemainingColumn
         from rich.progress import Progress as Bars
 
+        # runs done of all planned, elapsed and the time left at the pace so far
         self._bar = Bars(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                             console=console, transient=True)
+                         TextColumn("left"), TimeRemainingColumn(), console=console, transient=True)
         self._task = None
 
     def start(self, total: int, description: str) -> None:

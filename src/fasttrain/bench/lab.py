@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import shutil
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -379,9 +380,20 @@ def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, pro
     for i in range(repeats):
         seed = cfg.seed + i
 
-        def step_progress(step, steps, i=i):
+        clock = {}
+
+        def step_progress(step, steps, loss=None, i=i):
+            # the row's step, its newest logged loss and tokens/s since its first step (the bar's own
+            # columns give the rows done and the time left)
+            now = time.perf_counter()
+            clock.setdefault("first", (step, now))
+            first_step, t0 = clock["first"]
+            speed = (step - first_step) * cfg.batch_tokens / (now - t0) if now > t0 else None
             if step == 1 or step % 10 == 0 or step == steps:
-                progress.describe(f"lab: {label} (seed {seed}) step {step}/{steps}")
+                progress.describe(f"lab: {label} (seed {seed}) step {step}/{steps}"
+                                  + (f"  loss {loss:.3f}" if loss is not None else "")
+                                  + (f"  {speed:,.0f} tok/s" if speed else ""))
+        step_progress.takes_loss = True
 
         try:
             record = runner(cfg.with_(seed=seed, save=cfg.save if i == 0 else None), corpus=corpus,
