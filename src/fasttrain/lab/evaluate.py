@@ -113,8 +113,13 @@ def corpus_of(meta: dict, data_dir, path):
     the split, the tokenizer); a checkpoint from before that record: Tiny Shakespeare, as then."""
     from fasttrain.lab.data import corpus_from_description, load_corpus
 
-    if isinstance(meta.get("data"), dict):
-        return corpus_from_description(meta["data"], data_dir, tokenizer_folder=path)
+    desc = meta.get("data")
+    settings = (desc or {}).get("settings") or {} if isinstance(desc, dict) else {}
+    files = settings.get("train_file") or settings.get("train_bin")
+    if isinstance(desc, dict) and (files or desc.get("source") not in ("text", "bin")):
+        return corpus_from_description(desc, data_dir, tokenizer_folder=path)
+    # no record, or a text given in memory (fasttrain.lab.run(data=...)): Tiny Shakespeare, as before
+    # (from Python, pass the corpus itself: evaluate_checkpoint(path, corpus=...))
     return load_corpus(data_dir)
 
 
