@@ -53,11 +53,8 @@ def evaluate_checkpoint(path, data_dir=None, *, eval_tokens: int | None = None, 
         if cfg.prompt_tuning_tokens:
             load_weights(trainer.model, path)           # the trained prompt, not a fresh one
         loss, n, ms = trainer.timed_evaluation()
-    return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
-            "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
-            "recorded_device": recorded.get("device"),
-            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
-                         "tf32": tf32}}
+    return _result(path, meta, dev, loss, n, ms, eval_batch_size=batch, eval_tokens=eval_tokens, bf16=bf16, fp16=fp16,
+                   tf32=tf32)
 
 
 def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="auto", batch=None, bf16=None, tf32=None,
@@ -89,11 +86,15 @@ def _evaluate_hf_checkpoint(path, data_dir=None, *, eval_tokens=None, device="au
             model.module, _ = hf.load_hf_checkpoint(path, dev, attn_implementation=attention)
         trainer = Trainer(cfg, model, corpus, dev)
         loss, n, ms = trainer.timed_evaluation()
+    return _result(path, meta, dev, loss, n, ms, eval_batch_size=batch, eval_tokens=eval_tokens, bf16=bf16, fp16=fp16,
+                   tf32=tf32)
+
+
+def _result(path, meta: dict, dev, loss: float, n: int, ms: float, **settings) -> dict:
+    """What ``lab eval`` reports: the loss beside the one recorded at save, and the settings used."""
     return {"checkpoint": str(path), "val_loss": loss, "tokens": n, "ms": ms,
             "recorded_val_loss": meta.get("val_loss"), "device": gpu_name(dev),
-            "recorded_device": recorded.get("device"),
-            "settings": {"eval_batch_size": batch, "eval_tokens": eval_tokens, "bf16": bf16, "fp16": fp16,
-                         "tf32": tf32}}
+            "recorded_device": (meta.get("eval") or {}).get("device"), "settings": settings}
 
 
 def recorded_settings(meta: dict, *, batch, eval_tokens, bf16, tf32) -> tuple:
