@@ -4,6 +4,7 @@ expanded, and a write that cannot happen names the user's path, never the tempor
 from __future__ import annotations
 
 import errno
+import re
 from pathlib import Path
 
 import pytest
@@ -76,3 +77,18 @@ def test_errors_name_the_users_path_not_a_temporary_one(tmp_path):
         atomic_write_text(tmp_path / "folder", "{}")
     assert ".tmp" not in str(exc.value)
     assert [p.name for p in tmp_path.iterdir()] == ["folder"]     # no temporary file left
+
+
+def test_read_json_object_says_what_is_wrong_in_one_line(tmp_path):
+    from fasttrain.files import read_json_object
+
+    (tmp_path / "folder.json").mkdir()
+    (tmp_path / "list.json").write_text("[1, 2]")
+    (tmp_path / "bad.json").write_bytes(b"\xff{")
+    (tmp_path / "ok.json").write_text('{"kind": "x"}')
+    cases = [("folder.json", "is a folder, not a run record"), ("list.json", "not a run record (not a JSON object)"),
+             ("bad.json", "not a run record (unreadable JSON"), ("missing.json", "no such file; write one first")]
+    for name, message in cases:
+        with pytest.raises(FasttrainError, match=re.escape(message)):
+            read_json_object(tmp_path / name, "run record", hint="write one first")
+    assert read_json_object(tmp_path / "ok.json", "run record") == {"kind": "x"}

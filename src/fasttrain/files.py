@@ -190,3 +190,25 @@ def swap_folder(tmp: str | os.PathLike, final: str | os.PathLike) -> None:
         shutil.rmtree(old, ignore_errors=True)
     else:
         os.replace(tmp, final)
+
+
+def read_json_object(path: str | os.PathLike, what: str, *, missing: str = "no such file", hint: str = "") -> dict:
+    """The JSON object in the file ``path`` (a result, a record); one line otherwise, naming ``what`` it
+    should be: missing (``missing``, then ``hint``: how to make one), a folder, unreadable, or JSON that
+    is not an object."""
+    import json
+
+    path = Path(path).expanduser()
+    if path.is_dir():
+        raise FasttrainError(f"{path} is a folder, not a {what}; give the file")
+    try:
+        data = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise FasttrainError(f"{path}: {missing}" + (f"; {hint}" if hint else "")) from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise FasttrainError(f"{path}: not a {what} (unreadable JSON: {str(exc)[:80]})") from None
+    except OSError as exc:
+        raise FasttrainError(f"{path}: cannot read it ({exc.strerror})") from None
+    if not isinstance(data, dict):
+        raise FasttrainError(f"{path}: not a {what} (not a JSON object)")
+    return data

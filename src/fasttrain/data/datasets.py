@@ -279,6 +279,20 @@ def _offline_hint(title: str, directory: Path) -> str:
             "FASTTRAIN_DATA_DIR or --data-dir at ROOT")
 
 
+def _make_dataset_folder(directory: Path) -> list[Path]:
+    """Create the folder a download writes into; returns the folders created (removed again if the
+    download fails, so nothing half-made is left)."""
+    if directory.exists() and not directory.is_dir():
+        raise DataError(f"{directory} is a file, not a folder; choose another --data-dir")
+    created = _created_folders(directory)
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise DataError(f"cannot create {directory} ({exc.strerror}); choose another folder with --data-dir "
+                        "or FASTTRAIN_DATA_DIR") from None
+    return created
+
+
 def _created_folders(directory: Path) -> list[Path]:
     """The folders ``directory.mkdir(parents=True)`` would create, innermost first."""
     missing = []
@@ -325,14 +339,7 @@ def download_dataset(
     spec = dataset_spec(name)
     mirrors = mirrors or spec.mirrors
     directory = dataset_dir(name, data_dir)
-    if directory.exists() and not directory.is_dir():
-        raise DataError(f"{directory} is a file, not a folder; choose another --data-dir")
-    created = _created_folders(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"cannot create {directory} ({exc.strerror}); choose another folder with --data-dir "
-                        "or FASTTRAIN_DATA_DIR") from None
+    created = _make_dataset_folder(directory)
     started = time.monotonic()
     report = []
     try:
@@ -432,14 +439,7 @@ def download_text(name: str, data_dir=None, *, urls: tuple[str, ...] | None = No
             return [(final, "present")]
         except DataError:
             pass  # a bad file is replaced below
-    if directory.exists() and not directory.is_dir():
-        raise DataError(f"{directory} is a file, not a folder; choose another --data-dir")
-    created = _created_folders(directory)
-    try:
-        directory.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        raise DataError(f"cannot create {directory} ({exc.strerror}); choose another folder with --data-dir "
-                        "or FASTTRAIN_DATA_DIR") from None
+    created = _make_dataset_folder(directory)
 
     def verify(tmp: Path) -> Path:
         _check_text(spec, tmp, tmp.read_bytes(), data_dir)

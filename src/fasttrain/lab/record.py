@@ -12,7 +12,6 @@ data is seen even where the text is the same.
 from __future__ import annotations
 
 import hashlib
-import json
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -129,14 +128,11 @@ class RunRecord:
 
 def load_record(path) -> dict:
     """A lab run record (JSON) from ``path``; one line saying what is wrong otherwise."""
+    from fasttrain.files import read_json_object
+
     p = Path(path)
-    if not p.is_file():
-        raise FasttrainError(f"{p}: no such run record; write one with: fasttrain lab ... --out {p}")
-    try:
-        record = json.loads(p.read_text())
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise FasttrainError(f"{p}: not a run record (unreadable JSON: {str(exc)[:80]})") from None
-    if not isinstance(record, dict) or record.get("kind") != "lab-run" or "config" not in record:
+    record = read_json_object(p, "run record", missing="no such run record", hint=f"write one with: fasttrain lab ... --out {p}")
+    if record.get("kind") != "lab-run" or "config" not in record:
         raise FasttrainError(f"{p}: not a lab run record (written by fasttrain lab --out)")
     return record
 

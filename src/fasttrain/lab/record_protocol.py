@@ -236,16 +236,9 @@ def write_record(rec: dict, folder) -> Path:
 
 
 def read_record(path) -> dict:
-    path = Path(path)
-    try:
-        rec = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FasttrainError(f"{path}: no such file") from None
-    except ValueError:
-        raise FasttrainError(f"{path}: not a record (unreadable JSON)") from None
-    if not isinstance(rec, dict):
-        raise FasttrainError(f"{path}: not a record (not a JSON object)")
-    return check_record(rec)
+    from fasttrain.files import read_json_object
+
+    return check_record(read_json_object(path, "record"))
 
 
 __all__ = ["ALPHA", "MIN_SEEDS", "RECORD_KEYS", "TARGET", "breakeven_steps", "check_record", "read_record", "record",

@@ -330,13 +330,10 @@ def write_results(result: dict, out) -> list[Path]:
 
 
 def load_result(folder) -> dict:
+    from fasttrain.files import read_json_object
+
     path = Path(folder) / "speedrun.json"
-    try:
-        result = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise FasttrainError(f"{path}: no such file; run `fasttrain lab speedrun --out {folder}` first") from None
-    except ValueError:
-        raise FasttrainError(f"{path}: not a speedrun result (unreadable JSON)") from None
+    result = read_json_object(path, "speedrun result", hint=f"run `fasttrain lab speedrun --out {folder}` first")
     if result.get("kind") != "lab-speedrun":
         raise FasttrainError(f"{path}: not a speedrun result (kind {result.get('kind')!r})")
     if result.get("protocol") != "fixed-steps":
