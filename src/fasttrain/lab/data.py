@@ -88,9 +88,6 @@ class Corpus:
                 "vocab_size": self.vocab_size, "train_tokens": int(len(self.train)), "val_tokens": int(len(self.val))}
 
 
-CharCorpus = Corpus     # the name before other tokenizers
-
-
 def _split(ids: np.ndarray, train_fraction: float) -> tuple[np.ndarray, np.ndarray]:
     n_train = int(len(ids) * train_fraction)
     return ids[:n_train], ids[n_train:]
