@@ -32,11 +32,13 @@ import shutil
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
 from fasttrain.bench.results import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
+from fasttrain.lab import experiment
+from fasttrain.lab.experiment import Experiment
 from fasttrain.timing import summarize
 
 SPEED_YES = 1.10          # tokens/s at least 1.10x the pair's: the technique buys speed
@@ -72,16 +74,15 @@ SWEEP_RUNG = "batch-size sweep"
 
 
 @dataclass(frozen=True)
-class LabRow:
-    """One setting: ``overrides`` of the baseline; ``pair``: the row it is compared with;
-    ``gpu_only``: why it does not run on the CPU (None: it does); ``finetune``: it starts from the
-    suite's pretrained checkpoint."""
+class LabRow(Experiment):
+    """One setting (an :class:`~fasttrain.lab.experiment.Experiment`: ``overrides`` of the baseline,
+    ``compared_with`` the row it is compared with, ``gpu_only`` why it does not run on the CPU);
+    ``technique``: the lecture's row it measures; ``finetune``: it starts from the suite's pretrained
+    checkpoint."""
 
-    label: str
     technique: str
-    overrides: dict = field(default_factory=dict)
-    pair: str = "baseline"
-    gpu_only: str | None = None
+    _: KW_ONLY
+    compared_with: str | None = "baseline"
     finetune: bool = False
 
 
@@ -93,42 +94,45 @@ def lab_rows(batch: int) -> list[LabRow]:
     small, large = max(1, batch // 4), batch * 4
     return [
         LabRow("baseline", "baseline"),
-        LabRow(f"batch {small}", "batch size", {"per_device_train_batch_size": small}),
-        LabRow(f"batch {large}", "batch size", {"per_device_train_batch_size": large}),
+        LabRow(f"batch {small}", "batch size", overrides={"per_device_train_batch_size": small}),
+        LabRow(f"batch {large}", "batch size", overrides={"per_device_train_batch_size": large}),
         LabRow(f"accumulate 4 x {small}", "gradient accumulation",
-               {"per_device_train_batch_size": small, "gradient_accumulation_steps": 4}),
-        LabRow("checkpointing full", "gradient checkpointing", {"gradient_checkpointing": "full"}),
-        LabRow("checkpointing selective", "gradient checkpointing", {"gradient_checkpointing": "selective"}),
-        LabRow("fp16", "mixed precision", {"fp16": True},
+               overrides={"per_device_train_batch_size": small, "gradient_accumulation_steps": 4}),
+        LabRow("checkpointing full", "gradient checkpointing", overrides={"gradient_checkpointing": "full"}),
+        LabRow("checkpointing selective", "gradient checkpointing",
+               overrides={"gradient_checkpointing": "selective"}),
+        LabRow("fp16", "mixed precision", overrides={"fp16": True},
                gpu_only=f"{NEEDS_CUDA} (fp16 autocast with a GradScaler is a GPU technique)"),
-        LabRow("bf16", "mixed precision", {"bf16": True}),
-        LabRow("tf32", "mixed precision", {"tf32": True}, gpu_only=f"{NEEDS_CUDA} (TF32 tensor cores)"),
-        LabRow("adafactor", "optimizers", {"optim": "adafactor"}),
-        LabRow("adamw_8bit", "optimizers", {"optim": "adamw_8bit"},
+        LabRow("bf16", "mixed precision", overrides={"bf16": True}),
+        LabRow("tf32", "mixed precision", overrides={"tf32": True}, gpu_only=f"{NEEDS_CUDA} (TF32 tensor cores)"),
+        LabRow("adafactor", "optimizers", overrides={"optim": "adafactor"}),
+        LabRow("adamw_8bit", "optimizers", overrides={"optim": "adamw_8bit"},
                gpu_only=f"{NEEDS_CUDA} (8-bit AdamW's kernels are CUDA)"),
-        LabRow("sgd", "optimizers", {"optim": "sgd"}),
-        LabRow("preload", "data preloading", {"preload": True}),
+        LabRow("sgd", "optimizers", overrides={"optim": "sgd"}),
+        LabRow("preload", "data preloading", overrides={"preload": True}),
         LabRow("workers 2 + pin + prefetch", "data preloading",
-               {"dataloader_num_workers": 2, "dataloader_pin_memory": True, "dataloader_prefetch_factor": 2},
+               overrides={"dataloader_num_workers": 2, "dataloader_pin_memory": True,
+                          "dataloader_prefetch_factor": 2},
                gpu_only=f"{NEEDS_CUDA} (pinned memory is for copies to a GPU)"),
-        LabRow("empty cache every step", "torch_empty_cache_steps", {"torch_empty_cache_steps": 1},
+        LabRow("empty cache every step", "torch_empty_cache_steps", overrides={"torch_empty_cache_steps": 1},
                gpu_only=f"{NEEDS_CUDA} (the CUDA caching allocator)"),
-        LabRow("empty cache every 10", "torch_empty_cache_steps", {"torch_empty_cache_steps": 10},
+        LabRow("empty cache every 10", "torch_empty_cache_steps", overrides={"torch_empty_cache_steps": 10},
                gpu_only=f"{NEEDS_CUDA} (the CUDA caching allocator)"),
-        LabRow("compile", "torch.compile", {"torch_compile": True},
+        LabRow("compile", "torch.compile", overrides={"torch_compile": True},
                gpu_only=f"{NEEDS_CUDA} here (compiling on the CPU takes minutes: not a smoke run)"),
         LabRow("compile reduce-overhead", "torch.compile",
-               {"torch_compile": True, "torch_compile_mode": "reduce-overhead"},
+               overrides={"torch_compile": True, "torch_compile_mode": "reduce-overhead"},
                gpu_only=f"{NEEDS_CUDA} (CUDA graphs)"),
-        LabRow("full fine-tune", "PEFT", {}, pair="full fine-tune", finetune=True),
-        LabRow("LoRA r=8 qkv,proj", "PEFT", {"lora_r": 8, "lora_target_modules": ("qkv", "proj")},
-               pair="full fine-tune", finetune=True),
-        LabRow("prompt tuning 16", "PEFT", {"prompt_tuning_tokens": 16}, pair="full fine-tune", finetune=True),
-        LabRow("sdpa attention", "efficient kernels", {"attn_implementation": "sdpa"}),
-        LabRow("liger kernels", "efficient kernels", {"use_liger_kernel": True},
+        LabRow("full fine-tune", "PEFT", compared_with="full fine-tune", finetune=True),
+        LabRow("LoRA r=8 qkv,proj", "PEFT", overrides={"lora_r": 8, "lora_target_modules": ("qkv", "proj")},
+               compared_with="full fine-tune", finetune=True),
+        LabRow("prompt tuning 16", "PEFT", overrides={"prompt_tuning_tokens": 16}, compared_with="full fine-tune",
+               finetune=True),
+        LabRow("sdpa attention", "efficient kernels", overrides={"attn_implementation": "sdpa"}),
+        LabRow("liger kernels", "efficient kernels", overrides={"use_liger_kernel": True},
                gpu_only=f"{NEEDS_CUDA} (liger-kernel's kernels are Triton)"),
-        LabRow("adamw fused", "efficient kernels", {"optim": "adamw_torch_fused"}),
-        LabRow("vocab padded to 64", "efficient kernels", {"pad_vocab_to_multiple_of": 64}),
+        LabRow("adamw fused", "efficient kernels", overrides={"optim": "adamw_torch_fused"}),
+        LabRow("vocab padded to 64", "efficient kernels", overrides={"pad_vocab_to_multiple_of": 64}),
     ]
 
 
@@ -179,7 +183,7 @@ def select_rows(rows: list[LabRow], wanted: list[str] | None) -> list[LabRow]:
     if not chosen and not any("sweep" in w.lower() for w in wanted):
         raise FasttrainError(f"--rows {','.join(wanted)}: no row label or technique contains that "
                              "(see fasttrain bench lab --list)")
-    chosen |= {r.pair for r in rows if r.label in chosen}
+    chosen |= {r.compared_with for r in rows if r.label in chosen}
     return [r for r in rows if r.label in chosen]
 
 
@@ -188,16 +192,14 @@ def sweep_selected(wanted: list[str] | None) -> bool:
 
 
 def skip_reason(row: LabRow, cuda: bool) -> str | None:
-    if not cuda and row.gpu_only:
-        return row.gpu_only
-    return None
+    return row.cannot_run(cuda)
 
 
 def row_config(base, row: LabRow, steps: int, warmup: int):
     """The row's LabConfig: the baseline with the row's overrides, trained on the baseline's token
     budget of ``(warmup + steps)`` steps; the learning-rate warm-up (a tenth of the budget) and the
     cosine decay are stretched in the same proportion, so every row sees the same schedule over tokens."""
-    cfg = base.with_(**row.overrides)
+    cfg = row.config(base)
     base_tokens = base.batch_tokens
     total_base = warmup + steps
     factor = base_tokens / cfg.batch_tokens
@@ -330,33 +332,41 @@ def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callabl
     cuda = lab_train.resolve_device(base).type == "cuda"
     result = SuiteResult("lab", title(plan.preset), False, command, utc_now(), dataset_info(corpus, plan),
                          environment(), plan.repeats, commands=[command] if command else [], baselines=["baseline"])
-    runnable = [r for r in plan.rows if skip_reason(r, cuda) is None]
-    progress.start(len(runnable) * plan.repeats + (1 if plan.sweep else 0), "lab")
+    # every row's configuration is built and validated before any row trains; one that cannot run here
+    # (no CUDA GPU, a configuration this model refuses) is a skipped row of the table, with its reason
+    rows = experiment.prepare(plan.rows, config=lambda row: row_config(base, row, plan.steps, plan.warmup),
+                              cuda=cuda, skip=True)
+    runnable = [p.experiment for p in rows if p.unable is None]
+    runs = sum(len(p.experiment.seed_list(p.config, plan.repeats)) for p in rows if p.unable is None)
+    progress.start(runs + (1 if plan.sweep else 0), "lab")
     workdir = Path(tempfile.mkdtemp(prefix="fasttrain-bench-lab-"))
     checkpoint = workdir / "pretrained"
+    needs_checkpoint = any(r.finetune for r in runnable)
+
+    def skipped(row: LabRow, cfg, reason: str) -> CaseResult:
+        progress.log(f"[yellow]skip[/] lab {row.label}: {reason}")
+        return _case(row.label, row.technique, plan.model_label, cfg, "skipped", reason, _options(row))
+
+    def run_row(row: LabRow, cfg) -> CaseResult:
+        if row.finetune:
+            if not checkpoint.exists():
+                _pretrain(base, plan, checkpoint, corpus, runner, progress)
+            # the lab's GPT fine-tunes its checkpoint; a HF model loads the saved folder as its model
+            cfg = cfg.with_(init_from=str(checkpoint)) if plan.model == "gpt" else \
+                cfg.with_(model=f"hf:{checkpoint}")
+        elif row.label == "baseline" and needs_checkpoint:
+            cfg = cfg.with_(save=str(checkpoint))     # the baseline's model is the PEFT rows' checkpoint
+        return _run_row(row.label, row.technique, plan.model_label, cfg, _options(row),
+                        row.seed_list(cfg, plan.repeats), corpus, runner, progress)
+
+    def finished(row: LabRow, case: CaseResult) -> None:
+        result.cases.append(case)
+        if on_case:     # the results so far: a run cut short keeps its rows
+            derive(result)
+            on_case(result)
+
     try:
-        needs_checkpoint = any(r.finetune for r in runnable)
-        for row in plan.rows:
-            reason = skip_reason(row, cuda)
-            cfg = row_config(base, row, plan.steps, plan.warmup)
-            options = {**_jsonable(row.overrides), "_pair": row.pair}
-            if reason:
-                progress.log(f"[yellow]skip[/] lab {row.label}: {reason}")
-                result.cases.append(_case(row.label, row.technique, plan.model_label, cfg, "skipped", reason, options))
-                continue
-            if row.finetune:
-                if not checkpoint.exists():
-                    _pretrain(base, plan, checkpoint, corpus, runner, progress)
-                # the lab's GPT fine-tunes its checkpoint; a HF model loads the saved folder as its model
-                cfg = cfg.with_(init_from=str(checkpoint)) if plan.model == "gpt" else \
-                    cfg.with_(model=f"hf:{checkpoint}")
-            elif row.label == "baseline" and needs_checkpoint:
-                cfg = cfg.with_(save=str(checkpoint))     # the baseline's model is the PEFT rows' checkpoint
-            result.cases.append(_run_row(row.label, row.technique, plan.model_label, cfg, options, plan.repeats,
-                                         corpus, runner, progress))
-            if on_case:
-                derive(result)
-                on_case(result)
+        experiment.run(rows, run_row, skipped=skipped, on_row=finished)
         if plan.sweep:
             _sweep(plan, result, corpus, runner, progress, cuda, on_case)
     finally:
@@ -366,6 +376,11 @@ def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callabl
     return result
 
 
+def _options(row: LabRow) -> dict:
+    """The case's options: the row's overrides and the row it is compared with."""
+    return {**_jsonable(row.overrides), "_pair": row.compared_with}
+
+
 def _pretrain(base, plan: LabPlan, checkpoint: Path, corpus, runner, progress: Progress) -> None:
     cfg = row_config(base, LabRow("pretrain", "PEFT"), plan.steps, plan.warmup).with_(save=str(checkpoint))
     progress.describe("lab: pretraining the checkpoint the PEFT rows fine-tune")
@@ -373,12 +388,11 @@ def _pretrain(base, plan: LabPlan, checkpoint: Path, corpus, runner, progress: P
     progress.log(f"pretrained {cfg.max_steps} steps -> the PEFT rows' checkpoint")
 
 
-def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, progress: Progress) -> CaseResult:
+def _run_row(label, technique, model, cfg, options, seeds, corpus, runner, progress: Progress) -> CaseResult:
     from fasttrain.bench.device import release_memory
 
     out = _case(label, technique, model, cfg, "ok", options=options)
-    for i in range(repeats):
-        seed = cfg.seed + i
+    for i, seed in enumerate(seeds):
 
         clock = {}
 
@@ -402,7 +416,7 @@ def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, pro
             release_memory()
             out.status, out.reason = "skipped", str(exc)
             progress.log(f"[yellow]skip[/] lab {label}: {exc}")
-            progress.advance(repeats - i)
+            progress.advance(len(seeds) - i)
             return out
         except Exception as exc:  # noqa: BLE001 - one broken row must not lose the rest of the table
             import traceback
@@ -411,7 +425,7 @@ def _run_row(label, technique, model, cfg, options, repeats, corpus, runner, pro
             out.status, out.reason = "failed", f"{type(exc).__name__}: {exc}".splitlines()[0]
             out.traceback = traceback.format_exc()
             progress.log(f"[red]FAILED[/] lab {label}: {out.reason}")
-            progress.advance(repeats - i)
+            progress.advance(len(seeds) - i)
             return out
         out.seeds.append(seed)
         out.records.append(record)
@@ -463,8 +477,8 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
             first_oom = batch
             break
         label = f"sweep batch {batch}"
-        case = _run_row(label, SWEEP_RUNG, SWEEP_PRESET, cfg, {"per_device_train_batch_size": batch}, 1, corpus,
-                        runner, Progress())
+        case = _run_row(label, SWEEP_RUNG, SWEEP_PRESET, cfg, {"per_device_train_batch_size": batch}, [cfg.seed],
+                        corpus, runner, Progress())
         result.cases.append(case)
         if case.ok:
             last_fit = batch
