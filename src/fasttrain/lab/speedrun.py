@@ -37,7 +37,7 @@ import os
 import shlex
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import click
@@ -45,7 +45,9 @@ import click
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.progress import report
+from fasttrain.lab import experiment
 from fasttrain.lab.config import LabConfig, preset
+from fasttrain.lab.experiment import Experiment
 from fasttrain.lab.record_protocol import ALPHA, MIN_SEEDS
 from fasttrain.lab.overrides import parse_assignments, parse_variant
 from fasttrain.lab.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
@@ -126,17 +128,24 @@ def parse_seeds(text: str | None, first: int) -> list[int]:
 
 # --- the plan ----------------------------------------------------------------------------------
 
-@dataclass
-class Row:
-    """One row of the ladder table: a rung (or a variant of the last rung chosen) and its seeds."""
+GRAPH_STEP_NEEDS_CUDA = ("graph-step needs a CUDA GPU (the step is captured as a CUDA graph); choose other rungs on "
+                         "the CPU (see: fasttrain lab speedrun --list)")
 
-    label: str               # "3" for a rung, the variant's name otherwise
+
+@dataclass(frozen=True)
+class Row(Experiment):
+    """One row of the ladder table (an :class:`~fasttrain.lab.experiment.Experiment`: its overrides of the base
+    preset, its seeds): a rung (or a variant of the last rung chosen). ``label``: "3" for a rung, the variant's
+    name otherwise; ``cfg``: its configuration, built and validated by :func:`plan`."""
+
     name: str
     change: str              # what changed since the row above (every rung in between, for a gap)
-    cfg: LabConfig
-    seeds: list[int]
     planned_seeds: int       # the seeds the other rows get (a row with fewer is marked)
     index: int | None = None
+    cfg: LabConfig | None = None
+
+    def shown(self) -> str:
+        return self.name
 
 
 def parse_rung_seeds(text: str | None) -> dict[int, int]:
@@ -182,13 +191,12 @@ def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, 
     if data_dir is not None:
         sets["data_dir"] = data_dir
     rows: list[Row] = []
-    prev = -1
+    prev, first = -1, str(rungs[0])          # every row is measured against the first (the speedups' baseline)
     for i in rungs:
         steps = LADDER[prev + 1: i + 1] if i > prev else LADDER[i: i + 1]
         change = LADDER[0].change if i == 0 else " + ".join(r.change for r in steps)
-        cfg = preset(base_preset, **{**cumulative_overrides(i), **sets}).with_(name=LADDER[i].name)
-        row_seeds = list(seeds[:rung_seeds.get(i, len(seeds))])
-        rows.append(Row(str(i), LADDER[i].name, change, cfg, row_seeds, len(seeds), i))
+        rows.append(_row(str(i), LADDER[i].name, change, {**cumulative_overrides(i), **sets},
+                         seeds[:rung_seeds.get(i, len(seeds))], len(seeds), i, first))
         prev = i
     top = rungs[-1]
     names = {r.name for r in rows}
@@ -197,9 +205,17 @@ def plan(rungs: list[int], seeds: list[int], *, base_preset: str = BASE_PRESET, 
             raise FasttrainError(f"--variant name {name!r} is taken; give each variant its own name")
         names.add(name)
         change = f"rung {top} ({LADDER[top].name}) with " + ", ".join(f"{k}={v}" for k, v in overrides.items())
-        cfg = preset(base_preset, **{**cumulative_overrides(top), **overrides, **sets}).with_(name=name)
-        rows.append(Row(name, name, change, cfg, list(seeds), len(seeds)))
-    return rows
+        rows.append(_row(name, name, change, {**cumulative_overrides(top), **overrides, **sets}, seeds, len(seeds),
+                         None, first))
+    # every row's configuration built from the preset and validated now, before anything trains
+    return [replace(p.experiment, cfg=p.config, gpu_only=GRAPH_STEP_NEEDS_CUDA if p.config.cuda_graph_step else None)
+            for p in experiment.prepare(rows, preset(base_preset))]
+
+
+def _row(label: str, name: str, change: str, overrides: dict, seeds, planned: int, index: int | None,
+         first: str) -> Row:
+    return Row(label, name, change, planned, index, overrides={**overrides, "name": name}, seeds=list(seeds),
+               compared_with=None if label == first else first)
 
 
 # --- timing one row ------------------------------------------------------------------------------
@@ -363,10 +379,8 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         check_compile_cache(compile_cache)
     log = log or (lambda s: None)
     device = resolve_device(rows[0].cfg)
-    graphed = [r.name for r in rows if r.cfg.cuda_graph_step]
-    if graphed and device.type != "cuda":
-        raise FasttrainError(f"{', '.join(graphed)}: graph-step needs a CUDA GPU (the step is captured as a CUDA "
-                             f"graph); choose other rungs on the CPU (see: fasttrain lab speedrun --list)")
+    # a row that cannot run here (graph-step without a CUDA GPU) is refused before any work
+    prepared = experiment.prepare(rows, config=lambda row: row.cfg, cuda=device.type == "cuda")
     deadline = time.perf_counter() + budget_s if budget_s else None
     corpus = corpus or load_corpus(rows[0].cfg.data_dir)
     if compile_cache:
@@ -396,21 +410,25 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         report(progress, seeds_done, seeds_total, final_loss)
 
     report(progress, 0, seeds_total)
-    for row in rows:
+
+    def run_one(row: Row, cfg: LabConfig) -> dict:
         try:
             if deadline is not None and time.perf_counter() >= deadline:
                 log(f"[{row.label} {row.name}] out of --budget-s: not run")
-                rec = _not_run(row, skipped="budget")
-            else:
-                rec = run_row(row, corpus, target=target, keep_states=save is not None, deadline=deadline,
-                              compile_cache=compile_cache, log=log, seed_done=seed_done)
+                return _not_run(row, skipped="budget")
+            return run_row(row, corpus, target=target, keep_states=save is not None, deadline=deadline,
+                           compile_cache=compile_cache, log=log, seed_done=seed_done)
         except FasttrainError:
             raise
         except Exception as exc:        # one rung failing (a compiler error, out of memory) must not lose the rest
             msg = f"{type(exc).__name__}: {str(exc).strip().splitlines()[0] if str(exc).strip() else ''}"[:300]
             log(f"[{row.label} {row.name}] failed: {msg}")
-            rec = _not_run(row, error=msg)
             _free(device)
+            return _not_run(row, error=msg)
+
+    def finished(row: Row, rec: dict) -> None:
+        # the verdict, the fastest so far and the results written after every row: a run cut short keeps its rows
+        nonlocal best_row, best_state
         states = rec.pop("states")
         rec["summary"] = summarize(rec, target=target, min_seeds=min_seeds)
         result["rows"].append(rec)
@@ -418,11 +436,13 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         log(f"[{row.label} {row.name}] " + ("counts" if s["counts"] else f"missing: {s['missing']}")
             + (f"; mean final loss {s['mean']:.4f}, p = {s['p_value']:.3g}" if s.get("p_value") is not None else ""))
         if s["counts"] and (best_row is None or s["train_s_median"] < best_row["summary"]["train_s_median"]):
-            best_row, pick = rec, median_run(rec)
-            best_state = (pick, states.get(pick["seed"]))
+            pick = median_run(rec)
+            best_row, best_state = rec, (pick, states.get(pick["seed"]))
         result["process_wall_s"] = process_age_s()
         if out:
             write_results(result, out)
+
+    experiment.run(prepared, run_one, on_row=finished)
     result["fastest"] = None if best_row is None else {
         "label": best_row["label"], "name": best_row["name"], "train_s": best_row["summary"]["train_s_median"],
         "seed": best_state[0]["seed"]}
