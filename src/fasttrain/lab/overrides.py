@@ -179,11 +179,15 @@ def command_line(cfg: LabConfig, preset_name: str = "shakespeare-char") -> str:
     from fasttrain.lab.config import PRESETS
 
     base = LabConfig(name=preset_name, **PRESETS[preset_name])
-    args = ["fasttrain", "lab", "--preset", preset_name]
-    for name, value in changed(cfg, base).items():
-        if name == "name":
-            continue
-        kind = kind_of(name)
+    settings = {name: value for name, value in changed(cfg, base).items() if name != "name"}
+    return shlex.join(["fasttrain", "lab", "--preset", preset_name, *flags(settings)])
+
+
+def flags(settings: dict) -> list[str]:
+    """``{field: value}`` as ``fasttrain lab`` flags (a value typed, or as text; a number written as given)."""
+    args: list[str] = []
+    for name, raw in settings.items():
+        kind, value = kind_of(name), parse_value(name, raw)
         if kind.type is bool:
             args.append(kind.flag if value else f"--no-{kind.flag[2:]}")
         elif value is None:
@@ -191,9 +195,9 @@ def command_line(cfg: LabConfig, preset_name: str = "shakespeare-char") -> str:
         elif kind.type is tuple:
             args += [kind.flag, ",".join(value)]
         else:
-            args += [kind.flag, str(value)]
-    return shlex.join(args)
+            args += [kind.flag, str(raw).strip()]
+    return args
 
 
 __all__ = ["FieldKind", "field_kinds", "kind_of", "parse_value", "parse_assignments", "parse_variant",
-           "config_from_dict", "changed", "command_line"]
+           "config_from_dict", "changed", "command_line", "flags"]

@@ -1,7 +1,8 @@
 """The lab past one GPU, measured: every strategy against one GPU of the same machine.
 
-The experiment's rows are :func:`plan` (a preset's runs, each the lab's flags), its runner
-``sweep``, its report ``lab/scaling_report.py``. ``sweep`` runs, for each preset, one lab run per line of :func:`plan` -- each in its own process
+The experiment's rows are :func:`plan` (a preset's runs, each an :class:`~fasttrain.lab.experiment.Experiment`:
+overrides of the preset, run as the lab's flags), its runner ``sweep``, its report ``lab/scaling_report.py``.
+``sweep`` runs, for each preset, one lab run per line of :func:`plan` -- each in its own process
 (``python -m fasttrain lab ... --out RUN.json``; the several-GPU ones through torchrun), so that no
 run inherits another's allocator state -- and ``report`` turns the run records into:
 
@@ -28,11 +29,14 @@ import os
 import subprocess
 import sys
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import atomic_write_text
+from fasttrain.lab import experiment
+from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.overrides import flags
 from fasttrain.lab.scaling_report import load_runs, markdown, plots, report, rows, write_csv  # noqa: F401 - the report beside it
 
 
@@ -45,13 +49,32 @@ STRATEGY_FLAGS = {
 }
 
 
-@dataclass
-class Planned:
-    name: str                 # file stem: <preset>.<label>
+@dataclass(frozen=True)
+class Planned(Experiment):
+    """One run of the sweep: ``label`` 1gpu, ddp, zero1, fsdp-zero2, fsdp-zero3, tp, ddp-weak, 1gpu-bf16, ...;
+    ``overrides`` of the preset (LabConfig fields, passed as the lab's flags); ``compared_with`` the preset's
+    one-GPU run of its precision. ``nproc``: its processes; ``launch``: the launcher's flags (the strategy, the
+    global batch: not LabConfig fields); ``extra``: the caller's flags, passed to every run as given."""
+
     preset: str
-    label: str                # 1gpu, ddp, zero1, fsdp-zero2, fsdp-zero3, tp, ddp-weak, 1gpu-bf16, ...
     nproc: int
-    args: list[str] = field(default_factory=list)
+    launch: tuple[str, ...] = ()
+    extra: tuple[str, ...] = ()
+
+    @property
+    def name(self) -> str:
+        """The records' file stem: <preset>.<label>."""
+        return f"{self.preset}.{self.label}"
+
+    def shown(self) -> str:
+        return self.name
+
+
+def run_config(run: Planned):
+    """The run's LabConfig: its preset with its overrides (the launcher's flags aside)."""
+    from fasttrain.lab.config import preset as lab_preset
+
+    return run.config(lab_preset(run.preset))
 
 
 def check_sweep(presets: str, strategies: str, nproc: int, steps: int) -> tuple[list[str], list[str]]:
@@ -88,32 +111,36 @@ def plan(presets: list[str], nproc: int, steps: int, strategies: list[str], bf16
     for name in presets:
         cfg = lab_preset(name)
         b = cfg.per_device_train_batch_size
-        common = ["--preset", name, "--max-steps", str(steps), "--dropout", "0", "--eval-interval", "0",
-                  "--log-interval", "1", "--timing-warmup-steps", "5", "--quiet", *(extra or [])]
+        common = dict(max_steps=steps, dropout=0, eval_interval=0, log_interval=1, timing_warmup_steps=5)
         if cfg.eval_tokens is None:
-            common += ["--eval-tokens", "65536"]
-        out.append(Planned(f"{name}.1gpu", name, "1gpu", 1, [*common, "--per-device-train-batch-size", str(b)]))
+            common["eval_tokens"] = 65536
+
+        def run(label: str, nproc: int, overrides: dict, launch=()) -> Planned:
+            one_gpu = "1gpu-bf16" if label.endswith("bf16") else "1gpu"
+            return Planned(label, name, nproc, tuple(launch), tuple(extra or ()), overrides={**common, **overrides},
+                           compared_with=None if label == one_gpu else one_gpu)
+
+        out.append(run("1gpu", 1, {"per_device_train_batch_size": b}))
         for label in strategies:
             if label not in STRATEGY_FLAGS:
                 raise FasttrainError(f"unknown strategy {label!r}; use some of {', '.join(STRATEGY_FLAGS)}")
             if b % nproc and label != "tp":
                 raise FasttrainError(f"preset {name}: batch {b} does not split over {nproc} GPUs")
-            out.append(Planned(f"{name}.{label}", name, label, nproc,
-                               [*common, *STRATEGY_FLAGS[label], "--global-batch-size", str(b)]))
+            out.append(run(label, nproc, {}, [*STRATEGY_FLAGS[label], "--global-batch-size", str(b)]))
         if "ddp" in strategies:
             # the same per-GPU batch: the usual data-parallel throughput (global batch N b)
-            out.append(Planned(f"{name}.ddp-weak", name, "ddp-weak", nproc,
-                               [*common, "--strategy", "ddp", "--per-device-train-batch-size", str(b)]))
+            out.append(run("ddp-weak", nproc, {"per_device_train_batch_size": b}, ["--strategy", "ddp"]))
         if bf16:
-            out.append(Planned(f"{name}.1gpu-bf16", name, "1gpu-bf16", 1,
-                               [*common, "--bf16", "--per-device-train-batch-size", str(b)]))
-            out.append(Planned(f"{name}.fsdp-zero3-bf16", name, "fsdp-zero3-bf16", nproc,
-                               [*common, "--bf16", *STRATEGY_FLAGS["fsdp-zero3"], "--global-batch-size", str(b)]))
+            out.append(run("1gpu-bf16", 1, {"bf16": True, "per_device_train_batch_size": b}))
+            out.append(run("fsdp-zero3-bf16", nproc, {"bf16": True},
+                           [*STRATEGY_FLAGS["fsdp-zero3"], "--global-batch-size", str(b)]))
+    experiment.prepare(out, config=run_config)     # every run's configuration checked now, a dry run's too
     return out
 
 
 def command_line(run: Planned, out_dir: Path) -> list[str]:
-    argv = [sys.executable, "-m", "fasttrain", "lab", *run.args, "--out", str(out_dir / f"{run.name}.json")]
+    argv = [sys.executable, "-m", "fasttrain", "lab", "--preset", run.preset, *flags(run.overrides), *run.launch,
+            "--quiet", *run.extra, "--out", str(out_dir / f"{run.name}.json")]
     if run.nproc > 1:
         argv += ["--nproc-per-node", str(run.nproc)]
     return argv
@@ -124,13 +151,15 @@ def sweep(runs: list[Planned], out_dir, *, log=print, timeout_s: float = 900) ->
     and the sweep goes on."""
     from fasttrain.lab.distributed import multicast_off
 
+    prepared = experiment.prepare(runs, config=run_config)     # every run's configuration, before any process
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     env = multicast_off(dict(os.environ))
     status = []
-    for i, run in enumerate(runs, 1):
+
+    def launch(run: Planned, cfg) -> dict:
         argv = command_line(run, out_dir)
-        log(f"[{i}/{len(runs)}] {run.name}: {' '.join(argv[1:])}")
+        log(f"[{len(status) + 1}/{len(runs)}] {run.name}: {' '.join(argv[1:])}")
         t0 = time.perf_counter()
         try:
             proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=timeout_s)
@@ -138,9 +167,14 @@ def sweep(runs: list[Planned], out_dir, *, log=print, timeout_s: float = 900) ->
             atomic_write_text(out_dir / f"{run.name}.log", proc.stdout + proc.stderr)
         except subprocess.TimeoutExpired:
             code, tail = 124, f"timed out after {timeout_s:.0f} s"
-        row = {"name": run.name, "preset": run.preset, "label": run.label, "nproc": run.nproc, "exit": code,
-               "seconds": round(time.perf_counter() - t0, 1), "argv": argv[1:], "error": tail if code else None}
+        return {"name": run.name, "preset": run.preset, "label": run.label, "nproc": run.nproc, "exit": code,
+                "seconds": round(time.perf_counter() - t0, 1), "argv": argv[1:], "error": tail if code else None}
+
+    def finished(run: Planned, row: dict) -> None:
         status.append(row)
-        log(f"    {'ok' if code == 0 else 'FAILED: ' + tail} ({row['seconds']} s)")
+        log(f"    {'ok' if row['exit'] == 0 else 'FAILED: ' + row['error']} ({row['seconds']} s)")
+        atomic_write_text(out_dir / "sweep.json", json.dumps(status, indent=1))     # a sweep cut short keeps its runs
+
+    experiment.run(prepared, launch, on_row=finished)
     atomic_write_text(out_dir / "sweep.json", json.dumps(status, indent=1))
     return status
