@@ -57,7 +57,9 @@ from pathlib import Path
 from typing import Callable
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab import experiment
 from fasttrain.lab.config import LabConfig, validate
+from fasttrain.lab.experiment import Experiment
 
 MIB = 2 ** 20
 BATCH_FIELDS = ("per_device_train_batch_size", "gradient_accumulation_steps")
@@ -600,13 +602,15 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     space = enumerate_space(axes, sequences, fixed_batch)
     t0 = clock()
     entries = []
-    for cand in space:
-        try:
-            cfg = validate(base.with_(**cand.overrides_dict()))
-        except FasttrainError as exc:
-            dropped.append(f"{cand.label}: {exc}")
+    # every configuration of the space built through the one parser and validated before any probe (the
+    # experiments' prepare); one the model refuses is dropped with its reason. The probes themselves are not
+    # the experiments' rows run once each: successive halving measures a candidate again at more steps.
+    rows = [Experiment(cand.label, overrides=cand.overrides_dict()) for cand in space]
+    for cand, row in zip(space, experiment.prepare(rows, base, skip=True)):
+        if row.unable is not None:
+            dropped.append(f"{cand.label}: {row.unable}")
             continue
-        entries.append(Entry(cand, predict(cfg)))
+        entries.append(Entry(cand, predict(row.config)))
     if not entries:
         raise FasttrainError("no configuration of the space is valid for this model: " + "; ".join(dropped[-3:]))
     fitting = _largest_fitting(entries, memory)
