@@ -207,6 +207,25 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     record = rp.read_record(machine / "record.json")
     assert record["process_cold_s"] == 21.5 and record["process_warm_s"] is None and record["steps"] == 20
     assert record["command"].startswith("fasttrain lab speedrun")      # (in-process: sys.argv is pytest's)
+    # the README section reads the record against the goals, the process times and a step profile beside them
+    (machine / "speedrun.json").write_text((out / "speedrun.json").read_text())
+    (machine / "cold").mkdir()
+    (machine / "cold" / "process_times.jsonl").write_text(
+        json.dumps({"rung": name, "cache": "cold", "process_s": 21.5, "setup_s": 10.0, "train_s": 4.0, "rc": 0}) + "\n")
+    (machine / "profile-x.json").write_text(json.dumps({
+        "rung": name, "steps": 10, "wall_ms_per_step": 4.0, "gpu_busy_ms_per_step": 3.0, "kernel_launches_per_step": 7,
+        "by_family_ms_per_step": {"gemm": 2.0, "attention": 1.0},
+        "top_kernels": [{"name": "k1", "ms_per_step": 2.0, "calls_per_step": 3}]}))
+    code, section, stderr = run_cli(["lab", "speedrun", "readme", str(machine), "--also", str(out)], capsys)
+    assert code == 0, stderr
+    train_s = record["train_s"]
+    verdict = "met" if train_s <= 5 else f"missed ({train_s / 5:.2f}x the goal)"
+    assert f"| training time of the fixed steps (median over seeds) | 5 | {train_s:.2f} | {verdict} |" in section
+    assert "| whole process, cold compiler caches | 20 | 21.50 | missed (1.07x the goal) |" in section
+    assert "| whole process, warm compiler caches | 12 | - | not measured |" in section
+    assert f"| {name} | cold | 21.5 | 10 | 4 | 7.5 |" in section          # rest = process - setup - train
+    assert "### Variants measured apart" in section and "| gemm | 2.000 | 67% |" in section
+    assert "the GPU busy 3.00 ms of it (75%)" in section
     times.write_text("not json\n")
     code, _, stderr = run_cli(["lab", "speedrun", "record", str(out), "--out", str(machine),
                                "--process-times", str(times)], capsys)

@@ -17,7 +17,8 @@ import re
 import sys
 import time
 
-FAMILIES = [("gemm", r"gemm|cutlass|sm90|xmma|matmul|cublas"), ("attention", r"flash|fmha|attention|sdpa"),
+# first match wins: cuDNN's attention kernels carry "sm90" like cuBLAS's matmuls, so attention is tried first
+FAMILIES = [("attention", r"flash|fmha|attention|sdpa"), ("gemm", r"gemm|cutlass|nvjet|sm90|xmma|matmul|cublas"),
             ("optimizer", r"adam|foreach|multi_tensor|fused_adam"), ("softmax / loss", r"softmax|nll|cross_entropy"),
             ("fused pointwise (inductor)", r"^triton_"), ("copy / cast", r"copy|cast|convert|elementwise_kernel"),
             ("reduction", r"reduce|norm")]
