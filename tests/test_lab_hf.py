@@ -300,10 +300,11 @@ def test_liger_is_refused_on_the_cpu_and_for_families_it_does_not_patch(tmp_path
         hf.check_hf_setup(cfg(use_liger_kernel=True), config, None, "cuda")
 
 
-def test_tensor_parallel_is_refused_in_one_line():
-    hf.check_hf_parallel("ddp")
-    with pytest.raises(FasttrainError, match="--strategy tp is not supported for --model hf"):
-        hf.check_hf_parallel("tp")
+def test_tensor_parallel_is_refused_in_one_line_for_a_family_without_a_plan(tmp_path):
+    spec = f"hf:{write_config(tmp_path, 'gpt2')}"
+    hf.check_hf_parallel("ddp", spec)
+    with pytest.raises(FasttrainError, match="--strategy tp: the gpt2 model ships no tensor-parallel plan"):
+        hf.check_hf_parallel("tp", spec)
 
 
 @pytest.mark.gpu
@@ -460,12 +461,13 @@ def test_cli_trains_saves_evaluates_and_samples(folders, tmp_path):
     (["--model", "hf:{folder}", "--gradient-checkpointing", "selective"], "transformers checkpoints whole"),
     (["--model", "hf:{folder}", "--init-from", "x"], "--init-from loads the lab GPT"),
     (["--model", "hf:{folder}", "--context", "1000"], "exceeds the llama model's 64 positions"),
-    (["--model", "hf:{folder}", "--strategy", "tp", "--nproc-per-node", "2"], "tp is not supported for --model hf"),
+    (["--model", "hf:{gpt2}", "--strategy", "tp", "--nproc-per-node", "2"], "gpt2 model ships no tensor-parallel"),
+    (["--model", "hf:{folder}", "--strategy", "tp", "--nproc-per-node", "3"], "(4) divisible by 3"),
 ])
 def test_cli_bad_input_is_one_line(folders, args, message):
     from tests_support import fasttrain_cli, one_line_error
 
-    args = [a.replace("{folder}", str(folders["llama"])) for a in args]
+    args = [a.replace("{folder}", str(folders["llama"])).replace("{gpt2}", str(folders["gpt2"])) for a in args]
     one_line_error(fasttrain_cli("lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "1", *args), message)
 
 
@@ -513,6 +515,97 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert two[strategy] == pytest.approx(one, rel=1e-5), strategy
         # FSDP's shards gathered into one folder from_pretrained loads
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
+
+
+def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from tests_support import toy_text
+    from fasttrain.lab import distributed as D
+    from fasttrain.lab.data import corpus_from_text
+    from fasttrain.lab.train import execute
+
+    corpus = corpus_from_text(toy_text())
+    group = D.init_world(D.ParallelConfig(strategy="tp", ddp_timeout=60), device="cpu")
+    out = {}
+    for family, folder in folders.items():
+        record, module = execute(lab_cfg(folder, max_steps=4, save=os.path.join(out_dir, family)), corpus=corpus,
+                                 parallel=D.ParallelConfig(strategy="tp", global_batch_size=8), keep_model=True)
+        from torch.distributed.tensor import DTensor
+
+        out[family] = {"losses": losses(record), "val": record["final"]["val_loss"],
+                       "distributed": record["distributed"], "estimate": record["estimate"].get("precise_bytes"),
+                       "split": sorted(n for n, p in module.named_parameters() if isinstance(p, DTensor)
+                                       and any(pl.is_shard() for pl in p.placements))}
+    if rank == 0:
+        with open(os.path.join(out_dir, "records.json"), "w") as f:
+            json.dump(out, f)
+    group.owns_group = True
+    D.shutdown(group)
+
+
+def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folders, corpus, tmp_path):
+    """tp over 2 gloo processes by the family's own plan: Llama (embedding and lm_head split, GQA 4/2)
+    and Qwen2 (tied embeddings kept whole, q/k/v biases split) give one process's loss curve, with
+    gradient clipping and AdamW on the slices; --save gathers the slices into a folder
+    from_pretrained loads, the same function as the trained one."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from fasttrain.lab.evaluate import evaluate_checkpoint
+    from fasttrain.lab.train import run
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    chosen = {family: str(folders[family]) for family in ("llama", "qwen2")}
+    mp.start_processes(_tp_worker, args=(port, chosen, str(tmp_path)), nprocs=2, start_method="spawn")
+    two = json.loads((tmp_path / "records.json").read_text())
+    for family in chosen:
+        one = run(lab_cfg(folders[family], max_steps=4, per_device_train_batch_size=8), corpus=corpus)
+        assert two[family]["losses"] == pytest.approx(losses(one), rel=1e-5, abs=1e-6), family
+        assert two[family]["val"] == pytest.approx(one["final"]["val_loss"], rel=1e-5), family
+        d = two[family]["distributed"]
+        assert (d["strategy"], d["tp"], d["dp"], d["global_batch_size"]) == ("tp", 2, 1, 8)
+        assert two[family]["estimate"] and two[family]["estimate"] > 0
+        split = two[family]["split"]
+        assert "model.layers.0.self_attn.k_proj.weight" in split and "model.layers.1.mlp.down_proj.weight" in split
+        if family == "llama":
+            assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(split)
+        else:
+            assert "model.layers.0.self_attn.q_proj.bias" in split and "lm_head.weight" not in split
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family)
+        assert loaded.config.model_type == family
+        again = evaluate_checkpoint(tmp_path / family, device="cpu", corpus=corpus)
+        assert again["val_loss"] == pytest.approx(two[family]["val"], rel=1e-5), family
+
+
+def test_tensor_parallel_refusals_are_one_line(folders, tmp_path):
+    from fasttrain.lab import distributed as D
+
+    # GPT-2 ships no plan; a Llama of 4 heads does not split over 3 ranks, nor 2 key/value heads over 4
+    with pytest.raises(FasttrainError, match="gpt2 model ships no tensor-parallel plan"):
+        D.check_config(lab_cfg(folders["gpt2"]), D.ParallelConfig(strategy="tp"))
+    D.check_config(lab_cfg(folders["llama"]), D.ParallelConfig(strategy="tp"))
+    D.check_model_fits(lab_cfg(folders["llama"]), 2, "tp")
+    with pytest.raises(FasttrainError, match=r"attention heads \(num_attention_heads\) \(4\) divisible by 3"):
+        D.check_model_fits(lab_cfg(folders["llama"]), 3, "tp")
+    with pytest.raises(FasttrainError, match=r"key/value heads \(num_key_value_heads\) \(2\) divisible by 4"):
+        D.check_model_fits(lab_cfg(folders["llama"]), 4, "tp")
+    config, _ = hf.load_hf_config(f"hf:{folders['llama']}")
+    config.num_attention_heads, config.num_key_value_heads, config.intermediate_size = 8, 4, 66
+    with pytest.raises(FasttrainError, match=r"intermediate_size\) \(66\) divisible by 4"):
+        hf.check_hf_tensor_parallel(config, 4)
+    config.base_model_tp_plan = {**hf.tp_plan_of(config), "layers.*.mlp.experts": "moe_tp_experts"}
+    with pytest.raises(FasttrainError, match="styles the lab does not apply .*moe_tp_experts"):
+        hf.check_hf_tensor_parallel(config, 2)
+    # peft and liger wrap or fuse the layers the plan splits
+    with pytest.raises(FasttrainError, match="does not combine with LoRA"):
+        D.check_config(lab_cfg(folders["llama"], lora_r=2), D.ParallelConfig(strategy="tp"))
 
 
 @pytest.mark.gpu

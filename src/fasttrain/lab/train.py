@@ -253,10 +253,16 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
         # a model lab/hf.py built: a folder from_pretrained loads, with the lab's record of it
         # (fasttrain.json) and the corpus' tokenizer (or its characters), so that lab eval and
         # lab sample need nothing else
-        if world.strategy == "fsdp":
-            # the whole model gathered from FSDP's shards on every rank, loaded into a fresh copy on
-            # the CPU by rank 0 (ddp and zero1 keep whole weights on every rank)
-            state = D.full_state_dict(trainer.train_model, world)
+        if world.strategy in ("fsdp", "tp"):
+            # the whole model gathered from FSDP's shards (or tensor parallelism's slices) on every
+            # rank, loaded into a fresh copy on the CPU by rank 0 (ddp and zero1 keep whole weights
+            # on every rank)
+            if world.strategy == "tp":
+                from fasttrain.lab.hf import gather_tp_state_dict
+
+                state = gather_tp_state_dict(trainer.model, world.mesh)
+            else:
+                state = D.full_state_dict(trainer.train_model, world)
             if world.is_main:
                 from fasttrain.lab.hf import fresh_copy
 
