@@ -520,8 +520,9 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
 
 
-# qwen3: per-head q/k norms on split heads (their gradients summed over the ranks), over 2 micro-batches
-TP_EXTRA = {"qwen3": {"gradient_accumulation_steps": 2}}
+# qwen3: per-head q/k norms on split heads (their gradients summed over the ranks), over 2 micro-batches;
+# qwen2: with its decoder layers recomputed in backward
+TP_EXTRA = {"qwen3": {"gradient_accumulation_steps": 2}, "qwen2": {"gradient_checkpointing": "full"}}
 
 
 def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
@@ -580,13 +581,16 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
     mp.start_processes(_tp_worker, args=(port, chosen, str(tmp_path)), nprocs=2, start_method="spawn")
     two = json.loads((tmp_path / "records.json").read_text())
     for family, folder in chosen.items():
-        k = TP_EXTRA.get(family, {}).get("gradient_accumulation_steps", 1)
-        one = run(lab_cfg(folder, max_steps=4, per_device_train_batch_size=8 // k, gradient_accumulation_steps=k),
-                  corpus=corpus)
+        extra = TP_EXTRA.get(family, {})
+        k = extra.get("gradient_accumulation_steps", 1)
+        one = run(lab_cfg(folder, max_steps=4, per_device_train_batch_size=8 // k, **extra), corpus=corpus)
         assert two[family]["losses"] == pytest.approx(losses(one), rel=1e-5, abs=1e-6), family
         assert two[family]["val"] == pytest.approx(one["final"]["val_loss"], rel=1e-5), family
         d = two[family]["distributed"]
         assert (d["strategy"], d["tp"], d["dp"], d["global_batch_size"]) == ("tp", 2, 1, 8)
+        assert d["tp_plan"]["model.layers.*.self_attn.o_proj"] == "rowwise"
+        if family == "qwen3":
+            assert d["tp_plan"]["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
         if family != "qwen3":           # (the memory estimator models llama and qwen2, not qwen3)
             assert two[family]["estimate"] and two[family]["estimate"] > 0
         split = two[family]["split"]
