@@ -605,6 +605,57 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
         assert again["val_loss"] == pytest.approx(two[family]["val"], rel=1e-5), family
 
 
+def _tp_gpu_worker(rank: int, nprocs: int, port: int, folder: str, out_dir: str) -> None:
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from tests_support import toy_text
+    from fasttrain.lab import distributed as D
+    from fasttrain.lab.data import corpus_from_text
+    from fasttrain.lab.train import run
+
+    corpus = corpus_from_text(toy_text())
+    group = D.init_world(D.ParallelConfig(strategy="tp", ddp_timeout=120), device="cuda")
+    parallel = D.ParallelConfig(strategy="tp", global_batch_size=8)
+    out = {"fp32": losses(run(lab_cfg(folder, device="cuda", max_steps=4, attn_implementation="sdpa"), corpus=corpus,
+                              parallel=parallel)),
+           "bf16_compiled": losses(run(lab_cfg(folder, device="cuda", max_steps=8, bf16=True, torch_compile=True,
+                                               torch_compile_scope="blocks", attn_implementation="sdpa"),
+                                       corpus=corpus, parallel=parallel))}
+    if rank == 0:
+        with open(os.path.join(out_dir, "records.json"), "w") as f:
+            json.dump(out, f)
+    group.owns_group = True
+    D.shutdown(group)
+
+
+@pytest.mark.gpu
+def test_tensor_parallel_on_gpus_with_nccl(folders, corpus, tmp_path):
+    """tp of a HF Llama over NCCL on min(2, GPUs) GPUs (one GPU: a mesh of one rank, the DTensor path
+    on CUDA all the same): fp32 gives one process's curve; bf16 autocast with the decoder layers
+    compiled trains."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import socket
+
+    import torch.multiprocessing as mp
+
+    from fasttrain.lab.train import run
+
+    nprocs = 2 if torch.cuda.device_count() >= 2 else 1
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.start_processes(_tp_gpu_worker, args=(nprocs, port, str(folders["llama"]), str(tmp_path)), nprocs=nprocs,
+                       start_method="spawn")
+    got = json.loads((tmp_path / "records.json").read_text())
+    one = run(lab_cfg(folders["llama"], device="cuda", max_steps=4, per_device_train_batch_size=8,
+                      attn_implementation="sdpa"), corpus=corpus)
+    assert got["fp32"] == pytest.approx(losses(one), rel=1e-4)
+    assert all(np.isfinite(got["bf16_compiled"])) and got["bf16_compiled"][-1] < got["bf16_compiled"][0]
+
+
 def test_tensor_parallel_refusals_are_one_line(folders, tmp_path):
     from fasttrain.lab import distributed as D
 
