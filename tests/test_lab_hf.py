@@ -559,8 +559,8 @@ def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
 
 def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folders, corpus, tmp_path):
     """tp over 2 gloo processes by the family's own plan: Llama (embedding and lm_head split, GQA 4/2),
-    Qwen2 (tied embeddings kept whole, q/k/v biases split) and Qwen3 (per-head norms replicated, their
-    gradients summed; 2 micro-batches) give one process's loss curve, with gradient clipping and
+    Qwen2 (tied embeddings kept whole, q/k/v biases split), Qwen3 (per-head norms replicated, their
+    gradients summed; 2 micro-batches) and Phi-3 (fused projections gathered) give one process's loss curve, with gradient clipping and
     AdamW on the slices; --save gathers the slices into a folder from_pretrained loads, the same
     function as the trained one."""
     import socket
@@ -576,8 +576,15 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
     qwen3 = transformers.Qwen3Config(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                      num_attention_heads=4, num_key_value_heads=2, head_dim=8,
                                      max_position_embeddings=64)
-    qwen3.save_pretrained(tmp_path / "qwen3-config")
-    chosen = {family: str(folders[family]) for family in ("llama", "qwen2")} | {"qwen3": str(tmp_path / "qwen3-config")}
+    qwen3.save_pretrained(tmp_path / "config-qwen3")
+    # phi3: fused qkv and gate_up gathered whole (colwise_gather_output), o and down split from a
+    # replicated input (rowwise_split_input); a padding row keeps its embedding whole
+    phi3 = transformers.Phi3Config(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   pad_token_id=0, bos_token_id=1, eos_token_id=2)
+    phi3.save_pretrained(tmp_path / "config-phi3")
+    chosen = {family: str(folders[family]) for family in ("llama", "qwen2")} | {
+        family: str(tmp_path / f"config-{family}") for family in ("qwen3", "phi3")}
     mp.start_processes(_tp_worker, args=(port, chosen, str(tmp_path)), nprocs=2, start_method="spawn")
     two = json.loads((tmp_path / "records.json").read_text())
     for family, folder in chosen.items():
@@ -588,16 +595,21 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
         assert two[family]["val"] == pytest.approx(one["final"]["val_loss"], rel=1e-5), family
         d = two[family]["distributed"]
         assert (d["strategy"], d["tp"], d["dp"], d["global_batch_size"]) == ("tp", 2, 1, 8)
-        assert d["tp_plan"]["model.layers.*.self_attn.o_proj"] == "rowwise"
+        assert d["tp_plan"]["model.layers.*.self_attn.o_proj"] == ("rowwise_split_input" if family == "phi3"
+                                                                   else "rowwise")
         if family == "qwen3":
             assert d["tp_plan"]["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
         if family != "qwen3":           # (the memory estimator models llama and qwen2, not qwen3)
             assert two[family]["estimate"] and two[family]["estimate"] > 0
         split = two[family]["split"]
-        assert "model.layers.0.self_attn.k_proj.weight" in split and "model.layers.1.mlp.down_proj.weight" in split
-        if family != "qwen2":
-            assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(split)
+        assert "model.layers.1.mlp.down_proj.weight" in split
+        if family == "phi3":
+            assert "model.layers.0.self_attn.qkv_proj.weight" in split and "model.embed_tokens.weight" not in split
         else:
+            assert "model.layers.0.self_attn.k_proj.weight" in split
+        if family in ("llama", "qwen3"):
+            assert {"lm_head.weight", "model.embed_tokens.weight"} <= set(split)
+        if family == "qwen2":
             assert "model.layers.0.self_attn.q_proj.bias" in split and "lm_head.weight" not in split
         loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / family)
         assert loaded.config.model_type == family

@@ -349,7 +349,9 @@ def apply_hf_tensor_parallel(module, mesh) -> dict[str, str]:
     t = mesh.size()
     check_hf_tensor_parallel(base.config, t)
     plan = resolved_tp_plan(base)
-    if not any(style in _LOCAL_OUT for style in plan.values()):
+    # the base model's entries must name some of its modules (lm_head alone would split nothing inside)
+    planned = {pattern.rsplit(".", 1)[-1] for pattern in tp_plan_of(base.config)}
+    if not any(name.rsplit(".", 1)[-1] in planned for name in plan):
         raise FasttrainError(f"--strategy tp: the {base.config.model_type} plan names no module of "
                              f"{type(base).__name__} (its names differ); use --strategy ddp, zero1 or fsdp")
     modules = dict(base.named_modules())
