@@ -213,10 +213,10 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
 #
 # transformers ships, per family, which linear layers split how (``config.base_model_tp_plan``, with
 # "layers.*" for every layer, and the causal-LM class's ``_tp_plan`` for ``lm_head``). Its own code
-# that applies a plan moved between releases (``integrations.tensor_parallel`` up to 5.1x, the
-# ``transformers.distributed`` package in 5.2x, ``shard_and_distribute_module`` gone), so the lab
-# takes the plan from transformers and applies it with torch's parallel styles, the same in every
-# release that ships plans. With t ranks and a Linear y = x W^T (W of shape (out, in)):
+# that applies a plan is built for ``from_pretrained(tp_plan=...)`` and changes between releases
+# (5.17's and 5.24's differ; ``shard_and_distribute_module`` now only raises), so the lab takes the
+# plan from transformers and applies it with torch's parallel styles (``parallelize_module``), the
+# same for every release that ships plans. With t ranks and a Linear y = x W^T (W of shape (out, in)):
 #
 # - colwise: W split by rows (output features): rank r computes y_r = x W_r^T, its out/t features;
 #   q, k, v then hold a/t query heads and g/t key/value heads per rank, and attention runs on them
@@ -363,7 +363,7 @@ def apply_hf_tensor_parallel(module, mesh) -> dict[str, str]:
             continue
         if style == "embedding_rowwise":
             if not isinstance(layer, nn.Embedding) or layer.padding_idx is not None:
-                continue            # a padding row's zero gradient is not split here: the embedding stays whole
+                continue            # padding_idx names a row of the whole table, not of a slice: kept whole
             styles[name] = RowwiseParallel(input_layouts=Replicate())
             continue
         if not isinstance(layer, nn.Linear):
@@ -402,8 +402,8 @@ def apply_hf_tensor_parallel(module, mesh) -> dict[str, str]:
 
 
 def gather_tp_state_dict(module, mesh) -> dict:
-    """The whole model's weights as plain CPU tensors, every split one gathered (``DTensor.full_tensor``,
-    transformers' ``gather_state_dict_for_save``); a collective: every rank must call it."""
+    """The whole model's weights as plain CPU tensors, every slice gathered (``DTensor.full_tensor``,
+    through transformers' ``gather_state_dict_for_save``); a collective: every rank must call it."""
     try:
         from transformers.distributed.tensor_parallel import gather_state_dict_for_save
     except ImportError:
