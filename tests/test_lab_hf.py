@@ -548,6 +548,7 @@ def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
 
         out[family] = {"losses": losses(record), "val": record["final"]["val_loss"],
                        "distributed": record["distributed"], "estimate": record["estimate"].get("precise_bytes"),
+                       "estimate_notes": record["estimate"].get("notes", []),
                        "split": sorted(n for n, p in module.named_parameters() if isinstance(p, DTensor)
                                        and any(pl.is_shard() for pl in p.placements))}
     if rank == 0:
@@ -601,6 +602,7 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
             assert d["tp_plan"]["model.layers.*.self_attn.q_norm"] == "replicated_with_grad_allreduce"
         if family != "qwen3":           # (the memory estimator models llama and qwen2, not qwen3)
             assert two[family]["estimate"] and two[family]["estimate"] > 0
+            assert any("logits are gathered whole" in note for note in two[family]["estimate_notes"])
         split = two[family]["split"]
         assert "model.layers.1.mlp.down_proj.weight" in split
         if family == "phi3":
