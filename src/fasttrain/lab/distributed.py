@@ -24,7 +24,10 @@ Strategies (``--strategy``):
   QKV and the MLP's up projection are column-parallel (each rank computes a/N of the heads and
   h_ff/N of the hidden units), the attention output and the MLP's down projection row-parallel
   (partial sums all-reduced). Embedding, norms and output layer stay replicated. Every rank sees
-  the whole batch (no data parallelism).
+  the whole batch (no data parallelism). A Hugging Face model is split by its family's own plan
+  (``config.base_model_tp_plan``: q, k, v, gate and up column-parallel, o and down row-parallel;
+  the output layer column-parallel with its logits gathered, the embedding vocabulary-parallel
+  unless tied to it): :func:`fasttrain.lab.hf.apply_hf_tensor_parallel`.
 
 The global batch. ``per_device_train_batch_size`` keeps its Hugging Face meaning (sequences per
 data-parallel rank and micro-batch); the global batch per optimizer step is that times the
@@ -173,8 +176,14 @@ def resolve_batch(cfg, parallel: ParallelConfig, dp: int):
 
 
 def check_model_fits(cfg, world_size: int, strategy: str) -> None:
-    """Tensor parallelism splits heads, key/value heads and the feed-forward width over the ranks."""
+    """Tensor parallelism splits heads, key/value heads and the feed-forward width over the ranks
+    (the lab GPT's from ``cfg``, a HF model's from its config.json)."""
     if strategy != "tp":
+        return
+    if _is_hf(cfg):
+        from fasttrain.lab.hf import check_hf_parallel
+
+        check_hf_parallel(strategy, cfg.model, world_size)     # the HF config's heads and widths
         return
     kv = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
     for name, value in (("--heads", cfg.heads), ("--kv-heads", kv), ("the feed-forward width", cfg.ffn_width)):
@@ -191,16 +200,22 @@ def check_config(cfg, parallel: ParallelConfig) -> None:
     if cfg.auto_find_batch_size:
         raise FasttrainError("--auto-find-batch-size searches on one GPU; run it there without --strategy and "
                              "pass the batch it finds as --per-device-train-batch-size")
-    if s == "tp" and getattr(cfg, "model", "gpt") != "gpt":
-        from fasttrain.lab.hf import check_hf_parallel
-
-        check_hf_parallel(s)
     if cfg.fp16 and s in ("fsdp", "tp"):
         raise FasttrainError(f"--fp16 (GradScaler) is not supported with --strategy {s}; use --bf16")
     if s == "tp" and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
+        # peft wraps the Linear layers the plan splits; liger's fused loss reads lm_head's whole weight
         raise FasttrainError("--strategy tp splits the plain attention and MLP layers; it does not combine with "
                              "LoRA, prompt tuning or --use-liger-kernel: use ddp or fsdp")
+    if s == "tp" and _is_hf(cfg):
+        from fasttrain.lab.hf import check_hf_parallel
+
+        check_hf_parallel(s, cfg.model)         # the family ships a plan the lab applies
     return None
+
+
+def _is_hf(cfg) -> bool:
+    model = getattr(cfg, "model", None)
+    return isinstance(model, str) and model.startswith("hf:")
 
 
 def gpu_count() -> int:
@@ -393,7 +408,12 @@ def wrap_model(model, world: World, mixed_bf16: bool = False, blocks=None):
         fully_shard(model, mesh=world.mesh, reshard_after_forward=False, mp_policy=policy)
         return model
     if world.strategy == "tp":
-        apply_tensor_parallel(model, world)
+        from fasttrain.lab.hf import apply_hf_tensor_parallel, is_hf_module
+
+        if is_hf_module(model):
+            apply_hf_tensor_parallel(model, world.mesh)     # the family's own plan (lab/hf.py)
+        else:
+            apply_tensor_parallel(model, world)
         return model
     raise FasttrainError(f"unknown strategy {world.strategy!r}")
 

@@ -253,10 +253,16 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
         # a model lab/hf.py built: a folder from_pretrained loads, with the lab's record of it
         # (fasttrain.json) and the corpus' tokenizer (or its characters), so that lab eval and
         # lab sample need nothing else
-        if world.strategy == "fsdp":
-            # the whole model gathered from FSDP's shards on every rank, loaded into a fresh copy on
-            # the CPU by rank 0 (ddp and zero1 keep whole weights on every rank)
-            state = D.full_state_dict(trainer.train_model, world)
+        if world.strategy in ("fsdp", "tp"):
+            # the whole model gathered from FSDP's shards (or tensor parallelism's slices) on every
+            # rank, loaded into a fresh copy on the CPU by rank 0 (ddp and zero1 keep whole weights
+            # on every rank)
+            if world.strategy == "tp":
+                from fasttrain.lab.hf import gather_tp_state_dict
+
+                state = gather_tp_state_dict(trainer.model, world.mesh)
+            else:
+                state = D.full_state_dict(trainer.train_model, world)
             if world.is_main:
                 from fasttrain.lab.hf import fresh_copy
 
@@ -322,6 +328,12 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
                        "max_peak_allocated_bytes": max((r["peak_allocated_bytes"] or 0) for r in ranks) or None,
                        "tokens_per_s_world": tokens_per_s,
                        "multicast_off": {k: os.environ.get(k) for k in D.MULTICAST_OFF}}
+        plan = getattr(trainer.model, "_fasttrain_tp_plan", None)
+        if plan:
+            # a HF model split by its family's plan: the styles applied, layer numbers folded ("layers.*")
+            import re
+
+            distributed["tp_plan"] = {re.sub(r"\.\d+\.", ".*.", name): style for name, style in plan.items()}
     notes = []
     if cfg.gradient_checkpointing == "selective" and cfg.attn_implementation == "sdpa":
         notes.append("selective checkpointing recomputes the eager attention core; with sdpa (which keeps no "
@@ -381,7 +393,12 @@ def _estimate_for(cfg, trainer, vocab, batch, peak, world) -> dict:
     setup = lab_model.memory_setup(cfg, batch)
     if setup is None:
         return {"precise_bytes": None, "error": f"the estimator has no memory model of {lab_model.name}"}
-    return _estimate(cfg, vocab, batch, peak, parallel=parallel, setup=setup)
+    out = _estimate(cfg, vocab, batch, peak, parallel=parallel, setup=setup)
+    if world.strategy == "tp" and "notes" in out:
+        # lab/hf.py splits by the family's plan, which differs from the estimator's Megatron layout
+        out["notes"] = [*out["notes"], "tp of a HF model: lm_head's logits are gathered whole (B, T, V) on every "
+                        "rank and a tied embedding stays whole; the estimator counts V/t of each (not modelled)"]
+    return out
 
 
 def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict | None = None, setup=None) -> dict:
