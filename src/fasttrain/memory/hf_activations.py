@@ -64,7 +64,9 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
     copies_mlp = 2 * P["mlp_w"] if cast else 0
     gpt2 = s.modules == "hf-gpt2"
     drop = s.dropout
-    mask = (lambda dtype_bytes: dtype_bytes) if cpu else (lambda dtype_bytes: mask_bytes)
+    # compiled code makes its dropout masks bool (1 byte) on every device
+    mask = (lambda dtype_bytes: dtype_bytes) if cpu and s.compiled == "none" else \
+        (lambda dtype_bytes: 1 if s.compiled != "none" else mask_bytes)
     if gpt2:
         norm = R * N * h + 8 * N              # LayerNorm: input + fp32 mean and rstd
         qkv_in = mlp_in = C * N * h           # c_attn's and c_fc's input (its autocast copy or itself)
@@ -128,5 +130,99 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
         once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
-    return {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm,
-            "checkpoint": R * N * h}
+    out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
+           "first_norm1": None}
+    if s.compiled != "none":
+        _compiled(s, out, cpu)
+    return out
+
+
+def _compiled(s: Setup, t: dict, cpu: bool) -> None:
+    """``t`` (eager terms) edited in place into what AOT autograd's min-cut partitioner keeps for a
+    ``torch.compile``d model (``s.compiled``: ``model`` or ``blocks``); see the docstring's last part."""
+    D, T = dims(s), dtypes(s)
+    N, hl, kvl, f, a = D["N"], D["hl"], D["kvl"], D["f_l"], D["a_l"]
+    h, C, cast, mixed = s.hidden, T["C"], T["cast"], s.precision == "mixed"
+    R = 2 if mixed else 4
+    b, sq, v = s.micro_batch, s.seq, D["v_l"]
+    unit = a * sq * sq * b
+    whole = s.compiled == "model"
+    full = s.recompute == "full"
+    flash = s.attention == "flash"
+    gpt2 = s.modules == "hf-gpt2"
+    attn, mlp, once, head = t["attn"], t["mlp"], t["once"], t["head"]
+    stats = 8 * N if gpt2 else 4 * N                  # LayerNorm's fp32 mean and rstd; RMSNorm's rstd
+    if not gpt2:
+        # RMSNorm: its input and the row statistic; x * rstd and the weight's product are recomputed
+        norm = R * N * h + 4 * N + (4 * h if s.modules == "hf-gemma" else 0)
+        attn["norm1"] = mlp["norm2"] = t["norm"] = norm
+        if whole:
+            head["final_norm"] = norm
+        if flash and whole:
+            # the whole model traced: transformers materializes the causal mask, and with a mask it repeats k
+            # and v to every head before sdpa (no enable_gqa): q, k, v and the output with a heads each, and
+            # the fp32 log-sum-exp (blocks get no mask and keep eager's k and v with their g heads)
+            attn["core"] = 4 * C * N * hl + 4 * a * b * sq
+        # one bf16 cast of the norm's output feeds q, k and v (gate and up): the fused kernel writes one
+        attn["qkv_input"] = mlp["mlp_input"] = C * N * h
+        # gated MLP: gate's and up's outputs and their product (down's input); the activation recomputed
+        mlp["mlp_hidden"] = 3 * C * N * f
+    elif s.ffn_act == "gelu":
+        # gelu_new's chain fused: c_fc's output and c_proj's input (the chain recomputed from the first)
+        mlp["mlp_hidden"] = 2 * C * N * f
+    if cast and not flash:
+        # the scores S and the softmax's bf16 P (P V's input), each a s^2 b, and the fp32 row maximum and
+        # sum: the fp32 P is recomputed from them in backward (whole-model Llama keeps eager's fp32 + bf16 P)
+        if not whole or gpt2:
+            kept_p = 2 * C if not s.dropout else None
+            if kept_p is not None:
+                attn["core"] = attn["core"] - _eager_p_bytes(s) * unit + kept_p * unit + 8 * a * b * sq
+    if cast and not whole:
+        # the block's second norm input (the residual after attention) is recomputed from the block's input
+        # and the bf16 output projection's output, which is kept instead of the fp32 sum
+        mlp["norm2"] = mlp["norm2"] - R * N * h + C * N * h
+    if whole:
+        # the loss in the graph: the logits in the head's dtype and log-softmax's fp32 row max and log-sum-exp
+        # (log-probabilities recomputed in backward); the padded labels (b, s + 1) int64 (the shift is a view)
+        head.pop("log_probs")
+        head["logits"] = C * N * v + 8 * N
+        head["labels"] = 8 * b * (sq + 1) + 4
+        if not gpt2:
+            once.pop("RoPE cos and sin", None)        # recomputed from the inverse frequencies
+            if cast:
+                # the final norm's input (the last residual sum) recomputed from the bf16 MLP output
+                head["final_norm"] = head["final_norm"] - R * N * h + C * N * h
+        else:
+            # the position embeddings' output (s h) is kept; a layer's LayerNorm keeps rstd, not the mean
+            once["position embeddings"] = R * sq * h
+            attn["norm1"] -= 4 * N
+            mlp["norm2"] -= 4 * N
+            if full:
+                # under checkpointing layer 1's input (token + position embeddings) is recomputed from it
+                t["first_norm1"] = 0
+        if not flash and (full or (cast and gpt2)):
+            once["causal mask (bool)"] = b * sq * sq
+        once.pop("causal mask (held by the checkpoints)", None)
+        if flash and not s.dropout:
+            # transformers materializes the causal mask under tracing and sdpa keeps it (the dtype of q)
+            once["causal mask (sdpa's)"] = C * b * sq * sq
+        if flash and full:
+            if not gpt2:
+                head["final_norm"] = 4 * N            # its input recomputed with the last layer
+            if cpu:
+                # each checkpoint keeps the CPU generator's state (a uint8 tensor of 5056 bytes) as a graph
+                # tensor; on a GPU run that state lives in host memory
+                once["RNG states (checkpoints)"] = 5056 * s.layers
+    elif cast and not flash:
+        # each compiled block takes the additive causal mask (b, 1, s, s) as an input and keeps it
+        once["causal mask (a block's input)"] = R * b * sq * sq
+
+
+def _eager_p_bytes(s: Setup) -> int:
+    """Bytes per a s^2 b element eager attention keeps of P (as ``hf_terms`` counts them)."""
+    T = dtypes(s)
+    C, cast, mixed = T["C"], T["cast"], s.precision == "mixed"
+    if s.modules == "hf-gpt2":
+        Dsm = 2 if mixed else 4
+        return Dsm + (C if cast else 0)
+    return 4 + (2 if C == 2 else 0)

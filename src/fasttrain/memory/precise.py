@@ -239,7 +239,11 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
 
         hf = hf_terms(s, mask_bytes, cpu=not kernel_temps)
         out.update(attn=hf["attn"], mlp=hf["mlp"], checkpoint=hf["checkpoint"], norm=hf["norm"], hf=hf)
-        if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+        if s.compiled != "none":
+            # compiled backward kernels fuse the norms' and activations' pointwise chains: a norm's
+            # backward holds its output's gradient and the new input gradient only
+            out["norm_extra"] = 2 * R * nh
+        elif s.modules == "hf-gpt2" and s.ffn_act == "gelu":
             # gelu_new's backward through its Python ops holds two hidden-size gradients beyond what is
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
             chain = 4 if cast and kernel_temps else C
@@ -315,6 +319,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     frozen = s.frozen
     lora_only = s.lora_rank > 0
     attn_1, mlp_1, skipped_1 = _first_layer(s, lt)
+    if lt.get("hf") and lt["hf"]["first_norm1"] is not None and s.recompute != "full":
+        attn_1["norm1"] = lt["hf"]["first_norm1"]    # compiled GPT-2: layer 1's input recomputed
 
     def lora_n(kind):        # LoRA parameters on one linear of ``kind``
         return sum(numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
@@ -362,6 +368,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # (full recomputation: the checkpoint holds every layer's input, the first one's too)
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
     n_first = L if "MLP" in skipped_1 else 1
+    if full and hf and hf["first_norm1"] is not None:
+        first_layer = 0                               # compiled GPT-2: layer 1's input recomputed
     saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
     logits_c = C * N_out * v_l
 
@@ -392,12 +400,19 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
     if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
+    whole = bool(hf) and s.compiled == "model"
+    if whole:
+        # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
+        fwd_extra = 0
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
-    # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
-    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] and not hf else 8) * N_out * v_l))
+    # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
+    # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
+    loss_grad = (C if whole else 4 if T["cast"] and not hf else 8) * N_out * v_l
+    moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
     g_now = grad_scale * head_g
-    moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
+    moments.append(("backward: output projection", saved_all - head_part.get("log_probs", head_part.get("logits", 0)),
+                    grads(g_now),
                     logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
                     + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
