@@ -131,7 +131,7 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
     out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
-           "first_norm1": None}
+           "first_norm1": None, "first_attn": 0}
     if s.compiled != "none":
         _compiled(s, out, cpu)
     return out
@@ -162,7 +162,11 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
             # the whole model traced: transformers materializes the causal mask, and with a mask it repeats k
             # and v to every head before sdpa (no enable_gqa): q, k, v and the output with a heads each, and
             # the fp32 log-sum-exp (blocks get no mask and keep eager's k and v with their g heads)
-            attn["core"] = 4 * C * N * hl + 4 * a * b * sq
+            # (with one KV head the repeat is a stride-0 view: k and v keep their g d per token)
+            kv = kvl if kvl == D["d"] else hl
+            attn["core"] = 2 * C * N * hl + 2 * C * N * kv + 4 * a * b * sq
+        if flash and s.modules == "hf-phi3":
+            attn["proj_input"] = 0                    # the kernel's output is the projection's input (no copy)
         # one bf16 cast of the norm's output feeds q, k and v (gate and up): the fused kernel writes one
         attn["qkv_input"] = mlp["mlp_input"] = C * N * h
         # gated MLP: gate's and up's outputs and their product (down's input); the activation recomputed
@@ -170,13 +174,15 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
     elif s.ffn_act == "gelu":
         # gelu_new's chain fused: c_fc's output and c_proj's input (the chain recomputed from the first)
         mlp["mlp_hidden"] = 2 * C * N * f
-    if cast and not flash:
+    if cast and not flash and not s.dropout:
         # the scores S and the softmax's bf16 P (P V's input), each a s^2 b, and the fp32 row maximum and
-        # sum: the fp32 P is recomputed from them in backward (whole-model Llama keeps eager's fp32 + bf16 P)
-        if not whole or gpt2:
-            kept_p = 2 * C if not s.dropout else None
-            if kept_p is not None:
-                attn["core"] = attn["core"] - _eager_p_bytes(s) * unit + kept_p * unit + 8 * a * b * sq
+        # sum: the fp32 P is recomputed from them in backward. A whole compiled model does so in GPT-2's
+        # first layer only (every other layer, and every Llama layer, keeps eager's fp32 and bf16 P)
+        delta = (2 * C - _eager_p_bytes(s)) * unit + 8 * a * b * sq
+        if not whole:
+            attn["core"] += delta
+        elif gpt2:
+            t["first_attn"] = delta
     if cast and not whole:
         # the block's second norm input (the residual after attention) is recomputed from the block's input
         # and the bf16 output projection's output, which is kept instead of the fp32 sum
@@ -197,8 +203,9 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
             once["position embeddings"] = R * sq * h
             attn["norm1"] -= 4 * N
             mlp["norm2"] -= 4 * N
-            if full:
-                # under checkpointing layer 1's input (token + position embeddings) is recomputed from it
+            if full or b == 1:
+                # under checkpointing (or with one sequence, when the sum is no larger than the position
+                # embeddings) layer 1's input, token + position embeddings, is recomputed from them
                 t["first_norm1"] = 0
         if not flash and (full or (cast and gpt2)):
             once["causal mask (bool)"] = b * sq * sq
@@ -206,9 +213,9 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
         if flash and not s.dropout:
             # transformers materializes the causal mask under tracing and sdpa keeps it (the dtype of q)
             once["causal mask (sdpa's)"] = C * b * sq * sq
+        if full and not gpt2 and (flash or cast):
+            head["final_norm"] = 4 * N                # its input recomputed with the last layer
         if flash and full:
-            if not gpt2:
-                head["final_norm"] = 4 * N            # its input recomputed with the last layer
             if cpu:
                 # each checkpoint keeps the CPU generator's state (a uint8 tensor of 5056 bytes) as a graph
                 # tensor; on a GPU run that state lives in host memory

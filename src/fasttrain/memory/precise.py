@@ -321,6 +321,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     attn_1, mlp_1, skipped_1 = _first_layer(s, lt)
     if lt.get("hf") and lt["hf"]["first_norm1"] is not None and s.recompute != "full":
         attn_1["norm1"] = lt["hf"]["first_norm1"]    # compiled GPT-2: layer 1's input recomputed
+    if lt.get("hf") and lt["hf"]["first_attn"] and s.recompute != "full":
+        attn_1["core"] += lt["hf"]["first_attn"]     # compiled GPT-2 under autocast: layer 1's scores kept
 
     def lora_n(kind):        # LoRA parameters on one linear of ``kind``
         return sum(numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
@@ -409,6 +411,10 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
     # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
     loss_grad = (C if whole else 4 if T["cast"] and not hf else 8) * N_out * v_l
+    if whole and s.modules != "hf-gpt2":
+        # the Llama-style families' compiled backward holds a second logits-sized buffer in the matmul's dtype
+        # beside d(logits) (measured on the CPU with tied and untied heads; GPT-2's does not)
+        loss_grad += C * N_out * v_l
     moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
     g_now = grad_scale * head_g
     moments.append(("backward: output projection", saved_all - head_part.get("log_probs", head_part.get("logits", 0)),
