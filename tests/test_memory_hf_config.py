@@ -228,6 +228,18 @@ def test_cli_hf_config_refuses_what_it_cannot_model(tmp_path, extra, message):
     one_line_error(run_cli("--hf-config", path, *extra), message)
 
 
+def test_cli_compiled_estimates_the_compiled_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2))
+    result = run_cli("--hf-config", path, "--micro-batch", 8, "--seq", 1024, "--compiled", "model", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    expected = estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024, compiled="model"))
+    assert data["setup"]["compiled"] == "model" and data["total"] == expected.total
+    assert expected.total < estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024)).total
+    one_line_error(run_cli("--preset", "val-gpt", "--compiled", "blocks"), "--hf-config")
+
+
 def test_load_hf_config_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     assert load_hf_config(tmp_path) == QWEN25_05B

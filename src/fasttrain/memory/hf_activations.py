@@ -39,6 +39,49 @@ dropped scores. ``gelu_new`` is written in Python ops: ``pow`` keeps its input, 
 output, the product both factors: fp32 4 x 4 N f, plus c_proj's input (20 N f); under CUDA
 autocast ``pow`` runs in fp32 (a fp32 copy of its input) and so does what follows: 4 + 4 + 2 + 4
 + 2 = 16 N f; under CPU autocast (no ``pow`` in its fp32 list) 5 x 2 N f; ``mixed`` 5 x 2 N f.
+
+``torch.compile`` (``Setup.compiled``: ``model`` = the whole module, the loss inside the graph;
+``blocks`` = each decoder layer alone, embeddings, head and loss eager). AOT autograd's min-cut
+partitioner saves the fewest bytes from which the backward can be computed, recomputing pointwise
+ops (casts, norms' normalisation, activations) but not matmuls, reductions or random ops. Learned
+on the CPU as the eager terms were (compile, then one forward under the hooks; every family, both
+scopes, fp32 and bf16 autocast, eager and sdpa; ``tests/test_memory_hf_config.py``). What changes
+from eager (the rest is as above):
+- RMSNorm keeps its input and rstd only: R N h + 4 N (xhat and the weight's product recomputed);
+  one bf16 cast of its output feeds q, k, v (gate, up): one C N h each, not 3 and 2.
+- gated MLP: gate's and up's outputs and their product, 3 C N f (the activation recomputed);
+  GPT-2's ``gelu_new`` chain fused: c_fc's output and c_proj's input, 2 C N f in every precision
+  (on CUDA too: what the chain computes in fp32 stays inside the fused kernel).
+- dropout masks are bool (1 byte) on every device (the compiled ``rand < p``), never regenerated.
+- eager attention under autocast, ``blocks``: the bf16 scores S and P (P V's input) and the fp32
+  row max and sum (8 a b s): 2 C per score instead of 4 + 2 (fp32 P recomputed), and each block
+  keeps its additive fp32 mask input (R b s^2, once); the residual entering norm 2 is recomputed
+  from the block's input and the bf16 output projection, which is kept instead (C not R N h).
+  ``model``: Llama layers keep eager's fp32 and bf16 P; GPT-2 does the S and P trade in its first
+  layer only and keeps the bool causal mask (b s^2).
+- sdpa, ``model``: tracing makes transformers materialize the causal mask, which sdpa keeps (C b
+  s^2), and with a mask k and v are repeated to all heads (no ``enable_gqa``): q, k, v, output
+  C N a d each (one KV head: the repeat is a view, g d) + the fp32 log-sum-exp. ``blocks`` get no
+  mask: eager's sdpa terms. Phi-3: the kernel's output is the projection's input (no copy).
+- the loss in the graph (``model``): the logits in the head's dtype (C N v, bf16 under autocast,
+  not fp32 log-probabilities) and log-softmax's fp32 row max and log-sum-exp (8 N); the padded
+  (b, s + 1) int64 labels; RoPE's cos and sin recomputed from the inverse frequencies; Llama under
+  autocast: the final norm's input recomputed from the bf16 MLP output (C N h kept). GPT-2: the
+  position embeddings' output (R s h) kept, LayerNorm keeps rstd only (4 N, not 8 N), and with one
+  sequence layer 1's input is recomputed from them. Backward of the loss: d(logits) in C bytes
+  straight from the logits (eager: 8 N v), and in the Llama families a second C N v buffer beside
+  it (the peak for a large vocabulary; measured at the CPU allocator).
+- gradient checkpointing, ``model``: each layer's input (R N h), GPT-2's first recomputed from the
+  embeddings; eager attention keeps the bool causal mask (b s^2), sdpa its materialized one (C b
+  s^2); Llama under autocast or sdpa recomputes the final norm's input with the last layer; on the
+  CPU each checkpoint's generator state is a 5056-byte tensor (host memory on a GPU run).
+- backward working memory: the norms' backward fused (their output's and input's gradients only);
+  the rest as eager.
+Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
+CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but
+the peak of the backward is 4 to 22% above the estimate, growing with the layers (the compiled
+backward recomputes ahead of need). What the partitioner keeps can tie between cuts of equal
+bytes; which one it picks may differ between PyTorch versions.
 """
 
 from __future__ import annotations

@@ -53,6 +53,10 @@ D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; o
 D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
     tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
     the base is frozen as in D16, but every activation needs a gradient from the embedding on.
+D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``): what AOT
+    autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
+    kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
+    norms' backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
