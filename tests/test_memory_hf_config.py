@@ -377,13 +377,12 @@ def compiled_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, seq: 
 
 
 CACT = dict(ACT_CASES)
-COMPILED_CASES = [
+COMPILED_CASES = [          # (each whole-model case compiles for 5 to 20 s on a cold inductor cache)
     ("llama", "eager", False, 2, "model", "none"), ("llama", "sdpa", True, 2, "model", "none"),
-    ("llama", "eager", True, 2, "blocks", "none"), ("llama", "sdpa", False, 2, "blocks", "none"),
-    ("gpt2", "eager", False, 2, "model", "none"), ("gpt2", "sdpa", True, 2, "model", "none"),
-    ("gpt2", "eager", True, 2, "model", "none"), ("gpt2", "eager", True, 2, "blocks", "none"),
-    ("gpt2", "eager", False, 1, "model", "none"), ("qwen2", "sdpa", False, 2, "model", "none"),
-    ("phi3", "sdpa", True, 2, "blocks", "none"), ("gemma", "eager", True, 2, "model", "none"),
+    ("llama", "eager", True, 2, "blocks", "none"), ("gpt2", "eager", False, 2, "model", "none"),
+    ("gpt2", "sdpa", True, 2, "model", "none"), ("gpt2", "eager", True, 2, "model", "none"),
+    ("gpt2", "eager", True, 2, "blocks", "none"), ("gpt2", "eager", False, 1, "model", "none"),
+    ("qwen2", "sdpa", False, 2, "model", "none"), ("phi3", "sdpa", True, 2, "blocks", "none"),
     ("gpt2-dropout", "eager", False, 2, "model", "none"),
     ("llama", "eager", False, 2, "model", "full"), ("gpt2", "sdpa", True, 2, "model", "full"),
 ]
@@ -413,9 +412,7 @@ CPEAK_CFG = dict(PEAK_CFG, **{
     "gpt2-v2048": dict(PEAK_CFG["gpt2"], n_layer=2, vocab_size=2048),
 })
 CPEAK_CASES = [("llama-v2048", "eager", False, "model"), ("gpt2-v2048", "eager", False, "model"),
-               ("llama-v2048", "sdpa", True, "model"), ("gpt2-v2048", "sdpa", True, "model"),
-               ("llama-v2048", "eager", False, "blocks"), ("gpt2", "eager", False, "model"),
-               ("llama", "sdpa", True, "model")]
+               ("llama-v2048", "sdpa", True, "model"), ("llama-v2048", "eager", False, "blocks")]
 
 
 @pytest.mark.parametrize("name, attention, amp, scope", CPEAK_CASES,

@@ -129,7 +129,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     flash = s.attention == "flash"
     qkv_out = C * N * (hl + 2 * kvl)                  # fused QKV output (kept whole by a view of v)
     rotated = C * N * (hl + kvl) if rope else 0       # rotated q and k (new tensors)
-    kept_p, events_p, fwd_p = _eager_core(Dsm, C, cast, s.dropout, mask_bytes, kernel_temps)
+    # a compiled transformers model's softmax backward is one fused kernel: no buffer inside it
+    compiled_hf = s.compiled != "none" and s.modules != "lab"
+    kept_p, events_p, fwd_p = _eager_core(Dsm, C, cast, s.dropout, mask_bytes, kernel_temps and not compiled_hf)
     # q, k, v as q k^T and P V keep them. The batched matmuls copy an operand they cannot view
     # as (b a) batches, which happens unless b = 1; repeating K and V for GQA copies them unless
     # there is one KV head (a stride-0 view). RoPE makes new q and k. What is not copied is kept
