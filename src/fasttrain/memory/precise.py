@@ -249,6 +249,10 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
             # compiled backward kernels fuse the norms' and activations' pointwise chains: a norm's
             # backward holds its output's gradient and the new input gradient only
             out["norm_extra"] = 2 * R * nh
+            if s.modules == "hf-gpt2" and s.ffn_act == "gelu" and cast:
+                # gelu_new's fused backward under autocast: d(c_proj's input) and the new d(c_fc's output), both
+                # bf16 (in fp32 the kernel writes over its dead input; measured on the CPU allocator)
+                out["mlp_extra"] = max(mlp_extra, 2 * C * N * f_l)
         elif s.modules == "hf-gpt2" and s.ffn_act == "gelu":
             # gelu_new's backward through its Python ops holds two hidden-size gradients beyond what is
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
