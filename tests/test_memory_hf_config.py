@@ -412,7 +412,8 @@ CPEAK_CFG = dict(PEAK_CFG, **{
     "gpt2-v2048": dict(PEAK_CFG["gpt2"], n_layer=2, vocab_size=2048),
 })
 CPEAK_CASES = [("llama-v2048", "eager", False, "model"), ("gpt2-v2048", "eager", False, "model"),
-               ("llama-v2048", "sdpa", True, "model"), ("llama-v2048", "eager", False, "blocks")]
+               ("llama-v2048", "sdpa", True, "model"), ("llama-v2048", "eager", False, "blocks"),
+               ("llama", "eager", True, "blocks"), ("gpt2", "eager", True, "blocks")]
 
 
 @pytest.mark.parametrize("name, attention, amp, scope", CPEAK_CASES,

@@ -75,7 +75,10 @@ from eager (the rest is as above):
   embeddings; eager attention keeps the bool causal mask (b s^2), sdpa its materialized one (C b
   s^2); Llama under autocast or sdpa recomputes the final norm's input with the last layer; on the
   CPU each checkpoint's generator state is a 5056-byte tensor (host memory on a GPU run).
-- backward working memory: the norms' backward fused (their output's and input's gradients only);
+- backward working memory (measured at the CPU allocator): the norms' backward fused (their
+  output's and input's gradients only); the softmax backward one fused kernel (no buffer inside it
+  and, under autocast, no fp32 copy of dP); GPT-2's ``gelu_new`` backward under autocast holds
+  d(c_proj's input) and d(c_fc's output) in bf16 (in fp32 the kernel writes over its dead input);
   the rest as eager.
 Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
 CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but

@@ -56,7 +56,7 @@ D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: ever
 D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``): what AOT
     autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
     kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
-    norms' backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
+    norms' and the softmax's backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
@@ -225,6 +225,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
         # dV alone, with what releasing V freed
         attn_extra = max((u - kept_p) * unit + (2 * C * N * hl if n else C * N * hl - v_release)
                          for u, n in events_p)
+        if compiled_hf and cast:
+            # the fused softmax backward under autocast reads the bf16 dP and writes dS: no fp32 copy of dP
+            attn_extra -= C * unit
         attn_fwd = fwd_p * unit
     stream = R * nh                                   # the residual stream's gradient
     # norm backward: its output's gradient dy (the norm's output dtype, R) beside the new dx;
