@@ -197,7 +197,6 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
     flash = s.attention == "flash"
     gpt2 = s.modules == "hf-gpt2"
     attn, mlp, once, head = t["attn"], t["mlp"], t["once"], t["head"]
-    stats = 8 * N if gpt2 else 4 * N                  # LayerNorm's fp32 mean and rstd; RMSNorm's rstd
     if not gpt2:
         # RMSNorm: its input and the row statistic; x * rstd and the weight's product are recomputed
         norm = R * N * h + 4 * N + (4 * h if s.modules == "hf-gemma" else 0)
@@ -208,9 +207,12 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
             # the whole model traced: transformers materializes the causal mask, and with a mask it repeats k
             # and v to every head before sdpa (no enable_gqa): q, k, v and the output with a heads each, and
             # the fp32 log-sum-exp (blocks get no mask and keep eager's k and v with their g heads)
-            # (with one KV head the repeat is a stride-0 view: k and v keep their g d per token)
-            kv = kvl if kvl == D["d"] else hl
-            attn["core"] = 2 * C * N * hl + 2 * C * N * kv + 4 * a * b * sq
+            # (with one KV head the repeat is a stride-0 view: v keeps its g d per token, k too unless autocast's
+            # cast of the fp32 rotated k materializes it)
+            one_kv = kvl == D["d"]
+            k_kept = kvl if one_kv and not cast else hl
+            v_kept = kvl if one_kv else hl
+            attn["core"] = 2 * C * N * hl + C * N * (k_kept + v_kept) + 4 * a * b * sq
         if flash and s.modules == "hf-phi3":
             attn["proj_input"] = 0                    # the kernel's output is the projection's input (no copy)
         # one bf16 cast of the norm's output feeds q, k and v (gate and up): the fused kernel writes one
@@ -256,7 +258,7 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
         if not flash and (full or (cast and gpt2)):
             once["causal mask (bool)"] = b * sq * sq
         once.pop("causal mask (held by the checkpoints)", None)
-        if flash and not s.dropout:
+        if flash:
             # transformers materializes the causal mask under tracing and sdpa keeps it (the dtype of q)
             once["causal mask (sdpa's)"] = C * b * sq * sq
         if full and not gpt2 and (flash or cast):
@@ -266,8 +268,9 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
                 # each checkpoint keeps the CPU generator's state (a uint8 tensor of 5056 bytes) as a graph
                 # tensor; on a GPU run that state lives in host memory
                 once["RNG states (checkpoints)"] = 5056 * s.layers
-    elif cast and not flash:
-        # each compiled block takes the additive causal mask (b, 1, s, s) as an input and keeps it
+    elif cast and not flash and not full:
+        # each compiled block takes the additive causal mask (b, 1, s, s) as an input and keeps it (under
+        # checkpointing the checkpoints hold it already: eager's term)
         once["causal mask (a block's input)"] = R * b * sq * sq
 
 
