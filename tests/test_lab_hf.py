@@ -711,3 +711,20 @@ def test_a_hf_model_trains_on_the_gpu_with_its_kernels(folders, corpus):
     with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
         run(lab_cfg(folders["llama"], device="cuda", max_steps=2, bf16=True, use_liger_kernel=True,
                     torch_compile=True), corpus=corpus)
+
+
+def test_the_memory_setup_follows_the_compile_flags():
+    """--torch-compile (whole model or blocks) reaches the estimator's Setup; its note is gone for a
+    transformers model (modelled) and says how the lab's GPT is counted."""
+    from fasttrain.lab.estimate import estimate_notes
+
+    gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=64,
+                embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    setup_of = hf.memory_setup_for(gpt2)
+    cfg = LabConfig(context=32, per_device_train_batch_size=2)
+    assert setup_of(cfg, 2).compiled == "none"
+    assert setup_of(cfg.with_(torch_compile=True), 2).compiled == "model"
+    assert setup_of(cfg.with_(torch_compile=True, torch_compile_scope="blocks"), 2).compiled == "blocks"
+    compiled = cfg.with_(torch_compile=True)
+    assert not any("torch.compile" in n for n in estimate_notes(compiled.with_(model="hf:some/folder")))
+    assert any("counted as eager" in n for n in estimate_notes(compiled))

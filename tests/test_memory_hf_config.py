@@ -228,6 +228,18 @@ def test_cli_hf_config_refuses_what_it_cannot_model(tmp_path, extra, message):
     one_line_error(run_cli("--hf-config", path, *extra), message)
 
 
+def test_cli_compiled_estimates_the_compiled_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(GPT2))
+    result = run_cli("--hf-config", path, "--micro-batch", 8, "--seq", 1024, "--compiled", "model", "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    expected = estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024, compiled="model"))
+    assert data["setup"]["compiled"] == "model" and data["total"] == expected.total
+    assert expected.total < estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024)).total
+    one_line_error(run_cli("--preset", "val-gpt", "--compiled", "blocks"), "--hf-config")
+
+
 def test_load_hf_config_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
     assert load_hf_config(tmp_path) == QWEN25_05B
@@ -322,6 +334,187 @@ def test_keep_logits_holds_the_logits_through_backward():
 
 
 # --------------------------------------------------------------------------------------------
+# torch.compile (Setup.compiled): what AOT autograd's min-cut partitioner keeps for backward, as saved
+# tensor hooks see it in a compiled module on the CPU (inductor, compiled first, then one forward under the
+# hooks), and the step's peak at the CPU allocator (the profiler's memory events see inside compiled kernels).
+
+
+def compile_scope(model, scope: str):
+    """``torch.compile`` as the lab's trainer applies it: the whole module (returned) or each decoder
+    layer in place."""
+    torch = pytest.importorskip("torch")
+    torch._dynamo.reset()          # a fresh cache: a code object past its recompile limit would run eager
+    if scope == "model":
+        return torch.compile(model)
+    layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+    for layer in layers:
+        layer.compile()
+    return model
+
+
+def compiled_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, seq: int, scope: str,
+                         recompute: str = "none") -> int:
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.memory.tracker import saved_tensor_bytes
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    model.train()
+    if recompute == "full":
+        enable_checkpointing(model)
+    run = compile_scope(model, scope)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return run(input_ids=ids, labels=ids, use_cache=False).loss
+
+    forward().backward()                             # compiles
+    n, _ = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids])
+    return n
+
+
+CACT = dict(ACT_CASES)
+COMPILED_CASES = [          # (each whole-model case compiles for 5 to 20 s on a cold inductor cache)
+    ("llama", "eager", False, 2, "model", "none"), ("llama", "sdpa", True, 2, "model", "none"),
+    ("llama", "eager", True, 2, "blocks", "none"), ("gpt2", "eager", False, 2, "model", "none"),
+    ("gpt2", "sdpa", True, 2, "model", "none"), ("gpt2", "eager", True, 2, "model", "none"),
+    ("gpt2", "eager", True, 2, "blocks", "none"), ("gpt2", "eager", False, 1, "model", "none"),
+    ("qwen2", "sdpa", False, 2, "model", "none"), ("phi3", "sdpa", True, 2, "blocks", "none"),
+    ("gpt2-dropout", "eager", False, 2, "model", "none"),
+    ("llama", "eager", False, 2, "model", "full"), ("gpt2", "sdpa", True, 2, "model", "full"),
+]
+
+
+@pytest.mark.parametrize("name, attention, amp, batch, scope, recompute", COMPILED_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'bf16' if c[2] else 'fp32'}-b{c[3]}-{c[4]}-recompute-{c[5]}"
+                              for c in COMPILED_CASES])
+def test_compiled_saved_activations_match_what_the_partitioner_keeps_on_cpu(name, attention, amp, batch, scope,
+                                                                            recompute):
+    from fasttrain.memory import precise
+
+    seq = 12
+    measured = compiled_saved_bytes(CACT[name], attention, amp, batch, seq, scope, recompute)
+    setup = setup_from_hf_config(CACT[name], micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, recompute=recompute, workspace_mib=0.0, compiled=scope)
+    est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).line("activations at the end of forward").bytes
+    eager = precise.estimate(setup.with_(compiled="none"), mask_bytes=4,
+                             kernel_temps=False).line("activations at the end of forward").bytes
+    assert abs(est - measured) <= 0.02 * measured, (est, measured)
+    assert est != eager                                   # compilation changes what is kept
+
+
+# the step's peak: a larger vocabulary puts it at the loss's backward (as in the GPU runs), a small one in a layer
+CPEAK_CFG = dict(PEAK_CFG, **{
+    "llama-v2048": dict(PEAK_CFG["llama"], num_hidden_layers=2, vocab_size=2048),
+    "gpt2-v2048": dict(PEAK_CFG["gpt2"], n_layer=2, vocab_size=2048),
+})
+CPEAK_CASES = [("llama-v2048", "eager", False, "model"), ("gpt2-v2048", "eager", False, "model"),
+               ("llama-v2048", "sdpa", True, "model"), ("llama-v2048", "eager", False, "blocks"),
+               ("llama", "eager", True, "blocks"), ("gpt2", "eager", True, "blocks")]
+
+
+@pytest.mark.parametrize("name, attention, amp, scope", CPEAK_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'bf16' if c[2] else 'fp32'}-{c[3]}" for c in CPEAK_CASES])
+def test_compiled_peak_matches_the_cpu_allocators_peak(name, attention, amp, scope):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.memory import precise
+    from fasttrain.memory.tracker import allocator_peak_step
+
+    torch.set_num_threads(2)
+    torch.manual_seed(0)
+    cfg, batch, seq = CPEAK_CFG[name], 4, 128
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    model.train()
+    run = compile_scope(model, scope)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def step():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            loss = run(input_ids=ids, labels=ids, use_cache=False).loss   # the trainer keeps the loss only
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()                                           # compiles; the optimizer state exists from here on
+    measured, _ = allocator_peak_step(step, model, opt)
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, workspace_mib=0.0, compiled=scope)
+    est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).total
+    assert abs(est - measured) <= 0.03 * measured, (est, measured)
+
+
+def test_the_allocators_peak_equals_the_dispatch_trackers_on_an_eager_step():
+    """The two CPU measurements agree where both see everything (no compiled kernels)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.memory.tracker import allocator_peak_step, tracked_peak_step
+
+    torch.manual_seed(0)
+    cfg = PEAK_CFG["gpt2"]
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation="eager")
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (2, 64))
+
+    class LossOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx, targets):
+            return self.m(input_ids=idx, labels=targets, use_cache=False).loss
+
+    wrapped = LossOnly()
+
+    def step():
+        loss = wrapped(ids, ids)
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()
+    by_allocator, base = allocator_peak_step(step, model, opt)
+    by_dispatch, base2, _ = tracked_peak_step(wrapped, opt, ids, ids)
+    assert base == base2 and by_allocator > base
+    assert abs(by_allocator - by_dispatch) <= 0.002 * by_dispatch, (by_allocator, by_dispatch)
+
+
+def test_compiled_is_checked_and_the_lab_maps_its_compile_flags():
+    from fasttrain.lab.config import LabConfig
+    from fasttrain.lab.estimate import compiled_scope
+
+    with pytest.raises(FasttrainError, match="compiled must be one of"):
+        setup_from_hf_config(GPT2, seq=64, compiled="yes")
+    with pytest.raises(FasttrainError, match="precise"):
+        estimate(setup_from_hf_config(GPT2, seq=64).with_(compiled="model", modules="lab"), "playbook")
+    assert compiled_scope(LabConfig()) == "none"
+    assert compiled_scope(LabConfig(torch_compile=True)) == "model"
+    assert compiled_scope(LabConfig(torch_compile=True, torch_compile_mode="reduce-overhead")) == "model"
+    assert compiled_scope(LabConfig(torch_compile=True, torch_compile_scope="blocks")) == "blocks"
+    # the lab's own GPT: the Setup records the scope, the estimate stays the eager one
+    from fasttrain.memory.config import preset
+
+    gpt = preset("val-gpt")
+    assert estimate(gpt.with_(compiled="model")).total == estimate(gpt).total
+    # a transformers model: the compiled estimate is lower (GPT-2 124M, batch 64 x 256, fp32, eager attention:
+    # measured on an H100 19,404 MiB compiled against 29,461 eager)
+    g124 = setup_from_hf_config(dict(GPT2, vocab_size=50304, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0),
+                                micro_batch=64, seq=256, attention="eager",
+                                optim="adamw_torch")
+    eager, compiled = estimate(g124).total / 2**20, estimate(g124.with_(compiled="model")).total / 2**20
+    assert abs(eager - 29_461) <= 0.01 * 29_461 and abs(compiled - 19_404) <= 0.01 * 19_404, (eager, compiled)
+
+
+# --------------------------------------------------------------------------------------------
 # On the GPU: the estimate against torch.cuda.max_memory_allocated for transformers models trained
 # three steps as the lab trains them (model(input_ids, labels, use_cache=False).loss, AdamW).
 
@@ -332,6 +525,62 @@ GPU_CASES = [("gpt2", GPU_GPT2, "sdpa", "bf16", "none"), ("gpt2", GPU_GPT2, "eag
              ("gpt2", GPU_GPT2, "sdpa", "fp32", "none"), ("gpt2", GPU_GPT2, "sdpa", "bf16", "full"),
              ("llama", GPU_LLAMA, "sdpa", "bf16", "none"), ("llama", GPU_LLAMA, "eager", "bf16", "none"),
              ("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "full")]
+
+
+GPU_COMPILED_CASES = [("gpt2", GPU_GPT2, "eager", "fp32", "model"), ("gpt2", GPU_GPT2, "sdpa", "bf16", "model"),
+                      ("gpt2", GPU_GPT2, "eager", "bf16", "blocks"), ("gpt2", GPU_GPT2, "sdpa", "fp32", "blocks"),
+                      ("llama", GPU_LLAMA, "eager", "fp32", "model"), ("llama", GPU_LLAMA, "sdpa", "bf16", "model"),
+                      ("llama", GPU_LLAMA, "eager", "bf16", "blocks"), ("llama", GPU_LLAMA, "sdpa", "bf16", "blocks")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, attention, precision, scope", GPU_COMPILED_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}-compiled-{c[4]}" for c in GPU_COMPILED_CASES])
+def test_precise_estimate_within_5_percent_of_a_compiled_transformers_models_peak_on_gpu(name, cfg, attention,
+                                                                                         precision, scope):
+    """torch.compile (inductor, default mode) of the whole model or of each decoder layer, trained three
+    steps as the lab trains it; the estimate with ``compiled`` against torch.cuda.max_memory_allocated."""
+    import gc
+
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    batch, seq = 4, 1024
+    gc.collect()
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    torch.manual_seed(0)
+    dev = torch.device("cuda")
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention).to(dev)
+    model.train()
+    run = compile_scope(model, scope)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device=dev)
+
+    def step():
+        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=precision == "bf16"):
+            loss = run(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        del loss
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    step()                                           # compiles (autotuning's buffers are not a step's)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    for _ in range(2):
+        step()
+    torch.cuda.synchronize()
+    measured = torch.cuda.max_memory_allocated() - before
+    del model, opt, ids, run
+    gc.collect()
+    torch.cuda.empty_cache()
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision=precision, attention=attention,
+                                 optim="adamw_torch", compiled=scope)
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")
 
 
 @pytest.mark.gpu

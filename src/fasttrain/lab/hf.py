@@ -542,6 +542,7 @@ def memory_setup_for(hf_config: dict):
         from fasttrain.memory.hf_config import setup_from_hf_config
     except ImportError:
         return None
+    from fasttrain.lab.estimate import compiled_scope
 
     def setup(cfg: LabConfig, micro_batch: int):
         extra = {"grad_buffers": True} if cfg.gradient_accumulation_steps > 1 else {}
@@ -551,7 +552,7 @@ def memory_setup_for(hf_config: dict):
             return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
-                                        optim=cfg.optim, lora_rank=cfg.lora_r, **extra)
+                                        optim=cfg.optim, lora_rank=cfg.lora_r, compiled=compiled_scope(cfg), **extra)
         except FasttrainError:
             return None
     return setup

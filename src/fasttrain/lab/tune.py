@@ -807,8 +807,8 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
     (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config
     (``fasttrain.memory.hf_config.setup_from_hf_config``); None where the estimator cannot describe it
     (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS workspaces (the estimator's
-    65 MiB are a GPU's). liger's fused cross-entropy and torch.compile are predicted as the eager
-    model (both keep less: the pruning is on the safe side for them)."""
+    65 MiB are a GPU's). liger's fused cross-entropy is predicted as the eager model (it keeps less:
+    the pruning is on the safe side for it); torch.compile of a transformers model is modelled."""
     from fasttrain.memory import estimate
 
     def predict(cfg: LabConfig) -> int | None:
@@ -818,11 +818,14 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
                     from fasttrain.memory.hf_config import setup_from_hf_config
                 except ImportError:
                     return None
+                from fasttrain.lab.estimate import compiled_scope
+
                 precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
                 setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
                                              precision=precision, recompute=cfg.gradient_checkpointing,
                                              attention=cfg.attn_implementation, optim=cfg.optim,
-                                             grad_buffers=cfg.gradient_accumulation_steps > 1)
+                                             grad_buffers=cfg.gradient_accumulation_steps > 1,
+                                             compiled=compiled_scope(cfg))
             else:
                 from fasttrain.lab.train import lab_setup
 

@@ -36,6 +36,8 @@ def _options(fn):
                      "with --micro-batch, --seq, --precision, --attention, --recompute, --optim."),
         click.option("--keep-logits", is_flag=True, help="precise: the trainer holds the model's output (logits) "
                      "through backward."),
+        click.option("--compiled", type=click.Choice(["none", "model", "blocks"]), help="precise, --hf-config: "
+                     "torch.compile of the whole model (the loss inside) or of each decoder layer (default none)."),
         click.option("--list-presets", is_flag=True, help="List the presets and exit."),
         click.option("--mixed", is_flag=True, help="Mixed precision (bf16 + fp32 master weights)."),
         click.option("--precision", type=click.Choice(["fp32", "mixed", "amp"]),
@@ -78,6 +80,9 @@ def setup_from_options(opts: dict):
         opts = {**opts, "attention": "flash"}
     if opts.get("hf_config") is not None:
         return _setup_from_hf_options(opts)
+    if opts.get("compiled") not in (None, "none"):
+        raise FasttrainError("--compiled is modelled for a transformers model (--hf-config); the lab's GPT compiled "
+                             "keeps what it keeps eager (within about 1%): drop --compiled")
     changes = {name: opts[name] for _, name, _ in _SIZE_FLAGS if opts.get(name) is not None}
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
@@ -129,7 +134,8 @@ def _setup_from_hf_options(opts: dict):
     attention = {"flash": "sdpa", None: "sdpa"}.get(opts.get("attention"), opts.get("attention"))
     setup = setup_from_hf_config(config, micro_batch=opts.get("micro_batch") or 1, seq=opts.get("seq"),
                                  precision=precision, recompute=opts.get("recompute") or "none", attention=attention,
-                                 keep_logits=bool(opts.get("keep_logits")), **changes)
+                                 keep_logits=bool(opts.get("keep_logits")), compiled=opts.get("compiled") or "none",
+                                 **changes)
     return check(setup, "precise")
 
 
@@ -169,7 +175,8 @@ def _print_breakdown(b) -> None:
              + (f" · {s.optim}" if s.optim != "adamw" else "")
              + (f" · LoRA r={s.lora_rank} on {','.join(s.lora_targets)}" if s.lora_rank else "")
              + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "")
-             + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else ""))
+             + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else "")
+             + (f" · compiled ({s.compiled})" if s.compiled != "none" and s.modules != "lab" else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

@@ -45,6 +45,9 @@ OPTIM_ALIASES = {"adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("ada
                  "adamw_fused": ("adamw", "fused")}
 LORA_TARGETS = ("qkv", "proj", "up", "down", "head")
 MODES = ("playbook", "precise")
+# torch.compile of a transformers model (precise only): none = eager; model = the whole module one graph (the loss
+# inside it); blocks = each decoder layer compiled alone (embeddings, head and loss eager). See hf_activations.py.
+COMPILED = ("none", "model", "blocks")
 
 
 @dataclass(frozen=True)
@@ -98,6 +101,7 @@ class Setup:
     positions: int | None = None    # rows of the learned position table; None = s (GPT-2: n_positions = 1024)
     modules: str = "lab"            # whose modules keep the activations: the lab's GPT or a transformers family
     keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
+    compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
 
     @property
     def g(self) -> int:
@@ -183,6 +187,11 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     if setup.modules != "lab" and (setup.lora_rank or setup.prompt_tokens):
         raise FasttrainError("LoRA and prompt tuning of a transformers model are not modelled by the estimator yet; "
                              "drop --lora-r / --prompt-tokens")
+    if setup.compiled not in COMPILED:
+        raise FasttrainError(f"compiled must be one of {', '.join(COMPILED)} (the torch.compile scope), "
+                             f"got {setup.compiled!r}")
+    if setup.compiled != "none" and mode == "playbook":
+        raise FasttrainError("torch.compile (compiled) exists only in --mode precise; the widget models eager PyTorch")
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
                              f"pick --tp among the divisors of {setup.heads}")

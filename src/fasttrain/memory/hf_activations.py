@@ -39,6 +39,52 @@ dropped scores. ``gelu_new`` is written in Python ops: ``pow`` keeps its input, 
 output, the product both factors: fp32 4 x 4 N f, plus c_proj's input (20 N f); under CUDA
 autocast ``pow`` runs in fp32 (a fp32 copy of its input) and so does what follows: 4 + 4 + 2 + 4
 + 2 = 16 N f; under CPU autocast (no ``pow`` in its fp32 list) 5 x 2 N f; ``mixed`` 5 x 2 N f.
+
+``torch.compile`` (``Setup.compiled``: ``model`` = the whole module, the loss inside the graph;
+``blocks`` = each decoder layer alone, embeddings, head and loss eager). AOT autograd's min-cut
+partitioner saves the fewest bytes from which the backward can be computed, recomputing pointwise
+ops (casts, norms' normalisation, activations) but not matmuls, reductions or random ops. Learned
+on the CPU as the eager terms were (compile, then one forward under the hooks; every family, both
+scopes, fp32 and bf16 autocast, eager and sdpa; ``tests/test_memory_hf_config.py``). What changes
+from eager (the rest is as above):
+- RMSNorm keeps its input and rstd only: R N h + 4 N (xhat and the weight's product recomputed);
+  one bf16 cast of its output feeds q, k, v (gate, up): one C N h each, not 3 and 2.
+- gated MLP: gate's and up's outputs and their product, 3 C N f (the activation recomputed);
+  GPT-2's ``gelu_new`` chain fused: c_fc's output and c_proj's input, 2 C N f in every precision
+  (on CUDA too: what the chain computes in fp32 stays inside the fused kernel).
+- dropout masks are bool (1 byte) on every device (the compiled ``rand < p``), never regenerated.
+- eager attention under autocast, ``blocks``: the bf16 scores S and P (P V's input) and the fp32
+  row max and sum (8 a b s): 2 C per score instead of 4 + 2 (fp32 P recomputed), and each block
+  keeps its additive fp32 mask input (R b s^2, once); the residual entering norm 2 is recomputed
+  from the block's input and the bf16 output projection, which is kept instead (C not R N h).
+  ``model``: Llama layers keep eager's fp32 and bf16 P; GPT-2 does the S and P trade in its first
+  layer only and keeps the bool causal mask (b s^2).
+- sdpa, ``model``: tracing makes transformers materialize the causal mask, which sdpa keeps (C b
+  s^2), and with a mask k and v are repeated to all heads (no ``enable_gqa``): q, k, v, output
+  C N a d each (one KV head: the repeat is a view, g d) + the fp32 log-sum-exp. ``blocks`` get no
+  mask: eager's sdpa terms. Phi-3: the kernel's output is the projection's input (no copy).
+- the loss in the graph (``model``): the logits in the head's dtype (C N v, bf16 under autocast,
+  not fp32 log-probabilities) and log-softmax's fp32 row max and log-sum-exp (8 N); the padded
+  (b, s + 1) int64 labels; RoPE's cos and sin recomputed from the inverse frequencies; Llama under
+  autocast: the final norm's input recomputed from the bf16 MLP output (C N h kept). GPT-2: the
+  position embeddings' output (R s h) kept, LayerNorm keeps rstd only (4 N, not 8 N), and with one
+  sequence layer 1's input is recomputed from them. Backward of the loss: d(logits) in C bytes
+  straight from the logits (eager: 8 N v), and in the Llama families a second C N v buffer beside
+  it (the peak for a large vocabulary; measured at the CPU allocator).
+- gradient checkpointing, ``model``: each layer's input (R N h), GPT-2's first recomputed from the
+  embeddings; eager attention keeps the bool causal mask (b s^2), sdpa its materialized one (C b
+  s^2); Llama under autocast or sdpa recomputes the final norm's input with the last layer; on the
+  CPU each checkpoint's generator state is a 5056-byte tensor (host memory on a GPU run).
+- backward working memory (measured at the CPU allocator): the norms' backward fused (their
+  output's and input's gradients only); the softmax backward one fused kernel (no buffer inside it
+  and, under autocast, no fp32 copy of dP); GPT-2's ``gelu_new`` backward under autocast holds
+  d(c_proj's input) and d(c_fc's output) in bf16 (in fp32 the kernel writes over its dead input);
+  the rest as eager.
+Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
+CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but
+the peak of the backward is 4 to 22% above the estimate, growing with the layers (the compiled
+backward recomputes ahead of need). What the partitioner keeps can tie between cuts of equal
+bytes; which one it picks may differ between PyTorch versions.
 """
 
 from __future__ import annotations
@@ -64,7 +110,9 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
     copies_mlp = 2 * P["mlp_w"] if cast else 0
     gpt2 = s.modules == "hf-gpt2"
     drop = s.dropout
-    mask = (lambda dtype_bytes: dtype_bytes) if cpu else (lambda dtype_bytes: mask_bytes)
+    # compiled code makes its dropout masks bool (1 byte) on every device
+    mask = (lambda dtype_bytes: dtype_bytes) if cpu and s.compiled == "none" else \
+        (lambda dtype_bytes: 1 if s.compiled != "none" else mask_bytes)
     if gpt2:
         norm = R * N * h + 8 * N              # LayerNorm: input + fp32 mean and rstd
         qkv_in = mlp_in = C * N * h           # c_attn's and c_fc's input (its autocast copy or itself)
@@ -128,5 +176,109 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
         once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
-    return {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm,
-            "checkpoint": R * N * h}
+    out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
+           "first_norm1": None, "first_attn": 0}
+    if s.compiled != "none":
+        _compiled(s, out, cpu)
+    return out
+
+
+def _compiled(s: Setup, t: dict, cpu: bool) -> None:
+    """``t`` (eager terms) edited in place into what AOT autograd's min-cut partitioner keeps for a
+    ``torch.compile``d model (``s.compiled``: ``model`` or ``blocks``); see the docstring's last part."""
+    D, T = dims(s), dtypes(s)
+    N, hl, kvl, f, a = D["N"], D["hl"], D["kvl"], D["f_l"], D["a_l"]
+    h, C, cast, mixed = s.hidden, T["C"], T["cast"], s.precision == "mixed"
+    R = 2 if mixed else 4
+    b, sq, v = s.micro_batch, s.seq, D["v_l"]
+    unit = a * sq * sq * b
+    whole = s.compiled == "model"
+    full = s.recompute == "full"
+    flash = s.attention == "flash"
+    gpt2 = s.modules == "hf-gpt2"
+    attn, mlp, once, head = t["attn"], t["mlp"], t["once"], t["head"]
+    if not gpt2:
+        # RMSNorm: its input and the row statistic; x * rstd and the weight's product are recomputed
+        norm = R * N * h + 4 * N + (4 * h if s.modules == "hf-gemma" else 0)
+        attn["norm1"] = mlp["norm2"] = t["norm"] = norm
+        if whole:
+            head["final_norm"] = norm
+        if flash and whole:
+            # the whole model traced: transformers materializes the causal mask, and with a mask it repeats k
+            # and v to every head before sdpa (no enable_gqa): q, k, v and the output with a heads each, and
+            # the fp32 log-sum-exp (blocks get no mask and keep eager's k and v with their g heads)
+            # (with one KV head the repeat is a stride-0 view: v keeps its g d per token, k too unless autocast's
+            # cast of the fp32 rotated k materializes it)
+            one_kv = kvl == D["d"]
+            k_kept = kvl if one_kv and not cast else hl
+            v_kept = kvl if one_kv else hl
+            attn["core"] = 2 * C * N * hl + C * N * (k_kept + v_kept) + 4 * a * b * sq
+        if flash and s.modules == "hf-phi3":
+            attn["proj_input"] = 0                    # the kernel's output is the projection's input (no copy)
+        # one bf16 cast of the norm's output feeds q, k and v (gate and up): the fused kernel writes one
+        attn["qkv_input"] = mlp["mlp_input"] = C * N * h
+        # gated MLP: gate's and up's outputs and their product (down's input); the activation recomputed
+        mlp["mlp_hidden"] = 3 * C * N * f
+    elif s.ffn_act == "gelu":
+        # gelu_new's chain fused: c_fc's output and c_proj's input (the chain recomputed from the first)
+        mlp["mlp_hidden"] = 2 * C * N * f
+    if cast and not flash and not s.dropout:
+        # the scores S and the softmax's bf16 P (P V's input), each a s^2 b, and the fp32 row maximum and
+        # sum: the fp32 P is recomputed from them in backward. A whole compiled model does so in GPT-2's
+        # first layer only (every other layer, and every Llama layer, keeps eager's fp32 and bf16 P)
+        delta = (2 * C - _eager_p_bytes(s)) * unit + 8 * a * b * sq
+        if not whole:
+            attn["core"] += delta
+        elif gpt2:
+            t["first_attn"] = delta
+    if cast and not whole:
+        # the block's second norm input (the residual after attention) is recomputed from the block's input
+        # and the bf16 output projection's output, which is kept instead of the fp32 sum
+        mlp["norm2"] = mlp["norm2"] - R * N * h + C * N * h
+    if whole:
+        # the loss in the graph: the logits in the head's dtype and log-softmax's fp32 row max and log-sum-exp
+        # (log-probabilities recomputed in backward); the padded labels (b, s + 1) int64 (the shift is a view)
+        head.pop("log_probs")
+        head["logits"] = C * N * v + 8 * N
+        head["labels"] = 8 * b * (sq + 1) + 4
+        if not gpt2:
+            once.pop("RoPE cos and sin", None)        # recomputed from the inverse frequencies
+            if cast:
+                # the final norm's input (the last residual sum) recomputed from the bf16 MLP output
+                head["final_norm"] = head["final_norm"] - R * N * h + C * N * h
+        else:
+            # the position embeddings' output (s h) is kept; a layer's LayerNorm keeps rstd, not the mean
+            once["position embeddings"] = R * sq * h
+            attn["norm1"] -= 4 * N
+            mlp["norm2"] -= 4 * N
+            if full or b == 1:
+                # under checkpointing (or with one sequence, when the sum is no larger than the position
+                # embeddings) layer 1's input, token + position embeddings, is recomputed from them
+                t["first_norm1"] = 0
+        if not flash and (full or (cast and gpt2)):
+            once["causal mask (bool)"] = b * sq * sq
+        once.pop("causal mask (held by the checkpoints)", None)
+        if flash:
+            # transformers materializes the causal mask under tracing and sdpa keeps it (the dtype of q)
+            once["causal mask (sdpa's)"] = C * b * sq * sq
+        if full and not gpt2 and (flash or cast):
+            head["final_norm"] = 4 * N                # its input recomputed with the last layer
+        if flash and full:
+            if cpu:
+                # each checkpoint keeps the CPU generator's state (a uint8 tensor of 5056 bytes) as a graph
+                # tensor; on a GPU run that state lives in host memory
+                once["RNG states (checkpoints)"] = 5056 * s.layers
+    elif cast and not flash and not full:
+        # each compiled block takes the additive causal mask (b, 1, s, s) as an input and keeps it (under
+        # checkpointing the checkpoints hold it already: eager's term)
+        once["causal mask (a block's input)"] = R * b * sq * sq
+
+
+def _eager_p_bytes(s: Setup) -> int:
+    """Bytes per a s^2 b element eager attention keeps of P (as ``hf_terms`` counts them)."""
+    T = dtypes(s)
+    C, cast, mixed = T["C"], T["cast"], s.precision == "mixed"
+    if s.modules == "hf-gpt2":
+        Dsm = 2 if mixed else 4
+        return Dsm + (C if cast else 0)
+    return 4 + (2 if C == 2 else 0)

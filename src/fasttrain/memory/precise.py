@@ -53,6 +53,10 @@ D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; o
 D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
     tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
     the base is frozen as in D16, but every activation needs a gradient from the embedding on.
+D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``): what AOT
+    autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
+    kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
+    norms' and the softmax's backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
@@ -125,7 +129,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     flash = s.attention == "flash"
     qkv_out = C * N * (hl + 2 * kvl)                  # fused QKV output (kept whole by a view of v)
     rotated = C * N * (hl + kvl) if rope else 0       # rotated q and k (new tensors)
-    kept_p, events_p, fwd_p = _eager_core(Dsm, C, cast, s.dropout, mask_bytes, kernel_temps)
+    # a compiled transformers model's softmax backward is one fused kernel: no buffer inside it
+    compiled_hf = s.compiled != "none" and s.modules != "lab"
+    kept_p, events_p, fwd_p = _eager_core(Dsm, C, cast, s.dropout, mask_bytes, kernel_temps and not compiled_hf)
     # q, k, v as q k^T and P V keep them. The batched matmuls copy an operand they cannot view
     # as (b a) batches, which happens unless b = 1; repeating K and V for GQA copies them unless
     # there is one KV head (a stride-0 view). RoPE makes new q and k. What is not copied is kept
@@ -219,6 +225,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
         # dV alone, with what releasing V freed
         attn_extra = max((u - kept_p) * unit + (2 * C * N * hl if n else C * N * hl - v_release)
                          for u, n in events_p)
+        if compiled_hf and cast:
+            # the fused softmax backward under autocast reads the bf16 dP and writes dS: no fp32 copy of dP
+            attn_extra -= C * unit
         attn_fwd = fwd_p * unit
     stream = R * nh                                   # the residual stream's gradient
     # norm backward: its output's gradient dy (the norm's output dtype, R) beside the new dx;
@@ -239,7 +248,15 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
 
         hf = hf_terms(s, mask_bytes, cpu=not kernel_temps)
         out.update(attn=hf["attn"], mlp=hf["mlp"], checkpoint=hf["checkpoint"], norm=hf["norm"], hf=hf)
-        if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+        if s.compiled != "none":
+            # compiled backward kernels fuse the norms' and activations' pointwise chains: a norm's
+            # backward holds its output's gradient and the new input gradient only
+            out["norm_extra"] = 2 * R * nh
+            if s.modules == "hf-gpt2" and s.ffn_act == "gelu" and cast:
+                # gelu_new's fused backward under autocast: d(c_proj's input) and the new d(c_fc's output), both
+                # bf16 (in fp32 the kernel writes over its dead input; measured on the CPU allocator)
+                out["mlp_extra"] = max(mlp_extra, 2 * C * N * f_l)
+        elif s.modules == "hf-gpt2" and s.ffn_act == "gelu":
             # gelu_new's backward through its Python ops holds two hidden-size gradients beyond what is
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
             chain = 4 if cast and kernel_temps else C
@@ -315,6 +332,10 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     frozen = s.frozen
     lora_only = s.lora_rank > 0
     attn_1, mlp_1, skipped_1 = _first_layer(s, lt)
+    if lt.get("hf") and lt["hf"]["first_norm1"] is not None and s.recompute != "full":
+        attn_1["norm1"] = lt["hf"]["first_norm1"]    # compiled GPT-2: layer 1's input recomputed
+    if lt.get("hf") and lt["hf"]["first_attn"] and s.recompute != "full":
+        attn_1["core"] += lt["hf"]["first_attn"]     # compiled GPT-2 under autocast: layer 1's scores kept
 
     def lora_n(kind):        # LoRA parameters on one linear of ``kind``
         return sum(numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
@@ -362,6 +383,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # (full recomputation: the checkpoint holds every layer's input, the first one's too)
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
     n_first = L if "MLP" in skipped_1 else 1
+    if full and hf and hf["first_norm1"] is not None:
+        first_layer = 0                               # compiled GPT-2: layer 1's input recomputed
     saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
     logits_c = C * N_out * v_l
 
@@ -392,12 +415,23 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
     if T["cast"] and full and not frozen:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
+    whole = bool(hf) and s.compiled == "model"
+    if whole:
+        # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
+        fwd_extra = 0
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
-    # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16
-    moments.append(("backward: log-softmax", saved_all, grads(0), (4 if T["cast"] and not hf else 8) * N_out * v_l))
+    # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
+    # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
+    loss_grad = (C if whole else 4 if T["cast"] and not hf else 8) * N_out * v_l
+    if whole and s.modules != "hf-gpt2":
+        # the Llama-style families' compiled backward holds a second logits-sized buffer in the matmul's dtype
+        # beside d(logits) (measured on the CPU with tied and untied heads; GPT-2's does not)
+        loss_grad += C * N_out * v_l
+    moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
     g_now = grad_scale * head_g
-    moments.append(("backward: output projection", saved_all - head_part["log_probs"], grads(g_now),
+    moments.append(("backward: output projection", saved_all - head_part.get("log_probs", head_part.get("logits", 0)),
+                    grads(g_now),
                     logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
                     + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]

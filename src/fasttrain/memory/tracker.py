@@ -127,3 +127,27 @@ def saved_tensor_bytes(forward, exclude=(), detail=False):
     if detail:
         return total, result, sorted(seen.values(), key=lambda v: -v[0])
     return total, result
+
+
+def allocator_peak_step(step, model, opt):
+    """Peak bytes of ``step()`` (one training step) measured at the CPU allocator: the running sum of
+    the profiler's memory events (every allocation and free of PyTorch's CPU allocator, those made by
+    compiled (inductor) kernels too, which a dispatch mode does not see), on top of the live
+    parameters, buffers and optimizer state. Returns ``(peak_total, baseline)``; run a step before
+    (compilation, optimizer state)."""
+    import torch
+    from torch.profiler import ProfilerActivity, profile
+
+    existing = [*model.parameters(), *model.buffers()]
+    for state in opt.state.values():
+        existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    baseline = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in existing}.values())
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    events = sorted((e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events()
+                    if e.name() == "[memory]")
+    live = peak = 0
+    for _, nbytes in events:
+        live += nbytes
+        peak = max(peak, live)
+    return baseline + peak, baseline
