@@ -728,3 +728,48 @@ def test_the_memory_setup_follows_the_compile_flags():
     compiled = cfg.with_(torch_compile=True)
     assert not any("torch.compile" in n for n in estimate_notes(compiled.with_(model="hf:some/folder")))
     assert any("counted as eager" in n for n in estimate_notes(compiled))
+
+
+def test_liger_patches_of_transformers_modules_are_undone_after_the_run(tmp_path, monkeypatch):
+    """liger rebinds module-level names of transformers' modeling module when it patches one instance; a later
+    model of the family (the next row of a table) must be built and run without them."""
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers import monkey_patch
+    from transformers.models.llama import modeling_llama
+
+    from fasttrain.lab.measure import release_run_state
+
+    original_rope, original_norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
+    fake_rope = object()
+
+    def fake_apply(model):                  # what liger's llama patch does to the module (CUDA-only kernels)
+        modeling_llama.apply_rotary_pos_emb = fake_rope
+        modeling_llama.LlamaRMSNorm = type("LigerLikeNorm", (torch.nn.Module,), {})
+        modeling_llama.LlamaForCausalLM.liger_marker = True
+
+    monkeypatch.setattr(monkey_patch, "_apply_liger_kernel_to_instance", fake_apply)
+    write_config(tmp_path, "llama")
+    model = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu").module
+    hf.apply_liger(model)
+    assert modeling_llama.apply_rotary_pos_emb is fake_rope
+    release_run_state(cfg(use_liger_kernel=True))
+    assert modeling_llama.apply_rotary_pos_emb is original_rope and modeling_llama.LlamaRMSNorm is original_norm
+    assert not hasattr(modeling_llama.LlamaForCausalLM, "liger_marker")
+    assert hf.undo_liger_patches() == 0                       # nothing left to undo
+
+
+def test_a_compiled_run_resets_the_compilers_caches_when_it_ends(monkeypatch):
+    """reduce-overhead's CUDA-graph pools live until the trees are reset: the next run would start without that
+    memory."""
+    import torch._dynamo
+    import torch._inductor.cudagraph_trees as trees
+
+    from fasttrain.lab.measure import release_run_state
+
+    calls = []
+    monkeypatch.setattr(torch._dynamo, "reset", lambda: calls.append("dynamo"))
+    monkeypatch.setattr(trees, "reset_cudagraph_trees", lambda: calls.append("trees"))
+    release_run_state(cfg())
+    assert calls == []                                         # an eager run leaves the user's compiled code alone
+    release_run_state(cfg(torch_compile=True))
+    assert calls == ["dynamo", "trees"]

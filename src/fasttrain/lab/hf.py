@@ -443,14 +443,62 @@ def liger_families() -> set[str]:
     return set(MODEL_TYPE_TO_APPLY_LIGER_FN)
 
 
+# What liger-kernel changed in transformers' modeling modules, to put back when the run ends: its patch of an
+# instance also rebinds module-level names (the RoPE function, the RMSNorm and MLP classes), so without an undo
+# every model of that family built later in the process (the next row of a table) runs liger's kernels too.
+_LIGER_UNDO: list[tuple[object, str, object]] = []
+_ABSENT = object()
+
+
+def _modeling_state(family: str) -> dict:
+    """The names of every loaded transformers modeling module of ``family`` and of the classes defined there."""
+    import sys
+
+    state = {}
+    for name, module in list(sys.modules.items()):
+        if module is None or not name.startswith("transformers.models.") or f"modeling_{family}" not in name:
+            continue
+        state[module] = dict(vars(module))
+        for value in list(vars(module).values()):
+            if isinstance(value, type) and value.__module__ == name:
+                state[value] = dict(vars(value))
+    return state
+
+
 def apply_liger(model) -> None:
     """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
-    cross-entropy (which the model's loss path then uses whenever it is given labels in training)."""
+    cross-entropy (which the model's loss path then uses whenever it is given labels in training). The module-
+    level names it rebinds are recorded; :func:`undo_liger_patches` puts them back."""
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as exc:
         raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
+    family = getattr(getattr(model, "config", None), "model_type", "") or ""
+    before = _modeling_state(family)
     _apply_liger_kernel_to_instance(model=model)
+    for owner, names in before.items():
+        now = vars(owner)
+        for name in set(names) | set(now):
+            old, new = names.get(name, _ABSENT), now.get(name, _ABSENT)
+            if old is not new:
+                _LIGER_UNDO.append((owner, name, old))
+
+
+def undo_liger_patches() -> int:
+    """Put back what :func:`apply_liger` changed in transformers' modules (newest first); the patched instances
+    keep their kernels. Returns how many names were restored."""
+    count = 0
+    while _LIGER_UNDO:
+        owner, name, old = _LIGER_UNDO.pop()
+        if old is _ABSENT:
+            try:
+                delattr(owner, name)
+            except AttributeError:
+                pass
+        else:
+            setattr(owner, name, old)
+        count += 1
+    return count
 
 
 def apply_prompt_tuning(model, cfg: LabConfig):
@@ -707,4 +755,4 @@ def load_tokenizer(path):
 __all__ = ["HF_PREFIX", "LORA_TARGETS", "TP_STYLES", "apply_hf_tensor_parallel", "build_hf_model", "check_hf_parallel",
            "check_hf_tensor_parallel", "decoder_layers", "fresh_copy", "gather_tp_state_dict", "hf_logits", "hf_loss",
            "is_hf", "is_hf_checkpoint", "is_hf_module", "load_hf_checkpoint", "load_hf_config", "memory_setup_for",
-           "read_hf_checkpoint", "save_hf"]
+           "read_hf_checkpoint", "save_hf", "undo_liger_patches"]

@@ -51,6 +51,23 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
+def release_run_state(cfg) -> None:
+    """Undo what a run leaves in the process that would change the next run in it (the next row of a table):
+    liger-kernel's module-level patches of transformers (later models of the family would run its kernels),
+    and torch.compile's code caches with the CUDA-graph trees' memory pools (``reduce-overhead`` keeps its pool,
+    tens of GiB for a large model, until the trees are reset: the next row would run out of memory)."""
+    import sys
+
+    if getattr(cfg, "use_liger_kernel", False) and "fasttrain.lab.hf" in sys.modules:
+        sys.modules["fasttrain.lab.hf"].undo_liger_patches()
+    if getattr(cfg, "torch_compile", False) and "torch._dynamo" in sys.modules:
+        sys.modules["torch._dynamo"].reset()
+        trees = sys.modules.get("torch._inductor.cudagraph_trees")
+        if trees is not None:
+            trees.reset_cudagraph_trees()
+        gc.collect()
+
+
 def held_before(device) -> int:
     """Bytes this process already holds on the GPU before a run starts (tensors of earlier work still alive):
     not the run's, so they are subtracted from its peak."""

@@ -35,7 +35,7 @@ from fasttrain.lab.build import config_from_model, make_trainer, model_config, r
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.estimate import SETUP_OPTIM, estimate_notes, lab_setup
-from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, sync, tf32_matmuls
+from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, release_run_state, sync, tf32_matmuls
 from fasttrain.lab.trainer import Metrics, Trainer, accumulate_gradients, autocast_for
 
 __all__ = ["run", "execute", "lab_setup", "estimate_notes", "model_config", "config_from_model", "resolve_device",
@@ -79,6 +79,7 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
             return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
                            keep_model=keep_model)
     finally:
+        release_run_state(cfg)
         D.shutdown(world)
 
 
