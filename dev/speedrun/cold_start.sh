@@ -15,11 +15,14 @@
 # Writes $OUT/process_times.jsonl (one JSON object per process: rung, cache, process_s, rc, setup_s, train_s;
 # `fasttrain lab speedrun record --process-times` reads it), $OUT/cold_start.md (the table) and one log per
 # process under $OUT/logs/. Knobs: RUNGS, REPEATS, SEEDS (1: the recipe as a user runs it once), EXTRA_ARGS,
-# PYTHON, FASTTRAIN_DATA_DIR, CACHE_RUNGS (the rungs that get the cache-file variants: those inductor compiles).
+# PYTHON, FASTTRAIN_DATA_DIR, CACHE_RUNGS (the rungs that get the cache-file variants: those inductor compiles),
+# COLD_ONLY (rungs timed once: no compiler cache to warm, e.g. graph-step), STARTUP (0: skip the bare start-up).
 set -u
 OUT=${OUT:-/tmp/cold-start}
 RUNGS=${RUNGS:-compile cuda-graphs regional graph-step muon}
-CACHE_RUNGS=${CACHE_RUNGS:-compile cuda-graphs regional}   # the rungs inductor compiles: the cache-file variants
+CACHE_RUNGS=${CACHE_RUNGS-compile cuda-graphs regional}    # the rungs inductor compiles: the cache-file variants
+COLD_ONLY=${COLD_ONLY:-}
+STARTUP=${STARTUP:-1}
 REPEATS=${REPEATS:-1}
 SEEDS=${SEEDS:-1}
 PY=${PYTHON:-python3}
@@ -71,7 +74,7 @@ speedrun() {  # speedrun RUNG RESULT_DIR [ARGS...]
 
 echo "=== start-up $(date +%T)"
 fresh_caches startup
-for i in $(seq "$REPEATS"); do
+[ "$STARTUP" = 0 ] || for i in $(seq "$REPEATS"); do
   timed startup import-torch "" -- "$PY" -c "import torch"
   timed startup cuda-init "" -- "$PY" -c "import torch; torch.cuda.init()"
   timed startup speedrun-imports "" -- "$PY" -c \
@@ -83,6 +86,7 @@ for rung in $RUNGS; do
   for i in $(seq "$REPEATS"); do
     fresh_caches "$rung-$i"
     timed "$rung" cold "$WORK/r" -- speedrun "$rung" "$WORK/r"
+    case " $COLD_ONLY " in *" $rung "*) continue ;; esac
     timed "$rung" warm "$WORK/r" -- speedrun "$rung" "$WORK/r"
     case " $CACHE_RUNGS " in *" $rung "*) ;; *) continue ;; esac
     fresh_caches "$rung-$i-fill"
@@ -109,7 +113,7 @@ print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
 for rung in dict.fromkeys(r["rung"] for r in rows if r["rung"] != "startup"):
     print(f"| {rung} | {med(rung, 'cold')} | {med(rung, 'warm')} | {med(rung, 'compile-cache')} | "
           f"{med(rung, 'cold', 'setup_s')} | {med(rung, 'warm', 'setup_s')} | {med(rung, 'compile-cache', 'setup_s')} | "
-          f"{med(rung, 'warm', 'train_s')} |")
+          f"{med(rung, 'warm', 'train_s') if med(rung, 'warm', 'train_s') != '-' else med(rung, 'cold', 'train_s')} |")
 print("\n*Whole process: the shell's clock around `python -m fasttrain lab speedrun --rungs RUNG --seeds 1` "
       "(interpreter, imports, CUDA start-up, build, compilation or capture, warm-up, one seed's fixed steps, the "
       "final validation over the whole split, exit). cold: empty TORCHINDUCTOR_CACHE_DIR and TRITON_CACHE_DIR; warm: "

@@ -415,12 +415,14 @@ def readme_section(folder, also=()) -> str:
                      f"{rec.get('steps')} steps, {len(rec.get('seeds') or [])} seeds, mean final validation loss "
                      f"{rec.get('mean_final_val_loss', float('nan')):.4f} (p = {rec.get('p_value', float('nan')):.3g}); "
                      f"command: `{rec.get('command')}`.\n\n" + goals_markdown(rec))
-    times_path = folder / "cold" / "process_times.jsonl"
-    if times_path.is_file():
-        parts.append(f"### The whole process, from the shell\n\nFrom {_link(folder, 'cold/process_times.jsonl')} "
-                     "(`dev/speedrun/cold_start.sh`: cold = empty inductor and autotuning caches, warm = filled by the "
-                     "run before, compile-cache = `--compile-cache FILE` loaded into a cold process; rest = "
-                     "imports, CUDA start-up, data, validation and writing).\n\n" + process_markdown(read_process_times(times_path)))
+    # one file per device call of cold_start.sh (process_times.jsonl, process_times-*.jsonl): each its own table
+    for times_path in sorted((folder / "cold").glob("process_times*.jsonl")):
+        name = f"cold/{times_path.name}"
+        parts.append(f"### The whole process, from the shell\n\nFrom {_link(folder, name)} "
+                     "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches, warm "
+                     "= filled by the run before, compile-cache = `--compile-cache FILE` loaded into a cold process; "
+                     "rest = imports, CUDA start-up, data, validation and writing).\n\n"
+                     + process_markdown(read_process_times(times_path)))
     for extra in also:
         extra = Path(extra)
         parts.append(f"### Variants measured apart\n\nFrom {_link(extra, 'speedrun.json')}:\n\n"
