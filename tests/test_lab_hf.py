@@ -476,18 +476,26 @@ def test_cli_bad_input_is_one_line(folders, tmp_path, args, message):
 
 # --- several processes (gloo on the CPU) ---------------------------------------------------------
 
+def _join_local_job(rank: int, port: int, world: int = 2):
+    """A spawned worker's rank of a ``world``-process job on this machine; returns the toy corpus it trains on."""
+    import os
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    from tests_support import toy_text
+    from fasttrain.lab.data import corpus_from_text
+
+    return corpus_from_text(toy_text())
+
+
 def _dist_worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests_support import toy_text
     from fasttrain.lab import distributed as D
-    from fasttrain.lab.data import corpus_from_text
     from fasttrain.lab.train import run
 
-    corpus = corpus_from_text(toy_text())
+    corpus = _join_local_job(rank, port)
+    torch.set_num_threads(1)
     group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=60), device="cpu")
     records = {}
     for strategy in ("ddp", "fsdp"):
@@ -528,15 +536,11 @@ TP_EXTRA = {"qwen3": {"gradient_accumulation_steps": 2}, "qwen2": {"gradient_che
 def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE="2", LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    from tests_support import toy_text
     from fasttrain.lab import distributed as D
-    from fasttrain.lab.data import corpus_from_text
     from fasttrain.lab.train import execute
 
-    corpus = corpus_from_text(toy_text())
+    corpus = _join_local_job(rank, port)
+    torch.set_num_threads(1)
     group = D.init_world(D.ParallelConfig(strategy="tp", ddp_timeout=60), device="cpu")
     out = {}
     for family, folder in folders.items():
@@ -622,14 +626,10 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
 def _tp_gpu_worker(rank: int, nprocs: int, port: int, folder: str, out_dir: str) -> None:
     import os
 
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(nprocs), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    from tests_support import toy_text
     from fasttrain.lab import distributed as D
-    from fasttrain.lab.data import corpus_from_text
     from fasttrain.lab.train import run
 
-    corpus = corpus_from_text(toy_text())
+    corpus = _join_local_job(rank, port, world=nprocs)
     group = D.init_world(D.ParallelConfig(strategy="tp", ddp_timeout=120), device="cuda")
     parallel = D.ParallelConfig(strategy="tp", global_batch_size=8)
     out = {"fp32": losses(run(lab_cfg(folder, device="cuda", max_steps=4, attn_implementation="sdpa"), corpus=corpus,
