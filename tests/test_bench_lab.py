@@ -272,3 +272,12 @@ def test_bench_lab_takes_a_hf_model(corpus, tmp_path):
     assert 0 < lora["trainable"] < lora["total"]
     assert cases["checkpointing selective"].status == "skipped" and "full" in cases["checkpointing selective"].reason
     assert cases["vocab padded to 64"].status == "skipped" and "vocab_size" in cases["vocab padded to 64"].reason
+
+
+def test_the_data_line_names_what_the_split_sizes_count():
+    """A corpus cut by a tokenizer counts tokens, named with the tokenizer; a character corpus, characters."""
+    from fasttrain.bench.lab_report import _units
+
+    bpe = {"unit": "tokens", "tokenizer": {"kind": "hf", "vocab_size": 8192, "path": "/models/bpe"}}
+    assert _units(bpe) == "tokens (hf tokenizer /models/bpe, 8,192 ids)"
+    assert _units({"unit": "characters"}) == "characters" and _units({"unit": "tokens"}) == "tokens"

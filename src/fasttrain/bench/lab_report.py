@@ -48,13 +48,24 @@ def setting_line(result: SuiteResult) -> str:
             f"apart; {seeds} per row")
 
 
+def _units(data: dict) -> str:
+    """What the corpus' split sizes count: characters, or a tokenizer's tokens (named)."""
+    if data.get("unit") != "tokens":
+        return "characters"
+    tok = data.get("tokenizer") or {}
+    if not isinstance(tok, dict) or not tok:
+        return "tokens"
+    size = f", {tok['vocab_size']:,} ids" if isinstance(tok.get("vocab_size"), int) else ""
+    return f"tokens ({tok.get('kind', '?')} tokenizer {tok.get('path') or tok.get('name') or ''}{size})".replace(" )", ")")
+
+
 def markdown(result: SuiteResult, images: Images = None, suite: Suite | None = None) -> str:
     table = derive(result)
     env = result.environment
     data = result.dataset
     parts = [f"### {result.title}"]
     lines = [*(f"- Command: `{c}`" for c in (result.commands or [result.command]) if c),
-             f"- Data: Tiny Shakespeare, characters ({data['n_train']:,} train / {data['n_test']:,} validation)",
+             f"- Data: Tiny Shakespeare, {_units(data)} ({data['n_train']:,} train / {data['n_test']:,} validation)",
              f"- Setting: {setting_line(result)}",
              "- Baseline: fp32, eager attention, AdamW (torch's default implementation: foreach on CUDA), "
              "batches from a DataLoader with 0 workers, no checkpointing, no compilation",
