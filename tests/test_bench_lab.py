@@ -198,9 +198,12 @@ def test_a_compiling_row_runs_cold_on_empty_cache_folders_then_warm_on_them_and_
 
     monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/the/users/inductor/cache")
     monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
-    seen = []
+    seen, events = [], []
+    forget = bench_lab.forget_compiled_code
+    monkeypatch.setattr(bench_lab, "forget_compiled_code", lambda: (events.append("forget"), forget()))
 
     def runner(cfg, **kw):
+        events.append("compiled run" if cfg.torch_compile else "run")
         inductor, triton = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")
         files = sorted(os.listdir(inductor)) if cfg.torch_compile and os.path.isdir(inductor) else None
         seen.append({"compile": cfg.torch_compile, "steps": cfg.max_steps, "inductor": inductor, "triton": triton,
@@ -222,6 +225,8 @@ def test_a_compiling_row_runs_cold_on_empty_cache_folders_then_warm_on_them_and_
     # the warm start: the same folders, holding what the cold run wrote; only the warm-up and one step
     assert (warm["inductor"], warm["triton"]) == (cold["inductor"], cold["triton"]) and warm["files"] == ["graph-2"]
     assert warm["steps"] == 3
+    # the in-memory caches dropped before the cold run, before the warm start (only the folders serve it), after
+    assert events == ["run", "forget", "compiled run", "forget", "compiled run", "forget"]
     # restored: the user's folder back, the unset variable unset, the temporary folder gone
     assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/the/users/inductor/cache"
     assert "TRITON_CACHE_DIR" not in os.environ
