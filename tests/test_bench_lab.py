@@ -107,6 +107,160 @@ def test_cpu_skips_the_gpu_rows_with_a_reason():
     assert bench_lab.skip_reason(rows["bf16"], cuda=False) is None
 
 
+# --- compiling rows: cold and warm start, on given numbers --------------------------------------
+
+def _record(step_p50, warmup_ms):
+    return {"step_ms": {"p20": step_p50, "p50": step_p50, "p80": step_p50, "mean": step_p50, "n": 5},
+            "tokens_per_s": 1000.0 / step_p50, "warmup_ms": warmup_ms, "final": {"val_loss": 2.0},
+            "memory": {"peak_allocated_bytes": 64 * bench_lab.MIB, "peak_reserved_bytes": 80 * bench_lab.MIB},
+            "estimate": {}, "environment": {}}
+
+
+def _lab_case(label, technique, record, options=None):
+    from fasttrain.bench.results import CaseResult
+
+    config = {"max_steps": 7, "per_device_train_batch_size": 4, "gradient_accumulation_steps": 1, "context": 16,
+              "learning_rate": 1e-3, "timing_warmup_steps": len(record["warmup_ms"])}
+    case = CaseResult(suite="lab", label=label, engine="lab", rung=technique, model="tiny", precision="fp32",
+                      options=options or {"_pair": "baseline"}, config=config, seed_ms=None, status="ok",
+                      records=[record], seeds=[0])
+    case.metrics = bench_lab.case_metrics([record])
+    return case
+
+
+def _compiled_result(compiled_step_ms, warm_record):
+    from fasttrain.bench.results import SuiteResult
+
+    base = _lab_case("baseline", "baseline", _record(20.0, [30.0, 21.0]))
+    # two warm-up steps: 12,000 + 40 ms cold; at 10 ms a step the compilation took 12.02 s
+    compiled = _lab_case("compile", "torch.compile", _record(compiled_step_ms, [12_000.0, 40.0]),
+                         {"torch_compile": True, "_pair": "baseline"})
+    compiled.metrics.update(bench_lab.compile_metrics(compiled, warm_record))
+    result = SuiteResult("lab", "t", False, "cmd", "now", {"name": "tinyshakespeare", "n_train": 100, "n_test": 10,
+                                                            "steps": 5, "warmup": 2, "preset": "tiny"}, {}, 1,
+                         cases=[base, compiled])
+    return result, compiled
+
+
+def test_compile_seconds_and_breakeven_of_a_compiling_row():
+    # warm start: 2 warm-up steps in 2,000 + 20 ms, at 10 ms a step: 2.0 s
+    result, compiled = _compiled_result(10.0, _record(10.0, [2_000.0, 20.0]))
+    bench_lab.derive(result)
+    assert compiled.metric("compile_cold_s") == pytest.approx(12.02)
+    assert compiled.metric("compile_warm_s") == pytest.approx(2.0)
+    # 20 ms against 10 ms: 10 ms saved a step
+    assert compiled.metric("breakeven_steps_cold") == pytest.approx(12.02 / 0.010)
+    assert compiled.metric("breakeven_steps_warm") == pytest.approx(2.0 / 0.010)
+    assert compiled.metrics["breakeven_steps_cold"]["unit"] == "steps"
+    assert "compile_cold_s" not in result.cases[0].metrics      # a row that does not compile has none
+
+
+def test_a_compiled_row_that_is_not_faster_never_pays_and_a_missing_warm_start_is_no_figure():
+    from fasttrain.bench.report import to_csv, to_json
+
+    result, compiled = _compiled_result(25.0, None)
+    bench_lab.derive(result)
+    for which in ("cold", "warm"):
+        assert compiled.metric(f"breakeven_steps_{which}") is None
+    assert compiled.metrics["breakeven_steps_cold"]["unit"] == bench_lab.NEVER
+    assert compiled.metric("compile_warm_s") is None and compiled.metrics["breakeven_steps_warm"]["unit"] == "steps"
+    to_json(result)             # strict JSON: "never" is a unit, not an infinity
+    lines = {(r["label"], r["metric"]): r for r in csv.DictReader(to_csv([result]).splitlines())}
+    assert lines[("compile", "breakeven_steps_cold")]["unit"] == "never"
+    assert lines[("compile", "breakeven_steps_cold")]["p50"] == ""
+
+
+def test_lab_md_shows_the_compiling_rows_cold_and_warm_start():
+    from fasttrain.bench.report import to_csv
+
+    result, _ = _compiled_result(10.0, _record(10.0, [2_000.0, 20.0]))
+    md = lab_report.markdown(result)
+    assert "Compiling rows, cold and warm start" in md
+    header = next(line for line in md.splitlines() if line.startswith("| row | ms/step p50 | pair"))
+    for column in ("compile s cold", "compile s warm", "pays after (cold)", "pays after (warm)"):
+        assert column in header
+    line = next(line for line in md.splitlines() if line.startswith("| compile |"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells == ["compile", "10", "baseline", "20", "12", "12", "2", "1,202", "200"]
+    metrics = {r["metric"] for r in csv.DictReader(to_csv([result]).splitlines()) if r["label"] == "compile"}
+    assert {"compile_cold_s", "compile_warm_s", "breakeven_steps_cold", "breakeven_steps_warm"} <= metrics
+    # the never case, and a table without a compiling row has no such table
+    slow, _ = _compiled_result(25.0, None)
+    assert "| compile | 25 | baseline | 20 | 12 | 12 | - | never | - |" in lab_report.markdown(slow)
+    result.cases = result.cases[:1]
+    assert "Compiling rows" not in lab_report.markdown(result)
+
+
+def test_a_compiling_row_runs_cold_on_empty_cache_folders_then_warm_on_them_and_restores(corpus, monkeypatch):
+    import os
+
+    from fasttrain.lab import train as lab_train
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/the/users/inductor/cache")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    seen, events = [], []
+    forget = bench_lab.forget_compiled_code
+    monkeypatch.setattr(bench_lab, "forget_compiled_code", lambda: (events.append("forget"), forget()))
+
+    def runner(cfg, **kw):
+        events.append("compiled run" if cfg.torch_compile else "run")
+        inductor, triton = os.environ.get("TORCHINDUCTOR_CACHE_DIR"), os.environ.get("TRITON_CACHE_DIR")
+        files = sorted(os.listdir(inductor)) if cfg.torch_compile and os.path.isdir(inductor) else None
+        seen.append({"compile": cfg.torch_compile, "steps": cfg.max_steps, "inductor": inductor, "triton": triton,
+                     "files": files})
+        if cfg.torch_compile:       # a compilation fills the cache folder
+            os.makedirs(inductor, exist_ok=True)
+            open(os.path.join(inductor, f"graph-{len(seen)}"), "w").close()
+        return lab_train.run(cfg.with_(torch_compile=False), **kw)     # the CPU: the eager run stands in
+
+    rows = [bench_lab.LabRow("baseline", "baseline"),
+            bench_lab.LabRow("compile", "torch.compile", overrides={"torch_compile": True})]
+    result = bench_lab.run_lab(bench_lab.LabPlan("tiny", 3, 2, 1, rows, False, 2, device="cpu"), corpus=corpus,
+                               runner=runner)
+    base, cold, warm = seen
+    assert base["inductor"] == "/the/users/inductor/cache" and base["triton"] is None
+    # the cold run: fresh folders, nothing in them
+    assert cold["compile"] and cold["inductor"] != "/the/users/inductor/cache" and cold["files"] == []
+    assert cold["triton"] and os.path.dirname(cold["triton"]) == os.path.dirname(cold["inductor"])
+    # the warm start: the same folders, holding what the cold run wrote; only the warm-up and one step
+    assert (warm["inductor"], warm["triton"]) == (cold["inductor"], cold["triton"]) and warm["files"] == ["graph-2"]
+    assert warm["steps"] == 3
+    # the in-memory caches dropped before the cold run, before the warm start (only the folders serve it), after
+    assert events == ["run", "forget", "compiled run", "forget", "compiled run", "forget"]
+    # restored: the user's folder back, the unset variable unset, the temporary folder gone
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/the/users/inductor/cache"
+    assert "TRITON_CACHE_DIR" not in os.environ
+    assert not os.path.exists(os.path.dirname(cold["inductor"]))
+    compiled = next(c for c in result.cases if c.label == "compile")
+    for metric in ("compile_cold_s", "compile_warm_s"):
+        assert compiled.metrics[metric]["unit"] == "s" and compiled.metric(metric) is not None
+    assert {"breakeven_steps_cold", "breakeven_steps_warm"} <= set(compiled.metrics)
+    assert "compile_cold_s" not in next(c for c in result.cases if c.label == "baseline").metrics
+
+
+@pytest.mark.gpu
+def test_bench_lab_measures_the_compile_rows_cold_and_warm_start_on_cuda(fake_corpus, tmp_path, capsys):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    out = tmp_path / "res"
+    code, _, err = run_cli(["bench", "lab", "--preset", "tiny", "--rows", "compile", "--steps", "5", "--warmup", "2",
+                            "--out", str(out)], capsys)
+    assert code == 0, err
+    with open(out / "lab.csv") as fh:
+        by = {(r["label"], r["metric"]): r for r in csv.DictReader(fh)}
+    for label in ("compile", "compile reduce-overhead"):
+        cold = float(by[(label, "compile_cold_s")]["p50"])
+        warm = float(by[(label, "compile_warm_s")]["p50"])
+        assert cold >= warm > 0, (label, cold, warm)
+        for which in ("cold", "warm"):
+            entry = by[(label, f"breakeven_steps_{which}")]
+            assert entry["unit"] == "never" or float(entry["p50"]) > 0
+    md = (out / "lab.md").read_text()
+    assert "Compiling rows, cold and warm start" in md and "| compile |" in md and "pays after (warm)" in md
+    cases = {c["label"]: c for c in json.loads((out / "lab.json").read_text())["cases"]}
+    assert cases["compile"]["metrics"]["compile_cold_s"]["p50"] > 0
+
+
 # --- runs ---------------------------------------------------------------------------------------
 
 

@@ -75,6 +75,14 @@ def test_breakeven_is_compile_time_over_the_step_time_saved():
     assert rp.breakeven_steps(None, 0.01, 0.005) is None
 
 
+def test_compile_seconds_are_the_time_spent_less_the_steps_at_the_steady_step_time():
+    # 3 warm-up steps took 12.5 s; at 20 ms a step they would have taken 0.06 s: 12.44 s were compilation
+    assert rp.compile_seconds_of(12.5, 3, 20.0) == pytest.approx(12.44)
+    assert rp.compile_seconds_of(0.05, 3, 20.0) == 0.0          # faster than steady: noise, nothing compiled
+    assert rp.compile_seconds_of(None, 3, 20.0) is None
+    assert rp.compile_seconds_of(12.5, 3, None) is None
+
+
 # --- a fixed-step run ------------------------------------------------------------------------------------
 
 def tiny_trainer(corpus, losses=None, *, seed=0, eval_s=0.0, **overrides):

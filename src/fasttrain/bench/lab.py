@@ -12,6 +12,12 @@ warm-up is ``f`` times longer), so the validation loss is compared at equal toke
 tokens/s is over the other steps. The PEFT rows fine-tune a checkpoint the suite pretrains first
 (the baseline's own model) and are compared with full fine-tuning of the same checkpoint.
 
+A row that compiles (``torch_compile``) runs with empty compiler caches (inductor's and Triton's folders
+fresh and empty, the in-memory caches cleared: :func:`empty_compiler_caches`), then builds and warms up once
+more in the same process with those folders filled (:func:`warm_start_config`): its cold and warm compile
+times (:func:`compile_metrics`) and the steps after which compiling has paid against its pair, for each
+(:func:`breakeven_metric`).
+
 Per row: speed ratio (tokens/s over the pair's), memory ratio (peak ``max_memory_allocated`` over
 the pair's), the validation-loss change, measured ticks (:func:`tick`: speed "yes" at >= 1.10x,
 memory "yes" at <= 0.90x), the lecture's ticks beside them and whether they agree. A technique's
@@ -28,10 +34,13 @@ hold the lab's run records), the long CSV, ``lab.md`` and PNG plots (laid out by
 
 from __future__ import annotations
 
+import os
 import shutil
+import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import KW_ONLY, dataclass
 from pathlib import Path
 
@@ -39,6 +48,7 @@ from fasttrain.bench.results import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
 from fasttrain.lab import experiment
 from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.record_protocol import breakeven_steps, compile_seconds_of
 from fasttrain.timing import summarize
 
 SPEED_YES = 1.10          # tokens/s at least 1.10x the pair's: the technique buys speed
@@ -244,6 +254,86 @@ def _one(unit: str, value) -> dict:
     return {"unit": unit, "p20": value, "p50": value, "p80": value, "mean": value, "n": 0 if value is None else 1}
 
 
+# --- compiling rows: cold and warm start ---------------------------------------------------------
+
+COMPILER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+NEVER = "never"     # the unit of a breakeven that never comes: the compiled step is not faster than its pair's
+COMPILE_METRICS = ("compile_cold_s", "compile_warm_s")
+BREAKEVEN_METRICS = ("breakeven_steps_cold", "breakeven_steps_warm")
+
+
+def forget_compiled_code() -> None:
+    """Drop what this process holds of compiled code, so that the next compilation finds only what the cache
+    folders hold: dynamo's code caches (``torch._dynamo.reset``) and inductor's in-memory caches (compiled
+    Triton kernels by source, loaded modules). Nothing to drop when torch's compiler was never imported."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is not None:
+        dynamo.reset()
+    utils = sys.modules.get("torch._inductor.utils")
+    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
+    if clear is not None:
+        clear()
+
+
+@contextmanager
+def empty_compiler_caches() -> Iterator[Path]:
+    """Inside: inductor's and Triton's cache folders are new empty folders (``TORCHINDUCTOR_CACHE_DIR``,
+    ``TRITON_CACHE_DIR``: inductor reads both when it compiles, and hands them to its compile workers with
+    every job) and the in-memory caches are empty; on exit the variables are as they were (unset when they
+    were: inductor sets them itself on its first compilation), the in-memory caches dropped again (they
+    point into the folder) and the folder removed."""
+    folder = Path(tempfile.mkdtemp(prefix="fasttrain-compile-cache-"))
+    saved = {name: os.environ.get(name) for name in COMPILER_CACHE_ENV}
+    for name, sub in zip(COMPILER_CACHE_ENV, ("inductor", "triton")):
+        (folder / sub).mkdir()
+        os.environ[name] = str(folder / sub)
+    forget_compiled_code()
+    try:
+        yield folder
+    finally:
+        forget_compiled_code()
+        for name, value in saved.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def warm_start_config(cfg, seed: int):
+    """The warm start of a compiling row: the same model and compilation, trained only through its warm-up
+    steps and one more (the run's smallest length), validated on one batch: only its warm-up time is read."""
+    return cfg.with_(seed=seed, save=None, max_steps=cfg.timing_warmup_steps + 1, log_interval=1,
+                     eval_tokens=cfg.context * (cfg.eval_batch_size or cfg.per_device_train_batch_size))
+
+
+def run_compile_seconds(record: dict, ms_per_step: float | None) -> float | None:
+    """A run's compile time: its warm-up steps' time less those steps at the steady step time."""
+    warmup_ms = record.get("warmup_ms") or []
+    if not warmup_ms:
+        return None
+    return compile_seconds_of(sum(warmup_ms) / 1e3, len(warmup_ms), ms_per_step)
+
+
+def compile_metrics(case: CaseResult, warm_record: dict | None) -> dict:
+    """``compile_cold_s`` (the row's first run, empty caches) and ``compile_warm_s`` (the warm start, caches
+    filled), both counted against the row's steady step time (its ms/step p50)."""
+    step_ms = case.metric("step_ms")
+    cold = run_compile_seconds(case.records[0], step_ms) if case.records else None
+    warm = None if warm_record is None else run_compile_seconds(warm_record, step_ms)
+    return {"compile_cold_s": _one("s", cold), "compile_warm_s": _one("s", warm)}
+
+
+def breakeven_metric(compile_s: float | None, pair_ms: float | None, mine_ms: float | None) -> dict:
+    """Steps after which compiling has paid: compile_s / (pair's step time - this row's); unit :data:`NEVER`
+    (no value) when the compiled step is not faster, no value when a figure is missing."""
+    steps = breakeven_steps(compile_s, None if pair_ms is None else pair_ms / 1e3,
+                            None if mine_ms is None else mine_ms / 1e3)
+    if steps is not None and steps == float("inf"):
+        return _one(NEVER, None)
+    return _one("steps", steps)
+
+
 def derive(result: SuiteResult) -> list[dict]:
     """Ratios, loss change and ticks of every row that ran, against its pair (stored in each
     case's metrics, so the CSV holds them); returns the row table as dicts."""
@@ -266,6 +356,12 @@ def derive(result: SuiteResult) -> list[dict]:
         case.metrics["val_loss_change"] = _one("nats/char", loss)
         case.metrics["speed_tick"] = _one("yes=1", None if speed_tick is None else float(speed_tick == "yes"))
         case.metrics["memory_tick"] = _one("yes=1", None if memory_tick is None else float(memory_tick == "yes"))
+        if "compile_cold_s" in case.metrics:
+            mine = case.metric("step_ms")
+            theirs = pair.metric("step_ms") if pair is not None and pair is not case else None
+            for which in ("cold", "warm"):
+                case.metrics[f"breakeven_steps_{which}"] = breakeven_metric(case.metric(f"compile_{which}_s"),
+                                                                            theirs, mine)
         lecture = LECTURE.get(case.rung)
         table.append({"label": case.label, "technique": case.rung, "pair": pair_label, "speed_ratio": speed,
                       "memory_ratio": memory, "val_loss_change": loss, "speed_tick": speed_tick,
@@ -356,8 +452,12 @@ def run_lab(plan: LabPlan, *, progress: Progress | None = None, on_case: Callabl
                 cfg.with_(model=f"hf:{checkpoint}")
         elif row.label == "baseline" and needs_checkpoint:
             cfg = cfg.with_(save=str(checkpoint))     # the baseline's model is the PEFT rows' checkpoint
-        return _run_row(row.label, row.technique, plan.model_label, cfg, _options(row),
-                        row.seed_list(cfg, plan.repeats), corpus, runner, progress)
+        seeds = row.seed_list(cfg, plan.repeats)
+        if cfg.torch_compile:
+            return _run_compiling_row(row.label, row.technique, plan.model_label, cfg, _options(row), seeds,
+                                      corpus, runner, progress)
+        return _run_row(row.label, row.technique, plan.model_label, cfg, _options(row), seeds, corpus, runner,
+                        progress)
 
     def finished(row: LabRow, case: CaseResult) -> None:
         result.cases.append(case)
@@ -440,6 +540,32 @@ def _run_row(label, technique, model, cfg, options, seeds, corpus, runner, progr
                  + (f", peak {_fmt(peak)} MiB" if peak is not None else "")
                  + f", val loss {out.metric('val_loss'):.4f}")
     return out
+
+
+def _run_compiling_row(label, technique, model, cfg, options, seeds, corpus, runner,
+                       progress: Progress) -> CaseResult:
+    """A compiling row: its runs with empty compiler caches (the first run's warm-up is the cold start), then
+    its warm start with the caches those runs filled, read from the folders alone (the in-memory caches
+    dropped first, as a new process would find them)."""
+    from fasttrain.bench.device import release_memory
+
+    warm = None
+    with empty_compiler_caches():
+        case = _run_row(label, technique, model, cfg, options, seeds, corpus, runner, progress)
+        if case.ok:
+            forget_compiled_code()
+            progress.describe(f"lab: {label}: warm start (compiler caches filled)")
+            try:
+                warm = runner(warm_start_config(cfg, seeds[0]), corpus=corpus)
+            except Exception as exc:  # noqa: BLE001 - the row's own figures stand without its warm start
+                progress.log(f"[yellow]no warm start[/] lab {label}: {f'{type(exc).__name__}: {exc}'.splitlines()[0]}")
+            finally:
+                release_memory()
+    if case.ok:
+        case.metrics.update(compile_metrics(case, warm))
+        progress.log(f"lab {label}: compile {_fmt(case.metric('compile_cold_s'))} s cold, "
+                     f"{_fmt(case.metric('compile_warm_s'))} s warm")
+    return case
 
 
 def _fmt(v) -> str:

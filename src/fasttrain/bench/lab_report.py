@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from fasttrain.bench.lab import (MEMORY_YES, SPEED_YES, SWEEP_RUNG, derive, sweep_cases, sweep_edge,
+from fasttrain.bench.lab import (MEMORY_YES, NEVER, SPEED_YES, SWEEP_RUNG, derive, sweep_cases, sweep_edge,
                                  technique_verdicts)
 from fasttrain.bench import figures
 from fasttrain.bench.results import CaseResult, SuiteResult
@@ -122,6 +122,9 @@ def markdown(result: SuiteResult, images: Images = None, suite: Suite | None = N
             "agree: the row's measured ticks against them (a row shows one side of a technique: a smaller batch "
             "buys memory, a larger one speed, so the technique's verdict above is the one to read). estimator: "
             "the memory estimator's `precise` prediction of the peak, error against the measured peak.*")
+    compiling = compile_table(table)
+    if compiling:
+        parts.append(compiling)
     over = _over_budget(result, table)
     if over:
         parts.append(f"*Trained more tokens than the budget (too few steps at their batch for a warm-up and one "
@@ -150,6 +153,42 @@ def markdown(result: SuiteResult, images: Images = None, suite: Suite | None = N
     if not result.ran():
         parts.append("*No row ran on this machine.*")
     return "\n\n".join(parts) + "\n"
+
+
+def compile_table(table: list[dict]) -> str:
+    """The compiling rows' cold and warm start: compile seconds and the steps after which compiling pays
+    (empty when no row compiled)."""
+    rows = []
+    by_label = {r["case"].label: r["case"] for r in table}
+    for r in table:
+        case = r["case"]
+        if "compile_cold_s" not in case.metrics:
+            continue
+        pair = by_label.get(r["pair"])
+        rows.append([case.label, fmt_num(case.metric("step_ms")), r["pair"],
+                     fmt_num(pair.metric("step_ms")) if pair is not None and pair is not case else "-",
+                     fmt_num(case.metric("warmup_ms") / 1e3) if case.metric("warmup_ms") is not None else "-",
+                     fmt_num(case.metric("compile_cold_s")), fmt_num(case.metric("compile_warm_s")),
+                     _breakeven_cell(case, "cold"), _breakeven_cell(case, "warm")])
+    if not rows:
+        return ""
+    return ("Compiling rows, cold and warm start:\n\n" + md_table(
+        ["row", "ms/step p50", "pair", "pair ms/step p50", "warm-up s", "compile s cold", "compile s warm",
+         "pays after (cold)", "pays after (warm)"], rows, "lrlrrrrrr")
+        + "\n\n*compile s = the warm-up steps' time less those steps at the row's ms/step p50. cold: the row's "
+        "first run with empty compiler caches (inductor's and Triton's folders new and empty, the in-memory "
+        "caches dropped); warm: the same model built and warmed up again in the same process, reading the "
+        "folders that run filled (the in-memory caches dropped first, as a new process finds them). pays after: "
+        "compile s / (the pair's ms/step - the row's), in steps; never: the compiled step is not faster.*")
+
+
+def _breakeven_cell(case: CaseResult, which: str) -> str:
+    entry = case.metrics.get(f"breakeven_steps_{which}")
+    if entry is None:
+        return "-"
+    if entry["unit"] == NEVER:
+        return NEVER
+    return fmt_num(entry["p50"])
 
 
 def _over_budget(result: SuiteResult, table: list[dict]) -> list[str]:

@@ -105,6 +105,15 @@ def verdict(final_losses, target: float = TARGET, *, min_seeds: int = MIN_SEEDS,
     return out
 
 
+def compile_seconds_of(spent_s: float | None, steps: int, ms_per_step: float | None) -> float | None:
+    """The compile time hidden in ``spent_s`` seconds that ran ``steps`` steps: spent_s - steps * ms_per_step / 1e3,
+    the steps counted at the steady step time (the time the same steps take once compiled); None when unknown,
+    0 when the steps alone took longer (noise: nothing left to call compilation)."""
+    if spent_s is None or ms_per_step is None:
+        return None
+    return max(0.0, spent_s - steps * ms_per_step / 1e3)
+
+
 def breakeven_steps(compile_s: float | None, eager_step_s: float | None, compiled_step_s: float | None) -> float | None:
     """Steps after which compiling has paid for itself: compile_s / (eager_step_s - compiled_step_s);
     None when unknown, inf when the compiled step is not faster."""

@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.record_protocol import MIN_SEEDS, breakeven_steps, summarize_recipe
+from fasttrain.lab.record_protocol import MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
 from fasttrain.timing import summarize as spread_of
 
 DEFAULT_SEEDS = MIN_SEEDS   # the seeds of a full row; rows with fewer are marked † and cannot count
@@ -69,7 +69,7 @@ def compile_seconds(row: dict, ms_per_step: float | None) -> float | None:
         return None
     finals = [r["final_eval_ms"] for r in row["runs"] if r.get("final_eval_ms") is not None]
     eval_s = statistics.median(finals) / 1e3 if finals else 0.0
-    return max(0.0, row["setup_s"] - row.get("build_s", 0.0) - row["warmup_steps"] * ms_per_step / 1e3 - eval_s)
+    return compile_seconds_of(row["setup_s"] - row.get("build_s", 0.0) - eval_s, row["warmup_steps"], ms_per_step)
 
 
 def median_run(row: dict) -> dict | None:
