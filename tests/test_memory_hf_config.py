@@ -546,6 +546,9 @@ model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.fo
 model.train()
 if a["recompute"] == "full":
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+if a.get("liger"):
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    _apply_liger_kernel_to_instance(model=model)
 run = model
 if a["scope"] == "model":
     run = torch.compile(model)
@@ -575,14 +578,16 @@ print(json.dumps({"peak": torch.cuda.max_memory_allocated(), "before_step": befo
 """
 
 
-def measured_peak_in_fresh_process(cfg, attention, precision, recompute="none", scope="none", batch=4, seq=1024):
+def measured_peak_in_fresh_process(cfg, attention, precision, recompute="none", scope="none", batch=4, seq=1024,
+                                   liger=False):
     """The peak allocated bytes of a training step (the second and third, after a first that compiles and
-    makes the optimizer's state) of a transformers model built from ``cfg``, in a new Python process."""
+    makes the optimizer's state) of a transformers model built from ``cfg``, in a new Python process
+    (``liger``: liger-kernel's patches of the instance, as the lab applies them)."""
     import subprocess
     import sys
 
     args = dict(cfg=cfg, attention=attention, precision=precision, recompute=recompute, scope=scope, batch=batch,
-                seq=seq)
+                seq=seq, liger=liger)
     done = subprocess.run([sys.executable, "-c", MEASURE_STEP, json.dumps(args)], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -870,3 +875,27 @@ def test_liger_is_checked_and_mapped_per_family():
     from fasttrain.memory.config import preset
     with pytest.raises(FasttrainError, match="the lab's GPT"):
         estimate(preset("val-llama", liger=("rms_norm",)))
+
+
+GPU_LIGER_CASES = [("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "none"),
+                   ("llama", GPU_LLAMA, "eager", "bf16", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "full")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, attention, precision, recompute", GPU_LIGER_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}-liger" for c in GPU_LIGER_CASES])
+def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu(name, cfg, attention, precision,
+                                                                                  recompute):
+    """liger-kernel's patches of the instance (all four kernels), trained as the lab trains it; the estimate with
+    ``liger`` against torch.cuda.max_memory_allocated (autocast: the fused cross-entropy's bf16 chunk path)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel")
+    measured = measured_peak_in_fresh_process(cfg, attention, precision, recompute=recompute, liger=True)
+    setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
+                                 recompute=recompute, optim="adamw_torch", liger=True)
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")

@@ -57,6 +57,10 @@ D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``
     autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
     kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
     norms' and the softmax's backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
+D19 liger-kernel on a transformers model (``liger``): its RMSNorm keeps input and rstd and writes dx over dy,
+    its SwiGLU/GeGLU keeps gate and up and writes their gradients over them, its RoPE keeps what eager's does,
+    its fused linear cross-entropy keeps the d(input) and d(weight) it makes in the forward (no logits, no
+    log-probabilities); the step's peak moves into that forward's chunk buffers (``hf_activations``).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
