@@ -899,3 +899,18 @@ def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu
     est = estimate(setup).total
     assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
                                                     f"measured {measured / 2**20:.1f} MiB")
+
+
+def test_cli_liger_estimates_the_liger_patched_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_05B))
+    result = run_cli("--hf-config", path, "--micro-batch", 64, "--seq", 256, "--attention", "eager", "--liger",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    expected = estimate(setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, attention="eager", liger=True))
+    assert data["setup"]["liger"] == list(LIGER_ALL) and data["total"] == expected.total
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps(GPT2))
+    one_line_error(run_cli("--hf-config", gpt2, "--liger"), "no patches for model_type 'gpt2'")
+    one_line_error(run_cli("--preset", "val-llama", "--liger"), "--hf-config")
