@@ -641,6 +641,7 @@ LIGER_ALL = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
 LIGER_CASES = [("llama", "eager", False, 2, LIGER_ALL), ("llama", "sdpa", True, 1, LIGER_ALL),
                ("llama", "eager", True, 2, ("rms_norm", "rope", "glu")),
                ("qwen2", "sdpa", False, 2, LIGER_ALL), ("phi3", "eager", False, 2, LIGER_ALL),
+               ("phi3", "sdpa", False, 2, LIGER_ALL), ("phi3", "sdpa", True, 1, LIGER_ALL),
                ("gemma", "eager", False, 2, LIGER_ALL)]
 
 
@@ -688,15 +689,20 @@ def _cpu_liger_functions():
                 return (da, db) + (None,) * 2
         return GLU
 
-    class Rope(torch.autograd.Function):             # LigerRopeFunction: q, k rotated in place; saves (cos, sin)
+    class Rope(torch.autograd.Function):             # LigerRopeFunction: saves (cos, sin)
         @staticmethod
         def forward(ctx, q, k, cos, sin):
+            # rope_forward: (b, s, heads, d) made contiguous (a copy only where it is not, e.g. Phi-3's views of
+            # its fused qkv output), rotated in place there, returned transposed back
+            out = []
             for t in (q, k):
+                t = t.transpose(1, 2).contiguous()
                 half = t.shape[-1] // 2
                 rot = torch.cat((-t[..., half:], t[..., :half]), -1)
-                t.copy_(t * cos.unsqueeze(1) + rot * sin.unsqueeze(1))
+                t.copy_(t * cos.unsqueeze(2) + rot * sin.unsqueeze(2))
+                out.append(t.transpose(1, 2))
             ctx.save_for_backward(cos, sin)
-            return q.view_as(q), k.view_as(k)
+            return out[0], out[1]
 
         @staticmethod
         def backward(ctx, dq, dk):
@@ -821,6 +827,10 @@ def test_liger_terms_are_eager_terms_less_what_each_kernel_does_not_keep():
     assert ce["head"] == {"final_norm": eager["head"]["final_norm"], "fused_CE_grad_input": 4 * N * h,
                           "fused_CE_grad_weight": 4 * v * h}
     assert ce["attn"] == eager["attn"] and ce["mlp"] == eager["mlp"]
+    # Phi-3 under sdpa: liger's RoPE gives q the Llama layout, so sdpa's output is the projection's input
+    phi3 = setup_from_hf_config(CACT["phi3"], micro_batch=2, seq=12, attention="sdpa")
+    assert hf_terms(phi3)["attn"]["proj_input"] == 4 * 24 * 32
+    assert hf_terms(phi3.with_(liger=("rope",)))["attn"]["proj_input"] == 0
     # mixed (bf16 weights): the norm keeps its bf16 input, the fused CE bf16 gradients
     mixed = hf_terms(base.with_(precision="mixed", liger=LIGER_ALL))
     assert mixed["attn"]["norm1"] == 2 * N * h + 4 * N

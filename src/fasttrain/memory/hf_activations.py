@@ -92,9 +92,11 @@ and in-place writes, the transformers code around them is eager's. What changes 
   one kernel that keeps gate's and up's outputs; its product is down's input: 3 C N f (eager: 4).
   Backward writes d(gate) and d(up) over the kept gate and up: no hidden-size buffer beyond d(product)
   from down's backward (eager: two more).
-- ``rope``: rotates q and k in place in q_proj's and k_proj's outputs and keeps cos and sin (the same
-  tensors eager's ``q * cos`` keeps): nothing kept changes. Under autocast the rotated q and k stay
-  bf16, which eager's attention casts back to anyway.
+- ``rope``: rotates q and k in place in q_proj's and k_proj's outputs (made (b, s, heads, d)-contiguous
+  first: a copy only for Phi-3's views of its fused qkv output) and keeps cos and sin (the same tensors
+  eager's ``q * cos`` keeps): nothing kept changes, except that Phi-3 under sdpa gets the Llama
+  layout back (the kernel's output is the output projection's input: no C N a d copy). Under
+  autocast the rotated q and k stay bf16, which eager's attention casts back to anyway.
 - ``fused_linear_cross_entropy`` (the family's ``lce_forward`` in training with labels): the head and
   the loss in one autograd function that never materializes the (N, v) logits. Its forward splits the
   N tokens into chunks of n_c = min(N, 2^ceil(log2 ceil(N / ceil(v / h)))) rows (about N h logits
@@ -262,7 +264,12 @@ def _liger(s: Setup, t: dict) -> None:
         attn["norm1"] = mlp["norm2"] = t["norm"] = head["final_norm"] = norm
     if "glu" in s.liger:
         mlp["mlp_hidden"] = 3 * C * N * f             # gate's and up's outputs, their product (down's input)
-    # "rope": nothing kept changes (q and k rotated in place; cos and sin kept as eager keeps them)
+    if "rope" in s.liger and s.attention == "flash" and s.modules == "hf-phi3":
+        # Phi-3's q and k are views of the fused qkv output: liger's RoPE makes them (b, s, heads, d)-contiguous
+        # (a copy, rotated in place) where eager's ``cat`` made them (b, heads, s, d); sdpa's output follows q's
+        # layout, so the output projection's input is that output itself (eager: a copy)
+        attn["proj_input"] = 0
+    # otherwise "rope" changes nothing kept (q and k rotated in place; cos and sin kept as eager keeps them)
     if "fused_linear_cross_entropy" in s.liger:
         # the gradients it computes in its forward, kept for its backward: nothing else of the head and the loss
         t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": R * N * h,
