@@ -30,9 +30,10 @@ def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
     Maps the model shape, micro-batch, precision (fp32/tf32 -> fp32; fp16/bf16 autocast ->
     ``amp``), checkpointing, attention kernel, dropout and optimizer. Gradient accumulation keeps
     the gradients alive across micro-batches (``grad_buffers``). What the Setup cannot yet say is
-    listed in :func:`estimate_notes` (liger's kernels in the lab's GPT; a transformers model's are modelled). Optimizer kind, LoRA's frozen
-    base and the soft prompt are modelled. ``compiled`` records the torch.compile scope; the
-    estimator leaves the lab's GPT as eager (its compiled runs measure within about 1% of that).
+    listed in :func:`estimate_notes` (liger's kernels in the lab's GPT; a transformers model's are
+    modelled, lab/hf.py). Optimizer kind, LoRA's frozen base and the soft prompt are modelled.
+    ``compiled`` records the torch.compile scope; the estimator leaves the lab's GPT as eager (its
+    compiled runs measure within about 1% of that).
     """
     from fasttrain.memory.config import Setup
 

@@ -105,7 +105,7 @@ class Setup:
     modules: str = "lab"            # whose modules keep the activations: the lab's GPT or a transformers family
     keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
-    liger: tuple = ()               # liger-kernel's kernels patched in (names of LIGER_KERNELS); transformers models only
+    liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
 
     @property
     def g(self) -> int:
