@@ -725,6 +725,30 @@ def test_the_memory_setup_follows_the_compile_flags():
     assert any("counted as eager" in n for n in estimate_notes(compiled))
 
 
+def test_the_memory_setup_follows_the_liger_flag():
+    """--use-liger-kernel reaches the estimator's Setup of a transformers model as liger's kernels of its family
+    (modelled: the record carries no 'not modelled' note); GPT-2, which liger does not patch, gets no estimate;
+    the lab's GPT keeps its note."""
+    from fasttrain.lab.estimate import estimate_notes
+    from fasttrain.memory import estimate
+
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=120, max_position_embeddings=64)
+    setup_of = hf.memory_setup_for(llama)
+    cfg = LabConfig(context=32, per_device_train_batch_size=2, attn_implementation="eager")
+    assert setup_of(cfg, 2).liger == ()
+    liger = cfg.with_(use_liger_kernel=True)
+    assert setup_of(liger, 2).liger == ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+    assert estimate(setup_of(liger, 2), "precise").total < estimate(setup_of(cfg, 2), "precise").total
+    assert not any("liger" in n for n in estimate_notes(liger.with_(model="hf:some/folder")))
+    assert any("liger" in n and "not modelled" in n for n in estimate_notes(liger))
+    gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=64,
+                embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+    assert hf.memory_setup_for(gpt2)(liger, 2) is None
+    # liger under a per-block compile is not modelled: no estimate rather than a wrong one
+    assert setup_of(liger.with_(torch_compile=True, torch_compile_scope="blocks"), 2) is None
+
+
 def test_liger_patches_of_transformers_modules_are_undone_after_the_run(tmp_path, monkeypatch):
     """liger rebinds module-level names of transformers' modeling module when it patches one instance; a later
     model of the family (the next row of a table) must be built and run without them."""

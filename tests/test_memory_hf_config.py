@@ -546,6 +546,9 @@ model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.fo
 model.train()
 if a["recompute"] == "full":
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+if a.get("liger"):
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+    _apply_liger_kernel_to_instance(model=model)
 run = model
 if a["scope"] == "model":
     run = torch.compile(model)
@@ -575,14 +578,16 @@ print(json.dumps({"peak": torch.cuda.max_memory_allocated(), "before_step": befo
 """
 
 
-def measured_peak_in_fresh_process(cfg, attention, precision, recompute="none", scope="none", batch=4, seq=1024):
+def measured_peak_in_fresh_process(cfg, attention, precision, recompute="none", scope="none", batch=4, seq=1024,
+                                   liger=False):
     """The peak allocated bytes of a training step (the second and third, after a first that compiles and
-    makes the optimizer's state) of a transformers model built from ``cfg``, in a new Python process."""
+    makes the optimizer's state) of a transformers model built from ``cfg``, in a new Python process
+    (``liger``: liger-kernel's patches of the instance, as the lab applies them)."""
     import subprocess
     import sys
 
     args = dict(cfg=cfg, attention=attention, precision=precision, recompute=recompute, scope=scope, batch=batch,
-                seq=seq)
+                seq=seq, liger=liger)
     done = subprocess.run([sys.executable, "-c", MEASURE_STEP, json.dumps(args)], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
@@ -623,3 +628,299 @@ def test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(
     est = estimate(setup).total
     assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
                                                     f"measured {measured / 2**20:.1f} MiB")
+
+
+# --------------------------------------------------------------------------------------------
+# liger-kernel (Setup.liger). Its kernels are Triton (CUDA only): on the CPU each autograd function is
+# replaced by one that saves what liger's saves (its ctx.save_for_backward, read in liger-kernel 0.8.5:
+# RMSNorm its input and fp32 rstd, SwiGLU/GeGLU gate's and up's outputs, RoPE cos and sin with q and k
+# rotated in place, the fused linear cross-entropy its forward-made d(input) and d(weight)); liger's own
+# patching of the instance and transformers' code around the kernels run as they are, under the hooks.
+
+LIGER_ALL = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+LIGER_CASES = [("llama", "eager", False, 2, LIGER_ALL), ("llama", "sdpa", True, 1, LIGER_ALL),
+               ("llama", "eager", True, 2, ("rms_norm", "rope", "glu")),
+               ("qwen2", "sdpa", False, 2, LIGER_ALL), ("phi3", "eager", False, 2, LIGER_ALL),
+               ("phi3", "sdpa", False, 2, LIGER_ALL), ("phi3", "sdpa", True, 1, LIGER_ALL),
+               ("gemma", "eager", False, 2, LIGER_ALL)]
+
+
+def _cpu_liger_functions():
+    """CPU autograd functions that keep for backward what liger-kernel's Triton ones keep."""
+    import math
+
+    import torch
+    import torch.nn.functional as F
+
+    class RMSNorm(torch.autograd.Function):          # LigerRMSNormFunction: saves (X, W, RSTD)
+        @staticmethod
+        def forward(ctx, X, W, eps, offset=0.0, casting_mode="llama", in_place=True, row_mode=None):
+            X = X.contiguous()
+            rstd = torch.rsqrt(X.float().pow(2).mean(-1) + eps)
+            Y = (X.float() * rstd[..., None] * (offset + W.float())).to(X.dtype)
+            ctx.offset = offset
+            ctx.save_for_backward(X, W, rstd)
+            return Y
+
+        @staticmethod
+        def backward(ctx, dY):
+            X, W, rstd = ctx.saved_tensors
+            w = ctx.offset + W.float()
+            xhat = X.float() * rstd[..., None]
+            g = dY.float() * w
+            dX = rstd[..., None] * (g - xhat * (g * xhat).mean(-1, keepdim=True))
+            return dX.to(X.dtype), (dY.float() * xhat).reshape(-1, X.shape[-1]).sum(0).to(W.dtype), \
+                None, None, None, None, None
+
+    def glu(act):
+        class GLU(torch.autograd.Function):          # LigerSiLUMulFunction / LigerGELUMulFunction: saves (a, b)
+            @staticmethod
+            def forward(ctx, a, b, *rest):
+                a, b = a.contiguous(), b.contiguous()
+                ctx.save_for_backward(a, b)
+                return act(a) * b
+
+            @staticmethod
+            def backward(ctx, dc):
+                a, b = ctx.saved_tensors
+                with torch.enable_grad():
+                    a_, b_ = a.detach().requires_grad_(), b.detach().requires_grad_()
+                    da, db = torch.autograd.grad(act(a_) * b_, (a_, b_), dc)
+                return (da, db) + (None,) * 2
+        return GLU
+
+    class Rope(torch.autograd.Function):             # LigerRopeFunction: saves (cos, sin)
+        @staticmethod
+        def forward(ctx, q, k, cos, sin):
+            # rope_forward: (b, s, heads, d) made contiguous (a copy only where it is not, e.g. Phi-3's views of
+            # its fused qkv output), rotated in place there, returned transposed back
+            out = []
+            for t in (q, k):
+                t = t.transpose(1, 2).contiguous()
+                half = t.shape[-1] // 2
+                rot = torch.cat((-t[..., half:], t[..., :half]), -1)
+                t.copy_(t * cos.unsqueeze(2) + rot * sin.unsqueeze(2))
+                out.append(t.transpose(1, 2))
+            ctx.save_for_backward(cos, sin)
+            return out[0], out[1]
+
+        @staticmethod
+        def backward(ctx, dq, dk):
+            cos, sin = ctx.saved_tensors
+            out = []
+            for t in (dq, dk):
+                half = t.shape[-1] // 2
+                rot = torch.cat((t[..., half:], -t[..., :half]), -1)
+                out.append(t * cos.unsqueeze(1) + rot * sin.unsqueeze(1))
+            return out[0], out[1], None, None
+
+    class FusedLinearCE(torch.autograd.Function):   # LigerFusedLinearCrossEntropyFunction: saves its gradients
+        supports_inner_impl_dispatch = False
+
+        @staticmethod
+        def forward(ctx, x, w, target, bias=None, ce_weight=None, ignore_index=-100, *rest):
+            n_rows, h = x.shape
+            inc = -(-w.shape[0] // h)
+            chunk = min(n_rows, 2 ** math.ceil(math.log2(-(-n_rows // inc))))
+            grad_input = torch.zeros_like(x)
+            grad_weight = torch.zeros_like(w) if w.requires_grad else None
+            counted = target != ignore_index
+            n = counted.sum()
+            loss = torch.zeros((), dtype=torch.float32)
+            for start in range(0, n_rows, chunk):
+                xc, tc, mc = x[start:start + chunk], target[start:start + chunk], counted[start:start + chunk]
+                logits = (xc @ w.t()).float()
+                loss += ((logits.logsumexp(-1) - logits.gather(1, tc.clamp(min=0)[:, None])[:, 0]) * mc).sum()
+                g = (logits.softmax(-1) - F.one_hot(tc.clamp(min=0), w.shape[0])) * mc[:, None] / n
+                grad_input[start:start + chunk] = (g.to(w.dtype) @ w).to(x.dtype)
+                if grad_weight is not None:
+                    grad_weight += (g.t() @ xc.float()).to(w.dtype)
+            ctx.save_for_backward(grad_input, grad_weight)
+            return loss / n, None, None, None
+
+        @staticmethod
+        def backward(ctx, g, *rest):
+            grad_input, grad_weight = ctx.saved_tensors
+            return (grad_input * g, None if grad_weight is None else grad_weight * g) + (None,) * 16
+
+    return RMSNorm, glu(F.silu), glu(lambda a: F.gelu(a, approximate="tanh")), Rope, FusedLinearCE
+
+
+def liger_on_cpu(model, monkeypatch, kernels):
+    """liger-kernel's own patching of ``model`` (its family's apply function) with the CPU functions above in
+    place of the Triton ones; its module-level patches of transformers undone after the test."""
+    import importlib
+
+    pytest.importorskip("liger_kernel")
+    from liger_kernel.transformers import functional, geglu, rms_norm, swiglu
+    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
+
+    rms, silu_mul, gelu_mul, rope, flce = _cpu_liger_functions()
+    monkeypatch.setattr(rms_norm, "LigerRMSNormFunction", rms)
+    monkeypatch.setattr(swiglu, "LigerSiLUMulFunction", silu_mul)
+    monkeypatch.setattr(geglu, "LigerGELUMulFunction", gelu_mul)
+    monkeypatch.setattr(functional, "LigerFusedLinearCrossEntropyFunction", flce)
+    modeling = importlib.import_module(type(model).__module__)
+    for name, value in list(vars(modeling).items()):     # what the apply function rebinds, put back at teardown
+        if not name.startswith("__"):
+            monkeypatch.setattr(modeling, name, value)
+    glu_flag = "geglu" if model.config.model_type == "gemma" else "swiglu"
+    _apply_liger_kernel_to_instance(model=model, rms_norm="rms_norm" in kernels, rope="rope" in kernels,
+                                    fused_linear_cross_entropy="fused_linear_cross_entropy" in kernels,
+                                    **{glu_flag: "glu" in kernels})
+    if "rope" in kernels:
+        modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: rope.apply(q, k, cos, sin)
+
+
+@pytest.mark.parametrize("name, attention, amp, batch, kernels", LIGER_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}-{len(c[4])}-kernels"
+                              for c in LIGER_CASES])
+def test_liger_saved_activations_equal_what_autograd_saves_on_cpu(name, attention, amp, batch, kernels,
+                                                                  monkeypatch):
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.memory import precise
+    from fasttrain.memory.tracker import saved_tensor_bytes
+
+    cfg, seq = dict(CACT[name]), 12
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    model.train()
+    liger_on_cpu(model, monkeypatch, kernels)
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    # the fused loss: the lab's path (lab/hf.py hf_loss: labels switch it on, the shifted targets given); the plain
+    # loss as the eager cases above (transformers shifts the labels itself and keeps them: the estimate's labels term)
+    shifted = dict(shift_labels=targets) if "fused_linear_cross_entropy" in kernels else {}
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return model(input_ids=ids, labels=ids, use_cache=False, **shifted).loss
+
+    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
+    loss.backward()                                    # the stand-ins' backward runs through transformers' graph
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, liger=kernels, workspace_mib=0.0)
+    est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).line("activations at the end of forward").bytes
+    assert est == measured
+
+
+def test_liger_terms_are_eager_terms_less_what_each_kernel_does_not_keep():
+    """Each kernel changes exactly its own terms: RMSNorm keeps x and rstd (R N h + 4 N, not 8 N h + 4 N), the
+    gated MLP 3 C N f (not 4), RoPE nothing, the fused cross-entropy its d(input) and d(weight) instead of the
+    head's input, log-probabilities and labels."""
+    from fasttrain.memory.hf_activations import hf_terms
+
+    base = setup_from_hf_config(LLAMA_05B, micro_batch=4, seq=128, precision="fp32", attention="eager")
+    N, h, f, v = 4 * 128, 1536, 4096, 32000
+    eager = hf_terms(base)
+    norm = hf_terms(base.with_(liger=("rms_norm",)))
+    assert eager["attn"]["norm1"] - norm["attn"]["norm1"] == 4 * N * h
+    assert eager["mlp"]["norm2"] - norm["mlp"]["norm2"] == eager["head"]["final_norm"] - norm["head"]["final_norm"] \
+        == 4 * N * h
+    glu = hf_terms(base.with_(liger=("glu",)))
+    assert eager["mlp"]["mlp_hidden"] - glu["mlp"]["mlp_hidden"] == 4 * N * f
+    assert hf_terms(base.with_(liger=("rope",))) == eager
+    ce = hf_terms(base.with_(liger=("fused_linear_cross_entropy",)))
+    assert ce["head"] == {"final_norm": eager["head"]["final_norm"], "fused_CE_grad_input": 4 * N * h,
+                          "fused_CE_grad_weight": 4 * v * h}
+    assert ce["attn"] == eager["attn"] and ce["mlp"] == eager["mlp"]
+    # Phi-3 under sdpa: liger's RoPE gives q the Llama layout, so sdpa's output is the projection's input
+    phi3 = setup_from_hf_config(CACT["phi3"], micro_batch=2, seq=12, attention="sdpa")
+    assert hf_terms(phi3)["attn"]["proj_input"] == 4 * 24 * 32
+    assert hf_terms(phi3.with_(liger=("rope",)))["attn"]["proj_input"] == 0
+    # mixed (bf16 weights): the norm keeps its bf16 input, the fused CE bf16 gradients
+    mixed = hf_terms(base.with_(precision="mixed", liger=LIGER_ALL))
+    assert mixed["attn"]["norm1"] == 2 * N * h + 4 * N
+    assert mixed["head"]["fused_CE_grad_weight"] == 2 * v * h
+
+
+LLAMA_05B = dict(model_type="llama", hidden_size=1536, intermediate_size=4096, num_hidden_layers=16,
+                 num_attention_heads=12, num_key_value_heads=4, head_dim=128, vocab_size=32000,
+                 tie_word_embeddings=False, max_position_embeddings=2048)
+
+
+@pytest.mark.parametrize("kernels, optim, measured_mib", [
+    ((), "adamw_torch", 46_905.1),
+    (LIGER_ALL, "adamw_torch", 34_239.2),
+    (("rms_norm", "rope", "glu"), "adamw_torch_fused", 39_641.2)])
+def test_liger_estimate_of_the_llama_05b_matches_its_h100_peaks(kernels, optim, measured_mib):
+    """Measured on an H100 (torch 2.11, liger-kernel 0.8.5, transformers 5.17; fasttrain bench lab, the peak
+    less the bytes held before the run): the Llama 0.5B, b 64 x s 256, fp32, eager attention; all of liger's
+    patches; RMSNorm, RoPE and SwiGLU only (the plain loss) with fused AdamW; no liger."""
+    setup = setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, precision="fp32", attention="eager",
+                                 optim=optim, liger=kernels)
+    est = estimate(setup).total / 2 ** 20
+    assert abs(est - measured_mib) <= 0.01 * measured_mib, (est, measured_mib)
+
+
+def test_liger_fused_cross_entropy_chunks_and_forward_working_memory():
+    """liger's chunk: ceil(v / h) = 21 chunks' worth, N / 21 = 781 rows rounded up to 1024; its fp32 forward holds
+    its input, the per-token loss and mask, a (1024, v) fp32 logits buffer and a v x h fp32 product."""
+    from fasttrain.memory.hf_activations import liger_chunk_rows, liger_flce_forward_bytes
+
+    s = setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, precision="fp32", attention="eager",
+                             liger=True)
+    N, h, v = 64 * 256, 1536, 32000
+    assert liger_chunk_rows(s) == 1024
+    assert liger_chunk_rows(s.with_(micro_batch=1, seq=8)) == 1          # ceil(8 / 21) = 1 row
+    assert liger_chunk_rows(s.with_(vocab=1000, micro_batch=3, seq=100)) == 300   # v <= h: 512 rounded, cut to N
+    assert liger_flce_forward_bytes(s) == 4 * N * h + 5 * N + 4 * 1024 * v + 4 * v * h
+    b = estimate(s)
+    assert b.extra["peak_moment"] == "end of forward (loss)"
+    names = [m["name"] for m in b.extra["moments"]]
+    assert "backward: log-softmax" not in names and "backward: fused linear cross-entropy" in names
+
+
+def test_liger_is_checked_and_mapped_per_family():
+    assert setup_from_hf_config(LLAMA_05B, seq=64, liger=True).liger == LIGER_ALL
+    for bad, message in ((dict(liger=("fused_ce",)), "liger must be distinct names"),
+                         (dict(liger=True, compiled="blocks"), "torch.compile is not modelled")):
+        with pytest.raises(FasttrainError, match=message):
+            setup_from_hf_config(LLAMA_05B, seq=64, **bad)
+    with pytest.raises(FasttrainError, match="no patches for model_type 'gpt2'"):
+        setup_from_hf_config(GPT2, seq=64, liger=True)
+    from fasttrain.memory.config import preset
+    with pytest.raises(FasttrainError, match="the lab's GPT"):
+        estimate(preset("val-llama", liger=("rms_norm",)))
+
+
+GPU_LIGER_CASES = [("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "none"),
+                   ("llama", GPU_LLAMA, "eager", "bf16", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "full")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, attention, precision, recompute", GPU_LIGER_CASES,
+                         ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}-liger" for c in GPU_LIGER_CASES])
+def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu(name, cfg, attention, precision,
+                                                                                  recompute):
+    """liger-kernel's patches of the instance (all four kernels), trained as the lab trains it; the estimate with
+    ``liger`` against torch.cuda.max_memory_allocated (autocast: the fused cross-entropy's bf16 chunk path)."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel")
+    measured = measured_peak_in_fresh_process(cfg, attention, precision, recompute=recompute, liger=True)
+    setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
+                                 recompute=recompute, optim="adamw_torch", liger=True)
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")
+
+
+def test_cli_liger_estimates_the_liger_patched_model(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(LLAMA_05B))
+    result = run_cli("--hf-config", path, "--micro-batch", 64, "--seq", 256, "--attention", "eager", "--liger",
+                     "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    expected = estimate(setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, attention="eager", liger=True))
+    assert data["setup"]["liger"] == list(LIGER_ALL) and data["total"] == expected.total
+    gpt2 = tmp_path / "gpt2.json"
+    gpt2.write_text(json.dumps(GPT2))
+    one_line_error(run_cli("--hf-config", gpt2, "--liger"), "no patches for model_type 'gpt2'")
+    one_line_error(run_cli("--preset", "val-llama", "--liger"), "--hf-config")

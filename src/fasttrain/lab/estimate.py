@@ -30,9 +30,10 @@ def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
     Maps the model shape, micro-batch, precision (fp32/tf32 -> fp32; fp16/bf16 autocast ->
     ``amp``), checkpointing, attention kernel, dropout and optimizer. Gradient accumulation keeps
     the gradients alive across micro-batches (``grad_buffers``). What the Setup cannot yet say is
-    listed in :func:`estimate_notes` (liger's fused cross-entropy). Optimizer kind, LoRA's frozen
-    base and the soft prompt are modelled. ``compiled`` records the torch.compile scope; the
-    estimator leaves the lab's GPT as eager (its compiled runs measure within about 1% of that).
+    listed in :func:`estimate_notes` (liger's kernels in the lab's GPT; a transformers model's are
+    modelled, lab/hf.py). Optimizer kind, LoRA's frozen base and the soft prompt are modelled.
+    ``compiled`` records the torch.compile scope; the estimator leaves the lab's GPT as eager (its
+    compiled runs measure within about 1% of that).
     """
     from fasttrain.memory.config import Setup
 
@@ -56,7 +57,8 @@ def estimate_notes(cfg: LabConfig) -> list[str]:
     if cfg.optim == "muon":
         notes.append("muon: state counted as one fp32 momentum per parameter (the AdamW part's second moment "
                      "on embeddings and norms is not counted)")
-    if cfg.use_liger_kernel:
+    if cfg.use_liger_kernel and model_source(cfg) == "gpt":
+        # a transformers model's liger patches are modelled (Setup.liger, lab/hf.py memory_setup_for)
         notes.append("liger: the fused linear cross-entropy never materializes the logits (not modelled)")
     if cfg.torch_compile and model_source(cfg) == "gpt":
         notes.append("torch.compile: the lab's GPT counted as eager (its compiled runs measure within about 1%)")

@@ -600,7 +600,8 @@ def memory_setup_for(hf_config: dict):
             return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
-                                        optim=cfg.optim, lora_rank=cfg.lora_r, compiled=compiled_scope(cfg), **extra)
+                                        optim=cfg.optim, lora_rank=cfg.lora_r, compiled=compiled_scope(cfg),
+                                        liger=bool(cfg.use_liger_kernel), **extra)
         except FasttrainError:
             return None
     return setup

@@ -38,6 +38,8 @@ def _options(fn):
                      "through backward."),
         click.option("--compiled", type=click.Choice(["none", "model", "blocks"]), help="precise, --hf-config: "
                      "torch.compile of the whole model (the loss inside) or of each decoder layer (default none)."),
+        click.option("--liger", is_flag=True, help="precise, --hf-config: liger-kernel's patches of the family "
+                     "(RMSNorm, RoPE, SwiGLU/GeGLU, fused linear cross-entropy), as --use-liger-kernel applies them."),
         click.option("--list-presets", is_flag=True, help="List the presets and exit."),
         click.option("--mixed", is_flag=True, help="Mixed precision (bf16 + fp32 master weights)."),
         click.option("--precision", type=click.Choice(["fp32", "mixed", "amp"]),
@@ -83,6 +85,9 @@ def setup_from_options(opts: dict):
     if opts.get("compiled") not in (None, "none"):
         raise FasttrainError("--compiled is modelled for a transformers model (--hf-config); the lab's GPT compiled "
                              "keeps what it keeps eager (within about 1%): drop --compiled")
+    if opts.get("liger"):
+        raise FasttrainError("--liger is modelled for a transformers model (--hf-config), not for the lab's GPT; "
+                             "give --hf-config or drop --liger")
     changes = {name: opts[name] for _, name, _ in _SIZE_FLAGS if opts.get(name) is not None}
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
@@ -135,7 +140,7 @@ def _setup_from_hf_options(opts: dict):
     setup = setup_from_hf_config(config, micro_batch=opts.get("micro_batch") or 1, seq=opts.get("seq"),
                                  precision=precision, recompute=opts.get("recompute") or "none", attention=attention,
                                  keep_logits=bool(opts.get("keep_logits")), compiled=opts.get("compiled") or "none",
-                                 **changes)
+                                 liger=bool(opts.get("liger")), **changes)
     return check(setup, "precise")
 
 

@@ -48,6 +48,9 @@ MODES = ("playbook", "precise")
 # torch.compile of a transformers model (precise only): none = eager; model = the whole module one graph (the loss
 # inside it); blocks = each decoder layer compiled alone (embeddings, head and loss eager). See hf_activations.py.
 COMPILED = ("none", "model", "blocks")
+# liger-kernel's patches of a transformers model (precise only; what each keeps: hf_activations.py): its RMSNorm,
+# RoPE, gated MLP (SwiGLU; Gemma's GeGLU) and fused linear cross-entropy (the logits never materialized)
+LIGER_KERNELS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
 
 
 @dataclass(frozen=True)
@@ -102,6 +105,7 @@ class Setup:
     modules: str = "lab"            # whose modules keep the activations: the lab's GPT or a transformers family
     keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
+    liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
 
     @property
     def g(self) -> int:
@@ -131,6 +135,7 @@ class Setup:
         out = asdict(self)
         out["kv_heads"] = self.g
         out["lora_targets"] = list(self.lora_targets)
+        out["liger"] = list(self.liger)
         return out
 
 
@@ -192,6 +197,7 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                              f"got {setup.compiled!r}")
     if setup.compiled != "none" and mode == "playbook":
         raise FasttrainError("torch.compile (compiled) exists only in --mode precise; the widget models eager PyTorch")
+    _check_liger(setup)
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
                              f"pick --tp among the divisors of {setup.heads}")
@@ -219,6 +225,25 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                              "the widget knows fp32 and --mixed")
     _check_training(setup, mode)
     return setup
+
+
+def _check_liger(setup: Setup) -> None:
+    """liger-kernel's patches: modelled for the transformers families liger patches, eager, one rank."""
+    kernels = setup.liger
+    if isinstance(kernels, str) or not isinstance(kernels, (tuple, list)) \
+            or not all(k in LIGER_KERNELS for k in kernels) or len(set(kernels)) != len(kernels):
+        raise FasttrainError(f"liger must be distinct names among {', '.join(LIGER_KERNELS)}, got {kernels!r}")
+    if not kernels:
+        return
+    if setup.modules in ("lab", "hf-gpt2"):
+        raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
+                             "Qwen2, Gemma, Phi-3), not for " + ("the lab's GPT" if setup.modules == "lab" else "GPT-2")
+                             + "; drop liger")
+    if setup.compiled != "none":
+        raise FasttrainError("liger-kernel under torch.compile is not modelled by the estimator; "
+                             "estimate it eager (compiled none) or without liger")
+    if setup.tp > 1:
+        raise FasttrainError("liger-kernel with tensor parallelism is not modelled by the estimator; use --tp 1")
 
 
 def _check_training(setup: Setup, mode: str) -> None:

@@ -80,6 +80,45 @@ from eager (the rest is as above):
   and, under autocast, no fp32 copy of dP); GPT-2's ``gelu_new`` backward under autocast holds
   d(c_proj's input) and d(c_fc's output) in bf16 (in fp32 the kernel writes over its dead input);
   the rest as eager.
+liger-kernel (``Setup.liger``: the kernels patched in; the lab patches all four of a family liger
+knows). Its kernels are Triton (CUDA only): what they keep is read from their ``save_for_backward``
+and in-place writes, the transformers code around them is eager's. What changes from eager:
+- ``rms_norm`` (LigerRMSNorm; Gemma's with offset 1 and its casting mode): one kernel keeps its
+  input and the fp32 row statistic, R N h + 4 N (eager: 8 N h + 4 N, Gemma's 4 h more); its output
+  is new, in the input's dtype. Backward writes d(input) over d(output) in place: the moment holds
+  d(output) alone (eager: 4 fp32 temporaries and a new d(input) beside it), plus a (SMs x h) fp32
+  partial sum of d(weight) (under 1 MiB; not counted).
+- ``glu`` (LigerSwiGLUMLP, Phi-3's on chunks of gate_up's output, Gemma's GeGLU): silu(gate) * up in
+  one kernel that keeps gate's and up's outputs; its product is down's input: 3 C N f (eager: 4).
+  Backward writes d(gate) and d(up) over the kept gate and up: no hidden-size buffer beyond d(product)
+  from down's backward (eager: two more).
+- ``rope``: rotates q and k in place in q_proj's and k_proj's outputs (made (b, s, heads, d)-contiguous
+  first: a copy only for Phi-3's views of its fused qkv output) and keeps cos and sin (the same tensors
+  eager's ``q * cos`` keeps): nothing kept changes, except that Phi-3 under sdpa gets the Llama
+  layout back (the kernel's output is the output projection's input: no C N a d copy). Under
+  autocast the rotated q and k stay bf16, which eager's attention casts back to anyway.
+- ``fused_linear_cross_entropy`` (the family's ``lce_forward`` in training with labels): the head and
+  the loss in one autograd function that never materializes the (N, v) logits. Its forward splits the
+  N tokens into chunks of n_c = min(N, 2^ceil(log2 ceil(N / ceil(v / h)))) rows (about N h logits
+  each) and computes, chunk by chunk, the logits, the loss and their gradients: d(input) (N x h, the
+  input's dtype R) and d(weight) (v x h, the weight's dtype; none when the head is frozen) exist from
+  the forward on and are what it keeps; nothing else (no log-probabilities, no head input, no labels,
+  no bf16 head weight). Its backward scales them by the loss's gradient in place and hands them on:
+  d(weight) becomes the head's gradient (autograd takes the tensor, no copy), d(input) the final
+  norm's d(output). Working memory of its forward, beside everything kept (often the step's peak,
+  where eager's was the loss's backward): the final norm's output (its input, R N h), the fp32 loss per
+  token (4 N) and the mask of counted targets (N); fp32: one (n_c, v) fp32 logits buffer reused by
+  every chunk and d(weight)'s chunk product, a new fp32 v x h added into d(weight); bf16 weights
+  (``mixed``): one (n_c, v) bf16 buffer, the product added in place; autocast (fp32 weights): the
+  chunk's bf16 logits (n_c v), its bf16 input (n_c h), a bf16 copy of the weight per chunk for the
+  logits (cast from a view, not cached) beside the one d(input)'s matmul put in autocast's cache
+  (alive until the autocast region ends, before backward): 2 n_c (v + h) + 4 v h.
+GPU (H100, torch 2.11, liger-kernel 0.8.5; a Llama of 0.5B parameters, b 64 x s 256, fp32, eager
+attention): all four kernels measured 34,239.2 MiB, estimated 34,237.2 (the peak inside the fused
+cross-entropy's forward); RMSNorm, RoPE and SwiGLU with the plain loss 39,641.2, estimated 39,641.3
+(``tests/test_memory_hf_config.py``). The autocast and bf16-weight paths of the fused cross-entropy
+are read from its code, not yet measured.
+
 Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
 CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but
 the peak of the backward is 4 to 22% above the estimate, growing with the layers (the compiled
@@ -178,9 +217,63 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
     out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
            "first_norm1": None, "first_attn": 0}
+    if s.liger:
+        _liger(s, out)
     if s.compiled != "none":
         _compiled(s, out, cpu)
     return out
+
+
+def liger_chunk_rows(s: Setup) -> int:
+    """Rows of one chunk of liger's fused linear cross-entropy: about N h logits, a power of two, at most N
+    (``inc = ceil(v / h)``, ``n_c = min(N, next_power_of_2(ceil(N / inc)))``)."""
+    D = dims(s)
+    N, v = D["N"], D["v_l"]
+    inc = -(-v // s.hidden)
+    return min(N, 1 << max(0, (-(-N // inc) - 1).bit_length()))
+
+
+def liger_flce_forward_bytes(s: Setup) -> int:
+    """The working memory of liger's fused linear cross-entropy forward beyond what it keeps (its input,
+    the per-token loss and target mask, the chunk buffers; see the docstring)."""
+    D, T = dims(s), dtypes(s)
+    N, v, h = D["N"], D["v_l"], s.hidden
+    R = 2 if s.precision == "mixed" else 4
+    n_c = liger_chunk_rows(s)
+    grad_w = not s.frozen
+    out = R * N * h + 4 * N + N
+    if T["cast"]:
+        out += 2 * n_c * (v + h) + (4 if grad_w else 2) * v * h
+    elif s.precision == "mixed":
+        out += 2 * n_c * v
+    else:
+        out += 4 * n_c * v + (4 * v * h if grad_w else 0)
+    return out
+
+
+def _liger(s: Setup, t: dict) -> None:
+    """``t`` (eager terms) edited in place into what liger-kernel's patched model keeps (``s.liger``; see the
+    docstring's liger part)."""
+    D, T = dims(s), dtypes(s)
+    N, f, h = D["N"], D["f_l"], s.hidden
+    C = T["C"]
+    R = 2 if s.precision == "mixed" else 4
+    attn, mlp, head = t["attn"], t["mlp"], t["head"]
+    if "rms_norm" in s.liger:
+        norm = R * N * h + 4 * N                      # the input and the fp32 row statistic
+        attn["norm1"] = mlp["norm2"] = t["norm"] = head["final_norm"] = norm
+    if "glu" in s.liger:
+        mlp["mlp_hidden"] = 3 * C * N * f             # gate's and up's outputs, their product (down's input)
+    if "rope" in s.liger and s.attention == "flash" and s.modules == "hf-phi3":
+        # Phi-3's q and k are views of the fused qkv output: liger's RoPE makes them (b, s, heads, d)-contiguous
+        # (a copy, rotated in place) where eager's ``cat`` made them (b, heads, s, d); sdpa's output follows q's
+        # layout, so the output projection's input is that output itself (eager: a copy)
+        attn["proj_input"] = 0
+    # otherwise "rope" changes nothing kept (q and k rotated in place; cos and sin kept as eager keeps them)
+    if "fused_linear_cross_entropy" in s.liger:
+        # the gradients it computes in its forward, kept for its backward: nothing else of the head and the loss
+        t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": R * N * h,
+                     "fused_CE_grad_weight": 0 if s.frozen else T["param"] * D["v_l"] * h}
 
 
 def _compiled(s: Setup, t: dict, cpu: bool) -> None:

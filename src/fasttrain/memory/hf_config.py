@@ -27,7 +27,7 @@ import json
 import os
 
 from fasttrain.errors import FasttrainError
-from fasttrain.memory.config import OPTIM_ALIASES, Setup, check
+from fasttrain.memory.config import LIGER_KERNELS, OPTIM_ALIASES, Setup, check
 
 SUPPORTED = ("llama", "mistral", "qwen2", "gemma", "phi3", "gpt2")
 MODULES_OF = {"llama": "hf-llama", "mistral": "hf-llama", "qwen2": "hf-llama", "gemma": "hf-gemma",
@@ -39,6 +39,10 @@ _REQUIRED_DEFAULT = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
 # transformers' attention implementations -> the estimator's kernel kinds
 ATTENTION_ALIASES = {"eager": "eager", "sdpa": "flash", "flash_attention_2": "flash", "flash": "flash",
                      "flash_attention_3": "flash"}
+# the kernels liger-kernel patches into each family by default (its apply_liger_kernel_to_<family>: RMSNorm,
+# RoPE, SwiGLU (Gemma: GeGLU), fused linear cross-entropy); GPT-2 has no liger patches
+LIGER_OF = {"llama": LIGER_KERNELS, "mistral": LIGER_KERNELS, "qwen2": LIGER_KERNELS, "gemma": LIGER_KERNELS,
+            "phi3": LIGER_KERNELS}
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
@@ -144,7 +148,7 @@ def max_positions(config) -> int | None:
 def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None, precision: str = "fp32",
                          recompute: str = "none", attention: str = "sdpa", optim: str = "adamw",
                          optimizer: str | None = None, lora_rank: int = 0, lora_targets=(), keep_logits: bool = False,
-                         **changes) -> Setup:
+                         liger=False, **changes) -> Setup:
     """The :class:`Setup` of training the model ``config`` describes, one GPU, for the estimator.
 
     ``config``: a ``config.json``'s dict or a ``transformers.PretrainedConfig``. ``seq`` defaults to
@@ -155,6 +159,8 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
     ``sdpa``, ``flash_attention_2``). ``optim``: the lab's / Trainer's names (``adamw_torch``,
     ``adamw_torch_fused``, ``adamw_8bit``, ``adafactor``, ``sgd``) or the estimator's.
     ``keep_logits``: the trainer keeps the model's output (its logits) through backward.
+    ``liger``: True = liger-kernel's patches of the family (``_apply_liger_kernel_to_instance``: all of
+    :data:`LIGER_OF`), or a tuple of kernel names (``Setup.liger``); GPT-2 has none.
     ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ...).
     LoRA on transformers' module names is not modelled yet (``lora_rank`` must be 0)."""
     arch = architecture(config)
@@ -177,6 +183,14 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
         impl = alias_impl
     if seq is None:
         seq = max_positions(config) or 1024
+    if liger is True:
+        model_type = _as_dict(config)["model_type"]
+        if model_type not in LIGER_OF:
+            raise FasttrainError(f"liger-kernel has no patches for model_type {model_type!r} in the estimator "
+                                 f"(it models {', '.join(LIGER_OF)}); drop liger")
+        changes["liger"] = LIGER_OF[model_type]
+    elif liger:
+        changes["liger"] = tuple(liger)
     setup = Setup(**arch, micro_batch=micro_batch, seq=seq, precision=PRECISION_ALIASES[precision],
                   recompute=recompute, attention=ATTENTION_ALIASES[attention], optim=optim, optimizer=impl,
                   keep_logits=keep_logits, **changes)

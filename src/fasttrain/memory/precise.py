@@ -57,6 +57,10 @@ D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``
     autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
     kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
     norms' and the softmax's backward fused. The lab's GPT compiled is counted as eager (measured within about 1%).
+D19 liger-kernel on a transformers model (``liger``): its RMSNorm keeps input and rstd and writes dx over dy,
+    its SwiGLU/GeGLU keeps gate and up and writes their gradients over them, its RoPE keeps what eager's does,
+    its fused linear cross-entropy keeps the d(input) and d(weight) it makes in the forward (no logits, no
+    log-probabilities); the step's peak moves into that forward's chunk buffers (``hf_activations``).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
@@ -248,6 +252,13 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
 
         hf = hf_terms(s, mask_bytes, cpu=not kernel_temps)
         out.update(attn=hf["attn"], mlp=hf["mlp"], checkpoint=hf["checkpoint"], norm=hf["norm"], hf=hf)
+        if "rms_norm" in s.liger:
+            # liger's RMSNorm backward writes d(input) over d(output): the moment holds d(output) alone
+            out["norm_extra"] = R * nh
+        if "glu" in s.liger:
+            # liger's SwiGLU/GeGLU backward writes d(gate) and d(up) over the kept gate and up: only step 1 (down's
+            # backward making d(product)) allocates
+            out["mlp_extra"] = C * N * f_l + branch + wgrad16 + max(lora_back["up"], lora_back["down"])
         if s.compiled != "none":
             # compiled backward kernels fuse the norms' and activations' pointwise chains: a norm's
             # backward holds its output's gradient and the new input gradient only
@@ -419,6 +430,14 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if whole:
         # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
         fwd_extra = 0
+    fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger
+    if fused_ce:
+        # liger's fused linear cross-entropy: no logits; its forward's chunk buffers beside what it keeps
+        from fasttrain.memory.hf_activations import liger_flce_forward_bytes
+
+        fwd_extra = liger_flce_forward_bytes(s) + (2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
+                                                   if T["cast"] and full and not frozen else 0)
+        logits_c = 0                                  # nothing for the trainer to hold either (keep_logits)
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
@@ -428,12 +447,18 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # the Llama-style families' compiled backward holds a second logits-sized buffer in the matmul's dtype
         # beside d(logits) (measured on the CPU with tied and untied heads; GPT-2's does not)
         loss_grad += C * N_out * v_l
-    moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
     g_now = grad_scale * head_g
-    moments.append(("backward: output projection", saved_all - head_part.get("log_probs", head_part.get("logits", 0)),
-                    grads(g_now),
-                    logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
-                    + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
+    if fused_ce:
+        # its backward hands on the gradients it made in the forward: d(weight) becomes the head's gradient
+        # (the same tensor), d(input) the final norm's d(output)
+        moments.append(("backward: fused linear cross-entropy", saved_all - head_part["fused_CE_grad_weight"],
+                        grads(g_now), 0))
+    else:
+        moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
+        moments.append(("backward: output projection",
+                        saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now),
+                        logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
+                        + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += grad_scale * final_norm_g
     moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
