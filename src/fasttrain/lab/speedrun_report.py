@@ -416,7 +416,8 @@ def readme_section(folder, also=()) -> str:
                      f"{rec.get('mean_final_val_loss', float('nan')):.4f} (p = {rec.get('p_value', float('nan')):.3g}); "
                      f"command: `{rec.get('command')}`.\n\n" + goals_markdown(rec))
     # one file per device call of cold_start.sh (process_times.jsonl, process_times-*.jsonl): each its own table
-    for times_path in sorted((folder / "cold").glob("process_times*.jsonl")):
+    for times_path in sorted((folder / "cold").glob("process_times*.jsonl"),
+                             key=lambda p: (p.name != "process_times.jsonl", p.name)):    # the first call's first
         name = f"cold/{times_path.name}"
         parts.append(f"### The whole process, from the shell\n\nFrom {_link(folder, name)} "
                      "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches, warm "
