@@ -39,6 +39,10 @@ _REQUIRED_DEFAULT = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
 # transformers' attention implementations -> the estimator's kernel kinds
 ATTENTION_ALIASES = {"eager": "eager", "sdpa": "flash", "flash_attention_2": "flash", "flash": "flash",
                      "flash_attention_3": "flash"}
+# LoRA's default targets per model_type (the lab's): the attention's query and value projections in the
+# family's own module names (GPT-2 and Phi-3 fuse q, k, v into one module)
+DEFAULT_LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
+                        "gemma": ("q_proj", "v_proj"), "phi3": ("qkv_proj",), "gpt2": ("c_attn",)}
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
@@ -156,11 +160,17 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
     ``adamw_torch_fused``, ``adamw_8bit``, ``adafactor``, ``sgd``) or the estimator's.
     ``keep_logits``: the trainer keeps the model's output (its logits) through backward.
     ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ...).
-    LoRA on transformers' module names is not modelled yet (``lora_rank`` must be 0)."""
+    ``lora_rank``: peft's LoRA of that rank on ``lora_targets``, the model's own module names (q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, c_attn, c_proj, c_fc,
+    lm_head, as the family has them; default the family's query and value projections), the base frozen.
+    ``prompt_tokens`` (a ``changes`` field): peft's soft prompt of that many vectors, the base frozen."""
     arch = architecture(config)
-    if lora_rank or lora_targets:
-        raise FasttrainError("LoRA on a transformers model is not modelled by the estimator yet; "
-                             "estimate full fine-tuning (lora_rank 0)")
+    if lora_targets and not lora_rank:
+        raise FasttrainError("lora_targets without lora_rank: give the LoRA rank too")
+    if lora_rank:
+        model_type = _as_dict(config)["model_type"]
+        lora_targets = tuple(lora_targets) or DEFAULT_LORA_TARGETS[model_type]
+        changes.update(lora_rank=lora_rank, lora_targets=lora_targets)
     if precision not in PRECISION_ALIASES:
         raise FasttrainError(f"precision must be one of {', '.join(PRECISION_ALIASES)}, got {precision!r}")
     if attention not in ATTENTION_ALIASES:

@@ -66,7 +66,8 @@ from __future__ import annotations
 
 from fasttrain.memory.breakdown import Breakdown, Line
 from fasttrain.memory.config import Setup, check
-from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_shapes, numel,
+from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_kinds, lora_linears, lora_shapes,
+                                             numel,
                                              optimizer_state_bytes, optimizer_temp_bytes, param_counts,
                                              trainable_shapes)
 
@@ -169,8 +170,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     norm = R * nh + T["stat"] * N / r
     # a linear keeps its input only for its weight's gradient: with a frozen base, only where LoRA's
     # A sits (A keeps the same input, or with lora_dropout its dropped copy and the mask)
-    keeps = {k: not s.frozen or (s.lora_rank > 0 and k in s.lora_targets) for k in LORA_KINDS}
-    lora = {k: lora_kept(s, k, mask_bytes) if s.lora_rank and k in s.lora_targets else 0 for k in LORA_KINDS}
+    adapted = lora_kinds(s)
+    keeps = {k: not s.frozen or k in adapted for k in LORA_KINDS}
+    lora = {k: lora_kept(s, k, mask_bytes) if k in adapted else 0 for k in LORA_KINDS}
     lin = linear_shapes(s)
     if s.frozen:
         # autocast caches casts of trainable leaves only; a frozen weight's bf16 copy is made per call
@@ -281,7 +283,8 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
     a gradient, so autograd keeps nothing there and its backward stops at that target.
     Returns layer 1's (attn, mlp) kept dicts and the backward stages that do not run."""
     attn, mlp = dict(lt["attn"]), dict(lt["mlp"])
-    order = [k for k in ("qkv", "proj", "up", "down") if k in s.lora_targets]
+    adapted = lora_kinds(s)
+    order = [k for k in ("qkv", "proj", "up", "down") if k in adapted]
     if not s.lora_rank or s.prompt_tokens:
         return attn, mlp, set()
     first = order[0] if order else "head"
@@ -292,6 +295,8 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
     attn["norm1"] = 0
     attn["weight_copies"] -= copy("qkv")
     skipped = {"norm 1"}
+    if first == "qkv" and lt.get("hf") and lt["hf"]["first_core"] is not None:
+        attn["core"] = lt["hf"]["first_core"]         # only some of q, k, v need a gradient (hf_activations)
     if first in ("proj", "up", "down", "head"):
         attn["core"] = 0
         skipped.add("attention core")
@@ -307,6 +312,25 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
         mlp = {k: 0 for k in mlp}
         attn = {k: 0 for k in attn}
         skipped.add("MLP")
+    elif lt.get("hf"):
+        # a transformers model (learned on the CPU): the first adapted kind's frozen weights keep no bf16 copy
+        # either (their input needs no gradient), nor do its LoRA A matrices; B's copies stay (A's output
+        # needs one)
+        if first == "proj":
+            attn["weight_copies"] -= copy("proj")
+            if not attn["proj_input"]:
+                attn["proj_input"] = C * N * lin["proj"][1]     # sdpa keeps nothing: A keeps its output
+        elif first in ("up", "down"):
+            mlp["weight_copies"] -= copy(first)
+        a_copies = 2 * s.lora_rank * sum(i for _, i in lora_linears(s, first)) if T["cast"] else 0
+        (attn if first in ("qkv", "proj") else mlp)["weight_copies"] -= a_copies
+        if first == "up" and s.modules in ("hf-llama", "hf-gemma"):
+            # the gated MLP when only some of gate_proj, up_proj need a gradient: act(gate) keeps the gate
+            # output when gate_proj is adapted, act * up keeps up's output for the same reason and the
+            # activation when up_proj is adapted; down's input only for down_proj's A
+            names = set(s.lora_targets)
+            gate, up, down = "gate_proj" in names, "up_proj" in names, "down_proj" in names
+            mlp["mlp_hidden"] = C * N * lin["down"][1] * (2 * gate + up + down)
     return attn, mlp, skipped
 
 
@@ -321,6 +345,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     D, T, P = dims(s), dtypes(s), param_counts(asked)
     N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
     N_out = asked.seq * s.micro_batch                # positions with logits (the prompt's are cut off)
+    if s.modules != "lab":
+        N_out = s.seq * s.micro_batch                # peft's soft prompt: logits at every position (labels -100)
     C = T["C"]
     L = s.layers
     dpz = s.dp
@@ -338,7 +364,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         attn_1["core"] += lt["hf"]["first_attn"]     # compiled GPT-2 under autocast: layer 1's scores kept
 
     def lora_n(kind):        # LoRA parameters on one linear of ``kind``
-        return sum(numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
+        return sum(numel(x) for x in lora_shapes(s, kind))
 
     # --- persistent: parameters, optimizer state, buffers, inputs, workspaces -------------------
     n_local = P["total"]
@@ -358,7 +384,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # transformers builds the mask and RoPE's cos and sin in each forward (kept: ``hf["once"]``);
         # its buffers are the fp32 inverse frequencies (d / 2) only
         buffers = 2 * d_head if s.pos == "rope" else 0
-    inputs = 16 * N_out                               # int64 token ids and targets
+    inputs = 8 * asked.seq * s.micro_batch + 8 * N_out   # int64 token ids and targets (a soft prompt's -100 too)
     workspace = s.workspace_mib * MiB
     persistent = params_b + opt_b + buffers + inputs + workspace
 
@@ -379,6 +405,11 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if hf:
         head_part = dict(hf["head"])
         emb_part = sum(hf["once"].values())
+        if lora_only and "MLP" in skipped_1:
+            # LoRA on lm_head alone: nothing before the head needs a gradient; its B keeps A's output
+            head_part.update(final_norm=0, head_weight_copy=0, lora=C * N_out * s.lora_rank
+                             + (2 * s.lora_rank * v_l if T["cast"] else 0))
+            emb_part -= hf["once"].get("RoPE cos and sin", 0)
     per_layer = lt["checkpoint"] if full else attn_part + mlp_part
     # (full recomputation: the checkpoint holds every layer's input, the first one's too)
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
@@ -433,7 +464,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     moments.append(("backward: output projection", saved_all - head_part.get("log_probs", head_part.get("logits", 0)),
                     grads(g_now),
                     logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
-                    + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
+                    + (C * nh if s.prompt_tokens and not hf else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += grad_scale * final_norm_g
     moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
