@@ -197,6 +197,11 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     if setup.modules != "lab" and setup.recompute == "selective":
         raise FasttrainError("a transformers model recomputes whole layers (gradient_checkpointing_enable): "
                              "use --recompute full or none")
+    if setup.pos == "learned" and setup.positions is not None and setup.seq + setup.prompt_tokens > setup.positions \
+            and setup.modules != "lab":
+        raise FasttrainError(f"sequence length {setup.seq:,} + {setup.prompt_tokens} soft-prompt tokens exceeds the "
+                             f"model's {setup.positions:,} learned positions (n_positions); use --seq "
+                             f"{setup.positions - setup.prompt_tokens:,} or less")
     if setup.modules != "lab" and setup.frozen and (setup.compiled != "none" or setup.recompute != "none"
                                                     or setup.lora_dropout > 0 or setup.precision == "mixed"):
         raise FasttrainError("LoRA and prompt tuning of a transformers model are modelled without torch.compile, "

@@ -263,6 +263,10 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
             chain = 4 if cast and kernel_temps else C
             out["mlp_extra"] = max(mlp_extra, 2 * chain * N * f_l) + max(lora_back["up"], lora_back["down"])
+        if s.frozen and "down" not in adapted and s.ffn_act != "relu":
+            # the MLP's backward above counts the down projection's kept input as freed by then; a frozen
+            # down projection never kept it, so the same gradients stand one hidden-size tensor above what is kept
+            out["mlp_extra"] += C * N * f_l
     return out
 
 
