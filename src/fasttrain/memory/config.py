@@ -269,6 +269,9 @@ def _check_training(setup: Setup, mode: str) -> None:
         raise FasttrainError("give --lora-r or --prompt-tokens, not both")
     if setup.lora_rank and not targets:
         raise FasttrainError(f"--lora-targets is empty; name at least one of {', '.join(LORA_TARGETS)}")
+    if setup.lora_rank and setup.modules != "lab" and tuple(targets) == ("lm_head",):
+        raise FasttrainError("LoRA on lm_head alone of a transformers model is not modelled (no layer needs a gradient: "
+                             "the peak is in the forward pass); add a layer's module, e.g. q_proj")
     if setup.lora_rank and ("head" in targets or "lm_head" in targets) and setup.tied:
         raise FasttrainError("LoRA on the head needs an untied output projection (--untied), or drop 'head'")
     if setup.frozen and setup.tp > 1:

@@ -263,10 +263,25 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
             chain = 4 if cast and kernel_temps else C
             out["mlp_extra"] = max(mlp_extra, 2 * chain * N * f_l) + max(lora_back["up"], lora_back["down"])
-        if s.frozen and "down" not in adapted and s.ffn_act != "relu":
-            # the MLP's backward above counts the down projection's kept input as freed by then; a frozen
-            # down projection never kept it, so the same gradients stand one hidden-size tensor above what is kept
-            out["mlp_extra"] += C * N * f_l
+        if s.frozen and cast:
+            # peft casts a LoRA module's input to A's dtype (fp32) before A's autocast matmul: where that
+            # input is bf16 (the attention output, the MLP's down input) its gradient passes through an
+            # fp32 copy too (the norms' outputs are fp32 already)
+            for k in ("proj", "down"):
+                lora_back[k] += 4 * N * lin[k][1] if lora[k] else 0
+            out["attn_extra"] = attn_extra + max(lora_back["qkv"], lora_back["proj"])
+        if s.frozen:
+            # a frozen base (compiled is refused): the MLP's backward moment by moment. The down projection's
+            # backward makes d(input) (and LoRA's own through B and A, then summed); the activation's backward
+            # holds its gradients beside what is kept, counted as if the down projection's kept input were
+            # freed by then: a frozen down projection never kept it, one hidden-size tensor more
+            chain = 4 if cast and kernel_temps and s.modules == "hf-gpt2" else C
+            act = {"relu": 2, "gelu": 1, "swiglu": 2}[s.ffn_act] * C * N * f_l
+            if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+                act = max(act, 2 * chain * N * f_l)
+            if "down" not in adapted and s.ffn_act != "relu":
+                act += C * N * f_l
+            out["mlp_extra"] = max(C * N * f_l + branch + lora_back["down"], act, lora_back["up"] + C * nh)
     return out
 
 
