@@ -634,6 +634,7 @@ def test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(
 PEFT_CFG = {name: dict(cfg) for name, cfg in ACT_CASES if name in ("llama", "qwen2", "phi3", "gemma")}
 PEFT_CFG["gpt2"] = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=50, n_positions=24,
                         embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
+PEFT_CFG["gpt2-dropout"] = dict(PEFT_CFG["gpt2"], embd_pdrop=0.1, attn_pdrop=0.1, resid_pdrop=0.1)
 ALL_LLAMA = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "lm_head")
 # (family, LoRA targets or None for a soft prompt of 4, attention, autocast, batch)
 PEFT_ACT_CASES = [
@@ -643,7 +644,9 @@ PEFT_ACT_CASES = [
     ("llama", ("o_proj",), "eager", True, 2), ("llama", ("gate_proj", "down_proj"), "eager", True, 2),
     ("llama", ("up_proj",), "eager", False, 2), ("llama", ALL_LLAMA, "eager", True, 2),
     ("gpt2", ("c_attn",), "eager", False, 2), ("gpt2", ("c_proj",), "sdpa", False, 1),
-    ("gpt2", ("c_fc",), "eager", True, 2), ("phi3", ("qkv_proj",), "eager", True, 2),
+    ("gpt2", ("c_fc",), "eager", True, 2), ("gpt2-dropout", ("c_attn",), "eager", False, 2),
+    ("gpt2-dropout", ("c_proj",), "eager", True, 1), ("gpt2-dropout", None, "eager", False, 2),
+    ("phi3", ("qkv_proj",), "eager", True, 2),
     ("phi3", ("gate_up_proj", "down_proj"), "sdpa", True, 1), ("gemma", ("q_proj", "v_proj"), "eager", False, 1),
     ("qwen2", ("q_proj", "v_proj"), "sdpa", True, 2),
     ("llama", None, "eager", False, 2), ("gpt2", None, "eager", True, 1), ("phi3", None, "sdpa", False, 2),
@@ -778,3 +781,77 @@ def test_peft_on_the_technique_tables_llama_05b_rows():
 def test_peft_settings_it_does_not_model_are_one_line_errors(cfg, kw, message):
     with pytest.raises(FasttrainError, match=message):
         setup_from_hf_config(cfg, **{"seq": 128, **kw})
+
+
+MEASURE_PEFT_STEP = r"""
+import json, sys
+import torch, transformers
+from fasttrain.lab.adapters import apply_lora
+from fasttrain.lab.config import LabConfig
+from fasttrain.lab.hf import apply_prompt_tuning, hf_loss
+a = json.loads(sys.argv[1])
+torch.manual_seed(0)
+model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**a["cfg"]),
+                                                      attn_implementation=a["attention"]).cuda()
+if a["targets"]:
+    for p in model.parameters():
+        p.requires_grad_(False)
+    model = apply_lora(LabConfig(lora_r=8, lora_alpha=16, lora_dropout=0.0), model, tuple(a["targets"]))
+if a["prompt"]:
+    model = apply_prompt_tuning(model, LabConfig(prompt_tuning_tokens=a["prompt"]))
+model.train()
+opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+ids = torch.randint(0, a["cfg"]["vocab_size"], (a["batch"], a["seq"]), device="cuda")
+
+def step():
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=a["precision"] == "bf16"):
+        loss = hf_loss(model, ids, ids)
+    loss.backward()
+    del loss
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+
+step()
+torch.cuda.synchronize()
+torch.cuda.reset_peak_memory_stats()
+for _ in range(2):
+    step()
+torch.cuda.synchronize()
+print(json.dumps({"peak": torch.cuda.max_memory_allocated()}))
+"""
+
+GPU_PEFT_CASES = [("llama", GPU_LLAMA, ("q_proj", "v_proj"), 0, "eager", "fp32"),
+                  ("llama", GPU_LLAMA, None, 16, "eager", "fp32"),
+                  ("llama", GPU_LLAMA, ("q_proj", "v_proj"), 0, "sdpa", "bf16"),
+                  ("llama", GPU_LLAMA, None, 16, "sdpa", "bf16"),
+                  ("gpt2", GPU_GPT2, ("c_attn",), 0, "eager", "fp32"),
+                  ("gpt2", GPU_GPT2, None, 16, "sdpa", "bf16")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("name, cfg, targets, prompt, attention, precision", GPU_PEFT_CASES,
+                         ids=[f"{c[0]}-{'+'.join(c[2]) if c[2] else 'prompt'}-{c[4]}-{c[5]}" for c in GPU_PEFT_CASES])
+def test_peft_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(name, cfg, targets, prompt, attention,
+                                                                            precision):
+    """peft's LoRA and soft prompt as the lab applies them, one step in a process of its own, against
+    torch.cuda.max_memory_allocated."""
+    import subprocess
+    import sys
+
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    pytest.importorskip("peft")
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    seq = 1024 - prompt                    # GPT-2's 1024 learned positions hold the prompt too
+    args = dict(cfg=cfg, targets=targets, prompt=prompt, attention=attention, precision=precision, batch=4, seq=seq)
+    done = subprocess.run([sys.executable, "-c", MEASURE_PEFT_STEP, json.dumps(args)], capture_output=True, text=True,
+                          timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    measured = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+    setup = setup_from_hf_config(cfg, micro_batch=4, seq=seq, precision=precision, attention=attention,
+                                 optim="adamw_torch", lora_rank=8 if targets else 0, lora_targets=targets or (),
+                                 prompt_tokens=prompt)
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")

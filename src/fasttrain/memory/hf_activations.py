@@ -234,6 +234,8 @@ def _frozen(s: Setup, attn: dict, mlp: dict, once: dict, head: dict):
     # (b, s + P) tensor (-100 for the prompt's positions). A frozen position table keeps no indices.
     head["labels"] = 4 + (8 * N if s.prompt_tokens else 0)
     once.pop("position ids", None)
+    if s.lora_rank:
+        once.pop("embedding dropout mask", None)     # the frozen embeddings' output needs no gradient
     if s.prompt_tokens:
         once["soft prompt indices"] = 8 * s.prompt_tokens
     elif gpt2 or s.attention == "flash" or s.modules == "hf-phi3":
