@@ -40,6 +40,14 @@ output, the product both factors: fp32 4 x 4 N f, plus c_proj's input (20 N f); 
 autocast ``pow`` runs in fp32 (a fp32 copy of its input) and so does what follows: 4 + 4 + 2 + 4
 + 2 = 16 N f; under CPU autocast (no ``pow`` in its fp32 list) 5 x 2 N f; ``mixed`` 5 x 2 N f.
 
+Parameter-efficient fine-tuning (``Setup.lora_rank`` with ``lora_targets`` in the model's own names,
+or ``prompt_tokens``: peft's LoRA and soft prompt as the lab applies them, the base frozen; learned
+as above, every family, fp32 and autocast, eager and sdpa; ``_frozen``): a frozen linear keeps no
+input, RMSNorm no xhat (4 N h + 4 N), the gated MLP not down_proj's input (3 C N f), GPT-2's
+``gelu_new`` not c_proj's (4 C N f); LoRA's A keeps its input (under autocast its own bf16 copy per
+module), B A's output (C N r); layer 1 keeps nothing before its first adapted module. Not modelled
+with a frozen base: torch.compile, gradient checkpointing, lora_dropout, ``mixed``.
+
 ``torch.compile`` (``Setup.compiled``: ``model`` = the whole module, the loss inside the graph;
 ``blocks`` = each decoder layer alone, embeddings, head and loss eager). AOT autograd's min-cut
 partitioner saves the fewest bytes from which the backward can be computed, recomputing pointwise

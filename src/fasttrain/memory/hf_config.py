@@ -5,7 +5,8 @@ llama, mistral, qwen2, gemma, phi3, gpt2) without importing transformers, and ma
 estimator's knobs so that the parameter count equals ``sum(p.numel() for p in model.parameters())``
 of ``AutoModelForCausalLM.from_config`` (tied weights once), checked in
 ``tests/test_memory_hf_config.py``. What each family's modules keep for backward is in
-``hf_activations.py``.
+``hf_activations.py``. Parameter-efficient fine-tuning (peft's LoRA on the model's own module names,
+peft's soft prompt) is counted on these shapes too: ``setup_from_hf_config(lora_rank=, lora_targets=)``.
 
 Per family (fields absent from the file take transformers' defaults for that family):
 

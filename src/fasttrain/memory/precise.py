@@ -53,6 +53,11 @@ D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; o
 D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
     tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
     the base is frozen as in D16, but every activation needs a gradient from the embedding on.
+    A transformers model (peft's ``PromptTuningConfig``) keeps logits at all s + P positions
+    (the prompt's targets -100). LoRA on a transformers model names its modules (q_proj, v_proj,
+    c_attn, ...: ``training_state.lora_linears``); what its frozen base keeps is ``hf_activations``'
+    (``_frozen``), layer 1's eager attention and gated MLP when only some of q, k, v (gate, up) need
+    a gradient, and peft's fp32 cast of a bf16 LoRA input, whose gradient passes through fp32 too.
 D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``): what AOT
     autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
     kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
