@@ -272,8 +272,10 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
             # peft casts a LoRA module's input to A's dtype (fp32) before A's autocast matmul: where that
             # input is bf16 (the attention output, the MLP's down input) its gradient passes through an
             # fp32 copy too (the norms' outputs are fp32 already)
+            # (GPT-2's MLP under CUDA autocast computes gelu_new in fp32: c_proj's input is fp32 there)
             for k in ("proj", "down"):
-                lora_back[k] += 4 * N * lin[k][1] if lora[k] else 0
+                bf16_input = not (k == "down" and s.modules == "hf-gpt2" and kernel_temps and s.ffn_act == "gelu")
+                lora_back[k] += 4 * N * lin[k][1] if lora[k] and bf16_input else 0
             out["attn_extra"] = attn_extra + max(lora_back["qkv"], lora_back["proj"])
         if s.frozen:
             # a frozen base (compiled is refused): the MLP's backward moment by moment. The down projection's
