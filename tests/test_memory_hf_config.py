@@ -197,6 +197,20 @@ def test_cli_hf_config_prints_the_estimate(tmp_path):
     assert table.returncode == 0 and "124,439,808 parameters" in table.stdout, table.stderr
 
 
+def test_cli_hf_config_estimates_lora_and_prompt_tuning(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(GPT2))
+    lora = run_cli("--hf-config", tmp_path, "--micro-batch", 4, "--seq", 256, "--lora-r", 8,
+                   "--lora-targets", "c_attn,c_fc", "--json")
+    prompt = run_cli("--hf-config", tmp_path, "--micro-batch", 4, "--seq", 256, "--prompt-tokens", 16, "--json")
+    for result, kw in ((lora, dict(lora_rank=8, lora_targets=("c_attn", "c_fc"))), (prompt, dict(prompt_tokens=16))):
+        assert result.returncode == 0, result.stderr
+        expected = estimate(setup_from_hf_config(GPT2, micro_batch=4, seq=256, **kw))
+        assert json.loads(result.stdout)["total"] == expected.total
+    assert json.loads(lora.stdout)["setup"]["lora_targets"] == ["c_attn", "c_fc"]
+    table = run_cli("--hf-config", tmp_path, "--micro-batch", 4, "--seq", 256, "--lora-r", 8)
+    assert table.returncode == 0 and "LoRA r=8 on c_attn" in table.stdout, table.stderr
+
+
 @pytest.mark.parametrize("content, message", [
     (None, "does not exist"),
     ("folder", "has no config.json"),
