@@ -787,6 +787,7 @@ def test_peft_on_the_technique_tables_llama_05b_rows():
     (GPT2, dict(lora_rank=8, lora_targets=("q_proj",)), "c_attn, c_proj, c_fc, lm_head"),
     (LLAMA3_8B, dict(lora_rank=8, lora_targets=("c_attn",)), "q_proj, k_proj"),
     (LLAMA3_8B, dict(lora_rank=8, lora_targets=("lm_head",)), "lm_head alone"),
+    (GPT2, dict(lora_rank=8, lora_targets=("c_attn", "lm_head")), "tied embeddings"),
     (LLAMA3_8B, dict(lora_rank=8, recompute="full"), "gradient checkpointing"),
     (LLAMA3_8B, dict(prompt_tokens=8, compiled="model"), "torch.compile"),
     (LLAMA3_8B, dict(lora_targets=("q_proj",)), "lora_rank"),

@@ -272,7 +272,9 @@ def _check_training(setup: Setup, mode: str) -> None:
     if setup.lora_rank and setup.modules != "lab" and tuple(targets) == ("lm_head",):
         raise FasttrainError("LoRA on lm_head alone of a transformers model is not modelled (no layer needs a gradient: "
                              "the peak is in the forward pass); add a layer's module, e.g. q_proj")
-    if setup.lora_rank and ("head" in targets or "lm_head" in targets) and setup.tied:
+    if setup.lora_rank and "lm_head" in targets and setup.tied:
+        raise FasttrainError("LoRA on lm_head of a model with tied embeddings is not modelled; drop lm_head")
+    if setup.lora_rank and "head" in targets and setup.tied:
         raise FasttrainError("LoRA on the head needs an untied output projection (--untied), or drop 'head'")
     if setup.frozen and setup.tp > 1:
         raise FasttrainError("LoRA and prompt tuning are modelled on one tensor-parallel rank: use --tp 1")
