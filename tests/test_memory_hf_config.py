@@ -790,7 +790,7 @@ def test_peft_on_the_technique_tables_llama_05b_rows():
     (GPT2, dict(lora_rank=8, lora_targets=("c_attn", "lm_head")), "tied embeddings"),
     (LLAMA3_8B, dict(lora_rank=8, recompute="full"), "gradient checkpointing"),
     (LLAMA3_8B, dict(prompt_tokens=8, compiled="model"), "torch.compile"),
-    (LLAMA3_8B, dict(lora_targets=("q_proj",)), "lora_rank"),
+    (LLAMA3_8B, dict(lora_targets=("q_proj",)), "give the LoRA rank too"),
     (dict(GPT2, n_positions=64), dict(seq=64, prompt_tokens=8), "soft-prompt tokens"),
 ])
 def test_peft_settings_it_does_not_model_are_one_line_errors(cfg, kw, message):
