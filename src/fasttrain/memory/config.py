@@ -270,8 +270,8 @@ def _check_training(setup: Setup, mode: str) -> None:
     if setup.lora_rank and not targets:
         raise FasttrainError(f"--lora-targets is empty; name at least one of {', '.join(LORA_TARGETS)}")
     if setup.lora_rank and setup.modules != "lab" and tuple(targets) == ("lm_head",):
-        raise FasttrainError("LoRA on lm_head alone of a transformers model is not modelled (no layer needs a gradient: "
-                             "the peak is in the forward pass); add a layer's module, e.g. q_proj")
+        raise FasttrainError("LoRA on lm_head alone of a transformers model is not modelled (no layer needs a "
+                             "gradient: the peak is in the forward pass); add a layer's module, e.g. q_proj")
     if setup.lora_rank and "lm_head" in targets and setup.tied:
         raise FasttrainError("LoRA on lm_head of a model with tied embeddings is not modelled; drop lm_head")
     if setup.lora_rank and "head" in targets and setup.tied:

@@ -206,7 +206,7 @@ def _frozen(s: Setup, attn: dict, mlp: dict, once: dict, head: dict):
     them) and A's and B's too. Layer 1 keeps nothing before its first adapted module (``precise``'s
     ``_first_layer``). A soft prompt keeps its int64 indices (peft's prompt embedding).
     Returns what layer 1's eager attention core keeps when it differs from every other layer's, else None."""
-    from fasttrain.memory.training_state import lora_linears, lora_shapes, numel
+    from fasttrain.memory.training_state import lora_linears
 
     D, T = dims(s), dtypes(s)
     N, hl, f, h, C, cast = D["N"], D["hl"], D["f_l"], s.hidden, T["C"], T["cast"]
