@@ -393,6 +393,34 @@ def test_peft_through_the_lab(folders, corpus, family):
     width = 48 if family == "qwen2" else 32
     assert prompt["params"]["trainable"] == 4 * width
     assert all(np.isfinite(losses(lora) + losses(prompt)))
+    # the estimator models both (fasttrain.memory.hf_config): LoRA on the modules the trainer adapted, in the
+    # model's own names, and the soft prompt
+    for rec in (lora, prompt):
+        assert rec["estimate"]["precise_bytes"] > 0 and "error" not in rec["estimate"], rec["estimate"]
+    assert lora["estimate"]["setup"]["lora_targets"] == list(hf.LORA_TARGETS[family])
+    assert lora["estimate"]["setup"]["lora_rank"] == 2 and prompt["estimate"]["setup"]["prompt_tokens"] == 4
+
+
+def test_peft_of_a_pretrained_folder_carries_an_estimate(tmp_path, corpus):
+    """The technique table's rows: a checkpoint folder (config.json + weights), LoRA on named modules and a
+    soft prompt; the lab's record carries the estimator's prediction for each."""
+    from fasttrain.lab.train import run
+    from fasttrain.memory import estimate
+    from fasttrain.memory.hf_config import setup_from_hf_config
+
+    folder = write_config(tmp_path / "llama", "llama")
+    transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder)).save_pretrained(folder)
+    assert hf.has_weights(folder)
+    config = json.loads((folder / "config.json").read_text())
+    for kw, setup_kw in ((dict(lora_r=8, lora_target_modules=("q_proj", "o_proj")),
+                          dict(lora_rank=8, lora_targets=("q_proj", "o_proj"))),
+                         (dict(prompt_tuning_tokens=4), dict(prompt_tokens=4))):
+        rec = run(lab_cfg(folder, max_steps=2, **kw), corpus=corpus)
+        assert "error" not in rec["estimate"], rec["estimate"]
+        expected = estimate(setup_from_hf_config(config, micro_batch=4, seq=16, attention="eager", optim="adamw_torch",
+                                                 **setup_kw), "precise")
+        assert rec["estimate"]["precise_bytes"] == expected.total
+        assert rec["params"]["trainable"] == expected.extra["trainable_params"]
 
 
 def test_compile_through_the_lab(folders, corpus):

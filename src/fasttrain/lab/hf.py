@@ -596,11 +596,18 @@ def memory_setup_for(hf_config: dict):
         extra = {"grad_buffers": True} if cfg.gradient_accumulation_steps > 1 else {}
         if cfg.prompt_tuning_tokens:
             extra["prompt_tokens"] = cfg.prompt_tuning_tokens
+        if cfg.lora_r:
+            # the modules the trainer adapts (Trainer.lora_targets): --lora-target-modules, or the family's own
+            # default while it is left at the lab's GPT names
+            targets = tuple(cfg.lora_target_modules)
+            if targets == LabConfig.__dataclass_fields__["lora_target_modules"].default:
+                targets = LORA_TARGETS.get(hf_config.get("model_type"), targets)
+            extra.update(lora_rank=cfg.lora_r, lora_targets=targets, lora_dropout=float(cfg.lora_dropout))
         try:
             return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
-                                        optim=cfg.optim, lora_rank=cfg.lora_r, compiled=compiled_scope(cfg),
+                                        optim=cfg.optim, compiled=compiled_scope(cfg),
                                         liger=bool(cfg.use_liger_kernel), **extra)
         except FasttrainError:
             return None

@@ -60,7 +60,8 @@ def _options(fn):
                      "sgd_momentum (also the lab's adamw_torch, adamw_torch_fused)."),
         click.option("--lora-r", "lora_rank", type=int, help="precise: LoRA rank r on a frozen base (peft); 0 = off."),
         click.option("--lora-targets", help="precise: comma-separated LoRA targets among qkv, proj, up, down, head "
-                     "(default qkv,proj)."),
+                     "(default qkv,proj); with --hf-config the model's own module names (q_proj, v_proj, c_attn, ...; "
+                     "default its query and value projections)."),
         click.option("--lora-dropout", type=float, help="precise: peft's lora_dropout (> 0 keeps a mask per target)."),
         click.option("--prompt-tokens", type=int, help="precise: P trainable soft-prompt tokens on a frozen base."),
         click.option("--grad-buffers", is_flag=True, help="precise: gradients persist between steps (DDP, Megatron)."),

@@ -44,6 +44,19 @@ OPTIMS = ("adamw", "adamw_8bit", "adafactor", "sgd", "sgd_momentum")
 OPTIM_ALIASES = {"adamw_torch": ("adamw", "foreach"), "adamw_torch_fused": ("adamw", "fused"),
                  "adamw_fused": ("adamw", "fused")}
 LORA_TARGETS = ("qkv", "proj", "up", "down", "head")
+# transformers' module names -> the kinds of linear they are, per family (``Setup.modules``): (kind, which
+# rows of the kind's (out, in) matrix the module is). GPT-2's ``c_proj`` names two modules of a layer, the
+# attention's output projection and the MLP's down projection: peft adapts both.
+HF_LINEARS = {
+    "hf-llama": {"q_proj": [("qkv", "q")], "k_proj": [("qkv", "kv")], "v_proj": [("qkv", "kv")],
+                 "o_proj": [("proj", "all")], "gate_proj": [("up", "half")], "up_proj": [("up", "half")],
+                 "down_proj": [("down", "all")], "lm_head": [("head", "all")]},
+    "hf-phi3": {"qkv_proj": [("qkv", "all")], "o_proj": [("proj", "all")], "gate_up_proj": [("up", "all")],
+                "down_proj": [("down", "all")], "lm_head": [("head", "all")]},
+    "hf-gpt2": {"c_attn": [("qkv", "all")], "c_proj": [("proj", "all"), ("down", "all")], "c_fc": [("up", "all")],
+                "lm_head": [("head", "all")]},
+}
+HF_LINEARS["hf-gemma"] = HF_LINEARS["hf-llama"]
 MODES = ("playbook", "precise")
 # torch.compile of a transformers model (precise only): none = eager; model = the whole module one graph (the loss
 # inside it); blocks = each decoder layer compiled alone (embeddings, head and loss eager). See hf_activations.py.
@@ -189,8 +202,15 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     if setup.modules != "lab" and setup.recompute == "selective":
         raise FasttrainError("a transformers model recomputes whole layers (gradient_checkpointing_enable): "
                              "use --recompute full or none")
-    if setup.modules != "lab" and (setup.lora_rank or setup.prompt_tokens):
-        raise FasttrainError("LoRA and prompt tuning of a transformers model are not modelled by the estimator yet; "
+    if setup.pos == "learned" and setup.positions is not None and setup.seq + setup.prompt_tokens > setup.positions \
+            and setup.modules != "lab":
+        raise FasttrainError(f"sequence length {setup.seq:,} + {setup.prompt_tokens} soft-prompt tokens exceeds the "
+                             f"model's {setup.positions:,} learned positions (n_positions); use --seq "
+                             f"{setup.positions - setup.prompt_tokens:,} or less")
+    if setup.modules != "lab" and setup.frozen and (setup.compiled != "none" or setup.recompute != "none"
+                                                    or setup.lora_dropout > 0 or setup.precision == "mixed"):
+        raise FasttrainError("LoRA and prompt tuning of a transformers model are modelled without torch.compile, "
+                             "gradient checkpointing, lora_dropout and bf16 weights (mixed); drop those, or "
                              "drop --lora-r / --prompt-tokens")
     if setup.compiled not in COMPILED:
         raise FasttrainError(f"compiled must be one of {', '.join(COMPILED)} (the torch.compile scope), "
@@ -258,8 +278,11 @@ def _check_training(setup: Setup, mode: str) -> None:
             or not 0 <= setup.lora_dropout < 1:
         raise FasttrainError(f"--lora-dropout must be in [0, 1), got {setup.lora_dropout!r}")
     targets = setup.lora_targets
-    if isinstance(targets, str) or not all(t in LORA_TARGETS for t in targets) or len(set(targets)) != len(targets):
-        raise FasttrainError(f"--lora-targets must be distinct names among {', '.join(LORA_TARGETS)}, got {targets!r}")
+    # a transformers model's targets are its own module names (peft's target_modules)
+    names = LORA_TARGETS if setup.modules == "lab" else tuple(HF_LINEARS.get(setup.modules, {}))
+    if (setup.modules == "lab" or setup.lora_rank) and (
+            isinstance(targets, str) or not all(t in names for t in targets) or len(set(targets)) != len(targets)):
+        raise FasttrainError(f"--lora-targets must be distinct names among {', '.join(names)}, got {targets!r}")
     if mode == "playbook" and (setup.optim != "adamw" or setup.frozen):
         raise FasttrainError("--optim, --lora-r and --prompt-tokens exist only in --mode precise; "
                              "the widget knows --opt-bytes")
@@ -271,6 +294,11 @@ def _check_training(setup: Setup, mode: str) -> None:
         raise FasttrainError("give --lora-r or --prompt-tokens, not both")
     if setup.lora_rank and not targets:
         raise FasttrainError(f"--lora-targets is empty; name at least one of {', '.join(LORA_TARGETS)}")
+    if setup.lora_rank and setup.modules != "lab" and tuple(targets) == ("lm_head",):
+        raise FasttrainError("LoRA on lm_head alone of a transformers model is not modelled (no layer needs a "
+                             "gradient: the peak is in the forward pass); add a layer's module, e.g. q_proj")
+    if setup.lora_rank and "lm_head" in targets and setup.tied:
+        raise FasttrainError("LoRA on lm_head of a model with tied embeddings is not modelled; drop lm_head")
     if setup.lora_rank and "head" in targets and setup.tied:
         raise FasttrainError("LoRA on the head needs an untied output projection (--untied), or drop 'head'")
     if setup.frozen and setup.tp > 1:

@@ -40,6 +40,14 @@ output, the product both factors: fp32 4 x 4 N f, plus c_proj's input (20 N f); 
 autocast ``pow`` runs in fp32 (a fp32 copy of its input) and so does what follows: 4 + 4 + 2 + 4
 + 2 = 16 N f; under CPU autocast (no ``pow`` in its fp32 list) 5 x 2 N f; ``mixed`` 5 x 2 N f.
 
+Parameter-efficient fine-tuning (``Setup.lora_rank`` with ``lora_targets`` in the model's own names,
+or ``prompt_tokens``: peft's LoRA and soft prompt as the lab applies them, the base frozen; learned
+as above, every family, fp32 and autocast, eager and sdpa; ``_frozen``): a frozen linear keeps no
+input, RMSNorm no xhat (4 N h + 4 N), the gated MLP not down_proj's input (3 C N f), GPT-2's
+``gelu_new`` not c_proj's (4 C N f); LoRA's A keeps its input (under autocast its own bf16 copy per
+module), B A's output (C N r); layer 1 keeps nothing before its first adapted module. Not modelled
+with a frozen base: torch.compile, gradient checkpointing, lora_dropout, ``mixed``.
+
 ``torch.compile`` (``Setup.compiled``: ``model`` = the whole module, the loss inside the graph;
 ``blocks`` = each decoder layer alone, embeddings, head and loss eager). AOT autograd's min-cut
 partitioner saves the fewest bytes from which the backward can be computed, recomputing pointwise
@@ -215,8 +223,9 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
         once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
     head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
+    first_core = _frozen(s, attn, mlp, once, head) if s.frozen else None
     out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
-           "first_norm1": None, "first_attn": 0}
+           "first_norm1": None, "first_attn": 0, "first_core": first_core}
     if s.liger:
         _liger(s, out)
     if s.compiled != "none":
@@ -274,6 +283,78 @@ def _liger(s: Setup, t: dict) -> None:
         # the gradients it computes in its forward, kept for its backward: nothing else of the head and the loss
         t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": R * N * h,
                      "fused_CE_grad_weight": 0 if s.frozen else T["param"] * D["v_l"] * h}
+
+def _frozen(s: Setup, attn: dict, mlp: dict, once: dict, head: dict):
+    """The eager terms (edited in place) of a frozen base: peft's LoRA on ``s.lora_targets`` (the model's own
+    module names) or peft's soft prompt (``s.seq`` already counts its P positions).
+
+    A frozen weight needs no gradient, so what autograd keeps only for one is not kept: a frozen linear
+    (or Conv1D's ``addmm``) keeps no input, RMSNorm's ``weight * xhat`` no xhat (its input and row
+    statistic stay: the input's gradient needs them), the gated MLP's product is down_proj's input only
+    (kept only when down_proj is adapted), GPT-2's ``gelu_new`` chain keeps c_proj's input for c_proj
+    only. LoRA's A (r x in) keeps its input (fp32: the very tensor the base linear reads; under
+    autocast each A casts it to bf16 itself: one copy per adapted module), B keeps A's output (C N r
+    per module); autocast's bf16 copies of the frozen weights are still kept (the input's gradient needs
+    them) and A's and B's too. Layer 1 keeps nothing before its first adapted module (``precise``'s
+    ``_first_layer``). A soft prompt keeps its int64 indices (peft's prompt embedding).
+    Returns what layer 1's eager attention core keeps when it differs from every other layer's, else None."""
+    from fasttrain.memory.training_state import lora_linears
+
+    D, T = dims(s), dtypes(s)
+    N, hl, f, h, C, cast = D["N"], D["hl"], D["f_l"], s.hidden, T["C"], T["cast"]
+    r = s.lora_rank
+    mods = {k: lora_linears(s, k) for k in ("qkv", "proj", "up", "down", "head")}
+    copies = lambda k: 2 * r * sum(o + i for o, i in mods[k]) if cast else 0   # bf16 A and B (cached leaves)
+    gpt2 = s.modules == "hf-gpt2"
+    if not gpt2:
+        # RMSNorm: x.pow(2) keeps the fp32 input, x * rstd the row statistic; xhat only for the weight
+        # (Gemma's (1 + weight) stays: 4 h)
+        norm = 4 * N * h + 4 * N + (4 * h if s.modules == "hf-gemma" else 0)
+        attn["norm1"] = mlp["norm2"] = head["final_norm"] = norm
+    # one input for every adapted module in fp32 (the same tensor); under autocast each A's own bf16 copy
+    inputs = lambda k: (len(mods[k]) if cast else min(1, len(mods[k]))) * C * N * mods[k][0][1] if mods[k] else 0
+    attn["qkv_input"] = inputs("qkv")
+    # A keeps the projection's input: in fp32 under sdpa that is the kernel's output, which the kernel keeps
+    # (already counted; layer 1 under LoRA on o_proj first: ``precise._first_layer``); under autocast A's copy
+    if not (s.attention == "flash" and not cast and not attn["proj_input"]):
+        attn["proj_input"] = inputs("proj")
+    mlp["mlp_input"] = inputs("up")
+    if not mods["down"] and s.ffn_act != "relu":
+        # the down projection's input (c_proj's under GPT-2's gelu_new; ReLU's output is kept by ReLU itself)
+        mlp["mlp_hidden"] -= C * N * f
+    attn["weight_copies"] += copies("qkv") + copies("proj")
+    mlp["weight_copies"] += copies("up") + copies("down")
+    head["head_input"] = inputs("head")
+    if mods["head"]:
+        head["lora"] = C * N * r + copies("head")
+    attn["lora"] = C * N * r * (len(mods["qkv"]) + len(mods["proj"]))
+    mlp["lora"] = C * N * r * (len(mods["up"]) + len(mods["down"]))
+    # the lab's loss passes its targets as ``shift_labels`` (no padded copy): nll_loss keeps the trainer's
+    # own tensor (counted with the token ids) and its total weight; a soft prompt's targets are a new
+    # (b, s + P) tensor (-100 for the prompt's positions). A frozen position table keeps no indices.
+    head["labels"] = 4 + (8 * N if s.prompt_tokens else 0)
+    once.pop("position ids", None)
+    if s.lora_rank:
+        once.pop("embedding dropout mask", None)     # the frozen embeddings' output needs no gradient
+    if s.prompt_tokens:
+        once["soft prompt indices"] = 8 * s.prompt_tokens
+    elif gpt2 or s.attention == "flash" or s.modules == "hf-phi3":
+        return None
+    # eager attention in layer 1 under LoRA on some of q_proj, k_proj, v_proj: a tensor that needs no
+    # gradient (nothing before it is adapted) makes autograd keep less: q k^T keeps q only when k needs a
+    # gradient and k only when q does; the softmax keeps P when the scores need one; P V keeps V when P
+    # does and P (its bf16 copy under autocast) when V does
+    names = set(s.lora_targets)
+    q_req, k_req, v_req = "q_proj" in names, "k_proj" in names, "v_proj" in names
+    if not (q_req or k_req or v_req) or (q_req and k_req and v_req):
+        return None
+    qk = q_req or k_req
+    unit = D["a_l"] * s.seq * s.seq * s.micro_batch
+    one_kv_view = D["kvl"] == D["d"] and s.micro_batch == 1
+    k_kept = C * N * (D["kvl"] if one_kv_view and not cast else hl)
+    v_kept = C * N * (D["kvl"] if one_kv_view else hl)
+    p_kept = (4 if qk else 0) + (2 if cast and v_req else 0) + (4 if not cast and v_req and not qk else 0)
+    return (C * N * hl if k_req else 0) + (k_kept if q_req else 0) + (v_kept if qk else 0) + p_kept * unit
 
 
 def _compiled(s: Setup, t: dict, cpu: bool) -> None:

@@ -5,7 +5,8 @@ llama, mistral, qwen2, gemma, phi3, gpt2) without importing transformers, and ma
 estimator's knobs so that the parameter count equals ``sum(p.numel() for p in model.parameters())``
 of ``AutoModelForCausalLM.from_config`` (tied weights once), checked in
 ``tests/test_memory_hf_config.py``. What each family's modules keep for backward is in
-``hf_activations.py``.
+``hf_activations.py``. Parameter-efficient fine-tuning (peft's LoRA on the model's own module names,
+peft's soft prompt) is counted on these shapes too: ``setup_from_hf_config(lora_rank=, lora_targets=)``.
 
 Per family (fields absent from the file take transformers' defaults for that family):
 
@@ -43,6 +44,10 @@ ATTENTION_ALIASES = {"eager": "eager", "sdpa": "flash", "flash_attention_2": "fl
 # RoPE, SwiGLU (Gemma: GeGLU), fused linear cross-entropy); GPT-2 has no liger patches
 LIGER_OF = {"llama": LIGER_KERNELS, "mistral": LIGER_KERNELS, "qwen2": LIGER_KERNELS, "gemma": LIGER_KERNELS,
             "phi3": LIGER_KERNELS}
+# LoRA's default targets per model_type (the lab's): the attention's query and value projections in the
+# family's own module names (GPT-2 and Phi-3 fuse q, k, v into one module)
+DEFAULT_LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
+                        "gemma": ("q_proj", "v_proj"), "phi3": ("qkv_proj",), "gpt2": ("c_attn",)}
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
@@ -162,11 +167,17 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
     ``liger``: True = liger-kernel's patches of the family (``_apply_liger_kernel_to_instance``: all of
     :data:`LIGER_OF`), or a tuple of kernel names (``Setup.liger``); GPT-2 has none.
     ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ...).
-    LoRA on transformers' module names is not modelled yet (``lora_rank`` must be 0)."""
+    ``lora_rank``: peft's LoRA of that rank on ``lora_targets``, the model's own module names (q_proj,
+    k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, c_attn, c_proj, c_fc,
+    lm_head, as the family has them; default the family's query and value projections), the base frozen.
+    ``prompt_tokens`` (a ``changes`` field): peft's soft prompt of that many vectors, the base frozen."""
     arch = architecture(config)
-    if lora_rank or lora_targets:
-        raise FasttrainError("LoRA on a transformers model is not modelled by the estimator yet; "
-                             "estimate full fine-tuning (lora_rank 0)")
+    if lora_targets and not lora_rank:
+        raise FasttrainError("lora_targets without lora_rank: give the LoRA rank too")
+    if lora_rank:
+        model_type = _as_dict(config)["model_type"]
+        lora_targets = tuple(lora_targets) or DEFAULT_LORA_TARGETS[model_type]
+        changes.update(lora_rank=lora_rank, lora_targets=lora_targets)
     if precision not in PRECISION_ALIASES:
         raise FasttrainError(f"precision must be one of {', '.join(PRECISION_ALIASES)}, got {precision!r}")
     if attention not in ATTENTION_ALIASES:

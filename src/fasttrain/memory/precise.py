@@ -53,6 +53,11 @@ D16 LoRA (peft) on a frozen base: A (r x in) and B (out x r) per target train; o
 D17 Soft prompt: P trainable vectors (P x h) prepended after the embedding: every layer's
     tensors have s + P positions; the prompt's outputs are cut before the head (logits keep s);
     the base is frozen as in D16, but every activation needs a gradient from the embedding on.
+    A transformers model (peft's ``PromptTuningConfig``) keeps logits at all s + P positions
+    (the prompt's targets -100). LoRA on a transformers model names its modules (q_proj, v_proj,
+    c_attn, ...: ``training_state.lora_linears``); what its frozen base keeps is ``hf_activations``'
+    (``_frozen``), layer 1's eager attention and gated MLP when only some of q, k, v (gate, up) need
+    a gradient, and peft's fp32 cast of a bf16 LoRA input, whose gradient passes through fp32 too.
 D18 torch.compile of a transformers model (``compiled``: ``model`` or ``blocks``): what AOT
     autograd's min-cut partitioner keeps (``hf_activations``), the loss's backward straight from the
     kept logits (d(logits) in their dtype; the Llama families one more logits-sized buffer), the
@@ -70,7 +75,8 @@ from __future__ import annotations
 
 from fasttrain.memory.breakdown import Breakdown, Line
 from fasttrain.memory.config import Setup, check
-from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_shapes, numel,
+from fasttrain.memory.training_state import (biases, dims, dtypes, linear_shapes, lora_kinds, lora_linears, lora_shapes,
+                                             numel,
                                              optimizer_state_bytes, optimizer_temp_bytes, param_counts,
                                              trainable_shapes)
 
@@ -173,8 +179,9 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
     norm = R * nh + T["stat"] * N / r
     # a linear keeps its input only for its weight's gradient: with a frozen base, only where LoRA's
     # A sits (A keeps the same input, or with lora_dropout its dropped copy and the mask)
-    keeps = {k: not s.frozen or (s.lora_rank > 0 and k in s.lora_targets) for k in LORA_KINDS}
-    lora = {k: lora_kept(s, k, mask_bytes) if s.lora_rank and k in s.lora_targets else 0 for k in LORA_KINDS}
+    adapted = lora_kinds(s)
+    keeps = {k: not s.frozen or k in adapted for k in LORA_KINDS}
+    lora = {k: lora_kept(s, k, mask_bytes) if k in adapted else 0 for k in LORA_KINDS}
     lin = linear_shapes(s)
     if s.frozen:
         # autocast caches casts of trainable leaves only; a frozen weight's bf16 copy is made per call
@@ -272,6 +279,27 @@ def layer_terms(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> dic
             # kept (measured on the CPU); under CUDA autocast that chain runs in fp32
             chain = 4 if cast and kernel_temps else C
             out["mlp_extra"] = max(mlp_extra, 2 * chain * N * f_l) + max(lora_back["up"], lora_back["down"])
+        if s.frozen and cast:
+            # peft casts a LoRA module's input to A's dtype (fp32) before A's autocast matmul: where that
+            # input is bf16 (the attention output, the MLP's down input) its gradient passes through an
+            # fp32 copy too (the norms' outputs are fp32 already)
+            # (GPT-2's MLP under CUDA autocast computes gelu_new in fp32: c_proj's input is fp32 there)
+            for k in ("proj", "down"):
+                bf16_input = not (k == "down" and s.modules == "hf-gpt2" and kernel_temps and s.ffn_act == "gelu")
+                lora_back[k] += 4 * N * lin[k][1] if lora[k] and bf16_input else 0
+            out["attn_extra"] = attn_extra + max(lora_back["qkv"], lora_back["proj"])
+        if s.frozen:
+            # a frozen base (compiled is refused): the MLP's backward moment by moment. The down projection's
+            # backward makes d(input) (and LoRA's own through B and A, then summed); the activation's backward
+            # holds its gradients beside what is kept, counted as if the down projection's kept input were
+            # freed by then: a frozen down projection never kept it, one hidden-size tensor more
+            chain = 4 if cast and kernel_temps and s.modules == "hf-gpt2" else C
+            act = {"relu": 2, "gelu": 1, "swiglu": 2}[s.ffn_act] * C * N * f_l
+            if s.modules == "hf-gpt2" and s.ffn_act == "gelu":
+                act = max(act, 2 * chain * N * f_l)
+            if "down" not in adapted and s.ffn_act != "relu":
+                act += C * N * f_l
+            out["mlp_extra"] = max(C * N * f_l + branch + lora_back["down"], act, lora_back["up"] + C * nh)
     return out
 
 
@@ -292,7 +320,8 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
     a gradient, so autograd keeps nothing there and its backward stops at that target.
     Returns layer 1's (attn, mlp) kept dicts and the backward stages that do not run."""
     attn, mlp = dict(lt["attn"]), dict(lt["mlp"])
-    order = [k for k in ("qkv", "proj", "up", "down") if k in s.lora_targets]
+    adapted = lora_kinds(s)
+    order = [k for k in ("qkv", "proj", "up", "down") if k in adapted]
     if not s.lora_rank or s.prompt_tokens:
         return attn, mlp, set()
     first = order[0] if order else "head"
@@ -303,6 +332,8 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
     attn["norm1"] = 0
     attn["weight_copies"] -= copy("qkv")
     skipped = {"norm 1"}
+    if first == "qkv" and lt.get("hf") and lt["hf"]["first_core"] is not None:
+        attn["core"] = lt["hf"]["first_core"]         # only some of q, k, v need a gradient (hf_activations)
     if first in ("proj", "up", "down", "head"):
         attn["core"] = 0
         skipped.add("attention core")
@@ -318,6 +349,25 @@ def _first_layer(s: Setup, lt: dict) -> tuple[dict, dict, set]:
         mlp = {k: 0 for k in mlp}
         attn = {k: 0 for k in attn}
         skipped.add("MLP")
+    elif lt.get("hf"):
+        # a transformers model (learned on the CPU): the first adapted kind's frozen weights keep no bf16 copy
+        # either (their input needs no gradient), nor do its LoRA A matrices; B's copies stay (A's output
+        # needs one)
+        if first == "proj":
+            attn["weight_copies"] -= copy("proj")
+            if not attn["proj_input"]:
+                attn["proj_input"] = C * N * lin["proj"][1]     # sdpa keeps nothing: A keeps its output
+        elif first in ("up", "down"):
+            mlp["weight_copies"] -= copy(first)
+        a_copies = 2 * s.lora_rank * sum(i for _, i in lora_linears(s, first)) if T["cast"] else 0
+        (attn if first in ("qkv", "proj") else mlp)["weight_copies"] -= a_copies
+        if first == "up" and s.modules in ("hf-llama", "hf-gemma"):
+            # the gated MLP when only some of gate_proj, up_proj need a gradient: act(gate) keeps the gate
+            # output when gate_proj is adapted, act * up keeps up's output for the same reason and the
+            # activation when up_proj is adapted; down's input only for down_proj's A
+            names = set(s.lora_targets)
+            gate, up, down = "gate_proj" in names, "up_proj" in names, "down_proj" in names
+            mlp["mlp_hidden"] = C * N * lin["down"][1] * (2 * gate + up + down)
     return attn, mlp, skipped
 
 
@@ -325,13 +375,14 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     """The peak bytes on one GPU during a training step, with the lines alive at that moment."""
     check(s, "precise")
     asked = s
-    text_seq = s.seq
     if s.prompt_tokens:
         # the soft prompt is prepended: every sequence-sized tensor has s + P positions
         s = s.with_(seq=s.seq + s.prompt_tokens)
     D, T, P = dims(s), dtypes(s), param_counts(asked)
     N, r, v_l, h = D["N"], D["r"], D["v_l"], s.hidden
     N_out = asked.seq * s.micro_batch                # positions with logits (the prompt's are cut off)
+    if s.modules != "lab":
+        N_out = s.seq * s.micro_batch                # peft's soft prompt: logits at every position (labels -100)
     C = T["C"]
     L = s.layers
     dpz = s.dp
@@ -349,7 +400,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         attn_1["core"] += lt["hf"]["first_attn"]     # compiled GPT-2 under autocast: layer 1's scores kept
 
     def lora_n(kind):        # LoRA parameters on one linear of ``kind``
-        return sum(numel(x) for x in lora_shapes(s, kind)) if lora_only and kind in s.lora_targets else 0
+        return sum(numel(x) for x in lora_shapes(s, kind))
 
     # --- persistent: parameters, optimizer state, buffers, inputs, workspaces -------------------
     n_local = P["total"]
@@ -369,7 +420,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # transformers builds the mask and RoPE's cos and sin in each forward (kept: ``hf["once"]``);
         # its buffers are the fp32 inverse frequencies (d / 2) only
         buffers = 2 * d_head if s.pos == "rope" else 0
-    inputs = 16 * N_out                               # int64 token ids and targets
+    inputs = 8 * asked.seq * s.micro_batch + 8 * N_out   # int64 token ids and targets (a soft prompt's -100 too)
     workspace = s.workspace_mib * MiB
     persistent = params_b + opt_b + buffers + inputs + workspace
 
@@ -390,6 +441,11 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if hf:
         head_part = dict(hf["head"])
         emb_part = sum(hf["once"].values())
+        if lora_only and "MLP" in skipped_1:
+            # LoRA on lm_head alone: nothing before the head needs a gradient; its B keeps A's output
+            head_part.update(final_norm=0, head_weight_copy=0, lora=C * N_out * s.lora_rank
+                             + (2 * s.lora_rank * v_l if T["cast"] else 0))
+            emb_part -= hf["once"].get("RoPE cos and sin", 0)
     per_layer = lt["checkpoint"] if full else attn_part + mlp_part
     # (full recomputation: the checkpoint holds every layer's input, the first one's too)
     first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
@@ -458,7 +514,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         moments.append(("backward: output projection",
                         saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now),
                         logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
-                        + (C * nh if s.prompt_tokens else 0)))    # the prompt cut: a zero-padded s + P gradient
+                        + (C * nh if s.prompt_tokens and not hf else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += grad_scale * final_norm_g
     moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))

@@ -9,7 +9,7 @@ D-numbers refer to its list of differences from the widget.
 
 from __future__ import annotations
 
-from fasttrain.memory.config import Setup
+from fasttrain.memory.config import HF_LINEARS, Setup
 
 
 def dims(s: Setup) -> dict:
@@ -99,19 +99,40 @@ def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
     return out
 
 
-def lora_shapes(s: Setup, kind: str) -> list[tuple]:
-    """peft's LoRA pair on one linear of ``kind``: A (r x in), B (out x r)."""
+
+
+def lora_linears(s: Setup, kind: str) -> list[tuple]:
+    """(out, in) of each LoRA-adapted linear of ``kind`` in one layer (the head: in the model). The lab's
+    GPT: its one linear of that kind when targeted; a transformers model: every module its
+    ``lora_targets`` (the model's own names, e.g. q_proj, v_proj) names of that kind (q_proj: a d rows,
+    k_proj and v_proj: g d, gate_proj and up_proj: half of the gated MLP's up matrix)."""
+    if not s.lora_rank:
+        return []
     out_f, in_f = linear_shapes(s)[kind]
-    return [(s.lora_rank, in_f), (out_f, s.lora_rank)]
+    if s.modules == "lab":
+        return [(out_f, in_f)] if kind in s.lora_targets else []
+    D = dims(s)
+    rows = {"all": out_f, "q": D["hl"], "kv": D["kvl"], "half": out_f // 2}
+    table = HF_LINEARS[s.modules]
+    return [(rows[part], in_f) for name in s.lora_targets for k, part in table.get(name, ()) if k == kind]
+
+
+def lora_kinds(s: Setup) -> set:
+    """The kinds of linear (qkv, proj, up, down, head) that carry at least one LoRA pair."""
+    return {k for k in ("qkv", "proj", "up", "down", "head") if lora_linears(s, k)}
+
+
+def lora_shapes(s: Setup, kind: str) -> list[tuple]:
+    """peft's LoRA pairs on the linears of ``kind`` (one layer): A (r x in), B (out x r) each."""
+    return [sh for out_f, in_f in lora_linears(s, kind) for sh in ((s.lora_rank, in_f), (out_f, s.lora_rank))]
 
 
 def trainable_shapes(s: Setup) -> list[tuple]:
     """The shapes of the tensors that train (one rank): every parameter, or the LoRA pairs of the
     targets (peft's order: per layer qkv, proj, up, down, then the head), or the soft prompt."""
     if s.lora_rank:
-        per_layer = [sh for kind in ("qkv", "proj", "up", "down") if kind in s.lora_targets
-                     for sh in lora_shapes(s, kind)]
-        return per_layer * s.layers + (lora_shapes(s, "head") if "head" in s.lora_targets else [])
+        per_layer = [sh for kind in ("qkv", "proj", "up", "down") for sh in lora_shapes(s, kind)]
+        return per_layer * s.layers + lora_shapes(s, "head")
     if s.prompt_tokens:
         return [(s.prompt_tokens, s.hidden)]
     return [sh for _, sh in param_shapes(s)]
