@@ -288,6 +288,23 @@ PEAK_CASES = [("llama", "eager", False, 4, "none"), ("llama", "sdpa", True, 4, "
               ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
 
 
+def loss_only(model, loss=None):
+    """``model`` returning its loss only, what the trainer keeps of the output (``loss(model, ids, targets)``,
+    default transformers' own ``model(input_ids, labels).loss``)."""
+    import torch
+
+    class LossOnly(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, idx, targets):
+            if loss is not None:
+                return loss(self.m, idx, targets)
+            return self.m(input_ids=idx, labels=targets, use_cache=False).loss
+    return LossOnly()
+
+
 def enable_checkpointing(model):
     """transformers' own gradient checkpointing, one checkpoint per decoder layer (renamed
     ``activation_checkpointing_enable`` in recent versions)."""
@@ -313,15 +330,7 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     if recompute == "full":
         enable_checkpointing(model)
 
-    class LossOnly(torch.nn.Module):            # what the trainer keeps of the output: the loss
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, idx, targets):
-            return self.m(input_ids=idx, labels=targets, use_cache=False).loss
-
-    wrapped = LossOnly()
+    wrapped = loss_only(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
     dtype = torch.bfloat16 if amp else None
@@ -480,15 +489,7 @@ def test_the_allocators_peak_equals_the_dispatch_trackers_on_an_eager_step():
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, cfg["vocab_size"], (2, 64))
 
-    class LossOnly(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, idx, targets):
-            return self.m(input_ids=idx, labels=targets, use_cache=False).loss
-
-    wrapped = LossOnly()
+    wrapped = loss_only(model)
 
     def step():
         loss = wrapped(ids, ids)
@@ -506,7 +507,7 @@ def test_the_allocators_peak_equals_the_dispatch_trackers_on_an_eager_step():
 
 def test_compiled_is_checked_and_the_lab_maps_its_compile_flags():
     from fasttrain.lab.config import LabConfig
-    from fasttrain.lab.estimate import compiled_scope
+    from fasttrain.lab.config import compiled_scope
 
     with pytest.raises(FasttrainError, match="compiled must be one of"):
         setup_from_hf_config(GPT2, seq=64, compiled="yes")
@@ -1044,15 +1045,7 @@ def test_peft_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name
     cfg, seq, prompt = PEAK_CFG[name], 120, 0 if targets else 8
     model = peft_model(cfg, attention, targets, prompt)
 
-    class LossOnly(torch.nn.Module):            # what the trainer keeps of the output: the loss
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, idx, targets):
-            return hf_loss(self.m, idx, targets)
-
-    wrapped = LossOnly()
+    wrapped = loss_only(model, hf_loss)
     opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
     with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):

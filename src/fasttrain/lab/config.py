@@ -465,4 +465,14 @@ def preset(name: str, **overrides) -> LabConfig:
     return validate(cfg)
 
 
-__all__ = ["LabConfig", "PRESETS", "PRESET_NOTES", "OPTIMS", "preset", "validate"]
+def compiled_scope(cfg: "LabConfig") -> str:
+    """The estimator's ``Setup.compiled`` for a lab run: ``none`` (eager), ``model`` (``torch.compile`` of the
+    whole module, the loss inside the graph) or ``blocks`` (each decoder layer compiled alone).
+    Modes (default, reduce-overhead) and backends keep the same tensors: AOT autograd's min-cut
+    partitioner chooses what the forward saves in every case (CUDA graphs change where, not how much)."""
+    if not cfg.torch_compile:
+        return "none"
+    return "blocks" if getattr(cfg, "torch_compile_scope", "model") == "blocks" else "model"
+
+
+__all__ = ["LabConfig", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "preset", "validate"]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fasttrain.lab.build import model_config, model_source
-from fasttrain.lab.config import LabConfig
+from fasttrain.lab.config import LabConfig, compiled_scope
 
 
 # the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names; Muon keeps
@@ -12,16 +12,6 @@ from fasttrain.lab.config import LabConfig
 # AdamW-trained embeddings and norms, a few percent of the parameters, are counted the same way)
 SETUP_OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit": "adamw_8bit",
                "adafactor": "adafactor", "sgd": "sgd", "muon": "sgd_momentum"}
-
-
-def compiled_scope(cfg: LabConfig) -> str:
-    """The estimator's ``Setup.compiled`` for a lab run: ``none`` (eager), ``model`` (``torch.compile`` of the
-    whole module, the loss inside the graph) or ``blocks`` (each decoder layer compiled alone).
-    Modes (default, reduce-overhead) and backends keep the same tensors: AOT autograd's min-cut
-    partitioner chooses what the forward saves in every case (CUDA graphs change where, not how much)."""
-    if not cfg.torch_compile:
-        return "none"
-    return "blocks" if getattr(cfg, "torch_compile_scope", "model") == "blocks" else "model"
 
 
 def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):

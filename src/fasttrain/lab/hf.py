@@ -582,15 +582,11 @@ def hf_logits(module, x):
 
 
 def memory_setup_for(hf_config: dict):
-    """PLUG (memory for HF models): ``(cfg, micro_batch) -> Setup | None`` through
-    ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers
-    config, written beside this); None while that module is not there (the run then records no
-    estimate). A setting the estimator does not model (it raises) gives None: no estimate, no error."""
-    try:
-        from fasttrain.memory.hf_config import setup_from_hf_config
-    except ImportError:
-        return None
-    from fasttrain.lab.estimate import compiled_scope
+    """The estimator's view of a run of this HF model: ``(cfg, micro_batch) -> Setup | None`` through
+    ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers config).
+    A setting the estimator does not model (it raises) gives None: the run records no estimate, no error."""
+    from fasttrain.lab.config import compiled_scope
+    from fasttrain.memory.hf_config import setup_from_hf_config
 
     def setup(cfg: LabConfig, micro_batch: int):
         extra = {"grad_buffers": True} if cfg.gradient_accumulation_steps > 1 else {}

@@ -818,7 +818,7 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
                     from fasttrain.memory.hf_config import setup_from_hf_config
                 except ImportError:
                     return None
-                from fasttrain.lab.estimate import compiled_scope
+                from fasttrain.lab.config import compiled_scope
 
                 precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
                 setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
