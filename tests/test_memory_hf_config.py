@@ -288,6 +288,30 @@ PEAK_CASES = [("llama", "eager", False, 4, "none"), ("llama", "sdpa", True, 4, "
               ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
 
 
+def ids_for(cfg: dict, batch: int, seq: int):
+    import torch
+
+    return torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+
+def peak_of_a_cpu_step(wrapped, ids, amp: bool) -> int:
+    """The live tensor bytes' peak of one training step of ``wrapped`` (ids as inputs and targets, AdamW over
+    what needs a gradient) after a first step that makes the optimizer's state."""
+    import torch
+
+    from fasttrain.memory.tracker import tracked_peak_step
+
+    opt = torch.optim.AdamW([p for p in wrapped.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+        loss = wrapped(ids, ids)
+    loss.backward()
+    opt.step()                                   # the optimizer state exists from the first step on
+    opt.zero_grad(set_to_none=True)
+    del loss
+    measured, _, _ = tracked_peak_step(wrapped, opt, ids, ids, autocast_dtype=torch.bfloat16 if amp else None)
+    return measured
+
+
 def loss_only(model, loss=None):
     """``model`` returning its loss only, what the trainer keeps of the output (``loss(model, ids, targets)``,
     default transformers' own ``model(input_ids, labels).loss``)."""
@@ -319,7 +343,6 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     torch = pytest.importorskip("torch")
     transformers = pytest.importorskip("transformers")
     from fasttrain.memory import precise
-    from fasttrain.memory.tracker import tracked_peak_step
 
     torch.set_num_threads(2)
     torch.manual_seed(0)
@@ -330,17 +353,7 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     if recompute == "full":
         enable_checkpointing(model)
 
-    wrapped = loss_only(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
-    dtype = torch.bfloat16 if amp else None
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        loss = wrapped(ids, ids)
-    loss.backward()
-    opt.step()                                   # the optimizer state exists from the first step on
-    opt.zero_grad(set_to_none=True)
-    del loss
-    measured, _, _ = tracked_peak_step(wrapped, opt, ids, ids, autocast_dtype=dtype)
+    measured = peak_of_a_cpu_step(loss_only(model), ids_for(cfg, batch, seq), amp)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
                                  attention=attention, recompute=recompute, workspace_mib=0.0)
     est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).total
@@ -595,20 +608,36 @@ print(json.dumps({"peak": torch.cuda.max_memory_allocated(), "before_step": befo
 """
 
 
-def measured_peak_in_fresh_process(cfg, attention, precision, recompute="none", scope="none", batch=4, seq=1024,
-                                   liger=False):
-    """The peak allocated bytes of a training step (the second and third, after a first that compiles and
-    makes the optimizer's state) of a transformers model built from ``cfg``, in a new Python process
-    (``liger``: liger-kernel's patches of the instance, as the lab applies them)."""
+def peak_in_fresh_process(script: str, args: dict) -> int:
+    """The peak allocated bytes ``script`` (MEASURE_STEP, MEASURE_PEFT_STEP) prints for ``args``, run in a new
+    Python process."""
     import subprocess
     import sys
 
-    args = dict(cfg=cfg, attention=attention, precision=precision, recompute=recompute, scope=scope, batch=batch,
-                seq=seq, liger=liger)
-    done = subprocess.run([sys.executable, "-c", MEASURE_STEP, json.dumps(args)], capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", script, json.dumps(args)], capture_output=True, text=True,
                           timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])["peak"]
+
+
+def assert_estimate_within_5_percent_on_gpu(setup, script: str, args: dict, *needs: str) -> None:
+    """A transformers model's training step measured on the GPU in a fresh process (the second and third step,
+    after a first that compiles and makes the optimizer's state) against the estimate of ``setup``."""
+    torch = pytest.importorskip("torch")
+    for module in ("transformers", *needs):
+        pytest.importorskip(module)
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    measured = peak_in_fresh_process(script, args)
+    est = estimate(setup).total
+    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
+                                                    f"measured {measured / 2**20:.1f} MiB")
+
+
+def step_args(cfg, attention, precision, recompute="none", scope="none", liger=False) -> dict:
+    """MEASURE_STEP's arguments: batch 4 x 1024 as the GPU cases train."""
+    return dict(cfg=cfg, attention=attention, precision=precision, recompute=recompute, scope=scope, batch=4,
+                seq=1024, liger=liger)
 
 
 @pytest.mark.gpu
@@ -618,16 +647,9 @@ def test_precise_estimate_within_5_percent_of_a_compiled_transformers_models_pea
                                                                                          precision, scope):
     """torch.compile (inductor, default mode) of the whole model or of each decoder layer, trained as the lab
     trains it; the estimate with ``compiled`` against torch.cuda.max_memory_allocated."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    measured = measured_peak_in_fresh_process(cfg, attention, precision, scope=scope)
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
                                  optim="adamw_torch", compiled=scope)
-    est = estimate(setup).total
-    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
-                                                    f"measured {measured / 2**20:.1f} MiB")
+    assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, scope=scope))
 
 
 @pytest.mark.gpu
@@ -635,16 +657,9 @@ def test_precise_estimate_within_5_percent_of_a_compiled_transformers_models_pea
                          ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}" for c in GPU_CASES])
 def test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(name, cfg, attention, precision,
                                                                                  recompute):
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    measured = measured_peak_in_fresh_process(cfg, attention, precision, recompute=recompute)
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
                                  recompute=recompute, optim="adamw_torch")
-    est = estimate(setup).total
-    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
-                                                    f"measured {measured / 2**20:.1f} MiB")
+    assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, recompute))
 
 
 # --------------------------------------------------------------------------------------------
@@ -915,17 +930,10 @@ def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu
                                                                                   recompute):
     """liger-kernel's patches of the instance (all four kernels), trained as the lab trains it; the estimate with
     ``liger`` against torch.cuda.max_memory_allocated (autocast: the fused cross-entropy's bf16 chunk path)."""
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
-    pytest.importorskip("liger_kernel")
-    measured = measured_peak_in_fresh_process(cfg, attention, precision, recompute=recompute, liger=True)
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
                                  recompute=recompute, optim="adamw_torch", liger=True)
-    est = estimate(setup).total
-    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
-                                                    f"measured {measured / 2**20:.1f} MiB")
+    assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, recompute,
+                                                                           liger=True), "liger_kernel")
 
 
 def test_cli_liger_estimates_the_liger_patched_model(tmp_path):
@@ -1039,22 +1047,12 @@ def test_peft_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(name
     torch = pytest.importorskip("torch")
     from fasttrain.lab.hf import hf_loss
     from fasttrain.memory import precise
-    from fasttrain.memory.tracker import tracked_peak_step
 
     torch.set_num_threads(2)
     cfg, seq, prompt = PEAK_CFG[name], 120, 0 if targets else 8
     model = peft_model(cfg, attention, targets, prompt)
 
-    wrapped = loss_only(model, hf_loss)
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4, foreach=True)
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-        loss = wrapped(ids, ids)
-    loss.backward()
-    opt.step()                                   # the optimizer state exists from the first step on
-    opt.zero_grad(set_to_none=True)
-    del loss
-    measured, _, _ = tracked_peak_step(wrapped, opt, ids, ids, autocast_dtype=torch.bfloat16 if amp else None)
+    measured = peak_of_a_cpu_step(loss_only(model, hf_loss), ids_for(cfg, batch, seq), amp)
     est = precise.estimate(peft_setup(cfg, attention, amp, batch, seq, targets, prompt), mask_bytes=4,
                            kernel_temps=False).total
     assert abs(est - measured) <= 0.02 * measured, (est, measured)
@@ -1144,23 +1142,9 @@ def test_peft_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(nam
                                                                             precision):
     """peft's LoRA and soft prompt as the lab applies them, one step in a process of its own, against
     torch.cuda.max_memory_allocated."""
-    import subprocess
-    import sys
-
-    torch = pytest.importorskip("torch")
-    pytest.importorskip("transformers")
-    pytest.importorskip("peft")
-    if not torch.cuda.is_available():
-        pytest.skip("needs a CUDA GPU")
     seq = 1024 - prompt                    # GPT-2's 1024 learned positions hold the prompt too
     args = dict(cfg=cfg, targets=targets, prompt=prompt, attention=attention, precision=precision, batch=4, seq=seq)
-    done = subprocess.run([sys.executable, "-c", MEASURE_PEFT_STEP, json.dumps(args)], capture_output=True, text=True,
-                          timeout=900)
-    assert done.returncode == 0, done.stderr[-3000:]
-    measured = json.loads(done.stdout.strip().splitlines()[-1])["peak"]
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=seq, precision=precision, attention=attention,
                                  optim="adamw_torch", lora_rank=8 if targets else 0, lora_targets=targets or (),
                                  prompt_tokens=prompt)
-    est = estimate(setup).total
-    assert abs(est - measured) <= 0.05 * measured, (f"estimate {est / 2**20:.1f} MiB, "
-                                                    f"measured {measured / 2**20:.1f} MiB")
+    assert_estimate_within_5_percent_on_gpu(setup, MEASURE_PEFT_STEP, args, "peft")
