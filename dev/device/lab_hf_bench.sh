@@ -7,6 +7,8 @@
 #   bash dev/device/lab_hf_bench.sh gpt2-124m --steps 30
 #   bash dev/device/lab_hf_bench.sh llama-0.5b --steps 10 --warmup 3
 #   PRESET=char-100m bash dev/device/lab_hf_bench.sh llama-0.5b ...     # the preset gives batch, context, lr
+#   MERGE_INTO=results/lab/nvidia-h100-hf-llama-0.5b bash dev/device/lab_hf_bench.sh llama-0.5b --rows PEFT,liger
+#       re-measures some rows into a committed table (a copy of it in $OUT, merged by label, not --fresh)
 # Extra options go to fasttrain bench lab. Rows a HF model cannot take are skipped with their reason in the
 # table (selective checkpointing, the padded vocabulary, liger for gpt2); the GPT's batch-size sweep is left out.
 # Without a --tokenizer option in bench lab (another branch adds it) the corpus is characters.
@@ -37,8 +39,13 @@ if python3 -m fasttrain bench lab --help | grep -q -- "--tokenizer"; then
 fi
 echo "=== bench lab --model hf:$MODEL $(date +%T)"
 start=$(date +%s)
+FRESH=(--fresh)
+if [ -n "${MERGE_INTO:-}" ]; then
+  [ -f "$MERGE_INTO/lab.json" ] || { echo "MERGE_INTO=$MERGE_INTO holds no lab.json"; exit 2; }
+  rm -rf "$OUT/bench-lab-$MODEL" && cp -r "$MERGE_INTO" "$OUT/bench-lab-$MODEL" && FRESH=()
+fi
 timeout "${LAB_TIMEOUT:-560}" python3 -m fasttrain bench lab --model "hf:$WORK/$MODEL" "${TOKENIZER[@]}" \
-  --preset "${PRESET:-shakespeare-char}" --out "$OUT/bench-lab-$MODEL" --fresh "$@" \
+  --preset "${PRESET:-shakespeare-char}" --out "$OUT/bench-lab-$MODEL" "${FRESH[@]}" "$@" \
   > "$OUT/bench-lab-$MODEL.md.log" 2> "$OUT/bench-lab-$MODEL.log"
 echo "exit $? after $(( $(date +%s) - start )) s"
 tar -czf "$OUT/bench-lab-$MODEL.tar.gz" -C "$OUT" "bench-lab-$MODEL" 2>/dev/null
