@@ -472,3 +472,16 @@ def test_a_probe_a_library_cannot_run_is_recorded_and_the_search_goes_on():
     failed = [r for r in R.ranked_rows(res) if r["status"].startswith("failed")]
     assert failed and failed[0]["status"] == "failed: RuntimeError: backend compiler failed"
     assert res.base.with_(**res.pick.candidate.overrides_dict()).attn_implementation == "eager"
+
+
+def test_every_probe_releases_what_it_leaves_in_the_process(monkeypatch):
+    """A probe's liger patches, compiled code and CUDA-graph pool must not reach the next probe: each probe
+    ends with the lab's release, an out-of-memory one too."""
+    from fasttrain.lab import measure as M
+    from fasttrain.lab.data import corpus_from_text
+
+    released = []
+    monkeypatch.setattr(M, "release_run_state", lambda cfg: released.append(cfg.per_device_train_batch_size))
+    measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
+    probe = measure(base().with_(context=16, per_device_train_batch_size=2), 1)
+    assert probe.tokens_per_s and released == [2]

@@ -867,7 +867,7 @@ def lab_measure(corpus=None, warmup: int = 2) -> Callable:
         import torch
 
         from fasttrain.lab.build import make_trainer, resolve_device
-        from fasttrain.lab.measure import free_memory, held_before, oom_types, tf32_matmuls
+        from fasttrain.lab.measure import free_memory, held_before, oom_types, release_run_state, tf32_matmuls
         from fasttrain.lab.trainer import Metrics
 
         pc = validate(probe_config(cfg, steps, warmup))
@@ -888,6 +888,10 @@ def lab_measure(corpus=None, warmup: int = 2) -> Callable:
                 trainer.train(metrics=metrics, evaluate=False)
             except oom_types():
                 oom = True          # answered below, once the exception (and its frames' tensors) is gone
+            finally:
+                # the next probe must not run this one's liger patches nor find its CUDA-graph pool held, and
+                # compiled probes must not pile up in dynamo's cache (past its limit it runs eager, unsaid)
+                release_run_state(pc)
         if oom:
             trainer = None
             free_memory(device)
