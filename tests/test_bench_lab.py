@@ -102,9 +102,9 @@ def test_row_selection_brings_the_pair_along():
 def test_cpu_skips_the_gpu_rows_with_a_reason():
     rows = {r.label: r for r in bench_lab.lab_rows(64)}
     for label in ("fp16", "liger kernels", "adamw_8bit", "workers 2 + pin + prefetch", "empty cache every step"):
-        assert "CUDA" in bench_lab.skip_reason(rows[label], cuda=False)
-        assert bench_lab.skip_reason(rows[label], cuda=True) is None
-    assert bench_lab.skip_reason(rows["bf16"], cuda=False) is None
+        assert "CUDA" in rows[label].cannot_run(cuda=False)
+        assert rows[label].cannot_run(cuda=True) is None
+    assert rows["bf16"].cannot_run(cuda=False) is None
 
 
 # --- compiling rows: cold and warm start, on given numbers --------------------------------------

@@ -406,7 +406,7 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
         cuda = resolve_device(base).type == "cuda"
         out_console.print(f"[bold]lab[/]: {bench_lab.title(preset)}; {plan.repeats} seed(s) per row")
         for row in plan.rows:
-            reason = bench_lab.skip_reason(row, cuda)
+            reason = row.cannot_run(cuda)
             status = "[green]runs[/]" if reason is None else f"[yellow]skip[/]: {escape(reason)}"
             out_console.print(f"  {row.technique:<24} {row.label:<28} {status}")
         if plan.sweep:

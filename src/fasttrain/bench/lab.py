@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
@@ -48,6 +47,7 @@ from fasttrain.bench.results import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
 from fasttrain.lab import experiment
 from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.measure import forget_compiled_code
 from fasttrain.lab.record_protocol import breakeven_steps, compile_seconds_of
 from fasttrain.timing import summarize
 
@@ -201,10 +201,6 @@ def sweep_selected(wanted: list[str] | None) -> bool:
     return not wanted or any("sweep" in w.lower() for w in wanted)
 
 
-def skip_reason(row: LabRow, cuda: bool) -> str | None:
-    return row.cannot_run(cuda)
-
-
 def row_config(base, row: LabRow, steps: int, warmup: int):
     """The row's LabConfig: the baseline with the row's overrides, trained on the baseline's token
     budget of ``(warmup + steps)`` steps; the learning-rate warm-up (a tenth of the budget) and the
@@ -260,19 +256,6 @@ COMPILER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 NEVER = "never"     # the unit of a breakeven that never comes: the compiled step is not faster than its pair's
 COMPILE_METRICS = ("compile_cold_s", "compile_warm_s")
 BREAKEVEN_METRICS = ("breakeven_steps_cold", "breakeven_steps_warm")
-
-
-def forget_compiled_code() -> None:
-    """Drop what this process holds of compiled code, so that the next compilation finds only what the cache
-    folders hold: dynamo's code caches (``torch._dynamo.reset``) and inductor's in-memory caches (compiled
-    Triton kernels by source, loaded modules). Nothing to drop when torch's compiler was never imported."""
-    dynamo = sys.modules.get("torch._dynamo")
-    if dynamo is not None:
-        dynamo.reset()
-    utils = sys.modules.get("torch._inductor.utils")
-    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
-    if clear is not None:
-        clear()
 
 
 @contextmanager

@@ -4,6 +4,7 @@ TF32 matmuls, out-of-memory errors and giving cached memory back."""
 from __future__ import annotations
 
 import gc
+import sys
 from contextlib import contextmanager
 
 from fasttrain.lab.optim import optimizer_state_bytes, tensor_bytes
@@ -51,21 +52,34 @@ def free_memory(device) -> None:
         torch.cuda.empty_cache()
 
 
-def release_run_state(cfg) -> None:
-    """Undo what a run leaves in the process that would change the next run in it (the next row of a table):
-    liger-kernel's module-level patches of transformers (later models of the family would run its kernels),
-    and torch.compile's code caches with the CUDA-graph trees' memory pools (``reduce-overhead`` keeps its pool,
-    tens of GiB for a large model, until the trees are reset: the next row would run out of memory)."""
-    import sys
+def forget_compiled_code() -> None:
+    """Drop what this process holds of compiled code, so that the next compilation finds only what the cache
+    folders hold: dynamo's code caches (``torch._dynamo.reset``; past their recompile limit a new model would
+    run eager, unsaid), inductor's in-memory caches (compiled kernels by source, loaded modules) and the
+    CUDA-graph trees with their memory pools (``reduce-overhead`` keeps its pool, tens of GiB for a large
+    model, until the trees are reset). Nothing to drop when torch's compiler was never imported."""
+    dynamo = sys.modules.get("torch._dynamo")
+    if dynamo is None:
+        return
+    dynamo.reset()
+    utils = sys.modules.get("torch._inductor.utils")
+    clear = getattr(utils, "clear_caches", None) or getattr(utils, "clear_inductor_caches", None)
+    if clear is not None:
+        clear()
+    trees = sys.modules.get("torch._inductor.cudagraph_trees")
+    if trees is not None:
+        trees.reset_cudagraph_trees()
+    gc.collect()
 
+
+def release_run_state(cfg) -> None:
+    """Undo what a run leaves in the process that would change the next run in it (the next row of a table, the
+    next probe of a search): liger-kernel's module-level patches of transformers (later models of the family
+    would run its kernels) and, after a compiled run, its compiled code (:func:`forget_compiled_code`)."""
     if getattr(cfg, "use_liger_kernel", False) and "fasttrain.lab.hf" in sys.modules:
         sys.modules["fasttrain.lab.hf"].undo_liger_patches()
-    if getattr(cfg, "torch_compile", False) and "torch._dynamo" in sys.modules:
-        sys.modules["torch._dynamo"].reset()
-        trees = sys.modules.get("torch._inductor.cudagraph_trees")
-        if trees is not None:
-            trees.reset_cudagraph_trees()
-        gc.collect()
+    if getattr(cfg, "torch_compile", False):
+        forget_compiled_code()
 
 
 def held_before(device) -> int:
