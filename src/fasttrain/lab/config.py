@@ -475,4 +475,13 @@ def compiled_scope(cfg: "LabConfig") -> str:
     return "blocks" if getattr(cfg, "torch_compile_scope", "model") == "blocks" else "model"
 
 
-__all__ = ["LabConfig", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "preset", "validate"]
+def lora_targets_for(cfg: "LabConfig", model_default: tuple[str, ...] = ()) -> tuple[str, ...]:
+    """The modules LoRA adapts: ``--lora-target-modules``; left at the lab's default (qkv, proj: the lab GPT's
+    names) for a model with its own default (``model_default``, e.g. q_proj, v_proj), that default."""
+    targets = tuple(cfg.lora_target_modules)
+    if model_default and targets == LabConfig.__dataclass_fields__["lora_target_modules"].default:
+        return tuple(model_default)
+    return targets
+
+
+__all__ = ["LabConfig", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "lora_targets_for", "preset", "validate"]

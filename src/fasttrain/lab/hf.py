@@ -41,21 +41,16 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import swap_folder
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.models import LabModel
+from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS
 
 HF_PREFIX = "hf:"
 HF_CHECKPOINT_FORMAT = "fasttrain-lab-hf-1"
 FASTTRAIN_JSON = "fasttrain.json"           # beside the HF files of a saved checkpoint: the lab's record
 PROMPT_FOLDER = "prompt_tuning"             # a saved soft prompt (peft adapter) inside a checkpoint
 
-# LoRA's default targets per model_type: the attention projections LoRA's authors adapted (query
-# and value), under each family's own module names; GPT-2 fuses q, k, v into one Conv1D (c_attn),
-# Phi-3 into one Linear (qkv_proj)
-LORA_TARGETS: dict[str, tuple[str, ...]] = {
-    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
-    "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "gemma": ("q_proj", "v_proj"),
-    "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"), "olmo2": ("q_proj", "v_proj"),
-    "gpt2": ("c_attn",), "phi3": ("qkv_proj",), "gpt_neox": ("query_key_value",),
-}
+# LoRA's default targets per model_type, in each family's own module names: the estimator's table (it
+# counts what the lab adapts)
+LORA_TARGETS = DEFAULT_LORA_TARGETS
 
 # files whose presence means "this folder holds weights": from_pretrained, not from_config
 WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
@@ -585,7 +580,7 @@ def memory_setup_for(hf_config: dict):
     """The estimator's view of a run of this HF model: ``(cfg, micro_batch) -> Setup | None`` through
     ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers config).
     A setting the estimator does not model (it raises) gives None: the run records no estimate, no error."""
-    from fasttrain.lab.config import compiled_scope
+    from fasttrain.lab.config import compiled_scope, lora_targets_for
     from fasttrain.memory.hf_config import setup_from_hf_config
 
     def setup(cfg: LabConfig, micro_batch: int):
@@ -593,11 +588,8 @@ def memory_setup_for(hf_config: dict):
         if cfg.prompt_tuning_tokens:
             extra["prompt_tokens"] = cfg.prompt_tuning_tokens
         if cfg.lora_r:
-            # the modules the trainer adapts (Trainer.lora_targets): --lora-target-modules, or the family's own
-            # default while it is left at the lab's GPT names
-            targets = tuple(cfg.lora_target_modules)
-            if targets == LabConfig.__dataclass_fields__["lora_target_modules"].default:
-                targets = LORA_TARGETS.get(hf_config.get("model_type"), targets)
+            # the modules the trainer adapts (the same rule as Trainer.lora_targets)
+            targets = lora_targets_for(cfg, LORA_TARGETS.get(hf_config.get("model_type"), ()))
             extra.update(lora_rank=cfg.lora_r, lora_targets=targets, lora_dropout=float(cfg.lora_dropout))
         try:
             return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,

@@ -228,11 +228,9 @@ class Trainer:
     def lora_targets(self) -> tuple[str, ...]:
         """``--lora-target-modules``; for a model other than the lab's GPT left at the lab's default
         (qkv, proj: the GPT's names), the model's own default (e.g. q_proj, v_proj)."""
-        targets = tuple(self.cfg.lora_target_modules)
-        if self.lab_model.name != "gpt" and self.lab_model.lora_targets \
-                and targets == LabConfig.__dataclass_fields__["lora_target_modules"].default:
-            return tuple(self.lab_model.lora_targets)
-        return targets
+        from fasttrain.lab.config import lora_targets_for
+
+        return lora_targets_for(self.cfg, self.lab_model.lora_targets if self.lab_model.name != "gpt" else ())
 
     def _compiled(self, wrapped):
         import torch

@@ -44,10 +44,15 @@ ATTENTION_ALIASES = {"eager": "eager", "sdpa": "flash", "flash_attention_2": "fl
 # RoPE, SwiGLU (Gemma: GeGLU), fused linear cross-entropy); GPT-2 has no liger patches
 LIGER_OF = {"llama": LIGER_KERNELS, "mistral": LIGER_KERNELS, "qwen2": LIGER_KERNELS, "gemma": LIGER_KERNELS,
             "phi3": LIGER_KERNELS}
-# LoRA's default targets per model_type (the lab's): the attention's query and value projections in the
-# family's own module names (GPT-2 and Phi-3 fuse q, k, v into one module)
-DEFAULT_LORA_TARGETS = {"llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "qwen2": ("q_proj", "v_proj"),
-                        "gemma": ("q_proj", "v_proj"), "phi3": ("qkv_proj",), "gpt2": ("c_attn",)}
+# LoRA's default targets per model_type (the lab's too): the attention projections LoRA's authors adapted
+# (query and value), under each family's own module names; GPT-2 fuses q, k, v into one Conv1D (c_attn),
+# Phi-3 into one Linear (qkv_proj)
+DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
+    "llama": ("q_proj", "v_proj"), "mistral": ("q_proj", "v_proj"), "mixtral": ("q_proj", "v_proj"),
+    "qwen2": ("q_proj", "v_proj"), "qwen3": ("q_proj", "v_proj"), "gemma": ("q_proj", "v_proj"),
+    "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"), "olmo2": ("q_proj", "v_proj"),
+    "gpt2": ("c_attn",), "phi3": ("qkv_proj",), "gpt_neox": ("query_key_value",),
+}
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
@@ -176,7 +181,10 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
         raise FasttrainError("lora_targets without lora_rank: give the LoRA rank too")
     if lora_rank:
         model_type = _as_dict(config)["model_type"]
-        lora_targets = tuple(lora_targets) or DEFAULT_LORA_TARGETS[model_type]
+        lora_targets = tuple(lora_targets) or DEFAULT_LORA_TARGETS.get(model_type, ())
+        if not lora_targets:
+            raise FasttrainError(f"no default LoRA targets for model_type {model_type!r}; name its linear layers "
+                                 f"(lora_targets, e.g. q_proj,v_proj)")
         changes.update(lora_rank=lora_rank, lora_targets=lora_targets)
     if precision not in PRECISION_ALIASES:
         raise FasttrainError(f"precision must be one of {', '.join(PRECISION_ALIASES)}, got {precision!r}")
