@@ -473,27 +473,27 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         proj_g, attn_g = D["hl"] * h + (h if proj_bias else 0), P["attn_w"] + P["attn_b"] + P["norm"]
         embed_g = P["pos"] + (P["embed"] if not s.tied else 0)
 
-    # end of forward: logits (and their fp32 copy) beside the log-probs; under autocast with full
-    # recomputation the autocast cache still holds every layer's bf16 weight copies
+    # end of forward: the loss's working memory beside what is kept -- the logits (and their fp32 copy)
+    # beside the log-probs -- and, under autocast with full recomputation, the autocast cache's bf16 copies
+    # of every layer's weights
     fwd_extra = logits_c + (4 * N_out * v_l if C == 2 and not T["cast"] else 0)   # + the fp32 copy (mixed)
     if hf:
         # ``logits.float()`` beside the logits; under autocast the fp32 last hidden state (the model's
         # output object holds it while the loss runs; without autocast it is the head's kept input)
         fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
-    if T["cast"] and full and not frozen:
-        fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     whole = bool(hf) and s.compiled == "model"
+    fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger    # (liger under compile is refused)
     if whole:
         # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
         fwd_extra = 0
-    fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger
-    if fused_ce:
+    elif fused_ce:
         # liger's fused linear cross-entropy: no logits; its forward's chunk buffers beside what it keeps
         from fasttrain.memory.hf_activations import liger_flce_forward_bytes
 
-        fwd_extra = liger_flce_forward_bytes(s) + (2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
-                                                   if T["cast"] and full and not frozen else 0)
+        fwd_extra = liger_flce_forward_bytes(s)
         logits_c = 0                                  # nothing for the trainer to hold either (keep_logits)
+    if T["cast"] and full and not frozen and not whole:
+        fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
