@@ -103,15 +103,30 @@ def gpu_name(device) -> str:
 
 @contextmanager
 def tf32_matmuls(enabled: bool):
-    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores inside, restored on exit."""
+    """fp32 matmuls (and cuDNN convolutions) on TF32 tensor cores inside, restored on exit.
+
+    PyTorch has two families of switches, the legacy ones (``set_float32_matmul_precision``,
+    ``cudnn.allow_tf32``) and the newer ``fp32_precision`` ones, and refuses to read the legacy
+    ones once the newer ones were set in the process (the HF Trainer's ``tf32=True`` sets them, so a
+    notebook that ran it first would fail here): the family the process already uses is the one set."""
     import torch
 
-    matmul_precision = torch.get_float32_matmul_precision()
-    cudnn_tf32 = torch.backends.cudnn.allow_tf32
-    torch.set_float32_matmul_precision("high" if enabled else "highest")
-    torch.backends.cudnn.allow_tf32 = enabled
+    matmul, cudnn = torch.backends.cuda.matmul, torch.backends.cudnn
+    try:
+        legacy = (torch.get_float32_matmul_precision(), cudnn.allow_tf32)
+    except RuntimeError:        # "mix of the legacy and new APIs": the process uses fp32_precision
+        legacy = None
+    if legacy is not None:
+        torch.set_float32_matmul_precision("high" if enabled else "highest")
+        cudnn.allow_tf32 = enabled
+    else:
+        newer = (matmul.fp32_precision, cudnn.fp32_precision)
+        matmul.fp32_precision = cudnn.fp32_precision = "tf32" if enabled else "ieee"
     try:
         yield
     finally:
-        torch.set_float32_matmul_precision(matmul_precision)
-        torch.backends.cudnn.allow_tf32 = cudnn_tf32
+        if legacy is not None:
+            torch.set_float32_matmul_precision(legacy[0])
+            cudnn.allow_tf32 = legacy[1]
+        else:
+            matmul.fp32_precision, cudnn.fp32_precision = newer
