@@ -36,6 +36,12 @@ CASES = {
     "gpt2-124m-eager-fp32": (GPT2_124M, "eager", "fp32", "none", "none", 64, 256),
     "gpt2-124m-eager-fp32-compiled": (GPT2_124M, "eager", "fp32", "none", "model", 64, 256),
     "gpt2-124m-sdpa-bf16-compiled": (GPT2_124M, "sdpa", "bf16", "none", "model", 64, 256),
+    # each decoder layer compiled alone, with GPT-2's default dropout (0.1) and without it
+    "gpt2-eager-bf16-blocks": (GPT2, "eager", "bf16", "none", "blocks", 4, 1024),
+    "gpt2-eager-bf16-blocks-nodropout": (dict(GPT2, embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0), "eager", "bf16",
+                                         "none", "blocks", 4, 1024),
+    # sdpa in fp32 with grouped key/value heads: transformers passes enable_gqa, which of torch's kernels runs?
+    "llama-sdpa-fp32": (LLAMA, "sdpa", "fp32", "none", "none", 4, 1024),
 }
 
 
@@ -91,6 +97,9 @@ def run_case(name, cfg, attention, precision, recompute, compiled, batch, seq, s
     if recompute == "full":
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     run = torch.compile(model) if compiled == "model" else model
+    if compiled == "blocks":
+        for layer in (model.transformer.h if hasattr(model, "transformer") else model.model.layers):
+            layer.compile()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, foreach=True)
     ids = torch.randint(0, cfg["vocab_size"], (batch, seq), device="cuda")
     for _ in range(steps):
@@ -119,7 +128,7 @@ def run_case(name, cfg, attention, precision, recompute, compiled, batch, seq, s
     gc.collect()
     torch.cuda.empty_cache()
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision=precision, attention=attention,
-                                 recompute=recompute, optim="adamw_torch")
+                                 recompute=recompute, optim="adamw_torch", compiled=compiled)
     est = estimate(setup)
     MiB = 2 ** 20
     return {"case": name, "attention": attention, "precision": precision, "recompute": recompute,
