@@ -396,11 +396,16 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
     elif s.ffn_act == "gelu":
         # gelu_new's chain fused: c_fc's output and c_proj's input (the chain recomputed from the first)
         mlp["mlp_hidden"] = 2 * C * N * f
-    if cast and not flash and not s.dropout:
-        # the scores S and the softmax's bf16 P (P V's input), each a s^2 b, and the fp32 row maximum and
-        # sum: the fp32 P is recomputed from them in backward. A whole compiled model does so in GPT-2's
-        # first layer only (every other layer, and every Llama layer, keeps eager's fp32 and bf16 P)
-        delta = (2 * C - _eager_p_bytes(s)) * unit + 8 * a * b * sq
+    # GPT-2's attention dropout in a compiled block on CUDA (measured on an H100): the scores S, the bool mask and
+    # the dropped P (P V's input), the fp32 P and its bf16 copy recomputed from S and the row statistics; the
+    # CPU's compiled blocks keep eager's terms (measured), and a whole model with dropout is eager's (CPU)
+    drop_in_block = s.dropout and gpt2 and not cpu and not whole
+    if cast and not flash and (not s.dropout or drop_in_block):
+        # the scores S and the softmax's bf16 P (P V's input; with dropout the dropped P and the 1-byte mask),
+        # each a s^2 b, and the fp32 row maximum and sum: the fp32 P is recomputed from them in backward. A
+        # whole compiled model does so in GPT-2's first layer only (every other layer, and every Llama layer,
+        # keeps eager's fp32 and bf16 P)
+        delta = (2 * C + (1 if s.dropout else 0) - _eager_p_bytes(s)) * unit + 8 * a * b * sq
         if not whole:
             attn["core"] += delta
         elif gpt2:
@@ -454,5 +459,8 @@ def _eager_p_bytes(s: Setup) -> int:
     C, cast, mixed = T["C"], T["cast"], s.precision == "mixed"
     if s.modules == "hf-gpt2":
         Dsm = 2 if mixed else 4
+        if s.dropout:
+            pv = C if cast else Dsm
+            return Dsm + (1 if s.compiled != "none" else pv) + pv      # P, the mask (bool when compiled), P dropped
         return Dsm + (C if cast else 0)
     return 4 + (2 if C == 2 else 0)
