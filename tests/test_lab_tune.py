@@ -344,7 +344,9 @@ def test_end_to_end_on_a_tiny_model_through_the_real_trainer(tmp_path):
     assert res.pick is not None and res.pick.ok and res.pick.last.tokens_per_s > 0
     assert T.CPU_NOTE in res.notes
     assert res.pick.predicted_bytes > 0                  # the estimator's prediction of the lab's GPT
-    assert len(res.baseline.probes[0].losses) == 1 + 2   # warm-up steps, then the timed one
+    # the untimed warm-up steps (three micro-batches' worth), then the timed one
+    warm = T.warmup_steps_for(base(gradient_accumulation_steps=res.baseline.candidate.accumulation))
+    assert len(res.baseline.probes[0].losses) == warm + 1
     data = json.loads((tmp_path / "run" / "tune.json").read_text())
     assert data["pick"]["training_arguments"]["use_cpu"] is True
     again = T.tune(base(), seq=16, global_batch_tokens=16 * 8, corpus=corpus, fixed=fixed, steps=1,
@@ -485,3 +487,25 @@ def test_every_probe_releases_what_it_leaves_in_the_process(monkeypatch):
     measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
     probe = measure(base().with_(context=16, per_device_train_batch_size=2), 1)
     assert probe.tokens_per_s and released == [2]
+
+
+def test_a_probe_warms_up_on_micro_batches_not_on_whole_steps():
+    """Compilation and CUDA graphs' recording take the first three forward/backward calls: a step of many
+    micro-batches covers them in one untimed step (the probe's time goes to measuring), a step of one
+    micro-batch needs three."""
+    for accumulation, warm in ((1, 3), (2, 2), (3, 1), (32, 1)):
+        assert T.warmup_steps_for(base(gradient_accumulation_steps=accumulation)) == warm
+
+
+def test_a_probe_runs_its_warmup_untimed_then_its_timed_steps(monkeypatch):
+    from fasttrain.lab.data import corpus_from_text
+
+    seen = []
+    real = T.probe_config
+    monkeypatch.setattr(T, "probe_config", lambda cfg, steps, warmup: seen.append((steps, warmup)) or
+                        real(cfg, steps, warmup))
+    measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
+    probe = measure(base().with_(context=16, per_device_train_batch_size=2, gradient_accumulation_steps=2), 2)
+    assert seen == [(2, 2)] and probe.steps == 2 and probe.tokens_per_s
+    T.lab_measure(corpus=corpus_from_text(toy_text(20000)), warmup=1)(base().with_(context=16), 1)
+    assert seen[-1] == (1, 1)

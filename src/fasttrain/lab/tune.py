@@ -30,7 +30,8 @@ Predict, then measure:
    multiplicative model ranks the combinations of the better choices of every axis
    (``speed(c) = speed(base) prod_axis speed(base with c's choice) / speed(base)``), and the
    best-ranked enter the halving;
-3. successive halving: every candidate of a rung runs ``s`` timed steps; the faster half goes on
+3. successive halving: every candidate of a rung runs ``s`` timed steps (3 at the first rung, after
+   untimed ones that cover compilation and CUDA graphs' recording: ``warmup_steps_for``); the faster half goes on
    with ``eta s`` steps (``eta = 2``); the last one standing is the pick. An out-of-memory probe
    is recorded, its memory freed, and every larger micro-batch of the same settings is skipped;
 4. ``budget_s`` bounds the search: no probe starts after it, and the answer is the best so far.
@@ -855,7 +856,19 @@ def load_corpus_for(cfg: LabConfig):
     return data.load_corpus(cfg.data_dir)
 
 
-def lab_measure(corpus=None, warmup: int = 2) -> Callable:
+# forward/backward calls run before a probe's timing starts: the first compiles, the second and third are
+# CUDA graphs' warm-up and recording (reduce-overhead); after them every call is a steady-state one
+WARM_MICRO_STEPS = 3
+
+
+def warmup_steps_for(cfg: LabConfig) -> int:
+    """Untimed optimizer steps before a probe's timed ones: enough for :data:`WARM_MICRO_STEPS` micro-batches.
+    At a realistic global batch a step is many micro-batches (0.5M tokens of 1024 are 512 sequences: 16 of
+    32), so one step warms up and the probe's time goes to measuring, not to repeating the warm-up."""
+    return max(1, math.ceil(WARM_MICRO_STEPS / max(1, cfg.gradient_accumulation_steps)))
+
+
+def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
     """``measure(cfg, steps) -> Probe``: one probe through the lab's trainer (``make_trainer`` builds the
     model ``cfg`` names; ``Trainer.train`` is the loop; ``Metrics`` times each step between device
     synchronizations, the first ``warmup`` apart, and reads the peaks less what was held before). An
@@ -870,7 +883,7 @@ def lab_measure(corpus=None, warmup: int = 2) -> Callable:
         from fasttrain.lab.measure import free_memory, held_before, oom_types, release_run_state, tf32_matmuls
         from fasttrain.lab.trainer import Metrics
 
-        pc = validate(probe_config(cfg, steps, warmup))
+        pc = validate(probe_config(cfg, steps, warmup_steps_for(cfg) if warmup is None else warmup))
         device = resolve_device(pc)
         data = corpus if corpus is not None else loaded.get("corpus")
         if data is None:
@@ -973,7 +986,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     cache = ProbeCache(cache_path or None, identity(device, memory, model_id + (f"#{digest}" if digest else "")))
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
                   memory=memory, family=family, hf=spec.startswith("hf:"), allow=allow, precisions=precisions,
-                  fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or (3 if memory.cpu else 5),
+                  fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
                   liger_reason=liger_reason,
