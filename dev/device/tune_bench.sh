@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# One phase of dev/tune/bench_tune.py on the GPU machine (issue 29), the work folder kept on the machine between
+# calls of one lease (/tmp/tune-work) and its state copied to $OUT after every phase, so that nothing measured is
+# lost if the lease ends. Carry .whl/ (liger-kernel, torchao). Run the phases of one model in a row:
+#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_bench.sh prepare gpt2-124m
+#   bash dev/device/tune_bench.sh hf gpt2-124m ; ... hf-flags ; tune --budget 10m ; grid --part 1/3 ; ... confirm
+#   bash dev/device/tune_bench.sh report gpt2-124m          # results/tune/<machine>/ tarred into $OUT
+set -u
+PHASE=${1:?usage: tune_bench.sh PHASE MODEL [bench_tune options]}; MODEL=${2:?model}; shift 2
+OUT=${OUT:-/tmp/device-out}; WORK=${WORK:-/tmp/tune-work}
+mkdir -p "$OUT" "$WORK"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
+export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+start=$(date +%s)
+if [ "$PHASE" = report ]; then
+  python3 dev/tune/bench_tune.py report "$WORK" --model "$MODEL" "$@" --results /tmp/tune-results 2>&1 | tail -40
+  tar -czf "$OUT/tune-results.tar.gz" -C /tmp tune-results
+else
+  timeout "${PHASE_TIMEOUT:-570}" python3 dev/tune/bench_tune.py "$PHASE" "$WORK" --model "$MODEL" "$@" \
+    > "$OUT/$MODEL-$PHASE.log" 2>&1
+  echo "$PHASE exit $? after $(( $(date +%s) - start )) s"
+  grep -v -i "warn\|quant_api\|Configuration class" "$OUT/$MODEL-$PHASE.log" | tail -25 | cut -c1-300
+fi
+cp "$WORK/$MODEL/state.json" "$OUT/$MODEL-state.json" 2>/dev/null
