@@ -509,3 +509,29 @@ def test_a_probe_runs_its_warmup_untimed_then_its_timed_steps(monkeypatch):
     assert seen == [(2, 2)] and probe.steps == 2 and probe.tokens_per_s
     T.lab_measure(corpus=corpus_from_text(toy_text(20000)), warmup=1)(base().with_(context=16), 1)
     assert seen[-1] == (1, 1)
+
+
+def test_bench_grid_reads_tunes_probes_and_stops_when_told(tmp_path):
+    """The benchmark's grid measures each point once, saves after every point, reads a point tune measured
+    from tune's probe cache (run tune first: its search time stays its own), and --stop-after leaves the
+    rest for the next call."""
+    pytest.importorskip("transformers")
+    bench = _bench_module()
+    work = tmp_path / "work"
+    assert bench.main(["prepare,tune", str(work), "--model", "tiny-gpt2", "--budget", "60s", "--max-candidates", "2"]) == 0
+    assert bench.main(["grid", str(work), "--model", "tiny-gpt2", "--grid-size", "6", "--stop-after", "0"]) == 0
+    state = bench.load_state(work, "tiny-gpt2")
+    assert len(state["grid_members"]) == 6 and not state.get("grid")      # stopped before the first point
+    # a member tune measured: the grid takes tune's probe of it rather than measuring again
+    pick = state["tune"]["pick"]
+    state["grid_members"][0] = pick
+    bench.save_state(work, "tiny-gpt2", state)
+    assert bench.main(["grid", str(work), "--model", "tiny-gpt2", "--grid-size", "6"]) == 0
+    grid = bench.load_state(work, "tiny-gpt2")["grid"]
+    assert len(grid) == 6 and all(g["tokens_per_s"] or g["error"] for g in grid.values())
+    # tune measured its pick at the first rung's steps, the grid's: read from the cache, not measured again
+    first = grid[json.dumps(sorted(pick.items()), default=str)]
+    assert first["from_tune_cache"] and first["tokens_per_s"] > 0
+    assert not all(g["from_tune_cache"] for g in grid.values())
+    with pytest.raises(SystemExit):
+        bench.main(["prepare,nonsense", str(work), "--model", "tiny-gpt2"])

@@ -309,9 +309,17 @@ def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) ->
     return [c.overrides_dict() for c in chosen]
 
 
-def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part: tuple[int, int]) -> dict:
+def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part: tuple[int, int],
+              stop_after: float | None = None) -> dict:
+    """Measure the grid's points (those of ``part`` k/n), each once, the figures saved after every point.
+    A point tune measured already at the same number of steps (same model, device, versions, configuration)
+    is read from tune's probe cache instead of measured again: run tune first, so that its search time is
+    its own. ``stop_after``: seconds after which no new point starts (the rest waits for the next call)."""
     from fasttrain.lab import tune as T
+    from fasttrain.lab.build import resolve_device
+    from fasttrain.lab.measure import free_memory
 
+    t_start = time.perf_counter()
     state = load_state(work, name)
     members = state.get("grid_members")
     if members is None:
@@ -320,28 +328,40 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
         save_state(work, name, state)
     k, n = part
     mine = [m for i, m in enumerate(members) if i % n == k - 1]
-    base = lab_base(work, name, cuda)
+    spec = MODELS[name]
+    # the configuration exactly as tune's search builds it, so that the cache's keys agree
+    base = T.validate(lab_base(work, name, cuda).with_(context=spec["seq"]))
+    device = resolve_device(base)
+    model_id, hf_config = T.model_of(base)
+    cache = T.probe_cache(model_dir(work, name) / "tune-cache.json", device, T.device_memory(device), model_id,
+                          hf_config)
     measure = T.lab_measure(None)
     results = dict(state.get("grid", {}))
     for overrides in mine:
         key = json.dumps(sorted(overrides.items()), default=str)
         if key in results:
             continue
-        cfg = T.validate(base.with_(**overrides))
+        if stop_after is not None and time.perf_counter() - t_start > stop_after:
+            log(f"grid: --stop-after {stop_after:.0f} s reached, {sum(1 for m in mine if json.dumps(sorted(m.items()), default=str) not in results)} "
+                "point(s) left for the next call")
+            break
+        cfg = base.with_(**overrides)
         t0 = time.perf_counter()
-        try:
-            probe = measure(cfg, steps)
-            row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
-                   "compile_s": probe.compile_s, "error": probe.error}
-        except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
-            from fasttrain.lab.measure import free_memory
-            from fasttrain.lab.build import resolve_device
-
-            free_memory(resolve_device(cfg))
-            row = {"tokens_per_s": None, "error": str(exc).splitlines()[0][:200]}
-        row["wall_s"] = time.perf_counter() - t0
+        probe = cache.get(cfg, steps)
+        cached = probe is not None
+        if probe is None:
+            try:
+                probe = measure(cfg, steps)
+            except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
+                free_memory(device)
+                probe = T.Probe(steps=steps, error=str(exc).splitlines()[0][:200])
+            cache.put(cfg, steps, probe)
+        row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
+               "compile_s": probe.compile_s, "error": probe.error, "from_tune_cache": cached,
+               "wall_s": time.perf_counter() - t0}
         results[key] = {**row, "overrides": overrides}
-        log(f"grid {len(results):>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}")
+        log(f"grid {len(results):>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}"
+            + (" (tune's probe)" if cached else ""))
         state["grid"] = results
         save_state(work, name, state)
     return results
@@ -474,7 +494,8 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("phase", choices=("prepare", "hf", "hf-flags", "tune", "grid", "confirm", "report", "all"))
+    ap.add_argument("phase", help="prepare, hf, hf-flags, tune, grid, confirm, report or all; several joined by "
+                    "commas run in one process (prepare,hf,hf-flags)")
     ap.add_argument("work", type=Path)
     ap.add_argument("--model", action="append", choices=tuple(MODELS), help="repeatable for report")
     ap.add_argument("--budget", default="7m", help="tune's --budget (the phase must end within the device's 10 minutes)")
@@ -486,6 +507,8 @@ def main(argv=None) -> int:
     ap.add_argument("--grid-size", type=int, default=30)
     ap.add_argument("--grid-steps", type=int, default=None)
     ap.add_argument("--part", default="1/1", help="grid part k/n (each part one command)")
+    ap.add_argument("--stop-after", type=float, default=None,
+                    help="grid: start no new point after this many seconds (run the phase again for the rest)")
     ap.add_argument("--confirm-steps", type=int, default=None)
     ap.add_argument("--results", type=Path, default=Path("results/tune"))
     args = ap.parse_args(argv)
@@ -498,7 +521,8 @@ def main(argv=None) -> int:
     # steps measure; the HF Trainer's first step compiles, its second is a steady one
     steps = args.steps or (3 if quick else 6)
     skip = args.skip if args.skip is not None else 2
-    grid_steps = args.grid_steps or (2 if quick else 4)
+    # the grid times as many steps as tune's first rung, so that a point tune measured is read from its cache
+    grid_steps = args.grid_steps or args.probe_steps or 3
     confirm_steps = args.confirm_steps or (4 if quick else 200)
     k, n = (int(x) for x in args.part.split("/"))
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -506,8 +530,13 @@ def main(argv=None) -> int:
         folder = report(args.work, args.results, models, command)
         print(readme(folder))
         return 0
+    every = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"]
+    asked = every if args.phase == "all" else [p.strip() for p in args.phase.split(",") if p.strip()]
+    unknown = [p for p in asked if p not in every]
+    if unknown:
+        ap.error(f"unknown phase {', '.join(unknown)}: give {', '.join(every)}, report or all")
     for name in models:
-        phases = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"] if args.phase == "all" else [args.phase]
+        phases = asked
         for phase in phases:
             state = load_state(args.work, name)
             log(f"== {name}: {phase}")
@@ -522,7 +551,8 @@ def main(argv=None) -> int:
                 state["tune"] = tune_case(args.work, name, budget=args.budget, cuda=cuda, steps=args.probe_steps,
                                           max_candidates=args.max_candidates)
             elif phase == "grid":
-                grid_case(args.work, name, cuda=cuda, size=args.grid_size, steps=grid_steps, part=(k, n))
+                grid_case(args.work, name, cuda=cuda, size=args.grid_size, steps=grid_steps, part=(k, n),
+                          stop_after=args.stop_after)
                 state = load_state(args.work, name)
             elif phase == "confirm":
                 state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)

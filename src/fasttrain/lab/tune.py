@@ -944,6 +944,16 @@ def identity(device, memory: DeviceMemory, model_id: str) -> dict:
     return {"model": model_id, "device": memory.name, "versions": versions}
 
 
+def probe_cache(cache_path, device, memory: DeviceMemory, model_id: str, hf_config: dict | None) -> ProbeCache:
+    """The probe cache of ``model_id`` on this device (``cache_path``: a file, True for the default one, None or
+    False for none). Anything that measures the same configurations (a benchmark's grid) can share it."""
+    if cache_path is True:
+        cache_path = default_cache_path()
+    # a transformers model is its config.json too (the folder's name alone may hold another model tomorrow)
+    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()[:16] if hf_config else ""
+    return ProbeCache(cache_path or None, identity(device, memory, model_id + (f"#{digest}" if digest else "")))
+
+
 def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, allow=(), precisions=("bf16",),
          fixed=(), out: str | os.PathLike | None = None, cache_path: str | os.PathLike | None | bool = True,
          memory_limit_bytes: int | None = None, steps: int | None = None, max_candidates: int = 8,
@@ -979,11 +989,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     family = getattr(model, "family", None) or (hf_config or {}).get("model_type")
     predict = predict or lab_predictor(vocab, hf_config, cpu=memory.cpu)
     measure = measure or lab_measure(corpus)
-    if cache_path is True:
-        cache_path = default_cache_path()
-    # a transformers model is its config.json too (the folder's name alone may hold another model tomorrow)
-    digest = hashlib.sha256(json.dumps(hf_config, sort_keys=True).encode()).hexdigest()[:16] if hf_config else ""
-    cache = ProbeCache(cache_path or None, identity(device, memory, model_id + (f"#{digest}" if digest else "")))
+    cache = probe_cache(cache_path, device, memory, model_id, hf_config)
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
                   memory=memory, family=family, hf=spec.startswith("hf:"), allow=allow, precisions=precisions,
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
@@ -999,5 +1005,5 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
 
 __all__ = ["Axis", "Candidate", "DeviceMemory", "Probe", "ProbeCache", "TuneResult", "build_axes", "device_memory",
-           "enumerate_space", "lab_measure", "lab_predictor", "micro_batches", "parse_allow", "parse_budget",
+           "enumerate_space", "lab_measure", "lab_predictor", "micro_batches", "parse_allow", "parse_budget", "probe_cache",
            "search", "tune"]
