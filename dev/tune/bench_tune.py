@@ -1,7 +1,8 @@
 """The GPU benchmark of ``fasttrain tune`` against the Hugging Face Trainer, one model per call sequence.
 
-For one model -- a GPT-2 124M at seq 1024 or a Llama of about 1B parameters at seq 2048, both written
-here as config folders (random init), bf16, a global batch of 524,288 tokens -- it measures side by side:
+For one model -- a GPT-2 124M at seq 1024 (a global batch of 524,288 tokens) or a Llama of about 1B
+parameters at seq 2048 (131,072 tokens: see MODELS), both written here as config folders (random init), bf16
+-- it measures side by side:
 
 (a) ``hf``:       the HF Trainer as its users run it: ``bf16=True``, sdpa, ``auto_find_batch_size=True``
                   from the Trainer's default micro-batch (8), ``gradient_accumulation_steps`` reaching
@@ -63,8 +64,9 @@ MODELS = {
         model_type="gpt2", vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
     # Llama-3.2-1B's shape with a 32000 vocabulary: 16 x 2048, 32 heads over 8 key/value heads, SwiGLU 8192,
-    # tied embeddings: 1.03B parameters
-    "llama-1b": dict(seq=2048, tokens=GLOBAL_TOKENS, config=dict(
+    # tied embeddings: 1.03B parameters. A global batch of 64 sequences (131,072 tokens, a fine-tuning batch): at
+    # 0.5M tokens a step is about 8x GPT-2's, and its grid and 200-step confirmation would not fit one lease
+    "llama-1b": dict(seq=2048, tokens=64 * 2048, config=dict(
         model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
         rope_theta=500000.0)),
