@@ -75,6 +75,7 @@ MODELS = {
         model_type="gpt2", vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2,
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
+README_START, README_END = "<!-- tune-results:start -->", "<!-- tune-results:end -->"
 HF_DEFAULT_BATCH = 8            # TrainingArguments.per_device_train_batch_size's default
 LEARNING_RATE = 3e-4
 
@@ -513,6 +514,8 @@ def main(argv=None) -> int:
                     help="grid: start no new point after this many seconds (run the phase again for the rest)")
     ap.add_argument("--confirm-steps", type=int, default=None)
     ap.add_argument("--results", type=Path, default=Path("results/tune"))
+    ap.add_argument("--into", type=Path, default=None,
+                    help=f"report: also write the section into this file between {README_START} and {README_END}")
     args = ap.parse_args(argv)
     import torch
 
@@ -531,6 +534,10 @@ def main(argv=None) -> int:
     if args.phase == "report":
         folder = report(args.work, args.results, models, command)
         print(readme(folder))
+        if args.into is not None:
+            from fasttrain.files import write_into
+
+            write_into(args.into, readme(folder), start=README_START, end=README_END)
         return 0
     every = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"]
     asked = every if args.phase == "all" else [p.strip() for p in args.phase.split(",") if p.strip()]
