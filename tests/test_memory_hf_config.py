@@ -559,6 +559,7 @@ def test_sdpa_in_fp32_with_grouped_kv_heads_is_counted_as_the_math_kernel_on_a_g
 
     sdpa, eager = precise_estimate(setup()), precise_estimate(setup(attention="eager"))
     assert sdpa.total == eager.total and any("math kernel" in n for n in sdpa.notes)
+    assert sdpa.setup.attention == "flash"             # reported as asked: sdpa, not the kernel's stand-in
     assert abs(sdpa.total / 2**20 - 8_077.0) <= 0.02 * 8_077.0
     assert sdpa_runs_the_math_kernel(setup())
     # the kernels that take it: 16-bit autocast (flash), one KV head per head (no enable_gqa), a whole compiled

@@ -385,6 +385,7 @@ def sdpa_runs_the_math_kernel(s: Setup, kernel_temps: bool = True) -> bool:
 def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakdown:
     """The peak bytes on one GPU during a training step, with the lines alive at that moment."""
     check(s, "precise")
+    requested = s                                    # what the Breakdown reports (sdpa stays sdpa there)
     math_sdpa = sdpa_runs_the_math_kernel(s, kernel_temps)
     if math_sdpa:
         s = s.with_(attention="eager")
@@ -619,5 +620,5 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
              "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments),
              "trainable_params": n_train, "param_bytes": params_b, "grad_bytes": grads_all,
              "optimizer_bytes": opt_b}
-    return Breakdown(mode="precise", setup=asked, lines=lines, total=total, params=param_counts(asked, 1)["total"],
+    return Breakdown(mode="precise", setup=requested, lines=lines, total=total, params=param_counts(asked, 1)["total"],
                      notes=notes, extra=extra)
