@@ -411,6 +411,13 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     written = readme.read_text()
     assert written.startswith("# top\n") and written.endswith(f"{bench.README_END}\ntail\n")
     assert "| tiny-gpt2 |" in written and "old" not in written
+    # a file without the markers is refused in one line before any report is written
+    bare = tmp_path / "bare.md"
+    bare.write_text("no markers\n")
+    with pytest.raises(SystemExit):
+        bench.main(["report", str(work), "--model", "tiny-gpt2", "--results", str(tmp_path / "r2"),
+                    "--into", str(bare)])
+    assert not (tmp_path / "r2").exists() and bare.read_text() == "no markers\n"
 
 
 # --- on a GPU (the device machine: python3 -m pytest -q -m gpu tests/test_lab_tune.py) ------------

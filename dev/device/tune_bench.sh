@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One phase of dev/tune/bench_tune.py on the GPU machine (issue 29), the work folder kept on the machine between
 # calls of one lease (/tmp/tune-work) and its state copied to $OUT after every phase, so that nothing measured is
-# lost if the lease ends. Carry .whl/ (liger-kernel, torchao). Run the phases of one model in a row:
-#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_bench.sh prepare gpt2-124m
-#   bash dev/device/tune_bench.sh hf gpt2-124m ; ... hf-flags ; tune --budget 10m ; grid --part 1/3 ; ... confirm
+# lost if the lease ends. Carry .whl/ (liger-kernel, torchao). Run the phases of one model in a row (the calls
+# dev/tune/README.md lists), e.g.
+#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_bench.sh prepare,hf,hf-flags gpt2-124m
+#   bash dev/device/tune_bench.sh grid gpt2-124m --stop-after 480
 #   bash dev/device/tune_bench.sh report gpt2-124m          # results/tune/<machine>/ tarred into $OUT
 set -u
 PHASE=${1:?usage: tune_bench.sh PHASE MODEL [bench_tune options]}; MODEL=${2:?model}; shift 2

@@ -340,13 +340,11 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
                           hf_config)
     measure = T.lab_measure(None)
     results = dict(state.get("grid", {}))
-    for overrides in mine:
-        key = json.dumps(sorted(overrides.items()), default=str)
-        if key in results:
-            continue
+    todo = [(key, m) for key, m in ((json.dumps(sorted(m.items()), default=str), m) for m in mine)
+            if key not in results]
+    for i, (key, overrides) in enumerate(todo):
         if stop_after is not None and time.perf_counter() - t_start > stop_after:
-            log(f"grid: --stop-after {stop_after:.0f} s reached, {sum(1 for m in mine if json.dumps(sorted(m.items()), default=str) not in results)} "
-                "point(s) left for the next call")
+            log(f"grid: --stop-after {stop_after:.0f} s reached, {len(todo) - i} point(s) left for the next call")
             break
         cfg = base.with_(**overrides)
         t0 = time.perf_counter()
@@ -532,6 +530,11 @@ def main(argv=None) -> int:
     k, n = (int(x) for x in args.part.split("/"))
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.phase == "report":
+        if args.into is not None:
+            # checked before anything is written: the file and its two marker lines
+            lines = [ln.strip() for ln in args.into.read_text().splitlines()] if args.into.is_file() else []
+            if lines.count(README_START) != 1 or lines.count(README_END) != 1:
+                ap.error(f"--into {args.into}: needs a file with one line {README_START} and one {README_END}")
         folder = report(args.work, args.results, models, command)
         print(readme(folder))
         if args.into is not None:
@@ -545,8 +548,7 @@ def main(argv=None) -> int:
     if unknown:
         ap.error(f"unknown phase {', '.join(unknown)}: give {', '.join(every)}, report or all")
     for name in models:
-        phases = asked
-        for phase in phases:
+        for phase in asked:
             state = load_state(args.work, name)
             log(f"== {name}: {phase}")
             if phase == "prepare":
