@@ -475,6 +475,8 @@ def test_bench_harness_every_phase_on_the_cpu(tmp_path):
     assert tuple(case) == bench.CASE_KEYS
     assert case["best_tokens_per_s"] == max(g["tokens_per_s"] for g in state["grid"].values())
     assert "--model hf:" in state["tune"]["lab_command"] and state["tune"]["lab_command"].count("--model") == 1
+    # tune's own answer travels with the comparison
+    assert json.loads((folder / "tiny-gpt2-tune" / "tune.json").read_text())["pick"]["label"] == state["tune"]["pick_label"]
 
 
 def test_a_probe_a_library_cannot_run_is_recorded_and_the_search_goes_on():

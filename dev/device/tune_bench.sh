@@ -13,6 +13,10 @@ mkdir -p "$OUT" "$WORK"
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
 export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+# compiled kernels cached apart: the HF Trainer's in one folder, the lab's in another, so that tune (the first lab
+# phase of a lease) compiles cold, as a user's first call does, and its search time is its own
+case "$PHASE" in hf*|prepare*) cache=/tmp/inductor-hf ;; *) cache=/tmp/inductor-lab ;; esac
+export TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton
 start=$(date +%s)
 if [ "$PHASE" = report ]; then
   python3 dev/tune/bench_tune.py report "$WORK" --model "$MODEL" "$@" --results /tmp/tune-results 2>&1 | tail -40

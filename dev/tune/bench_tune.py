@@ -488,6 +488,13 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
             "states": {n: load_state(work, n) for n in models}}
     atomic_write_text(folder / "tune.json", json.dumps(data, indent=2, default=str))
     atomic_write_text(folder / "README.md", readme(folder))
+    for name in models:
+        # tune's own answer beside the comparison: its ranked table, long-format CSV and plot
+        tune_folder = Path(((load_state(work, name).get("tune") or {}).get("folder")) or "")
+        if tune_folder.name and (tune_folder / "tune.json").is_file():
+            import shutil
+
+            shutil.copytree(tune_folder, folder / f"{name}-tune", dirs_exist_ok=True)
     return folder
 
 
