@@ -300,6 +300,9 @@ def test_the_answer_as_a_lab_command_and_training_arguments(tmp_path):
     cfg = R.pick_config(res)
     command = R.lab_command(cfg)
     assert command.startswith("fasttrain lab --preset tiny ")
+    # the answer's shape is written out, even where it is the preset's own
+    assert f"--per-device-train-batch-size {cfg.per_device_train_batch_size} " in command
+    assert f"--gradient-accumulation-steps {cfg.gradient_accumulation_steps}" in command
     # the command line parses back to the same configuration through the lab's own CLI parser
     from fasttrain.lab.cli import command as lab_command
     ctx = lab_command.make_context("lab", command.split()[2:])

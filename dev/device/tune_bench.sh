@@ -23,8 +23,8 @@ if [ "$PHASE" = report ]; then
   tar -czf "$OUT/tune-results.tar.gz" -C /tmp tune-results
 else
   timeout "${PHASE_TIMEOUT:-570}" python3 dev/tune/bench_tune.py "$PHASE" "$WORK" --model "$MODEL" "$@" \
-    > "$OUT/$MODEL-$PHASE.log" 2>&1
+    > "$OUT/$MODEL-${PHASE//,/_}.log" 2>&1
   echo "$PHASE exit $? after $(( $(date +%s) - start )) s"
-  grep -v -i "warn\|quant_api\|Configuration class" "$OUT/$MODEL-$PHASE.log" | tail -25 | cut -c1-300
+  grep -v -i "warn\|quant_api\|Configuration class" "$OUT/$MODEL-${PHASE//,/_}.log" | tail -25 | cut -c1-300
 fi
 cp "$WORK/$MODEL/state.json" "$OUT/$MODEL-state.json" 2>/dev/null

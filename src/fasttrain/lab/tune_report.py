@@ -16,6 +16,8 @@ from fasttrain.lab.config import PRESETS, LabConfig
 MIB = 2 ** 20
 # fields that are not the training's (where to write, the preset's name, a search of its own)
 ANSWER_SKIPS = {"save", "auto_find_batch_size", "name"}
+# the answer's shape, written out even where it equals the preset's (a reader should not need the defaults)
+ANSWER_ALWAYS = ("per_device_train_batch_size", "gradient_accumulation_steps")
 
 
 def _mib(value) -> float | None:
@@ -77,7 +79,8 @@ def pick_config(result) -> LabConfig | None:
 
 
 def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
-    """``fasttrain lab ...`` that trains ``cfg``: the preset and every field that differs from it."""
+    """``fasttrain lab ...`` that trains ``cfg``: the preset, the micro-batch and accumulation, and every
+    other field that differs from the preset."""
     preset = cfg.name if cfg.name in PRESETS else None
     reference = LabConfig(name=cfg.name, **PRESETS[preset]) if preset else LabConfig()
     parts = ["fasttrain", "lab"]
@@ -89,7 +92,7 @@ def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
         if f.name in ANSWER_SKIPS:
             continue
         value, ref = getattr(cfg, f.name), getattr(reference, f.name)
-        if value == ref:
+        if value == ref and f.name not in ANSWER_ALWAYS:
             continue
         flag = "--" + f.name.replace("_", "-")
         if isinstance(value, bool):
