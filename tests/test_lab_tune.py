@@ -423,6 +423,34 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     assert not (tmp_path / "r2").exists() and bare.read_text() == "no markers\n"
 
 
+def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):
+    """liger's fused cross-entropy under the Trainer's torch_compile fails (seen on the H100 with a Llama): the
+    careful user's figure is the faster of compile alone and liger alone, each failure said in a note."""
+    bench = _bench_module()
+    import fasttrain.lab.tune as tune_module
+    monkeypatch.setattr(tune_module, "liger_support", lambda family: None)
+    runs = []
+
+    def fake_run(work, name, *, start, extra, steps, skip, cuda, notes):
+        runs.append(sorted(k for k, v in extra.items() if v is True))
+        if extra.get("torch_compile") and extra.get("use_liger_kernel"):
+            raise RuntimeError("RuntimeError when making fake tensor call\nlong trace")
+        return {"tokens_per_s": 300.0 if extra.get("torch_compile") else 200.0, "found_batch": start}
+
+    monkeypatch.setattr(bench, "_hf_found_run", fake_run)
+    result = bench.hf_trainer_case(tmp_path, "tiny-gpt2", flags=True, steps=2, skip=1, cuda=True)
+    assert runs == [["tf32", "torch_compile", "use_liger_kernel"], ["tf32", "torch_compile"],
+                    ["tf32", "use_liger_kernel"]]
+    assert result["tokens_per_s"] == 300.0 and "use_liger_kernel" not in result["flags"]
+    assert any("failed: RuntimeError: RuntimeError when making fake tensor call" in n for n in result["notes"])
+    assert len(result["variants"]) == 3
+    # flags that run together are measured once
+    runs.clear()
+    monkeypatch.setattr(bench, "_hf_found_run", lambda *a, **k: runs.append(1) or {"tokens_per_s": 1.0})
+    assert bench.hf_trainer_case(tmp_path, "tiny-gpt2", flags=True, steps=2, skip=1, cuda=True)["tokens_per_s"] == 1.0
+    assert runs == [1]
+
+
 # --- on a GPU (the device machine: python3 -m pytest -q -m gpu tests/test_lab_tune.py) ------------
 
 @pytest.mark.gpu

@@ -151,6 +151,58 @@ def hf_trainer_case(work: Path, name: str, *, flags: bool, steps: int, skip: int
                 extra["use_liger_kernel"] = True
         else:
             notes.append("on the CPU: no torch_compile, tf32 or liger (GPU techniques)")
+    # a careful user whose flags cannot run together (liger's fused cross-entropy under torch_compile, say)
+    # drops one of them, tries each way and keeps the faster
+    variants = [extra]
+    if extra.get("torch_compile") and extra.get("use_liger_kernel"):
+        variants += [{k: v for k, v in extra.items() if k != "use_liger_kernel"},
+                     {k: v for k, v in extra.items() if k != "torch_compile"}]
+    tried = []
+    for i, flags_now in enumerate(variants):
+        if i == 1 and tried[0].get("tokens_per_s"):
+            break                       # every flag ran together: nothing to drop
+        try:
+            result = _hf_found_run(work, name, start=start, extra=flags_now, steps=steps, skip=skip, cuda=cuda,
+                                   notes=notes)
+        except Exception as exc:  # noqa: BLE001 - a combination the libraries cannot run is this variant's result
+            _release_failed_run(cuda)
+            first = (str(exc).strip().splitlines() or [""])[0][:200]
+            notes.append(f"{_flags_label(flags_now)} failed: {type(exc).__name__}: {first}")
+            result = {"tokens_per_s": None, "error": f"{type(exc).__name__}: {first}"}
+        result["flags"] = dict(flags_now)
+        tried.append(result)
+    ran = [r for r in tried if r.get("tokens_per_s")]
+    if not ran:
+        raise SystemExit(f"{name}: no combination of the HF Trainer's flags ran: " + "; ".join(notes))
+    best = max(ran, key=lambda r: r["tokens_per_s"])
+    if len(tried) > 1:
+        notes += [f"{_flags_label(r['flags'])}: {r['tokens_per_s']:,.0f} tokens/s" for r in ran]
+        best["variants"] = [{k: v for k, v in r.items() if k != "variants"} for r in tried]
+    best["notes"] = notes
+    return best
+
+
+def _flags_label(flags: dict) -> str:
+    return "+".join(k for k, v in flags.items() if v is True) or "no flags"
+
+
+def _release_failed_run(cuda: bool) -> None:
+    """A failed run's frames hold its model and compiled code: drop them before the next variant."""
+    import gc
+
+    import torch
+
+    torch._dynamo.reset()
+    gc.collect()
+    if cuda and torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+
+
+def _hf_found_run(work: Path, name: str, *, start: int, extra: dict, steps: int, skip: int, cuda: bool,
+                  notes: list) -> dict:
+    spec = MODELS[name]
+    seq, tokens = spec["seq"], spec["tokens"]
     result = _hf_run(work, name, batch=start, extra=extra, steps=steps, skip=skip, cuda=cuda)
     found = result["found_batch"]
     if found != start:
@@ -159,8 +211,6 @@ def hf_trainer_case(work: Path, name: str, *, flags: bool, steps: int, skip: int
         notes.append(f"auto_find_batch_size found {found} (from {start}); rerun at {found} x "
                      f"{tokens // (found * seq)} to keep {tokens:,} tokens per step")
         result = _hf_run(work, name, batch=found, extra=extra, steps=steps, skip=skip, cuda=cuda)
-    result["notes"] = notes
-    result["flags"] = {k: v for k, v in extra.items()}
     return result
 
 
