@@ -81,8 +81,9 @@ def gpu_memory(total_mib=1000):
 
 def run_search(measure, memory=None, **kw):
     kw.setdefault("liger_reason", None)
+    kw.setdefault("cache_path", None)
     return T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 16, measure=measure, predict=fake_predict,
-                  memory=memory or gpu_memory(), cache_path=None, **kw)
+                  memory=memory or gpu_memory(), **kw)
 
 
 # --- the space -----------------------------------------------------------------------------------
@@ -209,6 +210,79 @@ def test_the_budget_answers_with_the_best_so_far():
     assert res.pick is not None
     measured = [e for e in res.entries if e.ok]
     assert res.pick.last.tokens_per_s == max(e.last.tokens_per_s for e in measured)
+
+
+class StoppableMeasure(FakeMeasure):
+    """A measure that can be stopped: ``slow`` configurations take ``slow_cost`` seconds of the fake clock, or
+    the time they are allowed when that is less (then they come back stopped)."""
+
+    def __init__(self, clock, cost=10.0, slow=lambda cfg: False, slow_cost=1000.0):
+        super().__init__(clock=clock, cost=cost)
+        self.slow, self.slow_cost, self.allowed = slow, slow_cost, []
+
+    def __call__(self, cfg, steps, time_allowed_s=None):
+        self.allowed.append(time_allowed_s)
+        if not self.slow(cfg):
+            return super().__call__(cfg, steps)
+        self.calls.append((cfg, steps))
+        if time_allowed_s is not None and time_allowed_s < self.slow_cost:
+            self.clock.now += time_allowed_s
+            return T.Probe(steps=steps, stopped=True, error=f"stopped after {time_allowed_s:.0f} s")
+        self.clock.now += self.slow_cost
+        return T.Probe(steps=steps, tokens_per_s=1.0, peak_bytes=fake_predict(cfg))
+
+
+def test_a_probe_far_slower_than_the_best_is_stopped_and_not_cached(tmp_path):
+    """A configuration whose steps take minutes (reduce-overhead recording a graph a micro-batch, seen on the H100)
+    is stopped at SLOW_GRACE_S + SLOW_FACTOR x its steps at the best speed so far; the search goes on, and the
+    stopped probe is not cached (a second call measures it again)."""
+    clock = Clock()
+    slow = lambda cfg: cfg.optim == "adamw_torch_fused"     # noqa: E731 - the pathological axis choice
+    measure = StoppableMeasure(clock, slow=slow)
+    cache = tmp_path / "cache.json"
+    res = run_search(measure, gpu_memory(4000), clock=clock, steps=3, cache_path=cache)
+    stopped = [e for e in res.entries if e.probes and e.last.stopped]
+    assert stopped and all("slower than the best so far" in e.last.error for e in stopped)
+    assert all(not e.ok for e in stopped) and res.pick is not None and res.pick.ok
+    assert clock.now < 1000.0                   # none ran its 1000 s
+    first = [a for a in measure.allowed if a is not None][0]
+    assert T.SLOW_GRACE_S < first < 1000.0
+    cached = json.loads(cache.read_text())["probes"].values()
+    assert cached and not any(p["stopped"] or p["error"] for p in cached)
+    again = StoppableMeasure(Clock(), slow=slow)
+    run_search(again, gpu_memory(4000), clock=again.clock, steps=3, cache_path=cache)
+    assert again.calls and all(slow(c) for c, _ in again.calls)
+
+
+def test_a_probe_is_stopped_at_the_budget_not_after_it():
+    clock = Clock()
+    measure = StoppableMeasure(clock, slow=lambda cfg: True, slow_cost=500.0)
+    res = run_search(measure, gpu_memory(4000), clock=clock, steps=3, budget="120s")
+    assert res.budget_hit and measure.allowed[0] == pytest.approx(120.0)
+    assert res.tune_s <= 121.0 and "the budget ends" in res.entries[0].last.error
+
+
+def test_the_screen_times_one_step_and_the_halving_the_full_rung():
+    measure = FakeMeasure()
+    run_search(measure, gpu_memory(4000), steps=3, max_candidates=4)
+    steps = [n for _, n in measure.calls]
+    assert steps[0] == 1 and 3 in steps          # the screen's probes, then the halving's first rung
+
+
+def test_a_transformers_model_is_screened_from_sdpa_the_lab_gpt_from_eager():
+    hf_axes, _ = T.build_axes(base(), cuda=True, liger_reason=None, hf=True)
+    lab_axes, _ = T.build_axes(base(), cuda=True, liger_reason=None)
+    plain = lambda axes: dict((a.name, a.choices[0][0]) for a in axes)      # noqa: E731
+    assert plain(hf_axes)["attention"] == "sdpa" and plain(lab_axes)["attention"] == "eager"
+
+
+def test_a_lab_probe_stops_between_steps_once_past_its_time():
+    from fasttrain.lab.data import corpus_from_text
+
+    measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
+    probe = measure(base().with_(context=16, per_device_train_batch_size=2), 3, time_allowed_s=0.0)
+    assert probe.stopped and probe.tokens_per_s is None
+    assert probe.error.startswith("stopped after ") and "of 6 steps" in probe.error
 
 
 def test_the_cache_measures_nothing_the_second_time(tmp_path):

@@ -401,11 +401,16 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
         probe = cache.get(cfg, steps)
         cached = probe is not None
         if probe is None:
+            # a point far slower than the grid's best so far cannot be the best: stopped by tune's own rule
+            best = max((r["tokens_per_s"] or 0 for r in results.values()), default=0)
+            allowed = T.slow_probe_limit(cfg, steps, best) if best else None
             try:
-                probe = measure(cfg, steps)
+                probe = measure(cfg, steps, time_allowed_s=allowed[0] if allowed else None)
             except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
                 free_memory(device)
                 probe = T.Probe(steps=steps, error=str(exc).splitlines()[0][:200])
+            if probe.stopped and allowed:
+                probe.error = f"{probe.error}: {allowed[1]}"
             cache.put(cfg, steps, probe)
         row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
                "compile_s": probe.compile_s, "error": probe.error, "from_tune_cache": cached,

@@ -219,6 +219,11 @@ class Trainer:
         self.step_index = 0
         self.cuda_graphs = cfg.torch_compile and device.type == "cuda" and (
             cfg.torch_compile_mode == "reduce-overhead" or getattr(cfg, "torch_compile_backend", "inductor") == "cudagraphs")
+        # CUDA graphs with gradient accumulation: a micro-batch's backward replays write the gradients into
+        # the graph's pool, and a .grad that is None takes that very output as its storage; the next replay
+        # then finds a live output it would overwrite and records afresh (H100: 20x slower steps). Gradients
+        # allocated here, zeroed in place, take each replay's output by addition (p.grad += g) and let it die.
+        self.keep_grads = self.cuda_graphs and cfg.gradient_accumulation_steps > 1
 
     @property
     def model_config(self):
@@ -407,6 +412,10 @@ class Trainer:
             else:
                 group["lr"] = lr
         self.train_model.train()
+        if self.keep_grads:
+            for p in self.trainable:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         loss = self.forward_backward_step(x, y)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -420,7 +429,7 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.step_index += 1
         if cfg.torch_empty_cache_steps and self.step_index % cfg.torch_empty_cache_steps == 0 \
                 and self.device.type == "cuda":

@@ -47,6 +47,7 @@ steps): a second call measures nothing it has measured before.
 from __future__ import annotations
 
 import hashlib
+import inspect
 import itertools
 import json
 import math
@@ -80,6 +81,11 @@ PRECISION_OVERRIDES = {
 }
 # the lab's per-block compile setting, where the lab has one (name: field, value)
 PER_BLOCK_COMPILE = (("torch_compile_scope", "blocks"),)
+# a probe is stopped once it has run SLOW_GRACE_S (a model's build and compilation) plus SLOW_FACTOR times what its
+# steps would take at the best speed measured so far: one that slow cannot win, and a pathological configuration
+# (minutes a step) must not spend the budget
+SLOW_FACTOR = 4.0
+SLOW_GRACE_S = 90.0
 CPU_NOTE = "timings on a CPU do not transfer to a GPU: this run checks the search, not what a GPU would pick"
 
 
@@ -143,6 +149,7 @@ class Probe:
     error: str | None = None
     wall_s: float = 0.0
     cached: bool = False
+    stopped: bool = False           # ended early (the budget, or far slower than the best): an error, not cached
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -245,8 +252,10 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
     if not precision_choices:
         precision_choices = [("fp32", PRECISION_OVERRIDES["fp32"])]
     axes.append(Axis("precision", tuple(precision_choices)))
-    axes.append(Axis("attention", (("eager", {"attn_implementation": "eager"}),
-                                   ("sdpa", {"attn_implementation": "sdpa"}))))
+    attention = (("eager", {"attn_implementation": "eager"}), ("sdpa", {"attn_implementation": "sdpa"}))
+    # the plain choice is what the model runs by default: a transformers model sdpa, the lab's GPT eager. The
+    # screen measures every change from the plain configuration, so it should be one a user would run
+    axes.append(Axis("attention", attention[::-1] if hf else attention))
     if cuda:
         compile_choices = [("none", {"torch_compile": False}),
                            ("default", {"torch_compile": True, "torch_compile_mode": "default"}),
@@ -471,6 +480,15 @@ class TuneResult:
     mode: str = "halving"
 
 
+def slow_probe_limit(cfg: LabConfig, steps: int, best_tokens_per_s: float) -> tuple[float, str]:
+    """The time a probe of ``cfg`` may take when the best speed measured so far is ``best_tokens_per_s``:
+    SLOW_GRACE_S + SLOW_FACTOR x its steps (warm-up included) at that speed; and why it would be stopped."""
+    n = steps + warmup_steps_for(cfg)
+    at_best = n * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context / best_tokens_per_s
+    return (SLOW_GRACE_S + SLOW_FACTOR * at_best,
+            f"more than {SLOW_FACTOR:.0f}x slower than the best so far, {best_tokens_per_s:,.0f} tokens/s")
+
+
 class Search:
     """Successive halving (with a screen first when the space is large) over ``entries``."""
 
@@ -483,6 +501,19 @@ class Search:
         self.measured = 0
         self.cached = 0
         self.oom_edges: dict = {}       # settings -> the smallest micro-batch that ran out of memory
+        self.best_tokens_per_s = 0.0
+        # a measure that can stop a probe early is given the time the probe may take
+        self.stoppable = "time_allowed_s" in inspect.signature(measure).parameters
+
+    def time_allowed(self, entry: Entry, steps: int) -> tuple[float, str] | None:
+        """How long ``entry``'s probe may run, and why: the budget's remainder, or SLOW_GRACE_S + SLOW_FACTOR x
+        its steps at the best speed so far (whichever is sooner)."""
+        limits = []
+        if self.budget_s is not None:
+            limits.append((max(1.0, self.budget_s - (self.clock() - self.start)), "the budget ends"))
+        if self.best_tokens_per_s:
+            limits.append(slow_probe_limit(self.config(entry), steps, self.best_tokens_per_s))
+        return min(limits) if limits else None
 
     def out_of_time(self) -> bool:
         if self.budget_s is not None and self.clock() - self.start >= self.budget_s:
@@ -511,8 +542,10 @@ class Search:
             self.cached += 1
         else:
             t0 = self.clock()
+            allowed = self.time_allowed(entry, steps) if self.stoppable else None
             try:
-                probe = self.measure(cfg, steps)
+                probe = (self.measure(cfg, steps, time_allowed_s=allowed[0]) if allowed
+                         else self.measure(cfg, steps))
             except oom_types() as exc:
                 probe = Probe(steps=steps, oom=True, error=f"out of memory: {str(exc).splitlines()[0][:160]}")
             except FasttrainError as exc:
@@ -525,8 +558,10 @@ class Search:
                 self.free()             # the probe's frames are gone: give its cached blocks back
             probe.wall_s = self.clock() - t0
             self.measured += 1
+            if probe.stopped and allowed:
+                probe.error = f"{probe.error}: {allowed[1]}"
             if self.cache:
-                self.cache.put(cfg, steps, probe)
+                self.cache.put(cfg, steps, probe)       # (not a failed or stopped one: see ProbeCache.put)
         if probe.predicted_bytes is None:
             probe.predicted_bytes = entry.predicted_bytes
         if probe.oom:
@@ -535,6 +570,8 @@ class Search:
         elif probe.peak_bytes and probe.reserved_bytes:
             # the allocator reserved more than the calibration said: later predictions use it
             self.memory.reserve = max(self.memory.reserve, min(0.25, probe.reserved_bytes / probe.peak_bytes - 1.0))
+        if not (probe.oom or probe.error) and probe.tokens_per_s:
+            self.best_tokens_per_s = max(self.best_tokens_per_s, probe.tokens_per_s)
         entry.probes.append(probe)
         entry.stage = entry.stage or stage
         speed = "OOM" if probe.oom else ("failed: " + probe.error) if probe.error else f"{probe.tokens_per_s:,.0f} tok/s"
@@ -633,7 +670,9 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         contenders = sorted(chosen, key=lambda e: (e.candidate.settings != plain, e.candidate.micro_batch))
     else:
         mode = "screen + halving"
-        contenders = _screen(search, axes, fitting, baseline, steps, max_candidates, batch_choices)
+        # the screen ranks one change at a time: one timed step each (after the warm-up) tells a 10% change
+        # from noise at a realistic global batch, and the halving measures the contenders at full length
+        contenders = _screen(search, axes, fitting, baseline, max(1, steps // 3), max_candidates, batch_choices)
         baseline = baseline if baseline is not None else next((e for e in contenders), None)
     finalists = search.halving(contenders, steps)
     if baseline is not None and not baseline.probes and not search.out_of_time():
@@ -876,7 +915,7 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
     emptied before the probe is answered as out of memory (no batch search: the tuner chooses)."""
     loaded: dict = {}
 
-    def measure(cfg: LabConfig, steps: int) -> Probe:
+    def measure(cfg: LabConfig, steps: int, time_allowed_s: float | None = None) -> Probe:
         import torch
 
         from fasttrain.lab.build import make_trainer, resolve_device
@@ -893,14 +932,23 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
         held = held_before(device)
         if cuda:
             torch.cuda.reset_peak_memory_stats(device)
-        oom = False
+        oom = stopped = False
         metrics = Metrics(pc, device, held=held, curve=True)
+        t_start = time.perf_counter()
+
+        def past_its_time(step: int) -> None:
+            # checked after every optimizer step: a probe ends at most one step after its time
+            if time_allowed_s is not None and time.perf_counter() - t_start > time_allowed_s:
+                raise ProbeStopped(step)
+
         with tf32_matmuls(pc.tf32):
             try:
                 trainer = make_trainer(pc, data, device)
-                trainer.train(metrics=metrics, evaluate=False)
+                trainer.train(metrics=metrics, evaluate=False, on_step=past_its_time)
             except oom_types():
                 oom = True          # answered below, once the exception (and its frames' tensors) is gone
+            except ProbeStopped:
+                stopped = True
             finally:
                 # the next probe must not run this one's liger patches nor find its CUDA-graph pool held, and
                 # compiled probes must not pile up in dynamo's cache (past its limit it runs eager, unsaid)
@@ -909,6 +957,14 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
             trainer = None
             free_memory(device)
             return Probe(steps=steps, oom=True, error="out of memory",
+                         compile_s=metrics.warmup_ms[0] / 1e3 if metrics.warmup_ms else 0.0)
+        if stopped:
+            trainer = None
+            free_memory(device)
+            done = len(metrics.warmup_ms) + len(metrics.step_ms)
+            return Probe(steps=steps, stopped=True,
+                         error=f"stopped after {time.perf_counter() - t_start:.0f} s and {done} of "
+                               f"{pc.max_steps} steps, past the {time_allowed_s:.0f} s allowed",
                          compile_s=metrics.warmup_ms[0] / 1e3 if metrics.warmup_ms else 0.0)
         del trainer
         free_memory(device)
@@ -921,6 +977,10 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
                      warmup_s=sum(metrics.warmup_ms[1:]) / 1e3,
                      losses=[p["loss"] for p in metrics.loss_curve])
     return measure
+
+
+class ProbeStopped(Exception):
+    """Raised between a probe's steps once it has run longer than it was allowed."""
 
 
 def identity(device, memory: DeviceMemory, model_id: str) -> dict:
