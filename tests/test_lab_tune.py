@@ -495,6 +495,13 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
         bench.main(["report", str(work), "--model", "tiny-gpt2", "--results", str(tmp_path / "r2"),
                     "--into", str(bare)])
     assert not (tmp_path / "r2").exists() and bare.read_text() == "no markers\n"
+    # readme: the section again from a results folder alone (what is committed), no work folder needed
+    (folder / "README.md").unlink()
+    readme.write_text(f"# top\n{bench.README_START}\n{bench.README_END}\n")
+    assert bench.main(["readme", str(folder), "--into", str(readme)]) == 0
+    assert (folder / "README.md").read_text() in readme.read_text() and "| tiny-gpt2 |" in readme.read_text()
+    with pytest.raises(SystemExit):
+        bench.main(["readme", str(tmp_path / "nothing-here"), "--into", str(readme)])
 
 
 def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):

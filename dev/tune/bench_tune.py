@@ -555,10 +555,18 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
 
 # --- the command line ------------------------------------------------------------------------------
 
+def _check_markers(ap: argparse.ArgumentParser, path: Path) -> None:
+    """Checked before anything is written: the file and its two marker lines."""
+    lines = [ln.strip() for ln in path.read_text().splitlines()] if path.is_file() else []
+    if lines.count(README_START) != 1 or lines.count(README_END) != 1:
+        ap.error(f"--into {path}: needs a file with one line {README_START} and one {README_END}")
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("phase", help="prepare, hf, hf-flags, tune, grid, confirm, report or all; several joined by "
-                    "commas run in one process (prepare,hf,hf-flags)")
+                    "commas run in one process (prepare,hf,hf-flags); readme: WORK is a results folder whose "
+                    "README.md (and --into's section) is written again from its tune.json")
     ap.add_argument("work", type=Path)
     ap.add_argument("--model", action="append", choices=tuple(MODELS), help="repeatable for report")
     ap.add_argument("--budget", default="7m", help="tune's --budget (the phase must end within the device's 10 minutes)")
@@ -591,12 +599,23 @@ def main(argv=None) -> int:
     confirm_steps = args.confirm_steps or (4 if quick else 200)
     k, n = (int(x) for x in args.part.split("/"))
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
+    if args.phase == "readme":
+        # WORK is a results folder (results/tune/<machine>): its README.md, and --into's section, from its tune.json
+        if not (args.work / "tune.json").is_file():
+            ap.error(f"readme: {args.work} holds no tune.json; give a results folder such as "
+                     "results/tune/nvidia-h100-80gb-hbm3")
+        if args.into is not None:
+            _check_markers(ap, args.into)
+        from fasttrain.files import atomic_write_text, write_into
+
+        atomic_write_text(args.work / "README.md", readme(args.work))
+        if args.into is not None:
+            write_into(args.into, readme(args.work), start=README_START, end=README_END)
+        print(readme(args.work))
+        return 0
     if args.phase == "report":
         if args.into is not None:
-            # checked before anything is written: the file and its two marker lines
-            lines = [ln.strip() for ln in args.into.read_text().splitlines()] if args.into.is_file() else []
-            if lines.count(README_START) != 1 or lines.count(README_END) != 1:
-                ap.error(f"--into {args.into}: needs a file with one line {README_START} and one {README_END}")
+            _check_markers(ap, args.into)
         folder = report(args.work, args.results, models, command)
         print(readme(folder))
         if args.into is not None:
