@@ -254,6 +254,31 @@ def test_a_probe_far_slower_than_the_best_is_stopped_and_not_cached(tmp_path):
     assert again.calls and all(slow(c) for c, _ in again.calls)
 
 
+def test_choices_that_failed_together_are_not_tried_again_and_the_halving_fills_from_below():
+    """liger's fused cross-entropy under torch.compile failed on the H100 (a Llama): once a candidate with both
+    fails, no candidate holding both is tried; the halving's first rung takes the next-ranked ones instead."""
+    class LigerUnderCompileFails(FakeMeasure):
+        def __call__(self, cfg, steps):
+            if cfg.use_liger_kernel and cfg.torch_compile:
+                self.calls.append((cfg, steps))
+                raise RuntimeError("TorchRuntimeError: RuntimeError when making fake tensor call\ntrace")
+            probe = super().__call__(cfg, steps)
+            # liger and compile each help alone, so the screen's model ranks them together first
+            probe.tokens_per_s *= (1.3 if cfg.use_liger_kernel else 1.0) * (1.4 if cfg.torch_compile else 1.0)
+            return probe
+
+    measure = LigerUnderCompileFails()
+    res = run_search(measure, gpu_memory(4000), steps=3, max_candidates=4)
+    both = [c for c, _ in measure.calls if c.use_liger_kernel and c.torch_compile]
+    assert 1 <= len(both) <= 3                  # one failure per distinct pair of changes, not one per candidate
+    skipped = [e for e in res.entries if e.skipped and "failed together" in e.skipped]
+    assert skipped and all("liger" in e.skipped for e in skipped)
+    halving_ok = [e for e in res.entries if e.ok and any(p.steps == 3 for p in e.probes)]
+    assert len(halving_ok) >= 4                 # the first rung still measured max_candidates that ran
+    assert res.pick.ok and not (res.pick.candidate.overrides_dict()["use_liger_kernel"]
+                                and res.pick.candidate.overrides_dict()["torch_compile"])
+
+
 def test_a_probe_is_stopped_at_the_budget_not_after_it():
     clock = Clock()
     measure = StoppableMeasure(clock, slow=lambda cfg: True, slow_cost=500.0)

@@ -502,6 +502,8 @@ class Search:
         self.cached = 0
         self.oom_edges: dict = {}       # settings -> the smallest micro-batch that ran out of memory
         self.best_tokens_per_s = 0.0
+        self.plain: dict = {}           # axis -> its plain choice (set by the search)
+        self.failed: list = []          # (choices that failed together, the error): their supersets are skipped
         # a measure that can stop a probe early is given the time the probe may take
         self.stoppable = "time_allowed_s" in inspect.signature(measure).parameters
 
@@ -522,6 +524,10 @@ class Search:
             self.budget_hit = True
         return self.budget_hit
 
+    def changes(self, entry: Entry) -> frozenset:
+        """``entry``'s choices other than the plain ones (data loading aside: it does not touch the model)."""
+        return frozenset((a, c) for a, c in entry.candidate.settings if a != "data" and self.plain.get(a) != c)
+
     def config(self, entry: Entry) -> LabConfig:
         return self.base.with_(**entry.candidate.overrides_dict())
 
@@ -533,6 +539,11 @@ class Search:
         if edge is not None and entry.candidate.micro_batch >= edge:
             entry.skipped = f"micro-batch {edge} of the same settings ran out of memory"
             return None
+        changes = self.changes(entry)
+        for together, error in self.failed:
+            if together <= changes:
+                entry.skipped = f"{' + '.join(sorted(c for _, c in together))} failed together: {error}"
+                return None
         if self.out_of_time():
             return None
         cfg = self.config(entry)
@@ -562,6 +573,12 @@ class Search:
                 probe.error = f"{probe.error}: {allowed[1]}"
             if self.cache:
                 self.cache.put(cfg, steps, probe)       # (not a failed or stopped one: see ProbeCache.put)
+            if probe.error and not (probe.oom or probe.stopped):
+                # a library that cannot run these choices together (liger's fused cross-entropy under
+                # torch.compile, say) fails on every candidate that has them all: those are not tried. The
+                # optimizer's choice is left out where the model's choices remain: it does not change the model
+                in_model = frozenset((a, c) for a, c in changes if a != "optimizer")
+                self.failed.append((in_model or changes, probe.error))
         if probe.predicted_bytes is None:
             probe.predicted_bytes = entry.predicted_bytes
         if probe.oom:
@@ -579,13 +596,16 @@ class Search:
                  + ("  (cached)" if probe.cached else ""))
         return probe
 
-    def halving(self, entries: list[Entry], steps: int, eta: int = 2) -> list[Entry]:
-        """Successive halving: measure all at ``steps``; keep the best ``1/eta``; ``eta x`` steps; repeat."""
+    def halving(self, entries: list[Entry], steps: int, eta: int = 2, want: int | None = None) -> list[Entry]:
+        """Successive halving: measure all at ``steps``; keep the best ``1/eta``; ``eta x`` steps; repeat.
+        ``want``: the first rung goes down ``entries`` (best-ranked first) until that many have run."""
         alive = list(entries)
         rung = 0
         while alive:
             measured = []
             for entry in alive:
+                if rung == 0 and want is not None and len(measured) >= want:
+                    break
                 # the first rung reuses a screen probe of the same length
                 if not (rung == 0 and entry.probes and entry.last.steps == steps):
                     if self.run(entry, steps, "halving") is None:
@@ -662,6 +682,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         f"reserve {100 * memory.reserve:.0f}%); {len(chosen)} at the largest micro-batches that fit")
     search = Search(base, measure, cache=cache, clock=clock, budget_s=budget_s, memory=memory, log=log, free=free)
     plain = tuple((a.name, a.choices[0][0]) for a in axes)
+    search.plain = dict(plain)
     baseline = fitting.get(plain, [None])[0]
     if len(chosen) <= max_candidates:
         mode = "halving"
@@ -674,7 +695,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         # from noise at a realistic global batch, and the halving measures the contenders at full length
         contenders = _screen(search, axes, fitting, baseline, max(1, steps // 3), max_candidates, batch_choices)
         baseline = baseline if baseline is not None else next((e for e in contenders), None)
-    finalists = search.halving(contenders, steps)
+    finalists = search.halving(contenders, steps, want=max_candidates)
     if baseline is not None and not baseline.probes and not search.out_of_time():
         search.run(baseline, steps, "baseline")
     measured = [e for e in entries if e.probes]
@@ -729,13 +750,15 @@ def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: 
         for (a, c), (_, p) in zip(entry.candidate.settings, plain):
             if c != p:
                 ratio[(a, c)] = entry.last.tokens_per_s / base_speed
-    # per axis: the plain choice and every choice within 3% of the axis' best, at most two
+    # per axis: every choice within 3% of the axis' best, at most two, then the plain one (the combinations
+    # with it rank lower: they are where the halving goes on when the better ones fail together)
     keep = {}
     for a, p in plain:
         scored = [(1.0, p)] + [(r, c) for (ax, c), r in ratio.items() if ax == a]
         scored.sort(reverse=True)
         best = scored[0][0]
         keep[a] = [c for r, c in scored if r >= 0.97 * best][:2]
+        keep[a] += [p] if p not in keep[a] else []
 
     def score(settings) -> float:
         return math.prod(ratio.get((a, c), 1.0) for a, c in settings)
@@ -743,17 +766,16 @@ def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: 
     combos = [s for s in itertools.product(*([(a, c) for c in keep[a]] for a, _ in plain))
               if tuple(s) in fitting]
     combos.sort(key=lambda s: -score(s))
-    out = []
-    for s in combos:
-        for e in fitting[tuple(s)][:batch_choices]:
-            if len(out) < max_candidates:
-                out.append(e)
+    ranked = [e for s in combos for e in fitting[tuple(s)][:batch_choices]]
+    # the halving's first rung takes max_candidates from the top of this list (further down where one is
+    # skipped or fails); the screen's own best always competes among them
+    out = ranked[:max_candidates]
     measured_best = sorted((e for e in screen if e.ok), key=lambda e: -e.last.tokens_per_s)
-    for e in measured_best:         # the screen's own best always competes
+    for e in measured_best:
         if e not in out:
             out.append(e)
             break
-    return out
+    return out + [e for e in ranked[max_candidates:] if e not in out]
 
 
 def rank(entries: list[Entry]) -> list[Entry]:
