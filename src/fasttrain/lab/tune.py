@@ -26,15 +26,22 @@ Predict, then measure:
 2. the survivors are measured by short runs through the lab's trainer (``measure(cfg, steps) ->
    Probe``, injected so that the search is testable with fakes). When they are few, all of them
    enter successive halving; when they are many, a screen first measures one change at a time
-   from the plain configuration (each at its largest predicted-fitting micro-batch), a
+   from the plain configuration (every axis' first choice: the lab's GPT with eager attention, a
+   transformers model with sdpa, its library's default; each at its largest predicted-fitting micro-batch), a
    multiplicative model ranks the combinations of the better choices of every axis
    (``speed(c) = speed(base) prod_axis speed(base with c's choice) / speed(base)``), and the
    best-ranked enter the halving;
 3. successive halving: every candidate of a rung runs ``s`` timed steps (3 at the first rung, after
-   untimed ones that cover compilation and CUDA graphs' recording: ``warmup_steps_for``); the faster half goes on
-   with ``eta s`` steps (``eta = 2``); the last one standing is the pick. An out-of-memory probe
-   is recorded, its memory freed, and every larger micro-batch of the same settings is skipped;
-4. ``budget_s`` bounds the search: no probe starts after it, and the answer is the best so far.
+   untimed ones that cover compilation and CUDA graphs' recording: ``warmup_steps_for``; the screen's
+   probes time one step); the faster half goes on with ``eta s`` steps (``eta = 2``); the last one
+   standing is the pick. An out-of-memory probe is recorded, its memory freed, and every larger
+   micro-batch of the same settings is skipped; a probe that fails (a library that cannot run its
+   choices together) has no candidate holding all of its choices tried after it, and the first rung
+   goes further down the ranking instead;
+4. ``budget_s`` bounds the search: no probe starts after it, a running probe is stopped at it, and the
+   answer is the best so far. A probe is also stopped once it has run ``SLOW_GRACE_S`` plus
+   ``SLOW_FACTOR`` times its steps at the best speed so far (it cannot win; a pathological
+   configuration must not spend the budget).
 
 Probes run at a constant learning rate (the configuration's peak one, no warm-up) so that the
 loss after a probe's steps is comparable across probes: a configuration that trains differently
