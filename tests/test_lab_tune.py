@@ -301,13 +301,29 @@ def test_a_transformers_model_is_screened_from_sdpa_the_lab_gpt_from_eager():
     assert plain(hf_axes)["attention"] == "sdpa" and plain(lab_axes)["attention"] == "eager"
 
 
-def test_a_lab_probe_stops_between_steps_once_past_its_time():
+def test_a_lab_probe_stops_between_micro_batches_once_past_its_time(monkeypatch):
+    """A step of many micro-batches (a pathological one took minutes on the H100) is not waited out: the probe
+    ends after the micro-batch during which its time ran out."""
+    from fasttrain.lab import trainer as lab_trainer
     from fasttrain.lab.data import corpus_from_text
 
+    calls = []
+    real = lab_trainer.accumulate_gradients
+
+    def counting(*args, after_micro_batch=None, **kw):
+        def seen(j):
+            calls.append(j)
+            after_micro_batch(j)
+        return real(*args, after_micro_batch=seen if after_micro_batch else None, **kw)
+
+    monkeypatch.setattr(lab_trainer, "accumulate_gradients", counting)
     measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
-    probe = measure(base().with_(context=16, per_device_train_batch_size=2), 3, time_allowed_s=0.0)
-    assert probe.stopped and probe.tokens_per_s is None
-    assert probe.error.startswith("stopped after ") and "of 6 steps" in probe.error
+    cfg = base().with_(context=16, per_device_train_batch_size=1, gradient_accumulation_steps=4)
+    probe = measure(cfg, 3, time_allowed_s=0.0)
+    assert probe.stopped and probe.tokens_per_s is None and calls == [0]
+    assert probe.error.startswith("stopped after ") and "0 of 4 steps done" in probe.error
+    calls.clear()
+    assert measure(cfg, 1, time_allowed_s=None).tokens_per_s and calls == []     # no clock without a limit
 
 
 def test_the_cache_measures_nothing_the_second_time(tmp_path):

@@ -57,14 +57,16 @@ def autocast_for(cfg: LabConfig, device):
     return nullcontext
 
 
-def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None, sync=None, loss=None):
+def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None, sync=None, loss=None,
+                         after_micro_batch=None):
     """Forward and backward over ``micro_batches`` equal slices of (x, y); the gradients add up to
     those of the mean loss over the whole batch: d/dW mean_all = sum_j (1/k) d/dW mean_j.
     ``loss(module, x, y)``: the mean loss of a micro-batch (default ``module(x, y)``, the lab's GPT).
     ``sync(last)``: a context around micro-batch j's forward and backward (several processes:
     gradients are reduced over the ranks only on the last); without it a model with ``no_sync``
-    (DistributedDataParallel) all-reduces only on the last micro-batch. Returns the mean loss (a
-    tensor: no device synchronization)."""
+    (DistributedDataParallel) all-reduces only on the last micro-batch. ``after_micro_batch(j)``: called
+    after micro-batch j's backward (a probe's clock: it may raise to end the run). Returns the mean loss
+    (a tensor: no device synchronization)."""
     loss = loss or (lambda module, xm, ym: module(xm, ym))
     total = None
     no_sync = getattr(model, "no_sync", None)
@@ -79,6 +81,8 @@ def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scale
                 value = loss(model, xm, ym) / micro_batches
             (scaler.scale(value) if scaler is not None else value).backward()
         total = value.detach() if total is None else total + value.detach()
+        if after_micro_batch is not None:
+            after_micro_batch(j)
     return total
 
 
@@ -225,6 +229,7 @@ class Trainer:
         # this is taken to explain). Gradients allocated here and zeroed in place take each replay's output by
         # addition (p.grad += g), and the output dies.
         self.keep_grads = self.cuda_graphs and cfg.gradient_accumulation_steps > 1
+        self.after_micro_batch = None   # (j) -> None after each micro-batch's backward: a probe's clock
 
     @property
     def model_config(self):
@@ -446,7 +451,8 @@ class Trainer:
             lambda last: D.sync_gradients(self.train_model, world, last))
         model = self.lab_model
         return accumulate_gradients(self.train_model, x, y, self.cfg.gradient_accumulation_steps, self.amp,
-                                    self.scaler, sync_grads, loss=lambda module, xm, ym: forward_loss(model, module, xm, ym))
+                                    self.scaler, sync_grads, loss=lambda module, xm, ym: forward_loss(model, module, xm, ym),
+                                    after_micro_batch=self.after_micro_batch)
 
     # --- evaluation ----------------------------------------------------------------------------
 

@@ -965,15 +965,17 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
         metrics = Metrics(pc, device, held=held, curve=True)
         t_start = time.perf_counter()
 
-        def past_its_time(step: int) -> None:
-            # checked after every optimizer step: a probe ends at most one step after its time
-            if time_allowed_s is not None and time.perf_counter() - t_start > time_allowed_s:
-                raise ProbeStopped(step)
+        def past_its_time(_: int) -> None:
+            # checked after every micro-batch: a probe ends at most one micro-batch after its time
+            if time.perf_counter() - t_start > time_allowed_s:
+                raise ProbeStopped()
 
         with tf32_matmuls(pc.tf32):
             try:
                 trainer = make_trainer(pc, data, device)
-                trainer.train(metrics=metrics, evaluate=False, on_step=past_its_time)
+                if time_allowed_s is not None:
+                    trainer.after_micro_batch = past_its_time
+                trainer.train(metrics=metrics, evaluate=False)
             except oom_types():
                 oom = True          # answered below, once the exception (and its frames' tensors) is gone
             except ProbeStopped:
@@ -992,8 +994,8 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
             free_memory(device)
             done = len(metrics.warmup_ms) + len(metrics.step_ms)
             return Probe(steps=steps, stopped=True,
-                         error=f"stopped after {time.perf_counter() - t_start:.0f} s and {done} of "
-                               f"{pc.max_steps} steps, past the {time_allowed_s:.0f} s allowed",
+                         error=f"stopped after {time.perf_counter() - t_start:.0f} s, {done} of {pc.max_steps} "
+                               f"steps done, past the {time_allowed_s:.0f} s allowed",
                          compile_s=metrics.warmup_ms[0] / 1e3 if metrics.warmup_ms else 0.0)
         del trainer
         free_memory(device)
@@ -1009,7 +1011,7 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
 
 
 class ProbeStopped(Exception):
-    """Raised between a probe's steps once it has run longer than it was allowed."""
+    """Raised between a probe's micro-batches once it has run longer than it was allowed."""
 
 
 def identity(device, memory: DeviceMemory, model_id: str) -> dict:
