@@ -229,6 +229,8 @@ def test_a_second_writer_is_refused_while_the_first_holds_the_folder(real_lookin
     assert (real_looking_folder / "ladder.json").read_bytes() == before
     # released: the same command runs
     assert main(["bench", "render", str(real_looking_folder)]) == 0
+    # the lock leaves nothing in the results folder
+    assert not [f for f in real_looking_folder.iterdir() if "lock" in f.name]
 
 
 @pytest.mark.parametrize("content, pattern", [

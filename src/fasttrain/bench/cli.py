@@ -21,10 +21,17 @@ from fasttrain.files import check_output_folder
 def folder_lock(folder: Path):
     """Hold an exclusive lock on a results folder while a command writes into it: two runs into
     one folder would each merge with the files as they were before the other's rows, and the last
-    to write would drop the other's results. The second run is refused, saying why."""
+    to write would drop the other's results. The second run is refused, saying why. The lock's file lives
+    beside the user's temporary files, named by the folder's resolved path, so that nothing but results is
+    left in the folder."""
     import fcntl
+    import hashlib
+    import tempfile
 
-    handle = open(folder / ".fasttrain-bench.lock", "a+")
+    locks = Path(tempfile.gettempdir()) / f"fasttrain-locks-{os.getuid()}"
+    locks.mkdir(parents=True, exist_ok=True)
+    name = hashlib.sha1(str(Path(folder).resolve()).encode()).hexdigest()[:20]
+    handle = open(locks / f"bench-{name}.lock", "a+")
     try:
         try:
             fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
