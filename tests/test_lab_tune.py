@@ -703,7 +703,8 @@ def test_bench_grid_reads_tunes_probes_and_stops_when_told(tmp_path):
     assert set(grid) == points and all(g["tokens_per_s"] or g["error"] for g in grid.values())
     # tune measured its pick at the first rung's steps, the grid's: read from the cache, not measured again
     first = grid[json.dumps(sorted(pick.items()), default=str)]
-    assert first["from_tune_cache"] and first["tokens_per_s"] > 0
+    assert first["from_tune_cache"] and first["tokens_per_s"] > 0 and first["steps"] >= 3    # tune's, the longer
     assert not all(g["from_tune_cache"] for g in grid.values())
+    assert {g["steps"] for g in grid.values() if not g["from_tune_cache"]} == {1}     # the grid's own: one step
     with pytest.raises(SystemExit):
         bench.main(["prepare,nonsense", str(work), "--model", "tiny-gpt2"])

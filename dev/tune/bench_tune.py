@@ -15,7 +15,8 @@ parameters at seq 2048 (131,072 tokens: see MODELS), both written here as config
 (d) ``grid``:     a grid over tune's space fixed before the search, not derived from it: every
                   configuration that fits (by the estimator) when they are at most ``--grid-size``,
                   else ``--grid-size`` of them chosen to span every choice of every axis (a seeded
-                  sample after a greedy cover); measured through the same probes as tune's;
+                  sample after a greedy cover); measured through tune's probes (one timed step each, or
+                  tune's own longer probe of the point where it measured one);
 (e) ``confirm``:  the pick trained ``--confirm-steps`` steps through the lab (its measured peak against
                   the estimator's prediction, and whether it runs out of memory).
 
@@ -363,11 +364,12 @@ def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) ->
 
 
 def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part: tuple[int, int],
-              stop_after: float | None = None) -> dict:
+              stop_after: float | None = None, reuse_steps: tuple[int, ...] = ()) -> dict:
     """Measure the grid's points (those of ``part`` k/n), each once, the figures saved after every point.
-    A point tune measured already at the same number of steps (same model, device, versions, configuration)
-    is read from tune's probe cache instead of measured again: run tune first, so that its search time is
-    its own. ``stop_after``: seconds after which no new point starts (the rest waits for the next call)."""
+    A point tune measured already (same model, device, versions, configuration), at ``steps`` or at one of
+    ``reuse_steps`` (its rungs' lengths) if longer, is read from tune's probe cache instead of measured
+    again: run tune first, so that its search time is its own. ``stop_after``: seconds after which no new
+    point starts (the rest waits for the next call)."""
     from fasttrain.lab import tune as T
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
@@ -398,7 +400,9 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
             break
         cfg = base.with_(**overrides)
         t0 = time.perf_counter()
-        probe = cache.get(cfg, steps)
+        # tune's longest probe of this configuration, where it measured one at least as long as the grid's
+        probe = next((p for n in sorted(set(reuse_steps) | {steps}, reverse=True) if n >= steps
+                      for p in [cache.get(cfg, n)] if p is not None), None)
         cached = probe is not None
         if probe is None:
             # a point far slower than the grid's best so far cannot be the best: stopped by tune's own rule
@@ -412,7 +416,7 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
             if probe.stopped and allowed:
                 probe.error = f"{probe.error}: {allowed[1]}"
             cache.put(cfg, steps, probe)
-        row = {"tokens_per_s": probe.tokens_per_s, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
+        row = {"tokens_per_s": probe.tokens_per_s, "steps": probe.steps, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
                "compile_s": probe.compile_s, "error": probe.error, "from_tune_cache": cached,
                "wall_s": time.perf_counter() - t0}
         results[key] = {**row, "overrides": overrides}
@@ -576,7 +580,7 @@ def main(argv=None) -> int:
     ap.add_argument("--probe-steps", type=int, default=None, help="tune's first-rung steps")
     ap.add_argument("--max-candidates", type=int, default=8)
     ap.add_argument("--grid-size", type=int, default=30)
-    ap.add_argument("--grid-steps", type=int, default=None)
+    ap.add_argument("--grid-steps", type=int, default=None, help="timed steps of a grid point (default 1)")
     ap.add_argument("--part", default="1/1", help="grid part k/n (each part one command)")
     ap.add_argument("--stop-after", type=float, default=None,
                     help="grid: start no new point after this many seconds (run the phase again for the rest)")
@@ -594,8 +598,11 @@ def main(argv=None) -> int:
     # steps measure; the HF Trainer's first step compiles, its second is a steady one
     steps = args.steps or (3 if quick else 6)
     skip = args.skip if args.skip is not None else 2
-    # the grid times as many steps as tune's first rung, so that a point tune measured is read from its cache
-    grid_steps = args.grid_steps or args.probe_steps or 3
+    # the grid times one step after the warm-up (at 0.1-0.5M tokens a step, steps vary by about 1%: the grid finds
+    # the best, it does not rank within 1%); a point tune measured is read from its cache at its rungs' lengths
+    grid_steps = args.grid_steps or 1
+    first_rung = args.probe_steps or 3
+    tune_rungs = tuple(first_rung * 2 ** k for k in range(6))
     confirm_steps = args.confirm_steps or (4 if quick else 200)
     k, n = (int(x) for x in args.part.split("/"))
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
@@ -644,6 +651,7 @@ def main(argv=None) -> int:
                                           max_candidates=args.max_candidates)
             elif phase == "grid":
                 grid_case(args.work, name, cuda=cuda, size=args.grid_size, steps=grid_steps, part=(k, n),
+                          reuse_steps=tune_rungs,
                           stop_after=args.stop_after)
                 state = load_state(args.work, name)
             elif phase == "confirm":
