@@ -543,6 +543,14 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     assert (folder / "README.md").read_text() in readme.read_text() and "| tiny-gpt2 |" in readme.read_text()
     with pytest.raises(SystemExit):
         bench.main(["readme", str(tmp_path / "nothing-here"), "--into", str(readme)])
+    # a report written away from the GPU (from a state copied back) names the machine the phases ran on
+    assert state["environment"]["cpu"]                  # each phase records where it ran
+    state["environment"] = {**state["environment"], "gpu": {"name": "NVIDIA H100 80GB HBM3"}}
+    bench.save_state(work, "tiny-gpt2", state)
+    assert bench.main(["report", str(work), "--model", "tiny-gpt2", "--results", str(tmp_path / "away")]) == 0
+    (away,) = list((tmp_path / "away").iterdir())
+    assert away.name == "nvidia-h100-80gb-hbm3"
+    assert json.loads((away / "tune.json").read_text())["device"] == "NVIDIA H100 80GB HBM3"
 
 
 def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):

@@ -28,3 +28,8 @@ else
   grep -v -i "warn\|quant_api\|Configuration class" "$OUT/$MODEL-${PHASE//,/_}.log" | tail -25 | cut -c1-300
 fi
 cp "$WORK/$MODEL/state.json" "$OUT/$MODEL-state.json" 2>/dev/null
+# tune's own results folder too: with the state, `report` can run away from the machine (WORK=/tmp/tune-work here,
+# the folder's path as the state names it)
+if [ "$PHASE" != report ] && ls -d "$WORK/$MODEL"/tune-* >/dev/null 2>&1; then
+  tar -czf "$OUT/$MODEL-tune-folder.tar.gz" --exclude='*.bin' --exclude='model' -C / "${WORK#/}/$MODEL"
+fi

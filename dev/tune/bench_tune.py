@@ -538,8 +538,11 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
         details.append({"model": name, "goals": goals(case, state), "pick_label": tune.get("pick_label"),
                         "lab_command": tune.get("lab_command"),
                         "notes": (state.get("hf") or {}).get("notes", []) + (state.get("hf_flags") or {}).get("notes", [])})
-    env = environment()
-    folder = results / machine_slug()
+    # the machine the phases ran on (recorded by each phase), so that a report written elsewhere from a state
+    # copied back says the GPU's name, not its own
+    recorded = [load_state(work, n).get("environment") for n in models]
+    env = next((e for e in recorded if e), None) or environment()
+    folder = results / machine_slug(env)
     folder.mkdir(parents=True, exist_ok=True)
     gpu = env.get("gpu") or {}
     data = {"kind": "tune-bench", "schema": 1, "device": gpu.get("name") or env.get("cpu"), "command": command,
@@ -656,6 +659,9 @@ def main(argv=None) -> int:
                 state = load_state(args.work, name)
             elif phase == "confirm":
                 state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)
+            from fasttrain.environment import environment
+
+            state["environment"] = environment()
             save_state(args.work, name, state)
             log(json.dumps({key: state.get(key.replace("-", "_")) for key in (phase,)}, default=str)[:400])
     if args.phase == "all":

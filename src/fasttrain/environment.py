@@ -87,8 +87,12 @@ def environment() -> dict:
     }
 
 
-def machine_slug() -> str:
-    """A folder name for results: the GPU's name, else 'cpu-<model>'."""
-    info = gpu_info()
-    label = info["name"] if info else "cpu-" + _cpu_model()
+def machine_slug(env: dict | None = None) -> str:
+    """A folder name for results: the GPU's name, else 'cpu-<model>' (of this machine, or of ``env``, an
+    :func:`environment` recorded elsewhere)."""
+    if env is not None:
+        label = (env.get("gpu") or {}).get("name") or "cpu-" + str(env.get("cpu") or "unknown")
+    else:
+        info = gpu_info()
+        label = info["name"] if info else "cpu-" + _cpu_model()
     return "".join(c.lower() if c.isalnum() else "-" for c in label).strip("-").replace("--", "-")[:60]
