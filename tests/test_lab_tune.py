@@ -282,9 +282,30 @@ def test_choices_that_failed_together_are_not_tried_again_and_the_halving_fills_
 def test_a_probe_is_stopped_at_the_budget_not_after_it():
     clock = Clock()
     measure = StoppableMeasure(clock, slow=lambda cfg: True, slow_cost=500.0)
-    res = run_search(measure, gpu_memory(4000), clock=clock, steps=3, budget="120s")
-    assert res.budget_hit and measure.allowed[0] == pytest.approx(120.0)
-    assert res.tune_s <= 121.0 and "the budget ends" in res.entries[0].last.error
+    lines = []
+    res = run_search(measure, gpu_memory(4000), clock=clock, steps=3, budget="120s", log=lines.append)
+    assert res.budget_hit and measure.allowed[0] == pytest.approx(120.0) and res.tune_s <= 121.0
+    assert any(line.endswith("the budget ends") for line in lines)
+    # cut by the budget is not a measurement: nothing is recorded against the configuration
+    assert not any(e.probes for e in res.entries) and res.pick is None
+    assert any("no probe finished within the budget" in n for n in res.notes)
+
+
+def test_a_probe_cut_by_the_budget_leaves_what_its_configuration_measured_before():
+    """The halving's next rung cut by the budget: the entry keeps its first-rung figure and can be the pick."""
+    clock = Clock()
+
+    class SlowSecondRung(StoppableMeasure):
+        def __call__(self, cfg, steps, time_allowed_s=None):
+            if steps > 3:
+                self.clock.now += time_allowed_s
+                return T.Probe(steps=steps, stopped=True, error=f"stopped after {time_allowed_s:.0f} s: the budget ends")
+            return super().__call__(cfg, steps, time_allowed_s)
+
+    measure = SlowSecondRung(clock)
+    res = run_search(measure, gpu_memory(4000), clock=clock, steps=3, budget="200s", max_candidates=4)
+    assert res.budget_hit and res.pick is not None and res.pick.ok and res.pick.last.steps == 3
+    assert not any(p.stopped for e in res.entries for p in e.probes)
 
 
 def test_the_screen_times_one_step_and_the_halving_the_full_rung():
@@ -491,15 +512,20 @@ def test_cli_end_to_end_on_the_cpu(tmp_path, capsys, monkeypatch):
 
 # --- the GPU benchmark's harness, tiny and on the CPU ---------------------------------------------
 
-def _bench_module():
+def _dev_tune_module(name: str):
+    """A script of dev/tune/ loaded as a module."""
     import importlib.util
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "dev" / "tune" / "bench_tune.py"
-    spec = importlib.util.spec_from_file_location("bench_tune", path)
+    path = Path(__file__).resolve().parents[1] / "dev" / "tune" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def _bench_module():
+    return _dev_tune_module("bench_tune")
 
 
 def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
@@ -579,6 +605,17 @@ def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tm
     monkeypatch.setattr(bench, "_hf_found_run", lambda *a, **k: runs.append(1) or {"tokens_per_s": 1.0})
     assert bench.hf_trainer_case(tmp_path, "tiny-gpt2", flags=True, steps=2, skip=1, cuda=True)["tokens_per_s"] == 1.0
     assert runs == [1]
+
+
+def test_the_search_on_the_modelled_llama_finds_the_models_best_within_its_budget(capsys):
+    """dev/tune/simulate_search.py: the search on the first look's Llama 1B speed model (compile + liger failing
+    together, reduce-overhead 25x slower) finds the model's best configuration within 8 minutes."""
+    pytest.importorskip("transformers")
+    sim = _dev_tune_module("simulate_search")
+    assert sim.main(["--budget", "8m", "--slow-reduce-overhead"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    pick, best = last.split("; the model's best that fits: ")
+    assert pick.split(",")[0] == "pick: " + best.split(",")[0] and "in 480 s" in pick
 
 
 # --- on a GPU (the device machine: python3 -m pytest -q -m gpu tests/test_lab_tune.py) ------------

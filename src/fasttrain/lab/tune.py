@@ -28,7 +28,7 @@ Predict, then measure:
    enter successive halving; when they are many, a screen first measures one change at a time
    from the plain configuration (every axis' first choice: the lab's GPT with eager attention, a
    transformers model with sdpa, its library's default; each at its largest predicted-fitting micro-batch), a
-   multiplicative model ranks the combinations of the better choices of every axis
+   multiplicative model ranks the combinations of every axis' choices
    (``speed(c) = speed(base) prod_axis speed(base with c's choice) / speed(base)``), and the
    best-ranked enter the halving;
 3. successive halving: every candidate of a rung runs ``s`` timed steps (3 at the first rung, after
@@ -39,7 +39,8 @@ Predict, then measure:
    choices together) has no candidate holding all of its choices tried after it, and the first rung
    goes further down the ranking instead;
 4. ``budget_s`` bounds the search: no probe starts after it, a running probe is stopped at it, and the
-   answer is the best so far. A probe is also stopped once it has run ``SLOW_GRACE_S`` plus
+   answer is the best so far (a probe cut by the budget is no measurement: what its configuration
+   measured before stands). A probe is also stopped once it has run ``SLOW_GRACE_S`` plus
    ``SLOW_FACTOR`` times its steps at the best speed so far (it cannot win; a pathological
    configuration must not spend the budget).
 
@@ -93,6 +94,7 @@ PER_BLOCK_COMPILE = (("torch_compile_scope", "blocks"),)
 # (minutes a step) must not spend the budget
 SLOW_FACTOR = 4.0
 SLOW_GRACE_S = 90.0
+BUDGET_ENDS = "the budget ends"
 CPU_NOTE = "timings on a CPU do not transfer to a GPU: this run checks the search, not what a GPU would pick"
 
 
@@ -519,7 +521,7 @@ class Search:
         its steps at the best speed so far (whichever is sooner)."""
         limits = []
         if self.budget_s is not None:
-            limits.append((max(1.0, self.budget_s - (self.clock() - self.start)), "the budget ends"))
+            limits.append((max(1.0, self.budget_s - (self.clock() - self.start)), BUDGET_ENDS))
         if self.best_tokens_per_s:
             limits.append(slow_probe_limit(self.config(entry), steps, self.best_tokens_per_s))
         return min(limits) if limits else None
@@ -596,6 +598,11 @@ class Search:
             self.memory.reserve = max(self.memory.reserve, min(0.25, probe.reserved_bytes / probe.peak_bytes - 1.0))
         if not (probe.oom or probe.error) and probe.tokens_per_s:
             self.best_tokens_per_s = max(self.best_tokens_per_s, probe.tokens_per_s)
+        if probe.stopped and probe.error.endswith(BUDGET_ENDS):
+            # cut by the budget, not a measurement: what the entry had measured before still stands
+            self.log(f"{stage:8s} {entry.candidate.label:60s} {steps:>4} steps  {probe.error}")
+            self.budget_hit = True
+            return None
         entry.probes.append(probe)
         entry.stage = entry.stage or stage
         speed = "OOM" if probe.oom else ("failed: " + probe.error) if probe.error else f"{probe.tokens_per_s:,.0f} tok/s"
@@ -757,15 +764,10 @@ def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: 
         for (a, c), (_, p) in zip(entry.candidate.settings, plain):
             if c != p:
                 ratio[(a, c)] = entry.last.tokens_per_s / base_speed
-    # per axis: every choice within 3% of the axis' best, at most two, then the plain one (the combinations
-    # with it rank lower: they are where the halving goes on when the better ones fail together)
-    keep = {}
-    for a, p in plain:
-        scored = [(1.0, p)] + [(r, c) for (ax, c), r in ratio.items() if ax == a]
-        scored.sort(reverse=True)
-        best = scored[0][0]
-        keep[a] = [c for r, c in scored if r >= 0.97 * best][:2]
-        keep[a] += [p] if p not in keep[a] else []
+    # per axis: the plain choice and every choice the screen measured; the combinations are ranked by the
+    # product of their speed-ups, so the halving takes the best-ranked and goes further down where some
+    # fail together (compile's next mode with liger where one mode cannot run with it, say)
+    keep = {a: [p] + [c for (ax, c) in ratio if ax == a] for a, p in plain}
 
     def score(settings) -> float:
         return math.prod(ratio.get((a, c), 1.0) for a, c in settings)
@@ -786,18 +788,19 @@ def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: 
 
 
 def rank(entries: list[Entry]) -> list[Entry]:
-    """Measured entries, best first: the deepest rung reached, then tokens/s of the longest probe."""
+    """Measured entries, best first: the deepest rung reached (the longest probe: a rung is longer than
+    the one before, a screen probe shorter than the first rung), then its tokens/s."""
     def key(e: Entry):
         if not e.ok:
             return (1, 0, 0.0)
-        return (0, -len(e.probes), -e.last.tokens_per_s)
+        return (0, -e.last.steps, -e.last.tokens_per_s)
     return sorted(entries, key=key)
 
 
 def _pick(finalists: list[Entry], ranked: list[Entry]) -> Entry | None:
     ok = [e for e in finalists if e.ok]
     if ok:
-        return max(ok, key=lambda e: (len(e.probes), e.last.tokens_per_s))
+        return max(ok, key=lambda e: (e.last.steps, e.last.tokens_per_s))
     ok = [e for e in ranked if e.ok]
     return ok[0] if ok else None
 
