@@ -498,6 +498,30 @@ def slow_probe_limit(cfg: LabConfig, steps: int, best_tokens_per_s: float) -> tu
             f"more than {SLOW_FACTOR:.0f}x slower than the best so far, {best_tokens_per_s:,.0f} tokens/s")
 
 
+def run_probe(measure: Callable, cfg: LabConfig, steps: int, allowed: tuple[float, str] | None,
+              free: Callable) -> Probe:
+    """``measure(cfg, steps)`` within ``allowed`` (seconds, and why: given to a measure that can stop; a stopped
+    probe's error says why), any failure the probe's result: an out-of-memory error, a refusal, or a library
+    that cannot run the configuration (a compiler error, a kernel without a case for this shape) ends this
+    probe, not the search. ``free()`` gives a failed probe's cached blocks back."""
+    from fasttrain.lab.measure import oom_types
+
+    try:
+        probe = measure(cfg, steps, time_allowed_s=allowed[0]) if allowed else measure(cfg, steps)
+    except oom_types() as exc:
+        probe = Probe(steps=steps, oom=True, error=f"out of memory: {str(exc).splitlines()[0][:160]}")
+    except FasttrainError as exc:
+        probe = Probe(steps=steps, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 - see the docstring
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        probe = Probe(steps=steps, error=f"{type(exc).__name__}: {first}")
+    if probe.oom or probe.error:
+        free()                  # the probe's frames are gone: give its cached blocks back
+    if probe.stopped and allowed:
+        probe.error = f"{probe.error}: {allowed[1]}"
+    return probe
+
+
 class Search:
     """Successive halving (with a screen first when the space is large) over ``entries``."""
 
@@ -542,8 +566,6 @@ class Search:
 
     def run(self, entry: Entry, steps: int, stage: str) -> Probe | None:
         """One probe of ``entry`` with ``steps`` timed steps (None: the budget is spent)."""
-        from fasttrain.lab.measure import oom_types
-
         edge = self.oom_edges.get(entry.candidate.settings)
         if edge is not None and entry.candidate.micro_batch >= edge:
             entry.skipped = f"micro-batch {edge} of the same settings ran out of memory"
@@ -563,23 +585,9 @@ class Search:
         else:
             t0 = self.clock()
             allowed = self.time_allowed(entry, steps) if self.stoppable else None
-            try:
-                probe = (self.measure(cfg, steps, time_allowed_s=allowed[0]) if allowed
-                         else self.measure(cfg, steps))
-            except oom_types() as exc:
-                probe = Probe(steps=steps, oom=True, error=f"out of memory: {str(exc).splitlines()[0][:160]}")
-            except FasttrainError as exc:
-                probe = Probe(steps=steps, error=str(exc))
-            except Exception as exc:  # noqa: BLE001 - one configuration a library cannot run (a compiler
-                # error, a kernel without a case for this shape) is that probe's result, not the search's end
-                first = (str(exc).strip().splitlines() or [""])[0][:200]
-                probe = Probe(steps=steps, error=f"{type(exc).__name__}: {first}")
-            if probe.oom or probe.error:
-                self.free()             # the probe's frames are gone: give its cached blocks back
+            probe = run_probe(self.measure, cfg, steps, allowed, self.free)
             probe.wall_s = self.clock() - t0
             self.measured += 1
-            if probe.stopped and allowed:
-                probe.error = f"{probe.error}: {allowed[1]}"
             if self.cache:
                 self.cache.put(cfg, steps, probe)       # (not a failed or stopped one: see ProbeCache.put)
             if probe.error and not (probe.oom or probe.stopped):
@@ -1100,4 +1108,4 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
 __all__ = ["Axis", "Candidate", "DeviceMemory", "Probe", "ProbeCache", "TuneResult", "build_axes", "device_memory",
            "enumerate_space", "lab_measure", "lab_predictor", "micro_batches", "parse_allow", "parse_budget", "probe_cache",
-           "search", "tune"]
+           "run_probe", "search", "slow_probe_limit", "tune"]
