@@ -406,16 +406,10 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
             # a point far slower than the grid's best so far cannot be the best: stopped by tune's own rule
             best = max((r["tokens_per_s"] or 0 for r in results.values()), default=0)
             allowed = T.slow_probe_limit(cfg, steps, best) if best else None
-            try:
-                probe = measure(cfg, steps, time_allowed_s=allowed[0] if allowed else None)
-            except Exception as exc:  # noqa: BLE001 - an out-of-memory or a failure is the grid point's result
-                free_memory(device)
-                probe = T.Probe(steps=steps, error=str(exc).splitlines()[0][:200])
-            if probe.stopped and allowed:
-                probe.error = f"{probe.error}: {allowed[1]}"
+            probe = T.run_probe(measure, cfg, steps, allowed, lambda: free_memory(device))
             cache.put(cfg, steps, probe)
         row = {"tokens_per_s": probe.tokens_per_s, "steps": probe.steps, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
-               "compile_s": probe.compile_s, "error": probe.error, "from_tune_cache": cached,
+               "compile_s": probe.compile_s, "error": probe.error, "oom": probe.oom, "from_tune_cache": cached,
                "wall_s": time.perf_counter() - t0}
         results[key] = {**row, "overrides": overrides}
         log(f"grid {len(results):>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}"
@@ -523,12 +517,14 @@ def readme(folder: Path) -> str:
 
 
 def report(work: Path, results: Path, models: list[str], command: str) -> Path:
+    import shutil
+
     from fasttrain.environment import environment, machine_slug
     from fasttrain.files import atomic_write_text
 
+    states = {name: load_state(work, name) for name in models}
     cases, details = [], []
-    for name in models:
-        state = load_state(work, name)
+    for name, state in states.items():
         case = case_of(state)
         assert tuple(case) == CASE_KEYS
         cases.append(case)
@@ -538,22 +534,18 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
                         "notes": (state.get("hf") or {}).get("notes", []) + (state.get("hf_flags") or {}).get("notes", [])})
     # the machine the phases ran on (recorded by each phase), so that a report written elsewhere from a state
     # copied back says the GPU's name, not its own
-    recorded = [load_state(work, n).get("environment") for n in models]
-    env = next((e for e in recorded if e), None) or environment()
+    env = next((s["environment"] for s in states.values() if s.get("environment")), None) or environment()
     folder = results / machine_slug(env)
     folder.mkdir(parents=True, exist_ok=True)
     gpu = env.get("gpu") or {}
     data = {"kind": "tune-bench", "schema": 1, "device": gpu.get("name") or env.get("cpu"), "command": command,
-            "environment": env, "cases": cases, "details": details,
-            "states": {n: load_state(work, n) for n in models}}
+            "environment": env, "cases": cases, "details": details, "states": states}
     atomic_write_text(folder / "tune.json", json.dumps(data, indent=2, default=str))
     atomic_write_text(folder / "README.md", readme(folder))
-    for name in models:
+    for name, state in states.items():
         # tune's own answer beside the comparison: its ranked table, long-format CSV and plot
-        tune_folder = Path(((load_state(work, name).get("tune") or {}).get("folder")) or "")
+        tune_folder = Path((state.get("tune") or {}).get("folder") or "")
         if tune_folder.name and (tune_folder / "tune.json").is_file():
-            import shutil
-
             shutil.copytree(tune_folder, folder / f"{name}-tune", dirs_exist_ok=True)
     return folder
 
@@ -592,6 +584,8 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     import torch
 
+    from fasttrain.environment import environment
+
     cuda = torch.cuda.is_available()
     models = args.model or ["gpt2-124m"]
     quick = args.quick or not cuda
@@ -607,29 +601,24 @@ def main(argv=None) -> int:
     confirm_steps = args.confirm_steps or (4 if quick else 200)
     k, n = (int(x) for x in args.part.split("/"))
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
-    if args.phase == "readme":
-        # WORK is a results folder (results/tune/<machine>): its README.md, and --into's section, from its tune.json
-        if not (args.work / "tune.json").is_file():
+    if args.phase in ("report", "readme"):
+        # readme: WORK is a results folder (results/tune/<machine>): its README.md from its tune.json
+        if args.phase == "readme" and not (args.work / "tune.json").is_file():
             ap.error(f"readme: {args.work} holds no tune.json; give a results folder such as "
                      "results/tune/nvidia-h100-80gb-hbm3")
         if args.into is not None:
             _check_markers(ap, args.into)
         from fasttrain.files import atomic_write_text, write_into
 
-        atomic_write_text(args.work / "README.md", readme(args.work))
+        if args.phase == "report":
+            folder = report(args.work, args.results, models, command)
+        else:
+            folder = args.work
+            atomic_write_text(folder / "README.md", readme(folder))
+        section = readme(folder)
+        print(section)
         if args.into is not None:
-            write_into(args.into, readme(args.work), start=README_START, end=README_END)
-        print(readme(args.work))
-        return 0
-    if args.phase == "report":
-        if args.into is not None:
-            _check_markers(ap, args.into)
-        folder = report(args.work, args.results, models, command)
-        print(readme(folder))
-        if args.into is not None:
-            from fasttrain.files import write_into
-
-            write_into(args.into, readme(folder), start=README_START, end=README_END)
+            write_into(args.into, section, start=README_START, end=README_END)
         return 0
     every = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"]
     asked = every if args.phase == "all" else [p.strip() for p in args.phase.split(",") if p.strip()]
@@ -657,8 +646,6 @@ def main(argv=None) -> int:
                 state = load_state(args.work, name)
             elif phase == "confirm":
                 state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)
-            from fasttrain.environment import environment
-
             state["environment"] = environment()
             save_state(args.work, name, state)
             log(json.dumps({key: state.get(key.replace("-", "_")) for key in (phase,)}, default=str)[:400])
