@@ -6,13 +6,10 @@
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_bench.sh prepare,hf,hf-flags gpt2-124m
 #   bash dev/device/tune_bench.sh grid gpt2-124m --stop-after 480
 #   bash dev/device/tune_bench.sh report gpt2-124m          # results/tune/<machine>/ tarred into $OUT
-set -u
 PHASE=${1:?usage: tune_bench.sh PHASE MODEL [bench_tune options]}; MODEL=${2:?model}; shift 2
-OUT=${OUT:-/tmp/device-out}; WORK=${WORK:-/tmp/tune-work}
-mkdir -p "$OUT" "$WORK"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 FASTTRAIN_GIT_SHA=${FASTTRAIN_GIT_SHA:-unknown}
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source dev/device/prelude.sh
+export HF_HUB_OFFLINE=1
+WORK=${WORK:-/tmp/tune-work}; mkdir -p "$WORK"
 # compiled kernels cached apart: the HF Trainer's in one folder, the lab's in another, so that tune (the first lab
 # phase of a lease) compiles cold, as a user's first call does, and its search time is its own
 case "$PHASE" in hf*|prepare*) cache=/tmp/inductor-hf ;; *) cache=/tmp/inductor-lab ;; esac

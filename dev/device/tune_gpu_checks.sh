@@ -3,11 +3,8 @@
 # CUDA graphs with accumulation (its gpu test and the step-by-step diagnostic), then tune's gpu tests. Carry .whl/
 # (liger-kernel, torchao). Logs to $OUT.
 #   bash dev/device/tune_gpu_checks.sh
-set -u
-OUT=${OUT:-/tmp/device-out}; mkdir -p "$OUT"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
-export PYTHONPATH=/tmp/site:src PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
-nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
+source dev/device/prelude.sh
+export HF_HUB_OFFLINE=1
 timeout 200 python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_gpu.py -k cuda_graphs \
   > "$OUT/pytest-cuda-graphs.log" 2>&1; tail -3 "$OUT/pytest-cuda-graphs.log"
 timeout 240 python3 dev/tune/cudagraph_accumulation.py /tmp/tune-work --model gpt2-124m \
