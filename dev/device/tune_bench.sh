@@ -19,10 +19,12 @@ if [ "$PHASE" = report ]; then
   python3 dev/tune/bench_tune.py report "$WORK" --model "$MODEL" "$@" --results /tmp/tune-results 2>&1 | tail -40
   tar -czf "$OUT/tune-results.tar.gz" -C /tmp tune-results
 else
+  # LOG: one file for the phases of a call (tune_case.sh), else one per phase
+  log=${LOG:-$OUT/$MODEL-${PHASE//,/_}.log}
   timeout "${PHASE_TIMEOUT:-570}" python3 dev/tune/bench_tune.py "$PHASE" "$WORK" --model "$MODEL" "$@" \
-    > "$OUT/$MODEL-${PHASE//,/_}.log" 2>&1
-  echo "$PHASE exit $? after $(( $(date +%s) - start )) s"
-  grep -v -i "warn\|quant_api\|Configuration class" "$OUT/$MODEL-${PHASE//,/_}.log" | tail -25 | cut -c1-300
+    >> "$log" 2>&1
+  echo "$PHASE exit $? after $(( $(date +%s) - start )) s" | tee -a "$log"
+  grep -v -i "warn\|quant_api\|Configuration class\|Failed to load\|^\[transformers\]\|_pytree" "$log" | tail -25 | cut -c1-300
 fi
 cp "$WORK/$MODEL/state.json" "$OUT/$MODEL-state.json" 2>/dev/null
 # tune's own results folder too: with the state, `report` can run away from the machine (WORK=/tmp/tune-work here,

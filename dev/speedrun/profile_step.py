@@ -32,9 +32,54 @@ def family(name: str) -> str:
     return "other"
 
 
-def main(argv=None) -> int:
+def profile_steps(trainer, steps: list, device) -> dict:
+    """Profile ``trainer.train_step`` over the given ``(x, y)`` steps (warm-up done by the caller): wall and
+    GPU-busy time per step (busy: the sum of kernel times, what a faster step must cut), launches, kernel families
+    and the kernels that take most of it."""
     import torch
     from torch.profiler import ProfilerActivity, profile
+
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for x, y in steps:
+            trainer.train_step(x, y)
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = collections.Counter()
+    counts = collections.Counter()
+    kind = torch.autograd.DeviceType.CUDA if cuda else torch.autograd.DeviceType.CPU
+    for e in prof.events():
+        if e.device_type == kind and e.device_time_total > 0:
+            kernels[e.name] += e.device_time_total
+            counts[e.name] += 1
+    busy_us = sum(kernels.values())
+    by_family = collections.Counter()
+    for name, us in kernels.items():
+        by_family[family(name)] += us
+    n = len(steps)
+    return {"steps": n, "wall_ms_per_step": 1e3 * wall / n, "gpu_busy_ms_per_step": busy_us / 1e3 / n,
+            "kernel_launches_per_step": sum(counts.values()) / n,
+            "by_family_ms_per_step": {f: us / 1e3 / n for f, us in by_family.most_common()},
+            "top_kernels": [{"name": k[:160], "ms_per_step": us / 1e3 / n, "calls_per_step": counts[k] / n}
+                            for k, us in kernels.most_common(25)]}
+
+
+def print_profile(title: str, report: dict) -> None:
+    print(f"{title}: wall {report['wall_ms_per_step']:.3f} ms/step, GPU busy {report['gpu_busy_ms_per_step']:.3f} "
+          f"ms/step ({100 * report['gpu_busy_ms_per_step'] / report['wall_ms_per_step']:.0f}%), "
+          f"{report['kernel_launches_per_step']:.0f} kernels/step")
+    for fam, ms in report["by_family_ms_per_step"].items():
+        print(f"  {fam:28s} {ms:7.3f} ms/step")
+    for k in report["top_kernels"][:12]:
+        print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.1f}  {k['name'][:100]}")
+
+
+def main(argv=None) -> int:
+    import torch
 
     from fasttrain.lab import speedrun as sr
     from fasttrain.lab.data import load_corpus
@@ -59,41 +104,10 @@ def main(argv=None) -> int:
     batches = iter(trainer.batches(total))
     for _ in range(args.warmup):
         trainer.train_step(*next(batches))
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    steps = [next(batches) for _ in range(args.steps)]
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        t0 = time.perf_counter()
-        for x, y in steps:
-            trainer.train_step(x, y)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        wall = time.perf_counter() - t0
-    kernels = collections.Counter()
-    counts = collections.Counter()
-    for e in prof.events():
-        if e.device_type == (torch.autograd.DeviceType.CUDA if device.type == 'cuda' else torch.autograd.DeviceType.CPU) and e.device_time_total > 0:
-            kernels[e.name] += e.device_time_total
-            counts[e.name] += 1
-    busy_us = sum(kernels.values())
-    by_family = collections.Counter()
-    for name, us in kernels.items():
-        by_family[family(name)] += us
-    n = args.steps
-    report = {"rung": args.rung, "steps": n, "wall_ms_per_step": 1e3 * wall / n,
-              "gpu_busy_ms_per_step": busy_us / 1e3 / n, "kernel_launches_per_step": sum(counts.values()) / n,
-              "by_family_ms_per_step": {f: us / 1e3 / n for f, us in by_family.most_common()},
-              "top_kernels": [{"name": k[:160], "ms_per_step": us / 1e3 / n, "calls_per_step": counts[k] / n}
-                              for k, us in kernels.most_common(25)],
-              "config": {"batch": cfg.per_device_train_batch_size, "context": cfg.context, "layers": cfg.layers,
-                         "width": cfg.width, "heads": cfg.heads}}
-    print(f"{args.rung}: wall {report['wall_ms_per_step']:.3f} ms/step, GPU busy {report['gpu_busy_ms_per_step']:.3f} "
-          f"ms/step ({100 * report['gpu_busy_ms_per_step'] / report['wall_ms_per_step']:.0f}%), "
-          f"{report['kernel_launches_per_step']:.0f} kernels/step")
-    for fam, ms in report["by_family_ms_per_step"].items():
-        print(f"  {fam:28s} {ms:7.3f} ms/step")
-    for k in report["top_kernels"][:12]:
-        print(f"  {k['ms_per_step']:7.3f} ms  x{k['calls_per_step']:5.1f}  {k['name'][:100]}")
+    report = profile_steps(trainer, [next(batches) for _ in range(args.steps)], device)
+    report.update(rung=args.rung, config={"batch": cfg.per_device_train_batch_size, "context": cfg.context,
+                                          "layers": cfg.layers, "width": cfg.width, "heads": cfg.heads})
+    print_profile(args.rung, report)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(report, f, indent=1)

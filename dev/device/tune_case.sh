@@ -1,0 +1,69 @@
+#!/usr/bin/env bash
+# Issue 29's benchmark of one model in one lease, as a queue: every device call of the lease runs this same command,
+# which goes on from where the calls before it stopped (a marker per finished phase in WORK, kept on the machine
+# between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, tune, the HF
+# Trainer as users run it, with its best flags, the 200-step confirmation, the pick's profile; whatever time a call
+# has left after them (or before a phase that would not fit) goes to the grid's points, which resume point by point;
+# once the grid is whole, the GPU tests of tune and the trainer's CUDA graphs. Carry .whl/.
+#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
+# Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
+MODEL=${1:?usage: tune_case.sh MODEL [--budget 8m]}; shift
+BUDGET=8m; [ "${1:-}" = --budget ] && BUDGET=$2
+source dev/device/prelude.sh
+WORK=${WORK:-/tmp/tune-work}; export WORK; mkdir -p "$WORK/$MODEL"
+DEADLINE=$(( $(date +%s) + ${CALL_S:-585} ))
+export LOG="$OUT/$MODEL-calls.log"
+left() { echo $(( DEADLINE - $(date +%s) )); }
+done_() { [ -e "$WORK/$MODEL/done-$1" ]; }
+state_py() { python3 -c "import json,sys; s=json.load(open('$WORK/$MODEL/state.json')); $1" 2>/dev/null; }
+
+# phase NAME SECONDS [bench_tune options]: run it if it is not done and fits; 1 when it did not fit (the queue stops)
+phase() {
+  local name=$1 need=$2; shift 2
+  done_ "$name" && return 0
+  if [ "$(left)" -lt "$need" ]; then echo "$name: needs about $need s, $(left) s left in this call"; return 1; fi
+  PHASE_TIMEOUT=$(( $(left) - 15 )) bash dev/device/tune_bench.sh "$name" "$MODEL" "$@" | grep -v "^== " | tail -12
+  grep -q "^$name exit 0 " "$LOG" && touch "$WORK/$MODEL/done-$name"
+  return 0
+}
+
+# the grid's points while the call has time for one more (a point of this model: at most about 110 s); after tune
+# only (its probes compile cold, and the grid reads the points tune measured from its cache)
+grid_fill() {
+  done_ tune || return 1
+  local n; n=$(state_py "print(len(s.get('grid_members') or []) - len(s.get('grid') or {}) if 'grid_members' in s else -1")
+  [ "$n" = 0 ] && return 0
+  if [ "$(left)" -gt 150 ]; then
+    PHASE_TIMEOUT=$(( $(left) - 10 )) bash dev/device/tune_bench.sh grid "$MODEL" --stop-after $(( $(left) - 130 )) | tail -3
+  fi
+  n=$(state_py "print(len(s['grid_members']) - len(s.get('grid') or {}))")
+  echo "grid: ${n:-?} point(s) left"; [ "$n" = 0 ]
+}
+
+confirm_s() {  # 200 steps at the pick's speed, its compilation and warm-up
+  state_py "t=s['tune']['pick_tokens_per_s']; print(int(200 * s['global_batch_tokens'] / t + 90))" || echo 480
+}
+
+queue() {
+  phase prepare 60 || return
+  phase tune $(( ${BUDGET%m} * 60 + 50 )) --budget "$BUDGET" || return
+  phase hf 150 || return
+  phase hf-flags 240 || return
+  phase confirm "$(confirm_s)" --confirm-steps 200 || return
+  if ! done_ profile && [ "$(left)" -gt 150 ]; then
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-lab TRITON_CACHE_DIR=/tmp/inductor-lab/triton HF_HUB_OFFLINE=1 \
+      timeout $(( $(left) - 10 )) python3 dev/tune/profile_pick.py "$WORK" --model "$MODEL" --steps 2 \
+      --out "$OUT/$MODEL-profile.json" >> "$LOG" 2>&1 && touch "$WORK/$MODEL/done-profile"
+    grep -A12 "^$MODEL .*wall" "$LOG" | tail -13
+  fi
+}
+
+queue
+grid_fill || exit 0
+if ! done_ gpu-tests && [ "$(left)" -gt 330 ]; then
+  timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_tune.py \
+    "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile" \
+    > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
+  tail -3 "$OUT/pytest-tune-gpu.log"
+fi
+echo "done: $(ls "$WORK/$MODEL" | grep ^done- | tr '\n' ' ')"
