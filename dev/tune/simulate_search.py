@@ -2,14 +2,16 @@
 (no GPU: a fake clock and a speed model). Used to plan a device run and to check a change to the search before
 spending device time on it.
 
-The model is the Llama 1B case of bench_tune.py (seq 2048, 131,072 tokens a step) on an H100:
-- measured in the first look (h100-first-look/, dev/tune/README.md): sdpa 8 x 8 2.6 s a step; eager attention
-  2.8x slower; torch.compile (whole model) about 0.8x (the HF Trainer's compile 60,398 tokens/s against 50,162);
-  liger 0.72x (70,283 against 50,162); liger's fused cross-entropy fails under whole-model compile;
-- assumed: per-block compile 0.85x (and liger runs with it: the loss is outside the compiled blocks), full
-  checkpointing 1.33x, fused AdamW 0.97x, preloading 1.0x; a build 6 s, a compile 45 s cold and 10 s for a graph
-  compiled before; ``--slow-reduce-overhead``: reduce-overhead with accumulation 25x slower (as measured before the
-  trainer's gradient fix), else as default compile.
+The model is the Llama 1B case of bench_tune.py (seq 2048, 131,072 tokens a step) on an H100, its figures those
+the committed run's tune measured (one timed step each in its screen, dev/tune/README.md): sdpa 8 x 8 51,305 tokens/s
+(2.55 s a step), 4 x 16 48,083 (small micro-batches slower: 1 + 0.55 / b); eager attention 2.4x slower (2 x 32:
+18,088); whole-model compile 0.80x the step time (64,071), reduce-overhead the same (64,031: the trainer's kept
+gradients replay its graphs), per-block compile 0.70x (73,006); full checkpointing 1.27x (32 x 2: 42,451); liger
+0.77x (66,321) eager, but 1.10x inside per-block compiled layers (block + liger 66,219: its kernels replace what
+the compiled layer fuses), and failing under whole-model compile (the HF Trainer's compile + liger); fused AdamW and
+preloading 1.0x. A build 6 s; a whole-model compile 50 s cold, a per-block one 6 s, 10 s for a graph compiled
+before. ``--slow-reduce-overhead``: reduce-overhead with accumulation 25x slower (as measured before the trainer's
+gradient fix).
 
     python3 dev/tune/simulate_search.py --budget 8m [--slow-reduce-overhead]
 """
@@ -45,17 +47,19 @@ def main(argv=None) -> int:
     clock, compiled = Clock(), set()
 
     def step_s(cfg) -> float:
-        t = 2.6 * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps / 64
-        t *= 2.8 if cfg.attn_implementation == "eager" else 1.0
+        t = 2.555 / 1.069 * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps / 64
+        t *= 1.0 + 0.55 / cfg.per_device_train_batch_size          # small micro-batches slower
+        t *= 2.38 if cfg.attn_implementation == "eager" else 1.0
+        blocks = cfg.torch_compile and cfg.torch_compile_scope == "blocks"
         if cfg.torch_compile:
-            t *= 0.85 if cfg.torch_compile_scope == "blocks" else 0.8
+            t *= 0.703 if blocks else 0.80
             if args.slow_reduce_overhead and cfg.torch_compile_mode == "reduce-overhead" \
                     and cfg.gradient_accumulation_steps > 1:
                 t *= 25
-        t *= 1.33 if cfg.gradient_checkpointing == "full" else 1.0
-        t *= 0.72 if cfg.use_liger_kernel else 1.0
-        t *= 0.97 if cfg.optim == "adamw_torch_fused" else 1.0
-        return t * (1.0 + 0.16 / cfg.per_device_train_batch_size)     # small micro-batches a little slower
+        t *= 1.27 if cfg.gradient_checkpointing == "full" else 1.0
+        if cfg.use_liger_kernel:
+            t *= 1.10 if blocks else 0.774
+        return t
 
     def measure(cfg, steps, time_allowed_s=None):
         start = clock.now
@@ -63,7 +67,7 @@ def main(argv=None) -> int:
         if cfg.torch_compile:
             graph = (cfg.attn_implementation, cfg.torch_compile_mode, cfg.torch_compile_scope,
                      cfg.gradient_checkpointing, cfg.use_liger_kernel, cfg.per_device_train_batch_size)
-            clock.now += 10 if graph in compiled else 45
+            clock.now += 10 if graph in compiled else 6 if cfg.torch_compile_scope == "blocks" else 50
             compiled.add(graph)
             if cfg.use_liger_kernel and cfg.torch_compile_scope != "blocks":
                 raise RuntimeError("TorchRuntimeError: RuntimeError when making fake tensor call")
