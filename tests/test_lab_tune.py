@@ -608,6 +608,43 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     assert json.loads((away / "tune.json").read_text())["device"] == "NVIDIA H100 80GB HBM3"
 
 
+def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
+    """A grid that ran part of its points has no best (the goal says how many ran); a profile of the pick in the
+    results folder's logs is summed up under the model's goals."""
+    bench = _bench_module()
+    state = {"model": "llama-1b", "tune": {"pick_tokens_per_s": 66_000.0, "tune_s": 478.0},
+             "hf": {"tokens_per_s": 50_000.0}, "grid_members": [{"a": 1}, {"a": 2}, {"a": 3}],
+             "grid": {"x": {"tokens_per_s": 59_000.0}}}
+    case = bench.case_of(state)
+    assert case["best_tokens_per_s"] is None
+    assert dict(bench.goals(case, state))["pick within 5% of the grid's best"] == \
+        "not measured: the grid ran 1 of its 3 points"
+    state["grid"].update(y={"tokens_per_s": None, "oom": True}, z={"tokens_per_s": 70_000.0})
+    case = bench.case_of(state)
+    assert case["best_tokens_per_s"] == 70_000.0
+    assert dict(bench.goals(case, state))["pick within 5% of the grid's best"] == "MISSED: 0.943x"
+    folder = tmp_path / "results"
+    (folder / "logs").mkdir(parents=True)
+    (folder / "tune.json").write_text(json.dumps({"cases": [case], "details": [
+        {"model": "llama-1b", "goals": bench.goals(case, state)}]}))
+    (folder / "logs" / "llama-1b-profile.json").write_text(json.dumps({
+        "wall_ms_per_step": 1995.7, "gpu_busy_ms_per_step": 1897.0, "by_family_ms_per_step": {"gemm": 1091.1},
+        "flops_per_token": {"total": 6.63e9}, "model_tflops": 435.8, "mfu": 0.4404, "peak_tflops": 989.4,
+        "mfu_of_2x_hf": 0.6817}))
+    (folder / "llama-1b-tune").mkdir()
+    (folder / "llama-1b-tune" / "tune.json").write_text(json.dumps({
+        "pick": {"label": "8x8 block liger", "tokens_per_s": 66_360.0},
+        "ranked": [{"label": "8x8 block liger", "tokens_per_s": 66_360.0, "status": "ok", "stage": "halving",
+                    "steps_measured": 24},
+                   {"label": "8x8 block", "tokens_per_s": 73_006.0, "status": "ok", "stage": "screen",
+                    "steps_measured": 1}]}))
+    text = bench.readme(folder)
+    assert ("The fastest configuration tune measured was not its pick: `8x8 block` ran 73,006 tokens/s in its "
+            "screen (1 step(s)), 1.100x the pick.") in text
+    assert "1,996 ms a step, the GPU busy 1,897 ms (gemm 1,091 ms)" in text
+    assert "44% of the 989.4 TFLOP/s dense bf16 peak; 2x the HF Trainer as its users run it would need 68%" in text
+
+
 def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):
     """liger's fused cross-entropy under the Trainer's torch_compile fails (seen on the H100 with a Llama): the
     careful user's figure is the faster of compile alone and liger alone, each failure said in a note."""
