@@ -16,7 +16,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import hf  # noqa: E402
-from fasttrain.lab.config import LabConfig  # noqa: E402
+from fasttrain.lab.config import LabConfig, validate  # noqa: E402
 from fasttrain.lab.models import forward_logits, forward_loss  # noqa: E402
 
 FAMILIES = ("llama", "gpt2", "qwen2")
@@ -730,6 +730,11 @@ def test_a_hf_model_trains_on_the_gpu_with_its_kernels(folders, corpus):
                       use_liger_kernel=True, torch_compile=True, torch_compile_scope="blocks"), corpus=corpus)
     assert all(np.isfinite(losses(rec))) and losses(rec)[-1] < losses(rec)[0]
     assert rec["memory"]["peak_allocated_bytes"] > 0
+    # the fused cross-entropy alone beside the compiled layers: the same losses (the same math) within bf16's noise
+    flce = run(lab_cfg(folders["llama"], device="cuda", max_steps=8, bf16=True, attn_implementation="sdpa",
+                       use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy", torch_compile=True,
+                       torch_compile_scope="blocks"), corpus=corpus)
+    assert np.allclose(losses(flce), losses(rec), rtol=2e-2)
     # the whole model compiled around liger's fused loss does not trace: refused in one line, before any work
     with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
         run(lab_cfg(folders["llama"], device="cuda", max_steps=2, bf16=True, use_liger_kernel=True,
@@ -773,8 +778,35 @@ def test_the_memory_setup_follows_the_liger_flag():
     gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=64,
                 embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
     assert hf.memory_setup_for(gpt2)(liger, 2) is None
-    # liger under a per-block compile is not modelled: no estimate rather than a wrong one
-    assert setup_of(liger.with_(torch_compile=True, torch_compile_scope="blocks"), 2) is None
+    # liger's layer kernels under a per-block compile are not modelled: no estimate rather than a wrong one; the
+    # fused cross-entropy alone is (the head and the loss stay eager beside compiled layers)
+    blocks = dict(torch_compile=True, torch_compile_scope="blocks")
+    assert setup_of(liger.with_(**blocks), 2) is None
+    flce = setup_of(liger.with_(model="hf:x", liger_kernels="fused_linear_cross_entropy", **blocks), 2)
+    assert flce.liger == ("fused_linear_cross_entropy",) and flce.compiled == "blocks"
+    big_vocab = hf.memory_setup_for({**llama, "vocab_size": 4096})     # where the logits are the peak's
+    assert estimate(big_vocab(liger.with_(model="hf:x", liger_kernels="fused_linear_cross_entropy", **blocks), 64),
+                    "precise").total < estimate(big_vocab(cfg.with_(**blocks), 64), "precise").total
+
+
+def test_liger_kernels_applies_the_fused_cross_entropy_alone(tmp_path):
+    """--liger-kernels fused_linear_cross_entropy: the model's loss path is liger's, its layers transformers' own
+    (left to torch.compile); all: liger's norms and MLP too. Asked without liger, or for the lab's GPT, it is refused."""
+    pytest.importorskip("liger_kernel")
+    write_config(tmp_path, "llama")
+    for kernels, layers_from in (("fused_linear_cross_entropy", "transformers."), ("all", "liger_kernel.")):
+        model = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu").module
+        hf.apply_liger(model, kernels)
+        try:
+            assert model.forward.__func__.__module__.startswith("liger_kernel.")
+            assert model.model.norm.forward.__func__.__module__.startswith(layers_from)
+            assert model.model.layers[0].mlp.forward.__func__.__module__.startswith(layers_from)
+        finally:
+            hf.undo_liger_patches()
+    for bad in (cfg(liger_kernels="fused_linear_cross_entropy"), cfg(liger_kernels="rope"),
+                LabConfig(use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy")):
+        with pytest.raises(FasttrainError, match="liger-kernels"):
+            validate(bad)
 
 
 def test_liger_patches_of_transformers_modules_are_undone_after_the_run(tmp_path, monkeypatch):

@@ -493,6 +493,14 @@ def test_training_arguments_are_accepted_by_transformers(tmp_path):
     ta = transformers.TrainingArguments(output_dir=str(tmp_path), **args)
     assert (ta.per_device_train_batch_size, ta.gradient_accumulation_steps, ta.bf16, ta.gradient_checkpointing) == \
         (4, 4, True, True)
+    # liger's fused cross-entropy alone: the Trainer's liger_kernel_config switches the layer kernels off; the lab
+    # command names it
+    flce = cfg.with_(model="hf:some/folder", use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy")
+    args, _, _ = R.training_arguments(flce, cpu=True)
+    ta = transformers.TrainingArguments(output_dir=str(tmp_path), **args)
+    assert ta.use_liger_kernel and ta.liger_kernel_config["fused_linear_cross_entropy"] is True
+    assert not any(v for k, v in ta.liger_kernel_config.items() if k != "fused_linear_cross_entropy")
+    assert "--use-liger-kernel --liger-kernels fused_linear_cross_entropy" in R.lab_command(flce)
 
 
 def test_frontier_keeps_only_points_nothing_beats():

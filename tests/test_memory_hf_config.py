@@ -954,9 +954,18 @@ def test_liger_fused_cross_entropy_chunks_and_forward_working_memory():
 def test_liger_is_checked_and_mapped_per_family():
     assert setup_from_hf_config(LLAMA_05B, seq=64, liger=True).liger == LIGER_ALL
     for bad, message in ((dict(liger=("fused_ce",)), "liger must be distinct names"),
-                         (dict(liger=True, compiled="blocks"), "torch.compile is not modelled")):
+                         (dict(liger=True, compiled="blocks"), "modelled only for the fused linear"),
+                         (dict(liger=("fused_linear_cross_entropy",), compiled="model"), "modelled only")):
         with pytest.raises(FasttrainError, match=message):
             setup_from_hf_config(LLAMA_05B, seq=64, **bad)
+    # the fused cross-entropy alone beside per-block compiled layers: the compiled layers' terms, liger's head
+    flce = ("fused_linear_cross_entropy",)
+    shape = dict(seq=1024, micro_batch=8, precision="bf16")         # activations, not the optimizer, at the peak
+    blocks = estimate(setup_from_hf_config(LLAMA_05B, compiled="blocks", **shape))
+    both = estimate(setup_from_hf_config(LLAMA_05B, compiled="blocks", liger=flce, **shape))
+    eager = estimate(setup_from_hf_config(LLAMA_05B, liger=flce, **shape))
+    assert "backward: fused linear cross-entropy" in [m["name"] for m in both.extra["moments"]]
+    assert both.total < blocks.total and both.total < eager.total
     with pytest.raises(FasttrainError, match="no patches for model_type 'gpt2'"):
         setup_from_hf_config(GPT2, seq=64, liger=True)
     from fasttrain.memory.config import preset

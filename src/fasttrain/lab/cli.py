@@ -57,6 +57,8 @@ HELP = {
     "logit_softcap": "Soft-cap the logits at C: C tanh(z / C) (0: off).",
     "attn_implementation": "eager (PyTorch ops) or sdpa (scaled_dot_product_attention, flash).",
     "use_liger_kernel": "liger-kernel's RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear cross-entropy (GPU).",
+    "liger_kernels": "Which of them --use-liger-kernel applies to a transformers model: all, or "
+                     "fused_linear_cross_entropy alone (the logits never made; the layers left to torch.compile).",
     "preload": "Keep the corpus on the device and cut batches there.",
     "dataloader_num_workers": "DataLoader worker processes.", "dataloader_pin_memory": "Pin host batches.",
     "dataloader_prefetch_factor": "Batches each worker loads ahead.", "data_dir": "Data root (default: "

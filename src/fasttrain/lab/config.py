@@ -90,6 +90,7 @@ class LabConfig:
     cuda_graph_step: bool = False       # the whole eager step (forward, backward, clip, optimizer) as one CUDA graph
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
+    liger_kernels: str = "all"          # all: the family's kernels; fused_linear_cross_entropy: that one alone
     # --- data ------------------------------------------------------------------------------
     preload: bool = False               # the whole corpus on the device, batches cut there
     dataloader_num_workers: int = 0
@@ -374,6 +375,10 @@ def validate(cfg: LabConfig) -> LabConfig:
         raise FasttrainError("--preload keeps the corpus on the device: drop the --dataloader-* flags")
     if cfg.lora_r and cfg.prompt_tuning_tokens:
         raise FasttrainError("give --lora-r or --prompt-tuning-tokens, not both")
+    _choice(cfg, "liger_kernels", LIGER_KERNEL_SETS)
+    if cfg.liger_kernels != "all" and not (cfg.use_liger_kernel and cfg.model.startswith("hf:")):
+        raise FasttrainError(f"--liger-kernels {cfg.liger_kernels} chooses among liger-kernel's patches of a "
+                             "transformers model: give it with --use-liger-kernel and --model hf:..., or drop it")
     if cfg.lora_r and cfg.use_liger_kernel and "head" in cfg.lora_target_modules:
         raise FasttrainError("liger's fused cross-entropy reads the output weight directly: drop 'head' from "
                              "--lora-target-modules or --use-liger-kernel")
@@ -463,6 +468,19 @@ def preset(name: str, **overrides) -> LabConfig:
         mods = cfg.lora_target_modules
         cfg = cfg.with_(lora_target_modules=tuple(mods.split(",") if isinstance(mods, str) else mods))
     return validate(cfg)
+
+
+# which of liger-kernel's patches --use-liger-kernel applies to a transformers model: the family's all (RMSNorm,
+# RoPE, SwiGLU or GeGLU, the fused linear cross-entropy), or the fused linear cross-entropy alone (it never makes
+# the logits, and leaves the layers to torch.compile, which fuses what the other kernels would replace)
+LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
+
+
+def liger_of(cfg: "LabConfig"):
+    """The estimator's ``liger`` for a transformers model: False, True (the family's kernels) or the kernels' names."""
+    if not cfg.use_liger_kernel:
+        return False
+    return True if cfg.liger_kernels == "all" else (cfg.liger_kernels,)
 
 
 def compiled_scope(cfg: "LabConfig") -> str:

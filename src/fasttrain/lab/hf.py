@@ -460,17 +460,24 @@ def _modeling_state(family: str) -> dict:
     return state
 
 
-def apply_liger(model) -> None:
+# every layer kernel liger-kernel's families take a switch for (each family's function takes the ones it has)
+_LIGER_LAYER_KERNELS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu")
+
+
+def apply_liger(model, kernels: str = "all") -> None:
     """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
-    cross-entropy (which the model's loss path then uses whenever it is given labels in training). The module-
-    level names it rebinds are recorded; :func:`undo_liger_patches` puts them back."""
+    cross-entropy (which the model's loss path then uses whenever it is given labels in training); with
+    ``kernels="fused_linear_cross_entropy"`` that one alone. The module-level names it rebinds are recorded;
+    :func:`undo_liger_patches` puts them back."""
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as exc:
         raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
     family = getattr(getattr(model, "config", None), "model_type", "") or ""
     before = _modeling_state(family)
-    _apply_liger_kernel_to_instance(model=model)
+    switches = {} if kernels == "all" else {**{k: False for k in _LIGER_LAYER_KERNELS},
+                                            "cross_entropy": False, "fused_linear_cross_entropy": True}
+    _apply_liger_kernel_to_instance(model=model, **switches)
     for owner, names in before.items():
         now = vars(owner)
         for name in set(names) | set(now):
@@ -580,7 +587,7 @@ def memory_setup_for(hf_config: dict):
     """The estimator's view of a run of this HF model: ``(cfg, micro_batch) -> Setup | None`` through
     ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers config).
     A setting the estimator does not model (it raises) gives None: the run records no estimate, no error."""
-    from fasttrain.lab.config import compiled_scope, lora_targets_for
+    from fasttrain.lab.config import compiled_scope, liger_of, lora_targets_for
     from fasttrain.memory.hf_config import setup_from_hf_config
 
     def setup(cfg: LabConfig, micro_batch: int):
@@ -596,7 +603,7 @@ def memory_setup_for(hf_config: dict):
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
                                         optim=cfg.optim, compiled=compiled_scope(cfg),
-                                        liger=bool(cfg.use_liger_kernel), **extra)
+                                        liger=liger_of(cfg), **extra)
         except FasttrainError:
             return None
     return setup
@@ -640,7 +647,7 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
         log(f"{spec}: no weights in {source}: initialized from config.json (seed {cfg.seed})")
     module.config.use_cache = False
     if cfg.use_liger_kernel:
-        apply_liger(module)
+        apply_liger(module, cfg.liger_kernels)
     # gradient checkpointing (the model's gradient_checkpointing_enable) and LoRA are the trainer's,
     # as for any model; the soft prompt is peft's own for a transformers model
     module = apply_prompt_tuning(module, cfg)

@@ -340,7 +340,8 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
         notes.append("selective checkpointing recomputes the eager attention core; with sdpa (which keeps no "
                      "s^2 scores) it changes nothing")
     if cfg.use_liger_kernel:
-        notes.append("liger: RMSNorm or LayerNorm, RoPE (llama), SwiGLU (llama) and the fused linear cross-entropy")
+        notes.append("liger: the fused linear cross-entropy alone" if cfg.liger_kernels != "all" else
+                     "liger: RMSNorm or LayerNorm, RoPE (llama), SwiGLU (llama) and the fused linear cross-entropy")
     evals = [{k: e[k] for k in ("step", "val_loss", "tokens", "ms")} for e in metrics.evals]
     curve = metrics.loss_curve
     record = {

@@ -291,7 +291,13 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
     elif reason:
         dropped.append(f"liger-kernel: {reason}; dropped")
     else:
-        axes.append(Axis("liger", (("off", {"use_liger_kernel": False}), ("liger", {"use_liger_kernel": True}))))
+        liger = [("off", {"use_liger_kernel": False, "liger_kernels": "all"}),
+                 ("liger", {"use_liger_kernel": True, "liger_kernels": "all"})]
+        if hf:
+            # the fused cross-entropy alone: on the H100 liger's layer kernels inside per-block compiled layers ran
+            # slower than the compiled layers alone, while the eager head's logits are what compile leaves
+            liger.append(("fused-ce", {"use_liger_kernel": True, "liger_kernels": "fused_linear_cross_entropy"}))
+        axes.append(Axis("liger", tuple(liger)))
     optimizer_choices = []
     if base.optim in ("adamw_torch", "adamw_torch_fused"):
         optimizer_choices = [("adamw_torch", {"optim": "adamw_torch"}), ("adamw_torch_fused", {"optim": "adamw_torch_fused"})]
@@ -787,17 +793,19 @@ def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: 
     # The product assumes that changes help independently; they need not (on the H100, liger's kernels inside
     # per-block compiled layers made them 10% slower than the compiled layers alone). So the halving's first
     # rung opens with the best-ranked combination, the screen's fastest measured configuration, and the
-    # best-ranked combination without each one of its changes (best-ranked first), each at its largest fitting
-    # micro-batch: a change that hurts beside the others loses to the combination without it. The ranking
-    # fills the rung to max_candidates (further down where one is skipped or fails).
+    # best-ranked combination with each one of its changes undone or swapped for another measured choice of its
+    # axis (best-ranked first), each at its largest fitting micro-batch: a change that hurts beside the others
+    # loses to the combination without it or with the axis' next choice. The ranking fills the rung to
+    # max_candidates (further down where one is skipped or fails).
     first: list[Entry] = []
     if combos:
         top = tuple(combos[0])
         first.append(fitting[top][0])
         first.append(max((e for e in screen if e.ok), key=lambda e: e.last.tokens_per_s))
-        without = [tuple((a, p if a == axis else c) for (a, c), (_, p) in zip(top, plain))
-                   for (axis, choice), (_, plain_choice) in zip(top, plain) if choice != plain_choice]
-        first += [fitting[w][0] for w in sorted(without, key=lambda w: -score(w)) if w in fitting]
+        around = [tuple((a, other if a == axis else c) for a, c in top)
+                  for (axis, choice), (_, plain_choice) in zip(top, plain) if choice != plain_choice
+                  for other in keep[axis] if other != choice]
+        first += [fitting[w][0] for w in sorted(around, key=lambda w: -score(w)) if w in fitting]
     out: list[Entry] = []
     for e in first + ranked:
         if e not in out:
@@ -897,10 +905,11 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
     (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config
     (``fasttrain.memory.hf_config.setup_from_hf_config``); None where the estimator cannot describe it
     (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS workspaces (the estimator's
-    65 MiB are a GPU's). torch.compile of a transformers model is modelled, and liger-kernel's patches of it
-    eager; liger inside a compiled model is predicted as the compiled model without liger (the estimator does
-    not model it; liger only frees memory there: on the H100 the Llama 1B case's per-block compiled layers with
-    liger peaked 5% below that prediction, so the pruning is on the safe side)."""
+    65 MiB are a GPU's). torch.compile of a transformers model is modelled, liger-kernel's patches of it eager,
+    and its fused cross-entropy alone beside per-block compiled layers; liger's layer kernels inside compiled
+    code are predicted as the compiled model without liger (the estimator does not model them; liger only frees
+    memory there: on the H100 the Llama 1B case's per-block compiled layers with all of liger peaked 5% below
+    that prediction, so the pruning is on the safe side)."""
     from fasttrain.memory import estimate
 
     def predict(cfg: LabConfig) -> int | None:
@@ -910,16 +919,18 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
                     from fasttrain.memory.hf_config import setup_from_hf_config
                 except ImportError:
                     return None
-                from fasttrain.lab.config import compiled_scope
+                from fasttrain.lab.config import compiled_scope, liger_of
 
                 precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
                 compiled = compiled_scope(cfg)
+                liger = liger_of(cfg)
+                if liger and compiled != "none" and not (compiled == "blocks" and isinstance(liger, tuple)):
+                    liger = False           # liger's layer kernels under compile: the compiled model's prediction
                 setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
                                              precision=precision, recompute=cfg.gradient_checkpointing,
                                              attention=cfg.attn_implementation, optim=cfg.optim,
                                              grad_buffers=cfg.gradient_accumulation_steps > 1,
-                                             compiled=compiled,
-                                             liger=bool(cfg.use_liger_kernel) and compiled == "none")
+                                             compiled=compiled, liger=liger)
             else:
                 from fasttrain.lab.train import lab_setup
 

@@ -259,9 +259,13 @@ def _check_liger(setup: Setup) -> None:
         raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
                              "Qwen2, Gemma, Phi-3), not for " + ("the lab's GPT" if setup.modules == "lab" else "GPT-2")
                              + "; drop liger")
-    if setup.compiled != "none":
-        raise FasttrainError("liger-kernel under torch.compile is not modelled by the estimator; "
-                             "estimate it eager (compiled none) or without liger")
+    if setup.compiled == "model" or (setup.compiled == "blocks" and tuple(kernels) != ("fused_linear_cross_entropy",)):
+        # per-block compile leaves the head and the loss eager, so the fused cross-entropy alone is what it is
+        # eager; liger's layer kernels inside compiled code are not modelled (on the H100 the compiled layers with
+        # them kept 5-8% more than the compiled layers plus the fused cross-entropy, for reasons not identified)
+        raise FasttrainError("liger-kernel under torch.compile is modelled only for the fused linear cross-entropy "
+                             "alone beside per-block compiled layers; estimate it eager (compiled none) or "
+                             "without liger")
     if setup.tp > 1:
         raise FasttrainError("liger-kernel with tensor parallelism is not modelled by the estimator; use --tp 1")
 

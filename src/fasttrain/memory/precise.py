@@ -497,7 +497,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # output object holds it while the loss runs; without autocast it is the head's kept input)
         fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
     whole = bool(hf) and s.compiled == "model"
-    fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger    # (liger under compile is refused)
+    # (under compile only beside per-block compiled layers: the head and the loss eager, as here)
+    fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger
     if whole:
         # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
         fwd_extra = 0
