@@ -651,6 +651,9 @@ def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
             "screen (1 step(s)), 1.100x the pick.") in text
     assert "1,996 ms a step, the GPU busy 1,897 ms (gemm 1,091 ms)" in text
     assert "44% of the 989.4 TFLOP/s dense bf16 peak; 2x the HF Trainer as its users run it would need 68%" in text
+    # the results folder's own README links its logs from there; a section written into another file, from that one
+    assert "[logs/llama-1b-profile.json](logs/llama-1b-profile.json)" in text
+    assert "(results/logs/llama-1b-profile.json)" in bench.readme(folder, into=tmp_path / "README.md")
 
 
 def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):

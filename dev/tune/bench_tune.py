@@ -46,6 +46,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import sys
 import tempfile
@@ -532,8 +533,10 @@ def _fmt(v, spec=",.0f"):
     return "-" if v is None else format(v, spec)
 
 
-def readme(folder: Path) -> str:
-    """The README section, generated from ``folder``'s ``tune.json``."""
+def readme(folder: Path, into: Path | None = None) -> str:
+    """The README section, generated from ``folder``'s ``tune.json``; ``into``: the file it goes into (its links
+    then lead from there into ``folder``), else ``folder``'s own README."""
+    base = Path(os.path.relpath(folder.resolve(), into.resolve().parent)) if into is not None else Path()
     data = json.loads((folder / "tune.json").read_text())
     lines = ["## fasttrain tune against the Hugging Face Trainer", "",
              f"Device: {data.get('device', '-')}. bf16, random init, the same global batch for every column "
@@ -560,7 +563,7 @@ def readme(folder: Path) -> str:
             lines += ["", faster]
         profile = folder / "logs" / f"{detail['model']}-profile.json"
         if profile.is_file():
-            lines += ["", profile_line(json.loads(profile.read_text()), f"logs/{profile.name}")]
+            lines += ["", profile_line(json.loads(profile.read_text()), (base / "logs" / profile.name).as_posix())]
         for note in detail.get("notes", []):
             lines.append(f"\n- {note}")
     return "\n".join(lines) + "\n"
@@ -665,7 +668,7 @@ def main(argv=None) -> int:
         else:
             folder = args.work
             atomic_write_text(folder / "README.md", readme(folder))
-        section = readme(folder)
+        section = readme(folder, args.into)
         print(section)
         if args.into is not None:
             write_into(args.into, section, start=README_START, end=README_END)
