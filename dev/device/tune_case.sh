@@ -4,7 +4,8 @@
 # between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, tune, the HF
 # Trainer as users run it, with its best flags, the 200-step confirmation, the pick's profile; whatever time a call
 # has left after them (or before a phase that would not fit) goes to the grid's points, which resume point by point;
-# once the grid is whole, the GPU tests of tune and the trainer's CUDA graphs. Carry .whl/.
+# once the grid is whole, the GPU tests of tune, the trainer's CUDA graphs and a transformers model's kernels.
+# Carry .whl/.
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
 MODEL=${1:?usage: tune_case.sh MODEL [--budget 8m]}; shift
@@ -60,9 +61,10 @@ queue() {
 
 queue
 grid_fill || exit 0
-if ! done_ gpu-tests && [ "$(left)" -gt 330 ]; then
+if ! done_ gpu-tests && [ "$(left)" -gt 400 ]; then
   timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_tune.py \
     "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile" \
+    "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels" \
     > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
   tail -3 "$OUT/pytest-tune-gpu.log"
 fi
