@@ -476,6 +476,15 @@ def preset(name: str, **overrides) -> LabConfig:
 LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
 
 
+def liger_switches(kernels: str) -> dict:
+    """liger-kernel's keyword switches for ``kernels`` (one of LIGER_KERNEL_SETS), as its family functions and
+    the HF Trainer's ``liger_kernel_config`` take them (each family takes the ones it has): none for all."""
+    if kernels == "all":
+        return {}
+    return {"rope": False, "rms_norm": False, "layer_norm": False, "swiglu": False, "geglu": False,
+            "cross_entropy": False, "fused_linear_cross_entropy": True}
+
+
 def liger_of(cfg: "LabConfig"):
     """The estimator's ``liger`` for a transformers model: False, True (the family's kernels) or the kernels' names."""
     if not cfg.use_liger_kernel:

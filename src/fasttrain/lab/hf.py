@@ -39,7 +39,7 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import swap_folder
-from fasttrain.lab.config import LabConfig, missing_extra
+from fasttrain.lab.config import LabConfig, liger_switches, missing_extra
 from fasttrain.lab.models import LabModel
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS
 
@@ -460,10 +460,6 @@ def _modeling_state(family: str) -> dict:
     return state
 
 
-# every layer kernel liger-kernel's families take a switch for (each family's function takes the ones it has)
-_LIGER_LAYER_KERNELS = ("rope", "rms_norm", "layer_norm", "swiglu", "geglu")
-
-
 def apply_liger(model, kernels: str = "all") -> None:
     """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
     cross-entropy (which the model's loss path then uses whenever it is given labels in training); with
@@ -475,9 +471,7 @@ def apply_liger(model, kernels: str = "all") -> None:
         raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
     family = getattr(getattr(model, "config", None), "model_type", "") or ""
     before = _modeling_state(family)
-    switches = {} if kernels == "all" else {**{k: False for k in _LIGER_LAYER_KERNELS},
-                                            "cross_entropy": False, "fused_linear_cross_entropy": True}
-    _apply_liger_kernel_to_instance(model=model, **switches)
+    _apply_liger_kernel_to_instance(model=model, **liger_switches(kernels))
     for owner, names in before.items():
         now = vars(owner)
         for name in set(names) | set(now):

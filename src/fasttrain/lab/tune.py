@@ -30,7 +30,9 @@ Predict, then measure:
    transformers model with sdpa, its library's default; each at its largest predicted-fitting micro-batch), a
    multiplicative model ranks the combinations of every axis' choices
    (``speed(c) = speed(base) prod_axis speed(base with c's choice) / speed(base)``), and the
-   best-ranked enter the halving;
+   halving's first rung takes the best-ranked combination, the screen's fastest, the best-ranked
+   combination with each of its changes undone or swapped for another measured choice of its axis
+   (changes that help alone can hurt together), then the ranking;
 3. successive halving: every candidate of a rung runs ``s`` timed steps (3 at the first rung, after
    untimed ones that cover compilation and CUDA graphs' recording: ``warmup_steps_for``; the screen's
    probes time one step); the faster half goes on with ``eta s`` steps (``eta = 2``); the last one

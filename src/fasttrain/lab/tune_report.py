@@ -11,7 +11,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from fasttrain.lab.config import PRESETS, LabConfig
+from fasttrain.lab.config import PRESETS, LabConfig, liger_switches
 
 MIB = 2 ** 20
 # fields that are not the training's (where to write, the preset's name, a search of its own)
@@ -128,9 +128,7 @@ def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, l
     if args["tf32"] is None:
         del args["tf32"]
     if cfg.use_liger_kernel and cfg.liger_kernels != "all":
-        # the Trainer's switches for the family's patch function (each family takes the ones it has)
-        args["liger_kernel_config"] = {"rope": False, "rms_norm": False, "layer_norm": False, "swiglu": False,
-                                       "geglu": False, "cross_entropy": False, "fused_linear_cross_entropy": True}
+        args["liger_kernel_config"] = liger_switches(cfg.liger_kernels)
     if cpu:
         args["use_cpu"] = True
     if cfg.torch_compile:
