@@ -854,3 +854,69 @@ def test_bench_grid_reads_tunes_probes_and_stops_when_told(tmp_path):
     assert {g["steps"] for g in grid.values() if not g["from_tune_cache"]} == {1}     # the grid's own: one step
     with pytest.raises(SystemExit):
         bench.main(["prepare,nonsense", str(work), "--model", "tiny-gpt2"])
+
+
+def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
+    """A lease of two GPUs: lane A fixes the grid before its search, lane B measures the same members, each point
+    is taken by one lane only (the claims folder), a point starts only where its expected time fits the call, and
+    merge folds lane B's figures into lane A's, every figure naming its GPU."""
+    pytest.importorskip("transformers")
+    bench = _bench_module()
+    a, b, claims = tmp_path / "a", tmp_path / "b", tmp_path / "claims"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert bench.main(["prepare,fix-grid", str(a), "--model", "tiny-gpt2", "--grid-size", "6"]) == 0
+    members = bench.load_state(a, "tiny-gpt2")["grid_members"]
+    assert len(members) == 6 and not bench.load_state(a, "tiny-gpt2").get("grid")
+    # lane B before lane A fixed anything: one line
+    with pytest.raises(SystemExit, match="holds no fixed grid yet"):
+        bench.grid_case(b, "tiny-gpt2", cuda=False, size=6, steps=1, part=(1, 1), members_from=tmp_path / "none")
+    # too little time for any point: none starts, none is claimed
+    assert bench.main(["prepare", str(b), "--model", "tiny-gpt2"]) == 0
+    assert bench.main(["grid", str(b), "--model", "tiny-gpt2", "--members-from", str(a), "--claims", str(claims),
+                       "--time-left", "5"]) == 0
+    assert not bench.load_state(b, "tiny-gpt2").get("grid") and not list(claims.glob("*"))
+    # lane A holds points 1 and 3 (claimed, in flight); lane B measures the others
+    claims.mkdir(exist_ok=True)
+    for i in (1, 3):
+        (claims / str(i)).touch()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert bench.main(["grid", str(b), "--model", "tiny-gpt2", "--members-from", str(a), "--claims", str(claims)]) == 0
+    grid_b = bench.load_state(b, "tiny-gpt2")["grid"]
+    assert set(grid_b) == {bench.point_key(members[i]) for i in (0, 2, 4, 5)}
+    assert {g["gpu"] for g in grid_b.values()} == {"1"}
+    assert sorted(p.name for p in claims.glob("*.done")) == [f"{i}.done" for i in (0, 2, 4, 5)]
+    # lane A measures what it holds once its claims are its own again (the lease script clears unfinished ones)
+    for i in (1, 3):
+        (claims / str(i)).unlink()
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert bench.main(["grid", str(a), "--model", "tiny-gpt2", "--claims", str(claims)]) == 0
+    assert set(bench.load_state(a, "tiny-gpt2")["grid"]) == {bench.point_key(members[i]) for i in (1, 3)}
+    # lane B's HF figures and points fold into lane A's state, twice the same
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "1")
+    assert bench.main(["hf", str(b), "--model", "tiny-gpt2", "--steps", "1", "--skip", "1"]) == 0
+    for _ in range(2):
+        assert bench.main(["merge", str(a), "--model", "tiny-gpt2", "--from", str(b)]) == 0
+    state = bench.load_state(a, "tiny-gpt2")
+    assert set(state["grid"]) == {bench.point_key(m) for m in members} and state["hf"]["gpu"] == "1"
+    assert bench.grid_left(state) == 0
+    line = bench.lanes_line(state)
+    assert "2 GPUs of one host" in line and "GPU 0: 2 grid point(s)" in line
+    assert "GPU 1: the HF Trainer as users run it, 4 grid point(s)" in line
+    # the cross-check: the grid's best measured on each card
+    state["crosscheck"] = [{"what": "pick", "gpu": "0", "tokens_per_s": 100.0, "steps": 3},
+                           {"what": "pick", "gpu": "1", "tokens_per_s": 99.0, "steps": 3}]
+    assert ("The same configuration on both cards (pick, 3 timed steps): 100 tokens/s on GPU 0, 99 on GPU 1 "
+            "(0.990x).") in bench.lanes_line(state)
+    bench.save_state(a, "tiny-gpt2", {**state, "crosscheck": []})
+    assert bench.main(["crosscheck", str(b), "--model", "tiny-gpt2", "--from", str(a),
+                       "--crosscheck-steps", "1"]) == 0
+    rows = bench.load_state(b, "tiny-gpt2")["crosscheck"]
+    assert [r["what"] for r in rows] == ["grid's best"] and rows[0]["gpu"] == "1" and rows[0]["tokens_per_s"]
+    # another grid is never merged
+    other = bench.load_state(b, "tiny-gpt2")
+    other["grid_members"] = other["grid_members"][:2]
+    bench.save_state(b, "tiny-gpt2", other)
+    with pytest.raises(SystemExit, match="another grid"):
+        bench.main(["merge", str(a), "--model", "tiny-gpt2", "--from", str(b)])
+    with pytest.raises(SystemExit):
+        bench.main(["merge", str(a), "--model", "tiny-gpt2"])

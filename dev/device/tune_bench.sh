@@ -12,7 +12,8 @@ export HF_HUB_OFFLINE=1
 WORK=${WORK:-/tmp/tune-work}; mkdir -p "$WORK"
 # compiled kernels cached apart: the HF Trainer's in one folder, the lab's in another, so that tune (the first lab
 # phase of a lease) compiles cold, as a user's first call does, and its search time is its own
-case "$PHASE" in hf*|prepare*) cache=/tmp/inductor-hf ;; *) cache=/tmp/inductor-lab ;; esac
+# (LAB_CACHE: a second lane's lab phases compile into their own folder)
+case "$PHASE" in hf*|prepare*) cache=/tmp/inductor-hf ;; *) cache=${LAB_CACHE:-/tmp/inductor-lab} ;; esac
 export TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton
 start=$(date +%s)
 if [ "$PHASE" = report ]; then

@@ -8,12 +8,15 @@
 # Carry .whl/.
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
+# LANE=a or b: one of two lanes on a two-GPU lease (dev/device/tune_pair.sh starts both, each with its own GPU, WORK
+# and log): lane a fixes the grid, searches, confirms and profiles; lane b runs the GPU tests and the HF Trainer;
+# both then take the grid's points one at a time through CLAIMS.
 MODEL=${1:?usage: tune_case.sh MODEL [--budget 8m]}; shift
 BUDGET=8m; [ "${1:-}" = --budget ] && BUDGET=$2
 source dev/device/prelude.sh
 WORK=${WORK:-/tmp/tune-work}; export WORK; mkdir -p "$WORK/$MODEL"
 DEADLINE=$(( $(date +%s) + ${CALL_S:-585} ))
-export LOG="$OUT/$MODEL-calls.log"
+export LOG=${LOG:-$OUT/$MODEL-calls.log}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 done_() { [ -e "$WORK/$MODEL/done-$1" ]; }
 state_py() { python3 -c "import json,sys; s=json.load(open('$WORK/$MODEL/state.json')); $1" 2>/dev/null; }
@@ -41,6 +44,31 @@ grid_fill() {
   echo "grid: ${n:-?} point(s) left"; [ "$n" = 0 ]
 }
 
+# a lane's share of the grid: points taken one at a time through CLAIMS while one still fits the call's time
+lane_grid() {
+  PHASE_TIMEOUT=$(( $(left) - 5 )) bash dev/device/tune_bench.sh grid "$MODEL" --claims "$CLAIMS" \
+    --time-left $(( $(left) - 15 )) "$@" | grep "^grid" | tail -3
+}
+
+profile() {
+  if ! done_ profile && [ "$(left)" -gt 150 ]; then
+    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-lab TRITON_CACHE_DIR=/tmp/inductor-lab/triton HF_HUB_OFFLINE=1 \
+      timeout $(( $(left) - 10 )) python3 dev/tune/profile_pick.py "$WORK" --model "$MODEL" --steps 2 \
+      --out "$OUT/$MODEL-profile.json" >> "$LOG" 2>&1 && touch "$WORK/$MODEL/done-profile"
+    grep -A12 "^$MODEL .*wall" "$LOG" | tail -13
+  fi
+}
+
+gpu_tests() {
+  if ! done_ gpu-tests && [ "$(left)" -gt "$1" ]; then
+    timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_tune.py \
+      "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile" \
+      "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels" \
+      > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
+    tail -3 "$OUT/pytest-tune-gpu.log"
+  fi
+}
+
 confirm_s() {  # 200 steps at the pick's speed, its compilation and warm-up
   state_py "t=s['tune']['pick_tokens_per_s']; print(int(200 * s['global_batch_tokens'] / t + 90))" || echo 480
 }
@@ -51,21 +79,34 @@ queue() {
   phase hf 150 || return
   phase hf-flags 240 || return
   phase confirm "$(confirm_s)" --confirm-steps 200 || return
-  if ! done_ profile && [ "$(left)" -gt 150 ]; then
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-lab TRITON_CACHE_DIR=/tmp/inductor-lab/triton HF_HUB_OFFLINE=1 \
-      timeout $(( $(left) - 10 )) python3 dev/tune/profile_pick.py "$WORK" --model "$MODEL" --steps 2 \
-      --out "$OUT/$MODEL-profile.json" >> "$LOG" 2>&1 && touch "$WORK/$MODEL/done-profile"
-    grep -A12 "^$MODEL .*wall" "$LOG" | tail -13
-  fi
+  profile
 }
 
-queue
-grid_fill || exit 0
-if ! done_ gpu-tests && [ "$(left)" -gt 400 ]; then
-  timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_tune.py \
-    "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile" \
-    "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels" \
-    > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
-  tail -3 "$OUT/pytest-tune-gpu.log"
-fi
+# lane a (GPU 0): the grid fixed before the search, the search (compiling cold), its confirmation, then the grid
+queue_a() {
+  phase prepare 60 || return
+  phase fix-grid 30 || return
+  phase tune $(( ${BUDGET%m} * 60 + 50 )) --budget "$BUDGET" || return
+  phase confirm "$(confirm_s)" --confirm-steps 200 || return
+  lane_grid
+}
+
+# lane b (GPU 1): the GPU tests, the HF Trainer both ways, then the grid lane a fixed (compiled into its own cache, so
+# that lane a's search compiles cold)
+queue_b() {
+  phase prepare 60 || return
+  gpu_tests 300
+  phase hf 150 || return
+  phase hf-flags 240 || return
+  lane_grid --members-from "$A_WORK"
+}
+
+case "${LANE:-}" in
+  a) queue_a ;;
+  b) queue_b ;;
+  profile) profile ;;
+  *) queue
+     grid_fill || exit 0
+     gpu_tests 400 ;;
+esac
 echo "done: $(ls "$WORK/$MODEL" | grep ^done- | tr '\n' ' ')"

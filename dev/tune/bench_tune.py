@@ -38,6 +38,14 @@ one lease::
     python3 dev/tune/bench_tune.py report   WORK --results results/tune
 
 ``all`` runs every phase in one process (the CPU test's tiny model; ``--quick`` on a GPU).
+
+A lease of two GPUs of one host runs two lanes side by side, each with its own work folder
+(``dev/device/tune_pair.sh``): ``fix-grid`` fixes the grid in lane A before its search; lane B's
+``grid --members-from`` measures the same members; ``--claims DIR`` lets the two lanes take the
+grid's points one at a time (each point measured once, on whichever GPU is free, a point started
+only where its expected time fits ``--time-left``); ``merge --from`` folds lane B's figures into
+lane A's state; ``crosscheck`` measures the pick and the grid's best on each GPU, so that figures
+from two cards compare. Every figure records the GPU it ran on (``CUDA_VISIBLE_DEVICES``).
 ``report`` writes ``results/tune/<machine>/tune.json`` (``cases``: one entry per model with exactly
 the keys of :data:`CASE_KEYS`) and ``README.md`` generated from that folder.
 """
@@ -99,6 +107,38 @@ def save_state(work: Path, name: str, state: dict) -> None:
     from fasttrain.files import atomic_write_text
 
     atomic_write_text(model_dir(work, name) / "state.json", json.dumps(state, indent=2, default=str))
+
+
+def gpu_slot() -> str | None:
+    """Which of the host's GPUs this process measures on (``CUDA_VISIBLE_DEVICES``): recorded beside every
+    figure, since a two-GPU lease runs two lanes of phases side by side."""
+    return os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+def point_seconds(overrides: dict) -> float:
+    """A grid point's expected wall time, model built, compiled, warmed up and timed (the H100's Llama 1B case:
+    eager attention compiled whole with checkpointing 89-91 s, compiled per block 37 s, not compiled 6 s):
+    whether a point still fits the time a call has left."""
+    if not overrides.get("torch_compile"):
+        return 25.0
+    return 55.0 if overrides.get("torch_compile_scope") == "blocks" else 110.0
+
+
+def point_key(overrides: dict) -> str:
+    return json.dumps(sorted(overrides.items()), default=str)
+
+
+def claim(claims: Path | None, index: int) -> bool:
+    """Take grid point ``index`` for this lane (an exclusively created file): False when the other lane has it.
+    A claim whose point never finished (its call ran out) is cleared by the lease's script between calls."""
+    if claims is None:
+        return True
+    claims.mkdir(parents=True, exist_ok=True)
+    try:
+        os.close(os.open(claims / str(index), os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+    except FileExistsError:
+        return False
+    return True
 
 
 def prepare(work: Path, name: str, n_tokens: int | None = None) -> Path:
@@ -362,13 +402,27 @@ def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) ->
     return [c.overrides_dict() for c in chosen]
 
 
+def fix_grid(work: Path, name: str, cuda: bool, size: int) -> list[dict]:
+    """The grid's members, fixed once in the state (before the search, when run before ``tune``)."""
+    state = load_state(work, name)
+    if state.get("grid_members") is None:
+        state["grid_members"] = grid_members(work, name, cuda, size)
+        save_state(work, name, state)
+    log(f"{name}: the grid's {len(state['grid_members'])} points fixed")
+    return state["grid_members"]
+
+
 def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part: tuple[int, int],
-              stop_after: float | None = None, reuse_steps: tuple[int, ...] = ()) -> dict:
+              stop_after: float | None = None, reuse_steps: tuple[int, ...] = (), claims: Path | None = None,
+              members_from: Path | None = None, time_left: float | None = None) -> dict:
     """Measure the grid's points (those of ``part`` k/n), each once, the figures saved after every point.
     A point tune measured already (same model, device, versions, configuration), at ``steps`` or at one of
     ``reuse_steps`` (its rungs' lengths) if longer, is read from tune's probe cache instead of measured
     again: run tune first, so that its search time is its own. ``stop_after``: seconds after which no new
-    point starts (the rest waits for the next call)."""
+    point starts (the rest waits for the next call). ``time_left``: seconds this call has; a point starts only
+    where its expected time (:func:`point_seconds`) fits, the others wait. ``claims``: a folder shared with
+    another lane (another GPU's process), through which each point is taken by one lane only.
+    ``members_from``: another lane's work folder, whose fixed grid this lane measures."""
     from fasttrain.lab import tune as T
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
@@ -376,6 +430,12 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
     t_start = time.perf_counter()
     state = load_state(work, name)
     members = state.get("grid_members")
+    if members is None and members_from is not None:
+        members = load_state(members_from, name).get("grid_members")
+        if members is None:
+            raise SystemExit(f"{members_from / name / 'state.json'} holds no fixed grid yet: run its fix-grid first")
+        state["grid_members"] = members
+        save_state(work, name, state)
     if members is None:
         members = grid_members(work, name, cuda, size)
         state["grid_members"] = members
@@ -391,12 +451,24 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
                           hf_config)
     measure = T.lab_measure(None)
     results = dict(state.get("grid", {}))
-    todo = [(key, m) for key, m in ((json.dumps(sorted(m.items()), default=str), m) for m in mine)
-            if key not in results]
-    for i, (key, overrides) in enumerate(todo):
-        if stop_after is not None and time.perf_counter() - t_start > stop_after:
-            log(f"grid: --stop-after {stop_after:.0f} s reached, {len(todo) - i} point(s) left for the next call")
+    index = {point_key(m): i for i, m in enumerate(members)}
+    todo = [(key, m) for key, m in ((point_key(m), m) for m in mine) if key not in results]
+    while todo:
+        elapsed = time.perf_counter() - t_start
+        if stop_after is not None and elapsed > stop_after:
+            log(f"grid: --stop-after {stop_after:.0f} s reached, {len(todo)} point(s) left for the next call")
             break
+        fits = [(key, m) for key, m in todo if time_left is None or point_seconds(m) <= time_left - elapsed]
+        taken = next(((key, m) for key, m in fits if claim(claims, index[key])), None)
+        if taken is not None:
+            todo.remove(taken)
+        if claims is not None:      # the points the other lane took are its own
+            todo = [(key, m) for key, m in todo if not (claims / str(index[key])).exists()]
+        if taken is None:
+            log(f"grid: {len(todo)} point(s) left, none fits the {time_left - elapsed:.0f} s this call has left"
+                if todo else "grid: the points left are the other lane's")
+            break
+        key, overrides = taken
         cfg = base.with_(**overrides)
         t0 = time.perf_counter()
         # tune's longest probe of this configuration, where it measured one at least as long as the grid's
@@ -411,12 +483,14 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
             cache.put(cfg, steps, probe)
         row = {"tokens_per_s": probe.tokens_per_s, "steps": probe.steps, "peak_mib": (probe.peak_bytes or 0) / MIB or None,
                "compile_s": probe.compile_s, "error": probe.error, "oom": probe.oom, "from_tune_cache": cached,
-               "wall_s": time.perf_counter() - t0}
+               "wall_s": time.perf_counter() - t0, "gpu": gpu_slot()}
         results[key] = {**row, "overrides": overrides}
-        log(f"grid {len(results):>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}"
-            + (" (tune's probe)" if cached else ""))
+        log(f"grid {index[key] + 1:>3}/{len(members)} {overrides}: {row.get('tokens_per_s')}"
+            + (" (tune's probe)" if cached else "") + f" [{row['wall_s']:.0f} s]")
         state["grid"] = results
         save_state(work, name, state)
+        if claims is not None:
+            (claims / f"{index[key]}.done").touch()
     return results
 
 
@@ -439,6 +513,85 @@ def confirm_case(work: Path, name: str, *, cuda: bool, steps: int) -> dict:
     return {"steps": steps, "oom": False, "tokens_per_s": probe.tokens_per_s,
             "peak_mib": peak / MIB if peak else None, "predicted_mib": predicted / MIB if predicted else None,
             "predicted_error_pct": 100.0 * (predicted - peak) / peak if peak and predicted else None}
+
+
+def crosscheck_case(work: Path, name: str, *, cuda: bool, steps: int, source: Path | None = None) -> list[dict]:
+    """The pick and the grid's best measured again on this lane's GPU (``steps`` timed steps each): where the
+    figures come from two cards, how far the cards themselves differ. ``source``: the work folder holding the
+    pick and the merged grid (lane A's), else this one."""
+    from fasttrain.lab import tune as T
+    from fasttrain.lab.build import resolve_device
+    from fasttrain.lab.measure import free_memory
+
+    theirs = load_state(source or work, name)
+    pick = (theirs.get("tune") or {}).get("pick")
+    grid = [g for g in (theirs.get("grid") or {}).values() if g.get("tokens_per_s")]
+    targets = ([("pick", pick)] if pick else []) + \
+        ([("grid's best", max(grid, key=lambda g: g["tokens_per_s"])["overrides"])] if grid else [])
+    if not targets:
+        raise SystemExit("crosscheck: no pick and no grid point measured yet: run tune and grid first")
+    base = T.validate(lab_base(work, name, cuda).with_(context=MODELS[name]["seq"]))
+    device = resolve_device(base)
+    state = load_state(work, name)
+    rows = list(state.get("crosscheck") or [])
+    for what, overrides in targets:
+        if what == "grid's best" and overrides == pick:
+            continue
+        probe = T.run_probe(T.lab_measure(None), base.with_(**overrides), steps, None, lambda: free_memory(device))
+        rows.append({"what": what, "overrides": overrides, "gpu": gpu_slot(), "steps": probe.steps,
+                     "tokens_per_s": probe.tokens_per_s, "error": probe.error})
+        log(f"crosscheck {what} on GPU {gpu_slot()}: {probe.tokens_per_s}")
+    return rows
+
+
+def merge_lanes(work: Path, name: str, other: Path) -> dict:
+    """Fold another lane's state (the same lease's other GPU, its own work folder) into this one: the figures
+    this lane lacks, the union of the grid's points and of the cross-checks. Both lanes hold the same fixed
+    grid, or nothing is merged. Run again at every call: it only adds."""
+    state, theirs = load_state(work, name), load_state(other, name)
+    if theirs.get("grid_members") is not None and theirs["grid_members"] != state.get("grid_members"):
+        raise SystemExit(f"{other / name / 'state.json'}: another grid than {work / name / 'state.json'}'s; "
+                         "a lane measures the grid its partner fixed (grid --members-from)")
+    for key in ("hf", "hf_flags", "tune", "confirm"):
+        if theirs.get(key) and not state.get(key):
+            state[key] = theirs[key]
+    state["grid"] = {**(theirs.get("grid") or {}), **(state.get("grid") or {})}
+    rows = list(state.get("crosscheck") or [])
+    state["crosscheck"] = rows + [r for r in theirs.get("crosscheck") or [] if r not in rows]
+    save_state(work, name, state)
+    log(f"{name}: merged {other}: {len(state['grid'])} grid point(s), {len(state['crosscheck'])} cross-check(s)")
+    return state
+
+
+def lanes_line(state: dict) -> str | None:
+    """Where the figures of a two-GPU lease come from, and how the cards compare (the cross-checks)."""
+    where: dict = {}
+    for key, what in (("tune", "tune's search"), ("confirm", "the 200-step confirmation"),
+                      ("hf", "the HF Trainer as users run it"), ("hf_flags", "the HF Trainer with its flags")):
+        if (state.get(key) or {}).get("gpu") is not None:
+            where.setdefault(state[key]["gpu"], []).append(what)
+    for g in (state.get("grid") or {}).values():
+        if g.get("gpu") is not None:
+            where.setdefault(g["gpu"], [])
+            where[g["gpu"]].append("grid")
+    if len(where) < 2:
+        return None
+    parts = []
+    for gpu, whats in sorted(where.items()):
+        n = whats.count("grid")
+        named = [w for w in whats if w != "grid"] + ([f"{n} grid point(s)"] if n else [])
+        parts.append(f"GPU {gpu}: {', '.join(named)}")
+    line = f"Measured side by side on {len(where)} GPUs of one host, in one lease ({'; '.join(parts)})."
+    checks: dict = {}
+    for r in state.get("crosscheck") or []:
+        if r.get("tokens_per_s"):
+            checks.setdefault((r["what"], r.get("steps")), {})[r["gpu"]] = r["tokens_per_s"]
+    for (what, steps), by_gpu in checks.items():
+        if len(by_gpu) >= 2:
+            (ga, a), (gb, b) = sorted(by_gpu.items())[:2]
+            line += (f" The same configuration on both cards ({what}, {steps} timed steps): {a:,.0f} tokens/s on "
+                     f"GPU {ga}, {b:,.0f} on GPU {gb} ({b / a:.3f}x).")
+    return line
 
 
 # --- the report ----------------------------------------------------------------------------------
@@ -584,7 +737,8 @@ def report(work: Path, results: Path, models: list[str], command: str) -> Path:
         tune = state.get("tune") or {}
         details.append({"model": name, "goals": goals(case, state), "pick_label": tune.get("pick_label"),
                         "lab_command": tune.get("lab_command"),
-                        "notes": (state.get("hf") or {}).get("notes", []) + (state.get("hf_flags") or {}).get("notes", [])})
+                        "notes": (state.get("hf") or {}).get("notes", []) + (state.get("hf_flags") or {}).get("notes", [])
+                        + [line for line in [lanes_line(state)] if line]})
     # the machine the phases ran on (recorded by each phase), so that a report written elsewhere from a state
     # copied back says the GPU's name, not its own
     env = next((s["environment"] for s in states.values() if s.get("environment")), None) or environment()
@@ -630,6 +784,15 @@ def main(argv=None) -> int:
     ap.add_argument("--part", default="1/1", help="grid part k/n (each part one command)")
     ap.add_argument("--stop-after", type=float, default=None,
                     help="grid: start no new point after this many seconds (run the phase again for the rest)")
+    ap.add_argument("--time-left", type=float, default=None,
+                    help="grid: seconds this call has; a point starts only where its expected time fits")
+    ap.add_argument("--claims", type=Path, default=None,
+                    help="grid: a folder shared with the other GPU's lane, through which each point is taken once")
+    ap.add_argument("--members-from", type=Path, default=None,
+                    help="grid: the other lane's work folder, whose fixed grid this lane measures")
+    ap.add_argument("--from", dest="source", type=Path, default=None,
+                    help="merge: the other lane's work folder; crosscheck: the one holding the pick and the grid")
+    ap.add_argument("--crosscheck-steps", type=int, default=3)
     ap.add_argument("--confirm-steps", type=int, default=None)
     ap.add_argument("--results", type=Path, default=Path("results/tune"))
     ap.add_argument("--into", type=Path, default=None,
@@ -674,16 +837,25 @@ def main(argv=None) -> int:
             write_into(args.into, section, start=README_START, end=README_END)
         return 0
     every = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"]
+    lanes = ["fix-grid", "merge", "crosscheck"]
     asked = every if args.phase == "all" else [p.strip() for p in args.phase.split(",") if p.strip()]
-    unknown = [p for p in asked if p not in every]
+    unknown = [p for p in asked if p not in every + lanes]
     if unknown:
-        ap.error(f"unknown phase {', '.join(unknown)}: give {', '.join(every)}, report or all")
+        ap.error(f"unknown phase {', '.join(unknown)}: give {', '.join(every + lanes)}, report or all")
+    if "merge" in asked and args.source is None:
+        ap.error("merge needs --from, the other lane's work folder")
     for name in models:
         for phase in asked:
             state = load_state(args.work, name)
             log(f"== {name}: {phase}")
             if phase == "prepare":
                 prepare(args.work, name)
+                continue
+            if phase == "fix-grid":
+                fix_grid(args.work, name, cuda, args.grid_size)
+                continue
+            if phase == "merge":
+                merge_lanes(args.work, name, args.source)
                 continue
             if phase == "hf":
                 state["hf"] = hf_trainer_case(args.work, name, flags=False, steps=skip + steps, skip=skip, cuda=cuda)
@@ -694,11 +866,17 @@ def main(argv=None) -> int:
                                           max_candidates=args.max_candidates)
             elif phase == "grid":
                 grid_case(args.work, name, cuda=cuda, size=args.grid_size, steps=grid_steps, part=(k, n),
-                          reuse_steps=tune_rungs,
-                          stop_after=args.stop_after)
+                          reuse_steps=tune_rungs, stop_after=args.stop_after, claims=args.claims,
+                          members_from=args.members_from, time_left=args.time_left)
                 state = load_state(args.work, name)
             elif phase == "confirm":
                 state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)
+            elif phase == "crosscheck":
+                state["crosscheck"] = crosscheck_case(args.work, name, cuda=cuda, steps=args.crosscheck_steps,
+                                                      source=args.source)
+            key = {"hf-flags": "hf_flags"}.get(phase, phase)
+            if isinstance(state.get(key), dict) and phase != "grid":
+                state[key]["gpu"] = gpu_slot()
             state["environment"] = environment()
             save_state(args.work, name, state)
             log(json.dumps({key: state.get(key.replace("-", "_")) for key in (phase,)}, default=str)[:400])
