@@ -606,6 +606,17 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     assert (folder / "README.md").read_text() in readme.read_text() and "| tiny-gpt2 |" in readme.read_text()
     with pytest.raises(SystemExit):
         bench.main(["readme", str(tmp_path / "nothing-here"), "--into", str(readme)])
+    # one section for several machines' folders, each under its device's heading
+    other = tmp_path / "other"
+    other.mkdir()
+    data = json.loads((folder / "tune.json").read_text())
+    (other / "tune.json").write_text(json.dumps({**data, "device": "NVIDIA H200", "measured_with": "bash pair.sh"}))
+    assert bench.main(["readme", str(folder), "--also", str(other), "--into", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.count("## fasttrain tune against the Hugging Face Trainer") == 2
+    assert "Trainer: NVIDIA H200" in text and "Measured with `bash pair.sh`" in text
+    with pytest.raises(SystemExit):
+        bench.main(["readme", str(folder), "--also", str(tmp_path / "nothing-here"), "--into", str(readme)])
     # a report written away from the GPU (from a state copied back) names the machine the phases ran on
     assert state["environment"]["cpu"]                  # each phase records where it ran
     state["environment"] = {**state["environment"], "gpu": {"name": "NVIDIA H100 80GB HBM3"}}
@@ -630,7 +641,10 @@ def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
     state["grid"].update(y={"tokens_per_s": None, "oom": True}, z={"tokens_per_s": 70_000.0})
     case = bench.case_of(state)
     assert case["best_tokens_per_s"] == 70_000.0
-    assert dict(bench.goals(case, state))["pick within 5% of the grid's best"] == "MISSED: 0.943x"
+    assert dict(bench.goals(case, state))["pick within 5% of the grid's best"] == \
+        "MISSED: 0.943x (2 of the 3 points ran; 1 did not: 1 out of memory, 0 refused or failed)"
+    # a miss is never printed as the goal's own figure
+    assert bench.ratio_result(1.09993, 1.1) == "MISSED: 1.0999x" and bench.ratio_result(1.22, 1.1) == "met: 1.220x"
     folder = tmp_path / "results"
     (folder / "logs").mkdir(parents=True)
     (folder / "tune.json").write_text(json.dumps({"cases": [case], "details": [
@@ -920,3 +934,59 @@ def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
         bench.main(["merge", str(a), "--model", "tiny-gpt2", "--from", str(b)])
     with pytest.raises(SystemExit):
         bench.main(["merge", str(a), "--model", "tiny-gpt2"])
+
+
+def test_configurations_the_model_refuses_are_dropped_before_any_probe():
+    """A combination the model's own check refuses (liger's fused cross-entropy under a whole-model compile) is
+    never probed: one line per reason, with how many configurations it takes."""
+    def refuse(cfg):
+        return "no liger under a whole-model compile" if cfg.torch_compile and cfg.use_liger_kernel else None
+
+    measure = FakeMeasure()
+    res = T.search(base(), seq=SEQ, global_batch_tokens=SEQ * 16, measure=measure, predict=fake_predict,
+                   memory=gpu_memory(), liger_reason=None, refuse=refuse, max_candidates=64)
+    (line,) = [d for d in res.dropped if "the model refuses" in d]
+    assert line.endswith("configuration(s) the model refuses: no liger under a whole-model compile")
+    assert int(line.split()[0]) > 0
+    assert measure.calls and not any(refuse(cfg) for cfg, _ in measure.calls)
+
+
+def test_a_transformers_model_refuses_liger_under_a_whole_model_compile():
+    pytest.importorskip("transformers")
+    pytest.importorskip("liger_kernel")
+    llama = dict(model_type="llama", vocab_size=512, hidden_size=64, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    refuse = T.model_refusal(llama, torch.device("cuda"))
+    cfg = LabConfig(name="custom").with_(context=64, use_liger_kernel=True, torch_compile=True)
+    assert "--torch-compile-scope blocks" in refuse(cfg)
+    assert refuse(cfg.with_(torch_compile_scope="blocks")) is None
+    assert refuse(cfg.with_(context=256)).startswith("--context 256 exceeds")
+    assert T.model_refusal(None, torch.device("cuda"))(cfg) is None         # the lab's GPT: validate judged it
+
+
+@pytest.mark.gpu
+def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
+    """A HF Llama with liger's kernels searched: the combinations its check refuses (liger's fused cross-entropy
+    under a whole-model compile) are dropped in one line before any probe, and no probe fails for that reason."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("liger_kernel")
+    folder = tmp_path / "model"
+    transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                             tie_word_embeddings=True).save_pretrained(folder)
+    import numpy as np
+
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, 512, size=200_000, dtype=np.int64).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
+    cfg = LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
+                                         val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
+                                         eval_interval=0, eval_tokens=128, warmup_steps=0)
+    res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="3m", steps=1, cache_path=None,
+                 out=tmp_path / "run", fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"))
+    assert any("the model refuses: --use-liger-kernel with --torch-compile" in d for d in res.dropped)
+    rows = R.ranked_rows(res)
+    assert rows and not any("does not trace" in str(r["status"]) for r in rows)
+    assert res.pick is not None and res.pick.ok

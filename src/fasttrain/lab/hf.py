@@ -160,6 +160,12 @@ def max_positions(config) -> int | None:
     return None
 
 
+def config_from_dict(values: dict):
+    """A transformers config from its ``config.json`` contents (``model_type`` picks the class)."""
+    values = dict(values)
+    return _transformers().AutoConfig.for_model(values.pop("model_type"), **values)
+
+
 def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> None:
     """Everything about ``cfg`` that cannot run with this model, as one line, before any weights
     are built."""

@@ -667,9 +667,11 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
            budget_s: float | None = None, clock: Callable = time.perf_counter, cache: ProbeCache | None = None,
            steps: int = 4, max_candidates: int = 8, batch_choices: int = 2, log: Callable | None = None,
            free: Callable | None = None, liger_reason: str | None | bool = False,
-           fixed_batch: int | None = None, hf: bool = False) -> TuneResult:
+           fixed_batch: int | None = None, hf: bool = False,
+           refuse: Callable[[LabConfig], str | None] | None = None) -> TuneResult:
     """Search the space of ``base`` (see the module docstring); ``measure(cfg, steps) -> Probe`` runs
-    one probe, ``predict(cfg) -> bytes | None`` the estimator's peak.
+    one probe, ``predict(cfg) -> bytes | None`` the estimator's peak; ``refuse(cfg)``: why the model cannot
+    run a configuration (:func:`model_refusal`), None where it can.
 
     ``steps``: timed steps of the first rung; ``max_candidates``: configurations that enter the
     halving when the space is larger (then a one-change-at-a-time screen chooses them);
@@ -694,11 +696,17 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     # experiments' prepare); one the model refuses is dropped with its reason. The probes themselves are not
     # the experiments' rows run once each: successive halving measures a candidate again at more steps.
     rows = [Experiment(cand.label, overrides=cand.overrides_dict()) for cand in space]
+    refused: dict[str, int] = {}
     for cand, row in zip(space, experiment.prepare(rows, base, skip=True)):
         if row.unable is not None:
             dropped.append(f"{cand.label}: {row.unable}")
             continue
+        why = refuse(row.config) if refuse else None
+        if why is not None:     # a combination the model refuses (before any weights): one line per reason
+            refused[why] = refused.get(why, 0) + 1
+            continue
         entries.append(Entry(cand, predict(row.config)))
+    dropped += [f"{n} configuration(s) the model refuses: {why}" for why, n in refused.items()]
     if not entries:
         raise FasttrainError("no configuration of the space is valid for this model: " + "; ".join(dropped[-3:]))
     fitting = _largest_fitting(entries, memory)
@@ -900,6 +908,25 @@ def model_of(cfg: LabConfig) -> tuple[str, dict | None]:
         return str(spec), json.loads(config_file.read_text())
     except (OSError, ValueError) as exc:
         raise FasttrainError(f"--model {spec}: cannot read {config_file} ({exc})") from None
+
+
+def model_refusal(hf_config: dict | None, device) -> Callable[[LabConfig], str | None]:
+    """``refuse(cfg)``: the one line with which the lab's check of a transformers model (run before any weights
+    are built) refuses ``cfg`` on ``device`` -- liger's fused cross-entropy under a whole-model compile, say --
+    or None where the model runs it. The lab's own GPT refuses nothing here (``validate`` judged it)."""
+    if hf_config is None:
+        return lambda cfg: None
+    from fasttrain.lab import hf
+
+    config = hf.config_from_dict(hf_config)
+
+    def refuse(cfg: LabConfig) -> str | None:
+        try:
+            hf.check_hf_setup(cfg, config, None, device)
+        except FasttrainError as exc:
+            return str(exc)
+        return None
+    return refuse
 
 
 def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) -> Callable:
@@ -1124,7 +1151,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
-                  liger_reason=liger_reason,
+                  liger_reason=liger_reason, refuse=model_refusal(hf_config, device),
                   fixed_batch=base.per_device_train_batch_size if "per_device_train_batch_size" in fixed else None)
     if out is not None:
         from fasttrain.lab.tune_report import write_results
@@ -1134,5 +1161,5 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
 
 __all__ = ["Axis", "Candidate", "DeviceMemory", "Probe", "ProbeCache", "TuneResult", "build_axes", "device_memory",
-           "enumerate_space", "lab_measure", "lab_predictor", "micro_batches", "parse_allow", "parse_budget", "probe_cache",
+           "enumerate_space", "lab_measure", "lab_predictor", "micro_batches", "model_refusal", "parse_allow", "parse_budget", "probe_cache",
            "run_probe", "search", "slow_probe_limit", "tune"]
