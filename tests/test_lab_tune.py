@@ -984,7 +984,7 @@ def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
     cfg = LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
                                          val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
                                          eval_interval=0, eval_tokens=128, warmup_steps=0)
-    res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="3m", steps=1, cache_path=None,
+    res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="2m", steps=1, cache_path=None,
                  out=tmp_path / "run", fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"))
     assert any("the model refuses: --use-liger-kernel with --torch-compile" in d for d in res.dropped)
     rows = R.ranked_rows(res)
