@@ -7,7 +7,7 @@
 # each GPU measures the pick and the grid's best again (the cards compared) and lane a profiles the pick. After
 # every call lane b's figures are merged into lane a's state, which goes to $OUT (at most 8 files: the lanes' logs,
 # both states, tune's folder, the GPU tests' log, the profile, gpu.txt). Carry .whl/.
-#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_pair.sh llama-1b --budget 8m
+#   CALL_S=598 FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_pair.sh llama-1b --budget 8m   (timeout_s 600)
 MODEL=${1:?usage: tune_pair.sh MODEL [--budget 8m]}; shift
 source dev/device/prelude.sh
 CALL_S=${CALL_S:-585}; START=$(date +%s)
@@ -18,11 +18,12 @@ mkdir -p "$CLAIMS"
 # a claim whose point never finished (the call that took it ran out) is nobody's now
 for c in "$CLAIMS"/*; do case $c in *.done) ;; *) [ -e "$c" ] && [ ! -e "$c.done" ] && rm -f "$c" ;; esac; done
 
-# both lanes stop 25 s before the call's end: the merge and the copies need it. Compilation's CPU threads split
+# both lanes stop 15 s before the call's end: the merge and the copies need it (a call with tune must leave it its
+# budget + 50 s after prepare and fix-grid, about 40 s). Compilation's CPU threads split
 # 24/8 (32 cores): lane a's search keeps most of them
-LANE=a CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=24 WORK=$A_WORK CALL_S=$(( CALL_S - 25 )) LOG=$OUT/$MODEL-lane-a.log \
+LANE=a CUDA_VISIBLE_DEVICES=0 TORCHINDUCTOR_COMPILE_THREADS=24 WORK=$A_WORK CALL_S=$(( CALL_S - 15 )) LOG=$OUT/$MODEL-lane-a.log \
   bash dev/device/tune_case.sh "$MODEL" "$@" > "/tmp/$MODEL-lane-a.txt" 2>&1 &
-LANE=b CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_COMPILE_THREADS=8 WORK=$B_WORK CALL_S=$(( CALL_S - 25 )) LOG=$OUT/$MODEL-lane-b.log LAB_CACHE=/tmp/inductor-lab-b \
+LANE=b CUDA_VISIBLE_DEVICES=1 TORCHINDUCTOR_COMPILE_THREADS=8 WORK=$B_WORK CALL_S=$(( CALL_S - 15 )) LOG=$OUT/$MODEL-lane-b.log LAB_CACHE=/tmp/inductor-lab-b \
   bash dev/device/tune_case.sh "$MODEL" "$@" > "/tmp/$MODEL-lane-b.txt" 2>&1 &
 wait
 for lane in a b; do echo "== lane $lane"; grep -v -i "warn" "/tmp/$MODEL-lane-$lane.txt" | cut -c1-250 | tail -14; done
