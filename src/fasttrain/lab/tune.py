@@ -941,32 +941,40 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
     that prediction, so the pruning is on the safe side)."""
     from fasttrain.memory import estimate
 
+    def peak(cfg: LabConfig, liger) -> int | None:
+        if hf_config is not None:
+            try:
+                from fasttrain.memory.hf_config import setup_from_hf_config
+            except ImportError:
+                return None
+            from fasttrain.lab.config import compiled_scope
+
+            precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
+            setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
+                                         precision=precision, recompute=cfg.gradient_checkpointing,
+                                         attention=cfg.attn_implementation, optim=cfg.optim,
+                                         grad_buffers=cfg.gradient_accumulation_steps > 1,
+                                         compiled=compiled_scope(cfg), liger=liger)
+        else:
+            from fasttrain.lab.train import lab_setup
+
+            setup = lab_setup(cfg, vocab, cfg.per_device_train_batch_size)
+        if cpu:
+            setup = setup.with_(workspace_mib=0.0)
+        return int(estimate(setup, "precise").total)
+
     def predict(cfg: LabConfig) -> int | None:
+        from fasttrain.lab.config import liger_of
+
+        liger = liger_of(cfg) if hf_config is not None else False
         try:
-            if hf_config is not None:
-                try:
-                    from fasttrain.memory.hf_config import setup_from_hf_config
-                except ImportError:
-                    return None
-                from fasttrain.lab.config import compiled_scope, liger_of
-
-                precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-                compiled = compiled_scope(cfg)
-                liger = liger_of(cfg)
-                if liger and compiled != "none" and not (compiled == "blocks" and isinstance(liger, tuple)):
-                    liger = False           # liger's layer kernels under compile: the compiled model's prediction
-                setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
-                                             precision=precision, recompute=cfg.gradient_checkpointing,
-                                             attention=cfg.attn_implementation, optim=cfg.optim,
-                                             grad_buffers=cfg.gradient_accumulation_steps > 1,
-                                             compiled=compiled, liger=liger)
-            else:
-                from fasttrain.lab.train import lab_setup
-
-                setup = lab_setup(cfg, vocab, cfg.per_device_train_batch_size)
-            if cpu:
-                setup = setup.with_(workspace_mib=0.0)
-            return int(estimate(setup, "precise").total)
+            return peak(cfg, liger)
+        except FasttrainError:
+            if not liger:
+                return None
+        # liger where the estimator does not model it (its layer kernels under compile): the model without it
+        try:
+            return peak(cfg, False)
         except FasttrainError:
             return None
     return predict
