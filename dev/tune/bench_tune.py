@@ -377,10 +377,11 @@ def grid_members(work: Path, name: str, cuda: bool, size: int, seed: int = 0) ->
     base = lab_base(work, name, cuda)
     spec_name, hf_config = T.model_of(base)
     axes, _ = T.build_axes(base, cuda=cuda, family=(hf_config or {}).get("model_type"), hf=True)
-    memory = T.device_memory(resolve_device(base))
+    device = resolve_device(base)
+    memory = T.device_memory(device)
     predict = T.lab_predictor(hf_config.get("vocab_size", 0) if hf_config else 65, hf_config)
     # what the model refuses (liger's fused cross-entropy under a whole-model compile) is no point of the grid
-    refuse = T.model_refusal(hf_config, resolve_device(base))
+    refuse = T.model_refusal(hf_config, device)
     fitting: dict = {}
     for cand in T.enumerate_space(axes, spec["tokens"] // spec["seq"]):
         cfg = base.with_(**cand.overrides_dict())
@@ -444,9 +445,8 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
         save_state(work, name, state)
     k, n = part
     mine = [m for i, m in enumerate(members) if i % n == k - 1]
-    spec = MODELS[name]
     # the configuration exactly as tune's search builds it, so that the cache's keys agree
-    base = T.validate(lab_base(work, name, cuda).with_(context=spec["seq"]))
+    base = T.validate(lab_base(work, name, cuda))
     device = resolve_device(base)
     model_id, hf_config = T.model_of(base)
     cache = T.probe_cache(model_dir(work, name) / "tune-cache.json", device, T.device_memory(device), model_id,
@@ -532,7 +532,7 @@ def crosscheck_case(work: Path, name: str, *, cuda: bool, steps: int, source: Pa
         ([("grid's best", max(grid, key=lambda g: g["tokens_per_s"])["overrides"])] if grid else [])
     if not targets:
         raise SystemExit("crosscheck: no pick and no grid point measured yet: run tune and grid first")
-    base = T.validate(lab_base(work, name, cuda).with_(context=MODELS[name]["seq"]))
+    base = T.validate(lab_base(work, name, cuda))     # as tune's search builds it (lab_base has the seq)
     device = resolve_device(base)
     state = load_state(work, name)
     rows = list(state.get("crosscheck") or [])
@@ -574,8 +574,7 @@ def lanes_line(state: dict) -> str | None:
             where.setdefault(state[key]["gpu"], []).append(what)
     for g in (state.get("grid") or {}).values():
         if g.get("gpu") is not None:
-            where.setdefault(g["gpu"], [])
-            where[g["gpu"]].append("grid")
+            where.setdefault(g["gpu"], []).append("grid")
     if len(where) < 2:
         return None
     parts = []
