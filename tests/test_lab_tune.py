@@ -921,6 +921,11 @@ def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
                            {"what": "pick", "gpu": "1", "tokens_per_s": 99.0, "steps": 3}]
     assert ("The same configuration on both cards (pick, 3 timed steps): 100 tokens/s on GPU 0, 99 on GPU 1 "
             "(0.990x).") in bench.lanes_line(state)
+    # the goals' ratios from one card: the pick's cross-check where the HF Trainer ran (GPU 1), tune on GPU 0
+    one_card = {**state, "tune": {"gpu": "0", "pick_tokens_per_s": 100.0}, "hf": {**state["hf"], "tokens_per_s": 45.0}}
+    assert ("On GPU 1, where the HF Trainer as users run it ran (45 tokens/s), the pick's cross-check is 2.200x it."
+            in bench.lanes_line(one_card))
+    assert "where the HF Trainer" not in bench.lanes_line({**one_card, "tune": {"gpu": "1"}})
     bench.save_state(a, "tiny-gpt2", {**state, "crosscheck": []})
     assert bench.main(["crosscheck", str(b), "--model", "tiny-gpt2", "--from", str(a),
                        "--crosscheck-steps", "1"]) == 0

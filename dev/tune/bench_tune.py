@@ -592,6 +592,14 @@ def lanes_line(state: dict) -> str | None:
             (ga, a), (gb, b) = sorted(by_gpu.items())[:2]
             line += (f" The same configuration on both cards ({what}, {steps} timed steps): {a:,.0f} tokens/s on "
                      f"GPU {ga}, {b:,.0f} on GPU {gb} ({b / a:.3f}x).")
+    # the goals divide figures from two cards; the pick's cross-check on the HF Trainer's card gives the same
+    # ratios from one card, so a difference between the cards cannot make or break a goal unseen
+    for key, what in (("hf", "the HF Trainer as users run it"), ("hf_flags", "the HF Trainer with its flags")):
+        hf = state.get(key) or {}
+        pick_there = next((by_gpu.get(hf.get("gpu")) for (w, _), by_gpu in checks.items() if w == "pick"), None)
+        if hf.get("tokens_per_s") and pick_there and hf.get("gpu") != (state.get("tune") or {}).get("gpu"):
+            line += (f" On GPU {hf['gpu']}, where {what} ran ({hf['tokens_per_s']:,.0f} tokens/s), the pick's "
+                     f"cross-check is {pick_there / hf['tokens_per_s']:.3f}x it.")
     return line
 
 
