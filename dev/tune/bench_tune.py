@@ -565,11 +565,15 @@ def merge_lanes(work: Path, name: str, other: Path) -> dict:
     return state
 
 
+# a state's figures, named as the report names where each ran
+FIGURE_NAMES = {"tune": "tune's search", "confirm": "the 200-step confirmation",
+                "hf": "the HF Trainer as users run it", "hf_flags": "the HF Trainer with its flags"}
+
+
 def lanes_line(state: dict) -> str | None:
     """Where the figures of a two-GPU lease come from, and how the cards compare (the cross-checks)."""
     where: dict = {}
-    for key, what in (("tune", "tune's search"), ("confirm", "the 200-step confirmation"),
-                      ("hf", "the HF Trainer as users run it"), ("hf_flags", "the HF Trainer with its flags")):
+    for key, what in FIGURE_NAMES.items():
         if (state.get(key) or {}).get("gpu") is not None:
             where.setdefault(state[key]["gpu"], []).append(what)
     for g in (state.get("grid") or {}).values():
@@ -594,8 +598,8 @@ def lanes_line(state: dict) -> str | None:
                      f"GPU {ga}, {b:,.0f} on GPU {gb} ({b / a:.3f}x).")
     # the goals divide figures from two cards; the pick's cross-check on the HF Trainer's card gives the same
     # ratios from one card, so a difference between the cards cannot make or break a goal unseen
-    for key, what in (("hf", "the HF Trainer as users run it"), ("hf_flags", "the HF Trainer with its flags")):
-        hf = state.get(key) or {}
+    for key in ("hf", "hf_flags"):
+        hf, what = state.get(key) or {}, FIGURE_NAMES[key]
         pick_there = next((by_gpu.get(hf.get("gpu")) for (w, _), by_gpu in checks.items() if w == "pick"), None)
         if hf.get("tokens_per_s") and pick_there and hf.get("gpu") != (state.get("tune") or {}).get("gpu"):
             line += (f" On GPU {hf['gpu']}, where {what} ran ({hf['tokens_per_s']:,.0f} tokens/s), the pick's "
