@@ -650,9 +650,10 @@ def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
     (folder / "tune.json").write_text(json.dumps({"cases": [case], "details": [
         {"model": "llama-1b", "goals": bench.goals(case, state)}]}))
     (folder / "logs" / "llama-1b-profile.json").write_text(json.dumps({
-        "wall_ms_per_step": 1995.7, "gpu_busy_ms_per_step": 1897.0, "by_family_ms_per_step": {"gemm": 1091.1},
-        "flops_per_token": {"total": 6.63e9}, "model_tflops": 435.8, "mfu": 0.4404, "peak_tflops": 989.4,
-        "mfu_of_2x_hf": 0.6817}))
+        "wall_ms_per_step": 1995.7, "gpu_busy_ms_per_step": 1897.0,
+        "by_family_ms_per_step": {"gemm": 1000.0, "attention": 310.72}, "tokens_per_step": 131_072,
+        "flops_per_token": {"total": 6.63e9, "dense": 6.0e9}, "model_tflops": 435.8, "mfu": 0.4404,
+        "peak_tflops": 989.4, "mfu_of_2x_hf": 0.6817}))
     (folder / "llama-1b-tune").mkdir()
     (folder / "llama-1b-tune" / "tune.json").write_text(json.dumps({
         "pick": {"label": "8x8 block liger", "tokens_per_s": 66_360.0},
@@ -663,8 +664,11 @@ def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
     text = bench.readme(folder)
     assert ("The fastest configuration tune measured was not its pick: `8x8 block` ran 73,006 tokens/s in its "
             "screen (1 step(s)), 1.100x the pick.") in text
-    assert "1,996 ms a step, the GPU busy 1,897 ms (gemm 1,091 ms)" in text
+    assert "1,996 ms a step, the GPU busy 1,897 ms (gemm 1,000, attention 311 ms)" in text
     assert "44% of the 989.4 TFLOP/s dense bf16 peak; 2x the HF Trainer as its users run it would need 68%" in text
+    # 6e9 FLOP x 131,072 tokens in 1 s of GEMMs; 131,072 tokens in 1.31072 s of GEMMs and attention
+    assert ("Its GEMMs run at 786 TFLOP/s (79% of that peak); a step of only its GEMMs and attention, as they run, "
+            "would be 100,000 tokens/s, 2.00x the HF Trainer as its users run it.") in text
     # the results folder's own README links its logs from there; a section written into another file, from that one
     assert "[logs/llama-1b-profile.json](logs/llama-1b-profile.json)" in text
     assert "(results/logs/llama-1b-profile.json)" in bench.readme(folder, into=tmp_path / "README.md")

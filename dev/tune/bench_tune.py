@@ -696,8 +696,9 @@ def faster_probe_line(path: Path) -> str | None:
             f"step(s)), {fastest['tokens_per_s'] / pick['tokens_per_s']:.3f}x the pick.")
 
 
-def profile_line(p: dict, name: str) -> str:
-    """What ``profile_pick.py`` measured of the pick's step, in one paragraph (where a goal's miss comes from)."""
+def profile_line(p: dict, name: str, hf_tokens_per_s: float | None = None) -> str:
+    """What ``profile_pick.py`` measured of the pick's step, in one paragraph (where a goal's miss comes from);
+    ``hf_tokens_per_s``: the HF Trainer as its users run it, against which the step's floor is put."""
     families = ", ".join(f"{fam} {ms:,.0f}" for fam, ms in list(p["by_family_ms_per_step"].items())[:5])
     line = (f"Where the pick's step goes (`dev/tune/profile_pick.py`, [{name}]({name})): {p['wall_ms_per_step']:,.0f} ms a "
             f"step, the GPU busy {p['gpu_busy_ms_per_step']:,.0f} ms ({families} ms); "
@@ -706,6 +707,18 @@ def profile_line(p: dict, name: str) -> str:
         line += f", {100 * p['mfu']:.0f}% of the {p['peak_tflops']:,.1f} TFLOP/s dense bf16 peak"
     if p.get("mfu_of_2x_hf"):
         line += f"; 2x the HF Trainer as its users run it would need {100 * p['mfu_of_2x_hf']:.0f}%"
+    gemm_ms, tokens = p["by_family_ms_per_step"].get("gemm"), p.get("tokens_per_step")
+    if gemm_ms and tokens:
+        # the GEMMs' own rate: the dense matmul FLOPs of a step (6 N a token) over their kernels' time
+        gemm_tflops = p["flops_per_token"]["dense"] * tokens / (gemm_ms / 1e3) / 1e12
+        line += f". Its GEMMs run at {gemm_tflops:,.0f} TFLOP/s"
+        if p.get("peak_tflops"):
+            line += f" ({100 * gemm_tflops / p['peak_tflops']:.0f}% of that peak)"
+        # the floor of this step as its kernels run: nothing but its GEMMs and attention
+        floor = tokens / ((gemm_ms + p["by_family_ms_per_step"].get("attention", 0.0)) / 1e3)
+        line += f"; a step of only its GEMMs and attention, as they run, would be {floor:,.0f} tokens/s"
+        if hf_tokens_per_s:
+            line += f", {floor / hf_tokens_per_s:.2f}x the HF Trainer as its users run it"
     return line + "."
 
 
@@ -744,7 +757,8 @@ def readme(folder: Path, into: Path | None = None) -> str:
             lines += ["", faster]
         profile = folder / "logs" / f"{detail['model']}-profile.json"
         if profile.is_file():
-            lines += ["", profile_line(json.loads(profile.read_text()), (base / "logs" / profile.name).as_posix())]
+            hf = next((c["hf_trainer_tokens_per_s"] for c in data["cases"] if c["model"] == detail["model"]), None)
+            lines += ["", profile_line(json.loads(profile.read_text()), (base / "logs" / profile.name).as_posix(), hf)]
         for note in detail.get("notes", []):
             lines.append(f"\n- {note}")
     return "\n".join(lines) + "\n"
