@@ -22,7 +22,7 @@ from fasttrain.lab import adapters as lab_adapters  # noqa: E402
 from fasttrain.lab import batchsize as lab_batchsize  # noqa: E402
 from fasttrain.lab import checkpoint as lab_checkpoint  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
-from fasttrain.lab import pitfall as lab_pitfall  # noqa: E402
+from fasttrain.lab.experiments import pitfall as lab_pitfall  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 from fasttrain.lab import evaluate as lab_evaluate  # noqa: E402
 from fasttrain.lab.build import make_trainer  # noqa: E402

@@ -10,7 +10,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fasttrain.errors import FasttrainError  # noqa: E402
-from fasttrain.lab import coldstart  # noqa: E402
+from fasttrain.lab.experiments import coldstart  # noqa: E402
 
 
 def test_compile_cache_paths_are_checked_before_any_work(tmp_path):
@@ -38,7 +38,7 @@ def test_saving_with_nothing_compiled_writes_nothing(tmp_path):
     import subprocess
     import sys
 
-    code = ("import json, sys; from fasttrain.lab import coldstart; "
+    code = ("import json, sys; from fasttrain.lab.experiments import coldstart; "
             "print(json.dumps(coldstart.save_compile_cache(sys.argv[1])))")
     r = subprocess.run([sys.executable, "-c", code, str(tmp_path / "cache.bin")], capture_output=True, text=True,
                        timeout=300)
@@ -90,7 +90,7 @@ def test_the_cudagraphs_backend_reaches_torch_compile(corpus, monkeypatch):
 
 def test_a_graph_step_on_the_cpu_is_one_line(corpus):
     from fasttrain.lab.config import preset
-    from fasttrain.lab.speedrun import build_trainer
+    from fasttrain.lab.experiments.speedrun import build_trainer
 
     cfg = preset("tiny", cuda_graph_step=True, optim="adamw_torch_fused", preload=True, device="cpu")
     with pytest.raises(FasttrainError, match="needs a CUDA GPU"):

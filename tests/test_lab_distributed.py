@@ -18,8 +18,8 @@ torch = pytest.importorskip("torch")
 import torch.multiprocessing as mp  # noqa: E402
 
 from fasttrain.errors import FasttrainError  # noqa: E402
-from fasttrain.lab import distributed as D  # noqa: E402
-from fasttrain.lab import dist_launch as L  # noqa: E402
+from fasttrain.lab.parallel import distributed as D  # noqa: E402
+from fasttrain.lab.parallel import launch as L  # noqa: E402
 
 WORLD = 2
 
@@ -131,7 +131,7 @@ def _same_function(tmp_path, device: str, rel: float) -> None:
             for name, w in theirs.items():
                 torch.testing.assert_close(mine[name], w, rtol=10 * rel, atol=10 * rel, msg=lambda m: f"{key} {name}: {m}")
     # the report over these records: one row per run, the loss difference against one process
-    from fasttrain.lab import scaling
+    from fasttrain.lab.experiments import scaling
 
     folder = tmp_path / "records"
     folder.mkdir()
@@ -405,7 +405,7 @@ def test_sweep_inputs_are_refused_even_for_a_dry_run(tmp_path, args, message):
 def test_a_dry_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
     from click.testing import CliRunner
 
-    from fasttrain.lab import scaling
+    from fasttrain.lab.experiments import scaling
 
     monkeypatch.setattr(scaling, "sweep", lambda *a, **k: pytest.fail("a dry run started a run"))
     out = tmp_path / "sweep"

@@ -1,4 +1,4 @@
-"""The lab's experiments (``lab/experiment.py``): rows of overrides of one base configuration, typed by the one
+"""The lab's experiments (``lab/experiments/experiment.py``): rows of overrides of one base configuration, typed by the one
 parser of lab settings, every row validated before any row runs, each finished row handed to a callback; and
 the experiments that use it (the technique table, the speedrun ladder) taking their overrides through it."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import experiment
+from fasttrain.lab.experiments import experiment
 from fasttrain.lab.config import preset
-from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.experiments.experiment import Experiment
 from fasttrain.lab.overrides import parse_assignments
 
 BASE = preset("tiny", device="cpu")
@@ -158,7 +158,7 @@ def test_the_technique_table_refuses_a_bad_override_before_any_row_runs(corpus):
 
 
 def test_the_ladders_rows_are_experiments_built_through_the_parser():
-    from fasttrain.lab import speedrun as sr
+    from fasttrain.lab.experiments import speedrun as sr
 
     rows = sr.plan([0, 9], [1, 2], base_preset="tiny", sets={"bf16": "true", "max_steps": "20"},
                    variants=[("lr", {"learning_rate": "2e-3"})])

@@ -11,7 +11,7 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from fasttrain.errors import FasttrainError  # noqa: E402
-from fasttrain.lab import pitfall as lab_pitfall  # noqa: E402
+from fasttrain.lab.experiments import pitfall as lab_pitfall  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 from fasttrain.lab.config import preset  # noqa: E402
 from fasttrain.lab.data import corpus_from_text  # noqa: E402

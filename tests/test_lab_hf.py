@@ -277,13 +277,13 @@ def test_bad_input_is_one_line(tmp_path):
 
 
 def test_hub_name_offline_is_one_line(tmp_path, monkeypatch):
-    monkeypatch.setattr(hf, "_hub_reachable", lambda timeout=3.0: False)
+    monkeypatch.setattr(hf.config, "_hub_reachable", lambda timeout=3.0: False)
     with pytest.raises(FasttrainError, match="hub cannot be reached.*local folder") as info:
         hf.build_hf_model("hf:someone/some-model", cfg(), None, "cpu")
     assert "\n" not in str(info.value)
     monkeypatch.undo()
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")        # the hub's own offline switch is honoured without a probe
-    assert hf._hub_reachable() is False
+    assert hf.config._hub_reachable() is False
     with pytest.raises(FasttrainError, match="no such folder; give a folder"):
         hf.build_hf_model("hf:./not/here", cfg(), None, "cpu")
 
@@ -514,7 +514,7 @@ def _join_local_job(rank: int, port: int, world: int = 2):
 def _dist_worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     import os
 
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
     from fasttrain.lab.train import run
 
     corpus = _join_local_job(rank, port)
@@ -559,7 +559,7 @@ TP_EXTRA = {"qwen3": {"gradient_accumulation_steps": 2}, "qwen2": {"gradient_che
 def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
     import os
 
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
     from fasttrain.lab.train import execute
 
     corpus = _join_local_job(rank, port)
@@ -649,7 +649,7 @@ def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folder
 def _tp_gpu_worker(rank: int, nprocs: int, port: int, folder: str, out_dir: str) -> None:
     import os
 
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
     from fasttrain.lab.train import run
 
     corpus = _join_local_job(rank, port, world=nprocs)
@@ -694,7 +694,7 @@ def test_tensor_parallel_on_gpus_with_nccl(folders, corpus, tmp_path):
 
 
 def test_tensor_parallel_refusals_are_one_line(folders, tmp_path):
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
 
     # GPT-2 ships no plan; a Llama of 4 heads does not split over 3 ranks, nor 2 key/value heads over 4
     with pytest.raises(FasttrainError, match="gpt2 model ships no tensor-parallel plan"):

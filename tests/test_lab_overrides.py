@@ -50,7 +50,7 @@ def test_set_and_variant_share_the_parser():
     assert O.parse_variant("lr:learning_rate=1e-3") == ("lr", {"learning_rate": 1e-3})
     with pytest.raises(FasttrainError, match="FIELD=VALUE"):
         O.parse_assignments("learning_rate")
-    from fasttrain.lab import speedrun
+    from fasttrain.lab.experiments import speedrun
 
     assert speedrun.parse_assignments is O.parse_assignments
 

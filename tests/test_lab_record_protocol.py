@@ -9,7 +9,7 @@ import math
 import pytest
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import record_protocol as rp
+from fasttrain.lab.experiments import record_protocol as rp
 
 
 def _student_t4_cdf(t: float) -> float:

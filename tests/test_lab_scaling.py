@@ -1,4 +1,4 @@
-"""The scaling sweep's rows and runner on the CPU (``lab/scaling.py``): every run an experiment row (overrides of
+"""The scaling sweep's rows and runner on the CPU (``lab/experiments/scaling.py``): every run an experiment row (overrides of
 its preset, passed as the lab's flags; the launcher's flags apart), every configuration checked before any
 process starts, and the sweep's status written after every run. No process is started: ``subprocess.run`` is
 replaced by one that records the command lines (the GPU runs are ``fasttrain lab dist sweep`` on the device)."""
@@ -11,8 +11,8 @@ import subprocess
 import pytest
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import scaling
-from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.experiments import scaling
+from fasttrain.lab.experiments.experiment import Experiment
 
 
 def test_every_run_is_an_experiment_whose_overrides_are_its_flags(tmp_path):

@@ -10,7 +10,7 @@ import pytest
 from click.testing import CliRunner
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import sumdemo as S
+from fasttrain.lab.experiments import sumdemo as S
 
 ALL = (S.sum_in_order, S.sum_sorted, S.sum_heap, S.sum_pairwise, S.sum_kahan)
 

@@ -258,7 +258,7 @@ def test_memory_validation_is_a_command_of_the_memory_group_defined_by_the_lab(c
     assert code == 0 and "--rescore" in out
     memory = cli.commands["memory"]
     assert "validate" in memory.commands
-    assert memory.commands["validate"].callback.__module__ == "fasttrain.lab.memory_check"
+    assert memory.commands["validate"].callback.__module__ == "fasttrain.lab.experiments.memory_check"
 
 
 # --- a Hugging Face model through the seam (what lab/hf.py builds) --------------------------------

@@ -14,9 +14,9 @@ torch = pytest.importorskip("torch")
 from tests_support import fasttrain_cli, one_line_error, run_cli, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.cli import config_from  # noqa: E402
-from fasttrain.lab.config import LabConfig, preset  # noqa: E402
+from fasttrain.lab.config import LabConfig, preset, validate  # noqa: E402
 from fasttrain.lab import tune as T  # noqa: E402
-from fasttrain.lab import tune_report as R  # noqa: E402
+from fasttrain.lab.tune import report as R  # noqa: E402
 
 MIB = 2 ** 20
 SEQ = 32
@@ -152,7 +152,7 @@ def test_successive_halving_keeps_the_best_and_gives_bad_ones_fewer_steps():
     fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16"}
     res = run_search(measure, gpu_memory(4000), fixed=fixed, max_candidates=16, steps=2)
     assert res.mode == "halving"
-    best = max((T.validate(res.base.with_(**e.candidate.overrides_dict())) for e in res.entries),
+    best = max((validate(res.base.with_(**e.candidate.overrides_dict())) for e in res.entries),
                key=fake_speed)
     assert res.pick.candidate.overrides_dict()["attn_implementation"] == best.attn_implementation == "sdpa"
     assert res.pick.candidate.micro_batch >= 8
@@ -836,7 +836,7 @@ def test_a_probe_runs_its_warmup_untimed_then_its_timed_steps(monkeypatch):
 
     seen = []
     real = T.probe_config
-    monkeypatch.setattr(T, "probe_config", lambda cfg, steps, warmup: seen.append((steps, warmup)) or
+    monkeypatch.setattr(T.probes, "probe_config", lambda cfg, steps, warmup: seen.append((steps, warmup)) or
                         real(cfg, steps, warmup))
     measure = T.lab_measure(corpus=corpus_from_text(toy_text(20000)))
     probe = measure(base().with_(context=16, per_device_train_batch_size=2, gradient_accumulation_steps=2), 2)

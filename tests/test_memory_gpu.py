@@ -7,7 +7,7 @@ import pytest
 
 @pytest.mark.gpu
 def test_precise_estimate_within_10_percent_of_measured_peak():
-    from fasttrain.lab import memory_check
+    from fasttrain.lab.experiments import memory_check
     from fasttrain.memory import validate
 
     rows, env = memory_check.run(list(validate.QUICK), log=lambda m: None)

@@ -208,7 +208,7 @@ torch = pytest.importorskip("torch")
 
 
 def _measure(setup):
-    from fasttrain.lab import memory_check
+    from fasttrain.lab.experiments import memory_check
 
     torch.set_num_threads(2)
     row = memory_check.run_case("cpu", device="cpu", setup=setup, steps=2)

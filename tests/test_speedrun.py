@@ -16,10 +16,10 @@ torch = pytest.importorskip("torch")
 
 from tests_support import run_cli  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
-from fasttrain.lab import speedrun as sr  # noqa: E402
+from fasttrain.lab.experiments import speedrun as sr  # noqa: E402
 from fasttrain.lab import optim as lab_optim  # noqa: E402
-from fasttrain.lab import record_protocol as rp  # noqa: E402
-from fasttrain.lab import speedrun_report as report  # noqa: E402
+from fasttrain.lab.experiments import record_protocol as rp  # noqa: E402
+from fasttrain.lab.experiments import speedrun_report as report  # noqa: E402
 from fasttrain.lab import train as lab  # noqa: E402
 from fasttrain.lab import evaluate as lab_evaluate  # noqa: E402
 from fasttrain.lab.build import make_trainer  # noqa: E402

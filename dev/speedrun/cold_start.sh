@@ -78,7 +78,7 @@ fresh_caches startup
   timed startup import-torch "" -- "$PY" -c "import torch"
   timed startup cuda-init "" -- "$PY" -c "import torch; torch.cuda.init()"
   timed startup speedrun-imports "" -- "$PY" -c \
-    "import torch, fasttrain.lab.speedrun, fasttrain.lab.trainer, fasttrain.lab.model; torch.cuda.init()"
+    "import torch, fasttrain.lab.experiments.speedrun, fasttrain.lab.trainer, fasttrain.lab.model; torch.cuda.init()"
 done
 
 for rung in $RUNGS; do

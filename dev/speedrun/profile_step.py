@@ -81,7 +81,7 @@ def print_profile(title: str, report: dict) -> None:
 def main(argv=None) -> int:
     import torch
 
-    from fasttrain.lab import speedrun as sr
+    from fasttrain.lab.experiments import speedrun as sr
     from fasttrain.lab.data import load_corpus
 
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -427,6 +427,7 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
     another lane (another GPU's process), through which each point is taken by one lane only.
     ``members_from``: another lane's work folder, whose fixed grid this lane measures."""
     from fasttrain.lab import tune as T
+    from fasttrain.lab.config import validate
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
 
@@ -446,7 +447,7 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
     k, n = part
     mine = [m for i, m in enumerate(members) if i % n == k - 1]
     # the configuration exactly as tune's search builds it, so that the cache's keys agree
-    base = T.validate(lab_base(work, name, cuda))
+    base = validate(lab_base(work, name, cuda))
     device = resolve_device(base)
     model_id, hf_config = T.model_of(base)
     cache = T.probe_cache(model_dir(work, name) / "tune-cache.json", device, T.device_memory(device), model_id,
@@ -499,12 +500,13 @@ def grid_case(work: Path, name: str, *, cuda: bool, size: int, steps: int, part:
 def confirm_case(work: Path, name: str, *, cuda: bool, steps: int) -> dict:
     """The pick trained ``steps`` steps through the lab: measured peak against the prediction, OOM or not."""
     from fasttrain.lab import tune as T
+    from fasttrain.lab.config import validate
 
     state = load_state(work, name)
     pick = (state.get("tune") or {}).get("pick")
     if not pick:
         raise SystemExit("no pick yet: run the tune phase first")
-    cfg = T.validate(lab_base(work, name, cuda).with_(**pick))
+    cfg = validate(lab_base(work, name, cuda).with_(**pick))
     try:
         probe = T.lab_measure(None, warmup=2)(cfg, steps)
     except Exception as exc:  # noqa: BLE001
@@ -522,6 +524,7 @@ def crosscheck_case(work: Path, name: str, *, cuda: bool, steps: int, source: Pa
     figures come from two cards, how far the cards themselves differ. ``source``: the work folder holding the
     pick and the merged grid (lane A's), else this one."""
     from fasttrain.lab import tune as T
+    from fasttrain.lab.config import validate
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
 
@@ -532,7 +535,7 @@ def crosscheck_case(work: Path, name: str, *, cuda: bool, steps: int, source: Pa
         ([("grid's best", max(grid, key=lambda g: g["tokens_per_s"])["overrides"])] if grid else [])
     if not targets:
         raise SystemExit("crosscheck: no pick and no grid point measured yet: run tune and grid first")
-    base = T.validate(lab_base(work, name, cuda))     # as tune's search builds it (lab_base has the seq)
+    base = validate(lab_base(work, name, cuda))     # as tune's search builds it (lab_base has the seq)
     device = resolve_device(base)
     state = load_state(work, name)
     rows = list(state.get("crosscheck") or [])

@@ -272,7 +272,7 @@ def _load_plugins() -> None:
     """Subcommands living beside their code: each module exposes a click command named ``command``."""
     import importlib
 
-    for module in ("fasttrain.bench.cli", "fasttrain.memory.cli", "fasttrain.lab.cli", "fasttrain.lab.tune_cli"):
+    for module in ("fasttrain.bench.cli", "fasttrain.memory.cli", "fasttrain.lab.cli", "fasttrain.lab.tune.cli"):
         try:
             mod = importlib.import_module(module)
         except ModuleNotFoundError as exc:

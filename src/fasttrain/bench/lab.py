@@ -45,10 +45,10 @@ from pathlib import Path
 
 from fasttrain.bench.results import CaseResult, Progress, SuiteResult, utc_now
 from fasttrain.errors import FasttrainError
-from fasttrain.lab import experiment
-from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.experiments import experiment
+from fasttrain.lab.experiments.experiment import Experiment
 from fasttrain.lab.measure import forget_compiled_code
-from fasttrain.lab.record_protocol import breakeven_steps, compile_seconds_of
+from fasttrain.lab.experiments.record_protocol import breakeven_steps, compile_seconds_of
 from fasttrain.timing import summarize
 
 SPEED_YES = 1.10          # tokens/s at least 1.10x the pair's: the technique buys speed
@@ -85,7 +85,7 @@ SWEEP_RUNG = "batch-size sweep"
 
 @dataclass(frozen=True)
 class LabRow(Experiment):
-    """One setting (an :class:`~fasttrain.lab.experiment.Experiment`: ``overrides`` of the baseline,
+    """One setting (an :class:`~fasttrain.lab.experiments.experiment.Experiment`: ``overrides`` of the baseline,
     ``compared_with`` the row it is compared with, ``gpu_only`` why it does not run on the CPU);
     ``technique``: the lecture's row it measures; ``finetune``: it starts from the suite's pretrained
     checkpoint."""

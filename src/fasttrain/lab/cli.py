@@ -20,10 +20,10 @@ from rich.table import Table
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_path
-from fasttrain.lab import dist_launch
+from fasttrain.lab.parallel import launch as dist_launch
 from fasttrain.lab.config import PRESET_NOTES, PRESETS, LabConfig, preset
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.sumdemo", "fasttrain.lab.speedrun", "fasttrain.lab.dist_launch",
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.experiments.sumdemo", "fasttrain.lab.experiments.speedrun", "fasttrain.lab.parallel.launch",
                                  "fasttrain.lab.tokenizer", "fasttrain.lab.sample")
 
 out = Console(width=160)
@@ -285,7 +285,7 @@ def warmup_only_note(record: dict) -> str | None:
 @click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
 def pitfall(preset_name, repeats, **options) -> None:
     """Time one training step without and with device synchronization, side by side."""
-    from fasttrain.lab.pitfall import timing_pitfall
+    from fasttrain.lab.experiments.pitfall import timing_pitfall
 
     cfg = config_from(preset_name, options)
     res = timing_pitfall(cfg, repeats=repeats)
@@ -362,7 +362,7 @@ _load_subcommands()
 
 
 def _attach_memory_validation() -> None:
-    from fasttrain.lab.memory_check import attach
+    from fasttrain.lab.experiments.memory_check import attach
 
     attach()
 

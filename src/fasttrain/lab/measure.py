@@ -25,7 +25,7 @@ def memory_by_kind(trainer) -> dict:
     # a gradient has its parameter's shape (and, sharded, its shard: the bytes on this rank)
     grads = sum(tensor_bytes(p) for p in trainer.trainable)
     buffers = sum(tensor_bytes(b) for b in model.buffers())
-    from fasttrain.lab.distributed import local_optimizer
+    from fasttrain.lab.parallel.distributed import local_optimizer
 
     return {"parameters": params, "gradients": grads,
             "optimizer_state": optimizer_state_bytes(local_optimizer(trainer.optimizer)), "buffers": buffers}

@@ -45,7 +45,7 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
         # the memory estimator's validation measured it)
         groups = [{"params": params, "weight_decay": 0.0}]
     if world is not None and world.strategy == "tp":
-        from fasttrain.lab.distributed import split_param_groups
+        from fasttrain.lab.parallel.distributed import split_param_groups
 
         groups = split_param_groups(groups)
     betas = (cfg.adam_beta1, cfg.adam_beta2)

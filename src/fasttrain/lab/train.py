@@ -48,7 +48,7 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, 
     """Train ``cfg`` and return the run record (see the module docstring).
 
     ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
-    ``parallel`` (:class:`~fasttrain.lab.distributed.ParallelConfig`): the strategy when this
+    ``parallel`` (:class:`~fasttrain.lab.parallel.distributed.ParallelConfig`): the strategy when this
     process is one of several started by torchrun; every rank returns the same record.
     ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names."""
     record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model)
@@ -60,7 +60,7 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
     import torch
 
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
 
     from fasttrain.lab.preflight import check_run
 
@@ -124,7 +124,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
         corpus = corpus_for(cfg, default_tokenizer=model_tokenizer(spec) if spec else None)
     checkpoint = None
     if cfg.init_from and model is None:
-        from fasttrain.lab.distributed import check_model_fits
+        from fasttrain.lab.parallel.distributed import check_model_fits
         from fasttrain.lab.model import GPTConfig
 
         checkpoint = read_checkpoint(cfg.init_from)        # read once: the shape here, the weights in the build
@@ -237,7 +237,7 @@ def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):
 def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
     """The trained model into ``cfg.save``: the lab's GPT as a lab checkpoint (LoRA merged, FSDP's
     shards gathered and written by rank 0), any other model through its own ``save`` hook."""
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
 
     model = trainer.model
     if cfg.lora_r:
@@ -301,7 +301,7 @@ MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and 
 
 def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_ms, wall0) -> dict:
     from fasttrain.environment import environment
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
     from fasttrain.lab.record import provenance
 
     cuda = device.type == "cuda"
@@ -384,7 +384,7 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
 
 
 def _estimate_for(cfg, trainer, vocab, batch, peak, world) -> dict:
-    from fasttrain.lab import distributed as D
+    from fasttrain.lab.parallel import distributed as D
 
     lab_model = trainer.lab_model
     parallel = D.estimator_parallelism(world, cfg.bf16) if world.distributed else None

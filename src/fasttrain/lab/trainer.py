@@ -122,7 +122,7 @@ class Metrics:
             timed = len(self.warmup_ms) + len(self.step_ms)
             (self.warmup_ms if timed < cfg.timing_warmup_steps else self.step_ms).append(ms)
         if self.curve and (step % cfg.log_interval == 0 or step == cfg.max_steps):
-            from fasttrain.lab.distributed import all_mean
+            from fasttrain.lab.parallel.distributed import all_mean
 
             value = all_mean(loss.item(), trainer.world)        # the global batch's loss
             if not math.isfinite(value):
@@ -169,14 +169,14 @@ class Trainer:
 
     ``wrap(module) -> module``, if given, wraps the model after PEFT and before compilation and the
     optimizer (data or model parallelism); else the strategy of ``world``
-    (:class:`~fasttrain.lab.distributed.World`) wraps it. ``rebuild(seed) -> nn.Module``: a fresh
+    (:class:`~fasttrain.lab.parallel.distributed.World`) wraps it. ``rebuild(seed) -> nn.Module``: a fresh
     module of the same shape with the initial weights of ``seed`` (:meth:`reset`)."""
 
     def __init__(self, cfg: LabConfig, model: LabModel, data, device, *, batch: int | None = None, wrap=None,
                  world=None, rebuild=None):
         import torch
 
-        from fasttrain.lab import distributed as D
+        from fasttrain.lab.parallel import distributed as D
 
         self.world = world = world or D.World()
         self.cfg, self.device, self.corpus = cfg, device, data
@@ -405,7 +405,7 @@ class Trainer:
         """One optimizer step on (x, y) (k micro-batches of b); returns the loss tensor (no sync)."""
         import torch
 
-        from fasttrain.lab import distributed as D
+        from fasttrain.lab.parallel import distributed as D
 
         cfg = self.cfg
         if self.cuda_graphs:
@@ -444,7 +444,7 @@ class Trainer:
 
     def forward_backward_step(self, x, y):
         """Forward and backward over the step's micro-batches; the mean loss (a tensor)."""
-        from fasttrain.lab import distributed as D
+        from fasttrain.lab.parallel import distributed as D
 
         world = self.world
         sync_grads = None if not world.distributed else (

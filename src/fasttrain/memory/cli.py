@@ -331,4 +331,4 @@ def parse_mfu_percent(text: str | None) -> float | None:
 
 
 # ``fasttrain memory validate`` trains through the lab's trainer: it is defined in
-# fasttrain.lab.memory_check and added to this group from there (this package does not import the lab).
+# fasttrain.lab.experiments.memory_check and added to this group from there (this package does not import the lab).

@@ -1,6 +1,6 @@
 """Check the ``precise`` estimate against a GPU: the cases, each measured row beside its estimate,
 and the CSV and Markdown of a validation run. What trains the cases is the lab's trainer
-(``fasttrain.lab.memory_check``; this package does not import the lab).
+(``fasttrain.lab.experiments.memory_check``; this package does not import the lab).
 
 Every case trains the lab's GPT through the lab's trainer with AdamW (foreach, PyTorch's
 default on CUDA, unless the case says fused) for ``steps`` steps on fixed random tokens: fp32 or
@@ -138,7 +138,7 @@ def row_for(name: str, setup, *, measured: int, params: int, losses: list[float]
     it is the live-tensor peak of the last step counted by ``fasttrain.memory.tracker`` plus the
     parameters, buffers and optimizer state, and the estimate leaves out the cuBLAS workspaces,
     the token ids (made outside the tracker) and CUDA's in-kernel buffers, and takes PyTorch's
-    CPU dropout masks as 4 bytes. (The training itself is the lab's: ``fasttrain.lab.memory_check``.)
+    CPU dropout masks as 4 bytes. (The training itself is the lab's: ``fasttrain.lab.experiments.memory_check``.)
     """
     if cuda:
         est = estimate(setup)

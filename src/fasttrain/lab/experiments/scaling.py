@@ -1,7 +1,7 @@
 """The lab past one GPU, measured: every strategy against one GPU of the same machine.
 
-The experiment's rows are :func:`plan` (a preset's runs, each an :class:`~fasttrain.lab.experiment.Experiment`:
-overrides of the preset, run as the lab's flags), its runner ``sweep``, its report ``lab/scaling_report.py``.
+The experiment's rows are :func:`plan` (a preset's runs, each an :class:`~fasttrain.lab.experiments.experiment.Experiment`:
+overrides of the preset, run as the lab's flags), its runner ``sweep``, its report ``lab/experiments/scaling_report.py``.
 ``sweep`` runs, for each preset, one lab run per line of :func:`plan` -- each in its own process
 (``python -m fasttrain lab ... --out RUN.json``; the several-GPU ones through torchrun), so that no
 run inherits another's allocator state -- and ``report`` turns the run records into:
@@ -34,10 +34,10 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import atomic_write_text
-from fasttrain.lab import experiment
-from fasttrain.lab.experiment import Experiment
+from fasttrain.lab.experiments import experiment
+from fasttrain.lab.experiments.experiment import Experiment
 from fasttrain.lab.overrides import flags
-from fasttrain.lab.scaling_report import load_runs, markdown, plots, report, rows, write_csv  # noqa: F401 - the report beside it
+from fasttrain.lab.experiments.scaling_report import load_runs, markdown, plots, report, rows, write_csv  # noqa: F401 - the report beside it
 
 
 STRATEGY_FLAGS = {
@@ -149,7 +149,7 @@ def command_line(run: Planned, out_dir: Path) -> list[str]:
 def sweep(runs: list[Planned], out_dir, *, log=print, timeout_s: float = 900) -> list[dict]:
     """Run every planned run in its own process; a failed run is recorded (its last error line)
     and the sweep goes on."""
-    from fasttrain.lab.distributed import multicast_off
+    from fasttrain.lab.parallel.distributed import multicast_off
 
     prepared = experiment.prepare(runs, config=run_config)     # every run's configuration, before any process
     out_dir = Path(out_dir)

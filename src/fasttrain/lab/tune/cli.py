@@ -59,7 +59,7 @@ def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, ou
             memory_limit, probe_steps, max_candidates, quiet, **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
     from fasttrain.lab.tune import parse_allow, parse_budget, tune
-    from fasttrain.lab.tune_report import print_report
+    from fasttrain.lab.tune.report import print_report
 
     parse_budget(budget)            # bad input first, before the corpus or the device
     parse_allow(allow)

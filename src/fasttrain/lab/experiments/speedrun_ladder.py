@@ -1,6 +1,6 @@
 """The speedrun's rows: the ladder of rungs, each a set of :class:`~fasttrain.lab.config.LabConfig`
 overrides on top of the rungs before it, each a recipe of a fixed number of steps (the record protocol,
-``lab/record_protocol.py``). The runner is ``lab/speedrun.py``, the report ``lab/speedrun_report.py``;
+``lab/experiments/record_protocol.py``). The runner is ``lab/experiments/speedrun.py``, the report ``lab/experiments/speedrun_report.py``;
 both read the ladder from here."""
 
 from __future__ import annotations

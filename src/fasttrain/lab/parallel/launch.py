@@ -3,7 +3,7 @@
 ``fasttrain lab --nproc-per-node N --strategy S ...`` refuses what cannot run here before any process
 starts (:func:`check_before_launch`), then runs torchrun's own launcher in this process
 (:func:`launch`): it starts N copies of the same command (:func:`worker_argv`, without the launcher's
-options), each of which joins the process group through :mod:`fasttrain.lab.distributed`.
+options), each of which joins the process group through :mod:`fasttrain.lab.parallel.distributed`.
 Also here: the options ``fasttrain lab`` takes for several processes, the per-rank summary lines,
 and ``fasttrain lab dist`` (the strategy sweep and its report).
 """
@@ -16,7 +16,7 @@ import os
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_config, check_model_fits, gpu_count,
+from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_config, check_model_fits, gpu_count,
                                        launched_by_torchrun, multicast_off, resolve_batch, validate_parallel)
 
 
@@ -271,7 +271,7 @@ def _dist_group():
         """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
         from pathlib import Path
 
-        from fasttrain.lab import scaling
+        from fasttrain.lab.experiments import scaling
 
         # the sweep's own inputs are checked for a dry run too: it prints what a real run would start
         preset_list, strategy_list = scaling.check_sweep(presets, strategies, nproc, max_steps)
@@ -301,7 +301,7 @@ def _dist_group():
     @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where to write (default: FOLDER).")
     def report_cmd(folder, out_dir) -> None:
         """scaling.csv, scaling.md and plots from a folder of run records."""
-        from fasttrain.lab import scaling
+        from fasttrain.lab.experiments import scaling
 
         result = scaling.report(folder, out_dir)
         click.echo(result["markdown"].read_text())

@@ -1,7 +1,7 @@
 """What a speedrun leaves behind: figures over seeds, the ladder table, the result files, the record, the
 README section.
 
-A ladder result (the dict :func:`fasttrain.lab.speedrun.run_ladder` returns) becomes
+A ladder result (the dict :func:`fasttrain.lab.experiments.speedrun.run_ladder` returns) becomes
 
 - per row, the record protocol's verdict (:func:`summarize`: counts or missing and why, mean and
   standard deviation of the seeds' final validation losses, t, df, p) with the median training time,
@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.record_protocol import MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
+from fasttrain.lab.experiments.record_protocol import MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
 from fasttrain.timing import summarize as spread_of
 
 DEFAULT_SEEDS = MIN_SEEDS   # the seeds of a full row; rows with fewer are marked † and cannot count
@@ -503,7 +503,7 @@ def merge_results(parts: list[dict]) -> dict:
     rows = sorted((dict(row) for _, row in chosen.values()), key=_row_key)
     # each rung's change is now said since the rung above it in the merged ladder (a part's first row listed
     # every change since the last rung of that part, e.g. all of them since the preset)
-    from fasttrain.lab.speedrun_ladder import LADDER
+    from fasttrain.lab.experiments.speedrun_ladder import LADDER
 
     prev = -1
     for row in rows:
@@ -584,7 +584,7 @@ def process_time(times: list[dict], rung: str, cache: str) -> float | None:
 def record_of(result: dict, times: list[dict] | None = None, *, machine: str | None = None) -> dict:
     """``record.json`` of the fastest counted row of a ladder result (see record_protocol.RECORD_KEYS), with
     its whole-process times from ``times`` (cold: empty compiler caches; warm: filled) when measured."""
-    from fasttrain.lab.record_protocol import record
+    from fasttrain.lab.experiments.record_protocol import record
 
     counted = [r for r in result["rows"] if r["summary"]["counts"]]
     if not counted:
@@ -614,7 +614,7 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
               help="process_times.jsonl of dev/speedrun/cold_start.sh (the whole process, cold and warm).")
 def record_command(results_dir, out_dir, process_times) -> None:
     """Write record.json for the fastest counted row of a speedrun result folder."""
-    from fasttrain.lab.record_protocol import write_record
+    from fasttrain.lab.experiments.record_protocol import write_record
 
     result = load_result(results_dir)
     times = read_process_times(process_times) if process_times else []

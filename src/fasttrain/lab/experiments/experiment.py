@@ -1,8 +1,8 @@
 """The lab's experiments: rows of overrides of one base configuration, and the runner they share.
 
 The technique table (``fasttrain bench lab``: ``bench/lab.py``, its report ``bench/lab_report.py``), the
-speedrun ladder (``lab/speedrun_ladder.py``'s rungs, run by ``lab/speedrun.py``, reported by
-``lab/speedrun_report.py``) and the scaling sweep (``lab/scaling.py``, ``lab/scaling_report.py``) are one
+speedrun ladder (``lab/experiments/speedrun_ladder.py``'s rungs, run by ``lab/experiments/speedrun.py``, reported by
+``lab/experiments/speedrun_report.py``) and the scaling sweep (``lab/experiments/scaling.py``, ``lab/experiments/scaling_report.py``) are one
 shape: a list of :class:`Experiment` rows -- each a label and overrides of a base
 :class:`~fasttrain.lab.config.LabConfig` -- and a runner that trains every row through the lab's one
 trainer. What differs between them is the function that runs one row (one lab run per seed; the record

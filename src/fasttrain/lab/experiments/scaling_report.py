@@ -1,5 +1,5 @@
 """The scaling experiment's report: ``scaling.csv``, ``scaling.md`` and the plots, from the run
-records a sweep (:mod:`fasttrain.lab.scaling`) wrote. Definitions are in that module's docstring."""
+records a sweep (:mod:`fasttrain.lab.experiments.scaling`) wrote. Definitions are in that module's docstring."""
 
 from __future__ import annotations
 

@@ -5,7 +5,7 @@ Each rung is the ``shakespeare-char`` preset plus the overrides of every rung up
 rung before it. Rung 0 is the preset as users run it (eager PyTorch, fp32, AdamW, batches cut on
 the CPU) with one change that makes it a recipe: its cosine schedule ends at a fixed step count.
 
-Every row is a **recipe** (:mod:`fasttrain.lab.record_protocol`): a fixed number of steps
+Every row is a **recipe** (:mod:`fasttrain.lab.experiments.record_protocol`): a fixed number of steps
 (``max_steps``), everything else fixed. Per seed, one run trains exactly those steps; its figure
 is their training time (device-synchronized, validation excluded), and after the last step the
 model is scored over the **whole** validation split. A row counts when the mean of its seeds'
@@ -45,13 +45,13 @@ import click
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_new_folder
 from fasttrain.lab.progress import report
-from fasttrain.lab import experiment
+from fasttrain.lab.experiments import experiment
 from fasttrain.lab.config import LabConfig, preset
-from fasttrain.lab.experiment import Experiment
-from fasttrain.lab.record_protocol import ALPHA, MIN_SEEDS
+from fasttrain.lab.experiments.experiment import Experiment
+from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS
 from fasttrain.lab.overrides import parse_assignments, parse_variant
-from fasttrain.lab.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
-from fasttrain.lab.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
+from fasttrain.lab.experiments.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
+from fasttrain.lab.experiments.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
                                            record_command, save_fastest, summarize, write_results)
 
 TARGET = 1.47
@@ -134,7 +134,7 @@ GRAPH_STEP_NEEDS_CUDA = ("graph-step needs a CUDA GPU (the step is captured as a
 
 @dataclass(frozen=True)
 class Row(Experiment):
-    """One row of the ladder table (an :class:`~fasttrain.lab.experiment.Experiment`: its overrides of the base
+    """One row of the ladder table (an :class:`~fasttrain.lab.experiments.experiment.Experiment`: its overrides of the base
     preset, its seeds): a rung (or a variant of the last rung chosen). ``label``: "3" for a rung, the variant's
     name otherwise; ``cfg``: its configuration, built and validated by :func:`plan`."""
 
@@ -239,11 +239,11 @@ def _sync(device) -> None:
 def build_trainer(cfg: LabConfig, corpus, device):
     """The lab's trainer for ``cfg`` (:func:`~fasttrain.lab.build.make_trainer`; whole-model or per-block
     compilation, the inductor or cudagraphs backend), or with ``cuda_graph_step`` one whose step is a single
-    CUDA graph (:class:`~fasttrain.lab.coldstart.GraphStepTrainer`)."""
+    CUDA graph (:class:`~fasttrain.lab.experiments.coldstart.GraphStepTrainer`)."""
     from fasttrain.lab.build import make_trainer
 
     if cfg.cuda_graph_step:
-        from fasttrain.lab.coldstart import GraphStepTrainer
+        from fasttrain.lab.experiments.coldstart import GraphStepTrainer
 
         return GraphStepTrainer.for_config(cfg, corpus, device)
     return make_trainer(cfg, corpus, device)
@@ -261,14 +261,14 @@ def _free(device) -> None:
 def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadline: float | None = None,
             compile_cache: str | None = None, log=None, seed_done=None) -> dict:
     """Every seed of one row on one built (and compiled) model: setup once, then per seed a reset and a
-    fixed-step run (:func:`~fasttrain.lab.record_protocol.run_fixed_steps`). Returns the row's record
+    fixed-step run (:func:`~fasttrain.lab.experiments.record_protocol.run_fixed_steps`). Returns the row's record
     (with ``states``, the final weights per seed on the CPU, when ``keep_states``)."""
     import torch
 
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.checkpoint import eval_settings
     from fasttrain.lab.measure import tf32_matmuls
-    from fasttrain.lab.record_protocol import run_fixed_steps
+    from fasttrain.lab.experiments.record_protocol import run_fixed_steps
 
     log = log or (lambda s: None)
     cfg = row.cfg.with_(seed=row.seeds[0])
@@ -297,7 +297,7 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
         _sync(device)
         setup_s = time.perf_counter() - t
         if compile_cache and compiles(cfg):
-            from fasttrain.lab.coldstart import save_compile_cache
+            from fasttrain.lab.experiments.coldstart import save_compile_cache
 
             cache = save_compile_cache(compile_cache)
         log(f"[{row.label} {row.name}] setup (build, compile, {warm} warm-up steps, one validation) {setup_s:.1f} s")
@@ -374,7 +374,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
                                  f"need their own folders")
     cache_loaded = None
     if compile_cache:
-        from fasttrain.lab.coldstart import check_compile_cache, load_compile_cache
+        from fasttrain.lab.experiments.coldstart import check_compile_cache, load_compile_cache
 
         check_compile_cache(compile_cache)
     log = log or (lambda s: None)

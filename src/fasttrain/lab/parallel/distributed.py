@@ -47,7 +47,7 @@ the environment torchrun passes to its workers.
 
 This module is what every process runs (its place in the world, the strategies, the collectives);
 starting the processes, the command-line options and ``fasttrain lab dist`` are in
-:mod:`fasttrain.lab.dist_launch`.
+:mod:`fasttrain.lab.parallel.launch`.
 """
 
 from __future__ import annotations

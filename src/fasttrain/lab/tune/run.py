@@ -1,0 +1,65 @@
+"""``tune()``: the search on this device, with the lab's predictor and probes."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Callable
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import LabConfig, validate
+from fasttrain.lab.tune.device import DeviceMemory, device_memory, probe_cache
+from fasttrain.lab.tune.probes import lab_measure, lab_predictor, load_corpus_for, model_of, model_refusal
+from fasttrain.lab.tune.search import TuneResult, check_shape, search
+from fasttrain.lab.tune.space import parse_allow, parse_budget
+
+
+def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, allow=(), precisions=("bf16",),
+         fixed=(), out: str | os.PathLike | None = None, cache_path: str | os.PathLike | None | bool = True,
+         memory_limit_bytes: int | None = None, steps: int | None = None, max_candidates: int = 8,
+         log: Callable | None = None, corpus=None, model=None, model_id: str = "gpt",
+         measure: Callable | None = None, predict: Callable | None = None, memory: DeviceMemory | None = None,
+         clock: Callable = time.perf_counter, liger_reason: str | None | bool = False, free: Callable | None = None,
+         batch_choices: int = 2) -> TuneResult:
+    """``fasttrain tune`` from Python: search, report, and (with ``out``) write the results folder.
+
+    Bad input is refused before anything runs (the out folder, the shape, the budget, the list of
+    techniques); a device the lab cannot use says so."""
+    from fasttrain.lab.build import resolve_device
+    from fasttrain.lab.measure import free_memory
+
+    budget_s = parse_budget(budget)
+    allow = parse_allow(allow)
+    check_shape(seq, global_batch_tokens)
+    if out is not None:
+        from fasttrain.files import check_new_folder
+
+        folder = check_new_folder(out, "--out")
+        if folder.exists() and any(folder.iterdir()):
+            raise FasttrainError(f"--out {out}: that folder holds files already; give a new or empty folder")
+    base = validate(base.with_(context=seq))
+    device = resolve_device(base)
+    memory = memory or device_memory(device, memory_limit_bytes)
+    if corpus is None and measure is None:
+        corpus = load_corpus_for(base)
+    vocab = corpus.vocab_size if corpus is not None else (base.vocab_size or 65)
+    spec, hf_config = model_of(base)
+    if model_id == "gpt":
+        model_id = spec
+    family = getattr(model, "family", None) or (hf_config or {}).get("model_type")
+    predict = predict or lab_predictor(vocab, hf_config, cpu=memory.cpu)
+    measure = measure or lab_measure(corpus)
+    cache = probe_cache(cache_path, device, memory, model_id, hf_config)
+    result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
+                  memory=memory, family=family, hf=spec.startswith("hf:"), allow=allow, precisions=precisions,
+                  fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
+                  max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
+                  batch_choices=batch_choices,
+                  liger_reason=liger_reason, refuse=model_refusal(hf_config, device),
+                  fixed_batch=base.per_device_train_batch_size if "per_device_train_batch_size" in fixed else None)
+    if out is not None:
+        from fasttrain.lab.tune.report import write_results
+
+        write_results(result, out, model_id=model_id)
+    return result
+

@@ -1,0 +1,276 @@
+"""The space tune searches: axes of choices over a base configuration, its candidates."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import re
+from dataclasses import asdict, dataclass, field, fields
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import LabConfig
+
+
+# opt-in techniques that change the training math -> the axis they join and their overrides
+OPT_IN: dict[str, tuple[str, dict]] = {
+    "lora": ("adapter", {"lora_r": 16, "lora_alpha": 32.0}),
+    "prompt_tuning": ("adapter", {"prompt_tuning_tokens": 16}),
+    "adamw_8bit": ("optimizer", {"optim": "adamw_8bit"}),
+    "adafactor": ("optimizer", {"optim": "adafactor"}),
+}
+PRECISION_OVERRIDES = {
+    "bf16": {"bf16": True, "fp16": False, "tf32": False},
+    "tf32": {"bf16": False, "fp16": False, "tf32": True},
+    "fp16": {"bf16": False, "fp16": True, "tf32": False},
+    "fp32": {"bf16": False, "fp16": False, "tf32": False},
+}
+# the lab's per-block compile setting, where the lab has one (name: field, value)
+PER_BLOCK_COMPILE = (("torch_compile_scope", "blocks"),)
+
+
+# --- the space -----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Axis:
+    """One dimension of the search: ``choices`` are (label, LabConfig overrides); the first is the plain one."""
+
+    name: str
+    choices: tuple[tuple[str, dict], ...]
+    changes_math: bool = False
+
+    @property
+    def fields(self) -> set[str]:
+        return {k for _, o in self.choices for k in o}
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One configuration: a choice per axis and a micro-batch (its accumulation reaches ``T``)."""
+
+    choices: tuple[tuple[str, str], ...]       # (axis, choice label), in axis order
+    micro_batch: int
+    accumulation: int
+    overrides: tuple[tuple[str, object], ...]  # every LabConfig override, sorted
+
+    @property
+    def settings(self) -> tuple[tuple[str, str], ...]:
+        return self.choices
+
+    @property
+    def label(self) -> str:
+        shown = [c for a, c in self.choices if c not in ("none", "off", "eager", "dataloader", "adamw_torch")
+                 or a == "precision"]
+        return f"{self.micro_batch}x{self.accumulation} " + " ".join(shown)
+
+    @property
+    def key(self) -> str:
+        return json.dumps(sorted(self.overrides_dict().items()), default=str)
+
+    def overrides_dict(self) -> dict:
+        return dict(self.overrides)
+
+
+def parse_budget(text) -> float | None:
+    """``5m``, ``300s``, ``300``, ``1h``, ``1.5m`` -> seconds; None or "" -> no budget."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, (int, float)) and not isinstance(text, bool):
+        seconds = float(text)
+    else:
+        m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([smh]?)\s*", str(text))
+        if not m:
+            raise FasttrainError(f"--budget {text!r}: give a duration such as 5m, 300s or 1h")
+        seconds = float(m.group(1)) * {"": 1, "s": 1, "m": 60, "h": 3600}[m.group(2)]
+    if seconds <= 0:
+        raise FasttrainError(f"--budget must be positive, got {text!r}")
+    return seconds
+
+
+def parse_allow(allow) -> tuple[str, ...]:
+    if allow is None:
+        return ()
+    names = [a.strip() for a in (allow.split(",") if isinstance(allow, str) else allow) if a and a.strip()]
+    unknown = [a for a in names if a not in OPT_IN]
+    if unknown:
+        raise FasttrainError(f"--allow {','.join(unknown)}: unknown technique; use any of {', '.join(OPT_IN)}")
+    return tuple(dict.fromkeys(names))
+
+
+def micro_batches(sequences: int) -> list[int]:
+    """The micro-batches whose accumulation reaches ``sequences`` per optimizer step exactly: its divisors."""
+    return [b for b in range(1, sequences + 1) if sequences % b == 0]
+
+
+def _per_block_compile() -> tuple[str, object] | None:
+    names = {f.name for f in fields(LabConfig)}
+    for name, value in PER_BLOCK_COMPILE:
+        if name in names:
+            return name, value
+    return None
+
+
+def liger_support(family: str | None) -> str | None:
+    """None when liger-kernel can patch a model of ``family`` (None: the lab's own GPT), else why not."""
+    try:
+        import liger_kernel  # noqa: F401
+    except ImportError:
+        return "liger-kernel is not installed (pip install liger-kernel)"
+    if family is None:
+        return None
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return "this liger-kernel has no transformers patches"
+    if family not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return f"liger-kernel has no kernels for the {family} family"
+    return None
+
+
+def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=(), precisions=("bf16",),
+               fixed=(), liger_reason: str | None | bool = False, hf: bool = False) -> tuple[list[Axis], list[str]]:
+    """The search's axes for ``base`` on this device, and one line for every axis (or choice) dropped.
+
+    ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
+    ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`)."""
+    dropped: list[str] = []
+    fixed = set(fixed)
+    allow = parse_allow(allow)
+    axes: list[Axis] = []
+
+    precision_choices = []
+    for p in precisions:
+        if p not in PRECISION_OVERRIDES:
+            raise FasttrainError(f"unknown precision {p!r}; use any of {', '.join(PRECISION_OVERRIDES)}")
+        if not cuda and p in ("tf32", "fp16"):
+            dropped.append(f"precision {p}: needs a CUDA GPU (tensor cores / GradScaler); dropped on the CPU")
+            continue
+        precision_choices.append((p, PRECISION_OVERRIDES[p]))
+    if not precision_choices:
+        precision_choices = [("fp32", PRECISION_OVERRIDES["fp32"])]
+    axes.append(Axis("precision", tuple(precision_choices)))
+    attention = (("eager", {"attn_implementation": "eager"}), ("sdpa", {"attn_implementation": "sdpa"}))
+    # the plain choice is what the model runs by default: a transformers model sdpa, the lab's GPT eager. The
+    # screen measures every change from the plain configuration, so it should be one a user would run
+    axes.append(Axis("attention", attention[::-1] if hf else attention))
+    if cuda:
+        compile_choices = [("none", {"torch_compile": False}),
+                           ("default", {"torch_compile": True, "torch_compile_mode": "default"}),
+                           ("reduce-overhead", {"torch_compile": True, "torch_compile_mode": "reduce-overhead"})]
+        block = _per_block_compile()
+        if block is not None:
+            compile_choices.append(("block", {"torch_compile": True, "torch_compile_mode": "default",
+                                              block[0]: block[1]}))
+        else:
+            dropped.append("torch.compile per block: the lab has no per-block compile setting; whole-model only")
+        axes.append(Axis("compile", tuple(compile_choices)))
+    else:
+        dropped.append("torch.compile: dropped on the CPU (compiling takes minutes per probe and says nothing "
+                       "about a GPU)")
+    checkpointing = ("none", "selective", "full")
+    if hf:
+        checkpointing = ("none", "full")
+        dropped.append("selective checkpointing: a transformers model checkpoints whole layers "
+                       "(gradient_checkpointing_enable); none and full searched")
+    axes.append(Axis("checkpointing", tuple((c, {"gradient_checkpointing": c}) for c in checkpointing)))
+    reason = liger_support(family) if liger_reason is False else liger_reason
+    if not cuda:
+        dropped.append("liger-kernel: dropped on the CPU (its kernels are Triton, GPU only)")
+    elif reason:
+        dropped.append(f"liger-kernel: {reason}; dropped")
+    else:
+        liger = [("off", {"use_liger_kernel": False, "liger_kernels": "all"}),
+                 ("liger", {"use_liger_kernel": True, "liger_kernels": "all"})]
+        if hf:
+            # the fused cross-entropy alone: on the H100 liger's layer kernels inside per-block compiled layers ran
+            # slower than the compiled layers alone, while the eager head's logits are what compile leaves
+            liger.append(("fused-ce", {"use_liger_kernel": True, "liger_kernels": "fused_linear_cross_entropy"}))
+        axes.append(Axis("liger", tuple(liger)))
+    optimizer_choices = []
+    if base.optim in ("adamw_torch", "adamw_torch_fused"):
+        optimizer_choices = [("adamw_torch", {"optim": "adamw_torch"}), ("adamw_torch_fused", {"optim": "adamw_torch_fused"})]
+    else:
+        optimizer_choices = [(base.optim, {"optim": base.optim})]
+    for name in allow:
+        axis, overrides = OPT_IN[name]
+        if axis != "optimizer":
+            continue
+        if name == "adamw_8bit" and not cuda:
+            dropped.append("adamw_8bit: needs a CUDA GPU (its kernels are CUDA); dropped on the CPU")
+            continue
+        optimizer_choices.append((name, overrides))
+    axes.append(Axis("optimizer", tuple(optimizer_choices),
+                     changes_math=any(c in OPT_IN for c, _ in optimizer_choices)))
+    axes.append(Axis("data", (("dataloader", {"preload": False, "dataloader_num_workers": 0,
+                                              "dataloader_pin_memory": False, "dataloader_prefetch_factor": None}),
+                              ("preload", {"preload": True, "dataloader_num_workers": 0,
+                                           "dataloader_pin_memory": False, "dataloader_prefetch_factor": None}))))
+    adapters = [(name, OPT_IN[name][1]) for name in allow if OPT_IN[name][0] == "adapter"]
+    if adapters:
+        axes.append(Axis("adapter", (("none", {"lora_r": 0, "prompt_tuning_tokens": 0}),
+                                     *((n, {"lora_r": 0, "prompt_tuning_tokens": 0, **o}) for n, o in adapters)),
+                         changes_math=True))
+    kept = []
+    for axis in axes:
+        taken = sorted(axis.fields & fixed)
+        if taken:
+            dropped.append(f"{axis.name}: fixed by you (--{taken[0].replace('_', '-')}); not searched")
+            fixed_choice = tuple((lbl, {k: v for k, v in o.items() if k not in fixed}) for lbl, o in axis.choices[:1])
+            kept.append(Axis(axis.name, (("fixed", fixed_choice[0][1]),)))
+        else:
+            kept.append(axis)
+    return kept, dropped
+
+
+def _redundant(choices: dict) -> bool:
+    """Combinations that are another one under a different name (measured once, not twice)."""
+    # selective checkpointing recomputes the eager attention core; sdpa keeps no s^2 scores: no change
+    return choices.get("checkpointing") == "selective" and choices.get("attention") == "sdpa"
+
+
+def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = None) -> list[Candidate]:
+    """Every combination of the axes' choices at every micro-batch reaching ``sequences`` per step."""
+    out = []
+    batches = [fixed_batch] if fixed_batch else micro_batches(sequences)
+    for combo in itertools.product(*(axis.choices for axis in axes)):
+        choices = {axis.name: label for axis, (label, _) in zip(axes, combo)}
+        if _redundant(choices):
+            continue
+        overrides: dict = {}
+        for _, o in combo:
+            overrides.update(o)
+        for b in batches:
+            out.append(make_candidate(axes, tuple(choices.items()), overrides, b, sequences))
+    return out
+
+
+def make_candidate(axes, choices, overrides: dict, micro_batch: int, sequences: int) -> Candidate:
+    k = sequences // micro_batch
+    full = {**overrides, "per_device_train_batch_size": micro_batch, "gradient_accumulation_steps": k}
+    return Candidate(tuple(choices), micro_batch, k, tuple(sorted(full.items())))
+
+
+MIB = 2 ** 20
+
+
+@dataclass
+class Probe:
+    """What one short run measured. ``tokens_per_s`` over the timed steps (warm-up excluded);
+    ``compile_s``: the first step (compilation, autotuning); ``warmup_s``: the other warm-up steps;
+    ``losses``: the training loss after every step, warm-up included."""
+
+    steps: int
+    tokens_per_s: float | None = None
+    peak_bytes: int | None = None
+    reserved_bytes: int | None = None
+    predicted_bytes: int | None = None
+    compile_s: float = 0.0
+    warmup_s: float = 0.0
+    losses: list = field(default_factory=list)
+    oom: bool = False
+    error: str | None = None
+    wall_s: float = 0.0
+    cached: bool = False
+    stopped: bool = False           # ended early (the budget, or far slower than the best): an error, not cached
+
+    def to_dict(self) -> dict:
+        return asdict(self)
