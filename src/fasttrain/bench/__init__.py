@@ -7,7 +7,7 @@ not); results land in ``results/<gpu-or-cpu-slug>/`` as ``<suite>.json`` (every 
 ``<suite>.csv`` (long format), ``<suite>.md`` and PNG plots, and a run merges with the results
 already there. ``bench merge`` folds runs split over several calls, ``bench render`` redraws the
 reports from the JSON (e.g. after a machine without matplotlib), ``bench readme`` prints (or, with
-``--into README.md``, writes) the README's Results section from committed result files.
+``--into results/README.md``, writes) a section of the results index from committed result files.
 
 Layout: each suite is a module of :mod:`fasttrain.bench.suites` whose ``SPEC`` carries its builder,
 its Markdown, its plots and (where its cases are not single runs) its runner; :mod:`~fasttrain.bench.runner`

@@ -226,7 +226,7 @@ def _run_locked(ctx, built, folder: Path, data, info: dict, note, engines_filter
 
 
 def write_folder_outputs(folder: Path) -> None:
-    """The combined long CSV and a README preview over every suite in the folder."""
+    """The combined long CSV and the folder's own README over every suite in it."""
     from fasttrain.bench import report, suites
     from fasttrain.bench.readme import readme_section
     from fasttrain.files import atomic_write_text
@@ -334,25 +334,29 @@ def _merge_locked(folder: Path, parts) -> None:
 
 @command.command()
 @click.argument("results_dir", type=click.Path(file_okay=False))
-@click.option("--link-base", help="Prefix of image links (default: RESULTS_DIR/, a path from the repository root).")
+@click.option("--link-base", help="Prefix of image links (default: the path from --into's folder to RESULTS_DIR; "
+                                  "without --into, RESULTS_DIR/ as given).")
 @click.option("--into", "into", type=click.Path(dir_okay=False),
-              help="Write it into this file between <!-- MARKER:start --> and <!-- MARKER:end -->.")
+              help="Write it into this file between <!-- MARKER:start --> and <!-- MARKER:end --> "
+                   "(the results index: results/README.md).")
 @click.option("--marker", default="bench-results", show_default=True,
-              help="The marker lines' name, so that one README holds several generated sections "
-                   "(e.g. lab-results for the lab's folder).")
+              help="The marker lines' name, so that one file holds several generated sections "
+                   "(record-results, many-results, lab-results in results/README.md).")
 def readme(results_dir, link_base, into, marker) -> None:
-    """Print the README's Results section from the result files in RESULTS_DIR."""
-    from fasttrain.bench.readme import readme_section
+    """Print the results section of the result files in RESULTS_DIR (or write it into results/README.md)."""
+    from fasttrain.bench.readme import link_base_from, readme_section
     from fasttrain.files import write_into
 
     if not marker.replace("-", "").isalnum():
         raise FasttrainError(f"--marker {marker!r}: use letters, digits and '-' only")
-    # a section inside another one (the lab's, under its own heading) takes the next level down
-    section = readme_section(results_dir, link_base, heading="## Results" if marker == "bench-results" else
-                             "### Results")
+    if into and link_base is None:
+        link_base = link_base_from(results_dir, into)
+    # the section sits under the index's own heading of its area; the engines' protocol is written out once, in
+    # the main section, and the others point to their folder's README for it
+    section = readme_section(results_dir, link_base, protocol="full" if marker == "bench-results" else "link")
     if into:
         write_into(into, section, start=f"<!-- {marker}:start -->", end=f"<!-- {marker}:end -->")
-        console.print(f"wrote the results section of {into} from {results_dir}")
+        console.print(f"wrote the {marker} section of {into} from {results_dir}")
     else:
         click.echo(section, nl=False)
 
