@@ -6,6 +6,7 @@ through the lab's trainer on a tiny model."""
 from __future__ import annotations
 
 import json
+import os
 
 import pytest
 
@@ -603,7 +604,13 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     (folder / "README.md").unlink()
     readme.write_text(f"# top\n{bench.README_START}\n{bench.README_END}\n")
     assert bench.main(["readme", str(folder), "--into", str(readme)]) == 0
-    assert (folder / "README.md").read_text() in readme.read_text() and "| tiny-gpt2 |" in readme.read_text()
+    own, section = (folder / "README.md").read_text(), readme.read_text()
+    assert "| tiny-gpt2 |" in own and "| tiny-gpt2 |" in section
+    # the folder's own README: the machine its title, each model under it; in the index's section the machine is
+    # a ### (under the index's "## fasttrain tune ..."), each model a ####, and the folder is linked from there
+    assert own.startswith("# fasttrain tune against the Hugging Face Trainer: ") and "\n## tiny-gpt2\n" in own
+    assert f"{bench.README_START}\n### " in section and "\n#### tiny-gpt2\n" in section
+    assert f"]({os.path.relpath(folder, readme.parent)}/)" in section
     with pytest.raises(SystemExit):
         bench.main(["readme", str(tmp_path / "nothing-here"), "--into", str(readme)])
     # one section for several machines' folders, each under its device's heading
@@ -613,10 +620,13 @@ def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     (other / "tune.json").write_text(json.dumps({**data, "device": "NVIDIA H200", "measured_with": "bash pair.sh"}))
     assert bench.main(["readme", str(folder), "--also", str(other), "--into", str(readme)]) == 0
     text = readme.read_text()
-    assert text.count("## fasttrain tune against the Hugging Face Trainer") == 2
-    assert "Trainer: NVIDIA H200" in text and "Measured with `bash pair.sh`" in text
+    assert [line for line in text.splitlines() if line.startswith("### ")][1] == "### NVIDIA H200"
+    assert "Measured with `bash pair.sh`" in text
+    # a wrong --also is refused before the folder's README is written
+    (folder / "README.md").unlink()
     with pytest.raises(SystemExit):
         bench.main(["readme", str(folder), "--also", str(tmp_path / "nothing-here"), "--into", str(readme)])
+    assert not (folder / "README.md").exists()
     # a report written away from the GPU (from a state copied back) names the machine the phases ran on
     assert state["environment"]["cpu"]                  # each phase records where it ran
     state["environment"] = {**state["environment"], "gpu": {"name": "NVIDIA H100 80GB HBM3"}}

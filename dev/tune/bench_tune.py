@@ -47,7 +47,12 @@ only where its expected time fits ``--time-left``); ``merge --from`` folds lane 
 lane A's state; ``crosscheck`` measures the pick and the grid's best on each GPU, so that figures
 from two cards compare. Every figure records the GPU it ran on (``CUDA_VISIBLE_DEVICES``).
 ``report`` writes ``results/tune/<machine>/tune.json`` (``cases``: one entry per model with exactly
-the keys of :data:`CASE_KEYS`) and ``README.md`` generated from that folder.
+the keys of :data:`CASE_KEYS`) and ``README.md`` generated from that folder. ``readme`` writes a committed
+folder's ``README.md`` again and, with ``--into results/README.md``, the results index's tune section (every
+machine's folder, ``--also``), between the lines of :data:`README_START` and :data:`README_END`::
+
+    python3 dev/tune/bench_tune.py readme results/tune/nvidia-h100-80gb-hbm3 --also results/tune/nvidia-h200 \\
+        --into results/README.md
 """
 
 from __future__ import annotations
@@ -84,6 +89,7 @@ MODELS = {
         resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
 }
 README_START, README_END = "<!-- tune-results:start -->", "<!-- tune-results:end -->"
+SECTION_LEVEL = 3               # a machine's heading in the results index, under the index's "## fasttrain tune ..."
 HF_DEFAULT_BATCH = 8            # TrainingArguments.per_device_train_batch_size's default
 LEARNING_RATE = 3e-4
 
@@ -731,14 +737,20 @@ def _fmt(v, spec=",.0f"):
 
 def readme(folder: Path, into: Path | None = None) -> str:
     """The README section, generated from ``folder``'s ``tune.json``; ``into``: the file it goes into (its links
-    then lead from there into ``folder``), else ``folder``'s own README."""
+    then lead from there into ``folder``, and its headings sit under that file's heading of the area: the
+    machine at :data:`SECTION_LEVEL`, each model one below), else ``folder``'s own README (the machine its title,
+    each model a ``##``)."""
     base = Path(os.path.relpath(folder.resolve(), into.resolve().parent)) if into is not None else Path()
+    level = SECTION_LEVEL if into is not None else 1
     data = json.loads((folder / "tune.json").read_text())
     measured = f" Measured with `{data['measured_with']}`." if data.get("measured_with") else ""
-    lines = [f"## fasttrain tune against the Hugging Face Trainer: {data.get('device', '-')}", "",
-             f"Device: {data.get('device', '-')}. bf16, random init, the same global batch for every column "
+    device = data.get("device", "-")
+    title = device if into is not None else f"fasttrain tune against the Hugging Face Trainer: {device}"
+    lines = ["#" * level + f" {title}", "",
+             f"Device: {device}. bf16, random init, the same global batch for every column "
              "(tokens per optimizer step below); tokens/s over optimizer steps after the first (compilation, "
-             f"warm-up) ones.{measured} Command: `{data.get('command', '-')}`.", "",
+             f"warm-up) ones.{measured} Command: `{data.get('command', '-')}`."
+             + (f" Files: [`{folder.as_posix()}/`]({base.as_posix()}/)." if into is not None else ""), "",
              "| model | tokens per step | HF Trainer (users) | HF Trainer (its best flags) | tune's pick | grid's best "
              "| pick peak MiB | predicted MiB | search s |",
              "| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |"]
@@ -749,7 +761,7 @@ def readme(folder: Path, into: Path | None = None) -> str:
                      f"| {_fmt(c['pick_tokens_per_s'])} | {_fmt(c['best_tokens_per_s'])} | {_fmt(c['pick_peak_mib'])} "
                      f"| {_fmt(c['pick_predicted_mib'])} | {_fmt(c['tune_s'])} |")
     for detail in data.get("details", []):
-        lines += ["", f"### {detail['model']}", ""]
+        lines += ["", "#" * (level + 1) + f" {detail['model']}", ""]
         if detail.get("pick_label"):
             lines.append(f"Pick: `{detail['pick_label']}` — `{detail.get('lab_command', '')}`")
             lines.append("")
@@ -846,7 +858,8 @@ def main(argv=None) -> int:
     ap.add_argument("--also", type=Path, action="append", default=[],
                     help="readme: another results folder whose section follows (one section for every machine)")
     ap.add_argument("--into", type=Path, default=None,
-                    help=f"report: also write the section into this file between {README_START} and {README_END}")
+                    help=f"report, readme: also write the section into this file (the results index, "
+                         f"results/README.md) between {README_START} and {README_END}")
     args = ap.parse_args(argv)
     import torch
 
@@ -872,6 +885,9 @@ def main(argv=None) -> int:
         if args.phase == "readme" and not (args.work / "tune.json").is_file():
             ap.error(f"readme: {args.work} holds no tune.json; give a results folder such as "
                      "results/tune/nvidia-h100-80gb-hbm3")
+        for other in args.also:         # every input checked before anything is written
+            if not (other / "tune.json").is_file():
+                ap.error(f"--also {other}: holds no tune.json; give a results folder")
         if args.into is not None:
             _check_markers(ap, args.into)
         from fasttrain.files import atomic_write_text, write_into
@@ -881,9 +897,6 @@ def main(argv=None) -> int:
         else:
             folder = args.work
             atomic_write_text(folder / "README.md", readme(folder))
-        for other in args.also:
-            if not (other / "tune.json").is_file():
-                ap.error(f"--also {other}: holds no tune.json; give a results folder")
         section = "\n".join(readme(f, args.into) for f in [folder, *args.also])
         print(section)
         if args.into is not None:
