@@ -225,6 +225,17 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     assert "| whole process, warm compiler caches | 12 | - | not measured |" in section
     assert f"| {name} | cold | 21.5 | 10 | 4 | 7.5 |" in section          # rest = process - setup - train
     assert "### Variants measured apart" in section and "| gemm | 2.000 | 67% |" in section
+    # each heading once: the variants' ladder sits under "Variants measured apart" without a title of its own
+    headings = [line for line in section.splitlines() if line.startswith("#")]
+    assert len(headings) == len(set(headings)) and all(h.startswith("### ") for h in headings)
+    # written into the results index, its links lead from there into the folders
+    index = tmp_path / "results" / "README.md"
+    index.write_text(f"# Results\n\n## The Shakespeare speedrun\n\n{report.README_START}\n{report.README_END}\n")
+    code, _, stderr = run_cli(["lab", "speedrun", "readme", str(machine), "--also", str(out), "--into", str(index)],
+                              capsys)
+    assert code == 0, stderr
+    text = index.read_text()
+    assert "](cpu/record.json)" in text and "](cpu/cold/process_times.jsonl)" in text and "](../out/speedrun.json)" in text
     assert "the GPU busy 3.00 ms of it (75%)" in section
     times.write_text("not json\n")
     code, _, stderr = run_cli(["lab", "speedrun", "record", str(out), "--out", str(machine),
