@@ -21,7 +21,6 @@ from fasttrain.bench.tables import machine_line
 from fasttrain.errors import FasttrainError
 
 START, END = "<!-- bench-results:start -->", "<!-- bench-results:end -->"
-INDEX = Path("results") / "README.md"   # where the generated sections live, from the repository root
 SUITE_LEVEL = 3                         # the suites' Markdown opens with "### <suite>"
 
 PROTOCOL = (
