@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import shutil
 
 import pytest
 
@@ -236,6 +237,13 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     assert code == 0, stderr
     text = index.read_text()
     assert "](cpu/record.json)" in text and "](cpu/cold/process_times.jsonl)" in text and "](../out/speedrun.json)" in text
+    # two folders of variants: each under a heading that names it
+    shutil.copytree(out, tmp_path / "out2")
+    code, section, stderr = run_cli(["lab", "speedrun", "readme", str(machine), "--also", str(out), "--also",
+                                     str(tmp_path / "out2")], capsys)
+    assert code == 0, stderr
+    headings = [line for line in section.splitlines() if line.startswith("#")]
+    assert len(headings) == len(set(headings)) and f"### Variants measured apart (`{tmp_path / 'out2'}`)" in headings
     assert "the GPU busy 3.00 ms of it (75%)" in section
     times.write_text("not json\n")
     code, _, stderr = run_cli(["lab", "speedrun", "record", str(out), "--out", str(machine),

@@ -442,7 +442,8 @@ def readme_section(folder, also=(), into=None) -> str:
         extra = Path(extra)
         # the variants' ladder under this heading, without the ladder's own (the main ladder's title again)
         ladder = ladder_markdown(load_result(extra)).split("\n\n", 1)[1]
-        parts.append(f"### Variants measured apart\n\nFrom {link(extra, 'speedrun.json')}:\n\n" + ladder)
+        named = f" (`{extra.as_posix()}`)" if len(also) > 1 else ""
+        parts.append(f"### Variants measured apart{named}\n\nFrom {link(extra, 'speedrun.json')}:\n\n" + ladder)
     profiles = [path for where in (folder, *map(Path, also)) for path in sorted(where.glob("profile-*.json"))]
     for path in profiles:
         named = f" (`{path.name}`)" if len(profiles) > 1 else ""
