@@ -340,15 +340,18 @@ def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> No
 
 
 @command.command("plot")
-@click.argument("record", type=click.Path(dir_okay=False))
+@click.argument("records", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
-def plot_cmd(record, out_path) -> None:
-    """Plot a run record's loss curve (training and validation loss against the step)."""
-    from fasttrain.lab.record import load_record, plot_loss_curve
+def plot_cmd(records, out_path) -> None:
+    """Plot run records' loss curves (training and validation loss against the step); several runs
+    share one figure, each labelled by its file's name."""
+    from fasttrain.lab.record import load_record, plot_runs, run_labels
 
     check_output_path(out_path, "--out")
-    path = plot_loss_curve(load_record(record), out_path)
-    out.print(f"loss curve: {path}")
+    labels = run_labels(records)
+    path = plot_runs({label: load_record(p) for label, p in zip(labels, records)}, out_path,
+                     sources=dict(zip(labels, records)))
+    out.print(f"loss curve{'s' if len(records) > 1 else ''}: {path}")
 
 
 def _load_subcommands() -> None:
