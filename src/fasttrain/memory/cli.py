@@ -89,6 +89,12 @@ def _options(fn):
 STRATEGY_CHOICES = ("none", "ddp", "zero1", "fsdp", "fsdp-zero2", "tp")
 
 
+def asked_run(opts: dict) -> tuple[int, str]:
+    """GPUs and strategy asked for: one GPU alone, or N under ddp unless --strategy says otherwise."""
+    n = opts.get("nproc_per_node") or 1
+    return n, opts.get("strategy") or ("none" if n == 1 else "ddp")
+
+
 def lab_words(opts: dict) -> bool:
     """Whether the run is asked in the lab's words (--strategy, --nproc-per-node)."""
     return opts.get("strategy") is not None or opts.get("nproc_per_node") is not None
@@ -106,18 +112,16 @@ def setup_from_options(opts: dict):
         opts = {**opts, "precision": "amp"}
     if not lab_words(opts):
         return _setup_from_flags(opts)
-    given = [flag for flag, name in (("--dp", "dp"), ("--tp", "tp"), ("--zero", "zero")) if opts.get(name) is not None]
+    given = [flag for flag, name in (("--dp", "dp"), ("--tp", "tp"), ("--zero", "zero"), ("--grad-buffers", "grad_buffers"))
+             if opts.get(name) not in (None, False)]
     if given:
         raise FasttrainError(f"--strategy/--nproc-per-node set {', '.join(given)} as the lab's run would; drop "
                              f"{', '.join(given)}")
-    n = opts.get("nproc_per_node") or 1
-    strategy = opts.get("strategy") or ("none" if n == 1 else "ddp")
+    n, strategy = asked_run(opts)
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--strategy/--nproc-per-node work in --mode precise only")
     setup = _setup_from_flags(opts)
-    changes = strategy_changes(strategy, n, bool(opts.get("bf16")))
-    changes["grad_buffers"] = setup.grad_buffers or changes.get("grad_buffers", False)
-    return check(setup.with_(**changes), "precise")
+    return check(setup.with_(**strategy_changes(strategy, n, bool(opts.get("bf16")))), "precise")
 
 
 def _setup_from_flags(opts: dict):
@@ -167,8 +171,6 @@ def _setup_from_hf_options(opts: dict):
         raise FasttrainError(f"--hf-config sets the architecture; drop {', '.join(given)}")
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
-    if opts.get("html") is not None:
-        raise FasttrainError("--hf-config is not on the page (it models the lab's GPT); drop --html")
     config = load_hf_config(opts["hf_config"])
     precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "fp32")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
@@ -267,9 +269,14 @@ def command(ctx, **opts) -> None:
     b = estimate(setup, opts["mode"])
     fits = _fits(setup, opts) if lab_words(opts) else None
     if opts["html"] is not None:
-        from fasttrain.memory.page import write_page
+        from fasttrain.memory.page import write_hf_page, write_page
 
-        path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
+        if opts.get("hf_config") is not None:
+            n, strategy = asked_run(opts)
+            path = write_hf_page(opts["html"], setup, b, model=str(opts["hf_config"]), nproc_per_node=n,
+                                 gpu_gb=opts["gpu_gb"], bf16=bool(opts.get("bf16")), strategy=strategy)
+        else:
+            path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
         if not opts["as_json"]:
             out.print(f"page: {path}")
             return
@@ -287,8 +294,7 @@ def _fits(setup, opts: dict) -> dict:
     """The lab's run in words and every strategy x checkpointing ranked (:func:`fasttrain.memory.fit.rank`)."""
     from fasttrain.memory.fit import precision_words, rank
 
-    n = opts.get("nproc_per_node") or 1
-    strategy = opts.get("strategy") or ("none" if n == 1 else "ddp")
+    n, strategy = asked_run(opts)
     gpu_bytes = opts["gpu_gb"] * 1e9
     rows = rank(setup, n, gpu_bytes, bool(opts.get("bf16")))
     return {"strategy": strategy, "nproc_per_node": n, "gpu_bytes": gpu_bytes,

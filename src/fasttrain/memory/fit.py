@@ -44,13 +44,13 @@ def strategy_changes(strategy: str, n: int, bf16: bool) -> dict:
     if strategy == "none":
         if n != 1:
             raise FasttrainError(f"--nproc-per-node {n} needs a --strategy (ddp, zero1, fsdp, fsdp-zero2 or tp)")
-        changes = {"dp": 1, "zero": 0, "tp": 1}
+        changes = {"dp": 1, "zero": 0, "tp": 1, "grad_buffers": False}
     elif strategy in ("ddp", "zero1"):
         changes = {"dp": n, "zero": 0 if strategy == "ddp" else 1, "tp": 1, "grad_buffers": True}
     elif strategy.startswith("fsdp"):
-        changes = {"dp": n, "zero": 2 if strategy == "fsdp-zero2" else 3, "tp": 1}
+        changes = {"dp": n, "zero": 2 if strategy == "fsdp-zero2" else 3, "tp": 1, "grad_buffers": False}
     else:
-        changes = {"dp": 1, "zero": 0, "tp": n}
+        changes = {"dp": 1, "zero": 0, "tp": n, "grad_buffers": False}
     changes["precision"] = ("mixed" if strategy.startswith("fsdp") else "amp") if bf16 else "fp32"
     return changes
 
@@ -89,9 +89,7 @@ def rank(setup, n: int, gpu_bytes: float, bf16: bool) -> list[Fit]:
     for strategy in strategies:
         for recompute in RECOMPUTES["lab" if setup.modules == "lab" else "hf"]:
             try:
-                changes = strategy_changes(strategy, n, bf16)
-                changes["grad_buffers"] = setup.grad_buffers or changes.get("grad_buffers", False)
-                s = check(setup.with_(**changes, recompute=recompute), "precise")
+                s = check(setup.with_(**strategy_changes(strategy, n, bf16), recompute=recompute), "precise")
                 total = estimate(s, "precise").total
             except FasttrainError as exc:
                 rows.append(Fit(strategy, recompute, None, False, str(exc)))
