@@ -91,7 +91,7 @@ def render(setup: Setup | None = None, mode: str = "precise", preset_name: str =
         # ``code`` in the docstrings -> <code>code</code>, the rest escaped
         return json.dumps([re.sub(r"``(.+?)``", r"<code>\1</code>", html.escape(x, quote=False)) for x in items])
 
-    for key, value in {
+    return _filled(page, {
         "/*MEMORY_JS*/": js,
         "/*PRESETS*/": json.dumps(presets),
         "/*PRESET_NOTES*/": json.dumps(PRESET_NOTES),
@@ -100,7 +100,12 @@ def render(setup: Setup | None = None, mode: str = "precise", preset_name: str =
                                    "preset": preset_name if _setup_dict(setup) == presets.get(preset_name) else "custom"}),
         "/*QUIRKS*/": esc(quirks()),
         "/*DIFFS*/": esc(differences()),
-    }.items():
+    })
+
+
+def _filled(page: str, values: dict) -> str:
+    """The template with each ``/*KEY*/`` replaced (a ``</script`` inside escaped: it would end the script)."""
+    for key, value in values.items():
         assert key in page, key
         page = page.replace(key, value.replace("</script", "<\\/script"))
     return page
@@ -131,7 +136,7 @@ def hf_page_data(setup: Setup, breakdown, *, model: str, nproc_per_node: int, gp
 def render_hf(data: dict) -> str:
     """The page of a transformers model (``assets/hf_page.html``) holding ``data`` (:func:`hf_page_data`)."""
     page = (ASSETS / "hf_page.html").read_text()
-    return page.replace("/*HF_DATA*/", json.dumps(data).replace("</", "<\\/"))
+    return _filled(page, {"/*MEMORY_JS*/": (ASSETS / "memory.js").read_text(), "/*HF_DATA*/": json.dumps(data)})
 
 
 def write_hf_page(path, setup: Setup, breakdown, **options) -> Path:
