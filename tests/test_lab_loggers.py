@@ -147,3 +147,18 @@ def test_step_line_formats_what_it_has():
     assert L.step_line(row, 200) == ("step  20/200  loss 3.2104  lr 1.00e-03  grad-norm 0.871  12,346 tok/s  "
                                      "mem 0.41 GB  40,960 tokens")
     assert L.step_line({"step": 3, "loss": 1.0}) == "step      3  loss 1.0000"
+
+
+def test_a_resumed_run_writes_the_saved_curve_first(tmp_path):
+    from fasttrain.lab.trainer import Metrics
+
+    cfg = _cfg(logging_dir=str(tmp_path / "logs"), report_to="jsonl")
+    loggers = L.open_loggers(cfg, lines=False)
+    metrics = Metrics(cfg, torch.device("cpu"), loggers=loggers)
+    metrics.restore({"loss_curve": [{"step": 2, "loss": 3.5, "lr": 0.01, "ms": 5.0},
+                                    {"step": 4, "loss": 3.1, "lr": 0.009, "ms": 5.0}],
+                     "evals": [{"step": 4, "val_loss": 3.2, "tokens": 100, "ms": 1.0}], "train_s": 1.0})
+    loggers.close()
+    rows = [json.loads(x) for x in (tmp_path / "logs" / "metrics.jsonl").read_text().splitlines()]
+    assert rows == [{"step": 2, "loss": 3.5, "lr": 0.01}, {"step": 4, "loss": 3.1, "lr": 0.009},
+                    {"step": 4, "val_loss": 3.2}]

@@ -47,15 +47,16 @@ def test_the_table_ranks_by_the_picks_measure_and_says_what_each_row_was_measure
         (1, "8x2 bf16 sdpa", True), (2, "4x4 bf16", False), (3, "16x1 bf16", False)]
     assert [(r["ranked_on_steps"], r["steps_measured"], r["seconds_measured"]) for r in rows] == [
         (8, 10, 5.5), (8, 8, 5.0), (2, 2, 1.25)]
-    assert rows[2]["status"] == "ok; faster than the pick on a 2-step probe, not measured at the pick's 8"
-    assert rows[0]["status"] == rows[1]["status"] == "ok"
+    assert [r["status"] for r in rows] == ["ok"] * 3
+    assert rows[2]["note"] == "faster than the pick on a 2-step probe, not measured at the pick's 8"
+    assert rows[0]["note"] == rows[1]["note"] == ""
     from rich.console import Console
 
     console = Console(file=io.StringIO(), width=250)
     R.print_report(res, console)
     text = console.file.getvalue()
     assert "ranked on" in text and "measured" in text and "8x2 bf16 sdpa (pick)" in text
-    assert "10 steps, 5.5 s" in text and "2 steps, 1.2 s" in text
+    assert "10 steps, 5.5 s" in text and "2 steps, 1.2 s" in text and "ok; faster than the pick on a 2-step" in text
     assert "ranked as the pick was chosen: by the longest probe each configuration reached" in text.replace("\n", " ")
 
 

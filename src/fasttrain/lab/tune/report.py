@@ -49,6 +49,7 @@ def entry_row(entry, result, rank: int | None) -> dict:
         "ranked_on_steps": probe.steps if probe is not None else None,
         "seconds_measured": sum(p.wall_s for p in entry.probes) if entry.probes else None,
         "pick": entry is result.pick,
+        "note": "",
         "tokens_per_s": probe.tokens_per_s if entry.ok else None,
         "peak_mib": _mib(probe.peak_bytes) if probe is not None else None,
         "reserved_mib": _mib(probe.reserved_bytes) if probe is not None else None,
@@ -71,7 +72,7 @@ RANKING = ("ranked as the pick was chosen: by the longest probe each configurati
 def ranked_rows(result) -> list[dict]:
     """The measured configurations in the search's order (the pick's measure: the longest probe reached,
     then tokens/s on it), each saying what it was ranked on; a row faster than the pick on a shorter
-    probe says so in its status."""
+    probe says so in its ``note``."""
     rows = []
     rank = 0
     pick = result.pick.last if result.pick is not None and result.pick.ok else None
@@ -82,8 +83,7 @@ def ranked_rows(result) -> list[dict]:
             rank += 1
         row = entry_row(entry, result, rank if entry.ok else None)
         if pick is not None and entry.ok and entry.last.steps < pick.steps and entry.last.tokens_per_s > pick.tokens_per_s:
-            row["status"] = (f"ok; faster than the pick on a {entry.last.steps}-step probe, not measured at the "
-                             f"pick's {pick.steps}")
+            row["note"] = f"faster than the pick on a {entry.last.steps}-step probe, not measured at the pick's {pick.steps}"
         rows.append(row)
     return rows
 
@@ -337,7 +337,7 @@ def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> Non
                       _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_mib"], ",.0f"),
                       _fmt(r["predicted_mib"], ",.0f"), _fmt(r["compile_s"], ".1f"), _fmt(r["warmup_s"], ".1f"),
                       _fmt(r["loss"], ".4f"), _fmt(r["loss_vs_baseline"], "+.4f"),
-                      r["status"] + (" (cached)" if r["cached"] else ""))
+                      r["status"] + (" (cached)" if r["cached"] else "") + (f"; {r['note']}" if r["note"] else ""))
     console.print(table)
     console.print(f"{result.space_size} configurations, {result.pruned} pruned by prediction, "
                   f"{result.probes_measured} probes measured, {result.probes_cached} from the cache, "
