@@ -76,3 +76,40 @@ def test_run_record_object_carries_the_trained_model(corpus):
     assert isinstance(rec, RunRecord) and isinstance(rec.model, torch.nn.Module)
     assert rec.to_dict()["kind"] == "lab-run" and rec.losses == [p["loss"] for p in rec.to_dict()["loss_curve"]]
     assert rec.timings["step_ms"]["p50"] > 0 and rec.timings["setup_ms"] > 0 and rec.memory["by_kind"]["parameters"] > 0
+
+
+def test_plot_draws_several_runs_on_one_figure(tmp_path, capsys, monkeypatch):
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    from fasttrain.lab.record import run_labels
+
+    drawn = []
+    plot = matplotlib.axes.Axes.plot
+
+    def spy(self, *args, **kwargs):             # what each line is: its label and its points
+        drawn.append((kwargs.get("label"), list(args[0]), list(args[1])))
+        return plot(self, *args, **kwargs)
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+    paths = []
+    for name, scale in (("bf16", 4.0), ("fp32", 3.0)):
+        record = {"kind": "lab-run", "config": {"name": "tiny"}, "device": "cpu", "precision": name,
+                  "loss_curve": [{"step": s, "loss": scale / s} for s in range(1, 6)],
+                  "eval": [{"step": 5, "val_loss": scale / 6}]}
+        paths.append(tmp_path / f"{name}.json")
+        paths[-1].write_text(json.dumps(record))
+    code, out, err = run_cli(["lab", "plot", *map(str, paths), "--out", str(tmp_path / "runs.png")], capsys)
+    assert code == 0, err
+    assert (tmp_path / "runs.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and "loss curves:" in out
+    assert [d[0] for d in drawn] == ["bf16: train loss", "bf16: validation loss", "fp32: train loss",
+                                     "fp32: validation loss"]
+    assert drawn[2][1:] == ([1, 2, 3, 4, 5], [3.0 / s for s in range(1, 6)])
+    assert run_labels(["a/run.json", "b/run.json"]) == ["a/run.json", "b/run.json"]    # alike names: whole paths
+    # a bad record among them: one line naming it, nothing written
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"kind": "lab-run", "config": {}, "loss_curve": [], "eval": []}))
+    code, _, err = run_cli(["lab", "plot", str(paths[0]), str(bad), "--out", str(tmp_path / "x.png")], capsys)
+    assert code == 1 and f"{bad}: the record has no loss curve" in err and not (tmp_path / "x.png").exists()
+    bad.write_text("{not json")
+    code, _, err = run_cli(["lab", "plot", str(paths[0]), str(bad), "--out", str(tmp_path / "x.png")], capsys)
+    assert code == 1 and str(bad) in err and len(err.strip().splitlines()) == 1

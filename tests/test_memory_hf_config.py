@@ -233,7 +233,7 @@ def test_cli_hf_config_bad_input_is_one_line(tmp_path, content, message):
 
 @pytest.mark.parametrize("extra, message", [
     (["--hidden", "1024"], "drop --hidden"), (["--preset", "llama3-8b"], "drop --preset"),
-    (["--html", "page.html"], "drop --html"), (["--mode", "playbook"], "precise only"),
+    (["--mode", "playbook"], "precise only"),
     (["--recompute", "selective"], "recompute"),
     (["--lora-r", "8", "--lora-targets", "q_proj"], "c_attn, c_proj, c_fc, lm_head"),
     (["--lora-r", "8", "--lora-dropout", "0.1"], "lora_dropout"), (["--seq", "2048"], "positions"),

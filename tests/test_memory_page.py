@@ -277,3 +277,42 @@ def test_page_refuses_a_transformers_models_setup():
         with pytest.raises(FasttrainError, match="models the lab's GPT"):
             render(setup)
     assert "<html" in render(preset("llama3-8b")).lower()
+
+
+def test_the_page_of_a_transformers_model_in_the_browser(page, tmp_path):
+    """``memory --hf-config X --html``: the model's breakdown as the estimator gave it, and what fits
+    re-ranked as the GPU memory and count change (numbers from Python, chosen among in the page)."""
+    from fasttrain.memory.breakdown import format_gib
+    from fasttrain.memory.fit import rank
+    from fasttrain.memory.hf_config import setup_from_hf_config
+    from fasttrain.memory.page import write_hf_page
+
+    llama = dict(model_type="llama", hidden_size=256, intermediate_size=688, num_hidden_layers=4,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=1000, max_position_embeddings=512)
+    setup = setup_from_hf_config(llama, micro_batch=8, seq=512, precision="amp")
+    b = estimate(setup, "precise")
+    html = tmp_path / "hf.html"
+    write_hf_page(html, setup, b, model="tiny-llama", nproc_per_node=2, gpu_gb=80.0, bf16=True, strategy="none")
+    pg = page.context.new_page()
+    errors = []
+    pg.on("pageerror", lambda e: errors.append(str(e)))
+    pg.goto(html.as_uri())
+    assert pg.text_content("#model") == "tiny-llama"
+    assert pg.text_content("#total") == format_gib(b.total)
+    table = lambda: pg.eval_on_selector_all("#ranking tbody tr", "rs => rs.map(r => [...r.cells].map(c => c.textContent))")
+    rows = table()
+    assert [(r[0], r[1], r[2], r[3]) for r in rows] == [(x.strategy, x.recompute, format_gib(x.bytes), "yes")
+                                                        for x in rank(setup, 2, 80e9, True)]
+    # a GPU between the peaks: the smallest fitting first, then the rest marked no
+    peaks = sorted(x.bytes for x in rank(setup, 2, 80e9, True))
+    gb = (peaks[2] + peaks[3]) / 2 / 1e9
+    pg.fill("#gpu_gb", str(gb))
+    marks = [r[3] for r in table()]
+    assert marks == ["yes"] * 3 + ["no"] * (len(peaks) - 3)
+    assert pg.text_content("#best").startswith(f"smallest that fits on 2 x {gb} GB: fasttrain lab --strategy")
+    pg.select_option("#gpus", "1")
+    assert {r[0] for r in table()} == {"none"}
+    pg.fill("#gpu_gb", "0.001")
+    assert pg.text_content("#best").startswith("nothing fits on 1 x 0.001 GB")
+    assert errors == []
+    pg.close()

@@ -85,6 +85,9 @@ HELP.update({
     "torch_compile_scope": "What torch.compile compiles: model (one graph) or blocks (each repeated block alone).",
     "save_steps": "Write a training-state checkpoint (weights, optimizer, schedule, data position, random states) "
                   "every N steps into --output-dir.",
+    "report_to": "Where each logged step goes: none, jsonl, csv, tensorboard, wandb, all or a comma-separated list "
+                 "(files under --logging-dir, else beside --out; WANDB_MODE=offline for W&B without an account).",
+    "logging_dir": "Folder of metrics.jsonl, metrics.csv, tensorboard/, wandb/ (default: beside --out RUN.json).",
     "save_total_limit": "Keep only the newest N checkpoints.", "output_dir": "Where --save-steps writes checkpoint-N/.",
     "resume": "Continue from a checkpoint (a checkpoint-N folder, or the newest in an --output-dir).",
 })
@@ -232,7 +235,7 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
     from fasttrain.lab.train import run
 
     replacing = cfg.save is not None and save_folder_state(cfg.save) == "checkpoint"
-    log = None if quiet else (lambda line: err.print(line))
+    log = None if quiet else (lambda line: err.print(line, markup=False, highlight=False, soft_wrap=True))
     if replacing and not quiet:
         err.print(f"--save {cfg.save}: holds a lab checkpoint; it is replaced whole when this run ends "
                   "(until then it stays as it is)", markup=False, highlight=False, soft_wrap=True)
@@ -242,7 +245,7 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
                           warmup_steps=cfg.timing_warmup_steps, device=_device_kind(cfg.device), console=err)
         bar.start()
     try:
-        record = run(cfg, log=log, progress=bar, parallel=parallel)
+        record = run(cfg, log=log, progress=bar, parallel=parallel, record_path=out_path)
     finally:
         if bar is not None:
             bar.stop()
@@ -254,6 +257,8 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
             out.print(line)
         if out_path:
             out.print(f"run record: {out_path}")
+        if record.get("logs"):
+            out.print("logs: " + ", ".join(record["logs"].values()), markup=False, highlight=False, soft_wrap=True)
         if cfg.save:
             out.print(f"checkpoint: {cfg.save}" + (" (replaced the earlier one)" if replacing else ""), markup=False,
                       highlight=False, soft_wrap=True)
@@ -335,15 +340,18 @@ def eval_cmd(checkpoint, data_dir, eval_tokens, device, bf16, tf32, batch) -> No
 
 
 @command.command("plot")
-@click.argument("record", type=click.Path(dir_okay=False))
+@click.argument("records", nargs=-1, required=True, type=click.Path(dir_okay=False))
 @click.option("--out", "out_path", required=True, type=click.Path(dir_okay=False), help="The PNG to write.")
-def plot_cmd(record, out_path) -> None:
-    """Plot a run record's loss curve (training and validation loss against the step)."""
-    from fasttrain.lab.record import load_record, plot_loss_curve
+def plot_cmd(records, out_path) -> None:
+    """Plot run records' loss curves (training and validation loss against the step); several runs
+    share one figure, each labelled by its file's name."""
+    from fasttrain.lab.record import load_record, plot_runs, run_labels
 
     check_output_path(out_path, "--out")
-    path = plot_loss_curve(load_record(record), out_path)
-    out.print(f"loss curve: {path}")
+    labels = run_labels(records)
+    path = plot_runs({label: load_record(p) for label, p in zip(labels, records)}, out_path,
+                     sources=dict(zip(labels, records)))
+    out.print(f"loss curve{'s' if len(records) > 1 else ''}: {path}")
 
 
 def _load_subcommands() -> None:

@@ -111,6 +111,8 @@ class LabConfig:
     eval_tokens: int | None = None      # validation token budget; None = the whole validation split
     eval_batch_size: int | None = None  # sequences per validation batch; None = the training batch
     log_interval: int = 10              # loss-curve point every N steps
+    report_to: str = "jsonl,csv"        # none|jsonl|csv|tensorboard|wandb|all, comma-separated (lab/loggers.py)
+    logging_dir: str | None = None      # where --report-to writes; None: beside --out RUN.json
     timing_warmup_steps: int = 3        # first steps (compilation, autotuning, allocator growth) timed apart
     seed: int = 1337
     device: str = "auto"                # auto: cuda if available, else cpu

@@ -1,6 +1,7 @@
 """Run records a person can rerun: what a lab run record holds besides its measurements, the record
 as a Python object (:class:`RunRecord`, what ``fasttrain.lab.run`` returns), reading a record back
-(``fasttrain lab --from-record RUN.json``) and plotting its loss curve (``fasttrain lab plot``).
+(``fasttrain lab --from-record RUN.json``) and plotting loss curves, of one run or several on the same
+axes (``fasttrain lab plot A.json B.json``).
 
 Provenance (:func:`provenance`): the command line that runs the configuration again, this
 process's own argv, the versions of every library a technique uses, the model's source, family
@@ -150,6 +151,21 @@ def config_of_record(record: dict):
 def plot_loss_curve(record: dict, out) -> Path:
     """The training loss (every logged step) and the validation loss (every evaluation) against the
     step, on a log scale, as a PNG at ``out``."""
+    return plot_runs({"": record}, out)
+
+
+def run_labels(paths) -> list[str]:
+    """Short labels of run records' files: their names less what all share (``runs/a.json``,
+    ``runs/b.json`` -> ``a``, ``b``), the whole path where two names are alike."""
+    stems = [Path(p).stem for p in paths]
+    return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
+
+
+def plot_runs(records: dict, out, sources: dict | None = None) -> Path:
+    """The loss curves of several runs on one figure (``{label: record}``), on the same axes: each
+    run one colour, its training loss a line, its validation loss dots joined; a log scale. What the
+    runs share (device, precision) goes in the title, the rest in the labels. One line naming the
+    record that has no curve to draw (``sources``: label -> its file, for that line)."""
     try:
         import matplotlib
 
@@ -159,19 +175,33 @@ def plot_loss_curve(record: dict, out) -> Path:
         raise FasttrainError(f"plotting needs matplotlib ({exc.name} missing): pip install matplotlib") from None
     from fasttrain.files import save_figure
 
-    curve, evals = record.get("loss_curve") or [], record.get("eval") or []
-    if not curve and not evals:
-        raise FasttrainError("the record has no loss curve to plot (it logged no step)")
-    fig, ax = plt.subplots(figsize=(7, 4))
-    if curve:
-        ax.plot([p["step"] for p in curve], [p["loss"] for p in curve], label="train loss", lw=1.2)
-    if evals:
-        ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o-", label="validation loss", lw=1.2)
-    cfg = record.get("config", {})
-    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", yscale="log",
-           title=f"{cfg.get('name', 'lab run')} · {record.get('device', '')} · {record.get('precision', '')}")
+    for label, record in records.items():
+        if not (record.get("loss_curve") or record.get("eval")):
+            name = (sources or {}).get(label, label)
+            raise FasttrainError(f"{str(name) + ': ' if name else ''}the record has no loss curve to plot "
+                                 f"(it logged no step)")
+    fig, ax = plt.subplots(figsize=(7, 4) if len(records) == 1 else (8, 4.5))
+    shared = {key: {r.get(key, "") for r in records.values()} for key in ("device", "precision")}
+    for i, (label, record) in enumerate(records.items()):
+        colour = f"C{i % 10}"
+        prefix = f"{label}: " if len(records) > 1 else ""
+        curve, evals = record.get("loss_curve") or [], record.get("eval") or []
+        if curve:
+            ax.plot([p["step"] for p in curve], [p["loss"] for p in curve], color=colour, lw=1.2,
+                    label=f"{prefix}train loss")
+        if evals:
+            ax.plot([e["step"] for e in evals], [e["val_loss"] for e in evals], "o--", color=colour, lw=1.0, ms=4,
+                    label=f"{prefix}validation loss")
+    if len(records) == 1:
+        record = next(iter(records.values()))
+        title = (f"{record.get('config', {}).get('name', 'lab run')} · {record.get('device', '')} · "
+                 f"{record.get('precision', '')}")
+    else:
+        common = [next(iter(v)) for v in shared.values() if len(v) == 1 and next(iter(v))]
+        title = " · ".join([f"{len(records)} runs", *common])
+    ax.set(xlabel="optimizer step", ylabel="cross-entropy (nats per token)", yscale="log", title=title)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(fontsize="small" if len(records) > 2 else None)
     fig.tight_layout()
     path = Path(out)
     save_figure(fig, path)
@@ -180,4 +210,4 @@ def plot_loss_curve(record: dict, out) -> Path:
 
 
 __all__ = ["RunRecord", "LIBRARIES", "library_versions", "provenance", "load_record", "config_of_record",
-           "plot_loss_curve", "tokens_sha256"]
+           "plot_loss_curve", "plot_runs", "run_labels", "tokens_sha256"]

@@ -31,6 +31,7 @@ PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # written, what is logged, the step budget... not what the trajectory depends on
 OPERATIONAL = {"name", "save", "resume", "output_dir", "save_steps", "save_total_limit", "data_dir", "device",
                "max_steps", "eval_interval", "eval_tokens", "eval_batch_size", "log_interval", "timing_warmup_steps",
+               "report_to", "logging_dir",
                "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "preload"}
 
 

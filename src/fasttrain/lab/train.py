@@ -44,19 +44,22 @@ __all__ = ["run", "execute", "lab_setup", "estimate_notes", "model_config", "con
 
 # --- the run -------------------------------------------------------------------------------------
 
-def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None) -> dict:
+def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None, record_path=None) -> dict:
     """Train ``cfg`` and return the run record (see the module docstring).
 
     ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
     ``parallel`` (:class:`~fasttrain.lab.parallel.distributed.ParallelConfig`): the strategy when this
     process is one of several started by torchrun; every rank returns the same record.
-    ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names."""
-    record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model)
+    ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names.
+    ``record_path``: the run record's file (``--out``): rewritten at each ``--save-steps`` checkpoint, the
+    loggers' files beside it (:mod:`fasttrain.lab.loggers`); the caller writes the final record."""
+    record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
+                        record_path=record_path)
     return record
 
 
 def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None,
-            keep_model: bool = False):
+            keep_model: bool = False, record_path=None):
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
     import torch
 
@@ -77,14 +80,17 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
             D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
             return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
-                           keep_model=keep_model)
+                           keep_model=keep_model, record_path=record_path)
     finally:
         release_run_state(cfg)
         D.shutdown(world)
 
 
-def _check_libraries(cfg: LabConfig, device) -> None:
+def _check_libraries(cfg: LabConfig, device, record_path=None) -> None:
     """Every optional library the run needs, before any work."""
+    from fasttrain.lab.loggers import check_loggers
+
+    check_loggers(cfg, record_path)                 # --report-to's libraries and folder
     if cfg.use_liger_kernel and device.type != "cuda":
         raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); drop it on the CPU")
     needs = []
@@ -104,10 +110,10 @@ def _check_libraries(cfg: LabConfig, device) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, record_path):
     from fasttrain.lab.data import corpus_for
 
-    _check_libraries(cfg, device)
+    _check_libraries(cfg, device, record_path)
     if cfg.save_steps:
         from fasttrain.files import check_new_folder
 
@@ -140,7 +146,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
     with tf32_matmuls(cfg.tf32):
         return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
-                      checkpoint=checkpoint, keep_model=keep_model)
+                      checkpoint=checkpoint, keep_model=keep_model, record_path=record_path)
 
 
 def _copies_of(model, device):
@@ -170,7 +176,7 @@ def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
     return found, {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
 
 
-def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model):
+def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model, record_path=None):
     """Build, train through the trainer's loop, save and record (one process's part of the run)."""
     import torch
 
@@ -190,7 +196,10 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         trainer = Trainer(cfg, model, corpus, device, batch=batch, world=world)
     sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
-    metrics = Metrics(cfg, device, world, log=log, held=held)
+    from fasttrain.lab.loggers import open_loggers
+
+    loggers = open_loggers(cfg, record_path, log=log) if world.is_main else None      # rank 0 writes
+    metrics = Metrics(cfg, device, world, log=log, held=held, loggers=loggers)
     saver = None
     from fasttrain.lab import resume as R
 
@@ -198,18 +207,26 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         R.resume(trainer, metrics, cfg.resume, log=log)
     if cfg.save_steps:
         saver = R.Saver(trainer, metrics, cfg, world)
+        if record_path:
+            saver = _record_at_checkpoints(saver, cfg, record_path, lambda: _record(
+                cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms, wall0=wall0))
     try:
         trainer.train(metrics=metrics, progress=progress, on_step=saver)
     except oom_types():
         oom = True                  # handled below, once the exception (and its frames' tensors) is gone
     else:
         oom = False
+    finally:
+        if loggers is not None:
+            loggers.close()
     if oom:
         del trainer
         free_memory(device)
         _out_of_memory(cfg, corpus, device, batch, world, searchable=model is None)
     record = _record(cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms,
                      wall0=wall0)
+    if loggers is not None and loggers.paths:
+        record["logs"] = loggers.paths          # --report-to's files and folders
     if cfg.save:
         _save(cfg, trainer, record, corpus, device, world, batch)
         record["saved"] = str(cfg.save)
@@ -217,6 +234,18 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
     del trainer
     free_memory(device)
     return record, trained
+
+
+def _record_at_checkpoints(saver, cfg, record_path, record):
+    """``on_step``: the saver, then at each checkpoint the run record so far (``record()``) written
+    atomically to ``record_path`` (a crash keeps the record of the last checkpoint)."""
+    from fasttrain.lab.checkpoint import write_record
+
+    def on_step(step: int) -> None:
+        saver(step)
+        if step % cfg.save_steps == 0 and step < cfg.max_steps:         # as the saver decides
+            write_record({**record(), "partial": {"step": step, "of": cfg.max_steps}}, record_path)
+    return on_step
 
 
 def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):

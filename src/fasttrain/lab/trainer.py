@@ -94,12 +94,17 @@ class Metrics:
     training time between evaluations, and on a GPU the peaks of allocated and reserved memory over
     the training steps (read before and reset after each evaluation, so validation is excluded),
     less ``held`` (bytes the process held before the run). ``curve=False`` reads no loss between
-    evaluations (no synchronization the run does not need)."""
+    evaluations (no synchronization the run does not need).
 
-    def __init__(self, cfg: LabConfig, device, world=None, *, log=None, held: int = 0, curve: bool = True):
+    ``loggers`` (:class:`~fasttrain.lab.loggers.Loggers`): every logged step's row (loss, lr,
+    grad-norm, tokens/s, memory, tokens seen) and every evaluation as they happen."""
+
+    def __init__(self, cfg: LabConfig, device, world=None, *, log=None, held: int = 0, curve: bool = True,
+                 loggers=None):
         self.cfg, self.device, self.world = cfg, device, world
         self.log = log or (lambda s: None)
         self.held, self.curve = held, curve
+        self.loggers = loggers
         self.cuda = device.type == "cuda"
         self.warmup_ms: list[float] = []
         self.step_ms: list[float] = []
@@ -109,6 +114,9 @@ class Metrics:
         self.eval_ms = 0.0
         self.train_peak = self.reserved_peak = 0
         self.by_kind: dict | None = None
+        self.window_ms: float | None = 0.0     # measured time of the steps since the last logged one
+        self.window_steps = 0
+        self.tokens_per_step: int | None = None
 
     @property
     def last_loss(self) -> float | None:
@@ -121,6 +129,10 @@ class Metrics:
         if ms is not None:
             timed = len(self.warmup_ms) + len(self.step_ms)
             (self.warmup_ms if timed < cfg.timing_warmup_steps else self.step_ms).append(ms)
+        # tokens of one optimizer step over all data-parallel ranks: b k T dp
+        self.tokens_per_step = getattr(trainer, "batch", cfg.per_device_train_batch_size) * cfg.gradient_accumulation_steps * cfg.context * trainer.world.dp
+        self.window_steps += 1
+        self.window_ms = None if ms is None or self.window_ms is None else self.window_ms + ms
         if self.curve and (step % cfg.log_interval == 0 or step == cfg.max_steps):
             from fasttrain.lab.parallel.distributed import all_mean
 
@@ -129,8 +141,34 @@ class Metrics:
                 raise FasttrainError(f"the loss became {value} at step {step}; lower --learning-rate"
                                      + (" or use --bf16 instead of --fp16" if cfg.fp16 else ""))
             self.loss_curve.append({"step": step, "loss": value, "lr": lr_at(cfg, step - 1), "ms": ms})
+            if self.loggers is not None:
+                self.loggers.step(self.logged_row(trainer, step, value))
+            self.window_ms, self.window_steps = 0.0, 0
         if self.by_kind is None:
             self.by_kind = memory_by_kind(trainer)      # optimizer state exists after the first step
+
+    def logged_row(self, trainer: "Trainer", step: int, loss: float) -> dict:
+        """A logged step for the loggers: the device is read here only (the loss was just read)."""
+        norm = getattr(trainer, "grad_norm", None)
+        tokens_per_s = None
+        if self.window_ms and self.window_steps:
+            tokens_per_s = self.tokens_per_step * self.window_steps / (self.window_ms / 1e3)
+        return {"step": step, "loss": loss, "lr": lr_at(self.cfg, step - 1),
+                "grad_norm": None if norm is None else float(norm), "tokens_per_s": tokens_per_s,
+                "memory_gb": self.memory_gb(), "tokens_seen": step * self.tokens_per_step}
+
+    def memory_gb(self) -> float | None:
+        """The peak allocated on the GPU since the last evaluation (its peak reset), or on a CPU the
+        process' peak resident memory (Linux reports ru_maxrss in KiB)."""
+        if self.cuda:
+            import torch
+
+            return torch.cuda.max_memory_allocated(self.device) / 1e9
+        try:
+            import resource
+        except ImportError:             # not on this platform
+            return None
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9
 
     def read_peaks(self) -> None:
         if self.cuda:
@@ -151,6 +189,9 @@ class Metrics:
         self.evals.append({"step": step, "val_loss": val, "tokens": tokens, "ms": ms, "train_s": self.train_s,
                            "train_loss": train_loss})
         self.log(f"step {step:>6}  val loss {val:.4f}  ({tokens} tokens, {ms:.0f} ms)")
+        if self.loggers is not None:
+            self.loggers.evaluation({"step": step, "val_loss": val,
+                                     "tokens_seen": step * self.tokens_per_step if self.tokens_per_step else None})
 
     def state(self) -> dict:
         """What a resumed run continues (the loss curve and evaluations so far; times restart)."""
@@ -160,6 +201,12 @@ class Metrics:
         self.loss_curve = list(state.get("loss_curve", []))
         self.evals = list(state.get("evals", []))
         self.train_s = float(state.get("train_s", 0.0))
+        if self.loggers is not None:
+            # the resumed run's files hold the whole curve: the saved points first (what they recorded)
+            points = [(p["step"], 0, {"step": p["step"], "loss": p["loss"], "lr": p.get("lr")}) for p in self.loss_curve]
+            points += [(e["step"], 1, {"step": e["step"], "val_loss": e["val_loss"]}) for e in self.evals]
+            for _, is_eval, row in sorted(points, key=lambda p: p[:2]):
+                (self.loggers.evaluation if is_eval else self.loggers.step)(row)
 
 
 # --- the trainer ---------------------------------------------------------------------------------
@@ -426,10 +473,11 @@ class Trainer:
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.max_grad_norm:
+            # the total norm before clipping, kept as a tensor: read (synchronized) on logged steps only
             if self.world.distributed:
-                D.clip_grad_norm(self.train_model, cfg.max_grad_norm, self.world)
+                self.grad_norm = D.clip_grad_norm(self.train_model, cfg.max_grad_norm, self.world)
             else:
-                torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
+                self.grad_norm = torch.nn.utils.clip_grad_norm_(self.trainable, cfg.max_grad_norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()

@@ -2,6 +2,7 @@
 
     fasttrain memory [--preset llama3-8b] [--heads A] ... [--mode playbook|precise] [--json]
     fasttrain memory --html out.html
+    fasttrain memory --hf-config X --strategy fsdp --nproc-per-node 8 --bf16 [--gpu-gb 80]
     fasttrain memory cost [--preset llama3-405b] [--mfu 40 | --tflops 400] [--price 2]
     fasttrain memory validate --out results/memory/validation.csv
 """
@@ -69,14 +70,61 @@ def _options(fn):
         click.option("--mode", type=click.Choice(["playbook", "precise"]), default="precise", show_default=True),
         click.option("--json", "as_json", is_flag=True, help="Print the breakdown as JSON."),
         click.option("--html", type=click.Path(dir_okay=False), help="Write the interactive page here."),
+        # the lab's own words for a run on N GPUs (fasttrain lab --strategy S under torchrun, --bf16)
+        click.option("--strategy", type=click.Choice(STRATEGY_CHOICES), help="precise: the lab's --strategy over "
+                     "--nproc-per-node GPUs (fsdp: ZeRO-3, fsdp-zero2: gradients and optimizer sharded); with "
+                     "--nproc-per-node, every strategy and checkpointing choice is ranked by its per-GPU peak."),
+        click.option("--nproc-per-node", type=click.IntRange(1, 1024), help="precise: GPUs the run uses (torchrun's "
+                     "--nproc-per-node); ranks what fits on them."),
+        click.option("--bf16", is_flag=True, help="precise: the lab's --bf16 (autocast over fp32 weights; under fsdp, "
+                     "its bf16 mixed-precision policy)."),
+        click.option("--gpu-gb", type=click.FloatRange(min=0, min_open=True), default=80.0, show_default=True,
+                     help="Memory of one GPU in GB (1e9 bytes) for the ranking of what fits."),
     ]
     for deco in reversed(decorators):
         fn = deco(fn)
     return fn
 
 
+STRATEGY_CHOICES = ("none", "ddp", "zero1", "fsdp", "fsdp-zero2", "tp")
+
+
+def asked_run(opts: dict) -> tuple[int, str]:
+    """GPUs and strategy asked for: one GPU alone, or N under ddp unless --strategy says otherwise."""
+    n = opts.get("nproc_per_node") or 1
+    return n, opts.get("strategy") or ("none" if n == 1 else "ddp")
+
+
+def lab_words(opts: dict) -> bool:
+    """Whether the run is asked in the lab's words (--strategy, --nproc-per-node)."""
+    return opts.get("strategy") is not None or opts.get("nproc_per_node") is not None
+
+
 def setup_from_options(opts: dict):
-    """A :class:`Setup` from CLI options: the preset, then every flag given."""
+    """A :class:`Setup` from CLI options: the preset, then every flag given; ``--strategy`` over
+    ``--nproc-per-node`` and ``--bf16`` last, as the lab would run them (:mod:`fasttrain.memory.fit`)."""
+    from fasttrain.memory.config import check
+    from fasttrain.memory.fit import strategy_changes
+
+    if opts.get("bf16") and (opts.get("mixed") or opts.get("precision") is not None):
+        raise FasttrainError("--bf16 is the lab's precision flag; drop --mixed/--precision (or --bf16)")
+    if opts.get("bf16"):
+        opts = {**opts, "precision": "amp"}
+    if not lab_words(opts):
+        return _setup_from_flags(opts)
+    given = [flag for flag, name in (("--dp", "dp"), ("--tp", "tp"), ("--zero", "zero"), ("--grad-buffers", "grad_buffers"))
+             if opts.get(name) not in (None, False)]
+    if given:
+        raise FasttrainError(f"--strategy/--nproc-per-node set {', '.join(given)} as the lab's run would; drop "
+                             f"{', '.join(given)}")
+    n, strategy = asked_run(opts)
+    if (opts.get("mode") or "precise") != "precise":
+        raise FasttrainError("--strategy/--nproc-per-node work in --mode precise only")
+    setup = _setup_from_flags(opts)
+    return check(setup.with_(**strategy_changes(strategy, n, bool(opts.get("bf16")))), "precise")
+
+
+def _setup_from_flags(opts: dict):
     from fasttrain.memory.config import check, preset
 
     if opts.get("attention") == "sdpa":
@@ -123,8 +171,6 @@ def _setup_from_hf_options(opts: dict):
         raise FasttrainError(f"--hf-config sets the architecture; drop {', '.join(given)}")
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
-    if opts.get("html") is not None:
-        raise FasttrainError("--hf-config is not on the page (it models the lab's GPT); drop --html")
     config = load_hf_config(opts["hf_config"])
     precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "fp32")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
@@ -221,19 +267,56 @@ def command(ctx, **opts) -> None:
         check_output_path(opts["html"], "--html")  # before any work; the folder must exist already
     setup = setup_from_options(opts)
     b = estimate(setup, opts["mode"])
+    fits = _fits(setup, opts) if lab_words(opts) else None
     if opts["html"] is not None:
-        from fasttrain.memory.page import write_page
+        from fasttrain.memory.page import write_hf_page, write_page
 
-        path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
+        if opts.get("hf_config") is not None:
+            n, strategy = asked_run(opts)
+            path = write_hf_page(opts["html"], setup, b, model=str(opts["hf_config"]), nproc_per_node=n,
+                                 gpu_gb=opts["gpu_gb"], bf16=bool(opts.get("bf16")), strategy=strategy)
+        else:
+            path = write_page(opts["html"], setup=setup, mode=opts["mode"], preset=opts.get("preset") or "llama3-8b")
         if not opts["as_json"]:
             out.print(f"page: {path}")
             return
         # both asked for: the JSON alone on stdout (it may be piped), the page's path on stderr
         click.echo(f"page: {path}", err=True)
     if opts["as_json"]:
-        click.echo(json.dumps(b.to_dict(), indent=1))
+        click.echo(json.dumps({**b.to_dict(), **({"fits": fits} if fits is not None else {})}, indent=1))
     else:
         _print_breakdown(b)
+        if fits is not None:
+            _print_fits(fits)
+
+
+def _fits(setup, opts: dict) -> dict:
+    """The lab's run in words and every strategy x checkpointing ranked (:func:`fasttrain.memory.fit.rank`)."""
+    from fasttrain.memory.fit import precision_words, rank
+
+    n, strategy = asked_run(opts)
+    gpu_bytes = opts["gpu_gb"] * 1e9
+    rows = rank(setup, n, gpu_bytes, bool(opts.get("bf16")))
+    return {"strategy": strategy, "nproc_per_node": n, "gpu_bytes": gpu_bytes,
+            "precision": precision_words(strategy, bool(opts.get("bf16"))), "ranking": [r.to_dict() for r in rows]}
+
+
+def _print_fits(fits: dict) -> None:
+    from fasttrain.memory.breakdown import format_gib
+
+    n, gb = fits["nproc_per_node"], fits["gpu_bytes"] / 1e9
+    out.print(f"precision: {fits['precision']}", markup=False, highlight=False)
+    table = Table(title=f"what fits on {n} x {gb:g} GB, per GPU, smallest first", title_justify="left")
+    for col, just in (("strategy", "left"), ("checkpointing", "left"), ("per GPU", "right"), ("fits", "left")):
+        table.add_column(col, justify=just)
+    for r in fits["ranking"]:
+        mark = "yes" if r["fits"] else ("no" if r["bytes"] is not None else f"cannot: {r['note']}")
+        table.add_row(r["strategy"], r["recompute"], "-" if r["bytes"] is None else format_gib(r["bytes"]), mark)
+    out.print(table)
+    best = next((r for r in fits["ranking"] if r["fits"]), None)
+    out.print("none of them fits: lower --micro-batch or --seq, or use more GPUs" if best is None else
+              f"smallest: fasttrain lab {best['lab_flags'] or '(no flags)'} on {n} GPU{'s' if n > 1 else ''} "
+              f"({format_gib(best['bytes'])} of {gb:g} GB)", markup=False, highlight=False)
 
 
 @command.command("cost")

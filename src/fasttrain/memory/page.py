@@ -91,7 +91,7 @@ def render(setup: Setup | None = None, mode: str = "precise", preset_name: str =
         # ``code`` in the docstrings -> <code>code</code>, the rest escaped
         return json.dumps([re.sub(r"``(.+?)``", r"<code>\1</code>", html.escape(x, quote=False)) for x in items])
 
-    for key, value in {
+    return _filled(page, {
         "/*MEMORY_JS*/": js,
         "/*PRESETS*/": json.dumps(presets),
         "/*PRESET_NOTES*/": json.dumps(PRESET_NOTES),
@@ -100,10 +100,52 @@ def render(setup: Setup | None = None, mode: str = "precise", preset_name: str =
                                    "preset": preset_name if _setup_dict(setup) == presets.get(preset_name) else "custom"}),
         "/*QUIRKS*/": esc(quirks()),
         "/*DIFFS*/": esc(differences()),
-    }.items():
+    })
+
+
+def _filled(page: str, values: dict) -> str:
+    """The template with each ``/*KEY*/`` replaced (a ``</script`` inside escaped: it would end the script)."""
+    for key, value in values.items():
         assert key in page, key
         page = page.replace(key, value.replace("</script", "<\\/script"))
     return page
+
+
+# the GPU counts a page of a transformers model ranks (with the one asked for)
+PAGE_GPUS = (1, 2, 4, 8)
+
+
+def hf_page_data(setup: Setup, breakdown, *, model: str, nproc_per_node: int, gpu_gb: float, bf16: bool,
+                 strategy: str) -> dict:
+    """What the page of a transformers model shows: the breakdown asked for and, for each GPU count, every
+    strategy x checkpointing choice with its per-GPU peak (:func:`fasttrain.memory.fit.rank`), all
+    computed here; the page only filters them by the GPU memory typed in."""
+    from fasttrain.memory.fit import precision_words, rank
+
+    counts = sorted({*PAGE_GPUS, nproc_per_node})
+    rankings = {str(n): [r.to_dict() for r in rank(setup, n, gpu_gb * 1e9, bf16)] for n in counts}
+    s = setup
+    summary = (f"{breakdown.params:,.0f} parameters · micro-batch {s.micro_batch} x {s.seq} tokens · "
+               f"{precision_words(strategy, bf16)} · attention {s.attention} · optimizer {s.optim} · as asked: "
+               f"{strategy} on {nproc_per_node} GPU{'s' if nproc_per_node > 1 else ''}, recompute {s.recompute}")
+    lines = [{"name": x.name, "bytes": x.bytes, "note": x.note} for x in breakdown.lines if x.in_total]
+    return {"model": model, "summary": summary, "lines": lines, "total": breakdown.total, "params": breakdown.params,
+            "rankings": rankings, "nproc_per_node": nproc_per_node, "gpu_gb": gpu_gb}
+
+
+def render_hf(data: dict) -> str:
+    """The page of a transformers model (``assets/hf_page.html``) holding ``data`` (:func:`hf_page_data`)."""
+    page = (ASSETS / "hf_page.html").read_text()
+    return _filled(page, {"/*MEMORY_JS*/": (ASSETS / "memory.js").read_text(), "/*HF_DATA*/": json.dumps(data)})
+
+
+def write_hf_page(path, setup: Setup, breakdown, **options) -> Path:
+    """``fasttrain memory --hf-config X --html PATH``: written whole or not at all."""
+    from fasttrain.files import atomic_write_text, check_output_path
+
+    check_output_path(path, "--html")
+    atomic_write_text(path, render_hf(hf_page_data(setup, breakdown, **options)))
+    return Path(path)
 
 
 def write_page(path, setup: Setup | None = None, mode: str = "precise", preset: str = "llama3-8b") -> Path:

@@ -55,11 +55,17 @@ def parse_bytes(text: str | None) -> int | None:
 @click.option("--max-candidates", type=click.IntRange(1, 1000), default=8, show_default=True,
               help="Configurations that enter successive halving.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
+@click.option("--verbose", is_flag=True, help="Show the libraries' known-harmless notes too (torchao, liger-kernel, "
+              "transformers: left out and counted otherwise).")
 def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, out_dir, cache_path, no_cache,
-            memory_limit, probe_steps, max_candidates, quiet, **options) -> None:
+            memory_limit, probe_steps, max_candidates, quiet, verbose, **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
+    from fasttrain.lab import noise
     from fasttrain.lab.tune import parse_allow, parse_budget, tune
     from fasttrain.lab.tune.report import print_report
+
+    if not verbose:
+        noise.filter_known_noise()              # before peft/torchao/liger are imported
 
     parse_budget(budget)            # bad input first, before the corpus or the device
     parse_allow(allow)
@@ -75,6 +81,9 @@ def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, ou
     print_report(result, out, model_id=options.get("model") or "gpt")
     if out_dir:
         out.print(f"results: {out_dir}")
+    dropped = noise.summary()
+    if dropped and not quiet:
+        err.print(dropped + " (--verbose shows them)", markup=False, highlight=False, soft_wrap=True)
     if result.pick is None:
         raise FasttrainError("no probe finished" + (" within --budget; give a longer one" if result.budget_hit
                                                     else "; see the table's status column"))

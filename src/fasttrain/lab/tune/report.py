@@ -45,6 +45,11 @@ def entry_row(entry, result, rank: int | None) -> dict:
         "stage": entry.stage,
         "rungs": len(entry.probes),
         "steps_measured": entry.steps_measured,
+        # the probe it is ranked on (the longest it reached) and the time all its probes took
+        "ranked_on_steps": probe.steps if probe is not None else None,
+        "seconds_measured": sum(p.wall_s for p in entry.probes) if entry.probes else None,
+        "pick": entry is result.pick,
+        "note": "",
         "tokens_per_s": probe.tokens_per_s if entry.ok else None,
         "peak_mib": _mib(probe.peak_bytes) if probe is not None else None,
         "reserved_mib": _mib(probe.reserved_bytes) if probe is not None else None,
@@ -60,15 +65,26 @@ def entry_row(entry, result, rank: int | None) -> dict:
     }
 
 
+RANKING = ("ranked as the pick was chosen: by the longest probe each configuration reached (more steps first), "
+           "then its tokens/s on that probe; a row measured on a shorter probe ranks below, even where faster")
+
+
 def ranked_rows(result) -> list[dict]:
+    """The measured configurations in the search's order (the pick's measure: the longest probe reached,
+    then tokens/s on it), each saying what it was ranked on; a row faster than the pick on a shorter
+    probe says so in its ``note``."""
     rows = []
     rank = 0
+    pick = result.pick.last if result.pick is not None and result.pick.ok else None
     for entry in result.entries:
         if not entry.probes and not entry.skipped:
             continue
         if entry.ok:
             rank += 1
-        rows.append(entry_row(entry, result, rank if entry.ok else None))
+        row = entry_row(entry, result, rank if entry.ok else None)
+        if pick is not None and entry.ok and entry.last.steps < pick.steps and entry.last.tokens_per_s > pick.tokens_per_s:
+            row["note"] = f"faster than the pick on a {entry.last.steps}-step probe, not measured at the pick's {pick.steps}"
+        rows.append(row)
     return rows
 
 
@@ -106,10 +122,29 @@ def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
     return " ".join(parts)
 
 
+# TrainingArguments keys named otherwise than the LabConfig field they come from
+ARGUMENT_SOURCES = {"lr_scheduler_type": "min_lr", "lr_scheduler_kwargs": "min_lr",
+                    "liger_kernel_config": "liger_kernels"}
+
+
+def answer_arguments(result, cfg: LabConfig) -> tuple[dict, dict, list[str]]:
+    """The pick's :func:`training_arguments` holding only what tune decided (the micro-batch, the
+    accumulation and the settings of the pick's axes) and what the user gave (``result.fixed``): the
+    preset's learning rate, schedule and steps are not tune's answer. Found on a CPU it still reads as
+    a GPU's (``use_cpu`` is the runner's business, not the answer's)."""
+    args, model_kwargs, notes = training_arguments(cfg)
+    chosen = set(ANSWER_ALWAYS) | set(result.pick.candidate.overrides_dict()) | set(getattr(result, "fixed", ()))
+    if "torch_compile" in chosen:
+        chosen.add("torch_compile_mode")
+    args = {k: v for k, v in args.items() if ARGUMENT_SOURCES.get(k, k) in chosen}
+    model_kwargs = {k: v for k, v in model_kwargs.items() if k in chosen}
+    return args, model_kwargs, notes
+
+
 def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, list[str]]:
     """The Hugging Face equivalent of ``cfg``: (``TrainingArguments`` keyword arguments, keyword
     arguments of ``from_pretrained`` / ``from_config``, notes on what has no equivalent).
-    ``cpu``: it was found on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
+    ``cpu``: to run it on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
     args = {
         "per_device_train_batch_size": cfg.per_device_train_batch_size,
         "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
@@ -159,7 +194,7 @@ def summary(result, model_id: str = "gpt") -> dict:
     cfg = pick_config(result)
     winner = None
     if cfg is not None:
-        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
+        args, model_kwargs, notes = answer_arguments(result, cfg)
         pick_row = entry_row(result.pick, result, 1)
         winner = {**pick_row, "lab_command": lab_command(cfg, model_id), "training_arguments": args,
                   "model_kwargs": model_kwargs, "training_arguments_notes": notes}
@@ -173,7 +208,7 @@ def summary(result, model_id: str = "gpt") -> dict:
         "mode": result.mode, "space_size": result.space_size, "pruned_by_prediction": result.pruned,
         "probes_measured": result.probes_measured, "probes_cached": result.probes_cached,
         "loss_compared_at_step": result.loss_step,
-        "dropped": result.dropped, "notes": result.notes,
+        "dropped": result.dropped, "notes": result.notes, "ranking": RANKING,
         "base": result.base.to_dict(),
         "pick": winner,
         "ranked": rows,
@@ -290,22 +325,26 @@ def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> Non
     rows = ranked_rows(result)
     table = Table(title=f"fasttrain tune · {model_id} · {result.memory.name} · seq {result.seq} · "
                         f"{result.global_batch_tokens:,} tokens per step · {result.mode}")
-    for col in ("#", "configuration", "steps", "tokens/s", "peak MiB", "predicted MiB", "compile s", "warm-up s",
-                "loss", "vs baseline", "status"):
+    table.caption = RANKING
+    for col in ("#", "configuration", "ranked on", "measured", "tokens/s", "peak MiB", "predicted MiB", "compile s",
+                "warm-up s", "loss", "vs baseline", "status"):
         table.add_column(col, justify="left" if col in ("configuration", "status") else "right")
     for r in rows[:limit]:
-        table.add_row(_fmt(r["rank"], "d"), r["label"] + (" (baseline)" if r["baseline"] else ""),
-                      str(r["steps_measured"]), _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_mib"], ",.0f"),
+        marks = "".join(m for m, on in ((" (pick)", r["pick"]), (" (baseline)", r["baseline"])) if on)
+        table.add_row(_fmt(r["rank"], "d"), r["label"] + marks,
+                      _fmt(r["ranked_on_steps"], "d", "-") + (" steps" if r["ranked_on_steps"] else ""),
+                      f"{r['steps_measured']} steps, {_fmt(r['seconds_measured'], '.1f')} s",
+                      _fmt(r["tokens_per_s"], ",.0f"), _fmt(r["peak_mib"], ",.0f"),
                       _fmt(r["predicted_mib"], ",.0f"), _fmt(r["compile_s"], ".1f"), _fmt(r["warmup_s"], ".1f"),
                       _fmt(r["loss"], ".4f"), _fmt(r["loss_vs_baseline"], "+.4f"),
-                      r["status"] + (" (cached)" if r["cached"] else ""))
+                      r["status"] + (" (cached)" if r["cached"] else "") + (f"; {r['note']}" if r["note"] else ""))
     console.print(table)
     console.print(f"{result.space_size} configurations, {result.pruned} pruned by prediction, "
                   f"{result.probes_measured} probes measured, {result.probes_cached} from the cache, "
                   f"{result.tune_s:.1f} s" + (" (budget reached: best so far)" if result.budget_hit else ""))
     cfg = pick_config(result)
     if cfg is not None:
-        args, model_kwargs, notes = training_arguments(cfg, cpu=result.memory.cpu)
+        args, model_kwargs, notes = answer_arguments(result, cfg)
         console.print("pick: " + lab_command(cfg, model_id), soft_wrap=True)
         console.print("TrainingArguments: " + json.dumps(args), soft_wrap=True)
         console.print("model kwargs: " + json.dumps(model_kwargs), soft_wrap=True)

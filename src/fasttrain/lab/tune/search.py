@@ -76,6 +76,7 @@ class TuneResult:
     probes_cached: int
     loss_step: int | None = None
     mode: str = "halving"
+    fixed: tuple = ()               # the settings the user gave (tune kept them; its answer says them)
 
 
 def slow_probe_limit(cfg: LabConfig, steps: int, best_tokens_per_s: float) -> tuple[float, str]:
@@ -334,7 +335,8 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     return TuneResult(entries=ranked + others, pick=pick, baseline=baseline, memory=memory, dropped=dropped,
                       notes=notes, pruned=pruned, space_size=len(space), tune_s=clock() - t0, budget_s=budget_s,
                       budget_hit=search.budget_hit, seq=seq, global_batch_tokens=global_batch_tokens, base=base,
-                      probes_measured=search.measured, probes_cached=search.cached, loss_step=loss_step, mode=mode)
+                      probes_measured=search.measured, probes_cached=search.cached, loss_step=loss_step, mode=mode,
+                      fixed=tuple(sorted(fixed)))
 
 
 def _screen(search: Search, axes, fitting: dict, baseline: Entry | None, steps: int, max_candidates: int,

@@ -1,0 +1,101 @@
+"""What fits on N GPUs: the lab's strategies and checkpointing choices, ranked by the per-GPU peak.
+
+``fasttrain memory --hf-config X --strategy fsdp --nproc-per-node 8 --bf16`` estimates one of the
+lab's runs (``fasttrain lab --strategy fsdp`` under torchrun with 8 processes, ``--bf16``) and
+:func:`rank` lists every strategy x checkpointing choice on those N GPUs, the smallest per-GPU peak
+first, each marked whether it fits in the GPU's memory.
+
+How each strategy reads in the estimator's :class:`~fasttrain.memory.config.Setup` (as the lab's
+trainer maps a run it measured, ``lab/parallel/distributed.py``'s ``estimator_parallelism``):
+
+- ``ddp``: d = N, ZeRO 0, gradients kept between steps in DDP's buckets (``grad_buffers``);
+- ``zero1``: the same with the optimizer state / N;
+- ``fsdp-zero2`` / ``fsdp`` (ZeRO-3, FSDP's default resharding after forward): gradients (and for
+  ZeRO-3 the weights) / N; with ``--bf16`` FSDP's mixed-precision policy holds bf16 compute copies
+  over fp32 shards, the estimator's ``mixed``;
+- ``tp``: t = N (the heads, the feed-forward and the vocabulary split N ways).
+
+Precision as the lab's flags give it: ``--bf16`` is autocast over fp32 weights (``amp``) except under
+FSDP (``mixed``, above); without it fp32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from fasttrain.errors import FasttrainError
+
+STRATEGIES = ("none", "ddp", "zero1", "fsdp-zero2", "fsdp", "tp")
+# the lab's recomputation choices: the lab's GPT knows all three, a transformers model whole layers only
+RECOMPUTES = {"lab": ("none", "selective", "full"), "hf": ("none", "full")}
+
+
+def lab_flags(strategy: str, recompute: str) -> str:
+    """The ``fasttrain lab`` flags of a ranked choice (under ``torchrun --nproc-per-node N``)."""
+    flags = {"none": "", "fsdp-zero2": "--strategy fsdp --no-reshard-after-forward"}.get(strategy,
+                                                                                           f"--strategy {strategy}")
+    return " ".join(x for x in (flags, f"--gradient-checkpointing {recompute}" if recompute != "none" else "") if x)
+
+
+def strategy_changes(strategy: str, n: int, bf16: bool) -> dict:
+    """The Setup fields of ``strategy`` over ``n`` GPUs (see the module docstring)."""
+    if strategy not in STRATEGIES:
+        raise FasttrainError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
+    if strategy == "none":
+        if n != 1:
+            raise FasttrainError(f"--nproc-per-node {n} needs a --strategy (ddp, zero1, fsdp, fsdp-zero2 or tp)")
+        changes = {"dp": 1, "zero": 0, "tp": 1, "grad_buffers": False}
+    elif strategy in ("ddp", "zero1"):
+        changes = {"dp": n, "zero": 0 if strategy == "ddp" else 1, "tp": 1, "grad_buffers": True}
+    elif strategy.startswith("fsdp"):
+        changes = {"dp": n, "zero": 2 if strategy == "fsdp-zero2" else 3, "tp": 1, "grad_buffers": False}
+    else:
+        changes = {"dp": 1, "zero": 0, "tp": n, "grad_buffers": False}
+    changes["precision"] = ("mixed" if strategy.startswith("fsdp") else "amp") if bf16 else "fp32"
+    return changes
+
+
+def precision_words(strategy: str, bf16: bool) -> str:
+    """The precision the lab's run would use, in words."""
+    if not bf16:
+        return "fp32 (the lab's default; --bf16 for bf16 autocast)"
+    if strategy.startswith("fsdp"):
+        return "bf16: FSDP's mixed-precision policy (bf16 compute copies of fp32 shards), as the lab's --bf16 runs it"
+    return "bf16 autocast over fp32 weights, as the lab's --bf16 runs it"
+
+
+@dataclass
+class Fit:
+    strategy: str
+    recompute: str
+    bytes: int | None           # the per-GPU peak (precise); None when the choice cannot run
+    fits: bool
+    note: str = ""
+
+    def to_dict(self) -> dict:
+        return {"strategy": self.strategy, "recompute": self.recompute, "bytes": self.bytes, "fits": self.fits,
+                "note": self.note, "lab_flags": lab_flags(self.strategy, self.recompute)}
+
+
+def rank(setup, n: int, gpu_bytes: float, bf16: bool) -> list[Fit]:
+    """Every strategy (``none`` alone on one GPU) x recomputation choice of ``setup`` on ``n`` GPUs
+    of ``gpu_bytes`` each: the per-GPU peak, whether it fits; the fitting ones first, smallest first,
+    then the rest, then those that cannot run (with why)."""
+    from fasttrain.memory import estimate
+    from fasttrain.memory.config import check
+
+    strategies = ("none",) if n == 1 else STRATEGIES[1:]
+    rows = []
+    for strategy in strategies:
+        for recompute in RECOMPUTES["lab" if setup.modules == "lab" else "hf"]:
+            try:
+                s = check(setup.with_(**strategy_changes(strategy, n, bf16), recompute=recompute), "precise")
+                total = estimate(s, "precise").total
+            except FasttrainError as exc:
+                rows.append(Fit(strategy, recompute, None, False, str(exc)))
+                continue
+            rows.append(Fit(strategy, recompute, total, total <= gpu_bytes))
+    return sorted(rows, key=lambda r: (r.bytes is None, not r.fits, r.bytes or 0))
+
+
+__all__ = ["STRATEGIES", "RECOMPUTES", "Fit", "rank", "strategy_changes", "precision_words", "lab_flags"]
