@@ -357,3 +357,37 @@ def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world)
             assert setup["dp"] == world // tp // fields["dp_replicate"], name
     # training moved: the curves are not flat
     assert one[2]["loss_curve"][0]["loss"] - one[2]["loss_curve"][-1]["loss"] > 0.05
+
+
+# --- a model that fits no strategy, NCCL missing -------------------------------------------------------
+
+def test_a_model_that_fits_no_strategy_names_the_smallest_and_what_fits():
+    from fasttrain.lab.config import preset
+
+    gib = 2 ** 30
+    # a 1.3B-ish lab GPT at micro-batch 4 of 2048 tokens, fp32 AdamW: ~21 GB of state alone
+    cfg = preset("tiny", style="llama", layers=24, heads=16, kv_heads=8, width=2048, context=2048,
+                 per_device_train_batch_size=4, vocab_size=32000, device="cuda")
+    ddp = D.World(rank=0, world_size=4, strategy="ddp")
+    peak = D.per_gpu_peak(cfg, 32000, ddp)
+    assert D.check_fits_some_strategy(cfg, 32000, ddp, limit=peak) == peak        # fits: nothing said
+    fsdp = D.per_gpu_peak(cfg, 32000, D.World(rank=0, world_size=4, strategy="fsdp"))
+    assert fsdp < peak
+    with pytest.raises(FasttrainError) as exc:
+        D.check_fits_some_strategy(cfg, 32000, ddp, limit=fsdp + 1)
+    line = str(exc.value)
+    assert line.startswith(f"the memory estimator predicts {peak / gib:,.1f} GiB per GPU for ddp on 4 GPUs")
+    assert "the smallest prediction on 4 GPUs is" in line and ": use --strategy " in line and "\n" not in line
+    # below the smallest on 4 GPUs: the line says how many GPUs would (tensor parallelism over 8 splits
+    # the activations too), or that none up to 32 would
+    smallest = min(p for _, c, w in D._alternatives(cfg, 4) if (p := D.per_gpu_peak(c, 32000, w)) is not None)
+    with pytest.raises(FasttrainError, match=r"(nothing fits on 4; \d+ GPUs would|nothing fits on up to 32 GPUs)"):
+        D.check_fits_some_strategy(cfg, 32000, ddp, limit=smallest - 1)
+
+
+def test_nccl_missing_is_one_line(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(FasttrainError, match="NCCL backend is not available in this PyTorch build"):
+        D._backend_for("cuda:0", None)
