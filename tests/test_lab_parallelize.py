@@ -17,6 +17,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
+from fasttrain.lab.parallel import fit as F  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -369,20 +370,20 @@ def test_a_model_that_fits_no_strategy_names_the_smallest_and_what_fits():
     cfg = preset("tiny", style="llama", layers=24, heads=16, kv_heads=8, width=2048, context=2048,
                  per_device_train_batch_size=4, vocab_size=32000, device="cuda")
     ddp = D.World(rank=0, world_size=4, strategy="ddp")
-    peak = D.per_gpu_peak(cfg, 32000, ddp)
-    assert D.check_fits_some_strategy(cfg, 32000, ddp, limit=peak) == peak        # fits: nothing said
-    fsdp = D.per_gpu_peak(cfg, 32000, D.World(rank=0, world_size=4, strategy="fsdp"))
+    peak = F.per_gpu_peak(cfg, 32000, ddp)
+    assert F.check_fits_some_strategy(cfg, 32000, ddp, limit=peak) == peak        # fits: nothing said
+    fsdp = F.per_gpu_peak(cfg, 32000, D.World(rank=0, world_size=4, strategy="fsdp"))
     assert fsdp < peak
     with pytest.raises(FasttrainError) as exc:
-        D.check_fits_some_strategy(cfg, 32000, ddp, limit=fsdp + 1)
+        F.check_fits_some_strategy(cfg, 32000, ddp, limit=fsdp + 1)
     line = str(exc.value)
     assert line.startswith(f"the memory estimator predicts {peak / gib:,.1f} GiB per GPU for ddp on 4 GPUs")
     assert "the smallest prediction on 4 GPUs is" in line and ": use --strategy " in line and "\n" not in line
     # below the smallest on 4 GPUs: the line says how many GPUs would (tensor parallelism over 8 splits
     # the activations too), or that none up to 32 would
-    smallest = min(p for _, c, w in D._alternatives(cfg, 4) if (p := D.per_gpu_peak(c, 32000, w)) is not None)
+    smallest = min(p for _, c, w in F._alternatives(cfg, 4) if (p := F.per_gpu_peak(c, 32000, w)) is not None)
     with pytest.raises(FasttrainError, match=r"(nothing fits on 4; \d+ GPUs would|nothing fits on up to 32 GPUs)"):
-        D.check_fits_some_strategy(cfg, 32000, ddp, limit=smallest - 1)
+        F.check_fits_some_strategy(cfg, 32000, ddp, limit=smallest - 1)
 
 
 def test_nccl_missing_is_one_line(monkeypatch):

@@ -8,8 +8,8 @@ by the caller, and its metadata handed in.
 
 Under FSDP a GPT trained from scratch is built with its parameters on the meta device
 (:func:`parameters_on_meta`: no rank ever holds the whole model, an 8B Llama shape included) and
-given its weights once sharded (:func:`materialize`, called by ``parallelize``): the same weights as a
-one-process build of the same seed.
+given its weights once sharded (``parallelize.materialize``): the same weights as a one-process build
+of the same seed.
 """
 
 from __future__ import annotations
@@ -96,7 +96,7 @@ def parameters_on_meta(device):
     ``device`` (its own initialization draws from the generator as in a plain build) and its
     parameters move to the meta device when it is attached to its parent, so one submodule's
     parameters at a time exist. ``state["rng"]``: the generator's state after the last attach, which
-    is where a plain build starts its ``reset_parameters`` (the draws :func:`materialize` replays)."""
+    is where a plain build starts its ``reset_parameters`` (the draws ``parallelize.materialize`` replays)."""
     import torch
     from torch.nn.modules.module import register_module_module_registration_hook
 
@@ -119,49 +119,12 @@ def parameters_on_meta(device):
         handle.remove()
 
 
-def materialize(lab_model, module, world) -> None:
-    """Give a meta-built GPT, once sharded (FSDP), its weights: storage for this rank's shards
-    (``to_empty``; the buffers, built for real, are kept), then the GPT's own initialization one
-    parameter at a time from the generator state a plain build starts it at, each full tensor cut to
-    this rank's shard: the same weights as a one-process build of the same seed."""
-    import torch
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    info = module._fasttrain_meta_init
-    device = torch.device(world.device)
-    buffers = dict(module.named_buffers())
-    built = {name: p.detach().clone() for name, p in module.named_parameters() if p.device.type != "meta"}
-    # offloaded shards live in host memory (FSDP's CPUOffloadPolicy); the draws stay on the run's device
-    module.to_empty(device="cpu" if world.offload_optimizer else device)
-    for name, tensor in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner)._buffers[leaf] = tensor
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(info["rng"], device)
-    else:
-        torch.set_rng_state(info["rng"])
-    with torch.no_grad():
-        for name, p in module.named_parameters():
-            if name in built:               # a vector built for real: its values, then the init's rule
-                p.copy_(built[name])
-                module.init_parameter(name, p)
-                continue
-            full = torch.empty(p.shape, dtype=p.dtype, device=device)
-            module.init_parameter(name, full)
-            if isinstance(p, DTensor):
-                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.copy_(full)
-            del full
-        module.reset_after_init()
-    del module._fasttrain_meta_init
-
-
 def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None = None, seed: int | None = None,
                 log=None, meta: bool = False) -> LabModel:
     """The model of one run, on ``device``: its weights drawn from ``seed`` (default ``cfg.seed``),
     then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it.
     ``meta``: the lab's GPT with its parameters on the meta device (:func:`parameters_on_meta`), for
-    FSDP to shard and :func:`materialize` to initialize."""
+    FSDP to shard and ``parallelize.materialize`` to initialize."""
     source = model_source(cfg)
     if source != "gpt":
         if not source.startswith("hf:"):

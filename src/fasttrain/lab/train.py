@@ -142,7 +142,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
 
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
     if world.distributed and device.type == "cuda" and model is None:
-        from fasttrain.lab.parallel.distributed import check_fits_some_strategy
+        from fasttrain.lab.parallel.fit import check_fits_some_strategy
         from fasttrain.lab.preflight import device_memory
 
         free, _, _ = device_memory(device)
