@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,22 +18,9 @@ import torch.multiprocessing as mp  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab.parallel import launch as L  # noqa: E402
+from tests_support import free_port as _free_port, word_corpus as _corpus  # noqa: E402
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _corpus():
-    from fasttrain.lab.data import corpus_from_text
-
-    rng = np.random.default_rng(0)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
 
 
 # (strategy, reshard after forward, model): each case trains 2 processes at global batch 16 in 2

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import pytest
 
@@ -18,24 +17,9 @@ from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab.parallel import fit as F  # noqa: E402
+from tests_support import free_port as _free_port, word_corpus as _text_corpus  # noqa: E402
 
 GLOBAL_BATCH = 16
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _text_corpus():
-    import numpy as np
-
-    from fasttrain.lab.data import corpus_from_text
-
-    rng = np.random.default_rng(0)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
 
 
 def _cfg(kv_heads: int = 2, **changes):

@@ -44,3 +44,23 @@ def toy_text(n=20000, seed=0):
     while sum(map(len, out)) < n:
         out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
     return "".join(out)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a process group's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def word_corpus():
+    """A small word-level text corpus (characters as tokens): the distributed tests' data."""
+    import numpy as np
+
+    from fasttrain.lab.data import corpus_from_text
+
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
+    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
