@@ -6,7 +6,6 @@ module selection and refusals; the shapes that do not divide the world, refused 
 from __future__ import annotations
 
 import json
-import os
 
 import pytest
 
@@ -17,7 +16,8 @@ from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab.parallel import fit as F  # noqa: E402
-from tests_support import free_port as _free_port, word_corpus as _text_corpus  # noqa: E402
+from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
+from tests_support import word_corpus as _text_corpus  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -283,13 +283,10 @@ CASES = {
 
 
 def _worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    group = join_process_group(rank, world, port, device)
     from fasttrain.lab.train import run
 
     corpus = _text_corpus()
-    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=120), device=device)
     records = {}
     for name, fields, kv in CASES[world]:
         parallel = D.ParallelConfig(global_batch_size=GLOBAL_BATCH, **fields)
@@ -297,8 +294,7 @@ def _worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> 
     if rank == 0:
         with open(out, "w") as f:
             json.dump(records, f, default=str)
-    group.owns_group = True
-    D.shutdown(group)
+    leave_process_group(group)
 
 
 @pytest.mark.parametrize("world", [2, 4])
