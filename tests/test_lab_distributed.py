@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 import time
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
@@ -20,22 +18,10 @@ import torch.multiprocessing as mp  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab.parallel import launch as L  # noqa: E402
+from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
+from tests_support import word_corpus as _corpus  # noqa: E402
 
 WORLD = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _corpus():
-    from fasttrain.lab.data import corpus_from_text
-
-    rng = np.random.default_rng(0)
-    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
-    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
 
 
 # (strategy, reshard after forward, model): each case trains 2 processes at global batch 16 in 2
@@ -58,14 +44,11 @@ def _key(strategy, reshard, style):
 
 
 def _worker(rank: int, port: int, out_dir: str, device: str = "cpu") -> None:
-    os.environ.update(RANK=str(rank), WORLD_SIZE=str(WORLD), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port))
-    torch.set_num_threads(1)
+    # one process group for every case (each run() joins it rather than making its own)
+    group = join_process_group(rank, WORLD, port, device, timeout=60)
     from fasttrain.lab.train import run
 
     corpus = _corpus()
-    # one process group for every case (each run() joins it rather than making its own)
-    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=60), device=device)
     records = {}
     for strategy, reshard, style in CASES:
         key = _key(strategy, reshard, style)
@@ -75,8 +58,7 @@ def _worker(rank: int, port: int, out_dir: str, device: str = "cpu") -> None:
     if rank == 0:
         with open(os.path.join(out_dir, "records.json"), "w") as f:
             json.dump(records, f, default=str)
-    group.owns_group = True
-    D.shutdown(group)
+    leave_process_group(group)
 
 
 def _weights(folder) -> dict:

@@ -44,3 +44,44 @@ def toy_text(n=20000, seed=0):
     while sum(map(len, out)) < n:
         out.append(words[rng.integers(len(words))] + (",\n" if rng.random() < 0.1 else " "))
     return "".join(out)
+
+
+def free_port() -> int:
+    """A TCP port free on this machine now (a process group's MASTER_PORT)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def word_corpus():
+    """A small word-level text corpus (characters as tokens): the distributed tests' data."""
+    import numpy as np
+
+    from fasttrain.lab.data import corpus_from_text
+
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
+    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
+
+
+def join_process_group(rank: int, world: int, port: int, device: str = "cpu", timeout: float = 120):
+    """In a spawned worker: torchrun's environment for ``rank`` of ``world``, one thread, and the
+    process group every lab run of the worker then joins (returns its World; end it with
+    ``leave_process_group``)."""
+    import torch
+
+    from fasttrain.lab.parallel import distributed as D
+
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    return D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=timeout), device=device)
+
+
+def leave_process_group(group) -> None:
+    from fasttrain.lab.parallel import distributed as D
+
+    group.owns_group = True
+    D.shutdown(group)
