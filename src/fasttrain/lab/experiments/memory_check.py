@@ -63,7 +63,7 @@ def run_case(name: str, steps: int = 3, debug: bool = False, device: str = "cuda
     gen = torch.Generator(dev).manual_seed(0)
     idx = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
     tgt = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
-    batches = itertools.repeat((idx, tgt))
+    batches = itertools.repeat([(idx, tgt)])     # one micro-batch a step
     metrics = Metrics(cfg.with_(max_steps=steps), dev)
     info: dict = {}
     tracker = None
