@@ -47,9 +47,9 @@ def check_run(cfg, out=None) -> None:
     """The checks of a lab run that need no corpus: the configuration (:func:`validate`), the
     output paths, the device. Called by ``lab.train.run`` (the Python API) and by the CLI before
     it launches any process."""
-    from fasttrain.lab.config import validate
+    from fasttrain.lab.config import ensure_valid
 
-    validate(cfg)
+    ensure_valid(cfg)               # validated where it was built; checked here only if it was not
     check_outputs(cfg, out)
     if cfg.init_from is not None:
         expand(cfg.init_from, "--init-from")

@@ -44,19 +44,23 @@ __all__ = ["run", "execute", "lab_setup", "estimate_notes", "model_config", "con
 
 # --- the run -------------------------------------------------------------------------------------
 
-def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None) -> dict:
+def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None, fit_context: bool = False,
+        sources: dict | None = None) -> dict:
     """Train ``cfg`` and return the run record (see the module docstring).
 
     ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
     ``parallel`` (:class:`~fasttrain.lab.parallel.distributed.ParallelConfig`): the strategy when this
     process is one of several started by torchrun; every rank returns the same record.
-    ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names."""
-    record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model)
+    ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names.
+    ``fit_context``: the context is the model's own, lowered to what the corpus allows.
+    ``sources``: where each setting came from (:class:`fasttrain.lab.cli.Resolved`), kept in the record."""
+    record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
+                        fit_context=fit_context, sources=sources)
     return record
 
 
 def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None,
-            keep_model: bool = False):
+            keep_model: bool = False, fit_context: bool = False, sources: dict | None = None):
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
     import torch
 
@@ -76,8 +80,11 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
         if model is None:
             D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
-            return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
-                           keep_model=keep_model)
+            record, trained = _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0,
+                                      model=model, keep_model=keep_model, fit_context=fit_context)
+            if sources:
+                record["config_sources"] = {k: v for k, v in sources.items() if k in record["config"]}
+            return record, trained
     finally:
         release_run_state(cfg)
         D.shutdown(world)
@@ -104,7 +111,7 @@ def _check_libraries(cfg: LabConfig, device) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, fit_context=False):
     from fasttrain.lab.data import corpus_for
 
     _check_libraries(cfg, device)
@@ -122,6 +129,10 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
 
         spec = cfg.model[3:] if cfg.model.startswith("hf:") else None
         corpus = corpus_for(cfg, default_tokenizer=model_tokenizer(spec) if spec else None)
+    if fit_context:
+        from fasttrain.lab.defaults import fit_context as fit
+
+        cfg = fit(cfg, len(corpus.train), log)
     checkpoint = None
     if cfg.init_from and model is None:
         from fasttrain.lab.parallel.distributed import check_model_fits

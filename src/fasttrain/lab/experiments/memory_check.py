@@ -175,12 +175,4 @@ def validate_command(out, cases, quick, steps, debug_dir, rescore) -> None:
     click.echo(f"wrote {csv_path} and {md_path}")
 
 
-def attach() -> None:
-    """``fasttrain memory validate``: the memory group's command, defined here (it trains through the
-    lab, which the memory package does not import)."""
-    from fasttrain.memory.cli import command as memory
-
-    memory.add_command(validate_command)
-
-
-__all__ = ["run_case", "run", "case_config", "validate_command", "attach"]
+__all__ = ["run_case", "run", "case_config", "validate_command"]
