@@ -50,6 +50,11 @@ GROUPS = ("model", "architecture", "data", "batch", "optimizer", "precision", "m
           "fine-tuning", "output", "parallel", "run")
 
 
+# the lab GPT's shape: a transformers model has its own (its config.json)
+GPT_SHAPE = ("style", "layers", "heads", "kv_heads", "width", "ffn", "vocab_size", "pad_vocab_to_multiple_of",
+             "dropout", "bias", "activation", "qk_norm", "zero_init_proj", "unet_skips", "logit_softcap")
+
+
 def setting(default, group: str, help: str, *, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (),
             hf=None):
     """One LabConfig field, declared once: its default, its ``--help`` group and text, the strings it takes
@@ -199,8 +204,14 @@ class LabConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """Every setting (JSON-able); for a transformers model the lab GPT's shape left out where it is
+        at its default (it shapes nothing there: records and ``fasttrain.json`` say nothing of it)."""
         out = asdict(self)
         out["lora_target_modules"] = list(self.lora_target_modules)
+        if self.model != "gpt":
+            for f in fields(self):
+                if f.name in GPT_SHAPE and getattr(self, f.name) == f.default:
+                    del out[f.name]
         return out
 
     @property

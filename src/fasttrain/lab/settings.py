@@ -31,14 +31,16 @@ class Resolved:
     fit_context: bool = False                       # the context is the model's: lowered to what the corpus allows
 
     def lines(self) -> list[str]:
-        """Every value that differs from LabConfig's defaults, and where it came from."""
+        """Every value that differs from LabConfig's defaults or was set by the model, a file or a flag,
+        and where it came from."""
         base = LabConfig()
         rows = []
         for f in dataclasses.fields(LabConfig):
             value = getattr(self.cfg, f.name)
-            if value == getattr(base, f.name):
-                continue
             where = self.sources.get(f.name, "default")
+            if value == getattr(base, f.name) and where in ("default", "saved") or where.startswith("preset") \
+                    and value == getattr(base, f.name):
+                continue
             why = self.reasons.get(f.name)
             shown = ",".join(value) if isinstance(value, tuple) else value
             rows.append(f"  {f.name:<28} {str(shown):<24} {where}" + (f" ({why})" if why else ""))
