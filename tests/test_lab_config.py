@@ -218,6 +218,17 @@ def test_the_models_context_is_lowered_to_what_the_corpus_allows(tmp_path, capsy
     assert "(the model's positions" in err and "shakespeare" not in err
 
 
+def test_the_python_api_takes_the_models_defaults_too(tmp_path):
+    import fasttrain.lab
+
+    folder = _llama(tmp_path / "llama", positions=48)
+    record = fasttrain.lab.run(model=f"hf:{folder}", data=toy_text(3000), max_steps=1, device="cpu", eval_tokens=64,
+                               timing_warmup_steps=0)
+    config = record.to_dict()["config"]
+    assert config["context"] == 48 and config["name"] == "llama" and config["per_device_train_batch_size"] == 8
+    assert config["adam_beta2"] == 0.95 and "dropout" not in config
+
+
 def test_a_pretrained_folder_is_a_fine_tune_and_a_config_a_pre_training_run(tmp_path):
     from fasttrain.lab.defaults import hf_defaults, pretrain_lr
 
