@@ -56,7 +56,8 @@ class SettingOption(click.Option):
 # the sections of options that are not LabConfig fields
 OTHER_GROUPS = {name: "parallel" for name in dist_launch.PARALLEL_OPTIONS + dist_launch.LAUNCH_OPTIONS}
 OTHER_GROUPS.update({"preset_name": "run", "config_file": "run", "print_config": "run", "out_path": "output",
-                     "from_record": "run", "list_presets": "run", "quiet": "output"})
+                     "from_record": "run", "list_presets": "run", "quiet": "output", "help": "run",
+                     "global_batch_size": "batch"})
 
 
 class GroupedHelp:

@@ -47,7 +47,7 @@ LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
 
 # the groups of ``fasttrain lab --help``, in the order it lists them
 GROUPS = ("model", "architecture", "data", "batch", "optimizer", "precision", "memory", "speed", "evaluation",
-          "fine-tuning", "output", "parallel", "run")
+          "fine-tuning", "output", "parallel", "search", "run")
 
 
 # the lab GPT's shape: a transformers model has its own (its config.json)

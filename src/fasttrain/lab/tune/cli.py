@@ -93,6 +93,13 @@ def command(ctx, preset_name, config_file, print_config, global_batch_size, glob
                                                     else "; see the table's status column"))
 
 
+# tune's own options: their --help section
+for _param in command.params:
+    if _param.name in ("budget", "allow", "precisions", "out_dir", "cache_path", "no_cache", "memory_limit",
+                       "probe_steps", "max_candidates", "quiet"):
+        _param.group = "search"
+
+
 def global_batch_tokens_of(sequences: int | None, tokens: int | None, context: int, notes: list) -> int:
     """Tokens per optimizer step from ``--global-batch-size`` (sequences, the lab's name and unit) or its
     other name ``--global-batch-tokens`` (tokens: a whole number of sequences of ``--context``)."""
