@@ -170,9 +170,9 @@ def config_options(fn):
     fn = click.option("--config", "config_file", type=str, default=None, is_eager=True, expose_value=True,
                       callback=_read_config_file, help="A YAML (.yaml, .yml) or TOML (.toml) file of flags (names "
                       "with - or _); flags given on the command line win.")(fn)
-    fn = click.option("--preset", "preset_name", default=None, type=click.Choice(list(PRESETS)),
+    fn = click.option("--preset", "preset_name", default=None, metavar=f"[{'|'.join(PRESETS)}]",
                       show_default=f"{DEFAULT_PRESET} for the lab's GPT, none for --model hf:",
-                      help="Start the lab's GPT from a preset.")(fn)
+                      help="Start from a preset (with --model hf: its settings other than the GPT's shape).")(fn)
     return fn
 
 
@@ -253,7 +253,11 @@ def write_config_yaml(resolved: Resolved) -> None:
     out.print(settings_yaml(resolved.cfg), end="", markup=False, highlight=False, soft_wrap=True)
 
 
-def say_configuration(resolved: Resolved) -> None:
+def say_configuration(resolved: Resolved, final: LabConfig | None = None) -> None:
+    """The resolved configuration and its sources on stderr; ``final``: the configuration the run trains
+    (the context lowered to the corpus, the micro-batch found), where it differs."""
+    if final is not None and final != resolved.cfg:
+        resolved = dataclasses.replace(resolved, cfg=final)
     for line in resolved.lines():
         err.print(line, markup=False, highlight=False, soft_wrap=True)
 
@@ -329,8 +333,6 @@ def command(ctx, preset_name, config_file, print_config, out_path, from_record, 
         dist_launch.check_before_launch(cfg, parallel, launch)     # GPUs against processes: the clearer line
     preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
-    if not quiet and main:
-        say_configuration(resolved)
     if launch is not None:
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
@@ -360,9 +362,11 @@ def _train(cfg, parallel, out_path, quiet, main, resolved=None) -> None:
                           warmup_steps=cfg.timing_warmup_steps, device=_device_kind(cfg.device), console=err)
         bar.start()
     try:
+        # the configuration is said once every check has passed and the model is built, before the first step
+        announce = None if quiet or resolved is None else (lambda final: say_configuration(resolved, final))
         record = run(cfg, log=log, progress=bar, parallel=parallel,
                      fit_context=resolved is not None and resolved.fit_context,
-                     sources=None if resolved is None else resolved.sources)
+                     sources=None if resolved is None else resolved.sources, announce=announce)
     finally:
         if bar is not None:
             bar.stop()

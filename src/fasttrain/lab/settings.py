@@ -1,8 +1,9 @@
 """A run's configuration, resolved once, and where each value came from.
 
 Where a value comes from, lowest first: :class:`~fasttrain.lab.config.LabConfig`'s default; the
-preset (the lab's GPT only: ``shakespeare-char`` unless another is named); the model's own defaults
-(a transformers model, ``--model hf:...``: :mod:`fasttrain.lab.defaults`; no preset applies); the
+preset (the lab's GPT: ``shakespeare-char`` unless another is named); the model's own defaults (a
+transformers model, ``--model hf:...``: :mod:`fasttrain.lab.defaults`; no preset applies unless one is
+named, and then its settings other than the GPT's shape go over the model's defaults); the
 ``--config`` file; the flags (or the Python API's arguments). ``--resume DIR`` alone takes the saved
 run's settings instead, and refuses a flag that would change its trajectory. The configuration is
 validated here, once (:func:`fasttrain.lab.config.validate`; later steps only ask whether it was).
@@ -14,7 +15,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.config import PRESETS, LabConfig, validate
+from fasttrain.lab.config import GPT_SHAPE, PRESETS, LabConfig, validate
 
 DEFAULT_PRESET = "shakespeare-char"     # the lab's GPT without --preset; a transformers model takes none
 
@@ -67,12 +68,17 @@ def resolve_settings(preset_name: str | None, given: dict, sources: dict | None 
         values = {"name": name, **PRESETS[name]}
         sources.update({k: f"preset {name}" for k in values if k not in given})
     else:
-        if preset_name is not None:
-            raise FasttrainError(f"--preset {preset_name} shapes the lab's GPT; a transformers model (--model "
-                                 f"{model}) takes its own defaults: drop --preset")
         for key, (value, why) in hf_defaults(model, given).items():
             if key not in given:
                 values[key], reasons[key], sources[key] = value, why, "model"
+        if preset_name is not None:
+            # asked for by name: its schedule and sizes over the model's defaults (the GPT's shape is not the model's)
+            if preset_name not in PRESETS:
+                raise FasttrainError(f"unknown preset {preset_name!r}; use one of {', '.join(PRESETS)}")
+            for key, value in PRESETS[preset_name].items():
+                if key not in given and key not in GPT_SHAPE:
+                    values[key], sources[key] = value, f"preset {preset_name}"
+                    reasons.pop(key, None)
     cfg = validate(_build(values, given))
     note = warmup_note(cfg)
     if note:

@@ -45,7 +45,7 @@ __all__ = ["run", "execute", "lab_setup", "estimate_notes", "model_config", "con
 # --- the run -------------------------------------------------------------------------------------
 
 def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None, fit_context: bool = False,
-        sources: dict | None = None) -> dict:
+        sources: dict | None = None, announce=None) -> dict:
     """Train ``cfg`` and return the run record (see the module docstring).
 
     ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
@@ -53,14 +53,15 @@ def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, 
     process is one of several started by torchrun; every rank returns the same record.
     ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names.
     ``fit_context``: the context is the model's own, lowered to what the corpus allows.
-    ``sources``: where each setting came from (:class:`fasttrain.lab.cli.Resolved`), kept in the record."""
+    ``sources``: where each setting came from (:class:`fasttrain.lab.settings.Resolved`), kept in the record.
+    ``announce(cfg)``: called once every check has passed and the model is built, before the first step."""
     record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
-                        fit_context=fit_context, sources=sources)
+                        fit_context=fit_context, sources=sources, announce=announce)
     return record
 
 
 def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None,
-            keep_model: bool = False, fit_context: bool = False, sources: dict | None = None):
+            keep_model: bool = False, fit_context: bool = False, sources: dict | None = None, announce=None):
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
     import torch
 
@@ -81,7 +82,8 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
             D.check_model_fits(cfg, world.world_size, world.strategy)
         with D.collective_errors(world):
             record, trained = _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0,
-                                      model=model, keep_model=keep_model, fit_context=fit_context)
+                                      model=model, keep_model=keep_model, fit_context=fit_context,
+                                      announce=announce)
             if sources:
                 record["config_sources"] = {k: v for k, v in sources.items() if k in record["config"]}
             return record, trained
@@ -111,7 +113,7 @@ def _check_libraries(cfg: LabConfig, device) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, fit_context=False):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, fit_context=False, announce=None):
     from fasttrain.lab.data import corpus_for
 
     _check_libraries(cfg, device)
@@ -151,7 +153,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
     with tf32_matmuls(cfg.tf32):
         return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
-                      checkpoint=checkpoint, keep_model=keep_model)
+                      checkpoint=checkpoint, keep_model=keep_model, announce=announce)
 
 
 def _copies_of(model, device):
@@ -164,7 +166,7 @@ def _copies_of(model, device):
     return lambda: dataclasses.replace(model, module=copy.deepcopy(initial).to(device))
 
 
-def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model):
+def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model, announce=None):
     """Build, train through the trainer's loop, save and record (one process's part of the run)."""
     import torch
 
@@ -192,6 +194,8 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         R.resume(trainer, metrics, cfg.resume, log=log)
     if cfg.save_steps:
         saver = R.Saver(trainer, metrics, cfg, world)
+    if announce is not None:
+        announce(cfg)
     try:
         trainer.train(metrics=metrics, progress=progress, on_step=saver)
     except oom_types():
