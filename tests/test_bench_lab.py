@@ -383,7 +383,8 @@ def test_sweep_doubles_until_out_of_memory_then_bisects_the_edge(corpus, monkeyp
 
     probed = []
 
-    def probe(cfg, corpus, device, batch):
+    def probe(cfg, corpus, device):
+        batch = cfg.per_device_train_batch_size
         probed.append(batch)
         return batch < 13
 

@@ -55,10 +55,10 @@ def _xy(n=8, s=32, v=40, seed=0):
 def test_gradient_accumulation_equals_the_big_batch(style):
     model, _ = _model(style)
     x, y = _xy(16)
-    lab.accumulate_gradients(model, x, y, 1)
+    lab.accumulate_gradients(model, [(x, y)])
     big = _grads(model)
     model.zero_grad(set_to_none=True)
-    lab.accumulate_gradients(model, x, y, 4)            # 4 micro-batches of 4
+    lab.accumulate_gradients(model, list(zip(x.chunk(4), y.chunk(4))))     # 4 micro-batches of 4
     for name, g in _grads(model).items():
         torch.testing.assert_close(g, big[name], rtol=1e-5, atol=1e-6, msg=name)
 
@@ -211,16 +211,18 @@ def test_adamw_8bit_state_is_two_bytes_per_parameter_plus_block_scales():
 
 @pytest.mark.parametrize("workers,pin", [(0, False), (2, True)])
 def test_preload_and_dataloader_give_the_same_batches(corpus, workers, pin):
-    kw = dict(seed=7, batch=6, context=16, steps=4, device="cpu")
+    kw = dict(seed=7, micro_batch=3, accumulation=2, context=16, steps=4, device="cpu")
     pre = list(train_batches(corpus.train, preload=True, **kw))
     loaded = list(train_batches(corpus.train, preload=False, num_workers=workers, pin_memory=pin,
                                 prefetch_factor=2 if workers else None, **kw))
     assert len(pre) == len(loaded) == 4
-    for (xp, yp), (xl, yl) in zip(pre, loaded):
-        assert torch.equal(xp, xl) and torch.equal(yp, yl)
-        assert torch.equal(xp[:, 1:], yp[:, :-1])                 # targets are the next characters
+    for step_pre, step_loaded in zip(pre, loaded):
+        assert len(step_pre) == len(step_loaded) == 2             # the step's 2 micro-batches
+        for (xp, yp), (xl, yl) in zip(step_pre, step_loaded):
+            assert xp.shape == (3, 16) and torch.equal(xp, xl) and torch.equal(yp, yl)
+            assert torch.equal(xp[:, 1:], yp[:, :-1])             # targets are the next characters
     other = list(train_batches(corpus.train, preload=True, **{**kw, "seed": 8}))
-    assert not torch.equal(other[0][0], pre[0][0])
+    assert not torch.equal(other[0][0][0], pre[0][0][0])
 
 
 def test_validation_windows_predict_every_character_once():
@@ -483,7 +485,7 @@ def test_every_optimizer_follows_the_learning_rate_schedule(corpus):
 
     cfg = tiny(optim="adamw_8bit", max_steps=3, warmup_steps=2)
     trainer = make_trainer(cfg, corpus, torch.device("cpu"))
-    for step, (x, y) in zip(range(2), trainer.batches(2)):
-        trainer.train_step(x, y)
+    for step, micro_batches in zip(range(2), trainer.batches(2)):
+        trainer.train_step(micro_batches)
         lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]
         assert lrs == pytest.approx([lr_at(cfg, step)] * len(lrs))

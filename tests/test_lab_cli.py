@@ -93,7 +93,7 @@ def test_a_crash_during_training_leaves_the_earlier_checkpoint(fake_corpus, tmp_
     before = {p.name: p.read_bytes() for p in ck.iterdir()}
     import fasttrain.lab.train as train
 
-    def interrupted(self, x, y):
+    def interrupted(self, micro_batches):
         raise KeyboardInterrupt
     monkeypatch.setattr(train.Trainer, "train_step", interrupted)
     code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(ck)], capsys)

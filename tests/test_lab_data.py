@@ -79,12 +79,34 @@ def test_bpe_corpus_trains_from_a_tokenizer_trained_here(wide_file, tmp_path):
 
 def test_wide_ids_give_the_same_batches_preloaded_and_loaded(wide_file):
     corpus = corpus_for(tiny(train_file=str(wide_file)))
-    kw = dict(seed=3, batch=4, context=16, steps=3, device="cpu")
+    kw = dict(seed=3, micro_batch=4, context=16, steps=3, device="cpu")
     pre = list(train_batches(corpus.train, preload=True, **kw))
     loaded = list(train_batches(corpus.train, preload=False, **kw))
-    for (xp, yp), (xl, yl) in zip(pre, loaded):
+    for [(xp, yp)], [(xl, yl)] in zip(pre, loaded):
         assert xp.dtype == torch.int64 and torch.equal(xp, xl) and torch.equal(yp, yl)
-    assert max(int(x.max()) for x, _ in pre) > 255
+    assert max(int(x.max()) for [(x, _)] in pre) > 255
+
+
+@pytest.mark.parametrize("preload", [True, False])
+def test_ranks_micro_batches_are_the_one_process_draw(preload):
+    """The seeded-stream contract (lab/parallel/distributed.py): N ranks at global batch B see exactly
+    the windows one process at B sees -- rank r's micro-batch j is column r of the one draw's (k, N, b)
+    grid -- and a step's k micro-batches are the k slices of one batch of k b."""
+    import torch
+
+    ids = np.arange(5000, dtype=np.int32) % 251
+    kw = dict(seed=5, context=8, steps=3, device="cpu", preload=preload, start=2)
+    k, n, b = 2, 3, 4
+    whole = list(train_batches(ids, micro_batch=n * b, accumulation=k, **kw))          # one process
+    ranks = [list(train_batches(ids, micro_batch=b, accumulation=k, ranks=n, rank=r, **kw)) for r in range(n)]
+    big = list(train_batches(ids, micro_batch=k * n * b, **kw))                        # no accumulation
+    for step in range(3):
+        assert [x.shape for x, _ in ranks[0][step]] == [(b, 8)] * k
+        for j in range(k):
+            mine = torch.cat([ranks[r][step][j][0] for r in range(n)])
+            assert torch.equal(mine, whole[step][j][0])
+        [(x_big, _)] = big[step]
+        assert torch.equal(torch.cat([x for x, _ in whole[step]]), x_big)
 
 
 def test_val_file_validates_on_its_own_text_with_the_union_of_characters(tmp_path):
@@ -137,7 +159,7 @@ def test_token_files_round_trip(tmp_path, dtype):
     assert corpus.vocab_size == top and corpus.tokenizer is None and corpus.chars is None
     assert corpus.sha256 == hashlib.sha256((tmp_path / "train.bin").read_bytes()).hexdigest()
     assert corpus.describe()["files"][1]["sha256"] == hashlib.sha256((tmp_path / "val.bin").read_bytes()).hexdigest()
-    x, y = next(train_batches(corpus.train, seed=0, batch=2, context=8, steps=1, device="cpu", preload=True))
+    [(x, y)] = next(train_batches(corpus.train, seed=0, micro_batch=2, context=8, steps=1, device="cpu", preload=True))
     assert x.dtype == torch.int64 and torch.equal(x[:, 1:], y[:, :-1])
     with pytest.raises(FasttrainError, match="without a tokenizer"):
         corpus.decode([1, 2])
@@ -276,10 +298,10 @@ def test_wide_token_files_preload_and_train_on_the_gpu(tmp_path, dtype):
     ids.astype(dtype).tofile(tmp_path / "t.bin")
     cfg = tiny(train_bin=str(tmp_path / "t.bin"), bin_dtype=dtype, device="cuda", preload=True)
     corpus = corpus_for(cfg)
-    kw = dict(seed=1, batch=4, context=16, steps=2)
+    kw = dict(seed=1, micro_batch=4, context=16, steps=2)
     pre = list(train_batches(corpus.train, preload=True, device="cuda", **kw))
     host = list(train_batches(corpus.train, preload=False, device="cpu", **kw))
-    for (xp, yp), (xh, yh) in zip(pre, host):
+    for [(xp, yp)], [(xh, yh)] in zip(pre, host):
         assert torch.equal(xp.cpu(), xh) and torch.equal(yp.cpu(), yh)
     rec = lab.run(cfg)
     assert rec["model"]["vocab"] == corpus.vocab_size and np.isfinite(rec["final"]["val_loss"])

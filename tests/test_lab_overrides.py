@@ -73,15 +73,15 @@ def test_the_command_line_of_a_config_parses_back_to_it():
     line = O.command_line(cfg, "tiny")
     assert line.startswith("fasttrain lab --preset tiny") and "--bf16" in line and "--eval-tokens none" in line
     seen = {}
-    orig = cli.config_from
+    orig = cli.resolve
 
-    def capture(preset_name, options):          # the CLI's parsing, not a run
-        seen["cfg"] = orig(preset_name, options)
+    def capture(preset_name, options, ctx=None):          # the CLI's parsing, not a run
+        seen["cfg"] = orig(preset_name, options, ctx).cfg
         raise SystemExit(0)
 
-    cli.config_from = capture
+    cli.resolve = capture
     try:
         CliRunner().invoke(cli.command, shlex.split(line)[2:])
     finally:
-        cli.config_from = orig
+        cli.resolve = orig
     assert seen["cfg"] == cfg

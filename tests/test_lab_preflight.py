@@ -170,7 +170,7 @@ def test_a_run_that_cannot_fit_is_refused_with_the_prediction_and_flags(no_train
     # the flags it names do fit by the same estimate
     if "--per-device-train-batch-size" in text:
         b = int(text.split("--per-device-train-batch-size ")[1].split()[0])
-        assert preflight.predicted_peak(cfg, corpus.vocab_size, b) <= 2 ** 30
+        assert preflight.predicted_peak(cfg.with_(per_device_train_batch_size=b), corpus.vocab_size) <= 2 ** 30
 
 
 def test_a_gpu_run_compares_with_free_memory(corpus, monkeypatch):

@@ -218,3 +218,24 @@ def test_fasttrain_cost_is_memory_cost():
                            timeout=120)
     assert alias.returncode == 0, alias.stderr
     assert json.loads(alias.stdout) == json.loads(run("cost", "--json").stdout)
+
+
+def test_the_labs_names_and_the_hf_configs_defaults_are_said(tmp_path):
+    """One name per setting across lab, tune and memory: --per-device-train-batch-size and --context, with
+    --micro-batch and --seq read as them (a line says so); --hf-config assumes bf16 autocast, sdpa and the
+    model's positions, and says so."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(
+        model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=120, max_position_embeddings=96)))
+    new = run("--preset", "llama3-8b", "--per-device-train-batch-size", 2, "--context", 1024, "--json")
+    old = run("--preset", "llama3-8b", "--micro-batch", 2, "--seq", 1024, "--json")
+    assert new.returncode == old.returncode == 0, old.stderr
+    assert json.loads(new.stdout)["total"] == json.loads(old.stdout)["total"]
+    assert "--micro-batch is another name of --per-device-train-batch-size" in old.stderr
+    assert "--seq is another name of --context" in old.stderr and new.stderr == ""
+    hf = run("--hf-config", tmp_path, "--json")
+    assert hf.returncode == 0, hf.stderr
+    setup = json.loads(hf.stdout)["setup"]
+    assert setup["precision"] == "amp" and setup["attention"] == "flash" and setup["seq"] == 96
+    assert "bf16 autocast (default" in hf.stderr and "context 96 (the model's positions" in hf.stderr
+    one_line_error(run("--micro-batch", 2, "--per-device-train-batch-size", 4), "name the same setting")

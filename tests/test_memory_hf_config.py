@@ -204,7 +204,8 @@ def test_cli_hf_config_estimates_lora_and_prompt_tuning(tmp_path):
     prompt = run_cli("--hf-config", tmp_path, "--micro-batch", 4, "--seq", 256, "--prompt-tokens", 16, "--json")
     for result, kw in ((lora, dict(lora_rank=8, lora_targets=("c_attn", "c_fc"))), (prompt, dict(prompt_tokens=16))):
         assert result.returncode == 0, result.stderr
-        expected = estimate(setup_from_hf_config(GPT2, micro_batch=4, seq=256, **kw))
+        # the CLI defaults to bf16 autocast (amp) for a transformers model
+        expected = estimate(setup_from_hf_config(GPT2, micro_batch=4, seq=256, precision="amp", **kw))
         assert json.loads(result.stdout)["total"] == expected.total
     assert json.loads(lora.stdout)["setup"]["lora_targets"] == ["c_attn", "c_fc"]
     table = run_cli("--hf-config", tmp_path, "--micro-batch", 4, "--seq", 256, "--lora-r", 8)
@@ -250,9 +251,9 @@ def test_cli_compiled_estimates_the_compiled_model(tmp_path):
     result = run_cli("--hf-config", path, "--micro-batch", 8, "--seq", 1024, "--compiled", "model", "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    expected = estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024, compiled="model"))
+    expected = estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024, compiled="model", precision="amp"))
     assert data["setup"]["compiled"] == "model" and data["total"] == expected.total
-    assert expected.total < estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024)).total
+    assert expected.total < estimate(setup_from_hf_config(GPT2, micro_batch=8, seq=1024, precision="amp")).total
     one_line_error(run_cli("--preset", "val-gpt", "--compiled", "blocks"), "--hf-config")
 
 
@@ -997,7 +998,8 @@ def test_cli_liger_estimates_the_liger_patched_model(tmp_path):
                      "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    expected = estimate(setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, attention="eager", liger=True))
+    expected = estimate(setup_from_hf_config(LLAMA_05B, micro_batch=64, seq=256, attention="eager", liger=True,
+                                             precision="amp"))         # the CLI's bf16 autocast default
     assert data["setup"]["liger"] == list(LIGER_ALL) and data["total"] == expected.total
     gpt2 = tmp_path / "gpt2.json"
     gpt2.write_text(json.dumps(GPT2))

@@ -358,7 +358,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
     in_muon = {n for n, p in named.items() if any(p is q for g in muon.param_groups for q in g["params"])}
     assert in_muon == {n for n, p in named.items() if n.startswith("blocks.") and p.dim() == 2}
     assert len(trainer.optimizer.param_groups) == len(muon.param_groups) + len(adamw.param_groups)
-    trainer.train_step(*next(trainer.batches(1)))
+    trainer.train_step(next(trainer.batches(1)))
     assert all(g["lr"] == lab_optim.lr_at(cfg, 0) for g in trainer.optimizer.param_groups)
     rec = lab.run(cfg.with_(max_steps=2, eval_interval=0), corpus=corpus)      # the lab's own loop takes it too
     hidden = sum(p.numel() for n, p in named.items() if n in in_muon)

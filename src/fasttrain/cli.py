@@ -1,7 +1,7 @@
 """The command line, a thin layer over the Python API.
 
 Errors a user can cause print one line (``error: ...``) and exit non-zero, without a traceback.
-Subcommands living beside their code (bench, memory) are added by :func:`_load_plugins`.
+Subcommands living beside their code (bench, memory, lab, tune) are added by :func:`add_commands`.
 """
 
 from __future__ import annotations
@@ -268,23 +268,21 @@ def data_verify(dataset, data_dir) -> None:
     out_console.print(f"{dataset}: all files verified")
 
 
-def _load_plugins() -> None:
-    """Subcommands living beside their code: each module exposes a click command named ``command``."""
-    import importlib
+def add_commands() -> None:
+    """The subcommands that live beside their code, registered here by plain imports (once: the
+    imports are cheap after the first); ``fasttrain cost`` is ``fasttrain memory cost``, and
+    ``fasttrain memory validate`` trains through the lab (which the memory package does not import)."""
+    from fasttrain.bench.cli import command as bench
+    from fasttrain.lab.cli import command as lab
+    from fasttrain.lab.experiments.memory_check import validate_command
+    from fasttrain.lab.tune.cli import command as tune
+    from fasttrain.memory.cli import command as memory
 
-    for module in ("fasttrain.bench.cli", "fasttrain.memory.cli", "fasttrain.lab.cli", "fasttrain.lab.tune.cli"):
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            # the plugin (or its package) is absent: run without it; a missing dependency *inside* it still raises
-            if exc.name == module or module.startswith(f"{exc.name}."):
-                continue
-            raise
-        cli.add_command(mod.command)
-    memory = cli.commands.get("memory")
-    if memory is not None and "cost" in getattr(memory, "commands", {}):
-        # ``fasttrain cost`` is what people type for the training-cost table: the same command
-        cli.add_command(memory.commands["cost"], "cost")
+    memory.add_command(validate_command)
+    for sub in (bench, memory, lab, tune):
+        cli.add_command(sub)
+    # ``fasttrain cost`` is what people type for the training-cost table: the same command
+    cli.add_command(memory.commands["cost"], "cost")
 
 
 def _os_error_line(exc: OSError) -> str:
@@ -310,7 +308,7 @@ def _os_error_line(exc: OSError) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    _load_plugins()
+    add_commands()
     no_args_help = getattr(click.exceptions, "NoArgsIsHelpError", ())
     try:
         cli.main(args=argv, prog_name="fasttrain", standalone_mode=False)

@@ -582,7 +582,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
                                timing_warmup_steps=warm, warmup_steps=1, eval_interval=0, eval_tokens=8 * sweep_base.context,
                                eval_batch_size=min(batch, 8), log_interval=1)
         progress.describe(f"lab: sweep {SWEEP_PRESET} batch {batch}: probing")
-        if not batchsize.probe_batch(cfg, corpus, device, batch):
+        if not batchsize.probe_batch(cfg, corpus, device):
             first_oom = batch
             break
         label = f"sweep batch {batch}"
@@ -606,7 +606,7 @@ def _sweep(plan: LabPlan, result: SuiteResult, corpus, runner, progress: Progres
         while hi - lo > max(1, lo // 8):
             mid = (lo + hi) // 2
             progress.describe(f"lab: sweep edge, probing batch {mid}")
-            if batchsize.probe_batch(sweep_base, corpus, device, mid):
+            if batchsize.probe_batch(sweep_base.with_(per_device_train_batch_size=mid), corpus, device):
                 lo = mid
             else:
                 hi = mid

@@ -18,9 +18,14 @@ from fasttrain.errors import FasttrainError
 
 
 def _config(config, overrides: dict):
+    """The run's validated configuration: ``config`` (None: LabConfig's defaults, or for a transformers
+    model named in ``overrides["model"]`` its own defaults, no preset) with ``overrides`` on top."""
     from fasttrain.lab.config import LabConfig, preset, validate
+    from fasttrain.lab.settings import resolve_settings
 
     if config is None:
+        if str(overrides.get("model", "gpt")).startswith("hf:"):
+            return resolve_settings(None, overrides).cfg
         return validate(LabConfig().with_(**overrides))
     if isinstance(config, str):
         return preset(config, **overrides)
@@ -81,7 +86,8 @@ def run(config=None, *, model=None, data=None, loss=None, logits=None, blocks=No
     evaluations, memory, timings, the trained module; ``.to_dict()`` is the JSON run record).
 
     ``config``: a :class:`~fasttrain.lab.config.LabConfig`, a preset name or a dict of settings
-    (default: LabConfig's defaults); ``overrides``: LabConfig fields on top (``max_steps=100``).
+    (default: LabConfig's defaults; for ``model="hf:PATH"`` or a built model with a context, the
+    model's own defaults, no preset); ``overrides``: LabConfig fields on top (``max_steps=100``).
     ``data``: a text, or a corpus (``.train``, ``.val``, ``.vocab_size``; default the configured
     corpus, Tiny Shakespeare)."""
     from fasttrain.lab.build import resolve_device
@@ -89,7 +95,13 @@ def run(config=None, *, model=None, data=None, loss=None, logits=None, blocks=No
     from fasttrain.lab.record import RunRecord
     from fasttrain.lab.train import execute
 
+    if isinstance(model, str):              # "hf:PATH_OR_NAME": built by the lab, with the model's own defaults
+        overrides, model = {**overrides, "model": model}, None
     cfg = _config(config, overrides)
+    # the context is the model's own (not given): lowered to what the corpus allows
+    fit_context = config is None and "context" not in overrides and cfg.model.startswith("hf:")
+    if config is None and "context" not in overrides and getattr(model, "context", None):
+        cfg, fit_context = cfg.with_(context=model.context, name=getattr(model, "name", cfg.name)), True
     corpus = _data(data, cfg)
     lab_model = None
     if model is not None:
@@ -103,7 +115,8 @@ def run(config=None, *, model=None, data=None, loss=None, logits=None, blocks=No
         if lab_model.context is not None and cfg.context > lab_model.context:
             raise FasttrainError(f"context {cfg.context} is longer than {lab_model.name} takes ({lab_model.context}); "
                                  f"lower context")
-    record, trained = execute(cfg, log=log, progress=progress, corpus=corpus, model=lab_model, keep_model=True)
+    record, trained = execute(cfg, log=log, progress=progress, corpus=corpus, model=lab_model, keep_model=True,
+                              fit_context=fit_context)
     return RunRecord.from_dict(record, model=trained)
 
 

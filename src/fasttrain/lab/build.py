@@ -154,7 +154,7 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
     return gpt_model(module)
 
 
-def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, world=None,
+def make_trainer(cfg: LabConfig, corpus, device, *, world=None,
                  checkpoint: dict | None = None, log=None):
     """A :class:`~fasttrain.lab.trainer.Trainer` of the model ``cfg`` names, which it can rebuild
     (``Trainer.reset``: the initial weights of another seed)."""
@@ -168,4 +168,4 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     if model.name == "gpt":
         def rebuild(seed):
             return build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, seed=seed).module
-    return Trainer(cfg, model, corpus, device, batch=batch, world=world, rebuild=rebuild)
+    return Trainer(cfg, model, corpus, device, world=world, rebuild=rebuild)

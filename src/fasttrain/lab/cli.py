@@ -1,18 +1,21 @@
-"""``fasttrain lab``: train the lab's transformer on Tiny Shakespeare with any set of techniques.
+"""``fasttrain lab``: train the lab's transformer (or a transformers model) with any set of techniques.
 
     fasttrain lab --preset tiny --max-steps 20 --bf16 --gradient-checkpointing --out run.json
+    fasttrain lab --model hf:./my-llama --train-file notes.txt --config run.yaml
+    fasttrain lab --resume runs/a                           # continues a run with its saved settings
     fasttrain lab pitfall --preset shakespeare-char        # a step timed without / with synchronization
 
-Every option is a field of :class:`fasttrain.lab.config.LabConfig` (flag = field name with dashes,
-as in Hugging Face ``TrainingArguments``); options not given keep the preset's value.
-Subcommands live in their own modules, each exposing a click command named ``command``: add the
-module's name to ``SUBCOMMANDS`` to register one.
+Every setting is a field of :class:`fasttrain.lab.config.LabConfig`, declared there once (its help,
+group, choices and other names): the options here and ``--help``'s sections are generated from the
+declarations. Where a value comes from, lowest first: LabConfig's default, the preset (the lab's
+GPT only; ``shakespeare-char`` unless another is named), the model's own defaults (``--model hf:``:
+:mod:`fasttrain.lab.defaults`), the ``--config`` file, the flags. Every run prints the values that
+differ from LabConfig's defaults and where each came from before any work starts.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import importlib
 
 import click
 from rich.console import Console
@@ -20,100 +23,97 @@ from rich.table import Table
 
 from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_path
+from fasttrain.lab import sample, tokenizer
+from fasttrain.lab.config import GROUPS, PRESET_NOTES, PRESETS, LabConfig, validate
+from fasttrain.lab.experiments import speedrun, sumdemo
 from fasttrain.lab.parallel import launch as dist_launch
-from fasttrain.lab.config import PRESET_NOTES, PRESETS, LabConfig, preset
-
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.experiments.sumdemo", "fasttrain.lab.experiments.speedrun", "fasttrain.lab.parallel.launch",
-                                 "fasttrain.lab.tokenizer", "fasttrain.lab.sample")
+from fasttrain.lab.settings import DEFAULT_PRESET, Resolved, resolve_settings
 
 out = Console(width=160)
 err = Console(stderr=True)
 
-HELP = {
-    "model": "gpt (the lab's own GPT, shaped by the flags below) or hf:PATH_OR_NAME (a transformers causal LM: "
-             "a folder with config.json, weights loaded if present, else initialized from the config).",
-    "style": "gpt2 (LayerNorm, learned positions, GELU, tied) or llama (RMSNorm, RoPE, SwiGLU, GQA).",
-    "layers": "Transformer blocks.", "heads": "Attention heads.", "kv_heads": "Key/value heads (llama: GQA).",
-    "width": "Hidden size.", "ffn": "Feed-forward width (default 4 w; llama 8/3 w).",
-    "context": "Tokens per sequence.", "vocab_size": "Vocabulary (default: the corpus' 65 characters).",
-    "pad_vocab_to_multiple_of": "Pad the vocabulary to a multiple of N (e.g. 64).",
-    "dropout": "Dropout probability.", "bias": "Biases in linear layers and LayerNorm.",
-    "per_device_train_batch_size": "Sequences per micro-batch.",
-    "gradient_accumulation_steps": "Micro-batches per optimizer step.",
-    "auto_find_batch_size": "Find the largest micro-batch that fits, by trying (GPU).",
-    "max_steps": "Optimizer steps.", "learning_rate": "Peak learning rate.", "min_lr": "Learning rate at the end.",
-    "warmup_steps": "Linear warm-up steps.", "weight_decay": "Decoupled weight decay (matrices only).",
-    "adam_beta1": "AdamW beta1.", "adam_beta2": "AdamW beta2.", "adam_epsilon": "AdamW epsilon.",
-    "max_grad_norm": "Gradient clipping norm (0: off).", "optim": "Optimizer.",
-    "fp16": "Autocast to fp16 with a GradScaler.", "bf16": "Autocast to bf16.", "tf32": "TF32 matmuls.",
-    "gradient_checkpointing": "Recompute activations: full (every block) or selective (attention core).",
-    "torch_compile": "torch.compile the model.", "torch_compile_mode": "torch.compile mode.",
-    "torch_compile_backend": "inductor, or cudagraphs (CUDA graphs of forward and backward, no code generation).",
-    "cuda_graph_step": "Capture the whole eager step (with the optimizer) as one CUDA graph, no compiler (GPU).",
-    "activation": "The MLP's activation: style (gpt2: gelu, llama: swiglu), gelu, relu, relu2 (relu^2), swiglu.",
-    "qk_norm": "RMS-normalize queries and keys per head before attention.",
-    "zero_init_proj": "Start attention's and the MLP's output projections at zero.",
-    "unet_skips": "U-net skips: block i's output feeds block L-1-i through a learned scalar.",
-    "logit_softcap": "Soft-cap the logits at C: C tanh(z / C) (0: off).",
-    "attn_implementation": "eager (PyTorch ops) or sdpa (scaled_dot_product_attention, flash).",
-    "use_liger_kernel": "liger-kernel's RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear cross-entropy (GPU).",
-    "liger_kernels": "Which of them --use-liger-kernel applies to a transformers model: all, or "
-                     "fused_linear_cross_entropy alone (the logits never made; the layers left to torch.compile).",
-    "preload": "Keep the corpus on the device and cut batches there.",
-    "dataloader_num_workers": "DataLoader worker processes.", "dataloader_pin_memory": "Pin host batches.",
-    "dataloader_prefetch_factor": "Batches each worker loads ahead.", "data_dir": "Data root (default: "
-    "$FASTTRAIN_DATA_DIR or ~/.cache/fasttrain); holds tinyshakespeare/input.txt.",
-    "train_file": "Your UTF-8 text to train on (instead of Tiny Shakespeare).",
-    "val_file": "UTF-8 text to validate on (default: the last --val-fraction of --train-file).",
-    "val_fraction": "Share of the tokens kept for validation (default 0.1 without --val-file/--val-bin).",
-    "train_bin": "Token ids to train on: a raw .bin (nanoGPT's), of --bin-dtype.",
-    "val_bin": "Token ids to validate on (default: the last --val-fraction of --train-bin).",
-    "bin_dtype": "The ids' type in the .bin files: uint16 (nanoGPT's) or uint32.",
-    "tokenizer": "char, hf:PATH (tokenizer.json or folder) or tiktoken:NAME (default: the model's own, else char).",
-    "torch_empty_cache_steps": "torch.cuda.empty_cache() every N steps.",
-    "eval_interval": "Validation every N steps (0: only at the end).",
-    "eval_tokens": "Validation token budget (default: the whole split).",
-    "eval_batch_size": "Sequences per validation batch.", "log_interval": "Loss-curve point every N steps.",
-    "timing_warmup_steps": "First steps timed apart (compilation, warm-up).", "seed": "Seed.",
-    "device": "auto, cpu, cuda or cuda:N.", "lora_r": "LoRA rank (0: off).", "lora_alpha": "LoRA alpha.",
-    "lora_dropout": "LoRA dropout.", "lora_target_modules": "Comma-separated: qkv, proj, up, down, head.",
-    "prompt_tuning_tokens": "Trainable soft-prompt tokens (base frozen).",
-    "init_from": "Start from a checkpoint written with --save (fine-tuning).",
-    "save": "Write the trained model to this folder (model.safetensors + config.json).",
-}
-HELP.update({
-    "torch_compile_scope": "What torch.compile compiles: model (one graph) or blocks (each repeated block alone).",
-    "save_steps": "Write a training-state checkpoint (weights, optimizer, schedule, data position, random states) "
-                  "every N steps into --output-dir.",
-    "report_to": "Where each logged step goes: none, jsonl, csv, tensorboard, wandb, all or a comma-separated list "
-                 "(files under --logging-dir, else beside --out; WANDB_MODE=offline for W&B without an account).",
-    "logging_dir": "Folder of metrics.jsonl, metrics.csv, tensorboard/, wandb/ (default: beside --out RUN.json).",
-    "save_total_limit": "Keep only the newest N checkpoints.", "output_dir": "Where --save-steps writes checkpoint-N/.",
-    "resume": "Continue from a checkpoint (a checkpoint-N folder, or the newest in an --output-dir).",
-})
-SKIP = {"name"}
-NONE = object()          # "none" given for an optional setting: None, not "keep the preset's value"
 
 
-def _given(options: dict) -> dict:
-    """The LabConfig fields given on the command line (``none`` -> None)."""
-    fields = {f.name for f in dataclasses.fields(LabConfig)}
-    return {k: (None if v is NONE else v) for k, v in options.items() if v is not None and k in fields}
+class _NoneGiven(str):
+    """``none`` given for an optional setting: None, not "keep the preset's value" (a string, so that
+    a worker's command line rebuilt from the parsed values says ``none`` again)."""
+
+
+NONE = _NoneGiven("none")
+ALIAS_PREFIX = "alias__"        # the hidden options of a setting's other names
+
+
+# --- the options, generated from LabConfig's declarations -------------------------------------------
+
+class SettingOption(click.Option):
+    """A click option that knows its ``--help`` section."""
+
+    def __init__(self, *args, group: str = "run", **kwargs):
+        super().__init__(*args, **kwargs)
+        self.group = group
+
+
+# the sections of options that are not LabConfig fields
+OTHER_GROUPS = {name: "parallel" for name in dist_launch.PARALLEL_OPTIONS + dist_launch.LAUNCH_OPTIONS}
+OTHER_GROUPS.update({"preset_name": "run", "config_file": "run", "print_config": "run", "out_path": "output",
+                     "from_record": "run", "list_presets": "run", "quiet": "output", "help": "run",
+                     "global_batch_size": "batch"})
+
+
+class GroupedHelp:
+    """``--help`` with the options in sections (model, data, batch, precision, memory, speed, ...)."""
+
+    def format_options(self, ctx, formatter) -> None:
+        sections: dict[str, list] = {}
+        for param in self.get_params(ctx):
+            record = param.get_help_record(ctx)
+            if record is None:
+                continue
+            group = getattr(param, "group", None) or OTHER_GROUPS.get(param.name, "other")
+            sections.setdefault(group, []).append(record)
+        for group in [*GROUPS, *sorted(set(sections) - set(GROUPS))]:
+            if group in sections:
+                with formatter.section(f"{group.capitalize()} options"):
+                    formatter.write_dl(sections[group])
+        if isinstance(self, click.Group):
+            self.format_commands(ctx, formatter)
+
+
+class GroupedCommand(GroupedHelp, click.Command):
+    pass
+
+
+class GroupedGroup(GroupedHelp, click.Group):
+    pass
+
+
+def _shown_default(kind) -> str:
+    value = kind.default
+    if value is None:
+        return "none"
+    if kind.type is bool:
+        return "on" if value else "off"
+    if kind.type is tuple:
+        return ",".join(value)
+    return str(value)
 
 
 def _option_for(kind):
-    """The click option of one LabConfig field, typed by :mod:`fasttrain.lab.overrides`."""
+    """The click option of one LabConfig field, typed by :mod:`fasttrain.lab.overrides`, its help
+    and section from the field's declaration; every default is None (= not given)."""
     from fasttrain.lab.overrides import parse_value
 
-    help_ = HELP.get(kind.name, "")
+    help_ = kind.help + (f" (also: {', '.join('--' + a.replace('_', '-') for a in kind.aliases)})"
+                         if kind.aliases else "")
+    common = dict(default=None, help=help_, show_default=_shown_default(kind), group=kind.group, cls=SettingOption)
     if kind.name == "gradient_checkpointing":
         # --gradient-checkpointing alone means full
         return click.option(kind.flag, kind.name, type=click.Choice(kind.choices), is_flag=False, flag_value="full",
-                            default=None, help=help_ + " [none|full|selective; alone: full]")
+                            **common)
     if kind.type is bool:
-        return click.option(f"{kind.flag}/--no-{kind.flag[2:]}", kind.name, default=None, help=help_)
+        return click.option(f"{kind.flag}/--no-{kind.flag[2:]}", kind.name, **common)
     if kind.choices is not None:
-        return click.option(kind.flag, kind.name, type=click.Choice(kind.choices), default=None, help=help_)
+        return click.option(kind.flag, kind.name, type=click.Choice(kind.choices), **common)
     if kind.type in (tuple, str) or kind.optional:
         # parsed by the one override parser (lists comma-separated; "none" for an optional field)
         def convert(ctx, param, value, name=kind.name):
@@ -123,35 +123,143 @@ def _option_for(kind):
             return NONE if parsed is None else parsed
         metavar = {int: "INTEGER", float: "FLOAT", tuple: "A,B,..."}.get(kind.type, "TEXT") \
             + ("|none" if kind.optional else "")
-        return click.option(kind.flag, kind.name, type=str, default=None, callback=convert, metavar=metavar,
-                            help=help_)
-    return click.option(kind.flag, kind.name, type=kind.type, default=None, help=help_)
+        return click.option(kind.flag, kind.name, type=str, callback=convert, metavar=metavar, **common)
+    return click.option(kind.flag, kind.name, type=kind.type, **common)
+
+
+def _alias_option(alias: str, kind):
+    """A setting's other name: hidden, read as the setting with a one-line note (:func:`_given`)."""
+    flag = "--" + alias.replace("_", "-")
+    if kind.type is bool:
+        return click.option(f"{flag}/--no-{flag[2:]}", ALIAS_PREFIX + alias, default=None, hidden=True)
+    return click.option(flag, ALIAS_PREFIX + alias, type=str, default=None, hidden=True)
+
+
+def _read_config_file(ctx, param, value):
+    """``--config FILE``: its settings become the command's defaults (``ctx.default_map``), so that a
+    flag given on the command line wins; a missing, unreadable or unknown key is one line."""
+    if value is None or ctx.resilient_parsing:
+        return value
+    from fasttrain.lab.overrides import read_settings_file
+
+    spellings = {}
+    for p in ctx.command.params:
+        if p.name and not p.name.startswith(ALIAS_PREFIX):
+            spellings[p.name] = p.name
+            for opt in [*p.opts, *p.secondary_opts]:
+                spellings[opt.lstrip("-").replace("-", "_")] = p.name
+    defaults, notes = read_settings_file(value, spellings)
+    ctx.default_map = {**(ctx.default_map or {}), **defaults}
+    ctx.meta["fasttrain.config_file"] = value
+    ctx.meta["fasttrain.alias_notes"] = notes
+    return value
 
 
 def config_options(fn):
-    """One click option per LabConfig field, typed by its annotation; every default is None (= keep
-    the preset's value)."""
+    """One click option per LabConfig field (and a hidden one per other name), typed by its
+    annotation; ``--preset``, ``--config`` and ``--print-config``."""
     from fasttrain.lab.overrides import field_kinds
 
-    for kind in reversed(list(field_kinds().values())):
-        if kind.name in SKIP:
-            continue
+    kinds = [k for k in field_kinds().values() if k.name != "name"]
+    for kind in reversed(kinds):
+        for alias in kind.aliases:
+            fn = _alias_option(alias, kind)(fn)
         fn = _option_for(kind)(fn)
-    fn = click.option("--preset", "preset_name", default="shakespeare-char", show_default=True,
-                      help=f"Start from a preset: {', '.join(PRESETS)}.")(fn)
+    fn = click.option("--print-config", is_flag=True, help="Print the resolved configuration (YAML: every setting "
+                      "that differs from LabConfig's defaults) and exit.")(fn)
+    fn = click.option("--config", "config_file", type=str, default=None, is_eager=True, expose_value=True,
+                      callback=_read_config_file, help="A YAML (.yaml, .yml) or TOML (.toml) file of flags (names "
+                      "with - or _); flags given on the command line win.")(fn)
+    fn = click.option("--preset", "preset_name", default=None, metavar=f"[{'|'.join(PRESETS)}]",
+                      show_default=f"{DEFAULT_PRESET} for the lab's GPT, none for --model hf:",
+                      help="Start from a preset (with --model hf: its settings other than the GPT's shape).")(fn)
     return fn
 
 
-def config_from(preset_name: str, options: dict) -> LabConfig:
-    return preset(preset_name, **_given(options))
+# --- the configuration a command line resolves to ------------------------------------------------
+
+def _given(options: dict, notes: list | None = None) -> dict:
+    """The LabConfig fields given (``none`` -> None); a setting's other name read as it, with a note."""
+    from fasttrain.lab.overrides import alias_note, aliases, parse_value
+
+    names = {f.name for f in dataclasses.fields(LabConfig)}
+    given = {k: (None if v is NONE else v) for k, v in options.items() if v is not None and k in names}
+    for key, value in options.items():
+        if not key.startswith(ALIAS_PREFIX) or value is None:
+            continue
+        alias = key[len(ALIAS_PREFIX):]
+        name = aliases()[alias]
+        typed = value if isinstance(value, bool) else parse_value(name, value)
+        if name in given and given[name] != typed:
+            raise FasttrainError(f"--{alias.replace('_', '-')} {value} and --{name.replace('_', '-')} "
+                                 f"{options[name]} name the same setting with different values; give one")
+        given[name] = typed
+        if notes is not None:
+            notes.append(alias_note(alias, name))
+    return given
+
+
+def _sources(given: dict, ctx) -> dict:
+    """``flag`` or ``file PATH`` for each given setting (a file's settings are the command's defaults)."""
+    path = ctx.meta.get("fasttrain.config_file") if ctx is not None else None
+    out = {}
+    for name in given:
+        source = None
+        if ctx is not None:
+            try:
+                source = ctx.get_parameter_source(name)
+            except (KeyError, TypeError):
+                source = None
+            if source is None or source.name == "DEFAULT":        # given through one of its other names
+                from fasttrain.lab.overrides import field_kinds
+
+                for alias in field_kinds()[name].aliases:
+                    alt = ctx.get_parameter_source(ALIAS_PREFIX + alias) if ALIAS_PREFIX + alias in ctx.params else None
+                    if alt is not None and alt.name != "DEFAULT":
+                        source = alt
+        out[name] = f"file {path}" if source is not None and source.name == "DEFAULT_MAP" else "flag"
+    return out
+
+
+def resolve(preset_name: str | None, options: dict, ctx=None) -> Resolved:
+    """The configuration of a command line (:func:`fasttrain.lab.settings.resolve_settings`): the
+    options given, each from a flag or the ``--config`` file."""
+    if ctx is None:
+        ctx = click.get_current_context(silent=True)
+    notes = list(ctx.meta.get("fasttrain.alias_notes", ())) if ctx is not None else []
+    given = _given(options, notes)
+    return resolve_settings(preset_name, given, _sources(given, ctx), notes)
+
+
+def config_from(preset_name: str | None, options: dict) -> LabConfig:
+    return resolve(preset_name, options).cfg
 
 
 def config_from_record(path, options: dict) -> LabConfig:
     """The configuration a run record ran, with the flags given beside ``--from-record`` on top."""
-    from fasttrain.lab.config import validate
     from fasttrain.lab.record import config_of_record, load_record
 
-    return validate(config_of_record(load_record(path)).with_(**_given(options)))
+    cfg, given = config_of_record(load_record(path)), _given(options)
+    return validate(cfg.with_(**given)) if given else cfg
+
+
+def write_config_yaml(resolved: Resolved) -> None:
+    """The resolved configuration as YAML on stdout (the preset and every setting that differs from
+    it; a ``--config`` file that runs the same); the notes (other names, the warm-up) on stderr."""
+    from fasttrain.lab.overrides import settings_yaml
+
+    for line in resolved.notes:
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
+    out.print(settings_yaml(resolved.cfg), end="", markup=False, highlight=False, soft_wrap=True)
+
+
+def say_configuration(resolved: Resolved, final: LabConfig | None = None) -> None:
+    """The resolved configuration and its sources on stderr; ``final``: the configuration the run trains
+    (the context lowered to the corpus, the micro-batch found), where it differs."""
+    if final is not None and final != resolved.cfg:
+        resolved = dataclasses.replace(resolved, cfg=final)
+    for line in resolved.lines():
+        err.print(line, markup=False, highlight=False, soft_wrap=True)
 
 
 def _mib(value) -> str:
@@ -185,17 +293,19 @@ def print_summary(record: dict) -> None:
         out.print(note, markup=False, highlight=False, soft_wrap=True)
 
 
-@click.group("lab", invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@click.group("lab", cls=GroupedGroup, invoke_without_command=True,
+             context_settings={"help_option_names": ["-h", "--help"]})
 @config_options
 @dist_launch.parallel_options
 @click.option("--out", "out_path", type=click.Path(dir_okay=False), help="Write the run record (JSON) here.")
 @click.option("--from-record", "from_record", type=click.Path(dir_okay=False),
               help="Rerun the configuration of a run record (flags given beside it override it).")
 @click.option("--list-presets", is_flag=True, help="List the presets and exit.")
-@click.option("--quiet", is_flag=True, help="No progress or table.")
+@click.option("--quiet", is_flag=True, help="No progress, configuration or table.")
 @click.pass_context
-def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **options) -> None:
-    """Train the lab's transformer on Tiny Shakespeare and measure speed, memory and loss."""
+def command(ctx, preset_name, config_file, print_config, out_path, from_record, list_presets, quiet,
+            **options) -> None:
+    """Train the lab's transformer (or a transformers model) and measure speed, memory and loss."""
     if ctx.invoked_subcommand is not None:
         return
     if list_presets:
@@ -206,7 +316,14 @@ def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **opti
 
     noise.filter_known_noise()                  # before peft/torchao are imported
     parallel, launch = dist_launch.parallel_from_options(options)
-    cfg = config_from_record(from_record, options) if from_record else config_from(preset_name, options)
+    if from_record:
+        resolved = Resolved(config_from_record(from_record, options), {}, {}, [])
+    else:
+        resolved = resolve(preset_name, options, ctx)
+    cfg = resolved.cfg
+    if print_config:
+        write_config_yaml(resolved)
+        return
     if out_path is not None:
         preflight.check_outputs(cfg, out_path)  # --out against --save first: the clearer of the two lines
         check_output_path(out_path, "--out")    # before training: a bad path must not cost the run
@@ -215,19 +332,19 @@ def command(ctx, preset_name, out_path, from_record, list_presets, quiet, **opti
         # this process only starts torchrun; every worker runs this command without the launcher's options
         dist_launch.check_before_launch(cfg, parallel, launch)     # GPUs against processes: the clearer line
     preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
+    main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     if launch is not None:
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
             err.print(warning, markup=False, highlight=False, soft_wrap=True)
         dist_launch.launch(launch, dist_launch.worker_argv(ctx, skip=dist_launch.LAUNCH_OPTIONS))
         return
-    main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     quiet = quiet or not main
     with dist_launch.rank_prefixed_errors():
-        _train(cfg, parallel, out_path, quiet, main)
+        _train(cfg, parallel, out_path, quiet, main, resolved)
 
 
-def _train(cfg, parallel, out_path, quiet, main) -> None:
+def _train(cfg, parallel, out_path, quiet, main, resolved=None) -> None:
     from fasttrain.lab import noise
     from fasttrain.lab.checkpoint import write_record
     from fasttrain.lab.outputs import save_folder_state
@@ -245,7 +362,12 @@ def _train(cfg, parallel, out_path, quiet, main) -> None:
                           warmup_steps=cfg.timing_warmup_steps, device=_device_kind(cfg.device), console=err)
         bar.start()
     try:
-        record = run(cfg, log=log, progress=bar, parallel=parallel, record_path=out_path)
+        # the configuration is said once every check has passed and the model is built, before the first step
+        announce = None if quiet or resolved is None else (lambda final: say_configuration(resolved, final))
+        record = run(cfg, log=log, progress=bar, parallel=parallel,
+                     fit_context=resolved is not None and resolved.fit_context,
+                     sources=None if resolved is None else resolved.sources, announce=announce,
+                     record_path=out_path)
     finally:
         if bar is not None:
             bar.stop()
@@ -285,14 +407,19 @@ def warmup_only_note(record: dict) -> str | None:
             f"(--max-steps {warm + 10}) or lower --timing-warmup-steps")
 
 
-@command.command("pitfall")
+@command.command("pitfall", cls=GroupedCommand)
 @config_options
 @click.option("--repeats", type=click.IntRange(1, 1000), default=5, show_default=True)
-def pitfall(preset_name, repeats, **options) -> None:
+@click.pass_context
+def pitfall(ctx, preset_name, config_file, print_config, repeats, **options) -> None:
     """Time one training step without and with device synchronization, side by side."""
     from fasttrain.lab.experiments.pitfall import timing_pitfall
 
-    cfg = config_from(preset_name, options)
+    resolved = resolve(preset_name, options, ctx)
+    if print_config:
+        write_config_yaml(resolved)
+        return
+    cfg = resolved.cfg
     res = timing_pitfall(cfg, repeats=repeats)
     table = Table(title=f"one training step of {cfg.name} on {res['device']}: {repeats} repeats")
     table.add_column("timed", justify="left")
@@ -354,27 +481,7 @@ def plot_cmd(records, out_path) -> None:
     out.print(f"loss curve{'s' if len(records) > 1 else ''}: {path}")
 
 
-def _load_subcommands() -> None:
-    for module in SUBCOMMANDS:
-        try:
-            mod = importlib.import_module(module)
-        except ModuleNotFoundError as exc:
-            if exc.name == module:      # not written yet: run without it
-                continue
-            raise
-        if hasattr(mod, "command"):
-            command.add_command(mod.command)
+for _sub in (sumdemo.command, speedrun.command, dist_launch.command, tokenizer.command, sample.command):
+    command.add_command(_sub)
 
-
-_load_subcommands()
-
-
-def _attach_memory_validation() -> None:
-    from fasttrain.lab.experiments.memory_check import attach
-
-    attach()
-
-
-_attach_memory_validation()
-
-__all__ = ["command", "config_options", "config_from", "FasttrainError"]
+__all__ = ["command", "config_options", "config_from", "resolve", "Resolved", "FasttrainError"]

@@ -18,7 +18,7 @@ Presets:
 from __future__ import annotations
 
 import os
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
@@ -38,98 +38,168 @@ COMPILE_MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-
 COMPILE_SCOPES = ("model", "blocks")
 COMPILE_BACKENDS = ("inductor", "cudagraphs")
 ACTIVATIONS = ("style", "gelu", "relu", "relu2", "swiglu")
+BIN_DTYPES = ("uint16", "uint32")
+# which of liger-kernel's patches --use-liger-kernel applies to a transformers model: the family's all (RMSNorm,
+# RoPE, SwiGLU or GeGLU, the fused linear cross-entropy), or the fused linear cross-entropy alone (it never makes
+# the logits, and leaves the layers to torch.compile, which fuses what the other kernels would replace)
+LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
+
+
+# the groups of ``fasttrain lab --help``, in the order it lists them
+GROUPS = ("model", "architecture", "data", "batch", "optimizer", "precision", "memory", "speed", "evaluation",
+          "fine-tuning", "output", "parallel", "search", "run")
+
+
+# the lab GPT's shape: a transformers model has its own (its config.json)
+GPT_SHAPE = ("style", "layers", "heads", "kv_heads", "width", "ffn", "vocab_size", "pad_vocab_to_multiple_of",
+             "dropout", "bias", "activation", "qk_norm", "zero_init_proj", "unet_skips", "logit_softcap")
+
+
+def setting(default, group: str, help: str, *, choices: tuple[str, ...] | None = None, aliases: tuple[str, ...] = (),
+            hf=None):
+    """One LabConfig field, declared once: its default, its ``--help`` group and text, the strings it takes
+    (``choices``), its other names (``aliases``: old flags and the other commands' names, accepted with a
+    one-line note) and its Hugging Face ``TrainingArguments`` mapping (``hf``: True for the same name and
+    value, or ``value -> {argument: value}``; None: no equivalent). The CLI's options, ``--help``, the
+    ``--set``/record/config-file parser and the ``TrainingArguments`` answer are generated from these."""
+    assert group in GROUPS, group
+    return field(default=default, metadata={"group": group, "help": help, "choices": choices, "aliases": aliases,
+                                            "hf": hf})
 
 
 @dataclass
 class LabConfig:
     """One lab run. ``None`` for a model size means "derive it" (see :meth:`resolved`)."""
 
-    name: str = "custom"
-    model: str = "gpt"                  # gpt: the lab's own GPT (the shape below); hf:PATH_OR_NAME: a transformers causal LM
-    # --- model shape -----------------------------------------------------------------------
-    style: str = "gpt2"                 # gpt2: LayerNorm, learned positions, GELU, tied; llama: RMSNorm, RoPE, SwiGLU, GQA
-    layers: int = 6
-    heads: int = 6
-    kv_heads: int | None = None         # grouped-query attention (llama); None = heads
-    width: int = 384
-    ffn: int | None = None              # feed-forward width (per gate for SwiGLU); None: 4 w (gpt2), 8/3 w rounded to 64 (llama)
-    context: int = 256                  # tokens per training sequence
-    vocab_size: int | None = None       # None: the corpus' characters (65 for Tiny Shakespeare)
-    pad_vocab_to_multiple_of: int = 0   # e.g. 64: round the embedding/output rows up (tensor-core friendly shapes)
-    dropout: float = 0.0
-    bias: bool = False
+    name: str = setting("custom", "run", "The run's name in tables and records (a preset's name, or the model's).")
+    model: str = setting("gpt", "model", "gpt (the lab's own GPT, shaped by the flags below) or hf:PATH_OR_NAME (a "
+                         "transformers causal LM: a folder with config.json, weights loaded if present, else "
+                         "initialized from the config; its own defaults apply, no preset).")
+    # --- model shape (the lab's GPT) -----------------------------------------------------------
+    style: str = setting("gpt2", "model", "gpt2 (LayerNorm, learned positions, GELU, tied) or llama (RMSNorm, RoPE, "
+                         "SwiGLU, GQA).", choices=STYLES)
+    layers: int = setting(6, "model", "Transformer blocks.")
+    heads: int = setting(6, "model", "Attention heads.")
+    kv_heads: int | None = setting(None, "model", "Key/value heads (llama: grouped-query attention; none: --heads).")
+    width: int = setting(384, "model", "Hidden size.")
+    ffn: int | None = setting(None, "model", "Feed-forward width (none: 4 w; llama 8/3 w rounded to 64).")
+    context: int = setting(256, "model", "Tokens per training sequence (a transformers model: its positions, capped "
+                           "by the corpus).", aliases=("seq", "seq_len"))
+    vocab_size: int | None = setting(None, "model", "Vocabulary (none: the corpus' tokens, 65 for Tiny Shakespeare).")
+    pad_vocab_to_multiple_of: int = setting(0, "model", "Pad the vocabulary to a multiple of N (e.g. 64: "
+                                            "tensor-core friendly shapes); 0: off.")
+    dropout: float = setting(0.0, "model", "Dropout probability.")
+    bias: bool = setting(False, "model", "Biases in linear layers and LayerNorm.")
     # the speedrun community's changes (lab/model_options.py), off by default
-    activation: str = "style"           # the MLP's: style (gpt2: gelu, llama: swiglu), gelu, relu, relu2, swiglu
-    qk_norm: bool = False               # queries and keys RMS-normalized per head before attention
-    zero_init_proj: bool = False        # attention's and the MLP's output projections start at zero
-    unet_skips: bool = False            # block i's output feeds block L-1-i through a learned scalar
-    logit_softcap: float = 0.0          # logits -> cap tanh(logits / cap); 0: off
-    # --- optimization ----------------------------------------------------------------------
-    per_device_train_batch_size: int = 64
-    gradient_accumulation_steps: int = 1
-    auto_find_batch_size: bool = False
-    max_steps: int = 5000
-    learning_rate: float = 1e-3
-    min_lr: float = 1e-4                # cosine decay ends here at max_steps
-    warmup_steps: int = 100             # linear warm-up from 0
-    weight_decay: float = 0.1           # applied to matrices (dim >= 2) only
-    adam_beta1: float = 0.9
-    adam_beta2: float = 0.99
-    adam_epsilon: float = 1e-8
-    max_grad_norm: float = 1.0          # 0 = no clipping
-    optim: str = "adamw_torch"
+    activation: str = setting("style", "architecture", "The MLP's activation: style (gpt2: gelu, llama: swiglu), "
+                              "gelu, relu, relu2 (relu^2), swiglu.", choices=ACTIVATIONS)
+    qk_norm: bool = setting(False, "architecture", "RMS-normalize queries and keys per head before attention.")
+    zero_init_proj: bool = setting(False, "architecture", "Start attention's and the MLP's output projections at "
+                                   "zero.")
+    unet_skips: bool = setting(False, "architecture", "U-net skips: block i's output feeds block L-1-i through a "
+                               "learned scalar.")
+    logit_softcap: float = setting(0.0, "architecture", "Soft-cap the logits at C: C tanh(z / C) (0: off).")
+    # --- batch -------------------------------------------------------------------------------
+    per_device_train_batch_size: int = setting(64, "batch", "Sequences per micro-batch on each device.",
+                                               aliases=("micro_batch", "batch_size"), hf=True)
+    gradient_accumulation_steps: int = setting(1, "batch", "Micro-batches per optimizer step.",
+                                               aliases=("accumulation",), hf=True)
+    auto_find_batch_size: bool = setting(False, "batch", "Find the largest micro-batch that fits, by trying (GPU).")
+    # --- optimizer and schedule ----------------------------------------------------------------
+    max_steps: int = setting(5000, "optimizer", "Optimizer steps.", hf=True)
+    learning_rate: float = setting(1e-3, "optimizer", "Peak learning rate.", aliases=("lr",), hf=True)
+    min_lr: float = setting(1e-4, "optimizer", "Learning rate at the end (cosine decay).",
+                            hf=lambda v: {"lr_scheduler_type": "cosine_with_min_lr",
+                                          "lr_scheduler_kwargs": {"min_lr": v}})
+    warmup_steps: int = setting(100, "optimizer", "Linear warm-up steps from 0.", hf=True)
+    weight_decay: float = setting(0.1, "optimizer", "Decoupled weight decay (matrices only).", hf=True)
+    adam_beta1: float = setting(0.9, "optimizer", "AdamW beta1.", hf=True)
+    adam_beta2: float = setting(0.99, "optimizer", "AdamW beta2.", hf=True)
+    adam_epsilon: float = setting(1e-8, "optimizer", "AdamW epsilon.", hf=True)
+    max_grad_norm: float = setting(1.0, "optimizer", "Gradient clipping norm (0: off).", hf=True)
+    optim: str = setting("adamw_torch", "optimizer", "Optimizer.", choices=OPTIMS, hf=True)
     # --- precision and kernels -------------------------------------------------------------
-    fp16: bool = False                  # autocast to fp16 + GradScaler
-    bf16: bool = False                  # autocast to bf16
-    tf32: bool = False                  # TF32 tensor cores for the fp32 matmuls
-    gradient_checkpointing: str = "none"
-    torch_compile: bool = False
-    torch_compile_mode: str = "default"
-    torch_compile_scope: str = "model"  # model: the whole model as one graph; blocks: each repeated block alone
-    torch_compile_backend: str = "inductor"   # inductor | cudagraphs (AOT autograd's CUDA graphs, no code generation)
-    cuda_graph_step: bool = False       # the whole eager step (forward, backward, clip, optimizer) as one CUDA graph
-    attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
-    use_liger_kernel: bool = False
-    liger_kernels: str = "all"          # all: the family's kernels; fused_linear_cross_entropy: that one alone
-    float8: str = "none"                # none | tensorwise | rowwise: torchao's float8 training of the Linear layers (GPU)
+    fp16: bool = setting(False, "precision", "Autocast to fp16 with a GradScaler.", hf=True)
+    bf16: bool = setting(False, "precision", "Autocast to bf16.", hf=True)
+    tf32: bool = setting(False, "precision", "TF32 tensor cores for the fp32 matmuls.",
+                         hf=lambda v: {"tf32": True} if v else {})
+    gradient_checkpointing: str = setting("none", "memory", "Recompute activations: full (every block) or selective "
+                                          "(the attention core); alone: full.", choices=CHECKPOINTING,
+                                          hf=lambda v: {"gradient_checkpointing": v == "full"})
+    torch_compile: bool = setting(False, "speed", "torch.compile the model.", hf=True)
+    torch_compile_mode: str = setting("default", "speed", "torch.compile mode.", choices=COMPILE_MODES)
+    torch_compile_scope: str = setting("model", "speed", "What torch.compile compiles: model (one graph) or blocks "
+                                       "(each repeated block alone).", choices=COMPILE_SCOPES)
+    torch_compile_backend: str = setting("inductor", "speed", "inductor, or cudagraphs (CUDA graphs of forward and "
+                                         "backward, no code generation).", choices=COMPILE_BACKENDS)
+    cuda_graph_step: bool = setting(False, "speed", "Capture the whole eager step (with the optimizer) as one CUDA "
+                                    "graph, no compiler (GPU).")
+    attn_implementation: str = setting("eager", "speed", "eager (softmax(q k^T) v in PyTorch ops) or sdpa "
+                                       "(scaled_dot_product_attention, flash).", choices=ATTENTIONS,
+                                       aliases=("attention",))
+    use_liger_kernel: bool = setting(False, "speed", "liger-kernel's RMSNorm/LayerNorm, SwiGLU, RoPE, fused linear "
+                                     "cross-entropy (GPU).", hf=True)
+    liger_kernels: str = setting("all", "speed", "Which of them --use-liger-kernel applies to a transformers model: "
+                                 "all, or fused_linear_cross_entropy alone (the logits never made).",
+                                 choices=LIGER_KERNEL_SETS,
+                                 hf=lambda v: {} if v == "all" else {"liger_kernel_config": liger_switches(v)})
+    float8: str = setting("none", "precision", "torchao's float8 training of the Linear layers: none, tensorwise or "
+                          "rowwise (a Hopper GPU; the output head stays bf16).")
     # --- data ------------------------------------------------------------------------------
-    preload: bool = False               # the whole corpus on the device, batches cut there
-    dataloader_num_workers: int = 0
-    dataloader_pin_memory: bool = False
-    dataloader_prefetch_factor: int | None = None   # batches each worker loads ahead (needs workers)
-    data_dir: str | None = None
+    preload: bool = setting(False, "data", "Keep the corpus on the device and cut batches there.")
+    dataloader_num_workers: int = setting(0, "data", "DataLoader worker processes.", hf=True)
+    dataloader_pin_memory: bool = setting(False, "data", "Pin host batches.", hf=True)
+    dataloader_prefetch_factor: int | None = setting(None, "data", "Batches each worker loads ahead (needs "
+                                                     "workers).")
+    data_dir: str | None = setting(None, "data", "Data root (default: $FASTTRAIN_DATA_DIR or ~/.cache/fasttrain); "
+                                   "holds tinyshakespeare/input.txt.")
     # the corpus (fasttrain.lab.data): Tiny Shakespeare unless a file is given
-    train_file: str | None = None       # UTF-8 text to train on (its SHA-256 recorded, never checked against ours)
-    val_file: str | None = None         # UTF-8 text to validate on; else the last --val-fraction of the tokens
-    val_fraction: float | None = None   # None: 0.1 when there is no --val-file / --val-bin
-    train_bin: str | None = None        # token ids already made (nanoGPT's raw .bin), instead of --train-file
-    val_bin: str | None = None
-    bin_dtype: str = "uint16"           # the ids' type in the .bin files: uint16 (nanoGPT) or uint32
-    tokenizer: str | None = None        # char | hf:PATH | tiktoken:NAME; None: the model's own, else char
-    torch_empty_cache_steps: int = 0    # torch.cuda.empty_cache() every N steps; 0 = never
+    train_file: str | None = setting(None, "data", "Your UTF-8 text to train on (instead of Tiny Shakespeare; its "
+                                     "SHA-256 recorded).")
+    val_file: str | None = setting(None, "data", "UTF-8 text to validate on (default: the last --val-fraction of "
+                                   "--train-file).")
+    val_fraction: float | None = setting(None, "data", "Share of the tokens kept for validation (none: 0.1 without "
+                                         "--val-file/--val-bin).")
+    train_bin: str | None = setting(None, "data", "Token ids to train on: a raw .bin (nanoGPT's), of --bin-dtype.")
+    val_bin: str | None = setting(None, "data", "Token ids to validate on (default: the last --val-fraction of "
+                                  "--train-bin).")
+    bin_dtype: str = setting("uint16", "data", "The ids' type in the .bin files: uint16 (nanoGPT's) or uint32.",
+                             choices=BIN_DTYPES)
+    tokenizer: str | None = setting(None, "data", "char, hf:PATH (tokenizer.json or folder) or tiktoken:NAME "
+                                    "(none: the model's own, else char).")
+    torch_empty_cache_steps: int = setting(0, "memory", "torch.cuda.empty_cache() every N steps; 0: never.")
     # --- evaluation, logging, timing -------------------------------------------------------
-    eval_interval: int = 250            # validation every N steps (and after the last); 0 = only at the end
-    eval_tokens: int | None = None      # validation token budget; None = the whole validation split
-    eval_batch_size: int | None = None  # sequences per validation batch; None = the training batch
-    log_interval: int = 10              # loss-curve point every N steps
-    report_to: str = "jsonl,csv"        # none|jsonl|csv|tensorboard|wandb|all, comma-separated (lab/loggers.py)
-    logging_dir: str | None = None      # where --report-to writes; None: beside --out RUN.json
-    timing_warmup_steps: int = 3        # first steps (compilation, autotuning, allocator growth) timed apart
-    seed: int = 1337
-    device: str = "auto"                # auto: cuda if available, else cpu
+    eval_interval: int = setting(250, "evaluation", "Validation every N steps (and after the last); 0: only at the "
+                                 "end.")
+    eval_tokens: int | None = setting(None, "evaluation", "Validation token budget (none: the whole split).")
+    eval_batch_size: int | None = setting(None, "evaluation", "Sequences per validation batch (none: the training "
+                                          "micro-batch).")
+    log_interval: int = setting(10, "evaluation", "Loss-curve point every N steps.")
+    report_to: str = setting("jsonl,csv", "output", "Where logged steps go, comma-separated: none, jsonl, csv, "
+                             "tensorboard, wandb or all (lab/loggers.py).")
+    logging_dir: str | None = setting(None, "output", "Folder --report-to writes into (none: beside --out RUN.json).")
+    timing_warmup_steps: int = setting(3, "evaluation", "First steps (compilation, autotuning, allocator growth) "
+                                       "timed apart.")
+    seed: int = setting(1337, "run", "Seed.", hf=True)
+    device: str = setting("auto", "run", "auto (cuda if available, else cpu), cpu, cuda or cuda:N.")
     # --- PEFT and checkpoints --------------------------------------------------------------
-    lora_r: int = 0                     # 0 = no LoRA
-    lora_alpha: float = 16.0
-    lora_dropout: float = 0.0
-    lora_target_modules: tuple[str, ...] = ("qkv", "proj")
-    prompt_tuning_tokens: int = 0       # trainable soft-prompt vectors prepended to every sequence; 0 = off
-    init_from: str | None = None        # a checkpoint saved with ``save`` (fine-tuning)
-    save: str | None = None             # write the trained model here (folder: model.safetensors + config.json)
+    lora_r: int = setting(0, "fine-tuning", "LoRA rank (0: off).")
+    lora_alpha: float = setting(16.0, "fine-tuning", "LoRA alpha (the adapter's scale is alpha / r).")
+    lora_dropout: float = setting(0.0, "fine-tuning", "LoRA dropout.")
+    lora_target_modules: tuple[str, ...] = setting(("qkv", "proj"), "fine-tuning", "Comma-separated: qkv, proj, up, "
+                                                   "down, head (a transformers model: its own names).")
+    prompt_tuning_tokens: int = setting(0, "fine-tuning", "Trainable soft-prompt vectors prepended to every "
+                                        "sequence (base frozen); 0: off.")
+    init_from: str | None = setting(None, "fine-tuning", "Start from a checkpoint written with --save.")
+    save: str | None = setting(None, "output", "Write the trained model to this folder (model.safetensors + "
+                               "config.json).")
     # --- training state checkpoints (a long run survives a crash) ---------------------------
-    save_steps: int = 0                 # write output_dir/checkpoint-<step> every N steps; 0 = never
-    save_total_limit: int | None = None  # keep the newest N checkpoints; None = all
-    output_dir: str | None = None       # where --save-steps writes
-    resume: str | None = None           # continue from this checkpoint (or the newest in this output_dir)
+    save_steps: int = setting(0, "output", "Write a training-state checkpoint (weights, optimizer, schedule, data "
+                              "position, random states) every N steps into --output-dir; 0: never.")
+    save_total_limit: int | None = setting(None, "output", "Keep only the newest N checkpoints (none: all).")
+    output_dir: str | None = setting(None, "output", "Where --save-steps writes checkpoint-N/.")
+    resume: str | None = setting(None, "output", "Continue from a checkpoint (a checkpoint-N folder, or the newest "
+                                 "in an --output-dir); alone, with the run's saved settings.")
 
     # ---------------------------------------------------------------------------------------
     def with_(self, **changes) -> "LabConfig":
@@ -139,8 +209,14 @@ class LabConfig:
         return replace(self, **changes)
 
     def to_dict(self) -> dict:
+        """Every setting (JSON-able); for a transformers model the lab GPT's shape left out where it is
+        at its default (it shapes nothing there: records and ``fasttrain.json`` say nothing of it)."""
         out = asdict(self)
         out["lora_target_modules"] = list(self.lora_target_modules)
+        if self.model != "gpt":
+            for f in fields(self):
+                if f.name in GPT_SHAPE and getattr(self, f.name) == f.default:
+                    del out[f.name]
         return out
 
     @property
@@ -185,7 +261,6 @@ def _choice(cfg: LabConfig, name: str, choices) -> None:
 
 # --- the data flags (the corpus: fasttrain.lab.data, fasttrain.lab.tokenizer) ----------------------
 
-BIN_DTYPES = ("uint16", "uint32")
 
 
 def _itemsize(dtype: str) -> int:
@@ -278,8 +353,25 @@ def check_data_flags(cfg) -> None:
             check_bin_file(path, cfg.bin_dtype, flag)
 
 
+def _values(cfg: LabConfig) -> tuple:
+    return tuple(getattr(cfg, f.name) for f in fields(cfg))
+
+
+def is_validated(cfg: LabConfig) -> bool:
+    """Has :func:`validate` passed ``cfg`` as it is now? (a changed copy, or a field set since, has not)."""
+    return cfg.__dict__.get("_validated") == _values(cfg)
+
+
+def ensure_valid(cfg: LabConfig) -> LabConfig:
+    """``cfg``, validated unless :func:`validate` has already passed it unchanged: a config is
+    validated once, where it is built for a run (the CLI, the presets, the Python API), and every
+    later step (preflight, ``lab.train.run``) asks here instead of checking again."""
+    return cfg if is_validated(cfg) else validate(cfg)
+
+
 def validate(cfg: LabConfig) -> LabConfig:
-    """Raise a one-line :class:`FasttrainError` (naming the fix) for a configuration that cannot run."""
+    """Raise a one-line :class:`FasttrainError` (naming the fix) for a configuration that cannot run;
+    ``cfg`` itself, marked as validated (:func:`ensure_valid`), when it can."""
     for name in ("layers", "heads", "width", "context", "per_device_train_batch_size", "gradient_accumulation_steps",
                  "max_steps", "log_interval"):
         _positive(cfg, name)
@@ -392,6 +484,7 @@ def validate(cfg: LabConfig) -> LabConfig:
         from fasttrain.lab.outputs import check_save_folder
 
         check_save_folder(cfg.save, "--save")     # before training, not after it: nobody's files are replaced
+    cfg.__dict__["_validated"] = _values(cfg)
     return cfg
 
 
@@ -473,10 +566,22 @@ def preset(name: str, **overrides) -> LabConfig:
     return validate(cfg)
 
 
-# which of liger-kernel's patches --use-liger-kernel applies to a transformers model: the family's all (RMSNorm,
-# RoPE, SwiGLU or GeGLU, the fused linear cross-entropy), or the fused linear cross-entropy alone (it never makes
-# the logits, and leaves the layers to torch.compile, which fuses what the other kernels would replace)
-LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
+def setting_meta(name: str) -> dict:
+    """The declaration of field ``name`` (:func:`setting`): group, help, choices, aliases, hf."""
+    return dict(LabConfig.__dataclass_fields__[name].metadata)
+
+
+def training_arguments_of(cfg: LabConfig) -> dict:
+    """The Hugging Face ``TrainingArguments`` keyword arguments of ``cfg``, from each field's ``hf``
+    declaration (fields without an equivalent are left out)."""
+    args: dict = {}
+    for f in fields(cfg):
+        hf = f.metadata.get("hf")
+        if hf is True:
+            args[f.name] = getattr(cfg, f.name)
+        elif callable(hf):
+            args.update(hf(getattr(cfg, f.name)))
+    return args
 
 
 def liger_switches(kernels: str) -> dict:
@@ -514,4 +619,5 @@ def lora_targets_for(cfg: "LabConfig", model_default: tuple[str, ...] = ()) -> t
     return targets
 
 
-__all__ = ["LabConfig", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "lora_targets_for", "preset", "validate"]
+__all__ = ["LabConfig", "GROUPS", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "ensure_valid", "lora_targets_for",
+           "preset", "setting", "setting_meta", "training_arguments_of", "validate"]

@@ -23,8 +23,11 @@ Training batches are windows of ``context + 1`` tokens at random offsets: the of
 step ``i`` come from a generator seeded with ``(seed, i)`` alone, so every way of loading gives the
 same batches -- ``preload`` (the corpus on the device, windows cut there with one gather) and a
 ``torch.utils.data.DataLoader`` (windows cut in worker processes, optionally pinned and prefetched).
-A step's ``k`` micro-batches of ``b`` are the ``k`` slices of one draw of ``k b`` windows, so
-gradient accumulation sees exactly the tokens one batch of ``k b`` would.
+A step is one draw of ``k N b`` offsets (``k`` micro-batches, ``N`` data-parallel ranks, ``b``
+sequences each), read as a ``(k, N, b)`` grid: rank ``r``'s micro-batch ``j`` is row ``[j, r]``
+(:func:`rank_offsets`). The data layer yields each step as THIS rank's ``k`` micro-batches, so
+gradient accumulation sees exactly the tokens one batch of ``k b`` would, and ``N`` ranks at a
+global batch ``B`` see exactly the windows one process at ``B`` sees.
 
 Validation reads the split in order, in non-overlapping windows (the last one shorter), and
 averages the loss over every predicted token (or over the first ``eval_tokens``).
@@ -286,12 +289,28 @@ def windows(ids: np.ndarray, offsets: np.ndarray, context: int) -> np.ndarray:
     return ids[offsets[:, None] + np.arange(context + 1)].astype(np.int64)
 
 
-class StepBatches:
-    """Map-style dataset: item ``i`` is step ``i``'s ``(x, y)``, each (k b, context) int64."""
+def rank_offsets(seed: int, step: int, *, micro_batch: int, accumulation: int, ranks: int, rank: int,
+                 context: int, n_tokens: int) -> np.ndarray:
+    """This rank's window starts of one optimizer step, ``(accumulation, micro_batch)``: the step's one
+    draw of ``accumulation * ranks * micro_batch`` offsets read as a ``(k, N, b)`` grid, column ``rank``
+    (one process: ``N = 1``, the draw cut into ``k`` consecutive slices of ``b``)."""
+    drawn = step_offsets(seed, step, accumulation * ranks * micro_batch, context, n_tokens)
+    return drawn.reshape(accumulation, ranks, micro_batch)[:, rank]
 
-    def __init__(self, ids: np.ndarray, seed: int, batch: int, context: int, steps: int, start: int = 0):
-        self.ids, self.seed, self.batch, self.context = ids, seed, batch, context
+
+def _micro_batches(x, y) -> list:
+    """``(k, b, T)`` inputs and targets as the step's ``k`` micro-batches ``[(x_j, y_j), ...]``."""
+    return [(x[j], y[j]) for j in range(x.shape[0])]
+
+
+class StepBatches:
+    """Map-style dataset: item ``i`` is step ``i``'s ``(x, y)`` of this rank, each (k, b, context) int64."""
+
+    def __init__(self, ids: np.ndarray, seed: int, context: int, steps: int, start: int = 0, *,
+                 micro_batch: int, accumulation: int = 1, ranks: int = 1, rank: int = 0):
+        self.ids, self.seed, self.context = ids, seed, context
         self.steps, self.start = steps, start
+        self.grid = dict(micro_batch=micro_batch, accumulation=accumulation, ranks=ranks, rank=rank)
 
     def __len__(self) -> int:
         return self.steps
@@ -299,37 +318,41 @@ class StepBatches:
     def __getitem__(self, i: int):
         import torch
 
-        w = torch.from_numpy(windows(self.ids, step_offsets(self.seed, self.start + i, self.batch, self.context,
-                                                             len(self.ids)), self.context))
-        return w[:, :-1].contiguous(), w[:, 1:].contiguous()
+        starts = rank_offsets(self.seed, self.start + i, context=self.context, n_tokens=len(self.ids), **self.grid)
+        w = torch.from_numpy(windows(self.ids, starts.reshape(-1), self.context))
+        w = w.view(*starts.shape, self.context + 1)
+        return w[..., :-1].contiguous(), w[..., 1:].contiguous()
 
 
-def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps: int, device, preload: bool,
-                  num_workers: int = 0, pin_memory: bool = False, prefetch_factor: int | None = None, start: int = 0):
-    """An iterator over ``steps`` steps' ``(x, y)`` on ``device``; ``batch`` = windows per step (under
-    data parallelism every rank draws the global step and keeps its rows: ``lab.train.Trainer``)."""
+def train_batches(ids: np.ndarray, *, seed: int, micro_batch: int, context: int, steps: int, device, preload: bool,
+                  accumulation: int = 1, ranks: int = 1, rank: int = 0, num_workers: int = 0,
+                  pin_memory: bool = False, prefetch_factor: int | None = None, start: int = 0):
+    """An iterator over ``steps`` steps from step ``start``: each THIS rank's ``accumulation``
+    micro-batches ``[(x, y), ...]`` of ``micro_batch`` windows on ``device`` (see :func:`rank_offsets`)."""
     import torch
 
+    grid = dict(micro_batch=micro_batch, accumulation=accumulation, ranks=ranks, rank=rank)
     if preload:
-        # the corpus and every step's window starts go to the device once, here, at setup; a step is
-        # then one gather on the device, no host work and no copy. Ids stay compact there: uint8 for
-        # up to 256 symbols (Tiny Shakespeare's characters), else int32 (torch's uint16 and uint32
-        # have only limited operator support); the gather widens to int64
+        # the corpus and this rank's window starts of every step go to the device once, here, at
+        # setup; a step is then one gather on the device, no host work and no copy. Ids stay compact
+        # there: uint8 for up to 256 symbols (Tiny Shakespeare's characters), else int32 (torch's
+        # uint16 and uint32 have only limited operator support); the gather widens to int64
         corpus = torch.from_numpy(device_ids(ids)).to(device)
-        starts = torch.from_numpy(np.stack([step_offsets(seed, start + i, batch, context, len(ids))
-                                            for i in range(steps)]) if steps else np.zeros((0, batch), np.int64))
+        starts = torch.from_numpy(np.stack([rank_offsets(seed, start + i, context=context, n_tokens=len(ids), **grid)
+                                            for i in range(steps)]) if steps
+                                  else np.zeros((0, accumulation, micro_batch), np.int64))
         starts = starts.to(device)
         ramp = torch.arange(context + 1, device=device)
 
         def gen():
             for i in range(steps):
-                w = corpus[starts[i][:, None] + ramp].long()
-                yield w[:, :-1].contiguous(), w[:, 1:].contiguous()
+                w = corpus[starts[i][..., None] + ramp].long()          # (k, b, context + 1)
+                yield _micro_batches(w[..., :-1].contiguous(), w[..., 1:].contiguous())
         return gen()
     # its own generator: starting an iterator draws a seed for its workers, which must not come
     # from the global generator (dropout's): a resumed run starts its iterator at another moment
     loader = torch.utils.data.DataLoader(
-        StepBatches(ids, seed, batch, context, steps, start), batch_size=None, shuffle=False,
+        StepBatches(ids, seed, context, steps, start, **grid), batch_size=None, shuffle=False,
         generator=torch.Generator().manual_seed(seed),
         num_workers=num_workers, pin_memory=pin_memory and torch.device(device).type == "cuda",
         prefetch_factor=prefetch_factor if num_workers else None, persistent_workers=False)
@@ -337,7 +360,7 @@ def train_batches(ids: np.ndarray, *, seed: int, batch: int, context: int, steps
 
     def gen():
         for x, y in loader:
-            yield x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking)
+            yield _micro_batches(x.to(device, non_blocking=non_blocking), y.to(device, non_blocking=non_blocking))
     return gen()
 
 

@@ -14,7 +14,7 @@ SETUP_OPTIM = {"adamw_torch": "adamw", "adamw_torch_fused": "adamw", "adamw_8bit
                "adafactor": "adafactor", "sgd": "sgd", "muon": "sgd_momentum"}
 
 
-def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
+def lab_setup(cfg: LabConfig, vocab: int = 65):
     """The memory estimator's :class:`~fasttrain.memory.config.Setup` for one lab run.
 
     Maps the model shape, micro-batch, precision (fp32/tf32 -> fp32; fp16/bf16 autocast ->
@@ -29,7 +29,7 @@ def lab_setup(cfg: LabConfig, vocab: int = 65, batch: int | None = None):
 
     mc = model_config(cfg, vocab)
     return Setup(
-        heads=mc.heads, kv_heads=mc.kv_heads, micro_batch=batch or cfg.per_device_train_batch_size, hidden=mc.hidden,
+        heads=mc.heads, kv_heads=mc.kv_heads, micro_batch=cfg.per_device_train_batch_size, hidden=mc.hidden,
         ffn=mc.ffn, layers=mc.layers, seq=mc.seq, vocab=mc.vocab, tp=1, dp=1, opt_bytes=8,
         optim=SETUP_OPTIM[cfg.optim], lora_rank=cfg.lora_r, lora_targets=tuple(cfg.lora_target_modules),
         lora_dropout=float(cfg.lora_dropout), prompt_tokens=cfg.prompt_tuning_tokens,

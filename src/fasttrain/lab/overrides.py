@@ -2,8 +2,9 @@
 annotations: the CLI's flags, ``--set FIELD=VALUE``, ``--variant NAME:FIELD=VALUE,...``, and run
 records (a record's ``config`` back into a LabConfig; a LabConfig as the command line that runs it).
 
-A field's kind is read off its annotation: ``bool``, ``int``, ``float``, ``str`` (with its choices
-where ``lab/config.py`` lists them), ``tuple[str, ...]``; ``X | None`` also takes ``none``.
+A field's kind is read off its annotation: ``bool``, ``int``, ``float``, ``str`` (with the choices its
+declaration lists), ``tuple[str, ...]``; ``X | None`` also takes ``none``. A field's other names (its
+declaration's ``aliases``) are read as the field.
 """
 
 from __future__ import annotations
@@ -27,31 +28,22 @@ class FieldKind:
     name: str
     type: type                      # bool, int, float, str or tuple
     optional: bool                  # None allowed
-    choices: tuple[str, ...] | None  # the allowed strings, where config.py lists them
+    choices: tuple[str, ...] | None  # the allowed strings (the field's declaration)
     default: object
+    group: str = "run"              # its --help section
+    help: str = ""
+    aliases: tuple[str, ...] = ()   # other names it answers to (with a one-line note)
 
     @property
     def flag(self) -> str:
         return "--" + self.name.replace("_", "-")
 
 
-def _choices() -> dict[str, tuple[str, ...]]:
-    from fasttrain.lab import config as C
-
-    out = {"style": C.STYLES, "optim": C.OPTIMS, "gradient_checkpointing": C.CHECKPOINTING,
-           "attn_implementation": C.ATTENTIONS, "torch_compile_mode": C.COMPILE_MODES}
-    for name, attr in (("torch_compile_scope", "COMPILE_SCOPES"), ("torch_compile_backend", "COMPILE_BACKENDS"),
-                       ("activation", "ACTIVATIONS"), ("bin_dtype", "BIN_DTYPES")):
-        if hasattr(C, attr):
-            out[name] = getattr(C, attr)
-    return out
-
-
 @cache
 def field_kinds() -> dict[str, FieldKind]:
-    """Every LabConfig field's kind, from its annotation."""
+    """Every LabConfig field's kind: its type from its annotation, the rest from its declaration
+    (:func:`fasttrain.lab.config.setting`)."""
     hints = typing.get_type_hints(LabConfig)
-    choices = _choices()
     out = {}
     for f in dataclasses.fields(LabConfig):
         hint = hints[f.name]
@@ -62,13 +54,33 @@ def field_kinds() -> dict[str, FieldKind]:
         if kind not in (bool, int, float, str, tuple):
             raise TypeError(f"LabConfig.{f.name}: annotation {hint} has no parser")
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
-        out[f.name] = FieldKind(f.name, kind, optional, choices.get(f.name), default)
+        meta = f.metadata
+        out[f.name] = FieldKind(f.name, kind, optional, meta.get("choices"), default, meta.get("group", "run"),
+                                meta.get("help", ""), tuple(meta.get("aliases", ())))
     return out
+
+
+@cache
+def aliases() -> dict[str, str]:
+    """Every other name of a setting -> its field name."""
+    return {alias: kind.name for kind in field_kinds().values() for alias in kind.aliases}
+
+
+def alias_note(given: str, name: str, how: str = "--") -> str:
+    """The one line an alias gets: which name it stands for."""
+    dash = (lambda n: "--" + n.replace("_", "-")) if how == "--" else (lambda n: n)
+    return f"{dash(given)} is another name of {dash(name)}; read as {dash(name)}"
+
+
+def canonical(name: str) -> str:
+    """The field a setting's name (a field, or one of its aliases; dashes or underscores) stands for."""
+    key = name.strip().replace("-", "_")
+    return aliases().get(key, key)
 
 
 def kind_of(name: str) -> FieldKind:
     kinds = field_kinds()
-    key = name.strip().replace("-", "_")
+    key = canonical(name)
     if key not in kinds:
         raise FasttrainError(f"unknown lab setting {name!r}; settings are LabConfig fields "
                              f"(see: fasttrain lab --help; flag names with underscores)")
@@ -174,13 +186,142 @@ def changed(cfg: LabConfig, base: LabConfig) -> dict:
             if getattr(cfg, f.name) != getattr(base, f.name)}
 
 
-def command_line(cfg: LabConfig, preset_name: str = "shakespeare-char") -> str:
-    """The ``fasttrain lab`` command that runs ``cfg``: the preset and one flag per field that differs."""
+def settings_of(cfg: LabConfig, preset_name: str | None = None) -> tuple[str | None, dict]:
+    """``(preset, settings)`` that rebuild ``cfg`` through ``fasttrain lab``: the lab's GPT from its
+    preset (``cfg.name`` when it is one, else ``preset_name`` or shakespeare-char) and the fields that
+    differ from it; a transformers model from no preset, with every field that differs from LabConfig's
+    defaults and every one its own defaults set (:data:`fasttrain.lab.defaults.DERIVED`), so that they
+    read back as they are."""
     from fasttrain.lab.config import PRESETS
+    from fasttrain.lab.defaults import DERIVED
 
-    base = LabConfig(name=preset_name, **PRESETS[preset_name])
-    settings = {name: value for name, value in changed(cfg, base).items() if name != "name"}
-    return shlex.join(["fasttrain", "lab", "--preset", preset_name, *flags(settings)])
+    if cfg.model == "gpt":
+        name = cfg.name if cfg.name in PRESETS else (preset_name or "shakespeare-char")
+        base = LabConfig(name=name, **PRESETS[name])
+        return name, {k: v for k, v in changed(cfg, base).items() if k != "name"}
+    settings = changed(cfg, LabConfig())
+    settings.update({k: getattr(cfg, k) for k in DERIVED})
+    return None, {f.name: settings[f.name] for f in dataclasses.fields(LabConfig)
+                  if f.name in settings and f.name != "name"}
+
+
+def command_line(cfg: LabConfig, preset_name: str | None = None) -> str:
+    """The ``fasttrain lab`` command that runs ``cfg`` (:func:`settings_of`)."""
+    name, settings = settings_of(cfg, preset_name)
+    return shlex.join(["fasttrain", "lab", *(["--preset", name] if name else []), *flags(settings)])
+
+
+def settings_yaml(cfg: LabConfig) -> str:
+    """``cfg`` as a ``--config`` file (YAML): the preset, then the settings (:func:`settings_of`)."""
+    yaml = _yaml()
+    name, settings = settings_of(cfg)
+    data = {"preset": name} if name else {}
+    data.update({k: list(v) if isinstance(v, tuple) else v for k, v in settings.items()})
+    return yaml.safe_dump(data, sort_keys=False, default_flow_style=False)
+
+
+def _yaml():
+    try:
+        import yaml
+    except ImportError as exc:
+        from fasttrain.lab.config import missing_extra
+
+        raise missing_extra("PyYAML (--config .yaml, --print-config)", exc) from None
+    return yaml
+
+
+def _load_file(path: str) -> dict:
+    """A ``--config`` file's mapping (YAML or TOML): one line for a missing, unreadable or malformed file."""
+    from pathlib import Path
+
+    p = Path(path).expanduser()
+    suffix = p.suffix.lower()
+    if suffix not in (".yaml", ".yml", ".toml"):
+        raise FasttrainError(f"--config {path}: give a .yaml, .yml or .toml file")
+    if not p.is_file():
+        raise FasttrainError(f"--config {path}: " + ("that is a folder, not a file" if p.is_dir() else "no such file"))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise FasttrainError(f"--config {path}: cannot read it ({type(exc).__name__})") from None
+    if suffix == ".toml":
+        import tomllib
+
+        try:
+            data = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise FasttrainError(f"--config {path}: not valid TOML ({exc})") from None
+    else:
+        yaml = _yaml()
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f"line {mark.line + 1}: " if mark is not None else ""
+            raise FasttrainError(f"--config {path}: not valid YAML ({where}{getattr(exc, 'problem', None) or exc})") \
+                from None
+    if data is None:
+        return {}
+    if not isinstance(data, dict):
+        raise FasttrainError(f"--config {path}: give a mapping of flags (key: value per line), not a "
+                             f"{type(data).__name__}")
+    return data
+
+
+def _cli_value(kind: FieldKind, value):
+    """A typed setting as the command line's option takes it (a list joined by commas, None as none)."""
+    if value is None:
+        return "none"
+    if kind.type is tuple:
+        return ",".join(value)
+    if kind.type is bool:
+        return value
+    return value if kind.type in (int, float) and not kind.optional else str(value)
+
+
+def read_settings_file(path: str, params: dict) -> tuple[dict, list[str]]:
+    """A ``--config`` file as the defaults of a command's options, and the notes of its keys that are
+    another name of a setting. ``params``: each spelling of the command's options (its name and its
+    flags, with underscores) -> the option's name. A LabConfig setting is typed and checked here
+    (the file and the key named in the line); any other option is converted by click."""
+    data = _load_file(path)
+    kinds = field_kinds()
+    defaults, notes = {}, []
+    for key, value in data.items():
+        spelled = str(key).strip().replace("-", "_")
+        name = canonical(spelled)
+        if name in kinds and name != "name":
+            if spelled != name:
+                notes.append(f"{path}: {alias_note(spelled, name, how='')}")
+            try:
+                typed = parse_value(name, value)
+            except FasttrainError as exc:
+                raise FasttrainError(f"--config {path}: {key}: {exc}") from None
+            defaults[name] = _cli_value(kinds[name], typed)
+        elif spelled in params and params[spelled] not in ("config_file", "print_config"):
+            defaults[params[spelled]] = value
+        else:
+            raise FasttrainError(f"--config {path}: unknown key {key!r}: not a flag of this command "
+                                 f"(see its --help; write flags as in it, e.g. learning-rate: 3e-4)")
+    return defaults, notes
+
+
+def saved_settings(path) -> LabConfig:
+    """The settings a run saved with its training state (``--resume DIR``: the newest checkpoint of
+    DIR, or DIR itself), from its ``trainer_state.json``."""
+    import json
+
+    from fasttrain.lab.resume import find_checkpoint
+
+    where = find_checkpoint(path)
+    state = where / "trainer_state.json"
+    try:
+        data = json.loads(state.read_text())
+        config = data["config"]
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise FasttrainError(f"--resume {path}: {state} holds no readable settings ({type(exc).__name__}); "
+                             f"give the run's flags again beside --resume") from None
+    return config_from_dict(config)
 
 
 def flags(settings: dict) -> list[str]:
@@ -199,5 +340,6 @@ def flags(settings: dict) -> list[str]:
     return args
 
 
-__all__ = ["FieldKind", "field_kinds", "kind_of", "parse_value", "parse_assignments", "parse_variant",
-           "config_from_dict", "changed", "command_line", "flags"]
+__all__ = ["FieldKind", "field_kinds", "kind_of", "canonical", "aliases", "alias_note", "parse_value",
+           "parse_assignments", "parse_variant", "config_from_dict", "changed", "settings_of", "command_line", "flags",
+           "settings_yaml", "read_settings_file", "saved_settings"]

@@ -47,9 +47,9 @@ def check_run(cfg, out=None) -> None:
     """The checks of a lab run that need no corpus: the configuration (:func:`validate`), the
     output paths, the device. Called by ``lab.train.run`` (the Python API) and by the CLI before
     it launches any process."""
-    from fasttrain.lab.config import validate
+    from fasttrain.lab.config import ensure_valid
 
-    validate(cfg)
+    ensure_valid(cfg)               # validated where it was built; checked here only if it was not
     check_outputs(cfg, out)
     if cfg.init_from is not None:
         expand(cfg.init_from, "--init-from")
@@ -108,21 +108,21 @@ def device_memory(device) -> tuple[int, int, str]:
     return info.get("MemAvailable", total), total, "this machine's memory (CPU)"
 
 
-def predicted_peak(cfg, vocab: int, batch: int | None = None) -> int | None:
+def predicted_peak(cfg, vocab: int) -> int | None:
     """The memory estimator's precise peak for one process of ``cfg`` (None where it cannot say)."""
     from fasttrain.lab.estimate import lab_setup
     from fasttrain.memory import estimate
 
     try:
         if cfg.model.startswith("hf:"):
-            setup = _hf_setup(cfg, batch or cfg.per_device_train_batch_size)
+            setup = _hf_setup(cfg)
             return None if setup is None else int(estimate(setup, "precise").total)
-        return int(estimate(lab_setup(cfg, vocab, batch), "precise").total)
+        return int(estimate(lab_setup(cfg, vocab), "precise").total)
     except FasttrainError:
         return None
 
 
-def _hf_setup(cfg, batch: int):
+def _hf_setup(cfg):
     """The estimator's Setup for a local Hugging Face model folder (None: a hub name, or a config
     the estimator does not model; the run is then not refused on a prediction)."""
     import json
@@ -135,7 +135,7 @@ def _hf_setup(cfg, batch: int):
     except (OSError, ValueError):
         return None
     make = memory_setup_for(data) if isinstance(data, dict) else None
-    return make(cfg, batch) if make is not None else None
+    return make(cfg, cfg.per_device_train_batch_size) if make is not None else None
 
 
 def _gib(n: int) -> str:
@@ -148,12 +148,13 @@ def fitting_flags(cfg, vocab: int, limit: int) -> str:
     batch, k = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
     b = batch // 2
     while b >= 1:
-        if (predicted_peak(cfg, vocab, b) or limit + 1) <= limit:
+        smaller = predicted_peak(cfg.with_(per_device_train_batch_size=b), vocab)
+        if (smaller or limit + 1) <= limit:
             keep = f" --gradient-accumulation-steps {k * batch // b}" if batch % b == 0 else ""
-            return f"--per-device-train-batch-size {b}{keep} (predicted {_gib(predicted_peak(cfg, vocab, b))})"
+            return f"--per-device-train-batch-size {b}{keep} (predicted {_gib(smaller)})"
         b //= 2
     lean = cfg.with_(gradient_checkpointing="full", bf16=not cfg.fp16, per_device_train_batch_size=1)
-    peak = predicted_peak(lean, vocab, 1)
+    peak = predicted_peak(lean, vocab)
     if peak is not None and peak <= limit:
         return (f"--per-device-train-batch-size 1 --gradient-checkpointing full{'' if cfg.fp16 else ' --bf16'} "
                 f"(predicted {_gib(peak)})")

@@ -30,7 +30,7 @@ import time
 from fasttrain.errors import FasttrainError
 from fasttrain.timing import summarize
 from fasttrain.lab.adapters import merge_lora
-from fasttrain.lab.batchsize import find_batch_size, probe_batch
+from fasttrain.lab.batchsize import auto_find, largest_fitting
 from fasttrain.lab.build import config_from_model, make_trainer, model_config, resolve_device
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
 from fasttrain.lab.config import LabConfig, missing_extra
@@ -44,22 +44,27 @@ __all__ = ["run", "execute", "lab_setup", "estimate_notes", "model_config", "con
 
 # --- the run -------------------------------------------------------------------------------------
 
-def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None, record_path=None) -> dict:
+def run(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None, fit_context: bool = False,
+        sources: dict | None = None, announce=None, record_path=None) -> dict:
     """Train ``cfg`` and return the run record (see the module docstring).
 
     ``log(str)``: progress lines; ``progress(step, total)``: called after each step.
     ``parallel`` (:class:`~fasttrain.lab.parallel.distributed.ParallelConfig`): the strategy when this
     process is one of several started by torchrun; every rank returns the same record.
     ``model``: a built :class:`~fasttrain.lab.models.LabModel` to train instead of the one ``cfg`` names.
+    ``fit_context``: the context is the model's own, lowered to what the corpus allows.
+    ``sources``: where each setting came from (:class:`fasttrain.lab.settings.Resolved`), kept in the record.
+    ``announce(cfg)``: called once every check has passed and the model is built, before the first step.
     ``record_path``: the run record's file (``--out``): rewritten at each ``--save-steps`` checkpoint, the
     loggers' files beside it (:mod:`fasttrain.lab.loggers`); the caller writes the final record."""
     record, _ = execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
-                        record_path=record_path)
+                        fit_context=fit_context, sources=sources, announce=announce, record_path=record_path)
     return record
 
 
 def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=None, model=None,
-            keep_model: bool = False, record_path=None):
+            keep_model: bool = False, fit_context: bool = False, sources: dict | None = None, announce=None,
+            record_path=None):
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
     import torch
 
@@ -79,8 +84,12 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
         if model is None:
             D.check_model_fits(cfg, world.world_size, world.strategy, tp=world.tp)
         with D.collective_errors(world):
-            return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
-                           keep_model=keep_model, record_path=record_path)
+            record, trained = _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0,
+                                      model=model, keep_model=keep_model, fit_context=fit_context,
+                                      announce=announce, record_path=record_path)
+            if sources:
+                record["config_sources"] = {k: v for k, v in sources.items() if k in record["config"]}
+            return record, trained
     finally:
         release_run_state(cfg)
         D.shutdown(world)
@@ -112,7 +121,8 @@ def _check_libraries(cfg: LabConfig, device, record_path=None) -> None:
             raise missing_extra(what, exc) from None
 
 
-def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, record_path):
+def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_model, fit_context=False, announce=None,
+            record_path=None):
     from fasttrain.lab.data import corpus_for
 
     _check_libraries(cfg, device, record_path)
@@ -130,6 +140,10 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
 
         spec = cfg.model[3:] if cfg.model.startswith("hf:") else None
         corpus = corpus_for(cfg, default_tokenizer=model_tokenizer(spec) if spec else None)
+    if fit_context:
+        from fasttrain.lab.defaults import fit_context as fit
+
+        cfg = fit(cfg, len(corpus.train), log)
     checkpoint = None
     if cfg.init_from and model is None:
         from fasttrain.lab.parallel.distributed import check_model_fits
@@ -154,7 +168,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
         check_fits_some_strategy(cfg, corpus.vocab_size, world, int(1.05 * free))   # 5%: the estimator's error
     with tf32_matmuls(cfg.tf32):
         return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
-                      checkpoint=checkpoint, keep_model=keep_model, record_path=record_path)
+                      checkpoint=checkpoint, keep_model=keep_model, announce=announce, record_path=record_path)
 
 
 def _copies_of(model, device):
@@ -167,31 +181,15 @@ def _copies_of(model, device):
     return lambda: dataclasses.replace(model, module=copy.deepcopy(initial).to(device))
 
 
-def _find_batch(cfg, corpus, device, make, log) -> tuple[int, dict | None]:
-    batch = cfg.per_device_train_batch_size
-    if not cfg.auto_find_batch_size:
-        return batch, None
-    if device.type != "cuda":
-        log(f"auto-find-batch-size: no GPU, keeping {batch}")
-        return batch, {"requested": batch, "found": batch, "search_ms": 0.0,
-                       "note": "no GPU: nothing runs out of memory, the batch is kept"}
-    t0 = time.perf_counter()
-    found = find_batch_size(batch, lambda b: probe_batch(cfg, corpus, device, b, make=make))
-    if found == 0:
-        raise FasttrainError(f"not even a batch of 1 fits on {gpu_name(device)}; try --gradient-checkpointing "
-                             f"full, --bf16 or a smaller model")
-    log(f"auto-find-batch-size: {found} (from {batch})")
-    return found, {"requested": batch, "found": found, "search_ms": 1e3 * (time.perf_counter() - t0)}
-
-
-def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model, record_path=None):
+def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoint, keep_model, announce=None,
+           record_path=None):
     """Build, train through the trainer's loop, save and record (one process's part of the run)."""
     import torch
 
     cuda = device.type == "cuda"
     # probes build the model cfg names afresh, or train copies of a given one
     make = _copies_of(model, device) if model is not None and cfg.auto_find_batch_size and cuda else None
-    batch, auto = _find_batch(cfg, corpus, device, make, log)
+    cfg, auto = auto_find(cfg, corpus, device, make, log)
     held = 0
     if cuda:
         free_memory(device)
@@ -199,9 +197,9 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         torch.cuda.reset_peak_memory_stats(device)
     t0 = time.perf_counter()
     if model is None:
-        trainer = make_trainer(cfg, corpus, device, batch=batch, world=world, checkpoint=checkpoint, log=log)
+        trainer = make_trainer(cfg, corpus, device, world=world, checkpoint=checkpoint, log=log)
     else:
-        trainer = Trainer(cfg, model, corpus, device, batch=batch, world=world)
+        trainer = Trainer(cfg, model, corpus, device, world=world)
     sync(device)
     setup_ms = 1e3 * (time.perf_counter() - t0)
     from fasttrain.lab.loggers import open_loggers
@@ -217,7 +215,9 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
         saver = R.Saver(trainer, metrics, cfg, world)
         if record_path:
             saver = _record_at_checkpoints(saver, cfg, record_path, lambda: _record(
-                cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms, wall0=wall0))
+                cfg, trainer, metrics, corpus, device, world, auto=auto, setup_ms=setup_ms, wall0=wall0))
+    if announce is not None:
+        announce(cfg)
     try:
         trainer.train(metrics=metrics, progress=progress, on_step=saver)
     except oom_types():
@@ -230,13 +230,12 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
     if oom:
         del trainer
         free_memory(device)
-        _out_of_memory(cfg, corpus, device, batch, world, searchable=model is None)
-    record = _record(cfg, trainer, metrics, corpus, device, world, batch=batch, auto=auto, setup_ms=setup_ms,
-                     wall0=wall0)
+        _out_of_memory(cfg, corpus, device, world, searchable=model is None)
+    record = _record(cfg, trainer, metrics, corpus, device, world, auto=auto, setup_ms=setup_ms, wall0=wall0)
     if loggers is not None and loggers.paths:
         record["logs"] = loggers.paths          # --report-to's files and folders
     if cfg.save:
-        _save(cfg, trainer, record, corpus, device, world, batch)
+        _save(cfg, trainer, record, corpus, device, world)
         record["saved"] = str(cfg.save)
     trained = trainer.model if keep_model else None
     del trainer
@@ -256,7 +255,8 @@ def _record_at_checkpoints(saver, cfg, record_path, record):
     return on_step
 
 
-def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):
+def _out_of_memory(cfg, corpus, device, world, searchable: bool):
+    batch = cfg.per_device_train_batch_size
     if world.distributed:
         raise FasttrainError(f"rank {world.rank}: a per-device batch of {batch} does not fit on "
                              f"{gpu_name(device)} under --strategy {world.strategy}; lower "
@@ -265,13 +265,13 @@ def _out_of_memory(cfg, corpus, device, batch, world, searchable: bool):
     if not searchable:          # a given model has trained: no fresh copy of it is left to probe with
         raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; lower "
                              f"--per-device-train-batch-size or use --auto-find-batch-size")
-    largest = find_batch_size(max(1, batch // 2), lambda b: probe_batch(cfg, corpus, device, b))
+    largest = largest_fitting(cfg, corpus, device, max(1, batch // 2))
     hint = (f"the largest that fits is {largest} (found by trying): use --per-device-train-batch-size {largest} "
             f"or --auto-find-batch-size") if largest else "not even 1 fits: try --gradient-checkpointing full or --bf16"
     raise FasttrainError(f"a per-device batch of {batch} does not fit on {gpu_name(device)}; {hint}")
 
 
-def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
+def _save(cfg, trainer, record, corpus, device, world) -> None:
     """The trained model into ``cfg.save``: the lab's GPT as a lab checkpoint (LoRA merged, FSDP's
     shards gathered and written by rank 0), any other model through its own ``save`` hook."""
     from fasttrain.lab.parallel import distributed as D
@@ -280,6 +280,7 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
     if cfg.lora_r:
         merge_lora(model)
     final = record["eval"][-1]
+    batch = cfg.per_device_train_batch_size
     extra = {"val_loss": final["val_loss"], "val_tokens": final["tokens"], "eval_batch_size": cfg.eval_batch_size or batch,
              "step": trainer.step_index, "eval": eval_settings(cfg, batch, device)}
     if hasattr(corpus, "describe"):
@@ -336,7 +337,7 @@ MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and 
                  "process held before the run (held_before_bytes)")
 
 
-def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_ms, wall0) -> dict:
+def _record(cfg, trainer, metrics, corpus, device, world, *, auto, setup_ms, wall0) -> dict:
     from fasttrain.environment import environment
     from fasttrain.lab.parallel import distributed as D
     from fasttrain.lab.record import provenance
@@ -348,7 +349,8 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
         kinds["activations"] = peak - sum(kinds.values())
     memory = {"peak_allocated_bytes": peak, "peak_reserved_bytes": metrics.reserved_peak if cuda else None,
               "held_before_bytes": metrics.held if cuda else None, "by_kind": kinds, "method": MEMORY_METHOD}
-    estimate = _estimate_for(cfg, trainer, corpus.vocab_size, batch, peak, world)
+    batch = cfg.per_device_train_batch_size
+    estimate = _estimate_for(cfg, trainer, corpus.vocab_size, peak, world)
     # tokens per optimizer step over all data-parallel ranks (one process: dp = 1)
     tokens_per_step = batch * cfg.gradient_accumulation_steps * cfg.context * world.dp
     steps = summarize(metrics.step_ms)
@@ -422,19 +424,19 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
     return record
 
 
-def _estimate_for(cfg, trainer, vocab, batch, peak, world) -> dict:
+def _estimate_for(cfg, trainer, vocab, peak, world) -> dict:
     from fasttrain.lab.parallel import distributed as D
 
     lab_model = trainer.lab_model
     parallel = D.estimator_parallelism(world, cfg.bf16) if world.distributed else None
     if lab_model.name == "gpt":
-        return _estimate(cfg, vocab, batch, peak, parallel=parallel)
+        return _estimate(cfg, vocab, peak, parallel=parallel)
     if lab_model.memory_setup is None:
         return {"precise_bytes": None, "error": f"the estimator has no memory model of {lab_model.name}"}
-    setup = lab_model.memory_setup(cfg, batch)
+    setup = lab_model.memory_setup(cfg, cfg.per_device_train_batch_size)
     if setup is None:
         return {"precise_bytes": None, "error": f"the estimator has no memory model of {lab_model.name}"}
-    out = _estimate(cfg, vocab, batch, peak, parallel=parallel, setup=setup)
+    out = _estimate(cfg, vocab, peak, parallel=parallel, setup=setup)
     if world.strategy == "tp" and "notes" in out:
         # lab/hf.py splits by the family's plan, which differs from the estimator's Megatron layout
         out["notes"] = [*out["notes"], "tp of a HF model: lm_head's logits are gathered whole (B, T, V) on every "
@@ -442,12 +444,12 @@ def _estimate_for(cfg, trainer, vocab, batch, peak, world) -> dict:
     return out
 
 
-def _estimate(cfg: LabConfig, vocab: int, batch: int, measured, parallel: dict | None = None, setup=None) -> dict:
+def _estimate(cfg: LabConfig, vocab: int, measured, parallel: dict | None = None, setup=None) -> dict:
     """The estimator's per-GPU prediction; ``parallel``: the strategy's Setup fields (dp, zero, tp...);
     ``setup``: the model's own Setup (default: the lab's GPT of ``cfg``)."""
     from fasttrain.memory import estimate
 
-    setup = setup if setup is not None else lab_setup(cfg, vocab, batch)
+    setup = setup if setup is not None else lab_setup(cfg, vocab)
     if parallel:
         setup = setup.with_(**{**parallel, "grad_buffers": setup.grad_buffers or parallel.get("grad_buffers", False)})
     try:

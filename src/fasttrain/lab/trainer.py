@@ -57,10 +57,10 @@ def autocast_for(cfg: LabConfig, device):
     return nullcontext
 
 
-def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scaler=None, sync=None, loss=None,
+def accumulate_gradients(model, micro_batches, amp=nullcontext, scaler=None, sync=None, loss=None,
                          after_micro_batch=None):
-    """Forward and backward over ``micro_batches`` equal slices of (x, y); the gradients add up to
-    those of the mean loss over the whole batch: d/dW mean_all = sum_j (1/k) d/dW mean_j.
+    """Forward and backward over the step's ``k`` micro-batches ``[(x, y), ...]`` (equal sizes); the
+    gradients add up to those of the mean loss over all of them: d/dW mean_all = sum_j (1/k) d/dW mean_j.
     ``loss(module, x, y)``: the mean loss of a micro-batch (default ``module(x, y)``, the lab's GPT).
     ``sync(last)``: a context around micro-batch j's forward and backward (several processes:
     gradients are reduced over the ranks only on the last); without it a model with ``no_sync``
@@ -68,17 +68,18 @@ def accumulate_gradients(model, x, y, micro_batches: int, amp=nullcontext, scale
     after micro-batch j's backward (a probe's clock: it may raise to end the run). Returns the mean loss
     (a tensor: no device synchronization)."""
     loss = loss or (lambda module, xm, ym: module(xm, ym))
+    k = len(micro_batches)
     total = None
     no_sync = getattr(model, "no_sync", None)
-    for j, (xm, ym) in enumerate(zip(x.chunk(micro_batches), y.chunk(micro_batches))):
-        last = j == micro_batches - 1
+    for j, (xm, ym) in enumerate(micro_batches):
+        last = j == k - 1
         if sync is not None:
             context = sync(last)
         else:
             context = nullcontext() if no_sync is None or last else no_sync()
         with context:
             with amp():
-                value = loss(model, xm, ym) / micro_batches
+                value = loss(model, xm, ym) / k
             (scaler.scale(value) if scaler is not None else value).backward()
         total = value.detach() if total is None else total + value.detach()
         if after_micro_batch is not None:
@@ -220,8 +221,7 @@ class Trainer:
     ``rebuild(seed) -> nn.Module``: a fresh module of the same shape with the initial weights of ``seed``
     (:meth:`reset`)."""
 
-    def __init__(self, cfg: LabConfig, model: LabModel, data, device, *, batch: int | None = None, world=None,
-                 rebuild=None):
+    def __init__(self, cfg: LabConfig, model: LabModel, data, device, *, world=None, rebuild=None):
         import torch
 
         from fasttrain.lab.parallel import distributed as D
@@ -230,7 +230,6 @@ class Trainer:
         self.world = world = world or D.World()
         self.cfg, self.device, self.corpus = cfg, device, data
         self.lab_model = model
-        self.batch = batch or cfg.per_device_train_batch_size
         self.rebuild = rebuild
         done = parallelize(model, cfg, world)
         self.model = done.module            # the module itself (evaluation, saving, counting)
@@ -314,32 +313,25 @@ class Trainer:
     # --- data ----------------------------------------------------------------------------------
 
     def batches(self, steps: int, start: int = 0):
-        """``steps`` steps' ``(x, y)`` from step ``start`` on: ``k`` micro-batches of ``b`` windows each."""
+        """``steps`` steps from step ``start`` on, each this rank's ``k`` micro-batches ``[(x, y), ...]``
+        of ``per_device_train_batch_size`` windows (:func:`fasttrain.lab.data.train_batches`)."""
         from fasttrain.lab.data import train_batches
 
         cfg = self.cfg
-        k, dp = cfg.gradient_accumulation_steps, self.world.dp
-        batches = train_batches(self.corpus.train, seed=cfg.seed, batch=self.batch * k * dp,
-                                context=cfg.context, steps=steps, device=self.device, preload=cfg.preload,
-                                num_workers=cfg.dataloader_num_workers, pin_memory=cfg.dataloader_pin_memory,
-                                prefetch_factor=cfg.dataloader_prefetch_factor, start=start)
-        if dp == 1:
-            return batches
-        # every rank draws the global step (k micro-batches of dp b windows, as one process at
-        # batch dp b would) and keeps its b rows of each micro-batch
-        rank, b = self.world.dp_rank, self.batch
-
-        def mine(t):
-            return t.view(k, dp, b, -1)[:, rank].reshape(k * b, -1)
-        return ((mine(x), mine(y)) for x, y in batches)
+        return train_batches(self.corpus.train, seed=cfg.seed, micro_batch=cfg.per_device_train_batch_size,
+                             accumulation=cfg.gradient_accumulation_steps, ranks=self.world.dp,
+                             rank=self.world.dp_rank, context=cfg.context, steps=steps, device=self.device,
+                             preload=cfg.preload, num_workers=cfg.dataloader_num_workers,
+                             pin_memory=cfg.dataloader_pin_memory, prefetch_factor=cfg.dataloader_prefetch_factor,
+                             start=start)
 
     # --- the loop ------------------------------------------------------------------------------
 
     def train(self, steps: int | None = None, *, batches=None, metrics: Metrics | None = None, timing: str = "step",
               evaluate: bool = True, stop=None, progress=None, on_step=None, step_context=None) -> str:
         """The lab's training loop: ``steps`` optimizer steps (default: to ``max_steps``) from
-        ``step_index``. ``batches``: an iterator of ``(x, y)`` (default: the corpus' batches of
-        those steps). ``stop(step, val_loss, train_loss) -> reason | None`` after each evaluation;
+        ``step_index``. ``batches``: an iterator of steps, each a list of micro-batches ``[(x, y), ...]``
+        (default: the corpus' batches of those steps). ``stop(step, val_loss, train_loss) -> reason | None`` after each evaluation;
         ``progress(step, total)``, ``on_step(step)`` after each step; ``step_context(step)``: a
         context around one step (the memory tracker). Returns why it stopped: ``"steps"`` or the
         stop rule's reason."""
@@ -358,9 +350,9 @@ class Trainer:
             if timing != "segment":
                 sync(device)
             t = time.perf_counter()
-            x, y = next(batches)
+            micro_batches = next(batches)
             with step_context(step) if step_context is not None else nullcontext():
-                loss = self.train_step(x, y)
+                loss = self.train_step(micro_batches)
             ms = None
             if timing == "step":
                 sync(device)
@@ -395,8 +387,8 @@ class Trainer:
         metrics.read_peaks()
         return reason
 
-    def train_step(self, x, y):
-        """One optimizer step on (x, y) (k micro-batches of b); returns the loss tensor (no sync)."""
+    def train_step(self, micro_batches):
+        """One optimizer step on this rank's micro-batches ``[(x, y), ...]``; returns the loss tensor (no sync)."""
         import torch
 
         from fasttrain.lab.parallel import distributed as D
@@ -416,7 +408,7 @@ class Trainer:
             for p in self.trainable:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
-        loss = self.forward_backward_step(x, y)
+        loss = self.forward_backward_step(micro_batches)
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
         if cfg.max_grad_norm:
@@ -437,16 +429,15 @@ class Trainer:
             torch.cuda.empty_cache()
         return loss
 
-    def forward_backward_step(self, x, y):
-        """Forward and backward over the step's micro-batches; the mean loss (a tensor)."""
+    def forward_backward_step(self, micro_batches):
+        """Forward and backward over the step's micro-batches ``[(x, y), ...]``; the mean loss (a tensor)."""
         from fasttrain.lab.parallel import distributed as D
 
         world = self.world
         sync_grads = None if not world.distributed else (
             lambda last: D.sync_gradients(self.train_model, world, last))
         model = self.lab_model
-        return accumulate_gradients(self.train_model, x, y, self.cfg.gradient_accumulation_steps, self.amp,
-                                    self.scaler, sync_grads, loss=lambda module, xm, ym: forward_loss(model, module, xm, ym),
+        return accumulate_gradients(self.train_model, micro_batches, self.amp, self.scaler, sync_grads, loss=lambda module, xm, ym: forward_loss(model, module, xm, ym),
                                     after_micro_batch=self.after_micro_batch)
 
     # --- evaluation ----------------------------------------------------------------------------
@@ -468,7 +459,7 @@ class Trainer:
         cfg = self.cfg
         ids = torch.from_numpy(self.corpus.val).to(self.device).long()
         wins = eval_windows(self.corpus.val, cfg.context, tokens if tokens is not None else cfg.eval_tokens)
-        batch = cfg.eval_batch_size or self.batch
+        batch = cfg.eval_batch_size or cfg.per_device_train_batch_size
         model = self.model
         was_training = model.training
         model.eval()

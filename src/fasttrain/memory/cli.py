@@ -19,22 +19,31 @@ from fasttrain.errors import FasttrainError
 
 out = Console(width=140)
 
+# the lab's names (TrainingArguments' where it has one): --micro-batch and --seq are their other names
 _SIZE_FLAGS = [("--heads", "heads", "a: attention heads"), ("--kv-heads", "kv_heads", "g: key/value heads (precise)"),
-               ("--micro-batch", "micro_batch", "b: sequences per GPU"), ("--hidden", "hidden", "h: hidden size"),
+               ("--per-device-train-batch-size", "micro_batch", "b: sequences per GPU (also: --micro-batch)"),
+               ("--hidden", "hidden", "h: hidden size"),
                ("--ffn", "ffn", "h_ff: feed-forward size"), ("--layers", "layers", "L: layers"),
-               ("--seq", "seq", "s: sequence length"), ("--vocab", "vocab", "v: vocabulary"),
+               ("--context", "seq", "s: sequence length, tokens (also: --seq)"), ("--vocab", "vocab", "v: vocabulary"),
                ("--tp", "tp", "t: tensor parallelism"), ("--dp", "dp", "d: data parallelism"),
                ("--opt-bytes", "opt_bytes", "k: optimizer bytes per parameter (Adam 8)")]
 
 
+# other names -> (the option's name, its flag)
+ALIASES = {"--micro-batch": ("micro_batch", "--per-device-train-batch-size"), "--seq": ("seq", "--context")}
+
+
 def _options(fn):
+    for flag, (name, _) in ALIASES.items():
+        fn = click.option(flag, "alias__" + name, type=int, hidden=True)(fn)
     for flag, name, help_ in reversed(_SIZE_FLAGS):
         fn = click.option(flag, name, type=int, help=help_)(fn)
     decorators = [
         click.option("--preset", help="Start from a preset (default llama3-8b); see --list-presets."),
         click.option("--hf-config", type=click.Path(), help="precise: a Hugging Face config.json (or its folder) of a "
                      "llama, mistral, qwen2, gemma, phi3 or gpt2 model instead of a preset; give the training shape "
-                     "with --micro-batch, --seq, --precision, --attention, --recompute, --optim."),
+                     "with --per-device-train-batch-size, --context, --precision (default: bf16 autocast), --attention (default: "
+                     "sdpa), --recompute, --optim."),
         click.option("--keep-logits", is_flag=True, help="precise: the trainer holds the model's output (logits) "
                      "through backward."),
         click.option("--compiled", type=click.Choice(["none", "model", "blocks"]), help="precise, --hf-config: "
@@ -98,6 +107,20 @@ def asked_run(opts: dict) -> tuple[int, str]:
 def lab_words(opts: dict) -> bool:
     """Whether the run is asked in the lab's words (--strategy, --nproc-per-node)."""
     return opts.get("strategy") is not None or opts.get("nproc_per_node") is not None
+
+
+def read_aliases(opts: dict) -> list[str]:
+    """Each other name given (--micro-batch, --seq) read as its option, in place; the lines saying so."""
+    notes = []
+    for flag, (name, canonical) in ALIASES.items():
+        value = opts.pop("alias__" + name, None)
+        if value is None:
+            continue
+        if opts.get(name) is not None and opts[name] != value:
+            raise FasttrainError(f"{flag} {value} and {canonical} {opts[name]} name the same setting; give one")
+        opts[name] = value
+        notes.append(f"{flag} is another name of {canonical}; read as {canonical}")
+    return notes
 
 
 def setup_from_options(opts: dict):
@@ -172,7 +195,8 @@ def _setup_from_hf_options(opts: dict):
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
     config = load_hf_config(opts["hf_config"])
-    precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "fp32")
+    # a transformers model trains as the lab would run it: bf16 autocast (amp) unless asked otherwise
+    precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "amp")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
     changes = {name: opts[name] for name in ("tp", "dp", "opt_bytes", "zero", "workspace_mib")
@@ -189,6 +213,18 @@ def _setup_from_hf_options(opts: dict):
                                  keep_logits=bool(opts.get("keep_logits")), compiled=opts.get("compiled") or "none",
                                  liger=bool(opts.get("liger")), **changes)
     return check(setup, "precise")
+
+
+def hf_defaults_lines(opts: dict, setup) -> list[str]:
+    """--hf-config: the line saying the precision, attention and context the estimate assumed, and why."""
+    if opts.get("hf_config") is None:
+        return []
+    precision = ("bf16 autocast (default; --precision fp32 or mixed for others)" if opts.get("precision") is None
+                 and not opts.get("mixed") else f"precision {setup.precision}")
+    attention = "sdpa attention (default)" if opts.get("attention") is None else f"{opts['attention']} attention"
+    context = (f"context {setup.seq} (asked for)" if opts.get("seq") is not None
+               else f"context {setup.seq} (the model's positions; --context N for another)")
+    return [f"--hf-config: {precision}, {attention}, {context}, micro-batch {setup.micro_batch}"]
 
 
 def training_changes(opts: dict) -> dict:
@@ -265,7 +301,10 @@ def command(ctx, **opts) -> None:
         from fasttrain.files import check_output_path
 
         check_output_path(opts["html"], "--html")  # before any work; the folder must exist already
+    notes = read_aliases(opts)
     setup = setup_from_options(opts)
+    for line in notes + hf_defaults_lines(opts, setup):
+        click.echo(line, err=True)
     b = estimate(setup, opts["mode"])
     fits = _fits(setup, opts) if lab_words(opts) else None
     if opts["html"] is not None:

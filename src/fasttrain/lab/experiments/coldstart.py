@@ -202,14 +202,16 @@ class GraphStepTrainer(Trainer):
         # autocast's cast cache must not outlive the captured region: the casts are part of the graph
         if cfg.bf16:
             self.amp = lambda: torch.autocast("cuda", dtype=torch.bfloat16, cache_enabled=False)
-        x, y = next(iter(self.batches(1)))
+        (x, y), = next(iter(self.batches(1)))          # one micro-batch a step (validated)
         self.train_model.train()
-        self.graphed = GraphedTrainStep(self.forward_backward_step, self.trainable, optimizer, x, y,
+        self.graphed = GraphedTrainStep(lambda xs, ys: self.forward_backward_step([(xs, ys)]), self.trainable,
+                                        optimizer, x, y,
                                         max_grad_norm=cfg.max_grad_norm, warmup_steps=max(1, cfg.timing_warmup_steps))
 
-    def train_step(self, x, y):
+    def train_step(self, micro_batches):
         from fasttrain.lab.optim import lr_at
 
+        (x, y), = micro_batches
         self.lr.fill_(lr_at(self.cfg, self.step_index))
         loss = self.graphed(x, y)
         self.step_index += 1

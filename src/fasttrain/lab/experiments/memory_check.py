@@ -63,7 +63,7 @@ def run_case(name: str, steps: int = 3, debug: bool = False, device: str = "cuda
     gen = torch.Generator(dev).manual_seed(0)
     idx = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
     tgt = torch.randint(0, setup.vocab, (setup.micro_batch, setup.seq), device=dev, generator=gen)
-    batches = itertools.repeat((idx, tgt))
+    batches = itertools.repeat([(idx, tgt)])     # one micro-batch a step
     metrics = Metrics(cfg.with_(max_steps=steps), dev)
     info: dict = {}
     tracker = None
@@ -175,12 +175,4 @@ def validate_command(out, cases, quick, steps, debug_dir, rescore) -> None:
     click.echo(f"wrote {csv_path} and {md_path}")
 
 
-def attach() -> None:
-    """``fasttrain memory validate``: the memory group's command, defined here (it trains through the
-    lab, which the memory package does not import)."""
-    from fasttrain.memory.cli import command as memory
-
-    memory.add_command(validate_command)
-
-
-__all__ = ["run_case", "run", "case_config", "validate_command", "attach"]
+__all__ = ["run_case", "run", "case_config", "validate_command"]

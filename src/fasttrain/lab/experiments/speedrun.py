@@ -323,7 +323,7 @@ def run_row(row: Row, corpus, *, target: float, keep_states: bool = False, deadl
                 seed_done(rec["final_val_loss"])     # outside the timed steps: the bar adds no host work to them
             if keep_states and rec["final_val_loss"] is not None:
                 states[seed] = {n: v.detach().to("cpu", copy=True) for n, v in trainer.model.state_dict().items()}
-        eval_record = eval_settings(cfg, trainer.batch, device)
+        eval_record = eval_settings(cfg, cfg.per_device_train_batch_size, device)
         model_config = trainer.model_config.to_dict()
     del trainer
     if compiles(cfg):

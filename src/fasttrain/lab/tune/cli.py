@@ -1,9 +1,12 @@
 """``fasttrain tune``: the fastest configuration of a model that fits this device, predicted then measured.
 
-    fasttrain tune --preset char-100m --seq 1024 --global-batch-tokens 524288 --budget 5m --out tune-run
+    fasttrain tune --preset char-100m --context 1024 --global-batch-size 512 --budget 5m --out tune-run
 
-Every ``fasttrain lab`` flag is accepted (the model, the data); a technique flag given here is fixed,
-not searched. Thin over :func:`fasttrain.lab.tune.tune`.
+Every ``fasttrain lab`` flag is accepted (the model, the data, ``--config``, ``--print-config``) and
+resolved as ``fasttrain lab`` resolves it (a transformers model's own defaults, no preset); a
+technique flag given here (or in the file) is fixed, not searched. The global batch is named and
+counted as in ``fasttrain lab``: ``--global-batch-size`` sequences per optimizer step
+(``--global-batch-tokens`` is its other name, in tokens). Thin over :func:`fasttrain.lab.tune.tune`.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import click
 from rich.console import Console
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.cli import config_from, config_options
+from fasttrain.lab.cli import GroupedCommand, config_options, resolve, say_configuration, write_config_yaml
 
 out = Console(width=200)
 err = Console(stderr=True)
@@ -34,11 +37,12 @@ def parse_bytes(text: str | None) -> int | None:
     return int(float(m.group(1)) * UNITS[unit])
 
 
-@click.command("tune", context_settings={"help_option_names": ["-h", "--help"]})
+@click.command("tune", cls=GroupedCommand, context_settings={"help_option_names": ["-h", "--help"]})
 @config_options
-@click.option("--seq", type=int, required=True, help="Tokens per sequence.")
-@click.option("--global-batch-tokens", type=int, required=True,
-              help="Tokens per optimizer step (micro-batch x accumulation x seq reaches it exactly).")
+@click.option("--global-batch-size", type=int, default=None,
+              help="Sequences per optimizer step, over every device (micro-batch x accumulation x devices reaches "
+                   "it exactly), as fasttrain lab counts it.")
+@click.option("--global-batch-tokens", type=int, default=None, hidden=True)
 @click.option("--budget", default=None, help="Bound the search (5m, 300s, 1h); at the budget: the best so far.")
 @click.option("--allow", default=None,
               help="Techniques that change the math, comma-separated: lora, prompt_tuning, adamw_8bit, adafactor.")
@@ -57,8 +61,10 @@ def parse_bytes(text: str | None) -> int | None:
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.option("--verbose", is_flag=True, help="Show the libraries' known-harmless notes too (torchao, liger-kernel, "
               "transformers: left out and counted otherwise).")
-def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, out_dir, cache_path, no_cache,
-            memory_limit, probe_steps, max_candidates, quiet, verbose, **options) -> None:
+@click.pass_context
+def command(ctx, preset_name, config_file, print_config, global_batch_size, global_batch_tokens, budget, allow,
+            precisions, out_dir, cache_path, no_cache, memory_limit, probe_steps, max_candidates, quiet, verbose,
+            **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
     from fasttrain.lab import noise
     from fasttrain.lab.tune import parse_allow, parse_budget, tune
@@ -70,15 +76,22 @@ def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, ou
     parse_budget(budget)            # bad input first, before the corpus or the device
     parse_allow(allow)
     limit = parse_bytes(memory_limit)
-    given = {k for k, v in options.items() if v is not None}
-    base = config_from(preset_name, {**options, "context": seq})
+    resolved = resolve(preset_name, options, ctx)
+    base = resolved.cfg
+    if print_config:
+        write_config_yaml(resolved)
+        return
+    tokens = global_batch_tokens_of(global_batch_size, global_batch_tokens, base.context, resolved.notes)
+    if not quiet:
+        say_configuration(resolved)
+    # what the user gave (a flag or the file) is fixed; what a preset or the model's defaults set is searched
+    given = {k for k, where in resolved.sources.items() if where == "flag" or where.startswith("file ")}
     log = None if quiet else (lambda line: err.print(line, soft_wrap=True, highlight=False))
-    result = tune(base, seq=seq, global_batch_tokens=global_batch_tokens, budget=budget, allow=allow,
+    result = tune(base, seq=base.context, global_batch_tokens=tokens, budget=budget, allow=allow,
                   precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()), fixed=given - {"context"},
                   out=out_dir, cache_path=False if no_cache else (cache_path or True), memory_limit_bytes=limit,
-                  steps=probe_steps, max_candidates=max_candidates, log=log,
-                  model_id=options.get("model") or "gpt")
-    print_report(result, out, model_id=options.get("model") or "gpt")
+                  steps=probe_steps, max_candidates=max_candidates, log=log, model_id=base.model)
+    print_report(result, out, model_id=base.model)
     if out_dir:
         out.print(f"results: {out_dir}")
     dropped = noise.summary()
@@ -89,4 +102,31 @@ def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, ou
                                                     else "; see the table's status column"))
 
 
-__all__ = ["command", "parse_bytes"]
+# tune's own options: their --help section
+for _param in command.params:
+    if _param.name in ("budget", "allow", "precisions", "out_dir", "cache_path", "no_cache", "memory_limit",
+                       "probe_steps", "max_candidates", "quiet"):
+        _param.group = "search"
+
+
+def global_batch_tokens_of(sequences: int | None, tokens: int | None, context: int, notes: list) -> int:
+    """Tokens per optimizer step from ``--global-batch-size`` (sequences, the lab's name and unit) or its
+    other name ``--global-batch-tokens`` (tokens: a whole number of sequences of ``--context``)."""
+    if sequences is not None and tokens is not None:
+        raise FasttrainError("--global-batch-tokens is another name of --global-batch-size (in tokens): give one")
+    if tokens is not None:
+        if tokens < 1 or tokens % context:
+            lo = max(context, tokens // context * context)
+            raise FasttrainError(f"--global-batch-tokens {tokens} is not a whole number of sequences of --context "
+                                 f"{context}; use {lo} or {lo + context} (or --global-batch-size in sequences)")
+        notes.append(f"--global-batch-tokens is another name of --global-batch-size (in tokens): read as "
+                     f"--global-batch-size {tokens // context} (x context {context})")
+        return tokens
+    if sequences is None:
+        raise FasttrainError("give --global-batch-size N: the sequences per optimizer step the search keeps")
+    if sequences < 1:
+        raise FasttrainError(f"--global-batch-size must be a positive integer, got {sequences}")
+    return sequences * context
+
+
+__all__ = ["command", "parse_bytes", "global_batch_tokens_of"]

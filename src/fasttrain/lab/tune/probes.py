@@ -78,7 +78,7 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
         else:
             from fasttrain.lab.train import lab_setup
 
-            setup = lab_setup(cfg, vocab, cfg.per_device_train_batch_size)
+            setup = lab_setup(cfg, vocab)
         if cpu:
             setup = setup.with_(workspace_mib=0.0)
         return int(estimate(setup, "precise").total)

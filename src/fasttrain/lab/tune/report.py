@@ -11,7 +11,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from fasttrain.lab.config import PRESETS, LabConfig, liger_switches
+from fasttrain.lab.config import PRESETS, LabConfig, training_arguments_of
 
 MIB = 2 ** 20
 # fields that are not the training's (where to write, the preset's name, a search of its own)
@@ -144,26 +144,8 @@ def answer_arguments(result, cfg: LabConfig) -> tuple[dict, dict, list[str]]:
 def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, list[str]]:
     """The Hugging Face equivalent of ``cfg``: (``TrainingArguments`` keyword arguments, keyword
     arguments of ``from_pretrained`` / ``from_config``, notes on what has no equivalent).
-    ``cpu``: to run it on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
-    args = {
-        "per_device_train_batch_size": cfg.per_device_train_batch_size,
-        "gradient_accumulation_steps": cfg.gradient_accumulation_steps,
-        "bf16": cfg.bf16, "fp16": cfg.fp16, "tf32": cfg.tf32 or None,
-        "torch_compile": cfg.torch_compile,
-        "gradient_checkpointing": cfg.gradient_checkpointing == "full",
-        "use_liger_kernel": cfg.use_liger_kernel,
-        "optim": cfg.optim,
-        "learning_rate": cfg.learning_rate, "weight_decay": cfg.weight_decay,
-        "adam_beta1": cfg.adam_beta1, "adam_beta2": cfg.adam_beta2, "adam_epsilon": cfg.adam_epsilon,
-        "max_grad_norm": cfg.max_grad_norm, "max_steps": cfg.max_steps, "warmup_steps": cfg.warmup_steps,
-        "lr_scheduler_type": "cosine_with_min_lr", "lr_scheduler_kwargs": {"min_lr": cfg.min_lr},
-        "dataloader_num_workers": cfg.dataloader_num_workers, "dataloader_pin_memory": cfg.dataloader_pin_memory,
-        "seed": cfg.seed,
-    }
-    if args["tf32"] is None:
-        del args["tf32"]
-    if cfg.use_liger_kernel and cfg.liger_kernels != "all":
-        args["liger_kernel_config"] = liger_switches(cfg.liger_kernels)
+    ``cpu``: it was found on a CPU (``use_cpu=True``: the Trainer refuses bf16 there otherwise)."""
+    args = training_arguments_of(cfg)        # each field declares its equivalent (lab/config.py)
     if cpu:
         args["use_cpu"] = True
     if cfg.torch_compile:
