@@ -218,3 +218,11 @@ def test_fasttrain_cost_is_memory_cost():
                            timeout=120)
     assert alias.returncode == 0, alias.stderr
     assert json.loads(alias.stdout) == json.loads(run("cost", "--json").stdout)
+
+
+def test_hf_config_micro_batch_zero_is_refused_not_read_as_one(tmp_path):
+    """``--micro-batch 0`` with ``--hf-config`` was read as "not given" and estimated batch 1."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 120, "max_position_embeddings": 64}))
+    one_line_error(run("--hf-config", tmp_path, "--micro-batch", 0), "--micro-batch must be a positive integer, got 0")
