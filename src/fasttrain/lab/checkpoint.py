@@ -14,7 +14,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import atomic_write_text, swap_folder
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.measure import gpu_name
-from fasttrain.lab.outputs import CHECKPOINT_FORMAT, check_save_folder
+from fasttrain.lab.outputs import CHECKPOINT_FORMAT, check_save_folder, remove_stale_temporaries
 
 
 def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = None) -> Path:
@@ -30,6 +30,7 @@ def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = 
     except ImportError as exc:
         raise missing_extra("safetensors (--save)", exc) from None
     final = check_save_folder(path, "--save")
+    remove_stale_temporaries(final.parent, final.name + ".")     # a save killed mid-write left these
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
     try:
         save_model(model, str(tmp / "model.safetensors"))

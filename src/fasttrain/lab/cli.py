@@ -87,6 +87,8 @@ HELP.update({
                   "every N steps into --output-dir.",
     "save_total_limit": "Keep only the newest N checkpoints.", "output_dir": "Where --save-steps writes checkpoint-N/.",
     "resume": "Continue from a checkpoint (a checkpoint-N folder, or the newest in an --output-dir).",
+    "overwrite_output_dir": "Write into an --output-dir or --save that holds another run's checkpoints (the HF "
+                            "Trainer's flag; a folder of other files is still refused).",
 })
 SKIP = {"name"}
 NONE = object()          # "none" given for an optional setting: None, not "keep the preset's value"

@@ -126,6 +126,7 @@ class LabConfig:
     save_steps: int = 0                 # write output_dir/checkpoint-<step> every N steps; 0 = never
     save_total_limit: int | None = None  # keep the newest N checkpoints; None = all
     output_dir: str | None = None       # where --save-steps writes
+    overwrite_output_dir: bool = False  # write into --output-dir / --save although another run's files are there
     resume: str | None = None           # continue from this checkpoint (or the newest in this output_dir)
 
     # ---------------------------------------------------------------------------------------
