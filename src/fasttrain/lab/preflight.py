@@ -62,6 +62,10 @@ def check_run(cfg, out=None) -> None:
     validate(cfg)
     check_outputs(cfg, out)
     check_output_folders(cfg)
+    if cfg.model.startswith("hf:"):
+        from fasttrain.lab.hf import check_hf_folder
+
+        check_hf_folder(cfg.model)      # config.json's fields, an encoder, the weights against the config
     if cfg.init_from is not None:
         expand(cfg.init_from, "--init-from")
     check_device(cfg.device)
