@@ -14,6 +14,8 @@ from __future__ import annotations
 import dataclasses
 import importlib
 
+from pathlib import Path
+
 import click
 from rich.console import Console
 from rich.table import Table
@@ -343,7 +345,10 @@ def plot_cmd(record, out_path) -> None:
     """Plot a run record's loss curve (training and validation loss against the step)."""
     from fasttrain.lab.record import load_record, plot_loss_curve
 
+    from fasttrain.lab.outputs import check_figure_path
+
     check_output_path(out_path, "--out")
+    check_figure_path(out_path, "--out", inputs=[("run record", Path(record).expanduser().resolve())])
     path = plot_loss_curve(load_record(record), out_path)
     out.print(f"loss curve: {path}")
 

@@ -274,3 +274,21 @@ def remove_stale_temporaries(folder, prefix: str = "") -> None:
             shutil.rmtree(p, ignore_errors=True)
         elif p.name.endswith(".old") and (folder / p.name.rsplit(".", 2)[0]).exists():
             shutil.rmtree(p, ignore_errors=True)
+
+
+# the image formats a plot is written in (matplotlib's, by the file's extension)
+FIGURE_EXTENSIONS = (".png", ".svg", ".pdf", ".jpg", ".jpeg")
+
+
+def check_figure_path(path, flag: str = "--out", inputs=()) -> Path:
+    """A plot's output file: a known image extension (matplotlib picks the format by it and raises
+    on any other), and not one of ``inputs`` (the record it plots) nor an existing non-image file."""
+    text = os.fspath(path)
+    target = check_output_file(path, flag, inputs, keeps="the plot",
+                               is_ours=lambda p: p.suffix.lower() in FIGURE_EXTENSIONS)
+    suffix = Path(text).suffix.lower()
+    if suffix not in FIGURE_EXTENSIONS:
+        shown = f"'{suffix}'" if suffix else "none"
+        raise FasttrainError(f"{flag} {text}: the extension ({shown}) names no image format; end it in "
+                             f"{', '.join(FIGURE_EXTENSIONS)} (e.g. {flag} {Path(text).stem or 'loss'}.png)")
+    return target
