@@ -14,6 +14,8 @@ from fasttrain.errors import FasttrainError
 
 CHECKPOINT_FORMAT = "fasttrain-lab-checkpoint-1"
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
+# the corpus' tokenizer saved beside the weights (a BPE's files; none for characters or tiktoken)
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 
 
 def expand(path, flag: str) -> Path:
@@ -27,13 +29,13 @@ def expand(path, flag: str) -> Path:
 
 def is_lab_checkpoint(folder) -> bool:
     """Whether ``folder`` holds one of our checkpoints and nothing else: ``config.json`` (a JSON
-    object carrying our format marker) and ``model.safetensors``."""
+    object carrying our format marker), ``model.safetensors`` and maybe the corpus' tokenizer."""
     folder = Path(folder)
     try:
         entries = {p.name for p in folder.iterdir()}
     except OSError:
         return False
-    if entries != set(CHECKPOINT_FILES):
+    if not set(CHECKPOINT_FILES) <= entries <= set(CHECKPOINT_FILES + TOKENIZER_FILES):
         return False
     try:
         meta = json.loads((folder / "config.json").read_text())

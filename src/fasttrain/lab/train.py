@@ -301,10 +301,12 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
 
             whole = build(trainer.model_config, "cpu", seed=cfg.seed)
             whole.load_state_dict(state)
-            save_checkpoint(whole, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra)
+            save_checkpoint(whole, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra,
+                            tokenizer=getattr(corpus, "tokenizer", None))
         D.barrier(world)
     else:
-        save_checkpoint(model, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra)
+        save_checkpoint(model, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra,
+                        tokenizer=getattr(corpus, "tokenizer", None))
 
 
 MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and buffers: bytes of the tensors "
