@@ -110,3 +110,22 @@ def test_from_record_refuses_a_save_of_the_original_run(fake_corpus, tmp_path, c
     assert (states / "checkpoint-2" / "state.pt").read_bytes() == before
     code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet", "--overwrite-output-dir"], capsys)
     assert code == 0, err
+
+
+def test_from_record_refuses_changed_text_naming_the_file(tmp_path, capsys):
+    """``--from-record`` never compared the data's SHA-256: changed text reran at exit 0."""
+    from tests_support import toy_text
+
+    text = tmp_path / "t.txt"
+    text.write_text(toy_text(6000))
+    first = tmp_path / "run.json"
+    code, _, err = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+                            "--train-file", str(text), "--out", str(first)], capsys)
+    assert code == 0, err
+    text.write_text(toy_text(6000, seed=4))
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and f"--train-file {text} changed since the run" in lines[0], err
+    text.write_text(toy_text(6000))
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet"], capsys)
+    assert code == 0, err

@@ -150,9 +150,12 @@ def config_from(preset_name: str, options: dict) -> LabConfig:
 def config_from_record(path, options: dict) -> LabConfig:
     """The configuration a run record ran, with the flags given beside ``--from-record`` on top."""
     from fasttrain.lab.config import validate
-    from fasttrain.lab.record import config_of_record, load_record
+    from fasttrain.lab.record import check_record_inputs, config_of_record, load_record
 
-    return validate(config_of_record(load_record(path)).with_(**_given(options)))
+    record = load_record(path)
+    cfg = validate(config_of_record(record).with_(**_given(options)))
+    check_record_inputs(record, cfg, path)      # the same data and tokenizer, before any work
+    return cfg
 
 
 def _mib(value) -> str:
