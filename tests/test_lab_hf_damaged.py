@@ -116,3 +116,17 @@ def test_a_damaged_saved_folder_is_one_line_in_eval_and_sample(saved, capsys, co
         ["lab", "sample", str(folder), "--prompt", "the ", "--device", "cpu", "--max-new-tokens", "2"]
     code, _, stderr = run_cli(args, capsys)
     _one_line(code, stderr, pattern)
+
+
+def test_a_damaged_model_folder_under_ddp_is_one_line_before_the_launch(folders, capsys, monkeypatch):
+    """Under DDP each rank printed its own traceback; the launcher refuses before starting any."""
+    from fasttrain.lab.parallel import launch as L
+
+    def no_launch(*a, **k):
+        raise AssertionError("torchrun was started")
+    monkeypatch.setattr(L, "launch", no_launch)
+    folder = _damaged(folders, "ddp_kv", config={"num_key_value_heads": 3})
+    code, _, stderr = run_cli(["lab", "--preset", "tiny", "--model", f"hf:{folder}", "--train-file",
+                               str(folders / "t.txt"), "--max-steps", "1", "--device", "cpu", "--quiet",
+                               "--strategy", "ddp", "--nproc-per-node", "2"], capsys)
+    _one_line(code, stderr, r"num_key_value_heads \(3\) must divide")
