@@ -244,7 +244,10 @@ def hold_outputs(cfg):
             if not folder.parent.is_dir():
                 continue                # refused by the folder checks, which name the fix
             lock = _lock_file(folder)
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+            except OSError:
+                continue                # an unwritable parent: refused by the folder checks, which name the fix
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except OSError:
