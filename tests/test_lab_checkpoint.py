@@ -127,3 +127,15 @@ def test_a_failure_while_writing_leaves_the_earlier_checkpoint(saved, corpus, mo
         ck.save_checkpoint(_model(corpus, seed=7), saved, chars=corpus.chars, lab={})
     assert {p.name: p.read_bytes() for p in saved.iterdir()} == before
     assert sorted(p.name for p in saved.parent.iterdir()) == ["ck"]
+
+
+def test_a_save_killed_mid_write_leaves_a_temporary_that_the_next_save_removes(tmp_path, corpus):
+    """A --save killed while writing left ck.XXXX.tmp beside the checkpoint; the next save removes it."""
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+
+    (tmp_path / "ck.k1ll3d.tmp").mkdir()
+    (tmp_path / "ck.k1ll3d.tmp" / "model.safetensors").write_bytes(b"half")
+    (tmp_path / "other.k1ll3d.tmp").mkdir()           # another folder's temporary: not ours to remove
+    run(preset("tiny", device="cpu", max_steps=2, eval_interval=0, save=str(tmp_path / "ck")), corpus=corpus)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ck", "other.k1ll3d.tmp"]

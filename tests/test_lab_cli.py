@@ -77,7 +77,9 @@ def test_an_existing_checkpoint_is_replaced_whole_and_the_run_says_so(fake_corpu
     code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(ck)], capsys)
     assert code == 0, stderr
     first = (ck / "model.safetensors").read_bytes()
-    code, stdout, stderr = run_cli([*LAB, "--seed", "9", "--save", str(ck)], capsys)
+    code, _, stderr = run_cli([*LAB, "--seed", "9", "--save", str(ck)], capsys)      # another run's: refused
+    assert code == 1 and "holds another run's checkpoint" in _one_error_line(stderr), stderr
+    code, stdout, stderr = run_cli([*LAB, "--seed", "9", "--save", str(ck), "--overwrite-output-dir"], capsys)
     assert code == 0, stderr
     assert "holds a lab checkpoint; it is replaced whole when this run ends" in stderr
     assert f"checkpoint: {ck} (replaced the earlier one)" in stdout
@@ -96,7 +98,7 @@ def test_a_crash_during_training_leaves_the_earlier_checkpoint(fake_corpus, tmp_
     def interrupted(self, micro_batches):
         raise KeyboardInterrupt
     monkeypatch.setattr(train.Trainer, "train_step", interrupted)
-    code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(ck)], capsys)
+    code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(ck), "--overwrite-output-dir"], capsys)
     assert code == 130                  # Ctrl-C: click says "aborted"
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
 

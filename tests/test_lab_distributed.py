@@ -409,3 +409,19 @@ def test_more_cpu_processes_than_cores_warns(monkeypatch):
     line = L.cpu_oversubscription(8, "cpu")
     assert line.startswith("warning: 8 processes on 2 CPU cores") and "--nproc-per-node 2" in line
     assert L.cpu_oversubscription(2, "cpu") is None and L.cpu_oversubscription(8, "cuda") is None
+
+
+@pytest.mark.parametrize("signum", ["SIGINT", "SIGTERM"])
+def test_ctrl_c_under_the_launcher_is_one_line(monkeypatch, signum):
+    """Ctrl-C reaches torchrun's agent, which stops the ranks and raised SignalException (a traceback)."""
+    import signal
+
+    import torch.distributed.run as torchrun
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    def interrupted(args):
+        raise SignalException(f"Process got signal: {signum}", sigval=getattr(signal, signum))
+    monkeypatch.setattr(torchrun, "run", interrupted)
+    with pytest.raises(FasttrainError) as exc:
+        L.launch(L.Launch(2), ["lab", "--preset", "tiny"])
+    assert str(exc.value).startswith(f"interrupted ({signum}): the 2 ranks were stopped") and "\n" not in str(exc.value)

@@ -265,7 +265,7 @@ def test_bad_input_is_one_line(tmp_path):
         hf.build_hf_model(f"hf:{tmp_path / 'unknown'}", cfg(), None, "cpu")
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "config.json").write_text("{oops")
-    with pytest.raises(FasttrainError, match="not JSON"):
+    with pytest.raises(FasttrainError, match="is not valid JSON"):
         hf.build_hf_model(f"hf:{tmp_path / 'notjson'}", cfg(), None, "cpu")
     with pytest.raises(FasttrainError, match="after 'hf:'"):
         hf.build_hf_model("hf:", cfg(), None, "cpu")

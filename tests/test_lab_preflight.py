@@ -189,3 +189,135 @@ def test_the_device_form_is_checked_on_a_gpu_machine_too(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     with pytest.raises(FasttrainError, match="the GPU index must be a whole number"):
         preflight.check_device("cuda:abc")
+
+
+# --- outputs against inputs, and against files the run did not write (issue 40) --------------------
+
+@pytest.fixture
+def text_files(tmp_path):
+    from tests_support import toy_text
+
+    (tmp_path / "train.txt").write_text(toy_text(4000))
+    (tmp_path / "val.txt").write_text(toy_text(1000, seed=1))
+    return tmp_path
+
+
+def _one_line(exc) -> str:
+    text = str(exc.value)
+    assert "\n" not in text
+    return text
+
+
+@pytest.mark.parametrize("name", ["train.txt", "val.txt"])
+def test_out_naming_an_input_file_is_refused_and_the_file_kept(no_training, text_files, name):
+    """``--out`` naming the train or validation text replaced it with the record (exit 0)."""
+    before = (text_files / name).read_bytes()
+    cfg = tiny(train_file=str(text_files / "train.txt"), val_file=str(text_files / "val.txt"))
+    with pytest.raises(FasttrainError) as exc:
+        preflight.check_run(cfg, str(text_files / name))
+    flag = "--train-file" if name == "train.txt" else "--val-file"
+    assert f"is the {flag} this run reads" in _one_line(exc)
+    with pytest.raises(FasttrainError, match="this run reads"):
+        preflight.check_outputs(cfg, str(text_files / name))
+    assert (text_files / name).read_bytes() == before
+
+
+def test_out_naming_a_state_pt_or_a_stranger_file_is_refused(tmp_path, corpus):
+    """A checkpoint's state.pt (or any file that is not a run record) is never replaced by --out."""
+    from fasttrain.lab.train import run
+
+    states = tmp_path / "o"
+    cfg = tiny(max_steps=3, save_steps=2, output_dir=str(states))
+    run(cfg, corpus=corpus)
+    state = states / "checkpoint-2" / "state.pt"
+    before = state.read_bytes()
+    for out, message in ((state, "inside the --resume folder"), (tmp_path / "notes.txt", "is not the record")):
+        if out.name == "notes.txt":
+            out.write_text("my notes")
+        with pytest.raises(FasttrainError) as exc:
+            preflight.check_outputs(cfg.with_(resume=str(states), max_steps=4), str(out))
+        assert message in _one_line(exc)
+    with pytest.raises(FasttrainError, match="training-state checkpoint"):
+        preflight.check_outputs(cfg, str(state))
+    assert state.read_bytes() == before and (tmp_path / "notes.txt").read_text() == "my notes"
+    (tmp_path / "run.json").write_text(json.dumps({"kind": "lab-run", "config": {}}))
+    preflight.check_outputs(cfg, str(tmp_path / "run.json"))      # a run record: a rerun replaces it
+
+
+def test_save_holding_an_input_is_refused(tmp_path, text_files):
+    cfg = tiny(train_file=str(text_files / "train.txt"))
+    with pytest.raises(FasttrainError):
+        preflight.check_run(cfg.with_(save=str(text_files)))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text("{}")
+    with pytest.raises(FasttrainError) as exc:
+        preflight.check_output_folders(tiny().with_(model=f"hf:{tmp_path / 'model'}", save=str(tmp_path / "model")))
+    assert "--save" in _one_line(exc) and "is the --model" in str(exc.value)
+
+
+def test_an_output_dir_of_another_run_is_refused_unless_overwrite_and_never_pruned(tmp_path, corpus):
+    """Another run's checkpoints in --output-dir were written into and pruned by --save-total-limit."""
+    from fasttrain.lab.train import run
+
+    states = tmp_path / "o"
+    first = tiny(max_steps=5, save_steps=2, output_dir=str(states))
+    run(first, corpus=corpus)
+    assert sorted(p.name for p in states.iterdir()) == ["checkpoint-2", "checkpoint-4"]
+    other = first.with_(seed=5, max_steps=7, save_steps=3, save_total_limit=1)
+    with pytest.raises(FasttrainError) as exc:
+        run(other, corpus=corpus)
+    line = _one_line(exc)
+    assert "--output-dir" in line and "holds another run's checkpoints (checkpoint-2, checkpoint-4)" in line
+    assert "--overwrite-output-dir" in line
+    run(other.with_(overwrite_output_dir=True), corpus=corpus)
+    # the first run's two checkpoints are kept; this run keeps only its newest (checkpoint-6)
+    assert sorted(p.name for p in states.iterdir()) == ["checkpoint-2", "checkpoint-4", "checkpoint-6"]
+    (tmp_path / "mine").mkdir()
+    (tmp_path / "mine" / "notes.txt").write_text("x")
+    with pytest.raises(FasttrainError, match=r"holds other files \(notes.txt\)"):
+        preflight.check_run(first.with_(output_dir=str(tmp_path / "mine")))
+
+
+def test_output_dir_inside_save_is_refused_before_training(no_training, tmp_path, corpus):
+    """--output-dir inside --save was refused only after training (the final save would delete it)."""
+    from fasttrain.lab.train import run
+
+    cfg = tiny(save_steps=1, output_dir=str(tmp_path / "ck" / "states"), save=str(tmp_path / "ck"))
+    with pytest.raises(FasttrainError) as exc:
+        run(cfg, corpus=corpus)
+    assert "is inside the --save folder" in _one_line(exc)
+    assert not (tmp_path / "ck").exists()
+
+
+def test_save_of_another_run_is_refused_unless_overwrite(tmp_path, corpus):
+    """A rerun (--from-record keeps --save) replaced the earlier run's checkpoint silently."""
+    pytest.importorskip("safetensors")
+    from fasttrain.lab.train import run
+
+    cfg = tiny(save=str(tmp_path / "ck"))
+    run(cfg, corpus=corpus)
+    before = (tmp_path / "ck" / "model.safetensors").read_bytes()
+    with pytest.raises(FasttrainError) as exc:
+        run(cfg.with_(seed=3), corpus=corpus)
+    assert "holds another run's checkpoint" in _one_line(exc) and "--overwrite-output-dir" in str(exc.value)
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() == before
+    run(cfg.with_(seed=3, overwrite_output_dir=True), corpus=corpus)
+    assert (tmp_path / "ck" / "model.safetensors").read_bytes() != before
+
+
+def test_two_runs_with_one_save_at_once_the_second_refuses(tmp_path, corpus):
+    """Two runs given one --save at once both said they saved; the lock refuses the second."""
+    from fasttrain.lab.outputs import hold_outputs
+    from fasttrain.lab.train import run
+
+    cfg = tiny(save=str(tmp_path / "ck"))
+    with hold_outputs(cfg):                 # a first run holds the folder
+        with pytest.raises(FasttrainError) as exc:
+            run(cfg, corpus=corpus)
+        assert "another run is writing to this folder right now" in _one_line(exc)
+        assert not (tmp_path / "ck").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []          # the lock goes with the run
+    states = tiny(save_steps=1, output_dir=str(tmp_path / "o"))
+    with hold_outputs(states):
+        with pytest.raises(FasttrainError, match="--output-dir .* another run is writing"):
+            run(states, corpus=corpus)

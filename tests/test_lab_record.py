@@ -113,3 +113,56 @@ def test_plot_draws_several_runs_on_one_figure(tmp_path, capsys, monkeypatch):
     bad.write_text("{not json")
     code, _, err = run_cli(["lab", "plot", str(paths[0]), str(bad), "--out", str(tmp_path / "x.png")], capsys)
     assert code == 1 and str(bad) in err and len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.parametrize("name, message", [
+    ("curve", "the extension (none) names no image format"),
+    ("curve.txt", "the extension ('.txt') names no image format"),
+    ("run.json", "is the run record this run reads"),
+])
+def test_plot_out_without_an_image_extension_or_naming_the_record_is_one_line(tmp_path, capsys, name, message):
+    """``lab plot --out curve`` ended in matplotlib's traceback; ``--out run.json`` replaced the record."""
+    pytest.importorskip("matplotlib")
+    record = {"kind": "lab-run", "config": {"name": "tiny"}, "loss_curve": [{"step": 1, "loss": 2.0}], "eval": []}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps(record))
+    code, _, err = run_cli(["lab", "plot", str(path), "--out", str(tmp_path / name)], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert json.loads(path.read_text()) == record
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["run.json"]
+
+
+def test_from_record_refuses_a_save_of_the_original_run(fake_corpus, tmp_path, capsys):
+    """``--from-record`` kept the record's --output-dir and rewrote the original run's checkpoints."""
+    first = tmp_path / "run.json"
+    states = tmp_path / "states"
+    code, _, err = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "3",
+                            "--save-steps", "2", "--output-dir", str(states), "--out", str(first)], capsys)
+    assert code == 0, err
+    before = (states / "checkpoint-2" / "state.pt").read_bytes()
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and "holds another run's checkpoints" in lines[0], err
+    assert (states / "checkpoint-2" / "state.pt").read_bytes() == before
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet", "--overwrite-output-dir"], capsys)
+    assert code == 0, err
+
+
+def test_from_record_refuses_changed_text_naming_the_file(tmp_path, capsys):
+    """``--from-record`` never compared the data's SHA-256: changed text reran at exit 0."""
+    from tests_support import toy_text
+
+    text = tmp_path / "t.txt"
+    text.write_text(toy_text(6000))
+    first = tmp_path / "run.json"
+    code, _, err = run_cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "2",
+                            "--train-file", str(text), "--out", str(first)], capsys)
+    assert code == 0, err
+    text.write_text(toy_text(6000, seed=4))
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet"], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 1 and len(lines) == 1 and f"--train-file {text} changed since the run" in lines[0], err
+    text.write_text(toy_text(6000))
+    code, _, err = run_cli(["lab", "--from-record", str(first), "--quiet"], capsys)
+    assert code == 0, err

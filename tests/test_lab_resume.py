@@ -95,3 +95,37 @@ def test_resume_refuses_what_it_cannot_continue(tmp_path, corpus):
     with pytest.raises(FasttrainError, match="cannot read state.pt") as info:
         run(cfg.with_(resume=str(tmp_path / "o")), corpus=corpus)
     assert "\n" not in str(info.value)
+
+
+def test_resume_refuses_changed_text_naming_the_file(tmp_path):
+    """Changed text resumed with shifted ids at exit 0; the checkpoint's data SHA-256 is compared now."""
+    from fasttrain.errors import FasttrainError
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+    from tests_support import toy_text
+
+    text = tmp_path / "t.txt"
+    text.write_text(toy_text(6000))
+    cfg = preset("tiny", device="cpu", max_steps=4, eval_interval=0, save_steps=2, output_dir=str(tmp_path / "o"),
+                 train_file=str(text))
+    run(cfg)
+    text.write_text(toy_text(6000, seed=3))
+    with pytest.raises(FasttrainError) as info:
+        run(cfg.with_(resume=str(tmp_path / "o")))
+    line = str(info.value)
+    assert "\n" not in line and f"the train file {text} changed since" in line and "--resume" in line
+    text.write_text(toy_text(6000))                       # restored: it resumes
+    run(cfg.with_(resume=str(tmp_path / "o")))
+
+
+def test_a_save_killed_mid_write_leaves_a_temporary_that_the_next_save_removes(tmp_path, corpus):
+    """SIGKILL inside save_state left checkpoint-N.XXXX.tmp for ever; the next save removes it."""
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+
+    states = tmp_path / "o"
+    (states / "checkpoint-2.k1ll3d.tmp").mkdir(parents=True)
+    (states / "checkpoint-2.k1ll3d.tmp" / "state.pt").write_bytes(b"half")
+    cfg = preset("tiny", device="cpu", max_steps=3, eval_interval=0, save_steps=2, output_dir=str(states))
+    run(cfg, corpus=corpus)                 # the temporary is not "another run's files"
+    assert sorted(p.name for p in states.iterdir()) == ["checkpoint-2"]

@@ -84,3 +84,20 @@ def test_cli_samples_and_refuses_in_one_line(gpt_checkpoint, tmp_path):
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.startswith("the king") and len(ok.stdout.rstrip("\n")) == 18
     one_line_error(fasttrain_cli("lab", "sample", tmp_path / "nothing", "--prompt", "x"), "no such checkpoint")
+
+
+def test_the_lab_gpt_trained_with_a_bpe_tokenizer_is_saved_with_it_and_samples(tmp_path):
+    """The GPT saved after a BPE run held no characters and no tokenizer: sample could not encode."""
+    pytest.importorskip("tokenizers")
+    from fasttrain.lab import train
+    from fasttrain.lab.tokenizer import train_bpe
+
+    (tmp_path / "t.txt").write_text(toy_text(6000))
+    train_bpe(tmp_path / "t.txt", 300, tmp_path / "bpe")
+    ck = tmp_path / "ck"
+    train.run(preset("tiny", device="cpu", max_steps=2, eval_interval=0, train_file=str(tmp_path / "t.txt"),
+                     tokenizer=f"hf:{tmp_path / 'bpe'}", save=str(ck)))
+    assert (ck / "tokenizer.json").is_file()
+    (tmp_path / "bpe" / "tokenizer.json").unlink()          # the checkpoint alone is enough
+    text = sample(ck, "the king", max_new_tokens=5, temperature=0.0, device="cpu")
+    assert text.startswith("the king") and len(text) > len("the king")

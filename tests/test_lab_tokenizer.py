@@ -132,3 +132,14 @@ def test_cli_tokenizer_bad_input_is_one_line(tmp_path, capsys, args, message):
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert code != 0 and len(lines) == 1 and message in lines[0], stderr
     assert not (tmp_path / "new").exists() and not (tmp_path / "no").exists()
+
+
+@pytest.mark.parametrize("tail", [b"caf\xe9 au lait\n", b"ends inside \xc3"])
+def test_cli_tokenizer_train_on_non_utf8_text_is_one_line(tmp_path, capsys, tail):
+    """Latin-1 text (or a file cut inside a character) made the tokenizers library panic with a trace."""
+    (tmp_path / "t.txt").write_bytes(toy_text(500).encode() + tail)
+    code, _, stderr = run_cli(["lab", "tokenizer", "train", "--vocab-size", "300", "--train-file",
+                               str(tmp_path / "t.txt"), "--out", str(tmp_path / "new")], capsys)
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and "not UTF-8 text" in lines[0] and "t.txt" in lines[0], stderr
+    assert not (tmp_path / "new").exists()

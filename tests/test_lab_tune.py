@@ -1009,3 +1009,45 @@ def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
     rows = R.ranked_rows(res)
     assert rows and not any("does not trace" in str(r["status"]) for r in rows)
     assert res.pick is not None and res.pick.ok
+
+
+# --- fixed flags and the cache never silently changed (issue 40) ----------------------------------
+
+def test_a_fixed_accumulation_is_kept_or_refused_never_changed():
+    """``--gradient-accumulation-steps 2`` was replaced by whatever the micro-batch left (16 / b)."""
+    res = T.tune(
+        base(gradient_accumulation_steps=2), seq=SEQ, global_batch_tokens=SEQ * 16, measure=FakeMeasure(),
+        predict=fake_predict, memory=gpu_memory(), cache_path=None, liger_reason=None,
+        fixed={"gradient_accumulation_steps"}, steps=1)
+    assert {(e.candidate.micro_batch, e.candidate.accumulation) for e in res.entries} == {(8, 2)}
+    with pytest.raises(FasttrainError, match=r"--gradient-accumulation-steps 3 does not divide the 16 sequences"):
+        T.tune(base(gradient_accumulation_steps=3), seq=SEQ, global_batch_tokens=SEQ * 16, measure=FakeMeasure(),
+               predict=fake_predict, memory=gpu_memory(), cache_path=None, fixed={"gradient_accumulation_steps"})
+
+
+def test_a_fixed_micro_batch_that_misses_the_global_batch_is_refused():
+    """A fixed micro-batch of 3 took 16 // 3 = 5 steps of accumulation: 15 sequences, said to be 16."""
+    measure = FakeMeasure()
+    with pytest.raises(FasttrainError) as exc:
+        T.tune(base(per_device_train_batch_size=3), seq=SEQ, global_batch_tokens=SEQ * 16, measure=measure,
+               predict=fake_predict, memory=gpu_memory(), cache_path=None, fixed={"per_device_train_batch_size"})
+    assert "--per-device-train-batch-size 3 does not divide the 16 sequences" in str(exc.value)
+    assert "\n" not in str(exc.value) and measure.calls == []
+
+
+@pytest.mark.parametrize("content", ["my notes", json.dumps({"kind": "lab-run", "config": {}})])
+def test_the_cache_never_overwrites_a_file_that_is_not_a_cache(tmp_path, content):
+    """``--cache run.json`` replaced the record (or any file) with the probes."""
+    target = tmp_path / "file.json"
+    target.write_text(content)
+    with pytest.raises(FasttrainError, match="is not the probe cache of a lab run"):
+        T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=fake_predict,
+               memory=gpu_memory(), cache_path=target, liger_reason=None)
+    assert target.read_text() == content
+
+
+def test_the_cache_creates_no_folders_of_a_mistyped_path(tmp_path):
+    with pytest.raises(FasttrainError, match="does not exist; create it first"):
+        T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=fake_predict,
+               memory=gpu_memory(), cache_path=tmp_path / "typo" / "cache.json", liger_reason=None)
+    assert not (tmp_path / "typo").exists()

@@ -239,3 +239,24 @@ def test_the_labs_names_and_the_hf_configs_defaults_are_said(tmp_path):
     assert setup["precision"] == "amp" and setup["attention"] == "flash" and setup["seq"] == 96
     assert "bf16 autocast (default" in hf.stderr and "context 96 (the model's positions" in hf.stderr
     one_line_error(run("--micro-batch", 2, "--per-device-train-batch-size", 4), "name the same setting")
+
+
+def test_hf_config_micro_batch_zero_is_refused_not_read_as_one(tmp_path):
+    """``--micro-batch 0`` with ``--hf-config`` was read as "not given" and estimated batch 1."""
+    (tmp_path / "config.json").write_text(json.dumps({
+        "model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+        "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 120, "max_position_embeddings": 64}))
+    one_line_error(run("--hf-config", tmp_path, "--micro-batch", 0), "--micro-batch must be a positive integer, got 0")
+
+
+@pytest.mark.parametrize("change, pattern", [
+    ({"num_key_value_heads": 3}, r"num_key_value_heads \(3\) must divide num_attention_heads \(4\)"),
+    ({"num_attention_heads": None}, "num_attention_heads must be a positive integer, got null"),
+    ({"hidden_size": "32"}, 'hidden_size must be a positive integer, got "32"'),
+])
+def test_hf_config_fields_are_checked_as_the_lab_checks_them(tmp_path, change, pattern):
+    """The estimator and the lab read config.json through one reader with one set of field checks."""
+    config = {"model_type": "llama", "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
+              "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 120, "max_position_embeddings": 64}
+    (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
+    one_line_error(run("--hf-config", tmp_path), pattern)

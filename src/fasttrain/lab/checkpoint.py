@@ -14,28 +14,35 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import atomic_write_text, swap_folder
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.lab.measure import gpu_name
-from fasttrain.lab.outputs import CHECKPOINT_FORMAT, check_save_folder
+from fasttrain.lab.outputs import CHECKPOINT_FORMAT, check_save_folder, remove_stale_temporaries
 
 
-def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = None) -> Path:
+def save_checkpoint(model, path, *, chars: str, lab: dict, extra: dict | None = None, tokenizer=None) -> Path:
     """A folder with ``model.safetensors`` (weights) and ``config.json`` (the model's config, the
     vocabulary, the lab configuration), written to a temporary folder and renamed into place.
 
     An existing checkpoint of ours at ``path`` is replaced whole: it is renamed aside, the new one
     renamed in, then the old one removed, so a crash leaves either the old or the new one (at
     worst the old one under a ``.old`` name beside it). A folder holding anything else is refused
-    (:func:`fasttrain.lab.outputs.check_save_folder`), here too and not only before training."""
+    (:func:`fasttrain.lab.outputs.check_save_folder`), here too and not only before training.
+    ``tokenizer``: the corpus' tokenizer, whose files (a BPE's ``tokenizer.json``) are saved with it."""
     try:
         from safetensors.torch import save_model
     except ImportError as exc:
         raise missing_extra("safetensors (--save)", exc) from None
     final = check_save_folder(path, "--save")
+    remove_stale_temporaries(final.parent, final.name + ".")     # a save killed mid-write left these
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=final.parent))
     try:
         save_model(model, str(tmp / "model.safetensors"))
         meta = {"format": CHECKPOINT_FORMAT, "model": model.config.to_dict(), "chars": chars,
                 "lab": lab, **(extra or {})}
         (tmp / "config.json").write_text(json.dumps(meta, indent=1))
+        if tokenizer is not None:
+            # a BPE tokenizer's files beside the weights: lab sample and lab eval encode with it
+            from fasttrain.lab.tokenizer import save_tokenizer
+
+            save_tokenizer(tokenizer, tmp)
         swap_folder(tmp, final)
     finally:
         if tmp.exists():

@@ -17,6 +17,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from pathlib import Path
+
 import click
 from rich.console import Console
 from rich.table import Table
@@ -237,10 +239,13 @@ def config_from(preset_name: str | None, options: dict) -> LabConfig:
 
 def config_from_record(path, options: dict) -> LabConfig:
     """The configuration a run record ran, with the flags given beside ``--from-record`` on top."""
-    from fasttrain.lab.record import config_of_record, load_record
+    from fasttrain.lab.record import check_record_inputs, config_of_record, load_record
 
-    cfg, given = config_of_record(load_record(path)), _given(options)
-    return validate(cfg.with_(**given)) if given else cfg
+    record = load_record(path)
+    cfg, given = config_of_record(record), _given(options)
+    cfg = validate(cfg.with_(**given)) if given else cfg
+    check_record_inputs(record, cfg, path)      # the same data and tokenizer, before any work
+    return cfg
 
 
 def write_config_yaml(resolved: Resolved) -> None:
@@ -474,7 +479,10 @@ def plot_cmd(records, out_path) -> None:
     share one figure, each labelled by its file's name."""
     from fasttrain.lab.record import load_record, plot_runs, run_labels
 
+    from fasttrain.lab.outputs import check_figure_path
+
     check_output_path(out_path, "--out")
+    check_figure_path(out_path, "--out", inputs=[("run record", Path(r).expanduser().resolve()) for r in records])
     labels = run_labels(records)
     path = plot_runs({label: load_record(p) for label, p in zip(labels, records)}, out_path,
                      sources=dict(zip(labels, records)))

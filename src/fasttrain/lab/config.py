@@ -198,6 +198,9 @@ class LabConfig:
                               "position, random states) every N steps into --output-dir; 0: never.")
     save_total_limit: int | None = setting(None, "output", "Keep only the newest N checkpoints (none: all).")
     output_dir: str | None = setting(None, "output", "Where --save-steps writes checkpoint-N/.")
+    overwrite_output_dir: bool = setting(False, "output", "Write into an --output-dir or --save that holds another "
+                                         "run's checkpoints (the HF Trainer's flag; a folder of other files is still "
+                                         "refused).")
     resume: str | None = setting(None, "output", "Continue from a checkpoint (a checkpoint-N folder, or the newest "
                                  "in an --output-dir); alone, with the run's saved settings.")
 

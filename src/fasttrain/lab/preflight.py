@@ -8,6 +8,11 @@ a temporary name) and the fix.
   says so before training); ``~`` is expanded; a missing or unwritable parent is refused;
 - ``--out`` against ``--save`` (the same path, or the record inside the checkpoint folder, which
   the checkpoint's replacement would delete);
+- every output against every input (:mod:`fasttrain.lab.outputs`): ``--out``, ``--save``,
+  ``--output-dir`` and tune's ``--cache`` never name nor hold a corpus file, the tokenizer, the
+  model folder, ``--init-from`` or ``--resume``; an existing file of another kind is never
+  replaced; a folder holding another run's checkpoints is refused unless ``--overwrite-output-dir``;
+  ``--output-dir`` inside ``--save`` is refused; one run at a time per folder (a lock);
 - ``--device``: its form (``cuda:abc``) in :func:`fasttrain.lab.config.validate`, its existence
   here (no CUDA, a GPU index the machine lacks);
 - the vocabulary against the corpus, and whether the run fits the device's memory: the memory
@@ -22,16 +27,21 @@ import os
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.outputs import (CHECKPOINT_FORMAT, check_save_folder, expand, is_lab_checkpoint,  # noqa: F401
-                                   save_folder_state)
+from fasttrain.lab.outputs import (CHECKPOINT_FORMAT, check_cache_file, check_output_file,  # noqa: F401
+                                   check_output_folders, check_save_folder, expand, hold_outputs, is_lab_checkpoint,
+                                   run_inputs, save_folder_state)
 
 
 # --- paths ---------------------------------------------------------------------------------------
 
 def check_outputs(cfg, out=None) -> None:
-    """``--out`` (the run record, a file) against ``--save`` (the checkpoint, a folder): not the same
-    path, and not inside the checkpoint folder (its replacement would delete the record)."""
-    if out is None or cfg.save is None:
+    """``--out`` (the run record, a file) against the run's inputs (:func:`check_output_file`) and
+    ``--save`` (the checkpoint, a folder): not the same path, and not inside the checkpoint folder
+    (its replacement would delete the record)."""
+    if out is None:
+        return
+    check_output_file(out, "--out", run_inputs(cfg))
+    if cfg.save is None:
         return
     record = expand(out, "--out").resolve()
     folder = expand(cfg.save, "--save").resolve()
@@ -51,6 +61,11 @@ def check_run(cfg, out=None) -> None:
 
     ensure_valid(cfg)               # validated where it was built; checked here only if it was not
     check_outputs(cfg, out)
+    check_output_folders(cfg)
+    if cfg.model.startswith("hf:"):
+        from fasttrain.lab.hf import check_hf_folder
+
+        check_hf_folder(cfg.model)      # config.json's fields, an encoder, the weights against the config
     if cfg.init_from is not None:
         expand(cfg.init_from, "--init-from")
     check_device(cfg.device)

@@ -148,6 +148,39 @@ def config_of_record(record: dict):
     return validate(cfg.with_(**drop))
 
 
+def check_record_inputs(record: dict, cfg, where) -> None:
+    """Before a ``--from-record`` rerun: the data it reads again is the data the record ran on. A
+    corpus file at the recorded path whose SHA-256 changed, or a tokenizer that is not the recorded
+    one, is refused in one line naming it (a flag given beside ``--from-record`` that points
+    elsewhere is a deliberate change: not compared)."""
+    import hashlib
+
+    from fasttrain.lab.tokenizer import load_tokenizer
+
+    ran = record.get("config") or {}
+    corpus = record.get("corpus") if isinstance(record.get("corpus"), dict) else {}
+    recorded = corpus.get("sha256")
+    for name in ("train_file", "train_bin"):
+        path = getattr(cfg, name, None)
+        if not path or path != ran.get(name) or not isinstance(recorded, str):
+            continue
+        digest = hashlib.sha256()
+        with open(Path(path).expanduser(), "rb") as fh:
+            for block in iter(lambda: fh.read(1 << 24), b""):
+                digest.update(block)
+        now = digest.hexdigest()
+        if now != recorded:
+            raise FasttrainError(f"--from-record {where}: --{name.replace('_', '-')} {path} changed since the run "
+                                 f"(SHA-256 {now[:12]}..., recorded {recorded[:12]}...); restore the file the run "
+                                 f"read, or rerun without --from-record to train on the new one")
+    desc = corpus.get("tokenizer")
+    if isinstance(desc, dict) and desc.get("kind") == "hf" and cfg.tokenizer == ran.get("tokenizer"):
+        try:
+            load_tokenizer(desc)          # its SHA-256 against the recorded one
+        except FasttrainError as exc:
+            raise FasttrainError(f"--from-record {where}: {exc}") from None
+
+
 def plot_loss_curve(record: dict, out) -> Path:
     """The training loss (every logged step) and the validation loss (every evaluation) against the
     step, on a log scale, as a PNG at ``out``."""

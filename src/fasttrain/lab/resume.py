@@ -20,6 +20,7 @@ import json
 import re
 import shutil
 import tempfile
+import uuid
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
@@ -31,7 +32,7 @@ PATTERN = re.compile(r"^checkpoint-(\d+)$")
 # written, what is logged, the step budget... not what the trajectory depends on
 OPERATIONAL = {"name", "save", "resume", "output_dir", "save_steps", "save_total_limit", "data_dir", "device",
                "max_steps", "eval_interval", "eval_tokens", "eval_batch_size", "log_interval", "timing_warmup_steps",
-               "report_to", "logging_dir",
+               "report_to", "logging_dir", "overwrite_output_dir",
                "dataloader_num_workers", "dataloader_pin_memory", "dataloader_prefetch_factor", "preload"}
 
 
@@ -59,12 +60,17 @@ def _native_rng(rng: dict) -> dict:
     return out
 
 
-def save_state(trainer, metrics, output_dir, *, keep: int | None = None) -> Path:
-    """Write ``output_dir/checkpoint-<step>`` atomically; keep the newest ``keep`` (None: all)."""
+def save_state(trainer, metrics, output_dir, *, keep: int | None = None, run_id: str | None = None) -> Path:
+    """Write ``output_dir/checkpoint-<step>`` atomically; keep the newest ``keep`` (None: all) of this
+    run's own checkpoints (``run_id``: another run's are never removed). What a save killed mid-write
+    left (a ``checkpoint-*.tmp`` folder) is removed first."""
     import torch
+
+    from fasttrain.lab.outputs import remove_stale_temporaries
 
     out = Path(output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    remove_stale_temporaries(out, "checkpoint-")
     step = trainer.step_index
     final = out / f"checkpoint-{step}"
     state = trainer.state_dict()
@@ -72,19 +78,79 @@ def save_state(trainer, metrics, output_dir, *, keep: int | None = None) -> Path
     state["metrics"] = metrics.state()
     state["config"] = trainer.cfg.to_dict()
     state["format"] = "fasttrain-lab-state-1"
+    readable = {"step": step, "config": state["config"], "run": run_id, "data": data_description(trainer.corpus)}
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=out))
     try:
         torch.save(state, tmp / STATE)
-        (tmp / "trainer_state.json").write_text(json.dumps({"step": step, "config": state["config"]}, indent=1))
-        # an earlier run's checkpoint of the same step: replaced whole
+        (tmp / TRAINER_STATE).write_text(json.dumps(readable, indent=1))
+        # an earlier checkpoint of this run at the same step: replaced whole
         swap_folder(tmp, final)
     finally:
         if tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     if keep:
-        for old in checkpoints(out)[:-keep]:
+        for old in [p for p in checkpoints(out) if run_id is not None and run_of(p) == run_id][:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+TRAINER_STATE = "trainer_state.json"
+
+
+def _trainer_state(checkpoint: Path) -> dict:
+    try:
+        data = json.loads((Path(checkpoint) / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def run_of(checkpoint: Path) -> str | None:
+    """The id of the run that wrote ``checkpoint`` (None: written before runs had ids)."""
+    return _trainer_state(checkpoint).get("run")
+
+
+def data_description(corpus) -> dict:
+    """What a training state keeps of its corpus to refuse another on resume: the files (path,
+    SHA-256), the tokenizer, and the SHA-256 of the token ids themselves."""
+    from fasttrain.lab.record import tokens_sha256
+
+    desc = corpus.describe() if hasattr(corpus, "describe") else {}
+    return {"files": [{k: f.get(k) for k in ("role", "path", "sha256")} for f in desc.get("files", [])],
+            "tokenizer": desc.get("tokenizer"), "tokens_sha256": tokens_sha256(corpus)}
+
+
+def data_change(saved: dict, now: dict) -> str | None:
+    """The first difference between two :func:`data_description`\ s, in words (None: the same data)."""
+    now_files = {f.get("role"): f for f in now.get("files", [])}
+    for was in saved.get("files", []):
+        cur = now_files.get(was.get("role"))
+        if cur is not None and cur.get("path") == was.get("path") and cur.get("sha256") != was.get("sha256"):
+            return (f"the {was.get('role')} file {was.get('path')} changed since (SHA-256 {str(cur.get('sha256'))[:12]}"
+                    f"..., saved {str(was.get('sha256'))[:12]}...)")
+    if (saved.get("tokenizer") or None) != (now.get("tokenizer") or None):
+        def short(t):
+            t = t or {}
+            return (f"{t.get('kind')} {t.get('path') or t.get('name') or ''} "
+                    f"{str(t.get('sha256') or t.get('chars') or '')[:12]}").strip()
+        return f"the tokenizer differs (saved {short(saved.get('tokenizer'))}, now {short(now.get('tokenizer'))})"
+    if saved.get("tokens_sha256") and saved.get("tokens_sha256") != now.get("tokens_sha256"):
+        return (f"the token ids differ (SHA-256 {str(now.get('tokens_sha256'))[:12]}..., saved "
+                f"{saved['tokens_sha256'][:12]}...)")
+    return None
+
+
+def check_resume_data(path, corpus) -> None:
+    """Refuse, before the model is built, resuming on other data than the checkpoint trained on: a
+    changed file, another tokenizer, other token ids (the data position would point elsewhere)."""
+    where = find_checkpoint(path)
+    saved = _trainer_state(where).get("data")
+    if not isinstance(saved, dict):
+        return                          # a checkpoint from before the data was kept: the settings are compared
+    change = data_change(saved, data_description(corpus))
+    if change:
+        raise FasttrainError(f"--resume {where}: {change}; resume on the data it was saved with (restore it), or "
+                             f"start a new run")
 
 
 def checkpoints(folder) -> list[Path]:
@@ -148,16 +214,19 @@ class Saver:
     """``on_step`` for the loop: a checkpoint every ``save_steps`` steps (not after the last: the run
     is over, its model goes to ``--save``)."""
 
-    def __init__(self, trainer, metrics, cfg, world):
+    def __init__(self, trainer, metrics, cfg, world, resumed: Path | None = None):
         if world.distributed:
             raise FasttrainError("--save-steps with several processes is not supported yet; "
                                  "save from a single-process run")
         self.trainer, self.metrics, self.cfg = trainer, metrics, cfg
+        # a resumed run continues the run it resumes: its checkpoints are ours to prune
+        self.run_id = (run_of(resumed) if resumed is not None else None) or uuid.uuid4().hex
 
     def __call__(self, step: int) -> None:
         cfg = self.cfg
         if step % cfg.save_steps == 0 and step < cfg.max_steps:
-            save_state(self.trainer, self.metrics, cfg.output_dir, keep=cfg.save_total_limit)
+            save_state(self.trainer, self.metrics, cfg.output_dir, keep=cfg.save_total_limit, run_id=self.run_id)
 
 
-__all__ = ["save_state", "resume", "find_checkpoint", "checkpoints", "Saver"]
+__all__ = ["save_state", "resume", "find_checkpoint", "checkpoints", "check_resume_data", "data_change",
+           "data_description", "run_of", "Saver"]

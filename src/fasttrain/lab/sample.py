@@ -9,6 +9,8 @@ one draw; temperature 0 takes the most likely token.
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import click
 
 from fasttrain.errors import FasttrainError
@@ -48,7 +50,6 @@ def _check(prompt: str, max_new_tokens: int, temperature: float) -> None:
 def sample(checkpoint, prompt: str, *, max_new_tokens: int = 200, temperature: float = 1.0, seed: int = 0,
            device: str = "auto") -> str:
     """The prompt and its continuation of ``max_new_tokens`` tokens, as text."""
-    from pathlib import Path
 
     import torch
 
@@ -113,9 +114,7 @@ def _sample_gpt(path, prompt, max_new_tokens, temperature, seed, dev) -> str:
     from fasttrain.lab.model import GPTConfig, build
 
     meta = read_checkpoint(path)
-    if not meta.get("chars"):
-        raise FasttrainError(f"{path} records no vocabulary (chars); it cannot encode a prompt")
-    chars = _Chars(meta["chars"])
+    chars = _vocabulary_of(meta, path)
     config = GPTConfig.from_dict(meta["model"])
     model = build(config, dev, seed=0)
     load_weights(model, path)
@@ -132,6 +131,38 @@ def _sample_gpt(path, prompt, max_new_tokens, temperature, seed, dev) -> str:
                 nxt = torch.multinomial(probs, 1, generator=generator)
             ids = torch.cat((ids, nxt), dim=1)
     return chars.decode(ids[0].tolist())
+
+
+class _Tokens:
+    """A checkpoint's own tokenizer (BPE, tiktoken: saved beside the weights or named by the record)
+    with the interface of :class:`_Chars`."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def encode(self, text: str) -> list[int]:
+        return [int(i) for i in self.tokenizer.encode(text)]
+
+    def decode(self, ids) -> str:
+        return self.tokenizer.decode(ids)
+
+    @property
+    def size(self) -> int:
+        return self.tokenizer.vocab_size
+
+
+def _vocabulary_of(meta: dict, path):
+    """What encodes a prompt for the lab GPT's checkpoint: its characters, else the tokenizer its
+    record names (read from the checkpoint folder, where the run saved it)."""
+    from fasttrain.lab.tokenizer import load_tokenizer
+
+    if meta.get("chars"):
+        return _Chars(meta["chars"])
+    desc = (meta.get("data") or {}).get("tokenizer") if isinstance(meta.get("data"), dict) else None
+    if not isinstance(desc, dict):
+        raise FasttrainError(f"{path} records no vocabulary (chars) and no tokenizer; it cannot encode a prompt "
+                             f"(save it again with this version: the tokenizer is saved beside the weights)")
+    return _Tokens(load_tokenizer(desc, Path(path).expanduser()))
 
 
 @click.command("sample")

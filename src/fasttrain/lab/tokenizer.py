@@ -299,6 +299,30 @@ def save_tokenizer(tok, folder: str | os.PathLike) -> None:
 
 # --- training a BPE tokenizer locally -----------------------------------------------------------
 
+def check_utf8_file(path, flag: str) -> Path:
+    """A text file whose bytes decode as UTF-8, read in blocks (the tokenizers library panics with a
+    Rust traceback on the first invalid byte); one line naming the byte's offset otherwise."""
+    import codecs
+
+    p = check_text_file(path, flag)
+    decoder, offset = codecs.getincrementaldecoder("utf-8")(), 0
+    with open(p, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 22), b""):
+            try:
+                decoder.decode(block)
+            except UnicodeDecodeError as exc:
+                at = offset + exc.start
+                raise FasttrainError(f"{flag} {path}: not UTF-8 text (byte {at}: {block[exc.start:exc.start + 1]!r});"
+                                     f" convert it to UTF-8 (e.g. iconv -f latin1 -t utf-8)") from None
+            offset += len(block)
+    try:
+        decoder.decode(b"", final=True)
+    except UnicodeDecodeError:
+        raise FasttrainError(f"{flag} {path}: not UTF-8 text (it ends inside a character); convert it to "
+                             f"UTF-8") from None
+    return p
+
+
 def train_bpe(files, vocab_size: int, out: str | os.PathLike | None = None, *, min_frequency: int = 2) -> HFTokenizer:
     """A byte-level BPE tokenizer (GPT-2's scheme: any text encodes, nothing is unknown) with
     ``vocab_size`` ids: the 256 byte symbols, ``<|endoftext|>`` and the merges learned from
@@ -306,7 +330,7 @@ def train_bpe(files, vocab_size: int, out: str | os.PathLike | None = None, *, m
     ``PreTrainedTokenizerFast``/``AutoTokenizer`` load (written to a temporary folder, then renamed)."""
     files = [str(Path(f).expanduser()) for f in ([files] if isinstance(files, (str, os.PathLike)) else files)]
     for f in files:
-        check_text_file(f, "--train-file")
+        check_utf8_file(f, "--train-file")
     smallest = 256 + 1
     if not isinstance(vocab_size, int) or vocab_size < smallest:
         raise FasttrainError(f"--vocab-size must be at least {smallest} (256 byte symbols and {END_OF_TEXT}), "

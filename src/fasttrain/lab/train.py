@@ -24,6 +24,7 @@ the record); the loop itself is :meth:`fasttrain.lab.trainer.Trainer.train`.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -66,13 +67,23 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
             keep_model: bool = False, fit_context: bool = False, sources: dict | None = None, announce=None,
             record_path=None):
     """:func:`run`, returning ``(record, trained module or None)``: the module when ``keep_model``."""
+    from fasttrain.lab.preflight import check_run, hold_outputs
+
+    # validate, output paths, the device: before any work. The output folders are held for the whole
+    # run (a second run on them is refused) and checked again once held (a run that just finished
+    # may have written them); under torchrun rank 0 holds them for all
+    held = hold_outputs(cfg) if int(os.environ.get("RANK", "0")) == 0 else contextlib.nullcontext()
+    with held:
+        check_run(cfg)
+        return _execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
+                        keep_model=keep_model)
+
+
+def _execute(cfg, *, log, progress, corpus, parallel, model, keep_model):
     import torch
 
     from fasttrain.lab.parallel import distributed as D
 
-    from fasttrain.lab.preflight import check_run
-
-    check_run(cfg)                  # validate, output paths, the device: before any work
     log = log or (lambda s: None)
     wall0 = time.perf_counter()
     parallel = D.validate_parallel(parallel or D.ParallelConfig())
@@ -157,6 +168,10 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     if cfg.save and model is not None and model.name != "gpt" and model.save is None:
         raise FasttrainError(f"--save: {model.name} has no save hook; save record.model yourself "
                              f"(e.g. safetensors.torch.save_model)")
+    if cfg.resume:
+        from fasttrain.lab.resume import check_resume_data
+
+        check_resume_data(cfg.resume, corpus)           # the data it was saved with, before the model is built
     from fasttrain.lab.preflight import check_ready
 
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
@@ -209,10 +224,9 @@ def _train(cfg, corpus, device, world, *, log, progress, wall0, model, checkpoin
     saver = None
     from fasttrain.lab import resume as R
 
-    if cfg.resume:
-        R.resume(trainer, metrics, cfg.resume, log=log)
+    resumed = R.resume(trainer, metrics, cfg.resume, log=log) if cfg.resume else None
     if cfg.save_steps:
-        saver = R.Saver(trainer, metrics, cfg, world)
+        saver = R.Saver(trainer, metrics, cfg, world, resumed=resumed)
         if record_path:
             saver = _record_at_checkpoints(saver, cfg, record_path, lambda: _record(
                 cfg, trainer, metrics, corpus, device, world, auto=auto, setup_ms=setup_ms, wall0=wall0))
@@ -325,10 +339,12 @@ def _save(cfg, trainer, record, corpus, device, world) -> None:
 
             whole = build(trainer.model_config, "cpu", seed=cfg.seed)
             whole.load_state_dict(state)
-            save_checkpoint(whole, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra)
+            save_checkpoint(whole, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra,
+                            tokenizer=getattr(corpus, "tokenizer", None))
         D.barrier(world)
     else:
-        save_checkpoint(model, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra)
+        save_checkpoint(model, cfg.save, chars=chars, lab=cfg.to_dict(), extra=extra,
+                        tokenizer=getattr(corpus, "tokenizer", None))
 
 
 MEMORY_METHOD = ("parameters, gradients (trainable params), optimizer state and buffers: bytes of the tensors "

@@ -208,7 +208,9 @@ def _setup_from_hf_options(opts: dict):
     if opts.get("optimizer") is not None:
         changes.setdefault("optimizer", opts["optimizer"])
     attention = {"flash": "sdpa", None: "sdpa"}.get(opts.get("attention"), opts.get("attention"))
-    setup = setup_from_hf_config(config, micro_batch=opts.get("micro_batch") or 1, seq=opts.get("seq"),
+    # a batch given as 0 is refused by the estimator's check, never read as "not given" (batch 1)
+    micro_batch = 1 if opts.get("micro_batch") is None else opts["micro_batch"]
+    setup = setup_from_hf_config(config, micro_batch=micro_batch, seq=opts.get("seq"),
                                  precision=precision, recompute=opts.get("recompute") or "none", attention=attention,
                                  keep_logits=bool(opts.get("keep_logits")), compiled=opts.get("compiled") or "none",
                                  liger=bool(opts.get("liger")), **changes)

@@ -56,27 +56,62 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
-def load_hf_config(path: str | os.PathLike) -> dict:
-    """The JSON object of a ``config.json`` (or of the one inside the folder ``path``)."""
+def load_hf_config(path: str | os.PathLike, flag: str = "--hf-config") -> dict:
+    """The JSON object of a ``config.json`` (or of the one inside the folder ``path``), its size
+    fields checked (:func:`check_config_fields`). The one reader of a model's ``config.json``: the
+    lab's ``--model hf:FOLDER`` reads it here too (``flag`` names the flag in the messages)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
-            raise FasttrainError(f"--hf-config: the folder {os.path.dirname(path)} has no config.json; "
+            raise FasttrainError(f"{flag}: the folder {os.path.dirname(path)} has no config.json; "
                                  "give a model folder or the config.json itself")
     elif not os.path.exists(path):
-        raise FasttrainError(f"--hf-config: {path} does not exist; give a config.json or the folder holding it")
+        raise FasttrainError(f"{flag}: {path} does not exist; give a config.json or the folder holding it")
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, UnicodeDecodeError) as exc:
-        raise FasttrainError(f"--hf-config: cannot read {path}: {exc}") from None
+        raise FasttrainError(f"{flag}: cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise FasttrainError(f"--hf-config: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise FasttrainError(f"{flag}: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(data, dict):
-        raise FasttrainError(f"--hf-config: {path} holds a JSON {type(data).__name__}, not an object; "
+        raise FasttrainError(f"{flag}: {path} holds a JSON {type(data).__name__}, not an object; "
                              "a config.json is an object with model_type, hidden_size, ...")
+    check_config_fields(data, path)
     return data
+
+
+# the size fields of the causal LMs' configs: a positive integer whenever present; the optional ones may
+# also be null (transformers derives them: key/value heads = heads, head_dim = hidden / heads, n_inner = 4 h)
+_SIZE_FIELDS = ("hidden_size", "num_hidden_layers", "num_attention_heads", "intermediate_size", "vocab_size",
+                "max_position_embeddings", "n_embd", "n_layer", "n_head", "n_positions")
+_OPTIONAL_SIZE_FIELDS = ("num_key_value_heads", "head_dim", "n_inner")
+
+
+def check_config_fields(cfg: dict, where="config.json") -> None:
+    """One line for a size field that cannot build the model, whatever its family: null, a string,
+    a float or a number below 1 where a positive integer belongs; attention heads that do not divide
+    the width (without an explicit ``head_dim``) or key/value heads that do not divide the heads."""
+    def bad(key, value):
+        return isinstance(value, bool) or not isinstance(value, int) or value < 1
+
+    for key in _SIZE_FIELDS:
+        if key in cfg and bad(key, cfg[key]):
+            raise FasttrainError(f"{where}: {key} must be a positive integer, got {json.dumps(cfg[key])}; fix the "
+                                 f"config.json")
+    for key in _OPTIONAL_SIZE_FIELDS:
+        if cfg.get(key) is not None and bad(key, cfg[key]):
+            raise FasttrainError(f"{where}: {key} must be a positive integer or null, got {json.dumps(cfg[key])}; "
+                                 f"fix the config.json")
+    width, heads = cfg.get("hidden_size", cfg.get("n_embd")), cfg.get("num_attention_heads", cfg.get("n_head"))
+    kv = cfg.get("num_key_value_heads")
+    if width and heads and cfg.get("head_dim") is None and cfg.get("model_type") != "gemma" and width % heads:
+        raise FasttrainError(f"{where}: the attention heads ({heads}) must divide the hidden size ({width}); fix the "
+                             f"config.json")
+    if heads and kv and heads % kv:
+        raise FasttrainError(f"{where}: num_key_value_heads ({kv}) must divide num_attention_heads ({heads}); fix "
+                             f"the config.json")
 
 
 def _as_dict(config) -> dict:
@@ -100,6 +135,7 @@ def _int(cfg: dict, key: str, model_type: str, default=None) -> int:
 def architecture(config) -> dict:
     """The :class:`Setup` fields of the model ``config`` describes (a dict or a PretrainedConfig)."""
     cfg = _as_dict(config)
+    check_config_fields(cfg)
     model_type = cfg.get("model_type")
     if not isinstance(model_type, str) or not model_type:
         raise FasttrainError("config.json has no model_type; it must name one of " + ", ".join(SUPPORTED))

@@ -33,7 +33,7 @@ against it), :mod:`.model` (build, loss, logits, layers), :mod:`.tp_plan` (tenso
 
 from __future__ import annotations
 
-from fasttrain.lab.hf.config import HF_PREFIX, LORA_TARGETS, WEIGHT_FILES, check_hf_setup, config_from_dict, has_weights, is_hf, load_hf_config, max_positions, memory_setup_for, source_of  # noqa: F401
+from fasttrain.lab.hf.config import HF_PREFIX, LORA_TARGETS, WEIGHT_FILES, check_causal, check_hf_folder, check_hf_setup, check_weights, config_from_dict, has_weights, is_hf, load_hf_config, max_positions, memory_setup_for, source_of  # noqa: F401
 from fasttrain.lab.hf.peft import apply_prompt_tuning, base_model_of, prompt_tokens_of  # noqa: F401
 from fasttrain.lab.hf.liger import apply_liger, liger_families, undo_liger_patches  # noqa: F401
 from fasttrain.lab.hf.save import FASTTRAIN_JSON, HF_CHECKPOINT_FORMAT, PROMPT_FOLDER, fresh_copy, is_hf_checkpoint, load_hf_checkpoint, load_tokenizer, read_hf_checkpoint, save_hf  # noqa: F401

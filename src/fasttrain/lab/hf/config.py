@@ -12,6 +12,7 @@ from pathlib import Path
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, missing_extra
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS
+from fasttrain.memory.hf_config import load_hf_config as read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
 HF_PREFIX = "hf:"
@@ -84,20 +85,23 @@ def load_hf_config(spec: str):
         if not (path / "config.json").is_file():
             raise FasttrainError(f"--model hf:{source}: the folder has no config.json; give a folder written by "
                                  f"save_pretrained (or holding a model's config.json)")
-        try:
-            raw = json.loads((path / "config.json").read_text())
-        except ValueError as exc:
-            raise FasttrainError(f"{path / 'config.json'}: not JSON ({exc})") from None
-        if not isinstance(raw, dict) or "model_type" not in raw:
+        # the one reader of config.json (the estimator's): JSON, an object, every size field checked
+        raw = read_config_json(path, flag=f"--model hf:{source}")
+        if "model_type" not in raw:
             raise FasttrainError(f"{path / 'config.json'} names no model_type; it is not a transformers config")
         try:
             config = tf.AutoConfig.from_pretrained(str(path))
-        except (ValueError, KeyError) as exc:
-            if "model type" in str(exc) or isinstance(exc, KeyError):
+        except Exception as exc:            # noqa: BLE001 - huggingface_hub's strict field validation among them
+            if not isinstance(exc, (ValueError, KeyError, TypeError)) and "Validation" not in type(exc).__name__:
+                raise
+            if isinstance(exc, (ValueError, KeyError)) and ("model type" in str(exc) or isinstance(exc, KeyError)):
                 raise FasttrainError(f"{path / 'config.json'}: unknown model_type {raw.get('model_type')!r} for "
                                      f"transformers {tf.__version__}; use a causal LM family it knows (llama, "
                                      f"gpt2, qwen2, mistral, gemma, phi3, ...) or upgrade transformers") from None
-            raise FasttrainError(f"{path / 'config.json'}: {str(exc).splitlines()[0]}") from None
+            detail = " ".join(str(exc).split())[:200]
+            raise FasttrainError(f"{path / 'config.json'}: transformers cannot read it ({detail}); fix the "
+                                 f"config.json") from None
+        check_causal(config, path / "config.json")
         return config, path
     looks_local = source.startswith(("/", ".", "~")) or source.count("/") > 1 or not _HUB_ID.match(source)
     if looks_local:
@@ -111,7 +115,74 @@ def load_hf_config(spec: str):
     except (OSError, ValueError) as exc:
         raise FasttrainError(f"--model hf:{source}: not found as a folder or on the hub "
                              f"({str(exc).splitlines()[0][:160]})") from None
+    check_causal(config, f"--model hf:{source}")
     return config, None
+
+
+def check_hf_folder(spec: str) -> None:
+    """A local ``--model hf:FOLDER`` checked whole before any work: its config.json (fields, an encoder)
+    and its weights against it (a hub name is checked when it is loaded)."""
+    source = source_of(spec)
+    if not Path(source).expanduser().exists():
+        return
+    config, folder = load_hf_config(spec)
+    check_weights(config, folder, f"--model {spec}")
+
+
+def check_causal(config, where) -> None:
+    """Refuse an encoder (BERT and its kin): transformers builds its "causal LM" head only as a
+    decoder (``is_decoder``); without it the attention is bidirectional and every position sees the
+    tokens it is asked to predict. An encoder-decoder is refused in :func:`check_hf_setup`."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    family = config.model_type
+    if family in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_encoder_decoder", False) \
+            and not getattr(config, "is_decoder", False):
+        raise FasttrainError(f"{where}: model_type {family!r} is an encoder (bidirectional attention: trained as a "
+                             f"causal LM it sees the tokens it predicts); give a decoder-only causal LM (llama, "
+                             f"gpt2, qwen2, ...)")
+
+
+def check_weights(config, folder: Path | None, where: str) -> None:
+    """Before ``from_pretrained``: the folder's ``model.safetensors`` is a readable safetensors file
+    whose tensors have the names and shapes the config's model has (built on the meta device: no
+    memory, no time). One line naming the file or the first tensor that differs."""
+    if folder is None or not (folder / "model.safetensors").is_file():
+        return
+    import torch
+
+    weights = folder / "model.safetensors"
+    try:
+        from safetensors import safe_open
+
+        with safe_open(str(weights), framework="pt") as f:
+            shapes = {name: list(f.get_slice(name).get_shape()) for name in f.keys()}
+    except ImportError as exc:
+        raise missing_extra("safetensors (a model folder's weights)", exc) from None
+    except Exception as exc:            # noqa: BLE001 - safetensors' own error types for a damaged header
+        detail = " ".join(str(exc).split())[:120]
+        raise FasttrainError(f"{weights}: not a readable safetensors file ({detail}: truncated, empty or another "
+                             f"kind of file); save the model again (save_pretrained or fasttrain lab --save)") from None
+    with torch.device("meta"):
+        model = _transformers().AutoModelForCausalLM.from_config(config)
+    expected = {name: list(t.shape) for name, t in model.state_dict().items()}
+    tied = {name for name in expected if name not in shapes and _ties(model, name)}
+    for name, shape in expected.items():
+        if name in shapes and shapes[name] != shape:
+            raise FasttrainError(f"{weights}: tensor {name} has shape {shapes[name]}, {where}'s config.json makes "
+                                 f"{shape}; config.json does not match the weights")
+    missing = sorted(set(expected) - set(shapes) - tied)
+    if missing:
+        raise FasttrainError(f"{weights} has no tensor {missing[0]} (of {len(missing)} missing), which {where}'s "
+                             f"config.json needs; config.json does not match the weights")
+
+
+def _ties(model, name: str) -> bool:
+    """Whether the parameter ``name`` is the same tensor as another one of ``model`` (tied embeddings:
+    saved once)."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    target = params.get(name)
+    return target is not None and any(other is target for key, other in params.items() if key != name)
 
 
 def has_weights(folder: Path | None) -> bool:

@@ -6,7 +6,7 @@ from __future__ import annotations
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
 from fasttrain.lab.models import LabModel
-from fasttrain.lab.hf.config import _transformers, check_hf_setup, has_weights, load_hf_config, max_positions, memory_setup_for, source_of
+from fasttrain.lab.hf.config import _transformers, check_hf_setup, check_weights, has_weights, load_hf_config, max_positions, memory_setup_for, source_of
 from fasttrain.lab.hf.liger import apply_liger
 from fasttrain.lab.hf.peft import apply_prompt_tuning, base_model_of, prompt_tokens_of
 from fasttrain.lab.hf.save import save_hf
@@ -74,6 +74,7 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
     log = log or (lambda line: None)
     config, folder = load_hf_config(spec)
     check_hf_setup(cfg, config, vocab_size, device)
+    check_weights(config, folder, f"--model {spec}")
     family = config.model_type
     device = torch.device(device)
     pretrained = has_weights(folder)

@@ -67,21 +67,41 @@ def fresh_copy(module):
 
 
 def is_hf_checkpoint(path) -> bool:
-    p = Path(path)
-    if not (p / FASTTRAIN_JSON).is_file():
-        return False
-    try:
-        return json.loads((p / FASTTRAIN_JSON).read_text()).get("format") == HF_CHECKPOINT_FORMAT
-    except ValueError:
-        return False
+    """Whether ``path`` is a folder the lab saved from a transformers model: it holds ``fasttrain.json``
+    (whether that file is sound is :func:`read_hf_checkpoint`'s to say, in one line)."""
+    return (Path(path).expanduser() / FASTTRAIN_JSON).is_file()
 
 
 def read_hf_checkpoint(path) -> dict:
-    p = Path(path)
+    """The lab's record of a saved transformers model (``fasttrain.json``), checked, after the folder's
+    ``config.json`` and weights (:func:`~fasttrain.lab.hf.config.check_hf_folder`): one line naming the
+    file and the field for anything damaged."""
+    from fasttrain.lab.hf.config import check_hf_folder
+
+    p = Path(path).expanduser()
     if not is_hf_checkpoint(p):
         raise FasttrainError(f"{p} is not a lab HF checkpoint (needs {FASTTRAIN_JSON}); write one with "
                              f"fasttrain lab --model hf:... --save {p}")
-    return json.loads((p / FASTTRAIN_JSON).read_text())
+    record = p / FASTTRAIN_JSON
+    try:
+        meta = json.loads(record.read_text())
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise FasttrainError(f"{record}: not readable JSON ({type(exc).__name__}); save the model again with "
+                             f"fasttrain lab --model hf:... --save {p}") from None
+    if not isinstance(meta, dict):
+        raise FasttrainError(f"{record}: must be a JSON object (the lab's record of the model), got a JSON "
+                             f"{type(meta).__name__}; save the model again with fasttrain lab --save")
+    if meta.get("format") != HF_CHECKPOINT_FORMAT:
+        raise FasttrainError(f"{record}: format {json.dumps(meta.get('format'))} is not {HF_CHECKPOINT_FORMAT}; "
+                             f"not a folder the lab saved")
+    for name in ("lab", "eval", "data"):
+        if meta.get(name) is not None and not isinstance(meta[name], dict):
+            raise FasttrainError(f"{record}: \"{name}\" must be an object, got {json.dumps(meta[name])[:40]}")
+    if meta.get("chars") is not None and not isinstance(meta["chars"], str):
+        raise FasttrainError(f"{record}: \"chars\" must be the vocabulary as one string, got "
+                             f"{json.dumps(meta['chars'])[:40]}")
+    check_hf_folder(f"hf:{p}")
+    return meta
 
 
 def load_hf_checkpoint(path, device="cpu", *, attn_implementation: str = "sdpa"):

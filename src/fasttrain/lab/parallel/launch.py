@@ -117,8 +117,20 @@ def launch(spec: Launch, worker_args: list[str]) -> None:
     agent_log = logging.getLogger("torch.distributed.elastic")
     level = agent_log.level
     agent_log.setLevel(logging.CRITICAL)
+    # the agent's own logger says "Received 2 death signal" on Ctrl-C: the line below says it once
+    server_log = logging.getLogger("torch.distributed.elastic.agent.server.api")
+    server_level = server_log.level
+    server_log.setLevel(logging.CRITICAL)
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
     try:
         run(args)
+    except (SignalException, KeyboardInterrupt) as exc:
+        # Ctrl-C (or SIGTERM) reaches the agent, which stops the ranks and raises; one line, no traceback
+        what = getattr(exc, "sigval", None)
+        name = what.name if what is not None else "SIGINT"
+        raise FasttrainError(f"interrupted ({name}): the {spec.nproc_per_node} ranks were stopped; checkpoints "
+                             f"written before stay whole (continue with --resume OUTPUT_DIR)") from None
     except ChildFailedError as exc:
         rank, failure = exc.get_first_failure()
         how = f"was stopped by {failure.signal_name()}" if failure.exitcode < 0 else \
@@ -127,6 +139,7 @@ def launch(spec: Launch, worker_args: list[str]) -> None:
                              f"stopped the others; its error is printed above") from None
     finally:
         agent_log.setLevel(level)
+        server_log.setLevel(server_level)
 
 
 def worker_argv(ctx, skip: tuple[str, ...]) -> list[str]:

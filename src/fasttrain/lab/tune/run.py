@@ -11,7 +11,7 @@ from fasttrain.lab.config import LabConfig, validate
 from fasttrain.lab.tune.device import DeviceMemory, device_memory, probe_cache
 from fasttrain.lab.tune.probes import lab_measure, lab_predictor, load_corpus_for, model_of, model_refusal
 from fasttrain.lab.tune.search import TuneResult, check_shape, search
-from fasttrain.lab.tune.space import parse_allow, parse_budget
+from fasttrain.lab.tune.space import fixed_micro_batch, parse_allow, parse_budget
 
 
 def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, allow=(), precisions=("bf16",),
@@ -31,6 +31,12 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     budget_s = parse_budget(budget)
     allow = parse_allow(allow)
     check_shape(seq, global_batch_tokens)
+    fixed_batch = fixed_micro_batch(base, fixed, seq, global_batch_tokens)
+    if cache_path not in (None, False, True):
+        from fasttrain.lab.outputs import check_cache_file, run_inputs
+
+        # read and rewritten whole: a cache file already, or a new one where a folder exists
+        check_cache_file(cache_path, run_inputs(base))
     if out is not None:
         from fasttrain.files import check_new_folder
 
@@ -56,7 +62,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
                   liger_reason=liger_reason, refuse=model_refusal(hf_config, device),
-                  fixed_batch=base.per_device_train_batch_size if "per_device_train_batch_size" in fixed else None)
+                  fixed_batch=fixed_batch)
     if out is not None:
         from fasttrain.lab.tune.report import write_results
 

@@ -243,6 +243,31 @@ def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = 
     return out
 
 
+def fixed_micro_batch(base: LabConfig, fixed, seq: int, global_batch_tokens: int) -> int | None:
+    """The micro-batch the user's own ``--per-device-train-batch-size`` / ``--gradient-accumulation-steps``
+    leave (None: searched), refused in one line when it cannot reach ``--global-batch-tokens`` exactly:
+    a fixed accumulation is never changed, and a fixed micro-batch never rounds the step down."""
+    sequences = global_batch_tokens // seq
+    b = base.per_device_train_batch_size if "per_device_train_batch_size" in fixed else None
+    k = base.gradient_accumulation_steps if "gradient_accumulation_steps" in fixed else None
+    target = f"--global-batch-tokens {global_batch_tokens} ({sequences} sequences of {seq})"
+    if b is not None and k is not None and b * k != sequences:
+        raise FasttrainError(f"--per-device-train-batch-size {b} x --gradient-accumulation-steps {k} = {b * k} "
+                             f"sequences per step, not the {sequences} of {target}; fix one of them (or give "
+                             f"--global-batch-tokens {b * k * seq})")
+    if b is not None and sequences % b:
+        raise FasttrainError(f"--per-device-train-batch-size {b} does not divide the {sequences} sequences of "
+                             f"{target}; give a micro-batch that divides it, or --global-batch-tokens "
+                             f"{max(1, sequences // b) * b * seq}")
+    if k is not None and sequences % k:
+        raise FasttrainError(f"--gradient-accumulation-steps {k} does not divide the {sequences} sequences of "
+                             f"{target}; give an accumulation that divides it, or --global-batch-tokens "
+                             f"{max(1, sequences // k) * k * seq}")
+    if b is not None:
+        return b
+    return sequences // k if k is not None else None
+
+
 def make_candidate(axes, choices, overrides: dict, micro_batch: int, sequences: int) -> Candidate:
     k = sequences // micro_batch
     full = {**overrides, "per_device_train_batch_size": micro_batch, "gradient_accumulation_steps": k}
