@@ -76,10 +76,11 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
     with held:
         check_run(cfg)
         return _execute(cfg, log=log, progress=progress, corpus=corpus, parallel=parallel, model=model,
-                        keep_model=keep_model)
+                        keep_model=keep_model, fit_context=fit_context, sources=sources, announce=announce,
+                        record_path=record_path)
 
 
-def _execute(cfg, *, log, progress, corpus, parallel, model, keep_model):
+def _execute(cfg, *, log, progress, corpus, parallel, model, keep_model, fit_context, sources, announce, record_path):
     import torch
 
     from fasttrain.lab.parallel import distributed as D
