@@ -395,8 +395,10 @@ def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path):
 def test_sweep_inputs_are_refused_even_for_a_dry_run(tmp_path, args, message):
     from click.testing import CliRunner
 
+    from fasttrain.lab.experiments import scaling
+
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run", *args])
+    result = CliRunner().invoke(scaling.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run", *args])
     assert result.exit_code != 0 and isinstance(result.exception, FasttrainError), result.output
     assert message in str(result.exception)
     assert not out.exists()
@@ -409,8 +411,8 @@ def test_a_dry_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(scaling, "sweep", lambda *a, **k: pytest.fail("a dry run started a run"))
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run",
-                                            "--presets", "tiny", "--strategies", "ddp", "--max-steps", "3"])
+    result = CliRunner().invoke(scaling.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run",
+                                                  "--presets", "tiny", "--strategies", "ddp", "--max-steps", "3"])
     assert result.exit_code == 0, result.output
     assert "dry run: 5 runs planned, none started" in result.output and not out.exists()
 

@@ -265,7 +265,7 @@ def test_bad_input_is_one_line(tmp_path):
         hf.build_hf_model(f"hf:{tmp_path / 'unknown'}", cfg(), None, "cpu")
     (tmp_path / "notjson").mkdir()
     (tmp_path / "notjson" / "config.json").write_text("{oops")
-    with pytest.raises(FasttrainError, match="not JSON"):
+    with pytest.raises(FasttrainError, match="not valid JSON"):
         hf.build_hf_model(f"hf:{tmp_path / 'notjson'}", cfg(), None, "cpu")
     with pytest.raises(FasttrainError, match="after 'hf:'"):
         hf.build_hf_model("hf:", cfg(), None, "cpu")
@@ -488,13 +488,15 @@ def test_cli_trains_saves_evaluates_and_samples(folders, tmp_path):
     (["--model", "hf:{folder}", "--strategy", "tp", "--nproc-per-node", "3"],
      r"num_attention_heads\) \(4\) divisible by 3"),
 ])
-def test_cli_bad_input_is_one_line(folders, tmp_path, args, message):
-    from tests_support import fasttrain_cli, one_line_error
+def test_cli_bad_input_is_one_line(folders, tmp_path, args, message, fake_corpus, capsys):
+    from tests_support import cli_in_process, one_line_error
 
     # (GPT-2's default bos/eos id 50256 lies outside the tiny vocabulary: transformers would warn on load)
     gpt2 = write_config(tmp_path / "gpt2", "gpt2", bos_token_id=0, eos_token_id=0)
     args = [a.replace("{folder}", str(folders["llama"])).replace("{gpt2}", str(gpt2)) for a in args]
-    one_line_error(fasttrain_cli("lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "1", *args), message)
+    # in this process, on the toy corpus: the refusal comes before any data is needed (a fresh machine has none)
+    one_line_error(cli_in_process(["lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "1", *args], capsys),
+                   message)
 
 
 # --- several processes (gloo on the CPU) ---------------------------------------------------------

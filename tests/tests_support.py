@@ -34,6 +34,14 @@ def run_cli(args, capsys):
     return code, cap.out, cap.err
 
 
+def cli_in_process(args, capsys) -> subprocess.CompletedProcess:
+    """``fasttrain ARGS`` in this process, as :func:`fasttrain_cli` returns it (for :func:`one_line_error`):
+    no interpreter to start, and the test's monkeypatches (a toy corpus) hold."""
+    args = list(map(str, args))
+    code, out, err = run_cli(args, capsys)
+    return subprocess.CompletedProcess(args, code, out, err)
+
+
 def toy_text(n=20000, seed=0):
     """A learnable toy language for the lab's tests: words from a small vocabulary with punctuation."""
     import numpy as np

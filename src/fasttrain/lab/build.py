@@ -53,7 +53,7 @@ def config_from_model(cfg: LabConfig, mc) -> LabConfig:
 
 def model_source(cfg: LabConfig) -> str:
     """"gpt" (the lab's model) or what ``--model`` names (``hf:PATH``)."""
-    return getattr(cfg, "model", None) or "gpt"
+    return cfg.model or "gpt"
 
 
 def gpt_model(module) -> LabModel:
@@ -83,7 +83,9 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
     then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it."""
     source = model_source(cfg)
     if source != "gpt":
-        if not source.startswith("hf:"):
+        from fasttrain.lab.hf.config import is_hf
+
+        if not is_hf(source):
             raise FasttrainError(f"unknown --model {source!r}; use gpt or hf:PATH_OR_NAME")
         from fasttrain.lab.hf import build_hf_model
 
@@ -109,7 +111,7 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
 
-    if getattr(cfg, "cuda_graph_step", False):
+    if cfg.cuda_graph_step:
         raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
                              "with fasttrain lab speedrun --rungs graph-step, or drop it here")
     model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log)

@@ -23,7 +23,7 @@ from fasttrain.files import check_output_path
 from fasttrain.lab.parallel import launch as dist_launch
 from fasttrain.lab.config import PRESET_NOTES, PRESETS, LabConfig, preset
 
-SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.experiments.sumdemo", "fasttrain.lab.experiments.speedrun", "fasttrain.lab.parallel.launch",
+SUBCOMMANDS: tuple[str, ...] = ("fasttrain.lab.experiments.sumdemo", "fasttrain.lab.experiments.speedrun", "fasttrain.lab.experiments.scaling",
                                  "fasttrain.lab.tokenizer", "fasttrain.lab.sample")
 
 out = Console(width=160)

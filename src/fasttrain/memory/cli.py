@@ -116,7 +116,7 @@ _ARCH_FLAGS = {"preset": "--preset", "heads": "--heads", "kv_heads": "--kv-heads
 def _setup_from_hf_options(opts: dict):
     """--hf-config: the model from its config.json, the training shape from the other flags."""
     from fasttrain.memory.config import check
-    from fasttrain.memory.hf_config import load_hf_config, setup_from_hf_config
+    from fasttrain.memory.hf_config import read_config_json, setup_from_hf_config
 
     given = [flag for name, flag in _ARCH_FLAGS.items() if opts.get(name) is not None]
     if given:
@@ -125,7 +125,7 @@ def _setup_from_hf_options(opts: dict):
         raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
     if opts.get("html") is not None:
         raise FasttrainError("--hf-config is not on the page (it models the lab's GPT); drop --html")
-    config = load_hf_config(opts["hf_config"])
+    config = read_config_json(opts["hf_config"])
     precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "fp32")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")

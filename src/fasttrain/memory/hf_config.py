@@ -56,25 +56,26 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
-def load_hf_config(path: str | os.PathLike) -> dict:
-    """The JSON object of a ``config.json`` (or of the one inside the folder ``path``)."""
+def read_config_json(path: str | os.PathLike, flag: str = "--hf-config") -> dict:
+    """The JSON object of a ``config.json`` (or of the one inside the folder ``path``): the one reader of a
+    model's ``config.json`` (the lab's ``--model hf:PATH`` reads it here too). ``flag`` opens every error line."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")
         if not os.path.isfile(path):
-            raise FasttrainError(f"--hf-config: the folder {os.path.dirname(path)} has no config.json; "
+            raise FasttrainError(f"{flag}: the folder {os.path.dirname(path)} has no config.json; "
                                  "give a model folder or the config.json itself")
     elif not os.path.exists(path):
-        raise FasttrainError(f"--hf-config: {path} does not exist; give a config.json or the folder holding it")
+        raise FasttrainError(f"{flag}: {path} does not exist; give a config.json or the folder holding it")
     try:
         with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except (OSError, UnicodeDecodeError) as exc:
-        raise FasttrainError(f"--hf-config: cannot read {path}: {exc}") from None
+        raise FasttrainError(f"{flag}: cannot read {path}: {exc}") from None
     except json.JSONDecodeError as exc:
-        raise FasttrainError(f"--hf-config: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
+        raise FasttrainError(f"{flag}: {path} is not valid JSON (line {exc.lineno}: {exc.msg})") from None
     if not isinstance(data, dict):
-        raise FasttrainError(f"--hf-config: {path} holds a JSON {type(data).__name__}, not an object; "
+        raise FasttrainError(f"{flag}: {path} holds a JSON {type(data).__name__}, not an object; "
                              "a config.json is an object with model_type, hidden_size, ...")
     return data
 

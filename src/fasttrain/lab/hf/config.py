@@ -3,7 +3,6 @@ the checks a lab run makes against it, and the estimator's view of it."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -11,7 +10,7 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, missing_extra
-from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS
+from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
 HF_PREFIX = "hf:"
@@ -84,11 +83,8 @@ def load_hf_config(spec: str):
         if not (path / "config.json").is_file():
             raise FasttrainError(f"--model hf:{source}: the folder has no config.json; give a folder written by "
                                  f"save_pretrained (or holding a model's config.json)")
-        try:
-            raw = json.loads((path / "config.json").read_text())
-        except ValueError as exc:
-            raise FasttrainError(f"{path / 'config.json'}: not JSON ({exc})") from None
-        if not isinstance(raw, dict) or "model_type" not in raw:
+        raw = read_config_json(path, flag=f"--model hf:{source}")
+        if "model_type" not in raw:
             raise FasttrainError(f"{path / 'config.json'} names no model_type; it is not a transformers config")
         try:
             config = tf.AutoConfig.from_pretrained(str(path))
