@@ -167,11 +167,10 @@ def test_saved_activations_equal_what_autograd_saves_on_cpu(name, cfg, attention
 
 
 def run_cli(*args):
-    import subprocess
-    import sys
+    # ``fasttrain memory ARGS`` in this process: what it prints and returns is what the process would
+    from tests_support import fasttrain_in_process
 
-    return subprocess.run([sys.executable, "-m", "fasttrain", "memory", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    return fasttrain_in_process("memory", *args)
 
 
 def one_line_error(result, text):
