@@ -26,7 +26,18 @@ def has_cuda_gpu() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
+def uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups (--dist loadgroup, pyproject.toml)
 def pytest_collection_modifyitems(config, items):
+    # The workers share the tests one by one, except that the tests of a file which share a module-scoped fixture
+    # (a trained model, a quick bench run, the browser) form one group, run by the worker that builds it once.
+    for item in items:
+        if uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     if has_cuda_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
