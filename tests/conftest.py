@@ -1,5 +1,6 @@
-"""Shared fixtures: tiny synthetic data for fast engine checks, the real MNIST when
-FASTTRAIN_DATA_DIR points at it, and the ``gpu`` marker (skipped without a CUDA GPU)."""
+"""Shared fixtures: tiny synthetic data for fast engine checks, the real MNIST and Tiny Shakespeare when
+FASTTRAIN_DATA_DIR points at them (a test skips without them, saying how to fetch them), the lab's toy
+corpus, and the ``gpu`` marker (skipped without a CUDA GPU)."""
 
 from __future__ import annotations
 
@@ -25,7 +26,18 @@ def has_cuda_gpu() -> bool:
     return out.returncode == 0 and "GPU" in out.stdout
 
 
+def uses_a_module_fixture(item) -> bool:
+    info = getattr(item, "_fixtureinfo", None)
+    return info is not None and any(defs and defs[-1].scope == "module" for defs in info.name2fixturedefs.values())
+
+
+@pytest.hookimpl(tryfirst=True)     # before pytest-xdist reads the groups (--dist loadgroup, pyproject.toml)
 def pytest_collection_modifyitems(config, items):
+    # The workers share the tests one by one, except that the tests of a file which share a module-scoped fixture
+    # (a trained model, a quick bench run, the browser) form one group, run by the worker that builds it once.
+    for item in items:
+        if uses_a_module_fixture(item):
+            item.add_marker(pytest.mark.xdist_group(item.path.name))
     if has_cuda_gpu():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU (run on the device machine)")
@@ -53,6 +65,18 @@ def mnist_dir() -> str:
     if not path or not os.path.isdir(path) or not dataset_dir("mnist", path).is_dir():
         pytest.skip("real MNIST not available: set FASTTRAIN_DATA_DIR to the data root that holds mnist/ "
                     "(fasttrain data download --dataset mnist --data-dir DIR fetches it)")
+    return path
+
+
+@pytest.fixture(scope="session")
+def shakespeare_dir() -> str:
+    """The data root holding Tiny Shakespeare (``$FASTTRAIN_DATA_DIR/tinyshakespeare/input.txt``). The README's
+    set-up fetches MNIST only: a test that needs the real corpus skips without it, saying how to fetch it (most
+    lab tests train on the toy corpus instead: the ``corpus`` and ``fake_corpus`` fixtures)."""
+    path = os.environ.get("FASTTRAIN_DATA_DIR")
+    if not path or not os.path.isfile(os.path.join(path, "tinyshakespeare", "input.txt")):
+        pytest.skip("Tiny Shakespeare not available: set FASTTRAIN_DATA_DIR to the data root that holds "
+                    "tinyshakespeare/ (fasttrain data download --dataset tinyshakespeare --data-dir DIR fetches it)")
     return path
 
 

@@ -11,7 +11,7 @@ import pytest
 
 from fasttrain.cli import main
 from fasttrain.files import default_file_mode
-from tests_support import fasttrain_cli, one_line_error
+from tests_support import fasttrain_cli, fasttrain_in_process, one_line_error
 
 
 @pytest.fixture(scope="module")
@@ -275,7 +275,7 @@ def test_merge_and_render_refuse_bad_json(tmp_path, content, pattern, command):
     part.mkdir()
     (part / "ladder.json").write_bytes(content)
     args = ["bench", "render", part] if command == "render" else ["bench", "merge", tmp_path / "into", part]
-    one_line_error(fasttrain_cli(*args), pattern)
+    one_line_error(fasttrain_in_process(*args), pattern)
     assert (part / "ladder.json").read_bytes() == content
     assert not (tmp_path / "into" / "ladder.json").exists()
 

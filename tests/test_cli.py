@@ -1,4 +1,8 @@
-"""The command line: smoke runs, and every bad input gives one line, a non-zero exit and no file."""
+"""The command line: smoke runs, and every bad input gives one line, a non-zero exit and no file.
+
+The smoke runs start ``python -m fasttrain`` (the real entry point, exit code and all); the bad inputs call the
+same ``main`` in this process (``fasttrain_in_process``: what it prints and returns is what the process would), so that
+dozens of cases do not each pay an interpreter's start."""
 
 from __future__ import annotations
 
@@ -12,7 +16,7 @@ import pytest
 from rich.console import Console
 
 from fasttrain.data.idx import write_idx
-from tests_support import fasttrain_cli, one_line_error
+from tests_support import fasttrain_cli, fasttrain_in_process, one_line_error
 
 
 def test_help_and_engines():
@@ -34,7 +38,7 @@ def test_help_and_engines():
     (["frobnicate"], "No such command"),
 ])
 def test_bad_flags(args, pattern, tmp_path):
-    one_line_error(fasttrain_cli(*args, "--data-dir", tmp_path) if args[0] == "data" else fasttrain_cli(*args, env={"FASTTRAIN_DATA_DIR": str(tmp_path)}), pattern)
+    one_line_error(fasttrain_in_process(*args, "--data-dir", tmp_path) if args[0] == "data" else fasttrain_in_process(*args, env={"FASTTRAIN_DATA_DIR": str(tmp_path)}), pattern)
 
 
 def _bad_dataset(root: Path, corrupt) -> None:
@@ -59,15 +63,15 @@ def _bad_dataset(root: Path, corrupt) -> None:
 def test_bad_data_files(tmp_path, corrupt, pattern):
     _bad_dataset(tmp_path, corrupt)
     out = tmp_path / "r.json"
-    result = fasttrain_cli("train", "--data-dir", tmp_path, "--epochs", "1", "--out", out, "--quiet")
+    result = fasttrain_in_process("train", "--data-dir", tmp_path, "--epochs", "1", "--out", out, "--quiet")
     one_line_error(result, pattern)
     assert not out.exists()
-    one_line_error(fasttrain_cli("data", "verify", "--data-dir", tmp_path), pattern)
+    one_line_error(fasttrain_in_process("data", "verify", "--data-dir", tmp_path), pattern)
 
 
 def test_unwritable_output_fails_before_training(tmp_path):
-    result = fasttrain_cli("train", "--epochs", "1", "--out", tmp_path / "no" / "such" / "r.json",
-                           env={"FASTTRAIN_DATA_DIR": str(tmp_path)})
+    result = fasttrain_in_process("train", "--epochs", "1", "--out", tmp_path / "no" / "such" / "r.json",
+                                  env={"FASTTRAIN_DATA_DIR": str(tmp_path)})
     one_line_error(result, "folder .* does not exist")
 
 
@@ -137,7 +141,7 @@ def test_output_paths_refused_before_training(tmp_path, args, pattern):
     empty = tmp_path / "empty"
     empty.mkdir()
     args = [a.replace("{tmp}", str(tmp_path)) for a in args]
-    one_line_error(fasttrain_cli("train", *args, "--data-dir", empty), pattern)
+    one_line_error(fasttrain_in_process("train", *args, "--data-dir", empty), pattern)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["empty", "results"]
 
 
@@ -175,7 +179,7 @@ def test_any_oserror_in_the_cli_is_one_line(tmp_path, monkeypatch, capsys):
     (["--log-every", "0"], r"log_every must be a positive integer"),
 ])
 def test_ranges_checked_before_any_work(tmp_path, args, pattern):
-    one_line_error(fasttrain_cli("train", *args, "--data-dir", tmp_path), pattern)
+    one_line_error(fasttrain_in_process("train", *args, "--data-dir", tmp_path), pattern)
     assert list(tmp_path.iterdir()) == []
 
 
@@ -236,4 +240,5 @@ def test_evaluate_refuses_bad_weights_before_loading_data(tmp_path):
     empty = tmp_path / "nodata"
     empty.mkdir()
     for name, pattern in cases.items():
-        one_line_error(fasttrain_cli("evaluate", "--weights", tmp_path / f"{name}.npz", "--data-dir", empty), pattern)
+        one_line_error(fasttrain_in_process("evaluate", "--weights", tmp_path / f"{name}.npz", "--data-dir", empty),
+                       pattern)

@@ -18,7 +18,7 @@ import os
 import socket
 import time
 from fasttrain.data.idx import MAX_IDX_BYTES, encode_idx, read_idx, read_idx_file, write_idx
-from tests_support import fasttrain_cli, one_line_error
+from tests_support import fasttrain_in_process, one_line_error
 
 
 def test_idx_round_trip_raw_and_gz(tmp_path):
@@ -287,7 +287,7 @@ def test_the_cli_says_it_in_one_line(tmp_path):
     for role in ds.ROLES:
         shape = (5, 28, 28) if role.endswith("images") else (5,)
         write_idx(d / ds.FILENAMES[role], rng.integers(0, 10, shape, dtype=np.uint8))
-    one_line_error(fasttrain_cli("data", "verify", "--dataset", "kmnist", "--data-dir", tmp_path), "cannot be verified")
+    one_line_error(fasttrain_in_process("data", "verify", "--dataset", "kmnist", "--data-dir", tmp_path), "cannot be verified")
 
 
 # --- downloads --------------------------------------------------------------------------------
@@ -412,9 +412,9 @@ def test_a_data_root_that_is_a_file_is_one_clear_line(tmp_path, monkeypatch):
     with pytest.raises(DataError, match="FASTTRAIN_DATA_DIR=.* is a file"):
         ds.download_dataset("mnist", progress=False)
     assert afile.read_text() == "not a folder\n"
-    one_line_error(fasttrain_cli("data", "verify", "--dataset", "tinyshakespeare", env={"FASTTRAIN_DATA_DIR": str(afile)}),
+    one_line_error(fasttrain_in_process("data", "verify", "--dataset", "tinyshakespeare", env={"FASTTRAIN_DATA_DIR": str(afile)}),
                    f"FASTTRAIN_DATA_DIR={afile} is a file, not a folder")
-    one_line_error(fasttrain_cli("data", "verify", "--data-dir", afile), "is a file")
+    one_line_error(fasttrain_in_process("data", "verify", "--data-dir", afile), "is a file")
 
 
 def test_a_corpus_path_that_is_a_folder_is_one_clear_line(tmp_path):
@@ -426,5 +426,5 @@ def test_a_corpus_path_that_is_a_folder_is_one_clear_line(tmp_path):
     with pytest.raises(DataError, match=r"input.txt is a folder, not the Tiny Shakespeare file"):
         ds.download_dataset("tinyshakespeare", tmp_path, progress=False)
     assert (tmp_path / "tinyshakespeare" / "input.txt").is_dir()
-    one_line_error(fasttrain_cli("data", "verify", "--dataset", "tinyshakespeare", "--data-dir", tmp_path),
+    one_line_error(fasttrain_in_process("data", "verify", "--dataset", "tinyshakespeare", "--data-dir", tmp_path),
                    "is a folder, not the Tiny Shakespeare file")

@@ -5,7 +5,6 @@ A synthetic character corpus stands in for Tiny Shakespeare except where the rea
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -238,18 +237,8 @@ def test_char_corpus_split_and_round_trip(corpus):
     assert corpus.decode(w[0]) == toy_text()[:9]
 
 
-def _shakespeare_root():
-    for root in (os.environ.get("FASTTRAIN_DATA_DIR"), str(Path(__file__).resolve().parents[3] / "shared" / "data"),
-                 "/work/shared/data"):
-        if root:
-            for cand in (Path(root), Path(root).parent):
-                if (cand / "tinyshakespeare" / "input.txt").exists():
-                    return cand
-    pytest.skip("Tiny Shakespeare not found: fasttrain data download --dataset tinyshakespeare")
-
-
-def test_tiny_shakespeare_split_and_vocabulary():
-    c = load_corpus(_shakespeare_root())
+def test_tiny_shakespeare_split_and_vocabulary(shakespeare_dir):
+    c = load_corpus(shakespeare_dir)
     assert c.vocab_size == 65 and len(c.train) == 1_003_854 and len(c.val) == 111_540
 
 

@@ -276,14 +276,8 @@ def test_a_split_too_small_to_predict_is_one_line(tmp_path):
     assert len(corpus_for(tiny(train_file=str(tmp_path / "t.txt"), val_fraction=0.5)).val) == 5
 
 
-def test_tiny_shakespeare_keeps_its_split_and_rebuilds_from_its_description():
-    import os
-    from pathlib import Path
-
-    root = next((r for r in (os.environ.get("FASTTRAIN_DATA_DIR"), "/work/shared/data")
-                 if r and (Path(r) / "tinyshakespeare" / "input.txt").exists()), None)
-    if root is None:
-        pytest.skip("Tiny Shakespeare not found: fasttrain data download --dataset tinyshakespeare")
+def test_tiny_shakespeare_keeps_its_split_and_rebuilds_from_its_description(shakespeare_dir):
+    root = shakespeare_dir
     corpus = corpus_for(tiny(data_dir=root))
     assert corpus.source == "tinyshakespeare" and corpus.train.dtype == np.uint8 and corpus.vocab_size == 65
     assert corpus.sha256 == "86c4e6aa9db7c042ec79f339dcb96d42b0075e16b8fc2e86bf0ca57e2dc565ed"

@@ -307,16 +307,6 @@ def test_worker_command_line_drops_the_launcher_options():
         assert argv[i:i + len(part)] == part, argv
 
 
-def _data_root():
-    from pathlib import Path
-
-    for root in (os.environ.get("FASTTRAIN_DATA_DIR"), str(Path(__file__).resolve().parents[3] / "shared" / "data"),
-                 "/work/shared/data"):
-        if root and os.path.isfile(os.path.join(root, "tinyshakespeare", "input.txt")):
-            return root
-    pytest.skip("Tiny Shakespeare not found (set FASTTRAIN_DATA_DIR)")
-
-
 def _fasttrain(args, env_extra=None, timeout=120):
     import subprocess
     from pathlib import Path
@@ -329,10 +319,10 @@ def _fasttrain(args, env_extra=None, timeout=120):
                           timeout=timeout)
 
 
-def test_fasttrain_lab_starts_torchrun_itself(tmp_path):
+def test_fasttrain_lab_starts_torchrun_itself(tmp_path, shakespeare_dir):
     """``fasttrain lab --nproc-per-node 2``: torchrun's launcher, 2 gloo workers, rank 0 writes the
     record; the loss curve is the one process's at the same global batch."""
-    root = _data_root()
+    root = shakespeare_dir
     common = ["lab", "--preset", "tiny", "--max-steps", "3", "--device", "cpu", "--eval-tokens", "512",
               "--data-dir", root, "--gradient-accumulation-steps", "2"]
     two = _fasttrain([*common, "--strategy", "zero1", "--nproc-per-node", "2", "--global-batch-size", "16",
@@ -350,8 +340,8 @@ def test_fasttrain_lab_starts_torchrun_itself(tmp_path):
     assert [p["loss"] for p in rec["loss_curve"]] == pytest.approx([p["loss"] for p in one["loss_curve"]], rel=1e-5)
 
 
-def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path):
-    root = _data_root()
+def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path, shakespeare_dir):
+    root = shakespeare_dir
     # a world the model cannot split is caught before launch; a failure only the workers see
     # (here: the rendezvous' world has 2 processes while the command asks for tensor parallelism
     # of a model whose checkpoint does not exist) ends the launch with one line of the launcher
@@ -377,8 +367,10 @@ def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path):
 def test_sweep_inputs_are_refused_even_for_a_dry_run(tmp_path, args, message):
     from click.testing import CliRunner
 
+    from fasttrain.lab.experiments import scaling
+
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run", *args])
+    result = CliRunner().invoke(scaling.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run", *args])
     assert result.exit_code != 0 and isinstance(result.exception, FasttrainError), result.output
     assert message in str(result.exception)
     assert not out.exists()
@@ -391,8 +383,8 @@ def test_a_dry_run_starts_nothing_and_says_so(tmp_path, monkeypatch):
 
     monkeypatch.setattr(scaling, "sweep", lambda *a, **k: pytest.fail("a dry run started a run"))
     out = tmp_path / "sweep"
-    result = CliRunner().invoke(L.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run",
-                                            "--presets", "tiny", "--strategies", "ddp", "--max-steps", "3"])
+    result = CliRunner().invoke(scaling.command, ["sweep", "--out", str(out), "--device", "cpu", "--dry-run",
+                                                  "--presets", "tiny", "--strategies", "ddp", "--max-steps", "3"])
     assert result.exit_code == 0, result.output
     assert "dry run: 5 runs planned, none started" in result.output and not out.exists()
 

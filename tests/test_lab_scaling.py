@@ -69,3 +69,15 @@ def test_the_sweep_writes_its_status_after_every_run(tmp_path, monkeypatch):
     assert status[1]["argv"] == started[1][1:]
     assert lines[0].startswith("[1/3] tiny.1gpu: -m fasttrain lab --preset tiny") and lines[1].startswith("    ok")
     assert lines[3].startswith("    FAILED: last line") and lines[4].startswith("[3/3] tiny.ddp-weak")
+
+
+def test_lab_dist_is_the_scaling_experiments_command():
+    # `fasttrain lab dist` lives with the experiment it runs: the launcher below it (parallel/launch.py) has no
+    # command of its own and imports no experiment (tests/test_imports.py keeps the floors)
+    from fasttrain.lab.cli import command
+    from fasttrain.lab.parallel import launch
+
+    assert set(command.commands["dist"].commands) == {"sweep", "report"}
+    assert set(scaling.command.commands) == {"sweep", "report"}
+    with pytest.raises(AttributeError):
+        launch.command

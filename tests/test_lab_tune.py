@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests_support import fasttrain_cli, one_line_error, run_cli, toy_text  # noqa: E402
+from tests_support import fasttrain_in_process, one_line_error, run_cli, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.cli import config_from  # noqa: E402
 from fasttrain.lab.config import LabConfig, preset, validate  # noqa: E402
@@ -454,8 +454,8 @@ def test_an_out_folder_holding_files_is_refused_before_any_work(tmp_path):
     (["--seq", "32", "--global-batch-tokens", "128", "--memory-limit", "lots"], r"--memory-limit 'lots'"),
 ])
 def test_cli_bad_input_is_one_line(args, pattern, tmp_path):
-    res = fasttrain_cli("tune", "--preset", "tiny", "--device", "cpu", *args, "--no-cache",
-                        env={"FASTTRAIN_DATA_DIR": str(tmp_path)})
+    res = fasttrain_in_process("tune", "--preset", "tiny", "--device", "cpu", *args, "--no-cache",
+                               env={"FASTTRAIN_DATA_DIR": str(tmp_path)})
     one_line_error(res, pattern)
 
 
@@ -531,12 +531,7 @@ def test_end_to_end_on_a_tiny_model_through_the_real_trainer(tmp_path):
     assert again.probes_measured == 0 and again.pick.candidate == res.pick.candidate
 
 
-def test_cli_end_to_end_on_the_cpu(tmp_path, capsys, monkeypatch):
-    (tmp_path / "data" / "tinyshakespeare").mkdir(parents=True)
-    monkeypatch.setenv("FASTTRAIN_DATA_DIR", "/work/shared/data")
-    import os
-    if not os.path.exists("/work/shared/data/tinyshakespeare/input.txt"):
-        pytest.skip("Tiny Shakespeare is not here")
+def test_cli_end_to_end_on_the_cpu(tmp_path, capsys, shakespeare_dir):
     code, out, err = run_cli(["tune", "--preset", "tiny", "--device", "cpu", "--seq", "16",
                               "--global-batch-tokens", "64", "--probe-steps", "1", "--optim", "adamw_torch",
                               "--no-preload", "--gradient-checkpointing", "none", "--bf16",

@@ -16,8 +16,10 @@ from fasttrain.memory.playbook import format_bytes
 
 
 def run(*args):
-    return subprocess.run([sys.executable, "-m", "fasttrain", "memory", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    # ``fasttrain memory ARGS`` in this process (the entry point itself: the ``fasttrain cost`` test below)
+    from tests_support import fasttrain_in_process
+
+    return fasttrain_in_process("memory", *args)
 
 
 def one_line_error(result, pattern):

@@ -11,7 +11,7 @@ import pytest
 
 from fasttrain.errors import FasttrainError
 from fasttrain.memory import estimate
-from fasttrain.memory.hf_config import architecture, load_hf_config, setup_from_hf_config
+from fasttrain.memory.hf_config import architecture, read_config_json, setup_from_hf_config
 from fasttrain.memory.training_state import param_counts
 
 # published shapes (the released config.json files' architecture fields), and their published counts
@@ -167,11 +167,10 @@ def test_saved_activations_equal_what_autograd_saves_on_cpu(name, cfg, attention
 
 
 def run_cli(*args):
-    import subprocess
-    import sys
+    # ``fasttrain memory ARGS`` in this process: what it prints and returns is what the process would
+    from tests_support import fasttrain_in_process
 
-    return subprocess.run([sys.executable, "-m", "fasttrain", "memory", *map(str, args)], capture_output=True,
-                          text=True, timeout=120)
+    return fasttrain_in_process("memory", *args)
 
 
 def one_line_error(result, text):
@@ -259,7 +258,7 @@ def test_cli_compiled_estimates_the_compiled_model(tmp_path):
 
 def test_load_hf_config_reads_a_folder(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(QWEN25_05B))
-    assert load_hf_config(tmp_path) == QWEN25_05B
+    assert read_config_json(tmp_path) == QWEN25_05B
 
 
 def test_one_kv_head_with_batch_one_keeps_views_in_eager_attention():

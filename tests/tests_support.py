@@ -34,6 +34,31 @@ def run_cli(args, capsys):
     return code, cap.out, cap.err
 
 
+def fasttrain_in_process(*args, env=None) -> subprocess.CompletedProcess:
+    """:func:`fasttrain_cli` without the interpreter's start: ``fasttrain.cli.main`` in this process, its exit code
+    and what it printed, under ``env`` added to the environment. The test's monkeypatches (a toy corpus) hold.
+    For the many bad-input cases of a command; its real entry point keeps a subprocess test of its own."""
+    import contextlib
+    import io
+
+    from fasttrain.cli import main
+
+    args = list(map(str, args))
+    out, err = io.StringIO(), io.StringIO()
+    saved = {key: os.environ.get(key) for key in (env or {})}
+    os.environ.update({key: str(value) for key, value in (env or {}).items()})
+    try:
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            code = main(args)
+    finally:
+        for key, value in saved.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
+    return subprocess.CompletedProcess(args, code, out.getvalue(), err.getvalue())
+
+
 def toy_text(n=20000, seed=0):
     """A learnable toy language for the lab's tests: words from a small vocabulary with punctuation."""
     import numpy as np

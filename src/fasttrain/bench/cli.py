@@ -426,11 +426,12 @@ def lab(ctx, preset, steps, warmup, rows, repeats, sweep_steps, out, data_dir, d
         return
     from fasttrain.environment import machine_slug
     from fasttrain.lab.data import corpus_for
+    from fasttrain.lab.hf.config import is_hf, source_of
     from fasttrain.lab.tokenizer import model_tokenizer
 
     # missing or corrupt data: one line, before any folder is made; a HF model folder's own tokenizer
     # is the default, as in fasttrain lab
-    corpus = corpus_for(base, default_tokenizer=model_tokenizer(model[3:]) if model.startswith("hf:") else None)
+    corpus = corpus_for(base, default_tokenizer=model_tokenizer(source_of(model)) if is_hf(model) else None)
     folder = check_output_folder(out if out else Path("results") / machine_slug(), "--out", parents=True)
     with folder_lock(folder):
         _run_lab_locked(ctx, plan, folder, corpus, fresh)

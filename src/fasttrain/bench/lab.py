@@ -380,7 +380,9 @@ class LabPlan:
             return self.preset
         from pathlib import PurePath
 
-        return "hf:" + PurePath(self.model[3:].rstrip("/")).name
+        from fasttrain.lab.hf.config import HF_PREFIX, source_of
+
+        return HF_PREFIX + PurePath(source_of(self.model).rstrip("/")).name
 
 
 def _case(row_label: str, rung: str, model: str, cfg, status: str, reason: str | None = None,

@@ -59,7 +59,7 @@ def config_from_model(cfg: LabConfig, mc) -> LabConfig:
 
 def model_source(cfg: LabConfig) -> str:
     """"gpt" (the lab's model) or what ``--model`` names (``hf:PATH``)."""
-    return getattr(cfg, "model", None) or "gpt"
+    return cfg.model or "gpt"
 
 
 def gpt_model(module) -> LabModel:
@@ -127,7 +127,9 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
     FSDP to shard and ``parallelize.materialize`` to initialize."""
     source = model_source(cfg)
     if source != "gpt":
-        if not source.startswith("hf:"):
+        from fasttrain.lab.hf.config import is_hf
+
+        if not is_hf(source):
             raise FasttrainError(f"unknown --model {source!r}; use gpt or hf:PATH_OR_NAME")
         from fasttrain.lab.hf import build_hf_model
 
@@ -160,7 +162,7 @@ def make_trainer(cfg: LabConfig, corpus, device, *, world=None,
     (``Trainer.reset``: the initial weights of another seed)."""
     from fasttrain.lab.trainer import Trainer
 
-    if getattr(cfg, "cuda_graph_step", False):
+    if cfg.cuda_graph_step:
         raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
                              "with fasttrain lab speedrun --rungs graph-step, or drop it here")
     model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log, meta=meta_build_for(cfg, world))

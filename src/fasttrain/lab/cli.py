@@ -27,7 +27,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.files import check_output_path
 from fasttrain.lab import sample, tokenizer
 from fasttrain.lab.config import GROUPS, PRESET_NOTES, PRESETS, LabConfig, validate
-from fasttrain.lab.experiments import speedrun, sumdemo
+from fasttrain.lab.experiments import scaling, speedrun, sumdemo
 from fasttrain.lab.parallel import launch as dist_launch
 from fasttrain.lab.settings import DEFAULT_PRESET, Resolved, resolve_settings
 
@@ -489,7 +489,7 @@ def plot_cmd(records, out_path) -> None:
     out.print(f"loss curve{'s' if len(records) > 1 else ''}: {path}")
 
 
-for _sub in (sumdemo.command, speedrun.command, dist_launch.command, tokenizer.command, sample.command):
+for _sub in (sumdemo.command, speedrun.command, scaling.command, tokenizer.command, sample.command):
     command.add_command(_sub)
 
 __all__ = ["command", "config_options", "config_from", "resolve", "Resolved", "FasttrainError"]

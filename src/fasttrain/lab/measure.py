@@ -76,9 +76,9 @@ def release_run_state(cfg) -> None:
     """Undo what a run leaves in the process that would change the next run in it (the next row of a table, the
     next probe of a search): liger-kernel's module-level patches of transformers (later models of the family
     would run its kernels) and, after a compiled run, its compiled code (:func:`forget_compiled_code`)."""
-    if getattr(cfg, "use_liger_kernel", False) and "fasttrain.lab.hf" in sys.modules:
+    if cfg.use_liger_kernel and "fasttrain.lab.hf" in sys.modules:
         sys.modules["fasttrain.lab.hf"].undo_liger_patches()
-    if getattr(cfg, "torch_compile", False):
+    if cfg.torch_compile:
         forget_compiled_code()
 
 

@@ -126,10 +126,11 @@ def device_memory(device) -> tuple[int, int, str]:
 def predicted_peak(cfg, vocab: int) -> int | None:
     """The memory estimator's precise peak for one process of ``cfg`` (None where it cannot say)."""
     from fasttrain.lab.estimate import lab_setup
+    from fasttrain.lab.hf.config import is_hf
     from fasttrain.memory import estimate
 
     try:
-        if cfg.model.startswith("hf:"):
+        if is_hf(cfg.model):
             setup = _hf_setup(cfg)
             return None if setup is None else int(estimate(setup, "precise").total)
         return int(estimate(lab_setup(cfg, vocab), "precise").total)

@@ -52,11 +52,12 @@ def tokens_sha256(corpus) -> str:
 def provenance(cfg, lab_model, corpus) -> dict:
     """The record's rerun section (see the module docstring)."""
     from fasttrain.lab.config import PRESETS
+    from fasttrain.lab.hf.config import is_hf
     from fasttrain.lab.overrides import command_line
 
     return {
         "command": command_line(cfg, cfg.name if cfg.name in PRESETS else "shakespeare-char")
-        if lab_model.name == "gpt" or lab_model.name.startswith("hf:") else None,
+        if lab_model.name == "gpt" or is_hf(lab_model.name) else None,
         "argv": list(sys.argv),
         "libraries": library_versions(),
         "model_source": {"name": lab_model.name, "family": lab_model.family, "vocab_size": lab_model.vocab_size,

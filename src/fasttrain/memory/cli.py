@@ -187,14 +187,14 @@ _ARCH_FLAGS = {"preset": "--preset", "heads": "--heads", "kv_heads": "--kv-heads
 def _setup_from_hf_options(opts: dict):
     """--hf-config: the model from its config.json, the training shape from the other flags."""
     from fasttrain.memory.config import check
-    from fasttrain.memory.hf_config import load_hf_config, setup_from_hf_config
+    from fasttrain.memory.hf_config import read_config_json, setup_from_hf_config
 
     given = [flag for name, flag in _ARCH_FLAGS.items() if opts.get(name) is not None]
     if given:
         raise FasttrainError(f"--hf-config sets the architecture; drop {', '.join(given)}")
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--hf-config works in --mode precise only (the widget knows its own GPT)")
-    config = load_hf_config(opts["hf_config"])
+    config = read_config_json(opts["hf_config"])
     # a transformers model trains as the lab would run it: bf16 autocast (amp) unless asked otherwise
     precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "amp")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):

@@ -56,10 +56,10 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
-def load_hf_config(path: str | os.PathLike, flag: str = "--hf-config") -> dict:
+def read_config_json(path: str | os.PathLike, flag: str = "--hf-config") -> dict:
     """The JSON object of a ``config.json`` (or of the one inside the folder ``path``), its size
     fields checked (:func:`check_config_fields`). The one reader of a model's ``config.json``: the
-    lab's ``--model hf:FOLDER`` reads it here too (``flag`` names the flag in the messages)."""
+    lab's ``--model hf:FOLDER`` reads it here too (``flag`` opens every error line)."""
     path = os.fspath(path)
     if os.path.isdir(path):
         path = os.path.join(path, "config.json")

@@ -178,3 +178,69 @@ def sweep(runs: list[Planned], out_dir, *, log=print, timeout_s: float = 900) ->
     experiment.run(prepared, launch, on_row=finished)
     atomic_write_text(out_dir / "sweep.json", json.dumps(status, indent=1))
     return status
+
+
+# --- `fasttrain lab dist`: the sweep and its report -------------------------------------------------
+
+def _dist_group():
+    import click
+
+    from fasttrain.lab.parallel.launch import check_launch, cpu_oversubscription
+
+    @click.group("dist")
+    def group() -> None:
+        """The lab on several GPUs: the strategy sweep and its report (tables, plots)."""
+
+    @group.command("sweep")
+    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the records.")
+    @click.option("--presets", default="shakespeare-char,char-100m", show_default=True, help="Comma-separated.")
+    @click.option("--nproc-per-node", "nproc", type=int, default=2, show_default=True, help="GPUs of the N-GPU runs.")
+    @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
+                  help="Comma-separated: ddp, zero1, fsdp-zero2, fsdp-zero3, tp.")
+    @click.option("--max-steps", type=int, default=60, show_default=True, help="Steps of every run.")
+    @click.option("--bf16/--no-bf16", default=True, show_default=True, help="Also 1 GPU and fsdp-zero3 in bf16.")
+    @click.option("--data-dir", default=None, help="Data root (holds tinyshakespeare/input.txt).")
+    @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
+                  help="cpu: gloo processes (a smoke test of the sweep; timings mean nothing).")
+    @click.option("--dry-run", is_flag=True, help="Print the command lines only.")
+    def sweep_cmd(out_dir, presets, nproc, strategies, max_steps, bf16, data_dir, device, dry_run) -> None:
+        """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
+        # the sweep's own inputs are checked for a dry run too: it prints what a real run would start
+        preset_list, strategy_list = check_sweep(presets, strategies, nproc, max_steps)
+        if not dry_run:
+            check_launch(nproc, device, "ddp")
+        warning = cpu_oversubscription(nproc, device)
+        if warning:
+            click.echo(warning, err=True)
+        extra = (["--data-dir", data_dir] if data_dir else []) + ["--device", device]
+        runs = plan(preset_list, nproc, max_steps, strategy_list, bf16=bf16, extra=extra)
+        if dry_run:
+            for run in runs:
+                click.echo(" ".join(command_line(run, Path(out_dir).expanduser())[1:]))
+            click.echo(f"dry run: {len(runs)} runs planned, none started", err=True)
+            return
+        out_dir = str(Path(out_dir).expanduser())
+        status = sweep(runs, out_dir, log=lambda line: click.echo(line, err=True))
+        result = report(out_dir)
+        click.echo(result["markdown"].read_text())
+        failed = [s["name"] for s in status if s["exit"]]
+        if failed:
+            raise FasttrainError(f"{len(failed)} of {len(status)} runs failed ({', '.join(failed)}); their logs are "
+                                 f"in {out_dir}")
+
+    @group.command("report")
+    @click.argument("folder", type=click.Path(file_okay=False))
+    @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where to write (default: FOLDER).")
+    def report_cmd(folder, out_dir) -> None:
+        """scaling.csv, scaling.md and plots from a folder of run records."""
+        result = report(folder, out_dir)
+        click.echo(result["markdown"].read_text())
+
+    return group
+
+
+def __getattr__(name):
+    # ``command`` (``fasttrain lab dist``) is built on first access: click stays unimported otherwise
+    if name == "command":
+        return _dist_group()
+    raise AttributeError(name)

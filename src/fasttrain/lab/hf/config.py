@@ -3,7 +3,6 @@ the checks a lab run makes against it, and the estimator's view of it."""
 
 from __future__ import annotations
 
-import json
 import os
 import re
 import socket
@@ -11,8 +10,7 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, missing_extra
-from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS
-from fasttrain.memory.hf_config import load_hf_config as read_config_json
+from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
 HF_PREFIX = "hf:"

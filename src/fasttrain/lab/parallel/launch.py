@@ -4,8 +4,9 @@
 starts (:func:`check_before_launch`), then runs torchrun's own launcher in this process
 (:func:`launch`): it starts N copies of the same command (:func:`worker_argv`, without the launcher's
 options), each of which joins the process group through :mod:`fasttrain.lab.parallel.distributed`.
-Also here: the options ``fasttrain lab`` takes for several processes, the per-rank summary lines,
-and ``fasttrain lab dist`` (the strategy sweep and its report).
+Also here: the options ``fasttrain lab`` takes for several processes and the per-rank summary lines.
+``fasttrain lab dist`` (the strategy sweep and its report) is the scaling experiment's command
+(:mod:`fasttrain.lab.experiments.scaling`): experiments sit above this wing, never below it.
 """
 
 from __future__ import annotations
@@ -273,71 +274,3 @@ def summary_lines(record: dict) -> list[str]:
              f"global batch {d['global_batch_size']}, {record['tokens_per_s'] or 0:,.0f} tokens/s for the world",
              f"peak MiB per rank: {peaks}" + ("" if est is None else f"; estimator per GPU: {est / mib:,.1f}")]
     return lines
-
-
-def _dist_group():
-    import click
-
-    @click.group("dist")
-    def group() -> None:
-        """The lab on several GPUs: the strategy sweep and its report (tables, plots)."""
-
-    @group.command("sweep")
-    @click.option("--out", "out_dir", required=True, type=click.Path(file_okay=False), help="Folder for the records.")
-    @click.option("--presets", default="shakespeare-char,char-100m", show_default=True, help="Comma-separated.")
-    @click.option("--nproc-per-node", "nproc", type=int, default=2, show_default=True, help="GPUs of the N-GPU runs.")
-    @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
-                  help="Comma-separated: ddp, zero1, fsdp-zero2, fsdp-zero3, tp.")
-    @click.option("--max-steps", type=int, default=60, show_default=True, help="Steps of every run.")
-    @click.option("--bf16/--no-bf16", default=True, show_default=True, help="Also 1 GPU and fsdp-zero3 in bf16.")
-    @click.option("--data-dir", default=None, help="Data root (holds tinyshakespeare/input.txt).")
-    @click.option("--device", type=click.Choice(["cuda", "cpu"]), default="cuda", show_default=True,
-                  help="cpu: gloo processes (a smoke test of the sweep; timings mean nothing).")
-    @click.option("--dry-run", is_flag=True, help="Print the command lines only.")
-    def sweep_cmd(out_dir, presets, nproc, strategies, max_steps, bf16, data_dir, device, dry_run) -> None:
-        """Every strategy on N GPUs and the same preset on 1 GPU, one process tree per run."""
-        from pathlib import Path
-
-        from fasttrain.lab.experiments import scaling
-
-        # the sweep's own inputs are checked for a dry run too: it prints what a real run would start
-        preset_list, strategy_list = scaling.check_sweep(presets, strategies, nproc, max_steps)
-        if not dry_run:
-            check_launch(nproc, device, "ddp")
-        warning = cpu_oversubscription(nproc, device)
-        if warning:
-            click.echo(warning, err=True)
-        extra = (["--data-dir", data_dir] if data_dir else []) + ["--device", device]
-        runs = scaling.plan(preset_list, nproc, max_steps, strategy_list, bf16=bf16, extra=extra)
-        if dry_run:
-            for run in runs:
-                click.echo(" ".join(scaling.command_line(run, Path(out_dir).expanduser())[1:]))
-            click.echo(f"dry run: {len(runs)} runs planned, none started", err=True)
-            return
-        out_dir = str(Path(out_dir).expanduser())
-        status = scaling.sweep(runs, out_dir, log=lambda line: click.echo(line, err=True))
-        result = scaling.report(out_dir)
-        click.echo(result["markdown"].read_text())
-        failed = [s["name"] for s in status if s["exit"]]
-        if failed:
-            raise FasttrainError(f"{len(failed)} of {len(status)} runs failed ({', '.join(failed)}); their logs are "
-                                 f"in {out_dir}")
-
-    @group.command("report")
-    @click.argument("folder", type=click.Path(file_okay=False))
-    @click.option("--out", "out_dir", type=click.Path(file_okay=False), help="Where to write (default: FOLDER).")
-    def report_cmd(folder, out_dir) -> None:
-        """scaling.csv, scaling.md and plots from a folder of run records."""
-        from fasttrain.lab.experiments import scaling
-
-        result = scaling.report(folder, out_dir)
-        click.echo(result["markdown"].read_text())
-
-    return group
-
-
-def __getattr__(name):
-    # ``command`` (``fasttrain lab dist``) is built on first access: click stays unimported otherwise
-    if name == "command":
-        return _dist_group()
-    raise AttributeError(name)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from pathlib import Path
@@ -17,17 +16,17 @@ from fasttrain.lab.tune.space import Probe
 
 def model_of(cfg: LabConfig) -> tuple[str, dict | None]:
     """(the model's name, its Hugging Face config as a dict or None for the lab's own GPT)."""
-    spec = getattr(cfg, "model", None) or "gpt"
-    if not str(spec).startswith("hf:"):
+    from fasttrain.lab.hf.config import is_hf, source_of
+    from fasttrain.memory.hf_config import read_config_json
+
+    spec = cfg.model or "gpt"
+    if not is_hf(spec):
         return "gpt", None
-    path = Path(str(spec)[3:]).expanduser()
+    path = Path(source_of(spec)).expanduser()
     config_file = path / "config.json" if path.is_dir() else path
     if not config_file.is_file():
-        return str(spec), None          # a hub name: the lab resolves it; the estimator cannot read it here
-    try:
-        return str(spec), json.loads(config_file.read_text())
-    except (OSError, ValueError) as exc:
-        raise FasttrainError(f"--model {spec}: cannot read {config_file} ({exc})") from None
+        return spec, None          # a hub name: the lab resolves it; the estimator cannot read it here
+    return spec, read_config_json(config_file, flag=f"--model {spec}")
 
 
 def model_refusal(hf_config: dict | None, device) -> Callable[[LabConfig], str | None]:

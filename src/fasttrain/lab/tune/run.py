@@ -8,6 +8,7 @@ from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, validate
+from fasttrain.lab.hf.config import is_hf
 from fasttrain.lab.tune.device import DeviceMemory, device_memory, probe_cache
 from fasttrain.lab.tune.probes import lab_measure, lab_predictor, load_corpus_for, model_of, model_refusal
 from fasttrain.lab.tune.search import TuneResult, check_shape, search
@@ -57,7 +58,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
     measure = measure or lab_measure(corpus)
     cache = probe_cache(cache_path, device, memory, model_id, hf_config)
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
-                  memory=memory, family=family, hf=spec.startswith("hf:"), allow=allow, precisions=precisions,
+                  memory=memory, family=family, hf=is_hf(spec), allow=allow, precisions=precisions,
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
