@@ -146,7 +146,7 @@ def test_full_checkpointing_is_the_models_own_and_keeps_gradients(tmp_path, fami
     assert on(ckpt.model) and not on(plain.model)
     x, y = batch(vocab=65)
     for t in (plain, ckpt):
-        t.forward_backward_step(x, y)
+        t.forward_backward_step([(x, y)])
     for (name, a), b in zip(plain.model.named_parameters(), ckpt.model.parameters()):
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-5, atol=1e-6, msg=name)
 
@@ -176,7 +176,7 @@ def test_compile_per_block_gives_the_same_loss(tmp_path):
     blocks = trainer_for(tmp_path, torch_compile=True, torch_compile_scope="blocks")
     assert all(getattr(b, "_compiled_call_impl", None) is not None for b in blocks.lab_model.blocks(blocks.model))
     x, y = batch(vocab=65)
-    assert blocks.forward_backward_step(x, y).item() == pytest.approx(plain.forward_backward_step(x, y).item(),
+    assert blocks.forward_backward_step([(x, y)]).item() == pytest.approx(plain.forward_backward_step([(x, y)]).item(),
                                                                        rel=1e-5)
 
 

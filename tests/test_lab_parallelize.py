@@ -15,7 +15,7 @@ import torch.multiprocessing as mp  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
-from fasttrain.lab.parallel import fit as F  # noqa: E402
+from fasttrain.lab import fit as F  # noqa: E402
 from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
 from tests_support import word_corpus as _text_corpus  # noqa: E402
 

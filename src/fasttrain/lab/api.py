@@ -15,6 +15,7 @@ of the configuration applies through the one trainer; the run is measured like `
 from __future__ import annotations
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import is_hf
 
 
 def _config(config, overrides: dict):
@@ -99,7 +100,7 @@ def run(config=None, *, model=None, data=None, loss=None, logits=None, blocks=No
         overrides, model = {**overrides, "model": model}, None
     cfg = _config(config, overrides)
     # the context is the model's own (not given): lowered to what the corpus allows
-    fit_context = config is None and "context" not in overrides and cfg.model.startswith("hf:")
+    fit_context = config is None and "context" not in overrides and is_hf(cfg.model)
     if config is None and "context" not in overrides and getattr(model, "context", None):
         cfg, fit_context = cfg.with_(context=model.context, name=getattr(model, "name", cfg.name)), True
     corpus = _data(data, cfg)

@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass, field, fields, replace
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.models import HF_PREFIX, is_hf  # noqa: F401  (the one answer, re-exported)
 
 LAB_EXTRA = 'pip install -e ".[lab]"'
 
@@ -49,6 +50,10 @@ LIGER_KERNEL_SETS = ("all", "fused_linear_cross_entropy")
 GROUPS = ("model", "architecture", "data", "batch", "optimizer", "precision", "memory", "speed", "evaluation",
           "fine-tuning", "output", "parallel", "search", "run")
 
+
+# every setting a transformers model's defaults may set (a config file written for such a run holds them all)
+DERIVED = ("name", "context", "per_device_train_batch_size", "learning_rate", "min_lr", "warmup_steps",
+           "adam_beta2", "weight_decay", "max_steps")
 
 # the lab GPT's shape: a transformers model has its own (its config.json)
 GPT_SHAPE = ("style", "layers", "heads", "kv_heads", "width", "ffn", "vocab_size", "pad_vocab_to_multiple_of",
@@ -385,7 +390,7 @@ def validate(cfg: LabConfig) -> LabConfig:
         if getattr(cfg, name) is not None:
             _positive(cfg, name)
     _choice(cfg, "style", STYLES)
-    if not isinstance(cfg.model, str) or not (cfg.model == "gpt" or cfg.model.startswith("hf:")):
+    if not (cfg.model == "gpt" or is_hf(cfg.model)):
         raise FasttrainError(f"unknown --model {cfg.model!r}; use gpt (the lab's own) or hf:PATH_OR_NAME "
                              f"(a folder holding a transformers config.json, or a hub name)")
     if cfg.model != "gpt":
@@ -474,7 +479,7 @@ def validate(cfg: LabConfig) -> LabConfig:
     if cfg.lora_r and cfg.prompt_tuning_tokens:
         raise FasttrainError("give --lora-r or --prompt-tuning-tokens, not both")
     _choice(cfg, "liger_kernels", LIGER_KERNEL_SETS)
-    if cfg.liger_kernels != "all" and not (cfg.use_liger_kernel and cfg.model.startswith("hf:")):
+    if cfg.liger_kernels != "all" and not (cfg.use_liger_kernel and is_hf(cfg.model)):
         raise FasttrainError(f"--liger-kernels {cfg.liger_kernels} chooses among liger-kernel's patches of a "
                              "transformers model: give it with --use-liger-kernel and --model hf:..., or drop it")
     if cfg.lora_r and cfg.use_liger_kernel and "head" in cfg.lora_target_modules:
@@ -610,7 +615,7 @@ def compiled_scope(cfg: "LabConfig") -> str:
     partitioner chooses what the forward saves in every case (CUDA graphs change where, not how much)."""
     if not cfg.torch_compile:
         return "none"
-    return "blocks" if getattr(cfg, "torch_compile_scope", "model") == "blocks" else "model"
+    return "blocks" if cfg.torch_compile_scope == "blocks" else "model"
 
 
 def lora_targets_for(cfg: "LabConfig", model_default: tuple[str, ...] = ()) -> tuple[str, ...]:

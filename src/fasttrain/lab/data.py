@@ -375,3 +375,15 @@ def eval_windows(ids: np.ndarray, context: int, tokens: int | None = None) -> li
         out.append((start, length))
         start += length
     return out
+
+
+def tokens_sha256(corpus) -> str:
+    """SHA-256 of the corpus' token ids: the training split's bytes, then the validation split's."""
+    import numpy as np
+
+    digest = hashlib.sha256()
+    for ids in (corpus.train, corpus.val):
+        arr = np.ascontiguousarray(ids)
+        digest.update(str(arr.dtype).encode() + b":" + str(arr.shape[0]).encode() + b":")
+        digest.update(arr.tobytes())
+    return digest.hexdigest()

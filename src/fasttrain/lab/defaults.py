@@ -27,15 +27,13 @@ import math
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import DERIVED, HF_PREFIX, is_hf
 
 FINE_TUNE = dict(learning_rate=2e-5, min_lr=2e-6, adam_beta2=0.999, weight_decay=0.0, max_steps=1000)
 FINE_TUNE_WARMUP = 0.03
 PRETRAIN = dict(adam_beta2=0.95, weight_decay=0.1, max_steps=5000)
 PRETRAIN_WARMUP = 0.02
 MICRO_BATCH = 8
-# every setting a transformers model's defaults may set (a config file written for such a run holds them all)
-DERIVED = ("name", "context", "per_device_train_batch_size", "learning_rate", "min_lr", "warmup_steps",
-           "adam_beta2", "weight_decay", "max_steps")
 
 
 def pretrain_lr(params: int) -> float:
@@ -66,7 +64,7 @@ def _first(config, *names):
 
 def model_name(spec: str) -> str:
     """The run's name for ``hf:PATH_OR_NAME``: the folder's name (or the hub name's last part)."""
-    source = spec[3:] if spec.startswith("hf:") else spec
+    source = spec[len(HF_PREFIX):] if is_hf(spec) else spec
     return Path(source.rstrip("/")).name or source
 
 
@@ -75,7 +73,7 @@ def hf_defaults(spec: str, given: dict) -> dict:
     settings ``given`` by the file and the flags (a warm-up follows the run's own ``max_steps``)."""
     from fasttrain.lab.hf.config import has_weights, load_hf_config, max_positions
 
-    if not spec.startswith("hf:"):
+    if not is_hf(spec):
         raise FasttrainError(f"unknown --model {spec!r}; use gpt (the lab's own) or hf:PATH_OR_NAME")
     config, folder = load_hf_config(spec)
     out = {"name": (model_name(spec), "the model's folder")}
@@ -127,4 +125,4 @@ def fit_context(cfg, train_tokens: int, log=None):
     return cfg.with_(context=most)
 
 
-__all__ = ["hf_defaults", "warmup_note", "fit_context", "pretrain_lr", "approx_params", "DERIVED", "model_name"]
+__all__ = ["hf_defaults", "warmup_note", "fit_context", "pretrain_lr", "approx_params", "model_name"]

@@ -56,7 +56,7 @@ def reporters(report_to: str) -> tuple[str, ...]:
 
 def log_prefix(cfg, record_path=None) -> str | None:
     """Where the files go: ``DIR/`` for ``--logging-dir DIR``, ``RUN.`` beside ``--out RUN.json``, else None."""
-    if getattr(cfg, "logging_dir", None):
+    if cfg.logging_dir:
         return os.path.join(os.fspath(Path(cfg.logging_dir).expanduser()), "")
     if record_path:
         path = Path(record_path).expanduser()
@@ -67,10 +67,10 @@ def log_prefix(cfg, record_path=None) -> str | None:
 def check_loggers(cfg, record_path=None) -> tuple[str, ...]:
     """Before any work: the sinks ``cfg`` asks for, each with a place to write and its library; the
     sinks that will run (the default files are dropped quietly where there is no place)."""
-    names = reporters(getattr(cfg, "report_to", DEFAULT_REPORT_TO))
+    names = reporters(cfg.report_to)
     prefix = log_prefix(cfg, record_path)
     if prefix is None:
-        if names and getattr(cfg, "report_to", DEFAULT_REPORT_TO) != DEFAULT_REPORT_TO:
+        if names and cfg.report_to != DEFAULT_REPORT_TO:
             raise FasttrainError(f"--report-to {cfg.report_to}: give --logging-dir DIR (or --out RUN.json, beside "
                                  f"which the logs go)")
         return ()

@@ -16,6 +16,13 @@ from typing import Any, Callable
 
 from fasttrain.errors import FasttrainError
 
+HF_PREFIX = "hf:"       # --model hf:PATH_OR_NAME: a transformers causal LM
+
+
+def is_hf(spec) -> bool:
+    """Whether a ``--model`` value names a transformers model (``hf:PATH_OR_NAME``): the one answer."""
+    return isinstance(spec, str) and spec.startswith(HF_PREFIX)
+
 
 @dataclass
 class LabModel:

@@ -11,6 +11,7 @@ import re
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.models import HF_PREFIX, is_hf
 
 CHECKPOINT_FORMAT = "fasttrain-lab-checkpoint-1"
 CHECKPOINT_FILES = ("config.json", "model.safetensors")
@@ -109,7 +110,7 @@ def run_inputs(cfg) -> list[tuple[str, Path]]:
              ("--val-bin", cfg.val_bin), ("--init-from", cfg.init_from), ("--resume", cfg.resume)]
     if isinstance(cfg.tokenizer, str) and cfg.tokenizer.startswith("hf:"):
         pairs.append(("--tokenizer", cfg.tokenizer[3:]))
-    if isinstance(cfg.model, str) and cfg.model.startswith("hf:") and Path(cfg.model[3:]).expanduser().exists():
+    if is_hf(cfg.model) and Path(cfg.model[len(HF_PREFIX):]).expanduser().exists():
         pairs.append(("--model", cfg.model[3:]))      # a hub name is no path of this machine
     return [(flag, _resolved(path)) for flag, path in pairs if path is not None and os.fspath(path).strip()]
 
@@ -158,7 +159,7 @@ def own_entries(folder: Path) -> list[str]:
 def check_output_folders(cfg) -> None:
     """``--save`` and ``--output-dir`` against the run's inputs and each other (see the block comment)."""
     inputs = run_inputs(cfg)
-    overwrite = bool(getattr(cfg, "overwrite_output_dir", False))
+    overwrite = cfg.overwrite_output_dir
     save = _resolved(cfg.save) if cfg.save is not None else None
     if save is not None:
         for name, source in inputs:

@@ -190,10 +190,9 @@ def settings_of(cfg: LabConfig, preset_name: str | None = None) -> tuple[str | N
     """``(preset, settings)`` that rebuild ``cfg`` through ``fasttrain lab``: the lab's GPT from its
     preset (``cfg.name`` when it is one, else ``preset_name`` or shakespeare-char) and the fields that
     differ from it; a transformers model from no preset, with every field that differs from LabConfig's
-    defaults and every one its own defaults set (:data:`fasttrain.lab.defaults.DERIVED`), so that they
+    defaults and every one its own defaults set (:data:`fasttrain.lab.config.DERIVED`), so that they
     read back as they are."""
-    from fasttrain.lab.config import PRESETS
-    from fasttrain.lab.defaults import DERIVED
+    from fasttrain.lab.config import DERIVED, PRESETS
 
     if cfg.model == "gpt":
         name = cfg.name if cfg.name in PRESETS else (preset_name or "shakespeare-char")

@@ -162,13 +162,13 @@ def apply_activation_checkpointing(lab_model, cfg, module, applied: list) -> Non
 
 def _compile_options(cfg) -> dict:
     mode = None if cfg.torch_compile_mode == "default" else cfg.torch_compile_mode
-    backend = getattr(cfg, "torch_compile_backend", "inductor")
+    backend = cfg.torch_compile_backend
     # cudagraphs: AOT autograd's forward and backward captured as CUDA graphs, no inductor code generation
     return {"mode": mode} if backend == "inductor" else {"backend": backend}
 
 
 def compile_blocks(lab_model, cfg, module, applied: list) -> None:
-    if not cfg.torch_compile or getattr(cfg, "torch_compile_scope", "model") != "blocks":
+    if not cfg.torch_compile or cfg.torch_compile_scope != "blocks":
         return
     if lab_model.blocks is None:
         raise FasttrainError(f"--torch-compile-scope blocks: {lab_model.name} does not say which are its blocks; "
@@ -180,7 +180,7 @@ def compile_blocks(lab_model, cfg, module, applied: list) -> None:
 
 
 def compile_model(cfg, wrapped, applied: list):
-    if not cfg.torch_compile or getattr(cfg, "torch_compile_scope", "model") == "blocks":
+    if not cfg.torch_compile or cfg.torch_compile_scope == "blocks":
         return wrapped
     import torch
 
@@ -206,7 +206,7 @@ def float8_filter(module, name: str) -> bool:
 
 def check_float8(cfg, device) -> None:
     """``--float8``: torchao on a Hopper-or-newer GPU; one line before any work."""
-    recipe = getattr(cfg, "float8", "none")
+    recipe = cfg.float8
     if recipe not in FLOAT8:
         raise FasttrainError(f"unknown --float8 {recipe!r}; use one of {', '.join(FLOAT8)}")
     if recipe == "none":
@@ -229,7 +229,7 @@ def check_float8(cfg, device) -> None:
 
 
 def apply_float8(lab_model, cfg, module, applied: list) -> None:
-    recipe = getattr(cfg, "float8", "none")
+    recipe = cfg.float8
     if recipe == "none":
         return
     if recipe not in FLOAT8:

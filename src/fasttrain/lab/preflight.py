@@ -27,6 +27,7 @@ import os
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import is_hf
 from fasttrain.lab.outputs import (CHECKPOINT_FORMAT, check_cache_file, check_output_file,  # noqa: F401
                                    check_output_folders, check_save_folder, expand, hold_outputs, is_lab_checkpoint,
                                    run_inputs, save_folder_state)
@@ -62,7 +63,7 @@ def check_run(cfg, out=None) -> None:
     ensure_valid(cfg)               # validated where it was built; checked here only if it was not
     check_outputs(cfg, out)
     check_output_folders(cfg)
-    if cfg.model.startswith("hf:"):
+    if is_hf(cfg.model):
         from fasttrain.lab.hf import check_hf_folder
 
         check_hf_folder(cfg.model)      # config.json's fields, an encoder, the weights against the config

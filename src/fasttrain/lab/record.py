@@ -12,7 +12,6 @@ data is seen even where the text is the same.
 
 from __future__ import annotations
 
-import hashlib
 import sys
 from dataclasses import dataclass, field
 from importlib import metadata
@@ -20,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.data import tokens_sha256
 
 # every library a lab technique runs on (distribution names)
 LIBRARIES = ("torch", "numpy", "transformers", "tokenizers", "peft", "torchao", "liger-kernel", "safetensors",
@@ -35,18 +35,6 @@ def library_versions() -> dict[str, str | None]:
         except metadata.PackageNotFoundError:
             out[name] = None
     return out
-
-
-def tokens_sha256(corpus) -> str:
-    """SHA-256 of the corpus' token ids: the training split's bytes, then the validation split's."""
-    import numpy as np
-
-    digest = hashlib.sha256()
-    for ids in (corpus.train, corpus.val):
-        arr = np.ascontiguousarray(ids)
-        digest.update(str(arr.dtype).encode() + b":" + str(arr.shape[0]).encode() + b":")
-        digest.update(arr.tobytes())
-    return digest.hexdigest()
 
 
 def provenance(cfg, lab_model, corpus) -> dict:
@@ -244,4 +232,4 @@ def plot_runs(records: dict, out, sources: dict | None = None) -> Path:
 
 
 __all__ = ["RunRecord", "LIBRARIES", "library_versions", "provenance", "load_record", "config_of_record",
-           "plot_loss_curve", "plot_runs", "run_labels", "tokens_sha256"]
+           "plot_loss_curve", "plot_runs", "run_labels"]

@@ -113,7 +113,7 @@ def run_of(checkpoint: Path) -> str | None:
 def data_description(corpus) -> dict:
     """What a training state keeps of its corpus to refuse another on resume: the files (path,
     SHA-256), the tokenizer, and the SHA-256 of the token ids themselves."""
-    from fasttrain.lab.record import tokens_sha256
+    from fasttrain.lab.data import tokens_sha256
 
     desc = corpus.describe() if hasattr(corpus, "describe") else {}
     return {"files": [{k: f.get(k) for k in ("role", "path", "sha256")} for f in desc.get("files", [])],

@@ -34,7 +34,7 @@ from fasttrain.lab.adapters import merge_lora
 from fasttrain.lab.batchsize import auto_find, largest_fitting
 from fasttrain.lab.build import config_from_model, make_trainer, model_config, resolve_device
 from fasttrain.lab.checkpoint import eval_settings, read_checkpoint, save_checkpoint
-from fasttrain.lab.config import LabConfig, missing_extra
+from fasttrain.lab.config import HF_PREFIX, LabConfig, is_hf, missing_extra
 from fasttrain.lab.estimate import SETUP_OPTIM, estimate_notes, lab_setup
 from fasttrain.lab.measure import free_memory, gpu_name, held_before, oom_types, release_run_state, sync, tf32_matmuls
 from fasttrain.lab.trainer import Metrics, Trainer, accumulate_gradients, autocast_for
@@ -150,7 +150,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
         # a Hugging Face model folder that ships a tokenizer: it is the default --tokenizer
         from fasttrain.lab.tokenizer import model_tokenizer
 
-        spec = cfg.model[3:] if cfg.model.startswith("hf:") else None
+        spec = cfg.model[len(HF_PREFIX):] if is_hf(cfg.model) else None
         corpus = corpus_for(cfg, default_tokenizer=model_tokenizer(spec) if spec else None)
     if fit_context:
         from fasttrain.lab.defaults import fit_context as fit
@@ -177,7 +177,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
 
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
     if world.distributed and device.type == "cuda" and model is None:
-        from fasttrain.lab.parallel.fit import check_fits_some_strategy
+        from fasttrain.lab.fit import check_fits_some_strategy
         from fasttrain.lab.preflight import device_memory
 
         free, _, _ = device_memory(device)

@@ -241,7 +241,7 @@ class Trainer:
         self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.step_index = 0
         self.cuda_graphs = cfg.torch_compile and device.type == "cuda" and (
-            cfg.torch_compile_mode == "reduce-overhead" or getattr(cfg, "torch_compile_backend", "inductor") == "cudagraphs")
+            cfg.torch_compile_mode == "reduce-overhead" or cfg.torch_compile_backend == "cudagraphs")
         # CUDA graphs with gradient accumulation: a micro-batch's backward replay writes the gradients into the
         # graph's pool, and a .grad that is None takes that very output as its storage; the next replay then
         # finds a live output it would overwrite (steps 8-24x slower than default compile on the H100, which

@@ -9,11 +9,10 @@ import socket
 from pathlib import Path
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.config import LabConfig, missing_extra
+from fasttrain.lab.config import HF_PREFIX, is_hf, LabConfig, missing_extra
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
-HF_PREFIX = "hf:"
 
 # LoRA's default targets per model_type, in each family's own module names: the estimator's table (it
 # counts what the lab adapts)
@@ -25,10 +24,6 @@ WEIGHT_FILES = ("model.safetensors", "model.safetensors.index.json", "pytorch_mo
 
 # a hub repository id: "name" or "namespace/name" of letters, digits, '-', '_', '.'
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
-
-
-def is_hf(spec: str | None) -> bool:
-    return isinstance(spec, str) and spec.startswith(HF_PREFIX)
 
 
 def _transformers():

@@ -66,6 +66,7 @@ import os
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import is_hf
 
 STRATEGIES = ("none", "ddp", "zero1", "fsdp", "hsdp", "tp")
 FSDP_STRATEGIES = ("fsdp", "hsdp")
@@ -298,7 +299,7 @@ def check_model_fits(cfg, world_size: int, strategy: str, tp: int | None = None)
     tp = (world_size if strategy == "tp" else 1) if tp is None else tp
     if tp == 1:
         return
-    if _is_hf(cfg):
+    if is_hf(cfg.model):
         from fasttrain.lab.hf import check_hf_parallel
 
         check_hf_parallel("tp", cfg.model, tp)      # the HF config's heads and widths
@@ -325,19 +326,14 @@ def check_config(cfg, parallel: ParallelConfig) -> None:
         # peft wraps the Linear layers the plan splits; liger's fused loss reads lm_head's whole weight
         raise FasttrainError("tensor parallelism splits the plain attention and MLP layers; it does not combine with "
                              "LoRA, prompt tuning or --use-liger-kernel: use ddp or fsdp without --tp")
-    if tp and getattr(cfg, "float8", "none") != "none":
+    if tp and cfg.float8 != "none":
         raise FasttrainError("--float8 with tensor parallelism is not wired in the lab (torchao's float8 TP styles); "
                              "use --strategy fsdp without --tp")
-    if tp and _is_hf(cfg):
+    if tp and is_hf(cfg.model):
         from fasttrain.lab.hf import check_hf_parallel
 
         check_hf_parallel("tp", cfg.model)      # the family ships a plan the lab applies
     return None
-
-
-def _is_hf(cfg) -> bool:
-    model = getattr(cfg, "model", None)
-    return isinstance(model, str) and model.startswith("hf:")
 
 
 def gpu_count() -> int:

@@ -6,7 +6,8 @@ knows the lab's model builder): the process-group code stays below the builder."
 from __future__ import annotations
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.parallel.distributed import World, _is_hf, estimator_parallelism
+from fasttrain.lab.config import is_hf
+from fasttrain.lab.parallel.distributed import World, estimator_parallelism
 
 
 def per_gpu_peak(cfg, vocab: int, world: World) -> int | None:
@@ -18,7 +19,7 @@ def per_gpu_peak(cfg, vocab: int, world: World) -> int | None:
     from fasttrain.lab.preflight import _hf_setup
 
     try:
-        setup = _hf_setup(cfg, cfg.per_device_train_batch_size) if _is_hf(cfg) else lab_setup(cfg, vocab)
+        setup = _hf_setup(cfg) if is_hf(cfg.model) else lab_setup(cfg, vocab)
         if setup is None:
             return None
         fields = estimator_parallelism(world, cfg.bf16) if world.strategy != "none" else {}
