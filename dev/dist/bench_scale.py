@@ -1,0 +1,331 @@
+"""The scale-out benchmark: the lab on 1, 2 and 4 GPUs (tune's pick) against the HF Trainer with FSDP.
+
+Models (config folders written here, random init, bf16, full training, AdamW), one entry of MODELS each:
+
+- ``llama3-8b``: Meta-Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads over 8 key/value heads,
+  SwiGLU 14336, vocabulary 128256, rope theta 500000), seq 8192;
+- ``llama-1b``: Llama-3.2-1B's shape with a 32000 vocabulary (as ``dev/tune/bench_tune.py``), seq 2048;
+- ``gpt2-124m``: GPT-2 small, seq 1024.
+
+Data: seeded random token ids (``train.bin``; uint32 where the vocabulary passes 65,536): no tokenizer or
+download, the same windows for the lab and the Trainer.
+
+Phases (each one command; a work folder keeps the model's config and data)::
+
+    python3 dev/dist/bench_scale.py prepare WORK --model llama3-8b
+    torchrun --nproc-per-node 4 dev/dist/bench_scale.py hf WORK --model llama3-8b --steps 8 --out hf.json
+    torchrun --nproc-per-node 4 dev/dist/bench_scale.py lab-profile WORK --profile P -- --strategy fsdp ...
+
+``hf`` is the HF Trainer as its users run it on N GPUs (``fsdp="full_shard auto_wrap"``, ``fsdp_config``
+version 2 with ``activation_checkpointing``, bf16, micro-batch 1, torchrun), ``--flags`` adds its best
+flags (liger, fused AdamW, ``torch_compile``, a micro-batch); ``lab-profile`` is the lab's own command
+line under torchrun with the profiler of ``dev/dist/profiling.py`` stepping after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIB = 2 ** 20
+LEARNING_RATE = 3e-4
+
+MODELS = {
+    "llama3-8b": dict(seq=8192, config=dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-1b": dict(seq=2048, config=dict(
+        model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
+        rope_theta=500000.0)),
+    "gpt2-124m": dict(seq=1024, config=dict(
+        model_type="gpt2", vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # the CPU tests' model
+    "tiny-llama": dict(seq=32, config=dict(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
+}
+# the class FSDP wraps one unit of, per family (the Trainer's fsdp_config and the accelerate file name it)
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def bin_dtype(name: str) -> str:
+    return "uint32" if MODELS[name]["config"]["vocab_size"] > 65536 else "uint16"
+
+
+def prepare(work: Path, name: str, n_tokens: int = 4_000_000) -> Path:
+    """The model's config folder and ``train.bin`` / ``val.bin`` of seeded random ids."""
+    import numpy as np
+    import transformers as tf
+
+    spec = MODELS[name]
+    folder = work / name
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    cfg = dict(spec["config"])
+    kind = cfg.pop("model_type")
+    (tf.GPT2Config if kind == "gpt2" else tf.LlamaConfig)(**cfg).save_pretrained(folder / "model")
+    dtype = np.uint32 if bin_dtype(name) == "uint32" else np.uint16
+    rng = np.random.default_rng(1234)
+    for split, size in (("train", n_tokens), ("val", max(n_tokens // 20, 4 * spec["seq"] + 2))):
+        rng.integers(0, cfg["vocab_size"], size=size, dtype=np.int64).astype(dtype).tofile(folder / f"{split}.bin")
+    log(f"{name}: {kind} config and {n_tokens:,} random training tokens -> {folder}")
+    return folder
+
+
+# --- the HF Trainer with FSDP (run under torchrun: one process per GPU) ---------------------------
+
+def hf_training_arguments(name: str, *, micro_batch: int, accumulation: int, steps: int, nproc: int,
+                          flags: dict | None = None, output_dir: str = "out") -> dict:
+    """``TrainingArguments`` as a user writes them for FSDP2 on ``nproc`` GPUs (a dict: the JSON the report keeps)."""
+    family = MODELS[name]["config"]["model_type"]
+    args = dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=micro_batch,
+                gradient_accumulation_steps=accumulation, bf16=True, learning_rate=LEARNING_RATE,
+                lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1, logging_steps=max(1, steps),
+                save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+    if nproc > 1:
+        args.update(fsdp="full_shard auto_wrap",
+                    fsdp_config={"version": 2, "activation_checkpointing": True,
+                                 "transformer_layer_cls_to_wrap": [LAYER_CLASS[family]]})
+    else:
+        args.update(gradient_checkpointing=True)
+    args.update(flags or {})
+    return args
+
+
+def hf_worker(work: Path, name: str, *, micro_batch: int, accumulation: int, steps: int, skip: int,
+              flags: dict, out: Path | None, profile: Path | None) -> dict:
+    """One HF Trainer run on this torchrun world: tokens/s per GPU over the steps after ``skip``, every rank's
+    peak. Rank 0 writes ``out``."""
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    spec = MODELS[name]
+    seq = spec["seq"]
+    folder = work / name
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint32 if bin_dtype(name) == "uint32" else np.uint16)
+
+    class Windows(torch.utils.data.Dataset):
+        def __init__(self, count: int):
+            self.offsets = np.random.default_rng(0).integers(0, len(ids) - seq - 1, size=count)
+
+        def __len__(self):
+            return len(self.offsets)
+
+        def __getitem__(self, i):
+            w = torch.from_numpy(ids[self.offsets[i]:self.offsets[i] + seq].astype(np.int64))
+            return {"input_ids": w, "labels": w}
+
+    prof = None
+    if profile is not None:
+        sys.path.insert(0, str(HERE))
+        from profiling import StepProfiler
+
+        prof = StepProfiler(profile, "hf" + ("-flags" if flags else ""), wait=max(1, skip), active=2)
+
+    class StepTimer(tf.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            self.times, self.t = [], time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            if cuda:
+                torch.cuda.synchronize()
+            now = time.perf_counter()
+            self.times.append(now - self.t)
+            self.t = now
+            if prof is not None:
+                prof.step()
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    config = tf.AutoConfig.from_pretrained(folder / "model")
+    torch.manual_seed(0)
+    # built on the GPU (the random init of 8B parameters on the CPU takes minutes a rank); FSDP shards it in place
+    with torch.device(f"cuda:{local}" if cuda else "cpu"):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.config.use_cache = False
+    timer = StepTimer()
+    with tempfile.TemporaryDirectory() as tmp:
+        args = tf.TrainingArguments(**{**hf_training_arguments(name, micro_batch=micro_batch, accumulation=accumulation,
+                                                               steps=steps, nproc=world, flags=flags, output_dir=tmp),
+                                       **({} if cuda else {"use_cpu": True, "bf16": False})})
+        trainer = tf.Trainer(model=model, args=args, callbacks=[timer],
+                             train_dataset=Windows(steps * micro_batch * accumulation * world * 2))
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.close()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peaks = [peak]
+    if world > 1:
+        import torch.distributed as dist
+
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
+    timed = timer.times[skip:]
+    step_s = sorted(timed)[len(timed) // 2] if timed else None
+    tokens_per_gpu = micro_batch * accumulation * seq
+    result = {"model": name, "gpus": world, "micro_batch": micro_batch, "accumulation": accumulation,
+              "flags": flags, "tokens_per_s_per_gpu": tokens_per_gpu / step_s if step_s else None,
+              "step_s": timer.times, "skip": skip, "peak_mib_per_rank": [p / MIB for p in peaks], "wall_s": wall,
+              "training_arguments": hf_training_arguments(name, micro_batch=micro_batch, accumulation=accumulation,
+                                                          steps=steps, nproc=world, flags=flags)}
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = f"hf {name} {world} GPU(s) {flags or 'as users run it'}: {result['tokens_per_s_per_gpu'] or 0:,.0f} " \
+               f"tokens/s per GPU, peak {max(peaks) / MIB:,.0f} MiB"
+        log(line)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+# --- the lab, profiled --------------------------------------------------------------------------
+
+def lab_args(work: Path, name: str, *, micro_batch: int, accumulation: int, steps: int, extra=()) -> list[str]:
+    """``fasttrain lab`` flags for ``name`` on the benchmark's data (the strategy and techniques in ``extra``)."""
+    spec = MODELS[name]
+    folder = work / name
+    return ["lab", "--model", f"hf:{folder / 'model'}", "--train-bin", str(folder / "train.bin"),
+            "--val-bin", str(folder / "val.bin"), "--bin-dtype", bin_dtype(name), "--context", str(spec["seq"]),
+            "--per-device-train-batch-size", str(micro_batch), "--gradient-accumulation-steps", str(accumulation),
+            "--max-steps", str(steps), "--learning-rate", str(LEARNING_RATE), "--min-lr", str(LEARNING_RATE),
+            "--warmup-steps", "0", "--weight-decay", "0.1", "--dropout", "0", "--eval-interval", "0",
+            "--eval-tokens", str(spec["seq"]), "--bf16", "--attn-implementation", "sdpa", *extra]
+
+
+def lab_profile_worker(profile: Path, argv: list[str], skip: int) -> int:
+    """The lab's command line in this torchrun worker, the profiler stepping after every optimizer step."""
+    sys.path.insert(0, str(HERE))
+    from profiling import StepProfiler
+
+    from fasttrain.cli import main
+    from fasttrain.lab.trainer import Trainer
+
+    prof = StepProfiler(profile, "lab", wait=skip, active=2)
+    train_step = Trainer.train_step
+
+    def profiled(self, x, y):
+        out = train_step(self, x, y)
+        prof.step()
+        return out
+
+    Trainer.train_step = profiled
+    try:
+        return main(argv)
+    finally:
+        prof.close()
+
+
+def lab_figures(record: dict) -> dict:
+    """tokens/s per GPU, the largest rank's peak and the estimator's per-GPU prediction from a lab run record."""
+    d = record.get("distributed") or {}
+    gpus = d.get("world_size", 1)
+    peaks = [r["peak_allocated_bytes"] for r in d.get("per_rank", []) if r.get("peak_allocated_bytes")] \
+        or [record.get("memory", {}).get("train_peak_bytes") or 0]
+    predicted = (record.get("estimate") or {}).get("precise_bytes")
+    return {"gpus": gpus, "tokens_per_s_per_gpu": (record.get("tokens_per_s") or 0) / gpus,
+            "peak_mib_per_gpu": max(peaks) / MIB if peaks else None,
+            "predicted_mib_per_gpu": predicted / MIB if predicted else None}
+
+
+def profile_table(archive: Path, lab_record: Path | None, hf_record: Path | None) -> str:
+    """The profile of the two sides in one table: device ms per step by kind, what the gradients are reduced as."""
+    import tarfile
+
+    rows = {}
+    with tarfile.open(archive) as tar:
+        for member in tar.getmembers():
+            base = Path(member.name).name
+            if base.startswith("profile-") and base.endswith("-rank0.json"):
+                rows[base[len("profile-"):-len("-rank0.json")]] = json.load(tar.extractfile(member))
+    from profiling import KINDS
+
+    lines = ["| side | " + " | ".join(KINDS) + " | compute | step wall | exposed |", "|---" * (len(KINDS) + 4) + "|"]
+    for side, p in sorted(rows.items()):
+        ms = p["per_step_ms"]
+        lines.append(f"| {side} | " + " | ".join(f"{ms[k]:,.1f}" for k in KINDS)
+                     + f" | {p['compute_ms']:,.1f} | {p['step_wall_ms'] or 0:,.1f} | {p['exposed_ms'] or 0:,.1f} |")
+    for side, p in sorted(rows.items()):
+        lines.append(f"{side} collectives (ms/step): " + "; ".join(f"{k}: {v}" for k, v in p["collectives"].items()))
+    if lab_record and lab_record.exists():
+        f = lab_figures(json.loads(lab_record.read_text()))
+        lines.append(f"lab: {f['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, peak {f['peak_mib_per_gpu'] or 0:,.0f} MiB, "
+                     f"predicted {f['predicted_mib_per_gpu'] or 0:,.0f} MiB")
+    if hf_record and hf_record.exists():
+        h = json.loads(hf_record.read_text())
+        lines.append(f"hf: {h['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s per GPU, peak "
+                     f"{max(h['peak_mib_per_rank']):,.0f} MiB")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="phase", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("work", type=Path)
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    p = sub.add_parser("hf")
+    p.add_argument("work", type=Path)
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--flags", default="{}", help="JSON: TrainingArguments added to the users' ones.")
+    p.add_argument("--out", type=Path)
+    p.add_argument("--profile", type=Path)
+    p = sub.add_parser("lab-profile")
+    p.add_argument("work", type=Path)
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accumulation", type=int, default=1)
+    p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--skip", type=int, default=3)
+    p.add_argument("--profile", type=Path, required=True)
+    p.add_argument("--out", type=Path)
+    p = sub.add_parser("profile-table")
+    p.add_argument("archive", type=Path)
+    p.add_argument("lab_record", type=Path, nargs="?")
+    p.add_argument("hf_record", type=Path, nargs="?")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    a.extra = argv[cut + 1:]           # lab-profile: more `fasttrain lab` flags, after --
+    if a.phase == "prepare":
+        prepare(a.work, a.model, a.tokens)
+    elif a.phase == "profile-table":
+        sys.path.insert(0, str(HERE))
+        print(profile_table(a.archive, a.lab_record, a.hf_record))
+    elif a.phase == "hf":
+        hf_worker(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
+                  skip=a.skip, flags=json.loads(a.flags), out=a.out, profile=a.profile)
+    elif a.phase == "lab-profile":
+        extra = list(a.extra) + (["--out", str(a.out)] if a.out else [])
+        return lab_profile_worker(a.profile, lab_args(a.work, a.model, micro_batch=a.micro_batch,
+                                                      accumulation=a.accumulation, steps=a.steps, extra=extra),
+                                  a.skip)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
