@@ -247,34 +247,47 @@ def lab_figures(record: dict) -> dict:
             "predicted_mib_per_gpu": predicted / MIB if predicted else None}
 
 
-def profile_table(archive: Path, lab_record: Path | None, hf_record: Path | None) -> str:
-    """The profile of the two sides in one table: device ms per step by kind, what the gradients are reduced as."""
-    import tarfile
-
-    rows = {}
-    with tarfile.open(archive) as tar:
-        for member in tar.getmembers():
-            base = Path(member.name).name
-            if base.startswith("profile-") and base.endswith("-rank0.json"):
-                rows[base[len("profile-"):-len("-rank0.json")]] = json.load(tar.extractfile(member))
+def profile_table(summaries: dict[str, dict], lab_record: Path | None = None, hf_record: Path | None = None) -> str:
+    """The profiles side by side (rank 0's, per step): device ms by kind of kernel, the compute's busy time, the
+    communication no compute hid, the idle time; what the gradients are reduced as; the runs' figures."""
     from profiling import KINDS
 
-    lines = ["| side | " + " | ".join(KINDS) + " | compute | step wall | exposed |", "|---" * (len(KINDS) + 4) + "|"]
-    for side, p in sorted(rows.items()):
+    lines = ["| side | " + " | ".join(KINDS) + " | compute busy | exposed comm | idle | step wall |",
+             "|---" * (len(KINDS) + 5) + "|"]
+    for side, p in sorted(summaries.items()):
         ms = p["per_step_ms"]
         lines.append(f"| {side} | " + " | ".join(f"{ms[k]:,.1f}" for k in KINDS)
-                     + f" | {p['compute_ms']:,.1f} | {p['step_wall_ms'] or 0:,.1f} | {p['exposed_ms'] or 0:,.1f} |")
-    for side, p in sorted(rows.items()):
-        lines.append(f"{side} collectives (ms/step): " + "; ".join(f"{k}: {v}" for k, v in p["collectives"].items()))
+                     + f" | {p['compute_busy_ms']:,.1f} | {p['exposed_comm_ms']:,.1f} | {p['idle_ms']:,.1f} | "
+                     + (f"{p['step_wall_ms']:,.1f} |" if p.get("step_wall_ms") else "- |"))
+    lines.append("")
+    for side, p in sorted(summaries.items()):
+        lines.append(f"- {side} collectives (ms/step): " + "; ".join(f"`{k.split('(')[0]}` {v:,.1f}"
+                                                                     for k, v in p["collectives"].items()))
     if lab_record and lab_record.exists():
         f = lab_figures(json.loads(lab_record.read_text()))
-        lines.append(f"lab: {f['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, peak {f['peak_mib_per_gpu'] or 0:,.0f} MiB, "
+        lines.append(f"- lab run record: peak {f['peak_mib_per_gpu'] or 0:,.0f} MiB per GPU (largest rank), "
                      f"predicted {f['predicted_mib_per_gpu'] or 0:,.0f} MiB")
     if hf_record and hf_record.exists():
         h = json.loads(hf_record.read_text())
-        lines.append(f"hf: {h['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s per GPU, peak "
-                     f"{max(h['peak_mib_per_rank']):,.0f} MiB")
+        lines.append(f"- HF Trainer: peak {max(h['peak_mib_per_rank']):,.0f} MiB per GPU")
     return "\n".join(lines)
+
+
+def read_summaries(paths: list[Path]) -> dict[str, dict]:
+    """``profile-<side>-rank0.json`` files (or a ``.tgz`` of them) -> side -> summary."""
+    import tarfile
+
+    out = {}
+    for path in paths:
+        if path.suffix == ".tgz":
+            with tarfile.open(path) as tar:
+                for m in tar.getmembers():
+                    base = Path(m.name).name
+                    if base.startswith("profile-") and base.endswith("-rank0.json"):
+                        out[base[len("profile-"):-len("-rank0.json")]] = json.load(tar.extractfile(m))
+        else:
+            out[path.name[len("profile-"):].split("-rank0")[0].removesuffix(".json")] = json.loads(path.read_text())
+    return out
 
 
 def main(argv=None) -> int:
@@ -304,9 +317,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--out", type=Path)
     p = sub.add_parser("profile-table")
-    p.add_argument("archive", type=Path)
-    p.add_argument("lab_record", type=Path, nargs="?")
-    p.add_argument("hf_record", type=Path, nargs="?")
+    p.add_argument("summaries", type=Path, nargs="+", help="profile-<side>-rank0.json files or a .tgz of them")
+    p.add_argument("--lab-record", type=Path)
+    p.add_argument("--hf-record", type=Path)
     argv = list(sys.argv[1:] if argv is None else argv)
     cut = argv.index("--") if "--" in argv else len(argv)
     a = ap.parse_args(argv[:cut])
@@ -315,7 +328,7 @@ def main(argv=None) -> int:
         prepare(a.work, a.model, a.tokens)
     elif a.phase == "profile-table":
         sys.path.insert(0, str(HERE))
-        print(profile_table(a.archive, a.lab_record, a.hf_record))
+        print(profile_table(read_summaries(a.summaries), a.lab_record, a.hf_record))
     elif a.phase == "hf":
         hf_worker(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
                   skip=a.skip, flags=json.loads(a.flags), out=a.out, profile=a.profile)

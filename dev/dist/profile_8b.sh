@@ -31,4 +31,4 @@ timeout 200 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py 
 timeout 220 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" --model llama3-8b \
   --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/hf-8b.json" 2>&1 | grep -v Warning | tail -25
 (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
-python3 dev/dist/bench_scale.py profile-table "$OUT/prof.tgz" "$OUT/lab-8b.json" "$OUT/hf-8b.json"
+python3 dev/dist/bench_scale.py profile-table "$OUT/prof.tgz" --lab-record "$OUT/lab-8b.json" --hf-record "$OUT/hf-8b.json"

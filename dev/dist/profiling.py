@@ -9,11 +9,11 @@ the allocator's first growth), warms the profiler up for one and records ``activ
   ``reduce_scatter``, ``all_reduce``, ``other`` (norms, activations, the optimizer, copies);
 - ``collectives``: every NCCL kernel's name with its time; the names carry the reduction's dtype
   (``ReduceScatter_Sum_f32`` against ``_bf16``): what the gradients cross the wire as;
-- ``exposed_ms``: step wall time minus the compute kernels' time: communication the compute did not hide,
-  plus idle gaps (launches, the host);
+- ``exposed_comm_ms``: collective time during which no compute kernel ran; ``idle_ms``: no kernel at all;
 - ``top``: the 25 kernels of largest device time.
 
-Rank 0 also writes the Chrome trace (gzipped) of the active steps.
+Rank 0 also writes the Chrome trace (gzipped) of the active steps. ``python3 dev/dist/profiling.py TRACE.json.gz``
+summarizes a trace again.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import gzip
 import json
 import os
 import shutil
+import sys
 import time
 from pathlib import Path
 
@@ -42,29 +43,61 @@ def kind_of(name: str) -> str:
     return "other"
 
 
-def summarize(events, active: int, step_wall_ms: list[float]) -> dict:
-    """``events``: ``prof.key_averages()``; device time per step by kind, the collectives, the top kernels."""
+def _union(intervals: list[tuple[float, float]]) -> list[tuple[float, float]]:
+    out: list[list[float]] = []
+    for a, b in sorted(intervals):
+        if out and a <= out[-1][1]:
+            out[-1][1] = max(out[-1][1], b)
+        else:
+            out.append([a, b])
+    return [(a, b) for a, b in out]
+
+
+def _covered(intervals: list[tuple[float, float]], cover: list[tuple[float, float]]) -> float:
+    """The part of ``intervals``' total length that lies inside the (disjoint, sorted) ``cover``."""
+    import bisect
+
+    starts = [a for a, _ in cover]
+    total = 0.0
+    for a, b in intervals:
+        i = max(0, bisect.bisect_right(starts, a) - 1)
+        while i < len(cover) and cover[i][0] < b:
+            total += max(0.0, min(b, cover[i][1]) - max(a, cover[i][0]))
+            i += 1
+    return total
+
+
+def summarize_trace(trace: dict, active: int, step_wall_ms: list[float]) -> dict:
+    """A Chrome trace's kernels (annotations left out), per step: device time by kind, and the overlap --
+    ``exposed_comm_ms``: collective time during which no compute kernel ran (the step waited on the wire, or
+    the wire ran alone), ``idle_ms``: time in the steps' span with no kernel at all (the host, launches)."""
+    kernels = [e for e in trace.get("traceEvents", []) if e.get("cat") == "kernel" and e.get("ph") == "X"]
     by_kind = dict.fromkeys(KINDS, 0.0)
-    collectives, kernels = {}, []
-    for e in events:
-        us = getattr(e, "self_device_time_total", None)
-        if us is None:
-            us = getattr(e, "self_cuda_time_total", 0.0)
-        if not us or str(getattr(e, "device_type", "")).split(".")[-1] != "CUDA":
-            continue
-        kind = kind_of(e.key)
-        by_kind[kind] += us / 1e3
-        kernels.append((e.key, us / 1e3, e.count))
-        if kind in ("all_gather", "reduce_scatter", "all_reduce"):
-            collectives[e.key[:120]] = round(us / 1e3 / active, 3)
+    names: dict = {}
+    comm, compute = [], []
+    for e in kernels:
+        kind = kind_of(e["name"])
+        span = (float(e["ts"]), float(e["ts"]) + float(e["dur"]))
+        by_kind[kind] += e["dur"] / 1e3
+        (comm if kind in ("all_gather", "reduce_scatter", "all_reduce") else compute).append(span)
+        t, c = names.get(e["name"], (0.0, 0))
+        names[e["name"]] = (t + e["dur"] / 1e3, c + 1)
+    busy = _union(compute)
+    everything = _union(comm + compute)
+    exposed = sum(b - a for a, b in comm) - _covered(comm, busy)
+    # the recorded steps' span on the device: the first kernel's start to the last one's end
+    span = (everything[-1][1] - everything[0][0]) if everything else 0.0
+    idle = span - sum(b - a for a, b in everything)
     per_step = {k: round(v / active, 3) for k, v in by_kind.items()}
-    compute = per_step["gemm"] + per_step["attention"] + per_step["other"]
     wall = sorted(step_wall_ms)[len(step_wall_ms) // 2] if step_wall_ms else None
-    kernels.sort(key=lambda k: -k[1])
-    return {"active_steps": active, "per_step_ms": per_step, "compute_ms": round(compute, 3),
-            "step_wall_ms": wall, "exposed_ms": None if wall is None else round(wall - compute, 3),
-            "collectives": collectives,
-            "top": [{"name": n[:160], "ms_per_step": round(t / active, 3), "calls": c} for n, t, c in kernels[:25]]}
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])
+    return {"active_steps": active, "per_step_ms": per_step,
+            "compute_busy_ms": round(sum(b - a for a, b in busy) / 1e3 / active, 3),
+            "exposed_comm_ms": round(exposed / 1e3 / active, 3), "idle_ms": round(idle / 1e3 / active, 3),
+            "step_wall_ms": wall,
+            "collectives": {n[:120]: round(t / active, 3) for n, (t, _) in top if kind_of(n) in
+                            ("all_gather", "reduce_scatter", "all_reduce")},
+            "top": [{"name": n[:160], "ms_per_step": round(t / active, 3), "calls": c} for n, (t, c) in top[:25]]}
 
 
 class StepProfiler:
@@ -106,17 +139,50 @@ class StepProfiler:
         self.prof.step()
 
     def _ready(self, prof) -> None:
-        summary = summarize(prof.key_averages(), self.active, self.wall)
-        summary.update(name=self.name, rank=self.rank)
-        (self.out / f"profile-{self.name}-rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
-        if self.rank == 0:
-            trace = self.out / f"trace-{self.name}.json"
-            prof.export_chrome_trace(str(trace))
-            with open(trace, "rb") as src, gzip.open(f"{trace}.gz", "wb") as dst:
-                shutil.copyfileobj(src, dst)
-            trace.unlink()
+        # written at close(), outside the run's timed steps
         self.done = True
 
     def close(self) -> None:
+        """Write the summary (and rank 0's trace); stop the profiler if its steps were not all recorded."""
         if not self.done:
             self.prof.stop()
+            return
+        trace = self.out / f"trace-{self.name}-rank{self.rank}.json"
+        self.prof.export_chrome_trace(str(trace))
+        summary = summarize_trace(json.loads(trace.read_text()), self.active, self.wall)
+        summary.update(name=self.name, rank=self.rank)
+        (self.out / f"profile-{self.name}-rank{self.rank}.json").write_text(json.dumps(summary, indent=1))
+        if self.rank == 0:
+            with open(trace, "rb") as src, gzip.open(self.out / f"trace-{self.name}.json.gz", "wb") as dst:
+                shutil.copyfileobj(src, dst)
+        trace.unlink()
+
+
+def main(argv=None) -> int:
+    """``profiling.py TRACE.json.gz [--active 2] [--wall-from OLD_SUMMARY.json] [--out SUMMARY.json]``: summarize
+    a trace again (``--wall-from``: the step wall times of the run's own summary)."""
+    import argparse
+
+    ap = argparse.ArgumentParser()
+    ap.add_argument("trace")
+    ap.add_argument("--active", type=int, default=2)
+    ap.add_argument("--wall-from")
+    ap.add_argument("--out")
+    a = ap.parse_args(argv)
+    with gzip.open(a.trace) as f:
+        trace = json.load(f)
+    wall = []
+    if a.wall_from:
+        old = json.loads(Path(a.wall_from).read_text())
+        wall = [old["step_wall_ms"]] if old.get("step_wall_ms") else []
+    summary = summarize_trace(trace, a.active, wall)
+    text = json.dumps(summary, indent=1)
+    if a.out:
+        Path(a.out).write_text(text)
+    else:
+        print(text)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
