@@ -91,6 +91,7 @@ class LabConfig:
     attn_implementation: str = "eager"  # eager: softmax(q k^T) v in PyTorch ops; sdpa: F.scaled_dot_product_attention
     use_liger_kernel: bool = False
     liger_kernels: str = "all"          # all: the family's kernels; fused_linear_cross_entropy: that one alone
+    float8: str = "none"                # none | tensorwise | rowwise: torchao's float8 training of the Linear layers (GPU)
     # --- data ------------------------------------------------------------------------------
     preload: bool = False               # the whole corpus on the device, batches cut there
     dataloader_num_workers: int = 0

@@ -44,7 +44,8 @@ def build_optimizer(cfg: LabConfig, model, lr: float | None = None, world=None):
         # no decay anywhere: one group (a for-each optimizer then steps every tensor in one call, as
         # the memory estimator's validation measured it)
         groups = [{"params": params, "weight_decay": 0.0}]
-    if world is not None and world.strategy == "tp":
+    if world is not None and world.distributed:
+        # DTensors of several meshes (TP, FSDP, both) beside plain tensors: one kind per foreach list
         from fasttrain.lab.parallel.distributed import split_param_groups
 
         groups = split_param_groups(groups)

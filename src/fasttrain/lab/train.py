@@ -74,7 +74,7 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
         device = torch.device(world.device) if world.distributed else resolve_device(cfg)
         cfg = D.resolve_batch(cfg, parallel, world.dp)
         if model is None:
-            D.check_model_fits(cfg, world.world_size, world.strategy)
+            D.check_model_fits(cfg, world.world_size, world.strategy, tp=world.tp)
         with D.collective_errors(world):
             return _run_on(cfg, device, world, log=log, progress=progress, corpus=corpus, wall0=wall0, model=model,
                            keep_model=keep_model)
@@ -85,6 +85,9 @@ def execute(cfg: LabConfig, *, log=None, progress=None, corpus=None, parallel=No
 
 def _check_libraries(cfg: LabConfig, device) -> None:
     """Every optional library the run needs, before any work."""
+    from fasttrain.lab.parallelize import check_float8
+
+    check_float8(cfg, device)
     if cfg.use_liger_kernel and device.type != "cuda":
         raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); drop it on the CPU")
     needs = []
@@ -131,7 +134,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
         if checkpoint.get("chars") not in (None, getattr(corpus, "chars", None)):
             raise FasttrainError(f"{cfg.init_from} was trained on another vocabulary")
         cfg = config_from_model(cfg, GPTConfig.from_dict(checkpoint["model"]))
-        check_model_fits(cfg, world.world_size, world.strategy)
+        check_model_fits(cfg, world.world_size, world.strategy, tp=world.tp)
     if cfg.save and model is not None and model.name != "gpt" and model.save is None:
         raise FasttrainError(f"--save: {model.name} has no save hook; save record.model yourself "
                              f"(e.g. safetensors.torch.save_model)")
@@ -254,11 +257,11 @@ def _save(cfg, trainer, record, corpus, device, world, batch) -> None:
         # a model lab/hf.py built: a folder from_pretrained loads, with the lab's record of it
         # (fasttrain.json) and the corpus' tokenizer (or its characters), so that lab eval and
         # lab sample need nothing else
-        if world.strategy in ("fsdp", "tp"):
+        if world.fsdp or world.tp > 1:
             # the whole model gathered from FSDP's shards (or tensor parallelism's slices) on every
             # rank, loaded into a fresh copy on the CPU by rank 0 (ddp and zero1 keep whole weights
             # on every rank)
-            if world.strategy == "tp":
+            if world.strategy == "tp":         # (fsdp with --tp: full_state_dict refuses it)
                 from fasttrain.lab.hf import gather_tp_state_dict
 
                 state = gather_tp_state_dict(trainer.model, world.mesh)
@@ -372,6 +375,8 @@ def _record(cfg, trainer, metrics, corpus, device, world, *, batch, auto, setup_
                   "val_loss": evals[-1]["val_loss"] if evals else None,
                   "val_tokens": evals[-1]["tokens"] if evals else None},
         "notes": notes,
+        # the techniques lab/parallelize.py applied, in its order
+        "applied": [[step, what] for step, what in getattr(trainer, "applied", [])],
         "timing": "each step (its batch's loading included): device synchronized before and after "
                   "(perf_counter); the first "
                   f"{cfg.timing_warmup_steps} steps (compilation, warm-up) reported apart in warmup_ms; "

@@ -167,59 +167,32 @@ class Metrics:
 class Trainer:
     """A built model, its optimizer and its data; :meth:`train` is the loop.
 
-    ``wrap(module) -> module``, if given, wraps the model after PEFT and before compilation and the
-    optimizer (data or model parallelism); else the strategy of ``world``
-    (:class:`~fasttrain.lab.parallel.distributed.World`) wraps it. ``rebuild(seed) -> nn.Module``: a fresh
-    module of the same shape with the initial weights of ``seed`` (:meth:`reset`)."""
+    :func:`fasttrain.lab.parallelize.parallelize` applies every technique that acts on the built model
+    (adapters, tensor parallelism, checkpointing, compilation, float8, FSDP or DDP, the optimizer), in
+    its stated order, over the strategy of ``world`` (:class:`~fasttrain.lab.parallel.distributed.World`).
+    ``rebuild(seed) -> nn.Module``: a fresh module of the same shape with the initial weights of ``seed``
+    (:meth:`reset`)."""
 
-    def __init__(self, cfg: LabConfig, model: LabModel, data, device, *, batch: int | None = None, wrap=None,
-                 world=None, rebuild=None):
+    def __init__(self, cfg: LabConfig, model: LabModel, data, device, *, batch: int | None = None, world=None,
+                 rebuild=None):
         import torch
 
         from fasttrain.lab.parallel import distributed as D
+        from fasttrain.lab.parallelize import parallelize
 
         self.world = world = world or D.World()
         self.cfg, self.device, self.corpus = cfg, device, data
         self.lab_model = model
         self.batch = batch or cfg.per_device_train_batch_size
         self.rebuild = rebuild
-        module = model.module
-        # a transformers model's soft prompt is peft's, attached when it was built (lab/hf.py)
-        if cfg.prompt_tuning_tokens and getattr(module, "peft_config", None) is None:
-            if not any(name == "prompt" for name, _ in module.named_parameters()):
-                raise FasttrainError(f"--prompt-tuning-tokens: {model.name} has no soft prompt of the lab's kind; "
-                                     f"use --lora-r to fine-tune it with few parameters")
-            from fasttrain.lab.adapters import freeze_for_prompt_tuning
-
-            freeze_for_prompt_tuning(module)
-        if cfg.gradient_checkpointing != "none" and model.name != "gpt":
-            # the lab's GPT recomputes by its config; any other model through its own switch
-            # (transformers 5.2x renamed gradient_checkpointing_enable to activation_checkpointing_enable)
-            enable = getattr(module, "activation_checkpointing_enable", None)
-            kwargs = {"activation_checkpointing_kwargs": {"use_reentrant": False}}
-            if enable is None:
-                enable = getattr(module, "gradient_checkpointing_enable", None)
-                kwargs = {"gradient_checkpointing_kwargs": {"use_reentrant": False}}
-            if enable is None or cfg.gradient_checkpointing != "full":
-                raise FasttrainError(f"--gradient-checkpointing {cfg.gradient_checkpointing}: {model.name} "
-                                     + ("has no gradient_checkpointing_enable()" if enable is None
-                                        else "recomputes whole layers only; use --gradient-checkpointing full"))
-            enable(**kwargs)
-        if cfg.lora_r:
-            from fasttrain.lab.adapters import apply_lora
-
-            module = apply_lora(cfg, module, targets=self.lora_targets())
-        # several processes: DDP wraps the model; FSDP and tensor parallelism shard it in place
-        # (before the optimizer is built: it must hold the sharded parameters)
-        wrapped = wrap(module) if wrap is not None else D.wrap_model(module, world, mixed_bf16=cfg.bf16,
-                                                                            blocks=model.blocks)
-        self.model = module              # the module itself (evaluation, saving, counting)
-        self.train_model = self._compiled(wrapped)
-        self.optimizer = D.wrap_optimizer(build_optimizer(cfg, wrapped, world=world), world)
-        # FSDP's mixed-precision policy computes in bf16 itself: no autocast on top
-        self.amp = nullcontext if (world.strategy == "fsdp" and cfg.bf16) else autocast_for(cfg, device)
+        done = parallelize(model, cfg, world)
+        self.model = done.module            # the module itself (evaluation, saving, counting)
+        self.train_model = done.train_model
+        self.optimizer = done.optimizer
+        self.applied = done.applied         # the techniques applied, in order (records)
+        self.amp = autocast_for(cfg, device) if done.autocast else nullcontext
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
-        self.trainable = [p for p in module.parameters() if p.requires_grad]
+        self.trainable = [p for p in self.model.parameters() if p.requires_grad]
         self.step_index = 0
         self.cuda_graphs = cfg.torch_compile and device.type == "cuda" and (
             cfg.torch_compile_mode == "reduce-overhead" or getattr(cfg, "torch_compile_backend", "inductor") == "cudagraphs")
@@ -235,32 +208,6 @@ class Trainer:
     def model_config(self):
         """The lab's GPT's :class:`~fasttrain.lab.model.GPTConfig` (None for other models)."""
         return getattr(self.model, "config", None) if self.lab_model.name == "gpt" else None
-
-    def lora_targets(self) -> tuple[str, ...]:
-        """``--lora-target-modules``; for a model other than the lab's GPT left at the lab's default
-        (qkv, proj: the GPT's names), the model's own default (e.g. q_proj, v_proj)."""
-        from fasttrain.lab.config import lora_targets_for
-
-        return lora_targets_for(self.cfg, self.lab_model.lora_targets if self.lab_model.name != "gpt" else ())
-
-    def _compiled(self, wrapped):
-        import torch
-
-        cfg = self.cfg
-        if not cfg.torch_compile:
-            return wrapped
-        mode = None if cfg.torch_compile_mode == "default" else cfg.torch_compile_mode
-        backend = getattr(cfg, "torch_compile_backend", "inductor")
-        # cudagraphs: AOT autograd's forward and backward captured as CUDA graphs, no inductor code generation
-        options = {"mode": mode} if backend == "inductor" else {"backend": backend}
-        if getattr(cfg, "torch_compile_scope", "model") == "blocks":
-            if self.lab_model.blocks is None:
-                raise FasttrainError(f"--torch-compile-scope blocks: {self.lab_model.name} does not say which "
-                                     f"are its blocks; compile the whole model")
-            for block in self.lab_model.blocks(self.model):
-                block.compile(**options)        # in place: the block's forward becomes the compiled one
-            return wrapped
-        return torch.compile(wrapped, **options)
 
     # --- state ---------------------------------------------------------------------------------
 

@@ -102,6 +102,7 @@ class Setup:
     optimizer: str = "foreach"
     workspace_mib: float = 65.0     # cuBLAS(Lt) workspaces, measured on an H200 with torch 2.11: 2 x 32 + 1 MiB
     grad_buffers: bool = False      # gradients kept between steps (DDP buckets, Megatron main_grad)
+    offload: bool = False           # ZeRO's sharded weights, their gradients and the optimizer state in host memory
     # what trains, and with which optimizer (precise only)
     optim: str = "adamw"            # optimizer state kind, one of OPTIMS
     lora_rank: int = 0              # r: LoRA (peft) on lora_targets, base frozen; 0 = off
@@ -236,6 +237,9 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                                  f"got {getattr(setup, name)!r}")
     if setup.zero not in (0, 1, 2, 3) or isinstance(setup.zero, bool):
         raise FasttrainError(f"--zero must be 0, 1, 2 or 3, got {setup.zero!r}")
+    if setup.offload and (mode == "playbook" or setup.zero < 2):
+        raise FasttrainError("offload (FSDP's CPUOffloadPolicy) is modelled in --mode precise with --zero 2 or 3 "
+                             "(the sharded state is what moves to the host)")
     if isinstance(setup.workspace_mib, bool) or not isinstance(setup.workspace_mib, int | float) \
             or not 0 <= setup.workspace_mib <= MAXIMA["workspace_mib"]:
         raise FasttrainError(f"--workspace-mib must be a number from 0 to {MAXIMA['workspace_mib']:,}, "

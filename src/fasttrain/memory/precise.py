@@ -425,6 +425,12 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     params_b = T["param"] * (n_local + n_adapters) / (dpz if s.zero >= 3 else 1)
     opt_b = optimizer_state_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     grad_scale = T["grad"] / (dpz if s.zero >= 2 else 1)     # bytes per parameter of gradient on this rank
+    if s.offload:
+        # the sharded weights (ZeRO-3: all of them between uses; ZeRO-2 keeps the gathered copy on the
+        # GPU), their gradient shards and the optimizer state live in host memory; the optimizer steps there
+        params_b = 0 if s.zero >= 3 else params_b
+        opt_b = 0
+        grad_scale = 0
     grads_all = grad_scale * n_train
     d_head = s.d
     hf = lt.get("hf")
@@ -572,7 +578,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if not lora_only:
         moments.append(("backward: embedding", saved, grads(g_now),
                         2 * grad_scale * P["embed"] if s.tied and not frozen else 0))
-    opt_temp = optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
+    opt_temp = 0 if s.offload else optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     moments.append(("optimizer step", 0, grads_all, opt_temp))
 
     if s.keep_logits:
@@ -590,7 +596,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         Line("optimizer", opt_b, (f"{T['opt']} B/param" if s.optim == "adamw" else
                                   f"{s.optim}: {opt_b * (dpz if s.zero >= 1 else 1) / max(n_train, 1):.3g} B/param")
              + (" incl. fp32 master" if s.precision == "mixed" else "")
-             + (" / d (ZeRO-1)" if s.zero >= 1 else "")),
+             + (" / d (ZeRO-1)" if s.zero >= 1 else "") + (": in host memory (offload)" if s.offload else "")),
         Line("activations", kept, f"kept for backward at the peak; {activations_all / MiB:,.1f} MiB at the end of forward"),
         Line("temporaries", transient, f"working memory at the peak ({peak_name})"),
         Line("buffers + token ids", buffers + inputs, "causal mask, RoPE tables, int64 ids and targets"),

@@ -20,6 +20,14 @@ Strategies (``--strategy``):
   parameters after the forward (ZeRO-3); ``False`` keeps them until the backward (ZeRO-2). With
   ``--bf16`` a ``MixedPrecisionPolicy`` gathers bf16 parameters, computes in bf16 and reduces
   gradients in fp32 (the fp32 shards are the master weights).
+- ``hsdp``: FSDP2 on a 2-D (replicate, shard) mesh: ``--dp-replicate R`` groups of N/R ranks, the
+  model sharded inside each group and replicated across the groups (gradients reduce-scattered in
+  the group, then all-reduced across groups). Across nodes the shard group stays on the fast links.
+- ``fsdp --tp M`` (or ``hsdp --tp M``): the 2-D mesh ("dp", "tp") of N/M x M ranks: tensor
+  parallelism inside each group of M consecutive ranks (one node's fast links), FSDP2 over the N/M
+  data-parallel groups (torchtitan's layout: TP applied first, then ``fully_shard`` on the dp
+  sub-mesh). ``--offload-optimizer``: FSDP2's ``CPUOffloadPolicy`` (the fp32 shards, their gradients
+  and the optimizer state in host memory; the optimizer steps on the CPU).
 - ``tp``: tensor parallelism over all N ranks (``torch.distributed.tensor.parallel``): the fused
   QKV and the MLP's up projection are column-parallel (each rank computes a/N of the heads and
   h_ff/N of the hidden units), the attention output and the MLP's down projection row-parallel
@@ -59,7 +67,8 @@ from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 
-STRATEGIES = ("none", "ddp", "zero1", "fsdp", "tp")
+STRATEGIES = ("none", "ddp", "zero1", "fsdp", "hsdp", "tp")
+FSDP_STRATEGIES = ("fsdp", "hsdp")
 BACKENDS = ("nccl", "gloo")
 
 # NVLink SHARP / multicast objects off in NCCL, in PyTorch's symmetric memory and in NVSHMEM.
@@ -85,16 +94,33 @@ class ParallelConfig:
     global_batch_size: int | None = None        # sequences per optimizer step over all ranks
     ddp_backend: str | None = None              # None: nccl on GPUs, gloo on the CPU
     ddp_timeout: float = 1800.0                 # seconds a collective may wait for the other ranks
+    tp: int = 1                                 # tensor-parallel degree (fsdp, hsdp: the 2-D mesh; tp: all ranks)
+    dp: int | None = None                       # data-parallel size; None: world / tp
+    dp_replicate: int = 1                       # hsdp: replicate groups (the model sharded inside each)
+    offload_optimizer: bool = False             # fsdp, hsdp: CPUOffloadPolicy (shards + optimizer state on the host)
 
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
     @property
     def label(self) -> str:
-        """A name for tables: ``fsdp`` splits into its two ZeRO stages."""
-        if self.strategy == "fsdp":
-            return "fsdp-zero3" if self.reshard_after_forward else "fsdp-zero2"
-        return self.strategy
+        return strategy_label(self.strategy, self.reshard_after_forward, self.tp, self.dp_replicate,
+                              self.offload_optimizer)
+
+
+def strategy_label(strategy: str, reshard_after_forward: bool = True, tp: int = 1, dp_replicate: int = 1,
+                   offload: bool = False) -> str:
+    """A name for tables: ``fsdp`` splits into its two ZeRO stages; the 2-D mesh adds ``-tpM``."""
+    name = strategy
+    if strategy in FSDP_STRATEGIES:
+        name = f"{strategy}-{'zero3' if reshard_after_forward else 'zero2'}"
+        if strategy == "hsdp":
+            name += f"-r{dp_replicate}"
+        if tp > 1:
+            name += f"-tp{tp}"
+        if offload:
+            name += "-offload"
+    return name
 
 
 def launched_by_torchrun(env: dict | None = None) -> bool:
@@ -112,7 +138,66 @@ def validate_parallel(parallel: ParallelConfig) -> ParallelConfig:
     gb = parallel.global_batch_size
     if gb is not None and (isinstance(gb, bool) or not isinstance(gb, int) or gb <= 0):
         raise FasttrainError(f"--global-batch-size must be a positive integer, got {gb!r}")
+    for flag, value, optional in (("--tp", parallel.tp, False), ("--dp", parallel.dp, True),
+                                  ("--dp-replicate", parallel.dp_replicate, False)):
+        if optional and value is None:
+            continue
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise FasttrainError(f"{flag} must be a positive integer, got {value!r}")
+    s = parallel.strategy
+    if parallel.tp > 1 and s not in ("fsdp", "hsdp", "tp"):
+        raise FasttrainError(f"--tp {parallel.tp} goes with --strategy fsdp or hsdp (the 2-D mesh: FSDP over dp, "
+                             f"TP inside) or --strategy tp (every rank TP); not with --strategy {s}")
+    if parallel.dp_replicate > 1 and s != "hsdp":
+        raise FasttrainError(f"--dp-replicate {parallel.dp_replicate} is HSDP's: use --strategy hsdp")
+    if s == "hsdp" and parallel.dp_replicate < 2:
+        raise FasttrainError("--strategy hsdp needs --dp-replicate R >= 2 (R replicas, the model sharded inside "
+                             "each); with R = 1 it is --strategy fsdp")
+    if parallel.offload_optimizer and s not in FSDP_STRATEGIES:
+        raise FasttrainError(f"--offload-optimizer is FSDP2's CPUOffloadPolicy: use --strategy fsdp or hsdp, "
+                             f"not {s}")
+    if s == "tp" and parallel.dp not in (None, 1):
+        raise FasttrainError(f"--strategy tp puts every rank in one tensor-parallel group (dp 1); for "
+                             f"--dp {parallel.dp} with --tp use --strategy fsdp --tp M")
     return parallel
+
+
+def mesh_shape(parallel: ParallelConfig, world_size: int) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The device mesh's dimension names and sizes for ``parallel`` over ``world_size`` ranks, or a
+    one-line error when the shape does not divide the world (``()`` for ddp and zero1: no mesh).
+
+    Rank r sits at mesh coordinates in row-major order, so the tp dimension (last) groups
+    consecutive ranks: rank = dp_rank * tp + tp_rank."""
+    s = parallel.strategy
+    if s in ("none", "ddp", "zero1"):
+        if parallel.dp not in (None, world_size):
+            raise FasttrainError(f"--dp {parallel.dp} with --strategy {s} over {world_size} ranks: data parallelism "
+                                 f"takes every rank (dp {world_size}); drop --dp")
+        return (), ()
+    tp = world_size if s == "tp" and parallel.tp == 1 else parallel.tp
+    if s == "tp" and tp != world_size:
+        raise FasttrainError(f"--strategy tp --tp {tp} over {world_size} ranks: tp alone spans every rank; use "
+                             f"--strategy fsdp --tp {tp} for FSDP over {world_size // tp if world_size % tp == 0 else 'the'} "
+                             f"data-parallel groups")
+    if world_size % tp:
+        raise FasttrainError(f"--tp {tp} does not divide the {world_size} ranks; use a --tp that divides "
+                             f"--nproc-per-node x --nnodes")
+    dp = world_size // tp if parallel.dp is None else parallel.dp
+    if dp * tp != world_size:
+        raise FasttrainError(f"--dp {dp} x --tp {tp} = {dp * tp} ranks, but the world has {world_size}; "
+                             f"make dp x tp = {world_size}")
+    if s == "tp":
+        return ("tp",), (tp,)
+    if s == "hsdp":
+        r = parallel.dp_replicate
+        if dp % r:
+            raise FasttrainError(f"--dp-replicate {r} does not divide the {dp} data-parallel ranks; use a divisor of {dp}")
+        names, sizes = ("dp_replicate", "dp_shard"), (r, dp // r)
+    else:
+        names, sizes = ("dp",), (dp,)
+    if tp > 1:
+        names, sizes = names + ("tp",), sizes + (tp,)
+    return names, sizes
 
 
 @dataclass
@@ -127,8 +212,11 @@ class World:
     strategy: str = "none"
     reshard_after_forward: bool = True
     timeout_s: float = 1800.0
-    mesh: object = None
+    mesh: object = None             # a DeviceMesh with named dims (mesh_shape), None for ddp and zero1
     owns_group: bool = False        # this run created the process group (and destroys it at the end)
+    tp_size: int = 0                # tensor-parallel degree; 0: every rank for strategy tp, else 1
+    dp_replicate: int = 1           # hsdp: replicate groups
+    offload_optimizer: bool = False
 
     @property
     def distributed(self) -> bool:
@@ -140,6 +228,8 @@ class World:
 
     @property
     def tp(self) -> int:
+        if self.tp_size:
+            return self.tp_size
         return self.world_size if self.strategy == "tp" else 1
 
     @property
@@ -148,7 +238,33 @@ class World:
 
     @property
     def dp_rank(self) -> int:
-        return self.rank if self.strategy != "tp" else 0
+        # row-major mesh, tp last: rank = dp_rank * tp + tp_rank
+        return self.rank // self.tp
+
+    @property
+    def fsdp(self) -> bool:
+        return self.strategy in FSDP_STRATEGIES
+
+    @property
+    def tp_mesh(self):
+        """The tensor-parallel sub-mesh (None without tensor parallelism)."""
+        if self.mesh is None or self.tp == 1:
+            return None
+        return self.mesh["tp"] if self.mesh.ndim > 1 else self.mesh
+
+    @property
+    def dp_mesh(self):
+        """The mesh FSDP shards over: 1-D ("dp"), or 2-D ("dp_replicate", "dp_shard") for HSDP."""
+        if self.mesh is None or not self.fsdp:
+            return None
+        if self.strategy == "hsdp":
+            return self.mesh["dp_replicate", "dp_shard"]
+        return self.mesh["dp"] if self.mesh.ndim > 1 else self.mesh
+
+    @property
+    def label(self) -> str:
+        return strategy_label(self.strategy, self.reshard_after_forward, self.tp, self.dp_replicate,
+                              self.offload_optimizer)
 
     def rows(self, per_device: int) -> slice:
         """This rank's rows of a global batch of ``per_device * dp`` sequences."""
@@ -156,9 +272,9 @@ class World:
         return slice(start, start + per_device)
 
     def describe(self) -> dict:
-        return {"strategy": self.strategy, "label": ParallelConfig(self.strategy, self.reshard_after_forward).label,
-                "world_size": self.world_size, "dp": self.dp, "tp": self.tp, "backend": self.backend,
-                "timeout_s": self.timeout_s}
+        return {"strategy": self.strategy, "label": self.label, "world_size": self.world_size, "dp": self.dp,
+                "tp": self.tp, "dp_replicate": self.dp_replicate, "offload_optimizer": self.offload_optimizer,
+                "backend": self.backend, "timeout_s": self.timeout_s}
 
 
 # --- bad input, before anything starts -----------------------------------------------------------
@@ -175,21 +291,23 @@ def resolve_batch(cfg, parallel: ParallelConfig, dp: int):
     return cfg.with_(per_device_train_batch_size=parallel.global_batch_size // per_step)
 
 
-def check_model_fits(cfg, world_size: int, strategy: str) -> None:
-    """Tensor parallelism splits heads, key/value heads and the feed-forward width over the ranks
-    (the lab GPT's from ``cfg``, a HF model's from its config.json)."""
-    if strategy != "tp":
+def check_model_fits(cfg, world_size: int, strategy: str, tp: int | None = None) -> None:
+    """Tensor parallelism splits heads, key/value heads and the feed-forward width over the ``tp``
+    ranks of a group (default: every rank under ``--strategy tp``, else 1); the lab GPT's from
+    ``cfg``, a HF model's from its config.json."""
+    tp = (world_size if strategy == "tp" else 1) if tp is None else tp
+    if tp == 1:
         return
     if _is_hf(cfg):
         from fasttrain.lab.hf import check_hf_parallel
 
-        check_hf_parallel(strategy, cfg.model, world_size)     # the HF config's heads and widths
+        check_hf_parallel("tp", cfg.model, tp)      # the HF config's heads and widths
         return
     kv = cfg.heads if cfg.kv_heads is None else cfg.kv_heads
     for name, value in (("--heads", cfg.heads), ("--kv-heads", kv), ("the feed-forward width", cfg.ffn_width)):
-        if value % world_size:
-            raise FasttrainError(f"tensor parallelism over {world_size} ranks needs {name} ({value}) divisible by "
-                                 f"{world_size}; change the model or the number of processes")
+        if value % tp:
+            raise FasttrainError(f"tensor parallelism over {tp} ranks needs {name} ({value}) divisible by "
+                                 f"{tp}; change the model or the number of processes (--tp)")
 
 
 def check_config(cfg, parallel: ParallelConfig) -> None:
@@ -197,19 +315,23 @@ def check_config(cfg, parallel: ParallelConfig) -> None:
     s = parallel.strategy
     if s == "none":
         return None
+    tp = parallel.tp > 1 or s == "tp"
     if cfg.auto_find_batch_size:
         raise FasttrainError("--auto-find-batch-size searches on one GPU; run it there without --strategy and "
                              "pass the batch it finds as --per-device-train-batch-size")
-    if cfg.fp16 and s in ("fsdp", "tp"):
+    if cfg.fp16 and (s in FSDP_STRATEGIES or tp):
         raise FasttrainError(f"--fp16 (GradScaler) is not supported with --strategy {s}; use --bf16")
-    if s == "tp" and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
+    if tp and (cfg.lora_r or cfg.prompt_tuning_tokens or cfg.use_liger_kernel):
         # peft wraps the Linear layers the plan splits; liger's fused loss reads lm_head's whole weight
-        raise FasttrainError("--strategy tp splits the plain attention and MLP layers; it does not combine with "
-                             "LoRA, prompt tuning or --use-liger-kernel: use ddp or fsdp")
-    if s == "tp" and _is_hf(cfg):
+        raise FasttrainError("tensor parallelism splits the plain attention and MLP layers; it does not combine with "
+                             "LoRA, prompt tuning or --use-liger-kernel: use ddp or fsdp without --tp")
+    if tp and getattr(cfg, "float8", "none") != "none":
+        raise FasttrainError("--float8 with tensor parallelism is not wired in the lab (torchao's float8 TP styles); "
+                             "use --strategy fsdp without --tp")
+    if tp and _is_hf(cfg):
         from fasttrain.lab.hf import check_hf_parallel
 
-        check_hf_parallel(s, cfg.model)         # the family ships a plan the lab applies
+        check_hf_parallel("tp", cfg.model)      # the family ships a plan the lab applies
     return None
 
 
@@ -257,7 +379,7 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
     if parallel.strategy == "none":
         if launched_by_torchrun(env) and int(env["WORLD_SIZE"]) > 1:
             raise FasttrainError(f"started as one of {env['WORLD_SIZE']} processes but no --strategy given; "
-                                 f"add --strategy ddp, zero1, fsdp or tp")
+                                 f"add --strategy ddp, zero1, fsdp, hsdp or tp")
         return World()
     if not launched_by_torchrun(env):
         raise FasttrainError(f"--strategy {parallel.strategy} runs one process per GPU: add --nproc-per-node N "
@@ -268,6 +390,7 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
 
     multicast_off()
     rank, world_size, local_rank = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env["LOCAL_RANK"])
+    mesh_shape(parallel, world_size)            # a shape that does not divide the world: before joining
     if device == "auto":
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda" or device.startswith("cuda:"):
@@ -286,13 +409,16 @@ def init_world(parallel: ParallelConfig, device: str = "auto", env: dict | None 
         except (RuntimeError, ValueError) as exc:
             raise FasttrainError(f"rank {rank}: could not join the process group ({_first_line(exc)}); check "
                                  f"MASTER_ADDR/MASTER_PORT and that all {world_size} processes started") from None
+    names, sizes = mesh_shape(parallel, world_size)
     world = World(rank=rank, world_size=world_size, local_rank=local_rank, backend=backend, device=device,
                   strategy=parallel.strategy, reshard_after_forward=parallel.reshard_after_forward,
-                  timeout_s=parallel.ddp_timeout, owns_group=owns_group)
-    if parallel.strategy in ("fsdp", "tp"):
+                  timeout_s=parallel.ddp_timeout, owns_group=owns_group,
+                  tp_size=sizes[names.index("tp")] if "tp" in names else 1, dp_replicate=parallel.dp_replicate,
+                  offload_optimizer=parallel.offload_optimizer)
+    if names:
         from torch.distributed.device_mesh import init_device_mesh
 
-        world.mesh = init_device_mesh(device.split(":")[0], (world_size,))
+        world.mesh = init_device_mesh(device.split(":")[0], sizes, mesh_dim_names=names)
     return world
 
 
@@ -354,11 +480,11 @@ def _permute_rows(weight, sizes, t: int):
 
 
 def apply_tensor_parallel(model, world: World) -> None:
-    """Column/row-parallel attention and MLP over ``world.mesh``, in place."""
+    """Column/row-parallel attention and MLP of the lab's GPT over ``world.tp_mesh``, in place."""
     import torch
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
-    t = world.world_size
+    t = world.tp
     for block in _blocks(model):
         attn, mlp = block.attn, block.mlp
         c = attn.c
@@ -373,49 +499,8 @@ def apply_tensor_parallel(model, world: World) -> None:
                     mlp.up.bias.copy_(_permute_rows(mlp.up.bias, [c.ffn, c.ffn], t))
         # the attention of one rank sees a/t query heads, g/t key/value heads, width h/t
         attn.c = dataclasses.replace(c, heads=a // t, kv_heads=g // t, hidden=c.hidden // t)
-        parallelize_module(block, world.mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
+        parallelize_module(block, world.tp_mesh, {"attn.qkv": ColwiseParallel(), "attn.proj": RowwiseParallel(),
                                                "mlp.up": ColwiseParallel(), "mlp.down": RowwiseParallel()})
-
-
-def wrap_model(model, world: World, mixed_bf16: bool = False, blocks=None):
-    """The model as the strategy trains it (the same object for ``none`` and ``tp``). ``blocks``:
-    ``module -> its repeated blocks`` (a LabModel's hook; default ``module.blocks``), FSDP's units."""
-    if world.strategy == "none":
-        return model
-    import torch
-
-    if world.strategy in ("ddp", "zero1"):
-        from torch.nn.parallel import DistributedDataParallel as DDP
-
-        ids = [world.local_rank] if world.device.startswith("cuda") else None
-        # buffers (causal mask, RoPE tables) are constants: nothing to broadcast each forward;
-        # gradients as views of the all-reduce buckets: no second copy of the gradients
-        import inspect
-
-        # (newer torch names the switch forward_sync_buffers; older ones broadcast_buffers)
-        sync = "forward_sync_buffers" if "forward_sync_buffers" in inspect.signature(DDP).parameters \
-            else "broadcast_buffers"
-        return DDP(model, device_ids=ids, gradient_as_bucket_view=True, **{sync: False})
-    if world.strategy == "fsdp":
-        from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
-
-        policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if mixed_bf16 \
-            else MixedPrecisionPolicy()
-        for block in (blocks(model) if blocks is not None else _blocks(model)):
-            fully_shard(block, mesh=world.mesh, reshard_after_forward=world.reshard_after_forward, mp_policy=policy)
-        # the root group holds the embedding, final norm and output layer; its parameters are
-        # needed right away by the backward, so it is never resharded after the forward
-        fully_shard(model, mesh=world.mesh, reshard_after_forward=False, mp_policy=policy)
-        return model
-    if world.strategy == "tp":
-        from fasttrain.lab.hf import apply_hf_tensor_parallel, is_hf_module
-
-        if is_hf_module(model):
-            apply_hf_tensor_parallel(model, world.mesh)     # the family's own plan (lab/hf.py)
-        else:
-            apply_tensor_parallel(model, world)
-        return model
-    raise FasttrainError(f"unknown strategy {world.strategy!r}")
 
 
 def unwrap(model):
@@ -423,18 +508,22 @@ def unwrap(model):
     return getattr(model, "module", model)
 
 
-def split_param_groups(groups: list[dict]) -> list[dict]:
-    """Tensor parallelism leaves sharded parameters (DTensor) beside replicated plain tensors;
-    foreach optimizer kernels take one kind per list, so each group is split in two."""
-    from torch.distributed.tensor import DTensor
+def _mesh_key(p):
+    """Plain tensors: None; a DTensor: its mesh's dimension names (1-D dp, 2-D dp x tp, tp)."""
+    mesh = getattr(p, "device_mesh", None)
+    return None if mesh is None else tuple(mesh.mesh_dim_names or ()) + (mesh.ndim,)
 
+
+def split_param_groups(groups: list[dict]) -> list[dict]:
+    """Tensor parallelism leaves sharded parameters (DTensor) beside replicated plain tensors, and on
+    the 2-D mesh FSDP makes 2-D DTensors of the split ones beside 1-D ones of the rest; foreach
+    optimizer kernels take one kind (one mesh) per list, so each group is split by mesh."""
     out = []
     for group in groups:
-        params = list(group["params"])
-        for keep in (lambda p: isinstance(p, DTensor), lambda p: not isinstance(p, DTensor)):
-            chosen = [p for p in params if keep(p)]
-            if chosen:
-                out.append({**group, "params": chosen})
+        kinds: dict = {}
+        for p in group["params"]:
+            kinds.setdefault(_mesh_key(p), []).append(p)
+        out.extend({**group, "params": chosen} for chosen in kinds.values())
     return out
 
 
@@ -468,40 +557,36 @@ def sync_gradients(model, world: World, last_micro_batch: bool):
     """A context for one micro-batch's backward: gradients are reduced only on the last one."""
     if world.strategy in ("ddp", "zero1") and not last_micro_batch:
         return model.no_sync()
-    if world.strategy == "fsdp":
+    if world.fsdp:
         model.set_requires_gradient_sync(last_micro_batch)
     return contextlib.nullcontext()
 
 
 def clip_grad_norm(model, max_norm: float, world: World):
-    """``clip_grad_norm_`` over all parameters; returns the total norm as a float.
+    """``clip_grad_norm_`` over all parameters of every strategy; returns the total norm as a float.
 
-    Tensor parallelism: sharded gradients count each shard once (a sum over the ranks), replicated
-    ones (plain tensors and replicated DTensors) once: |g|^2 = sum_r |g_sharded,r|^2 + |g_replicated|^2."""
+    Gradients are grouped by their mesh and placements (plain tensors; FSDP's shards on dp; TP's
+    slices on tp; both on the 2-D mesh): each group's norm is a DTensor whose ``full_tensor`` sums
+    the squares over the ranks that hold different pieces and counts a replicated piece once:
+    |g|^2 = sum over groups of |g_group|^2; then every gradient is scaled by min(1, max / |g|)."""
     import torch
 
-    params = [p for p in model.parameters() if p.grad is not None]
-    if world.strategy != "tp":
-        norm = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    grads = [p.grad for p in model.parameters() if p.grad is not None]
+    groups: dict = {}
+    for g in grads:
+        placements = tuple(getattr(g, "placements", ()))
+        groups.setdefault((_mesh_key(g), placements), []).append(g)
+    squares = []
+    for same in groups.values():
+        norm = torch.nn.utils.get_total_norm(same, 2.0)
         full = getattr(norm, "full_tensor", None)
-        return float(full() if full else norm)
-    import torch.distributed as dist
-    from torch.distributed.tensor import DTensor
-
-    grads = [p.grad for p in params]
-    # a row-parallel bias is a DTensor too, but replicated: its square counts once, not per rank
-    sharded = [g.to_local() for g in grads if isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements)]
-    plain = [g.to_local() if isinstance(g, DTensor) else g for g in grads
-             if not (isinstance(g, DTensor) and any(pl.is_shard() for pl in g.placements))]
-    device = (sharded or plain)[0].device
-    sq_sharded = sum((g.float().pow(2).sum() for g in sharded), torch.zeros((), device=device))
-    dist.all_reduce(sq_sharded)
-    sq = sq_sharded + sum((g.float().pow(2).sum() for g in plain), torch.zeros((), device=device))
-    total = sq.sqrt()
-    coef = (max_norm / (total + 1e-6)).clamp(max=1.0)
-    for g in sharded + plain:
-        g.mul_(coef.to(g.dtype))
-    return float(total)
+        squares.append(float(full() if full else norm) ** 2)
+    total = sum(squares) ** 0.5
+    coef = min(1.0, max_norm / (total + 1e-6))
+    if coef < 1.0:
+        for same in groups.values():
+            torch._foreach_mul_(same, coef)
+    return total
 
 
 def all_mean(value: float, world: World) -> float:
@@ -536,9 +621,9 @@ def barrier(world: World) -> None:
 
 def full_state_dict(model, world: World) -> dict:
     """The whole model's weights on every rank (FSDP shards gathered), as plain CPU tensors."""
-    if world.strategy == "tp":
-        raise FasttrainError("--save with --strategy tp is not supported (the QKV rows are reordered per rank); "
-                             "save from a ddp, zero1 or fsdp run")
+    if world.tp > 1:
+        raise FasttrainError("--save with tensor parallelism is not supported (the QKV rows are reordered per rank); "
+                             "save from a ddp, zero1 or fsdp run without --tp")
     if world.strategy in ("none", "ddp", "zero1"):
         return {k: v.detach().cpu() for k, v in unwrap(model).state_dict().items()}
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
@@ -549,14 +634,17 @@ def full_state_dict(model, world: World) -> dict:
 # --- the estimator's view of a strategy ------------------------------------------------------------
 
 def estimator_parallelism(world: World, bf16: bool = False) -> dict:
-    """The memory estimator's ``Setup`` fields for this strategy: data parallelism d, ZeRO stage,
-    tensor parallelism t, and whether gradients persist between steps.
+    """The memory estimator's ``Setup`` fields for this strategy, per GPU: data parallelism d (the
+    group the state is sharded over), ZeRO stage, tensor parallelism t, whether gradients persist
+    between steps, and whether the optimizer state and master weights live on the host.
 
     ddp: d = N, ZeRO 0, gradients in DDP's buckets for the whole run (``grad_buffers``);
     zero1: the same with the optimizer state / N; fsdp: ZeRO-3 (resharded after forward) or
-    ZeRO-2, gradients / N; with bf16 the FSDP mixed-precision policy is the estimator's ``mixed``
-    (bf16 compute copies of the weights and gradients, fp32 shards = master weights);
-    tp: t = N."""
+    ZeRO-2 over the dp ranks, gradients / d; hsdp: the same over the shard group (d = dp / R: the
+    replicas hold the same shards); the 2-D mesh: t = tp beside it; with bf16 the FSDP
+    mixed-precision policy is the estimator's ``mixed`` (bf16 compute copies of the weights and
+    gradients, fp32 shards = master weights); ``--offload-optimizer``: ``offload`` (shards, their
+    gradients and the optimizer state in host memory); tp: t = N."""
     s = world.strategy
     if s == "none":
         return {"dp": 1, "zero": 0, "tp": 1}
@@ -564,10 +652,12 @@ def estimator_parallelism(world: World, bf16: bool = False) -> dict:
         return {"dp": world.dp, "zero": 0, "tp": 1, "grad_buffers": True}
     if s == "zero1":
         return {"dp": world.dp, "zero": 1, "tp": 1, "grad_buffers": True}
-    if s == "fsdp":
-        out = {"dp": world.dp, "zero": 3 if world.reshard_after_forward else 2, "tp": 1}
+    if s in FSDP_STRATEGIES:
+        shard = world.dp // world.dp_replicate if s == "hsdp" else world.dp
+        out = {"dp": shard, "zero": 3 if world.reshard_after_forward else 2, "tp": world.tp}
         if bf16:
             out["precision"] = "mixed"
+        if world.offload_optimizer:
+            out["offload"] = True
         return out
     return {"dp": 1, "zero": 0, "tp": world.tp}
-

@@ -17,7 +17,8 @@ from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_config, check_model_fits, gpu_count,
-                                       launched_by_torchrun, multicast_off, resolve_batch, validate_parallel)
+                                       launched_by_torchrun, mesh_shape, multicast_off, resolve_batch,
+                                                validate_parallel)
 
 
 # --- bad input, before any process starts ----------------------------------------------------------
@@ -27,7 +28,7 @@ def check_launch(nproc_per_node: int, device: str, strategy: str) -> None:
     if isinstance(nproc_per_node, bool) or not isinstance(nproc_per_node, int) or nproc_per_node < 1:
         raise FasttrainError(f"--nproc-per-node must be a positive integer, got {nproc_per_node!r}")
     if strategy == "none":
-        raise FasttrainError("--nproc-per-node needs --strategy ddp, zero1, fsdp or tp")
+        raise FasttrainError("--nproc-per-node needs --strategy ddp, zero1, fsdp, hsdp or tp")
     if device == "cpu":
         return
     gpus = gpu_count()
@@ -67,8 +68,10 @@ def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
         raise FasttrainError("--ddp-backend nccl needs CUDA GPUs; on the CPU use --ddp-backend gloo")
     if str(spec.nnodes) == "1":
         world = spec.nproc_per_node
-        check_model_fits(cfg, world, parallel.strategy)
-        resolve_batch(cfg, parallel, 1 if parallel.strategy == "tp" else world)
+        names, sizes = mesh_shape(parallel, world)
+        tp = sizes[names.index("tp")] if "tp" in names else 1
+        check_model_fits(cfg, world, parallel.strategy, tp=tp)
+        resolve_batch(cfg, parallel, world // tp)
 
 
 # --- the launcher -------------------------------------------------------------------------------
@@ -163,7 +166,8 @@ def worker_argv(ctx, skip: tuple[str, ...]) -> list[str]:
 # --- the command line ---------------------------------------------------------------------------
 
 LAUNCH_OPTIONS = ("nproc_per_node", "nnodes", "node_rank", "rdzv_endpoint")
-PARALLEL_OPTIONS = ("strategy", "reshard_after_forward", "global_batch_size", "ddp_backend", "ddp_timeout")
+PARALLEL_OPTIONS = ("strategy", "reshard_after_forward", "global_batch_size", "ddp_backend", "ddp_timeout", "tp", "dp",
+                    "dp_replicate", "offload_optimizer")
 
 
 def parallel_options(fn):
@@ -172,8 +176,15 @@ def parallel_options(fn):
 
     decorators = [
         click.option("--strategy", type=click.Choice(STRATEGIES), default="none", show_default=True,
-                     help="Several processes: ddp, zero1 (ZeroRedundancyOptimizer), fsdp (FSDP2), tp (tensor "
-                          "parallelism over all ranks)."),
+                     help="Several processes: ddp, zero1 (ZeroRedundancyOptimizer), fsdp (FSDP2; with --tp M the "
+                          "2-D mesh), hsdp (FSDP2 replicate x shard), tp (tensor parallelism over all ranks)."),
+        click.option("--tp", type=int, default=None,
+                     help="fsdp/hsdp: tensor-parallel degree inside each group of M ranks (the 2-D mesh dp x tp)."),
+        click.option("--dp", type=int, default=None, help="Data-parallel size (default: world / tp)."),
+        click.option("--dp-replicate", type=int, default=None,
+                     help="hsdp: replicate groups R (the model sharded over dp / R ranks inside each)."),
+        click.option("--offload-optimizer", is_flag=True, default=None,
+                     help="fsdp/hsdp: the fp32 shards, gradients and optimizer state in host memory (CPUOffloadPolicy)."),
         click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
                      help="fsdp: free the gathered parameters after the forward (ZeRO-3) or keep them (ZeRO-2)."),
         click.option("--global-batch-size", type=int, default=None,
@@ -200,7 +211,10 @@ def parallel_from_options(options: dict) -> tuple[ParallelConfig, Launch | None]
         strategy=values["strategy"] or "none",
         reshard_after_forward=True if values["reshard_after_forward"] is None else values["reshard_after_forward"],
         global_batch_size=values["global_batch_size"], ddp_backend=values["ddp_backend"],
-        ddp_timeout=1800.0 if values["ddp_timeout"] is None else values["ddp_timeout"]))
+        ddp_timeout=1800.0 if values["ddp_timeout"] is None else values["ddp_timeout"],
+        tp=1 if values["tp"] is None else values["tp"], dp=values["dp"],
+        dp_replicate=1 if values["dp_replicate"] is None else values["dp_replicate"],
+        offload_optimizer=bool(values["offload_optimizer"])))
     launch_spec = None
     if values["nnodes"] is not None:
         check_nnodes(values["nnodes"])
