@@ -1,6 +1,7 @@
 """``fasttrain tune``: the fastest configuration of a model that fits this device, predicted then measured.
 
     fasttrain tune --preset char-100m --seq 1024 --global-batch-tokens 524288 --budget 5m --out tune-run
+    fasttrain tune --model hf:llama3-8b --seq 8192 --global-batch-tokens 131072 --nproc-per-node 4 --budget 15m
 
 Every ``fasttrain lab`` flag is accepted (the model, the data); a technique flag given here is fixed,
 not searched. Thin over :func:`fasttrain.lab.tune.tune`.
@@ -41,7 +42,8 @@ def parse_bytes(text: str | None) -> int | None:
               help="Tokens per optimizer step (micro-batch x accumulation x seq reaches it exactly).")
 @click.option("--budget", default=None, help="Bound the search (5m, 300s, 1h); at the budget: the best so far.")
 @click.option("--allow", default=None,
-              help="Techniques that change the math, comma-separated: lora, prompt_tuning, adamw_8bit, adafactor.")
+              help="Techniques that change the math, comma-separated: lora, prompt_tuning, adamw_8bit, adafactor, "
+                   "float8.")
 @click.option("--precisions", default="bf16", show_default=True,
               help="Precisions searched, comma-separated: bf16, tf32, fp16, fp32.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -54,9 +56,12 @@ def parse_bytes(text: str | None) -> int | None:
               help="Timed steps of the first rung (doubled for each later one).")
 @click.option("--max-candidates", type=click.IntRange(1, 1000), default=8, show_default=True,
               help="Configurations that enter successive halving.")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Search over this many processes (one per GPU; gloo processes with --device cpu): strategies "
+                   "(ddp, zero1, fsdp, hsdp, dp x tp), each probe a torchrun run of its own.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, out_dir, cache_path, no_cache,
-            memory_limit, probe_steps, max_candidates, quiet, **options) -> None:
+            memory_limit, probe_steps, max_candidates, nproc, quiet, **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
     from fasttrain.lab.tune import parse_allow, parse_budget, tune
     from fasttrain.lab.tune.report import print_report
@@ -71,7 +76,7 @@ def command(preset_name, seq, global_batch_tokens, budget, allow, precisions, ou
                   precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()), fixed=given - {"context"},
                   out=out_dir, cache_path=False if no_cache else (cache_path or True), memory_limit_bytes=limit,
                   steps=probe_steps, max_candidates=max_candidates, log=log,
-                  model_id=options.get("model") or "gpt")
+                  model_id=options.get("model") or "gpt", nproc=nproc)
     print_report(result, out, model_id=options.get("model") or "gpt")
     if out_dir:
         out.print(f"results: {out_dir}")
