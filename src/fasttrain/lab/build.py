@@ -5,10 +5,16 @@ The lab's own GPT (``lab/model.py``) from its shape fields, or from a checkpoint
 ``--save`` (``init_from``: fine-tuning keeps the pretrained shape); a Hugging Face model when the
 configuration names one (``model = "hf:..."``, built by ``lab/hf.py``). The checkpoint is read once,
 by the caller, and its metadata handed in.
+
+Under FSDP a GPT trained from scratch is built with its parameters on the meta device
+(:func:`parameters_on_meta`: no rank ever holds the whole model, an 8B Llama shape included) and
+given its weights once sharded (``parallelize.materialize``): the same weights as a one-process build
+of the same seed.
 """
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import replace
 
 from fasttrain.errors import FasttrainError
@@ -77,10 +83,48 @@ def gpt_config_for(cfg: LabConfig, vocab: int, checkpoint: dict | None):
                    prompt_tokens=cfg.prompt_tuning_tokens)
 
 
+def meta_build_for(cfg: LabConfig, world) -> bool:
+    """Whether the run builds the lab's GPT on the meta device: FSDP (without tensor parallelism,
+    whose row permutation needs the weights) of a model trained from scratch in full."""
+    return (world is not None and world.fsdp and world.tp == 1 and model_source(cfg) == "gpt" and not cfg.init_from
+            and not cfg.lora_r and not cfg.prompt_tuning_tokens)
+
+
+@contextlib.contextmanager
+def parameters_on_meta(device):
+    """Build a module whose parameters end on the meta device: each submodule is built for real on
+    ``device`` (its own initialization draws from the generator as in a plain build) and its
+    parameters move to the meta device when it is attached to its parent, so one submodule's
+    parameters at a time exist. ``state["rng"]``: the generator's state after the last attach, which
+    is where a plain build starts its ``reset_parameters`` (the draws ``parallelize.materialize`` replays)."""
+    import torch
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    state = {}
+
+    def rng_state():
+        dev = torch.device(device)
+        return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+    def to_meta(parent, name, submodule):
+        # matrices move; vectors (norm weights: their construction's ones) are small and stay
+        for key, p in list(submodule._parameters.items()):
+            if p is not None and p.device.type != "meta" and p.dim() >= 2:
+                submodule._parameters[key] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        state["rng"] = rng_state()
+    handle = register_module_module_registration_hook(to_meta)
+    try:
+        yield state
+    finally:
+        handle.remove()
+
+
 def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None = None, seed: int | None = None,
-                log=None) -> LabModel:
+                log=None, meta: bool = False) -> LabModel:
     """The model of one run, on ``device``: its weights drawn from ``seed`` (default ``cfg.seed``),
-    then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it."""
+    then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it.
+    ``meta``: the lab's GPT with its parameters on the meta device (:func:`parameters_on_meta`), for
+    FSDP to shard and ``parallelize.materialize`` to initialize."""
     source = model_source(cfg)
     if source != "gpt":
         if not source.startswith("hf:"):
@@ -92,7 +136,14 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
 
     from fasttrain.lab.model import build
 
-    module = build(gpt_config_for(cfg, vocab, checkpoint), device, seed=cfg.seed if seed is None else seed)
+    config = gpt_config_for(cfg, vocab, checkpoint)
+    seed = cfg.seed if seed is None else seed
+    if meta:
+        with parameters_on_meta(device) as state:
+            module = build(config, device, seed=seed)
+        module._fasttrain_meta_init = state
+        return gpt_model(module)
+    module = build(config, device, seed=seed)
     if checkpoint is not None:
         from fasttrain.lab.checkpoint import load_weights
 
@@ -112,7 +163,7 @@ def make_trainer(cfg: LabConfig, corpus, device, *, batch: int | None = None, wo
     if getattr(cfg, "cuda_graph_step", False):
         raise FasttrainError("--cuda-graph-step is a speedrun rung (the step captured with its optimizer): run it "
                              "with fasttrain lab speedrun --rungs graph-step, or drop it here")
-    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log)
+    model = build_model(cfg, corpus.vocab_size, device, checkpoint=checkpoint, log=log, meta=meta_build_for(cfg, world))
     rebuild = None
     if model.name == "gpt":
         def rebuild(seed):

@@ -295,15 +295,23 @@ class GPT(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self):
+        for name, p in self.named_parameters():
+            self.init_parameter(name, p)
+        self.reset_after_init()
+
+    @torch.no_grad()
+    def init_parameter(self, name: str, p):
         # GPT-2's initialization: N(0, 0.02) weights, zero biases, and the projections that
         # write into the residual stream scaled by 1/sqrt(2 L) so its variance stays O(1).
-        for name, p in self.named_parameters():
-            if name.endswith("bias"):
-                p.zero_()
-            elif p.dim() >= 2:
-                std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj.weight", "down.weight")) \
-                    else 0.02
-                p.normal_(0.0, std)
+        # (One parameter at a time: a model built on the meta device is initialized shard by shard.)
+        if name.endswith("bias"):
+            p.zero_()
+        elif p.dim() >= 2:
+            std = 0.02 / math.sqrt(2 * self.config.layers) if name.endswith(("proj.weight", "down.weight")) else 0.02
+            p.normal_(0.0, std)
+
+    @torch.no_grad()
+    def reset_after_init(self):
         if self.config.zero_init_proj:
             zero_output_projections(self)
         if self.skip_weights is not None:

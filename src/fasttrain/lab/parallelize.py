@@ -275,13 +275,49 @@ def apply_data_parallel(lab_model, cfg, module, world, applied: list):
     # right away by the backward, so it is never resharded after the forward
     fully_shard(module, mesh=mesh, reshard_after_forward=False, mp_policy=policy, offload_policy=offload)
     if getattr(module, "_fasttrain_meta_init", None) is not None:
-        from fasttrain.lab.build import materialize
-
-        materialize(lab_model, module, world)
+        materialize(module, world)
         applied.append(("data_parallel", "weights initialized shard by shard (meta-device build)"))
     shape = " x ".join(f"{n} {s}" for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape))
     applied.append(("data_parallel", f"{world.label} over {shape}"))
     return module
+
+
+def materialize(module, world) -> None:
+    """Give a GPT built on the meta device (``build.parameters_on_meta``), once sharded (FSDP), its
+    weights: storage for this rank's shards (``to_empty``; the buffers, built for real, are kept), then
+    the GPT's own initialization one parameter at a time from the generator state a plain build starts
+    it at, each full tensor cut to this rank's shard: the same weights as a one-process build of the
+    same seed."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    info = module._fasttrain_meta_init
+    device = torch.device(world.device)
+    buffers = dict(module.named_buffers())
+    built = {name: p.detach().clone() for name, p in module.named_parameters() if p.device.type != "meta"}
+    # offloaded shards live in host memory (FSDP's CPUOffloadPolicy); the draws stay on the run's device
+    module.to_empty(device="cpu" if world.offload_optimizer else device)
+    for name, tensor in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = tensor
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(info["rng"], device)
+    else:
+        torch.set_rng_state(info["rng"])
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            if name in built:               # a vector built for real: its values, then the init's rule
+                p.copy_(built[name])
+                module.init_parameter(name, p)
+                continue
+            full = torch.empty(p.shape, dtype=p.dtype, device=device)
+            module.init_parameter(name, full)
+            if isinstance(p, DTensor):
+                full = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+            p.copy_(full)
+            del full
+        module.reset_after_init()
+    del module._fasttrain_meta_init
 
 
 # --- 8. the optimizer -------------------------------------------------------------------------------

@@ -141,6 +141,12 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     from fasttrain.lab.preflight import check_ready
 
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
+    if world.distributed and device.type == "cuda" and model is None:
+        from fasttrain.lab.parallel.fit import check_fits_some_strategy
+        from fasttrain.lab.preflight import device_memory
+
+        free, _, _ = device_memory(device)
+        check_fits_some_strategy(cfg, corpus.vocab_size, world, int(1.05 * free))   # 5%: the estimator's error
     with tf32_matmuls(cfg.tf32):
         return _train(cfg, corpus, device, world, log=log, progress=progress, wall0=wall0, model=model,
                       checkpoint=checkpoint, keep_model=keep_model)

@@ -661,3 +661,4 @@ def estimator_parallelism(world: World, bf16: bool = False) -> dict:
             out["offload"] = True
         return out
     return {"dp": 1, "zero": 0, "tp": world.tp}
+

@@ -1,0 +1,394 @@
+"""lab/parallelize.py: the one order of techniques; every strategy (ddp, zero1, fsdp ZeRO-2/3, hsdp,
+tp, the 2-D fsdp x tp mesh, optimizer offload) in 2 and 4 gloo processes trains the same function as
+one process at the same global batch; the meta-device build gives the one-process weights; float8's
+module selection and refusals; the shapes that do not divide the world, refused in one line."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import pytest
+
+torch = pytest.importorskip("torch")
+import torch.multiprocessing as mp  # noqa: E402
+
+from fasttrain.errors import FasttrainError  # noqa: E402
+from fasttrain.lab import parallelize as P  # noqa: E402
+from fasttrain.lab.parallel import distributed as D  # noqa: E402
+from fasttrain.lab.parallel import fit as F  # noqa: E402
+
+GLOBAL_BATCH = 16
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _text_corpus():
+    import numpy as np
+
+    from fasttrain.lab.data import corpus_from_text
+
+    rng = np.random.default_rng(0)
+    words = ["the", "king", "shall", "speak", "to", "thee", "my", "lord", "and", "we", "will", "go"]
+    return corpus_from_text("".join(words[i] + " " for i in rng.integers(0, len(words), 4000)))
+
+
+def _cfg(kv_heads: int = 2, **changes):
+    from fasttrain.lab.config import preset
+
+    return preset("tiny", style="llama", heads=4, kv_heads=kv_heads, max_steps=3, eval_tokens=512, eval_interval=0,
+                  log_interval=1, timing_warmup_steps=1, device="cpu", gradient_accumulation_steps=2,
+                  learning_rate=1e-2, warmup_steps=0, **changes)
+
+
+# --- the order -------------------------------------------------------------------------------------
+
+def test_parallelize_applies_the_steps_in_the_stated_order(monkeypatch):
+    """Every step is called, once, in ORDER (recorded by wrapping each step function)."""
+    from fasttrain.lab.build import build_model
+
+    calls = []
+    steps = {"kernels": "apply_kernels", "adapters": "apply_adapters", "tensor_parallel": "apply_tensor_parallel",
+             "activation_checkpointing": "apply_activation_checkpointing", "compile_blocks": "compile_blocks",
+             "float8": "apply_float8", "data_parallel": "apply_data_parallel", "compile_model": "compile_model",
+             "optimizer": "build_optimizer_for"}
+    assert tuple(steps) == P.ORDER
+    for step, fn_name in steps.items():
+        original = getattr(P, fn_name)
+
+        def recorded(*args, _step=step, _original=original, **kwargs):
+            calls.append(_step)
+            return _original(*args, **kwargs)
+        monkeypatch.setattr(P, fn_name, recorded)
+    cfg = _cfg(lora_r=2, gradient_checkpointing="full")
+    done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg)
+    assert calls == list(P.ORDER)
+    # what was applied, in order: the kernels, LoRA, the GPT's own checkpointing, the optimizer
+    assert [step for step, _ in done.applied] == ["kernels", "adapters", "activation_checkpointing", "optimizer"]
+    assert "LoRA r=2" in done.applied[1][1]
+    assert done.autocast and done.module is done.train_model
+
+
+def test_a_model_built_with_other_kernels_is_refused():
+    from fasttrain.lab.build import build_model
+
+    model = build_model(_cfg(), 65, torch.device("cpu"))
+    with pytest.raises(FasttrainError, match="built with attention eager"):
+        P.parallelize(model, _cfg(attn_implementation="sdpa"))
+
+
+def test_tensor_parallelism_of_a_model_without_a_plan_is_one_line():
+    from fasttrain.lab.models import LabModel
+
+    model = LabModel(module=torch.nn.Linear(4, 4), name="Mine", vocab_size=4)
+    world = D.World(rank=0, world_size=2, strategy="tp")
+    with pytest.raises(FasttrainError, match="Mine has no tensor-parallel plan"):
+        P.apply_tensor_parallel(model, model.module, world, [])
+
+
+# --- float8 ----------------------------------------------------------------------------------------
+
+def test_float8_converts_the_linear_layers_but_the_head_and_odd_shapes():
+    pytest.importorskip("torchao.float8")
+    from fasttrain.lab.build import build_model
+
+    # width 32 (multiple of 16), vocabulary 65 (not): the head is skipped by name and shape alike;
+    # a SwiGLU MLP of width 40: the fused [gate | up] is 80 x 32 (converted), down 32 x 40 (left)
+    cfg = _cfg(width=32, ffn=40)
+    module = build_model(cfg, 65, torch.device("cpu")).module
+    applied = []
+    P.apply_float8(None, cfg.with_(float8="tensorwise"), module, applied)
+    kinds = {name: type(m).__name__ for name, m in module.named_modules() if isinstance(m, torch.nn.Linear)}
+    assert kinds["blocks.0.attn.qkv"] == kinds["blocks.1.attn.proj"] == "Float8Linear"
+    assert kinds["head"] == "Linear"
+    assert (kinds["blocks.0.mlp.up"], kinds["blocks.0.mlp.down"]) == ("Float8Linear", "Linear")
+    assert applied == [("float8", "tensorwise: 6 Linear layers")]
+    assert not P.float8_filter(torch.nn.Linear(32, 32), "lm_head")
+    assert P.float8_filter(torch.nn.Linear(32, 48), "blocks.0.q_proj")
+
+
+def test_float8_is_refused_on_the_cpu_and_before_hopper(monkeypatch):
+    with pytest.raises(FasttrainError, match="unknown --float8 'e4m3'"):
+        P.check_float8(_cfg().with_(float8="e4m3"), torch.device("cpu"))
+    with pytest.raises(FasttrainError, match="CUDA GPU .* drop it on the CPU"):
+        P.check_float8(_cfg().with_(float8="rowwise"), torch.device("cpu"))
+    P.check_float8(_cfg(), torch.device("cpu"))             # none: nothing to check
+    pytest.importorskip("torchao.float8")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100")
+    with pytest.raises(FasttrainError, match="A100 has 8.0: drop --float8"):
+        P.check_float8(_cfg().with_(float8="rowwise"), torch.device("cuda"))
+
+
+def test_float8_run_on_the_cpu_is_one_line(capsys):
+    from fasttrain.cli import main
+
+    code = main(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "1", "--float8", "rowwise"])
+    err = capsys.readouterr().err
+    assert code != 0 and err.count("\n") == 1 and "--float8" in err and "CPU" in err, err
+
+
+@pytest.mark.gpu
+def test_float8_trains_near_bf16_on_a_gpu():
+    """scale-tune runs this on the device: float8 rowwise against bf16, a Llama-shaped model with
+    dims of 16s; the losses stay within a few percent over a short run."""
+    if not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("needs a GPU with float8 tensor cores")
+    pytest.importorskip("torchao.float8")
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+
+    base = preset("tiny", style="llama", layers=2, heads=4, kv_heads=2, width=256, ffn=512, context=128,
+                  max_steps=30, bf16=True, device="cuda", eval_tokens=4096, eval_interval=0, log_interval=1,
+                  per_device_train_batch_size=16, learning_rate=3e-3, warmup_steps=0, pad_vocab_to_multiple_of=64)
+    bf16 = run(base)
+    f8 = run(base.with_(float8="rowwise"))
+    assert ["float8", "rowwise: 8 Linear layers"] in f8["applied"]
+    assert f8["final"]["val_loss"] == pytest.approx(bf16["final"]["val_loss"], rel=0.05)
+
+
+# --- meta-device build -------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("style", ["llama", "gpt2"])
+def test_a_meta_build_sharded_by_fsdp_has_the_one_process_weights(monkeypatch, style):
+    from fasttrain.lab.build import build_model
+
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(name, value)
+    shape = dict(style="llama", heads=4, kv_heads=2) if style == "llama" else dict(style="gpt2", heads=2, bias=True)
+    from fasttrain.lab.config import preset
+
+    cfg = preset("tiny", device="cpu", **shape)
+    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
+    try:
+        ref = build_model(cfg, 65, torch.device("cpu")).module
+        after_ref = torch.get_rng_state()
+        lab_model = build_model(cfg, 65, torch.device("cpu"), meta=True)
+        # the matrices are never materialized whole: on the meta device until sharded
+        matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
+        assert matrices and all(p.device.type == "meta" for p in matrices)
+        done = P.parallelize(lab_model, cfg, world)
+        assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
+        mine = dict(done.module.named_parameters())
+        for name, w in ref.named_parameters():
+            torch.testing.assert_close(mine[name].full_tensor(), w, rtol=0, atol=0, msg=name)
+        for name, b in ref.named_buffers():
+            assert torch.equal(dict(done.module.named_buffers())[name], b), name
+        # the generator ends where a plain build leaves it (dropout draws after it match too)
+        assert torch.equal(torch.get_rng_state(), after_ref)
+    finally:
+        world.owns_group = True
+        D.shutdown(world)
+
+
+def test_meta_build_is_for_fsdp_from_scratch_only():
+    from fasttrain.lab.build import meta_build_for
+
+    fsdp = D.World(rank=0, world_size=2, strategy="fsdp")
+    assert meta_build_for(_cfg(), fsdp)
+    assert not meta_build_for(_cfg(), D.World(rank=0, world_size=2, strategy="ddp"))
+    assert not meta_build_for(_cfg(), D.World(rank=0, world_size=4, strategy="fsdp", tp_size=2))
+    assert not meta_build_for(_cfg(lora_r=2), fsdp)
+    assert not meta_build_for(_cfg(), None)
+
+
+# --- bad input: shapes, combinations -------------------------------------------------------------------
+
+@pytest.mark.parametrize("kwargs,world,message", [
+    (dict(strategy="fsdp", tp=3), 4, "--tp 3 does not divide the 4 ranks"),
+    (dict(strategy="fsdp", tp=2, dp=4), 4, "--dp 4 x --tp 2 = 8 ranks, but the world has 4"),
+    (dict(strategy="hsdp", dp_replicate=3), 4, "--dp-replicate 3 does not divide the 4 data-parallel ranks"),
+    (dict(strategy="tp", tp=2), 4, "tp alone spans every rank; use --strategy fsdp --tp 2"),
+    (dict(strategy="ddp", dp=2), 4, "data parallelism takes every rank"),
+])
+def test_a_mesh_that_does_not_divide_the_world_is_one_line(kwargs, world, message):
+    with pytest.raises(FasttrainError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        D.mesh_shape(D.validate_parallel(D.ParallelConfig(**kwargs)), world)
+
+
+def test_mesh_shapes():
+    shape = lambda world, **kw: D.mesh_shape(D.ParallelConfig(**kw), world)  # noqa: E731
+    assert shape(4, strategy="fsdp", tp=2) == (("dp", "tp"), (2, 2))
+    assert shape(8, strategy="hsdp", dp_replicate=2, tp=2) == (("dp_replicate", "dp_shard", "tp"), (2, 2, 2))
+    assert shape(4, strategy="fsdp") == (("dp",), (4,))
+    assert shape(4, strategy="tp") == (("tp",), (4,))
+    assert shape(4, strategy="ddp") == ((), ())
+    # rank = dp_rank * tp + tp_rank: the tp groups are consecutive ranks, sharing their rows
+    ranks = [D.World(rank=r, world_size=4, strategy="fsdp", tp_size=2) for r in range(4)]
+    assert [w.dp_rank for w in ranks] == [0, 0, 1, 1] and ranks[0].dp == 2
+    assert [w.rows(3) for w in ranks[1:3]] == [slice(0, 3), slice(3, 6)]
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(strategy="ddp", tp=2), "--tp 2 goes with --strategy fsdp or hsdp"),
+    (dict(strategy="fsdp", dp_replicate=2), "is HSDP's: use --strategy hsdp"),
+    (dict(strategy="hsdp"), "--strategy hsdp needs --dp-replicate R >= 2"),
+    (dict(strategy="ddp", offload_optimizer=True), "CPUOffloadPolicy: use --strategy fsdp or hsdp"),
+    (dict(strategy="fsdp", tp=0), "--tp must be a positive integer"),
+    (dict(strategy="fsdp", dp=-1), "--dp must be a positive integer"),
+])
+def test_strategy_combinations_refused(kwargs, message):
+    with pytest.raises(FasttrainError, match=message):
+        D.validate_parallel(D.ParallelConfig(**kwargs))
+
+
+def test_tp_must_divide_the_heads_and_kv_heads_of_its_group():
+    cfg = _cfg(kv_heads=2)
+    with pytest.raises(FasttrainError, match=r"--kv-heads \(2\) divisible by 4"):
+        D.check_model_fits(cfg, 8, "fsdp", tp=4)
+    D.check_model_fits(cfg, 8, "fsdp", tp=2)            # 2-D: only the tp group splits the heads
+    D.check_model_fits(cfg, 8, "fsdp")
+
+
+def _cli(args, capsys):
+    from fasttrain.cli import main
+
+    code = main(args)
+    return code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("args,message", [
+    (["--strategy", "fsdp", "--tp", "3", "--nproc-per-node", "4"], "--tp 3 does not divide the 4 ranks"),
+    (["--strategy", "fsdp", "--tp", "2", "--nproc-per-node", "4", "--heads", "1"], "--heads (1) divisible by 2"),
+    (["--strategy", "fsdp", "--tp", "2", "--nproc-per-node", "4", "--global-batch-size", "6",
+      "--gradient-accumulation-steps", "2"], "does not split over 2 data-parallel rank(s)"),
+    (["--strategy", "hsdp", "--nproc-per-node", "4"], "needs --dp-replicate R >= 2"),
+    (["--strategy", "ddp", "--nproc-per-node", "2", "--offload-optimizer"], "use --strategy fsdp or hsdp"),
+    (["--strategy", "fsdp", "--tp", "2", "--nproc-per-node", "4", "--lora-r", "2"], "does not combine with"),
+])
+def test_cli_bad_shapes_are_one_line_before_any_process(tmp_path, capsys, args, message):
+    out = tmp_path / "run.json"
+    code, err = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", *args, "--out", str(out)], capsys)
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code != 0 and len(lines) == 1 and message in lines[0], err
+    assert not out.exists()
+
+
+# --- the estimator's view -------------------------------------------------------------------------------
+
+def test_estimator_parallelism_of_hsdp_the_2d_mesh_and_offload():
+    def fields(**kw):
+        return D.estimator_parallelism(D.World(rank=0, **kw), bf16=True)
+    assert fields(world_size=4, strategy="fsdp", tp_size=2) == {"dp": 2, "zero": 3, "tp": 2, "precision": "mixed"}
+    # hsdp: the state is sharded over the shard group only
+    assert fields(world_size=8, strategy="hsdp", dp_replicate=2)["dp"] == 4
+    assert fields(world_size=4, strategy="fsdp", offload_optimizer=True)["offload"] is True
+
+
+def test_the_estimator_takes_offload_off_the_gpu():
+    from fasttrain.memory import estimate
+    from fasttrain.memory.config import preset
+
+    sharded = preset("llama3-8b", dp=4, zero=3, recompute="full")
+    on_gpu, offloaded = estimate(sharded, "precise"), estimate(sharded.with_(offload=True), "precise")
+    lines = {line.name: line.bytes for line in offloaded.lines}
+    assert lines["optimizer"] == 0 and lines["parameters"] == 0
+    # 8B over 4 ranks: ~2B params a rank; fp32 master + bf16 copy + 8 B of Adam state = 14 B a param
+    saved = on_gpu.total - offloaded.total
+    assert 2.0e9 * 12 < saved < 2.0e9 * 16
+    with pytest.raises(FasttrainError, match="offload .* --zero 2 or 3"):
+        estimate(sharded.with_(offload=True, zero=1), "precise")
+
+
+# --- every strategy in 2 and 4 gloo processes, against one process at the same global batch ------------
+
+# (name, ParallelConfig fields, the model's kv heads); 4 heads, so tp 4 needs kv heads 4
+CASES = {
+    2: [("ddp", dict(strategy="ddp"), 2), ("zero1", dict(strategy="zero1"), 2),
+        ("fsdp-zero3", dict(strategy="fsdp"), 2), ("fsdp-zero2", dict(strategy="fsdp", reshard_after_forward=False), 2),
+        ("hsdp", dict(strategy="hsdp", dp_replicate=2), 2), ("tp", dict(strategy="tp"), 2),
+        ("fsdp-offload", dict(strategy="fsdp", offload_optimizer=True), 2)],
+    4: [("ddp", dict(strategy="ddp"), 2), ("zero1", dict(strategy="zero1"), 2),
+        ("fsdp-zero2", dict(strategy="fsdp", reshard_after_forward=False), 2),
+        ("hsdp", dict(strategy="hsdp", dp_replicate=2), 2), ("tp", dict(strategy="tp"), 4),
+        ("fsdp-tp2", dict(strategy="fsdp", tp=2), 2), ("hsdp-tp2", dict(strategy="hsdp", dp_replicate=2, tp=2), 2),
+        ("fsdp-offload", dict(strategy="fsdp", offload_optimizer=True), 2)],
+}
+
+
+def _worker(rank: int, world: int, port: int, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    from fasttrain.lab.train import run
+
+    corpus = _text_corpus()
+    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=120), device="cpu")
+    records = {}
+    for name, fields, kv in CASES[world]:
+        parallel = D.ParallelConfig(global_batch_size=GLOBAL_BATCH, **fields)
+        records[name] = run(_cfg(kv), corpus=corpus, parallel=parallel)
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(records, f, default=str)
+    group.owns_group = True
+    D.shutdown(group)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world):
+    from fasttrain.lab.train import run
+
+    out = tmp_path / "records.json"
+    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+    records = json.loads(out.read_text())
+    corpus = _text_corpus()
+    one = {kv: run(_cfg(kv).with_(per_device_train_batch_size=GLOBAL_BATCH // 2), corpus=corpus)
+           for kv in sorted({kv for _, _, kv in CASES[world]})}
+    for name, fields, kv in CASES[world]:
+        got, ref = records[name], one[kv]
+        d = got["distributed"]
+        tp = world if fields["strategy"] == "tp" else fields.get("tp", 1)
+        assert (d["world_size"], d["tp"], d["dp"], d["global_batch_size"]) == (world, tp, world // tp, GLOBAL_BATCH)
+        assert [p["loss"] for p in got["loss_curve"]] == pytest.approx([p["loss"] for p in ref["loss_curve"]],
+                                                                      rel=1e-5), name
+        assert got["final"]["val_loss"] == pytest.approx(ref["final"]["val_loss"], rel=1e-5), name
+        steps = [step for step, _ in got["applied"]]
+        assert steps == sorted(steps, key=P.ORDER.index), name          # applied in the stated order
+        assert ("tensor_parallel" in steps) == (tp > 1), name
+        setup = got["estimate"]["setup"]
+        assert setup["tp"] == tp and setup["offload"] == fields.get("offload_optimizer", False), name
+        if fields["strategy"] == "hsdp":
+            assert setup["dp"] == world // tp // fields["dp_replicate"], name
+    # training moved: the curves are not flat
+    assert one[2]["loss_curve"][0]["loss"] - one[2]["loss_curve"][-1]["loss"] > 0.05
+
+
+# --- a model that fits no strategy, NCCL missing -------------------------------------------------------
+
+def test_a_model_that_fits_no_strategy_names_the_smallest_and_what_fits():
+    from fasttrain.lab.config import preset
+
+    gib = 2 ** 30
+    # a 1.3B-ish lab GPT at micro-batch 4 of 2048 tokens, fp32 AdamW: ~21 GB of state alone
+    cfg = preset("tiny", style="llama", layers=24, heads=16, kv_heads=8, width=2048, context=2048,
+                 per_device_train_batch_size=4, vocab_size=32000, device="cuda")
+    ddp = D.World(rank=0, world_size=4, strategy="ddp")
+    peak = F.per_gpu_peak(cfg, 32000, ddp)
+    assert F.check_fits_some_strategy(cfg, 32000, ddp, limit=peak) == peak        # fits: nothing said
+    fsdp = F.per_gpu_peak(cfg, 32000, D.World(rank=0, world_size=4, strategy="fsdp"))
+    assert fsdp < peak
+    with pytest.raises(FasttrainError) as exc:
+        F.check_fits_some_strategy(cfg, 32000, ddp, limit=fsdp + 1)
+    line = str(exc.value)
+    assert line.startswith(f"the memory estimator predicts {peak / gib:,.1f} GiB per GPU for ddp on 4 GPUs")
+    assert "the smallest prediction on 4 GPUs is" in line and ": use --strategy " in line and "\n" not in line
+    # below the smallest on 4 GPUs: the line says how many GPUs would (tensor parallelism over 8 splits
+    # the activations too), or that none up to 32 would
+    smallest = min(p for _, c, w in F._alternatives(cfg, 4) if (p := F.per_gpu_peak(c, 32000, w)) is not None)
+    with pytest.raises(FasttrainError, match=r"(nothing fits on 4; \d+ GPUs would|nothing fits on up to 32 GPUs)"):
+        F.check_fits_some_strategy(cfg, 32000, ddp, limit=smallest - 1)
+
+
+def test_nccl_missing_is_one_line(monkeypatch):
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
+    with pytest.raises(FasttrainError, match="NCCL backend is not available in this PyTorch build"):
+        D._backend_for("cuda:0", None)
