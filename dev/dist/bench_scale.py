@@ -209,7 +209,7 @@ def lab_args(work: Path, name: str, *, micro_batch: int, accumulation: int, step
             "--per-device-train-batch-size", str(micro_batch), "--gradient-accumulation-steps", str(accumulation),
             "--max-steps", str(steps), "--learning-rate", str(LEARNING_RATE), "--min-lr", str(LEARNING_RATE),
             "--warmup-steps", "0", "--weight-decay", "0.1", "--dropout", "0", "--eval-interval", "0",
-            "--eval-tokens", str(spec["seq"]), "--bf16", "--attn-implementation", "sdpa", *extra]
+            "--eval-tokens", str(spec["seq"]), "--log-interval", "1", "--bf16", "--attn-implementation", "sdpa", *extra]
 
 
 def lab_profile_worker(profile: Path, argv: list[str], skip: int) -> int:
@@ -290,6 +290,191 @@ def read_summaries(paths: list[Path]) -> dict[str, dict]:
     return out
 
 
+# --- the benchmark's cases and its report ------------------------------------------------------------
+
+CASE_KEYS = ("model", "gpus", "strategy", "precision", "pick", "tokens_per_s_per_gpu", "peak_mib_per_gpu",
+             "predicted_mib_per_gpu", "scaling_efficiency", "hf_trainer_tokens_per_s_per_gpu",
+             "hf_trainer_flags_tokens_per_s_per_gpu", "tune_s")
+README_START, README_END = "<!-- scale-results:start -->", "<!-- scale-results:end -->"
+GOALS = {"8b_bf16_tokens_per_s_per_gpu": 7000, "float8_over_bf16": 1.2, "prediction_error": 0.05,
+         "pick_over_hf": 1.3, "pick_over_hf_flags": 1.1, "tune_s": 15 * 60, "scaling_1b_4gpu": 0.95}
+
+
+def case(model, gpus, strategy, precision, *, pick=False, tokens_per_s_per_gpu=None, peak_mib_per_gpu=None,
+         predicted_mib_per_gpu=None, scaling_efficiency=None, hf=None, hf_flags=None, tune_s=None, **extra) -> dict:
+    out = dict(model=model, gpus=gpus, strategy=strategy, precision=precision, pick=pick,
+               tokens_per_s_per_gpu=tokens_per_s_per_gpu, peak_mib_per_gpu=peak_mib_per_gpu,
+               predicted_mib_per_gpu=predicted_mib_per_gpu, scaling_efficiency=scaling_efficiency,
+               hf_trainer_tokens_per_s_per_gpu=hf, hf_trainer_flags_tokens_per_s_per_gpu=hf_flags, tune_s=tune_s)
+    assert tuple(out) == CASE_KEYS
+    return {**out, **({"extra": extra} if extra else {})}
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def lab_case(model: str, record: dict, **kw) -> dict:
+    """A case from a lab run record (one process or several)."""
+    f = lab_figures(record)
+    d = record.get("distributed") or {}
+    cfg = record.get("config") or {}
+    precision = "bf16" if cfg.get("bf16") else "fp32"
+    if cfg.get("float8", "none") != "none":
+        precision = f"float8-{cfg['float8']}"
+    losses = [p["loss"] for p in record.get("loss_curve") or []]
+    return case(model, f["gpus"], d.get("label", "1gpu"), precision, tokens_per_s_per_gpu=f["tokens_per_s_per_gpu"],
+                peak_mib_per_gpu=f["peak_mib_per_gpu"], predicted_mib_per_gpu=f["predicted_mib_per_gpu"],
+                global_batch=d.get("global_batch_size") or (record.get("batch") or {}).get("per_device_train_batch_size"),
+                losses=losses, **kw)
+
+
+def strategy_label(*args) -> str:
+    from fasttrain.lab.parallel.distributed import strategy_label as label
+
+    return label(*args)
+
+
+def collect(out: Path, model: str) -> list[dict]:
+    """Every case one model's files under ``out`` hold: tune's pick (and the rest of its measured strategies),
+    the HF Trainer both ways, float8 runs of the pick, and the lab's runs at 1, 2 and 4 GPUs (``lab-<g>gpu-*.json``)."""
+    folder = out / model
+    cases: list[dict] = []
+    hf = _json(folder / "hf-users.json")
+    flags = [r for r in (_json(p) for p in sorted(folder.glob("hf-flags-*.json"))) if r and r.get("tokens_per_s_per_gpu")]
+    best_flags = max(flags, key=lambda r: r["tokens_per_s_per_gpu"]) if flags else None
+    hf_tps = hf["tokens_per_s_per_gpu"] if hf else None
+    flags_tps = best_flags["tokens_per_s_per_gpu"] if best_flags else None
+    tuned = _json(folder / "tune" / "tune.json")
+    pick_tps = None
+    if tuned and tuned.get("pick"):
+        p = tuned["pick"]
+        n = p.get("nproc_per_node", 1)
+        pick_tps = p["tokens_per_s"] / n if p.get("tokens_per_s") else None
+        cases.append(case(model, n, p.get("strategy", "1gpu"), "bf16", pick=True, tokens_per_s_per_gpu=pick_tps,
+                          peak_mib_per_gpu=p.get("peak_mib"), predicted_mib_per_gpu=p.get("predicted_mib"),
+                          hf=hf_tps, hf_flags=flags_tps, tune_s=tuned.get("tune_s"), label=p.get("label"),
+                          lab_command=p.get("lab_command"), torchrun_command=p.get("torchrun_command"),
+                          hf_flags_used=best_flags.get("flags") if best_flags else None,
+                          hf_micro_batch=hf.get("micro_batch") if hf else None))
+        for row in tuned.get("ranked") or []:
+            if row.get("rank") in (None, 1) or not row.get("tokens_per_s"):
+                continue
+            o = row.get("overrides") or {}
+            strategy = strategy_label(o.get("strategy", "none"), o.get("reshard_after_forward", True),
+                                      o.get("tp", 1) if o.get("strategy") != "tp" else 1, o.get("dp_replicate", 1),
+                                      o.get("offload_optimizer", False)) if o.get("strategy") else "1gpu"
+            cases.append(case(model, n, strategy, "bf16",
+                              tokens_per_s_per_gpu=row["tokens_per_s"] / n, peak_mib_per_gpu=row.get("peak_mib"),
+                              predicted_mib_per_gpu=row.get("predicted_mib"), label=row["label"], source="tune probe"))
+    elif hf_tps or flags_tps:
+        cases.append(case(model, hf["gpus"] if hf else best_flags["gpus"], "hf-trainer-fsdp", "bf16", hf=hf_tps,
+                          hf_flags=flags_tps))
+    for path in sorted(folder.glob("float8-*.json")):
+        record = _json(path)
+        if record and record.get("tokens_per_s"):
+            cases.append(lab_case(model, record, source=path.name))
+    runs = [(p.name, _json(p)) for p in sorted(folder.glob("lab-*gpu-*.json"))]
+    runs = [(n, r) for n, r in runs if r and r.get("tokens_per_s")]
+    one = {}
+    for name, record in runs:
+        c = lab_case(model, record, source=name)
+        if c["gpus"] == 1:
+            one[c["extra"]["global_batch"]] = c
+        cases.append(c)
+    # scaling at the same per-GPU batch: N GPUs' tokens/s per GPU over one GPU's at that batch
+    for c in cases:
+        if c["gpus"] > 1 and c.get("extra", {}).get("source", "").startswith("lab-"):
+            per_gpu_batch = c["extra"]["global_batch"] // c["gpus"] if c["strategy"] != "tp" else c["extra"]["global_batch"]
+            ref = one.get(per_gpu_batch)
+            if ref and ref["tokens_per_s_per_gpu"]:
+                c["scaling_efficiency"] = c["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+    return cases
+
+
+def goal_lines(cases: list[dict]) -> list[str]:
+    """Each goal met or missed, from the cases (nothing typed)."""
+    out = []
+    pick = next((c for c in cases if c["pick"] and c["model"] == "llama3-8b"), None)
+    if pick and pick["tokens_per_s_per_gpu"]:
+        t = pick["tokens_per_s_per_gpu"]
+        out.append(f"8B bf16 >= {GOALS['8b_bf16_tokens_per_s_per_gpu']:,} tokens/s per GPU: {t:,.0f} "
+                   f"({'met' if t >= GOALS['8b_bf16_tokens_per_s_per_gpu'] else 'missed'})")
+        for key, name, goal in (("hf_trainer_tokens_per_s_per_gpu", "the HF Trainer as users run it", "pick_over_hf"),
+                                ("hf_trainer_flags_tokens_per_s_per_gpu", "the HF Trainer with its best flags",
+                                 "pick_over_hf_flags")):
+            if pick[key]:
+                r = t / pick[key]
+                out.append(f"pick >= {GOALS[goal]}x {name}: {r:.2f}x ({'met' if r >= GOALS[goal] else 'missed'})")
+        if pick["tune_s"] is not None:
+            out.append(f"found within {GOALS['tune_s'] // 60} min: {pick['tune_s']:.0f} s "
+                       f"({'met' if pick['tune_s'] <= GOALS['tune_s'] else 'missed'})")
+        f8 = [c for c in cases if c["model"] == "llama3-8b" and c["precision"].startswith("float8")
+              and c["tokens_per_s_per_gpu"]]
+        for c in f8:
+            r = c["tokens_per_s_per_gpu"] / t
+            out.append(f"{c['precision']} >= {GOALS['float8_over_bf16']}x bf16: {r:.2f}x "
+                       f"({'met' if r >= GOALS['float8_over_bf16'] else 'missed'})")
+    for c in cases:
+        if c["peak_mib_per_gpu"] and c["predicted_mib_per_gpu"]:
+            e = (c["predicted_mib_per_gpu"] - c["peak_mib_per_gpu"]) / c["peak_mib_per_gpu"]
+            out.append(f"{c['model']} {c['gpus']} GPU(s) {c['strategy']} {c['precision']}: predicted {e:+.1%} of the "
+                       f"measured peak ({'within' if abs(e) <= GOALS['prediction_error'] else 'outside'} 5%)")
+    for c in cases:
+        if c["model"] == "llama-1b" and c["gpus"] == 4 and c["scaling_efficiency"] is not None:
+            s = c["scaling_efficiency"]
+            out.append(f"1B {c['strategy']} scaling at 4 GPUs (same per-GPU batch) >= {GOALS['scaling_1b_4gpu']}: "
+                       f"{s:.2f} ({'met' if s >= GOALS['scaling_1b_4gpu'] else 'missed'})")
+    return out
+
+
+def _f(v, spec=",.0f"):
+    return "-" if v is None else format(v, spec)
+
+
+def readme_section(data: dict) -> str:
+    """The README block generated from ``scale.json`` (between the markers the integrator includes)."""
+    lines = [README_START, f"### Past one GPU: {data['machine']} ({data['device']})", "",
+             "| model | GPUs | strategy | precision | tune's pick | tokens/s per GPU | peak MiB per GPU | predicted MiB "
+             "| scaling | HF Trainer | HF Trainer, best flags | tune s |", "|---" * 12 + "|"]
+    for c in data["cases"]:
+        lines.append(f"| {c['model']} | {c['gpus']} | {c['strategy']} | {c['precision']} | {'yes' if c['pick'] else ''} "
+                     f"| {_f(c['tokens_per_s_per_gpu'])} | {_f(c['peak_mib_per_gpu'])} | {_f(c['predicted_mib_per_gpu'])} "
+                     f"| {_f(c['scaling_efficiency'], '.2f')} | {_f(c['hf_trainer_tokens_per_s_per_gpu'])} "
+                     f"| {_f(c['hf_trainer_flags_tokens_per_s_per_gpu'])} | {_f(c['tune_s'])} |")
+    lines += ["", "Goals:", *[f"- {g}" for g in data["goals"]]]
+    if data.get("gpu_tests"):
+        lines += ["", f"GPU tests: `{data['gpu_tests']}`"]
+    lines += ["", f"Command: `{data['command']}`", README_END]
+    return "\n".join(lines)
+
+
+def report(out: Path, results: Path, command: str) -> Path:
+    """``results/dist/<machine>/scale.json`` and its README from the files a device run wrote under ``out``."""
+    env = (out / "env.txt").read_text() if (out / "env.txt").exists() else ""
+    gpus = [line.split(",")[1].strip() for line in env.splitlines() if line[:1].isdigit() and "," in line]
+    device = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
+    kind = "h200" if gpus and "H200" in gpus[0] else "h100"
+    machine = f"nvidia-{kind}-x{len(gpus)}" if gpus else "unknown"
+    cases = [c for model in MODELS for c in collect(out, model)]
+    tests = out / "gpu-tests.txt"
+    passed = [line for line in (tests.read_text().splitlines() if tests.exists() else []) if " passed" in line
+              or " failed" in line]
+    data = {"kind": "scale", "schema": 1, "machine": machine, "device": device, "cases": cases,
+            "goals": goal_lines(cases), "gpu_tests": passed[-1].strip("= ") if passed else None, "command": command}
+    folder = results / machine
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scale.json").write_text(json.dumps(data, indent=1, default=str))
+    (folder / "README.md").write_text(f"# The scale-out benchmark on {device}\n\nGenerated by "
+                                      f"`python3 dev/dist/bench_scale.py report` from `scale.json` (this folder).\n\n"
+                                      + readme_section(data) + "\n")
+    log(readme_section(data))
+    return folder
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     sub = ap.add_subparsers(dest="phase", required=True)
@@ -316,6 +501,10 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=3)
     p.add_argument("--profile", type=Path, required=True)
     p.add_argument("--out", type=Path)
+    p = sub.add_parser("report")
+    p.add_argument("out", type=Path, help="the folder a device run wrote (one sub-folder per model)")
+    p.add_argument("--results", type=Path, default=Path("results/dist"))
+    p.add_argument("--command", default="bash dev/device/scale_case.sh")
     p = sub.add_parser("profile-table")
     p.add_argument("summaries", type=Path, nargs="+", help="profile-<side>-rank0.json files or a .tgz of them")
     p.add_argument("--lab-record", type=Path)
@@ -329,6 +518,8 @@ def main(argv=None) -> int:
     elif a.phase == "profile-table":
         sys.path.insert(0, str(HERE))
         print(profile_table(read_summaries(a.summaries), a.lab_record, a.hf_record))
+    elif a.phase == "report":
+        report(a.out, a.results, a.command)
     elif a.phase == "hf":
         hf_worker(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
                   skip=a.skip, flags=json.loads(a.flags), out=a.out, profile=a.profile)
