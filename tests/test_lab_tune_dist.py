@@ -231,3 +231,49 @@ def test_a_real_two_process_gloo_probe_through_torchrun():
     assert probe.error is None, probe.error
     assert probe.tokens_per_s and probe.tokens_per_s > 0
     assert len(probe.losses) >= 2 and probe.predicted_bytes
+
+
+def _bench_scale():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "dev" / "dist" / "bench_scale.py"
+    spec = importlib.util.spec_from_file_location("bench_scale", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scale_benchmark_reports_fixed_keys_and_scaling_from_real_runs(tmp_path):
+    """The benchmark's harness on the CPU: the HF Trainer's runner, the lab at 1 process and at 2 gloo processes
+    (the same per-process batch), and the report: ``scale.json``'s cases with exactly the fixed keys, scaling
+    efficiency from the two lab runs, the README block between its markers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from fasttrain.cli import main
+
+    bench = _bench_scale()
+    work, out = tmp_path / "work", tmp_path / "out"
+    folder = out / "tiny-llama"
+    folder.mkdir(parents=True)
+    bench.prepare(work, "tiny-llama", 20_000)
+    hf = bench.hf_worker(work, "tiny-llama", micro_batch=2, accumulation=1, steps=3, skip=1, flags={},
+                         out=folder / "hf-users.json", profile=None)
+    assert hf["tokens_per_s_per_gpu"] > 0 and hf["gpus"] == 1
+    args = bench.lab_args(work, "tiny-llama", micro_batch=2, accumulation=1, steps=4) + ["--device", "cpu", "--quiet"]
+    assert main([*args, "--out", str(folder / "lab-1gpu-b2.json")]) == 0
+    assert main([*args, "--strategy", "ddp", "--nproc-per-node", "2", "--out", str(folder / "lab-2gpu-ddp-b2.json")]) == 0
+    results = tmp_path / "results"
+    bench.report(out, results, "test")
+    (machine,) = list(results.iterdir())
+    data = __import__("json").loads((machine / "scale.json").read_text())
+    assert all(tuple(k for k in c if k != "extra") == bench.CASE_KEYS for c in data["cases"])
+    two = next(c for c in data["cases"] if c["gpus"] == 2)
+    one = next(c for c in data["cases"] if c["gpus"] == 1 and c["strategy"] == "1gpu")
+    assert two["strategy"] == "ddp" and two["scaling_efficiency"] == pytest.approx(
+        two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
+    assert one["scaling_efficiency"] is None and two["predicted_mib_per_gpu"]
+    hf_case = next(c for c in data["cases"] if c["strategy"] == "hf-trainer-fsdp")
+    assert hf_case["hf_trainer_tokens_per_s_per_gpu"] == pytest.approx(hf["tokens_per_s_per_gpu"])
+    text = (machine / "README.md").read_text()
+    assert bench.README_START in text and bench.README_END in text and "| tiny-llama | 2 | ddp |" in text

@@ -49,6 +49,10 @@ float8() {
     --timing-warmup-steps 3 --log-interval 1 --quiet --out "$R/llama3-8b/float8-$1.json" > "$R/llama3-8b/float8-$1.log" 2>&1
   tail -1 "$R/llama3-8b/float8-$1.log" 2>/dev/null
 }
+# no pick (every probe failed, or none finished): the lab's plain FSDP2 of the early profile stands in
+[ -z "$PICK" ] && fits 90 "8B lab fsdp" && timeout $(( $(left) - 5 )) python3 -m fasttrain $(python3 -c "import sys; sys.path.insert(0, 'dev/dist'); import bench_scale as b, shlex; from pathlib import Path; print(shlex.join(b.lab_args(Path('$WORK'), 'llama3-8b', micro_batch=1, accumulation=1, steps=7)))") \
+  --gradient-checkpointing full --timing-warmup-steps 3 --quiet --strategy fsdp --nproc-per-node "$N" \
+  --out "$D/lab-${N}gpu-fsdp-b1.json" > "$D/lab-fsdp.log" 2>&1 && tail -1 "$D/lab-fsdp.log"
 float8 tensorwise
 
 M=llama-1b; D="$R/$M"
