@@ -39,7 +39,7 @@ LAB="--model hf:$WORK/$M/model --train-bin $WORK/$M/train.bin --val-bin $WORK/$M
   --learning-rate 3e-4 --min-lr 3e-4 --warmup-steps 0 --weight-decay 0.1 --dropout 0 --eval-interval 0 --eval-tokens 8192"
 fits 200 tune && timeout $(( $(left) - 5 )) python3 -m fasttrain tune $LAB --seq 8192 --global-batch-tokens $(( 8192 * N )) \
   --nproc-per-node "$N" --attn-implementation sdpa --gradient-checkpointing full --torch-compile \
-  --torch-compile-scope blocks --use-liger-kernel --liger-kernels fused_linear_cross_entropy --optim adamw_torch_fused --preload \
+  --torch-compile-scope blocks --use-liger-kernel --liger-kernels fused_linear_cross_entropy --optim adamw_torch_fused --no-preload \
   --budget "$BUDGET" --max-candidates 2 --probe-steps 2 --no-cache --out "$D/tune" > "$D/tune.log" 2>&1
 grep -E "^(pick|per GPU|screen|halving|baseline)" "$D/tune.log" | cut -c1-200
 # the pick's own command line (its `fasttrain` is `python3 -m fasttrain` here: the package is not installed)

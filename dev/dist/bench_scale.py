@@ -119,39 +119,14 @@ def hf_worker(work: Path, name: str, *, micro_batch: int, accumulation: int, ste
     local = int(os.environ.get("LOCAL_RANK", "0"))
     ids = np.fromfile(folder / "train.bin", dtype=np.uint32 if bin_dtype(name) == "uint32" else np.uint16)
 
-    class Windows(torch.utils.data.Dataset):
-        def __init__(self, count: int):
-            self.offsets = np.random.default_rng(0).integers(0, len(ids) - seq - 1, size=count)
-
-        def __len__(self):
-            return len(self.offsets)
-
-        def __getitem__(self, i):
-            w = torch.from_numpy(ids[self.offsets[i]:self.offsets[i] + seq].astype(np.int64))
-            return {"input_ids": w, "labels": w}
-
     prof = None
     if profile is not None:
         sys.path.insert(0, str(HERE))
         from profiling import StepProfiler
 
         prof = StepProfiler(profile, "hf" + ("-flags" if flags else ""), wait=max(1, skip), active=2)
-
-    class StepTimer(tf.TrainerCallback):
-        def on_train_begin(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-                torch.cuda.reset_peak_memory_stats()
-            self.times, self.t = [], time.perf_counter()
-
-        def on_step_end(self, args, state, control, **kw):
-            if cuda:
-                torch.cuda.synchronize()
-            now = time.perf_counter()
-            self.times.append(now - self.t)
-            self.t = now
-            if prof is not None:
-                prof.step()
+    sys.path.insert(0, str(HERE.parent / "tune"))
+    from bench_tune import step_timer, token_windows
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -162,13 +137,13 @@ def hf_worker(work: Path, name: str, *, micro_batch: int, accumulation: int, ste
     with torch.device(f"cuda:{local}" if cuda else "cpu"):
         model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
     model.config.use_cache = False
-    timer = StepTimer()
+    timer = step_timer(cuda, after_step=prof.step if prof is not None else None)
     with tempfile.TemporaryDirectory() as tmp:
         args = tf.TrainingArguments(**{**hf_training_arguments(name, micro_batch=micro_batch, accumulation=accumulation,
                                                                steps=steps, nproc=world, flags=flags, output_dir=tmp),
                                        **({} if cuda else {"use_cpu": True, "bf16": False})})
         trainer = tf.Trainer(model=model, args=args, callbacks=[timer],
-                             train_dataset=Windows(steps * micro_batch * accumulation * world * 2))
+                             train_dataset=token_windows(ids, seq, steps * micro_batch * accumulation * world * 2))
         t0 = time.perf_counter()
         trainer.train()
         wall = time.perf_counter() - t0
@@ -482,25 +457,18 @@ def main(argv=None) -> int:
     p.add_argument("work", type=Path)
     p.add_argument("--model", choices=MODELS, required=True)
     p.add_argument("--tokens", type=int, default=4_000_000)
-    p = sub.add_parser("hf")
-    p.add_argument("work", type=Path)
-    p.add_argument("--model", choices=MODELS, required=True)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--skip", type=int, default=3)
-    p.add_argument("--flags", default="{}", help="JSON: TrainingArguments added to the users' ones.")
-    p.add_argument("--out", type=Path)
-    p.add_argument("--profile", type=Path)
-    p = sub.add_parser("lab-profile")
-    p.add_argument("work", type=Path)
-    p.add_argument("--model", choices=MODELS, required=True)
-    p.add_argument("--micro-batch", type=int, default=1)
-    p.add_argument("--accumulation", type=int, default=1)
-    p.add_argument("--steps", type=int, default=8)
-    p.add_argument("--skip", type=int, default=3)
-    p.add_argument("--profile", type=Path, required=True)
-    p.add_argument("--out", type=Path)
+    for phase in ("hf", "lab-profile"):       # one run of a side: the same shape of arguments
+        p = sub.add_parser(phase)
+        p.add_argument("work", type=Path)
+        p.add_argument("--model", choices=MODELS, required=True)
+        p.add_argument("--micro-batch", type=int, default=1)
+        p.add_argument("--accumulation", type=int, default=1)
+        p.add_argument("--steps", type=int, default=8)
+        p.add_argument("--skip", type=int, default=3)
+        p.add_argument("--out", type=Path)
+        p.add_argument("--profile", type=Path, required=phase == "lab-profile")
+        if phase == "hf":
+            p.add_argument("--flags", default="{}", help="JSON: TrainingArguments added to the users' ones.")
     p = sub.add_parser("report")
     p.add_argument("out", type=Path, help="the folder a device run wrote (one sub-folder per model)")
     p.add_argument("--results", type=Path, default=Path("results/dist"))
