@@ -63,8 +63,10 @@ fits 60 "1B on 1 GPU" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --
 fits 70 "1B ddp on $N GPUs" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --timing-warmup-steps 4 --quiet \
   --strategy ddp --nproc-per-node "$N" --out "$D/lab-${N}gpu-ddp-b4.json" > "$D/lab-ddp.log" 2>&1; tail -1 "$D/lab-ddp.log"
 float8 rowwise
+# FSDP at the 1-GPU run's global batch (4 sequences: 1 a GPU): its loss curve against the 1-GPU one
 fits 70 "1B fsdp on $N GPUs" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --timing-warmup-steps 4 --quiet \
-  --strategy fsdp --nproc-per-node "$N" --out "$D/lab-${N}gpu-fsdp-b4.json" > "$D/lab-fsdp.log" 2>&1; tail -1 "$D/lab-fsdp.log"
+  --per-device-train-batch-size $(( 4 / N > 0 ? 4 / N : 1 )) --strategy fsdp --nproc-per-node "$N" \
+  --out "$D/lab-${N}gpu-fsdp-global4.json" > "$D/lab-fsdp.log" 2>&1; tail -1 "$D/lab-fsdp.log"
 
 fits 90 "gpu tests" && timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
   tests/test_lab_distributed.py tests/test_lab_tune_dist.py > "$R/gpu-tests.txt" 2>&1; tail -1 "$R/gpu-tests.txt" 2>/dev/null

@@ -215,7 +215,7 @@ def lab_figures(record: dict) -> dict:
     d = record.get("distributed") or {}
     gpus = d.get("world_size", 1)
     peaks = [r["peak_allocated_bytes"] for r in d.get("per_rank", []) if r.get("peak_allocated_bytes")] \
-        or [record.get("memory", {}).get("train_peak_bytes") or 0]
+        or [record.get("memory", {}).get("peak_allocated_bytes") or 0]
     predicted = (record.get("estimate") or {}).get("precise_bytes")
     return {"gpus": gpus, "tokens_per_s_per_gpu": (record.get("tokens_per_s") or 0) / gpus,
             "peak_mib_per_gpu": max(peaks) / MIB if peaks else None,
@@ -303,7 +303,7 @@ def lab_case(model: str, record: dict, **kw) -> dict:
     losses = [p["loss"] for p in record.get("loss_curve") or []]
     return case(model, f["gpus"], d.get("label", "1gpu"), precision, tokens_per_s_per_gpu=f["tokens_per_s_per_gpu"],
                 peak_mib_per_gpu=f["peak_mib_per_gpu"], predicted_mib_per_gpu=f["predicted_mib_per_gpu"],
-                global_batch=d.get("global_batch_size") or (record.get("batch") or {}).get("per_device_train_batch_size"),
+                global_batch=d.get("global_batch_size") or _one_process_batch(record.get("batch") or {}),
                 losses=losses, **kw)
 
 
@@ -311,6 +311,11 @@ def strategy_label(*args) -> str:
     from fasttrain.lab.parallel.distributed import strategy_label as label
 
     return label(*args)
+
+
+def _one_process_batch(batch: dict) -> int | None:
+    b = batch.get("per_device_train_batch_size")
+    return None if b is None else b * (batch.get("gradient_accumulation_steps") or 1)
 
 
 def collect(out: Path, model: str) -> list[dict]:
@@ -398,6 +403,19 @@ def goal_lines(cases: list[dict]) -> list[str]:
             e = (c["predicted_mib_per_gpu"] - c["peak_mib_per_gpu"]) / c["peak_mib_per_gpu"]
             out.append(f"{c['model']} {c['gpus']} GPU(s) {c['strategy']} {c['precision']}: predicted {e:+.1%} of the "
                        f"measured peak ({'within' if abs(e) <= GOALS['prediction_error'] else 'outside'} 5%)")
+    # loss curves of N GPUs against 1 GPU at the same global batch (the same batches: the lab draws the global
+    # batch from one seeded stream and gives each rank its rows)
+    for c in cases:
+        extra = c.get("extra") or {}
+        if c["gpus"] < 2 or not extra.get("losses"):
+            continue
+        ref = next((o for o in cases if o["model"] == c["model"] and o["gpus"] == 1 and o.get("extra", {}).get("losses")
+                    and o["extra"].get("global_batch") == extra.get("global_batch")), None)
+        if ref:
+            pairs = list(zip(ref["extra"]["losses"], extra["losses"]))
+            diff = max(abs(a - b) for a, b in pairs)
+            out.append(f"{c['model']} {c['gpus']} GPUs {c['strategy']} against 1 GPU at global batch "
+                       f"{extra['global_batch']}: loss differs by at most {diff:.2e} over {len(pairs)} steps")
     for c in cases:
         if c["model"] == "llama-1b" and c["gpus"] == 4 and c["scaling_efficiency"] is not None:
             s = c["scaling_efficiency"]
