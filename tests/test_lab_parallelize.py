@@ -41,8 +41,9 @@ def _text_corpus():
 def _cfg(kv_heads: int = 2, **changes):
     from fasttrain.lab.config import preset
 
+    changes.setdefault("device", "cpu")
     return preset("tiny", style="llama", heads=4, kv_heads=kv_heads, max_steps=3, eval_tokens=512, eval_interval=0,
-                  log_interval=1, timing_warmup_steps=1, device="cpu", gradient_accumulation_steps=2,
+                  log_interval=1, timing_warmup_steps=1, gradient_accumulation_steps=2,
                   learning_rate=1e-2, warmup_steps=0, **changes)
 
 
@@ -312,18 +313,18 @@ CASES = {
 }
 
 
-def _worker(rank: int, world: int, port: int, out: str) -> None:
+def _worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> None:
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     from fasttrain.lab.train import run
 
     corpus = _text_corpus()
-    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=120), device="cpu")
+    group = D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=120), device=device)
     records = {}
     for name, fields, kv in CASES[world]:
         parallel = D.ParallelConfig(global_batch_size=GLOBAL_BATCH, **fields)
-        records[name] = run(_cfg(kv), corpus=corpus, parallel=parallel)
+        records[name] = run(_cfg(kv, device=device), corpus=corpus, parallel=parallel)
     if rank == 0:
         with open(out, "w") as f:
             json.dump(records, f, default=str)
@@ -333,13 +334,26 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world):
+    _same_function(tmp_path, world, "cpu", rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("world", [2, 4])
+def test_every_strategy_on_gpus_trains_the_same_function_as_one(tmp_path, world):
+    # NCCL; cuBLAS may pick other kernels for another batch (another order of the sums): looser
+    if torch.cuda.device_count() < world:
+        pytest.skip(f"needs {world} CUDA GPUs")
+    _same_function(tmp_path, world, "cuda", rel=1e-4)
+
+
+def _same_function(tmp_path, world: int, device: str, rel: float) -> None:
     from fasttrain.lab.train import run
 
     out = tmp_path / "records.json"
-    mp.start_processes(_worker, args=(world, _free_port(), str(out)), nprocs=world, start_method="spawn")
+    mp.start_processes(_worker, args=(world, _free_port(), str(out), device), nprocs=world, start_method="spawn")
     records = json.loads(out.read_text())
     corpus = _text_corpus()
-    one = {kv: run(_cfg(kv).with_(per_device_train_batch_size=GLOBAL_BATCH // 2), corpus=corpus)
+    one = {kv: run(_cfg(kv, device=device).with_(per_device_train_batch_size=GLOBAL_BATCH // 2), corpus=corpus)
            for kv in sorted({kv for _, _, kv in CASES[world]})}
     for name, fields, kv in CASES[world]:
         got, ref = records[name], one[kv]
@@ -347,8 +361,8 @@ def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world)
         tp = world if fields["strategy"] == "tp" else fields.get("tp", 1)
         assert (d["world_size"], d["tp"], d["dp"], d["global_batch_size"]) == (world, tp, world // tp, GLOBAL_BATCH)
         assert [p["loss"] for p in got["loss_curve"]] == pytest.approx([p["loss"] for p in ref["loss_curve"]],
-                                                                      rel=1e-5), name
-        assert got["final"]["val_loss"] == pytest.approx(ref["final"]["val_loss"], rel=1e-5), name
+                                                                      rel=rel), name
+        assert got["final"]["val_loss"] == pytest.approx(ref["final"]["val_loss"], rel=rel), name
         steps = [step for step, _ in got["applied"]]
         assert steps == sorted(steps, key=P.ORDER.index), name          # applied in the stated order
         assert ("tensor_parallel" in steps) == (tp > 1), name

@@ -232,6 +232,8 @@ def apply_float8(lab_model, cfg, module, applied: list) -> None:
     recipe = getattr(cfg, "float8", "none")
     if recipe == "none":
         return
+    if recipe not in FLOAT8:
+        raise FasttrainError(f"unknown --float8 {recipe!r}; use one of {', '.join(FLOAT8)}")
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
     convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe),
