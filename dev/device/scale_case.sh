@@ -2,9 +2,9 @@
 # The scale-out benchmark in one device call on N GPUs (default 4), each phase only where the call has time
 # for it: the Llama-3-8B shape first -- the HF Trainer with FSDP2 as its users run it, with its best flags,
 # `fasttrain tune --nproc-per-node N`'s pick (bf16), the pick in float8 tensorwise -- then the 1B Llama's
-# data-parallel scaling (1 GPU and N GPUs at the same per-GPU batch), float8 rowwise, the 1B under FSDP, and the
-# distributed `gpu` tests. Carry .whl/
-# (liger-kernel, torchao) and .data/. From the repository root:
+# data-parallel scaling (1 GPU and N GPUs at the same per-GPU batch), the distributed `gpu` tests, float8
+# rowwise, the 1B under FSDP at the 1-GPU run's global batch. Carry .whl/ (liger-kernel, torchao) and .data/.
+# From the repository root:
 #
 #   OUT=out bash dev/device/scale_case.sh [TUNE_BUDGET]
 #
@@ -62,13 +62,14 @@ fits 60 "1B on 1 GPU" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --
   --out "$D/lab-1gpu-b4.json" > "$D/lab-1gpu.log" 2>&1; tail -1 "$D/lab-1gpu.log"
 fits 70 "1B ddp on $N GPUs" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --timing-warmup-steps 4 --quiet \
   --strategy ddp --nproc-per-node "$N" --out "$D/lab-${N}gpu-ddp-b4.json" > "$D/lab-ddp.log" 2>&1; tail -1 "$D/lab-ddp.log"
+fits 120 "gpu tests" && timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
+  tests/test_lab_distributed.py tests/test_lab_parallelize.py tests/test_lab_tune_dist.py > "$R/gpu-tests.txt" 2>&1
+tail -1 "$R/gpu-tests.txt" 2>/dev/null
 float8 rowwise
 # FSDP at the 1-GPU run's global batch (4 sequences: 1 a GPU): its loss curve against the 1-GPU one
 fits 70 "1B fsdp on $N GPUs" && timeout $(( $(left) - 5 )) python3 -m fasttrain $ONE --timing-warmup-steps 4 --quiet \
   --per-device-train-batch-size $(( 4 / N > 0 ? 4 / N : 1 )) --strategy fsdp --nproc-per-node "$N" \
   --out "$D/lab-${N}gpu-fsdp-global4.json" > "$D/lab-fsdp.log" 2>&1; tail -1 "$D/lab-fsdp.log"
 
-fits 90 "gpu tests" && timeout $(( $(left) - 5 )) python3 -m pytest -q -p no:cacheprovider -m gpu \
-  tests/test_lab_distributed.py tests/test_lab_tune_dist.py > "$R/gpu-tests.txt" 2>&1; tail -1 "$R/gpu-tests.txt" 2>/dev/null
 $B report "$R" --results "$R/results" --command "OUT=\$OUT bash dev/device/scale_case.sh $BUDGET"
 (cd "$OUT" && tar czf scale-out.tgz scale)
