@@ -291,3 +291,17 @@ def test_cli_flags_reach_the_setup():
     one_line_error(run("--optim", "lion"), "--optim must be one of adamw, adamw_8bit")
     one_line_error(run("--lora-r", 8, "--prompt-tokens", 4), "not both")
     one_line_error(run("--mode", "playbook", "--lora-r", 8), "only in --mode precise")
+
+
+def test_the_estimator_takes_offload_off_the_gpu():
+    """FSDP's CPUOffloadPolicy: the sharded weights, their gradients and the optimizer state in
+    host memory, none of them in the per-GPU peak."""
+    sharded = preset("llama3-8b", dp=4, zero=3, recompute="full")
+    on_gpu, offloaded = estimate(sharded, "precise"), estimate(sharded.with_(offload=True), "precise")
+    lines = {line.name: line.bytes for line in offloaded.lines}
+    assert lines["optimizer"] == 0 and lines["parameters"] == 0
+    # 8B over 4 ranks: ~2B params a rank; fp32 master + bf16 copy + 8 B of Adam state = 14 B a param
+    saved = on_gpu.total - offloaded.total
+    assert 2.0e9 * 12 < saved < 2.0e9 * 16
+    with pytest.raises(FasttrainError, match="offload .* --zero 2 or 3"):
+        estimate(sharded.with_(offload=True, zero=1), "precise")

@@ -566,26 +566,35 @@ def clip_grad_norm(model, max_norm: float, world: World):
     """``clip_grad_norm_`` over all parameters of every strategy; returns the total norm as a float.
 
     Gradients are grouped by their mesh and placements (plain tensors; FSDP's shards on dp; TP's
-    slices on tp; both on the 2-D mesh): each group's norm is a DTensor whose ``full_tensor`` sums
-    the squares over the ranks that hold different pieces and counts a replicated piece once:
-    |g|^2 = sum over groups of |g_group|^2; then every gradient is scaled by min(1, max / |g|)."""
+    slices on tp; both on the 2-D mesh). A group's squared norm over this rank's pieces is summed
+    over the mesh dimensions its gradients are sharded on (disjoint pieces) and not over those they
+    are replicated on (the same piece counted once): |g|^2 = sum over groups of sum_shards |g_piece|^2;
+    then every gradient is scaled by min(1, max / |g|). (By hand rather than through DTensor's
+    ``full_tensor``: offloaded gradients live on the CPU while the collectives run on the GPUs.)"""
     import torch
+    import torch.distributed as dist
 
     grads = [p.grad for p in model.parameters() if p.grad is not None]
     groups: dict = {}
     for g in grads:
-        placements = tuple(getattr(g, "placements", ()))
-        groups.setdefault((_mesh_key(g), placements), []).append(g)
-    squares = []
-    for same in groups.values():
-        norm = torch.nn.utils.get_total_norm(same, 2.0)
-        full = getattr(norm, "full_tensor", None)
-        squares.append(float(full() if full else norm) ** 2)
-    total = sum(squares) ** 0.5
+        groups.setdefault((_mesh_key(g), tuple(getattr(g, "placements", ()))), []).append(g)
+    total_sq = 0.0
+    for (_, placements), same in groups.items():
+        local = [g.to_local() if hasattr(g, "to_local") else g for g in same]
+        sq = torch.nn.utils.get_total_norm(local, 2.0).double() ** 2
+        if placements:
+            mesh = same[0].device_mesh
+            sq = sq.to(mesh.device_type)
+            for dim, placement in enumerate(placements):
+                # Shard and FSDP's _StridedShard on a TP-split dim alike (the latter is no is_shard())
+                if not placement.is_replicate():
+                    dist.all_reduce(sq, group=mesh.get_group(dim))
+        total_sq += float(sq)
+    total = total_sq ** 0.5
     coef = min(1.0, max_norm / (total + 1e-6))
     if coef < 1.0:
         for same in groups.values():
-            torch._foreach_mul_(same, coef)
+            torch._foreach_mul_([g.to_local() if hasattr(g, "to_local") else g for g in same], coef)
     return total
 
 
