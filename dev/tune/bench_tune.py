@@ -260,22 +260,15 @@ def _hf_found_run(work: Path, name: str, *, start: int, extra: dict, steps: int,
     return result
 
 
-def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip: int, cuda: bool) -> dict:
+def token_windows(ids, seq: int, count: int, seed: int = 0):
+    """A Dataset of ``count`` token windows of ``ids`` at seeded random offsets: ``input_ids`` = ``labels`` (the
+    model shifts them). (Also the scale-out benchmark's: ``dev/dist/bench_scale.py``.)"""
     import numpy as np
     import torch
-    import transformers as tf
-
-    spec = MODELS[name]
-    seq, tokens = spec["seq"], spec["tokens"]
-    folder = model_dir(work, name)
-    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
-    accumulation = max(1, tokens // (batch * seq))
 
     class Windows(torch.utils.data.Dataset):
-        """Token windows at seeded random offsets: ``input_ids`` = ``labels`` (the model shifts them)."""
-
-        def __init__(self, count: int):
-            self.offsets = np.random.default_rng(0).integers(0, len(ids) - seq - 1, size=count)
+        def __init__(self):
+            self.offsets = np.random.default_rng(seed).integers(0, len(ids) - seq - 1, size=count)
 
         def __len__(self):
             return len(self.offsets)
@@ -283,11 +276,16 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
         def __getitem__(self, i):
             w = torch.from_numpy(ids[self.offsets[i]:self.offsets[i] + seq].astype(np.int64))
             return {"input_ids": w, "labels": w}
+    return Windows()
+
+
+def step_timer(cuda: bool, after_step=None):
+    """A ``TrainerCallback`` keeping the time of every optimizer step (``.times``): the device synchronized at each
+    step's end (and at the start); the finder's retries restart the list. ``after_step()``: called after each."""
+    import torch
+    import transformers as tf
 
     class StepTimer(tf.TrainerCallback):
-        """The time of every optimizer step: the device synchronized at each step's end (and at the start);
-        the finder's retries restart the list."""
-
         def on_train_begin(self, args, state, control, **kw):
             if cuda:
                 torch.cuda.synchronize()
@@ -300,12 +298,29 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
             now = time.perf_counter()
             self.times.append(now - self.t)
             self.t = now
+            if after_step is not None:
+                after_step()
+    return StepTimer()
+
+
+def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip: int, cuda: bool) -> dict:
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    spec = MODELS[name]
+    seq, tokens = spec["seq"], spec["tokens"]
+    folder = model_dir(work, name)
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    accumulation = max(1, tokens // (batch * seq))
+
+    Windows = lambda count: token_windows(ids, seq, count)      # noqa: E731
+    timer = step_timer(cuda)
 
     config = tf.AutoConfig.from_pretrained(folder / "model")
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
-    timer = StepTimer()
     with tempfile.TemporaryDirectory() as out:
         args = tf.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch,

@@ -1,6 +1,7 @@
 """``fasttrain tune``: the fastest configuration of a model that fits this device, predicted then measured.
 
     fasttrain tune --preset char-100m --context 1024 --global-batch-size 512 --budget 5m --out tune-run
+    fasttrain tune --model hf:llama3-8b --context 8192 --global-batch-size 16 --nproc-per-node 4 --budget 15m
 
 Every ``fasttrain lab`` flag is accepted (the model, the data, ``--config``, ``--print-config``) and
 resolved as ``fasttrain lab`` resolves it (a transformers model's own defaults, no preset); a
@@ -45,7 +46,8 @@ def parse_bytes(text: str | None) -> int | None:
 @click.option("--global-batch-tokens", type=int, default=None, hidden=True)
 @click.option("--budget", default=None, help="Bound the search (5m, 300s, 1h); at the budget: the best so far.")
 @click.option("--allow", default=None,
-              help="Techniques that change the math, comma-separated: lora, prompt_tuning, adamw_8bit, adafactor.")
+              help="Techniques that change the math, comma-separated: lora, prompt_tuning, adamw_8bit, adafactor, "
+                   "float8.")
 @click.option("--precisions", default="bf16", show_default=True,
               help="Precisions searched, comma-separated: bf16, tf32, fp16, fp32.")
 @click.option("--out", "out_dir", type=click.Path(file_okay=False), default=None,
@@ -58,12 +60,15 @@ def parse_bytes(text: str | None) -> int | None:
               help="Timed steps of the first rung (doubled for each later one).")
 @click.option("--max-candidates", type=click.IntRange(1, 1000), default=8, show_default=True,
               help="Configurations that enter successive halving.")
+@click.option("--nproc-per-node", "nproc", type=click.IntRange(1, 1024), default=1, show_default=True,
+              help="Search over this many processes (one per GPU; gloo processes with --device cpu): strategies "
+                   "(ddp, zero1, fsdp, hsdp, dp x tp), each probe a torchrun run of its own.")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.option("--verbose", is_flag=True, help="Show the libraries' known-harmless notes too (torchao, liger-kernel, "
               "transformers: left out and counted otherwise).")
 @click.pass_context
 def command(ctx, preset_name, config_file, print_config, global_batch_size, global_batch_tokens, budget, allow,
-            precisions, out_dir, cache_path, no_cache, memory_limit, probe_steps, max_candidates, quiet, verbose,
+            precisions, out_dir, cache_path, no_cache, memory_limit, probe_steps, max_candidates, nproc, quiet, verbose,
             **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
     from fasttrain.lab import noise
@@ -90,7 +95,7 @@ def command(ctx, preset_name, config_file, print_config, global_batch_size, glob
     result = tune(base, seq=base.context, global_batch_tokens=tokens, budget=budget, allow=allow,
                   precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()), fixed=given - {"context"},
                   out=out_dir, cache_path=False if no_cache else (cache_path or True), memory_limit_bytes=limit,
-                  steps=probe_steps, max_candidates=max_candidates, log=log, model_id=base.model)
+                  steps=probe_steps, max_candidates=max_candidates, log=log, model_id=base.model, nproc=nproc)
     print_report(result, out, model_id=base.model)
     if out_dir:
         out.print(f"results: {out_dir}")

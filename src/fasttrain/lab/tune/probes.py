@@ -80,7 +80,10 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
             setup = lab_setup(cfg, vocab)
         if cpu:
             setup = setup.with_(workspace_mib=0.0)
-        return int(estimate(setup, "precise").total)
+        from fasttrain.lab.tune.scale import parallel_setup
+
+        # over several ranks: per GPU, the strategy's shards (the prediction a lab run records)
+        return int(estimate(parallel_setup(cfg, setup), "precise").total)
 
     def predict(cfg: LabConfig) -> int | None:
         from fasttrain.lab.config import liger_of

@@ -180,6 +180,7 @@ def summary(result, model_id: str = "gpt") -> dict:
         pick_row = entry_row(result.pick, result, 1)
         winner = {**pick_row, "lab_command": lab_command(cfg, model_id), "training_arguments": args,
                   "model_kwargs": model_kwargs, "training_arguments_notes": notes}
+        winner.update(_scaled_answer(cfg, result, model_id, winner))
     mem = result.memory
     return {
         "kind": "tune", "schema": 1, "model": model_id,
@@ -198,6 +199,20 @@ def summary(result, model_id: str = "gpt") -> dict:
                   "(1 + reserve) + context exceeds the device; probes: short runs of the lab's trainer at a constant "
                   "learning rate, the first steps (compilation, warm-up) timed apart; successive halving, eta 2",
     }
+
+
+def _scaled_answer(cfg, result, model_id: str, winner: dict) -> dict:
+    """Over several processes: the pick as ``fasttrain lab --nproc-per-node N``, ``torchrun``, ``TrainingArguments``
+    with ``fsdp``/``fsdp_config``, an accelerate config file, and what the Trainer cannot express; per GPU."""
+    from fasttrain.lab.tune.scale import ScaleConfig, answer
+
+    if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
+        return {}
+    out = answer(cfg, model_id, getattr(result, "family", None), winner["lab_command"], winner["training_arguments"],
+                 winner["training_arguments_notes"])
+    n = cfg.nproc_per_node
+    out["tokens_per_s_per_gpu"] = winner["tokens_per_s"] / n if winner.get("tokens_per_s") else None
+    return out
 
 
 def long_rows(result) -> list[dict]:
@@ -290,6 +305,8 @@ def write_results(result, folder: str | os.PathLike, model_id: str = "gpt") -> P
     atomic_write_text(folder / "tune.csv", buf.getvalue())
     if data["pick"] is not None:
         atomic_write_text(folder / "training_arguments.json", json.dumps(data["pick"]["training_arguments"], indent=2))
+        if data["pick"].get("accelerate_config"):
+            atomic_write_text(folder / "accelerate_config.yaml", data["pick"]["accelerate_config"])
     plot(result, folder / "tune.png")
     return folder
 
@@ -325,10 +342,24 @@ def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> Non
                   f"{result.probes_measured} probes measured, {result.probes_cached} from the cache, "
                   f"{result.tune_s:.1f} s" + (" (budget reached: best so far)" if result.budget_hit else ""))
     cfg = pick_config(result)
+    scaled = {}
     if cfg is not None:
         args, model_kwargs, notes = answer_arguments(result, cfg)
-        console.print("pick: " + lab_command(cfg, model_id), soft_wrap=True)
+        scaled = _scaled_answer(cfg, result, model_id, {"lab_command": lab_command(cfg, model_id),
+                                                        "training_arguments": args, "training_arguments_notes": notes,
+                                                        "tokens_per_s": result.pick.last.tokens_per_s})
+        args = scaled.get("training_arguments", args)
+        console.print("pick: " + scaled.get("lab_command", lab_command(cfg, model_id)), soft_wrap=True)
+        if scaled:
+            console.print(f"per GPU: {scaled['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s ({scaled['strategy']} over "
+                          f"{scaled['nproc_per_node']} processes)")
+            console.print("torchrun: " + scaled["torchrun_command"], soft_wrap=True)
         console.print("TrainingArguments: " + json.dumps(args), soft_wrap=True)
+        if scaled:
+            console.print("accelerate config (accelerate launch --config_file F):\n" + scaled["accelerate_config"],
+                          soft_wrap=True, highlight=False)
+            if scaled["trainer_cannot"]:
+                console.print("note: " + scaled["trainer_cannot"], soft_wrap=True)
         console.print("model kwargs: " + json.dumps(model_kwargs), soft_wrap=True)
         for note in notes:
             console.print(f"note: {note}")

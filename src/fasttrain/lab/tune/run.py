@@ -21,11 +21,12 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
          log: Callable | None = None, corpus=None, model=None, model_id: str = "gpt",
          measure: Callable | None = None, predict: Callable | None = None, memory: DeviceMemory | None = None,
          clock: Callable = time.perf_counter, liger_reason: str | None | bool = False, free: Callable | None = None,
-         batch_choices: int = 2) -> TuneResult:
+         batch_choices: int = 2, nproc: int = 1) -> TuneResult:
     """``fasttrain tune`` from Python: search, report, and (with ``out``) write the results folder.
 
     Bad input is refused before anything runs (the out folder, the shape, the budget, the list of
-    techniques); a device the lab cannot use says so."""
+    techniques, more processes than GPUs); a device the lab cannot use says so. ``nproc`` > 1: the search over
+    that many processes (:mod:`.scale`): strategies, per-GPU predictions, probes through torchrun."""
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.measure import free_memory
 
@@ -46,6 +47,15 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
             raise FasttrainError(f"--out {out}: that folder holds files already; give a new or empty folder")
     base = validate(base.with_(context=seq))
     device = resolve_device(base)
+    if nproc != 1:
+        from fasttrain.lab.parallel.launch import check_launch
+        from fasttrain.lab.tune.scale import device_memory_apart
+
+        check_launch(nproc, base.device, "fsdp")       # more processes than GPUs: one line, before any work
+        if memory is None and device.type == "cuda":
+            # read in a process of its own: this one stays off the GPUs its probes' ranks use
+            memory = device_memory_apart(memory_limit_bytes)
+        free = free or (lambda: None)
     memory = memory or device_memory(device, memory_limit_bytes)
     if corpus is None and measure is None:
         corpus = load_corpus_for(base)
@@ -55,6 +65,10 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
         model_id = spec
     family = getattr(model, "family", None) or (hf_config or {}).get("model_type")
     predict = predict or lab_predictor(vocab, hf_config, cpu=memory.cpu)
+    if nproc != 1 and measure is None:
+        from fasttrain.lab.tune.scale import torchrun_measure
+
+        measure = torchrun_measure(log=log)
     measure = measure or lab_measure(corpus)
     cache = probe_cache(cache_path, device, memory, model_id, hf_config)
     result = search(base, seq=seq, global_batch_tokens=global_batch_tokens, measure=measure, predict=predict,
@@ -62,11 +76,22 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
                   fixed=fixed, budget_s=budget_s, cache=cache, steps=steps or 3,
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
-                  liger_reason=liger_reason, refuse=model_refusal(hf_config, device),
-                  fixed_batch=fixed_batch)
+                  liger_reason=liger_reason, refuse=_refusals(model_refusal(hf_config, device), nproc, device),
+                  nproc=nproc, fixed_batch=fixed_batch)
+    result.family = family
     if out is not None:
         from fasttrain.lab.tune.report import write_results
 
         write_results(result, out, model_id=model_id)
     return result
+
+
+def _refusals(model: Callable, nproc: int, device) -> Callable:
+    """The model's refusal, and over several ranks the strategies' (a shape the model cannot take)."""
+    if nproc == 1:
+        return model
+    from fasttrain.lab.tune.scale import scale_refusal
+
+    strategy = scale_refusal(device.type)
+    return lambda cfg: model(cfg) or strategy(cfg)
 

@@ -77,15 +77,21 @@ class TuneResult:
     loss_step: int | None = None
     mode: str = "halving"
     fixed: tuple = ()               # the settings the user gave (tune kept them; its answer says them)
+    family: str | None = None       # the transformers family (None: the lab's GPT): the answer's FSDP wrapping unit
 
 
 def slow_probe_limit(cfg: LabConfig, steps: int, best_tokens_per_s: float) -> tuple[float, str]:
     """The time a probe of ``cfg`` may take when the best speed measured so far is ``best_tokens_per_s``:
     SLOW_GRACE_S + SLOW_FACTOR x its steps (warm-up included) at that speed; and why it would be stopped."""
     n = steps + warmup_steps_for(cfg)
-    at_best = n * cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context / best_tokens_per_s
+    at_best = n * tokens_per_step(cfg) / best_tokens_per_s
     return (SLOW_GRACE_S + SLOW_FACTOR * at_best,
             f"more than {SLOW_FACTOR:.0f}x slower than the best so far, {best_tokens_per_s:,.0f} tokens/s")
+
+
+def tokens_per_step(cfg: LabConfig) -> int:
+    """Tokens per optimizer step over every data-parallel rank (one process: ``b k seq``)."""
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context * getattr(cfg, "dp", 1)
 
 
 def run_probe(measure: Callable, cfg: LabConfig, steps: int, allowed: tuple[float, str] | None,
@@ -233,6 +239,19 @@ class Search:
         return alive
 
 
+def _offload_where_needed(entries: list[Entry], memory: DeviceMemory, dropped: list) -> list[Entry]:
+    """The optimizer state on the host costs a step its copies over PCIe: searched only where no configuration
+    keeping it on the GPUs is predicted to fit."""
+    def offload(e: Entry) -> bool:
+        return dict(e.candidate.settings).get("strategy", "").endswith("offload")
+    if any(memory.fits(e.predicted_bytes) for e in entries if not offload(e)):
+        kept = [e for e in entries if not offload(e)]
+        if len(kept) < len(entries):
+            dropped.append("fsdp-offload: other strategies are predicted to fit; the optimizer state stays on the GPUs")
+        return kept
+    return entries
+
+
 def _largest_fitting(entries: list[Entry], memory: DeviceMemory) -> dict:
     """settings -> the entries that fit, by micro-batch (largest first)."""
     by_settings: dict = {}
@@ -250,14 +269,16 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
            steps: int = 4, max_candidates: int = 8, batch_choices: int = 2, log: Callable | None = None,
            free: Callable | None = None, liger_reason: str | None | bool = False,
            fixed_batch: int | None = None, hf: bool = False,
-           refuse: Callable[[LabConfig], str | None] | None = None) -> TuneResult:
+           refuse: Callable[[LabConfig], str | None] | None = None, nproc: int = 1) -> TuneResult:
     """Search the space of ``base`` (see the module docstring); ``measure(cfg, steps) -> Probe`` runs
     one probe, ``predict(cfg) -> bytes | None`` the estimator's peak; ``refuse(cfg)``: why the model cannot
     run a configuration (:func:`model_refusal`), None where it can.
 
     ``steps``: timed steps of the first rung; ``max_candidates``: configurations that enter the
     halving when the space is larger (then a one-change-at-a-time screen chooses them);
-    ``batch_choices``: micro-batches per setting kept (the largest that fit, by prediction)."""
+    ``batch_choices``: micro-batches per setting kept (the largest that fit, by prediction); ``nproc`` > 1:
+    the strategy axis over that many ranks (:mod:`.scale`), every prediction per GPU, ``measure`` a probe of
+    that many processes, tokens/s those of the world."""
     log = log or (lambda line: None)
     free = free or (lambda: None)
     check_shape(seq, global_batch_tokens)
@@ -266,12 +287,16 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     if budget_s is not None and budget_s <= 0:
         raise FasttrainError(f"--budget must be positive, got {budget_s}")
     cuda = not memory.cpu
+    if nproc > 1:
+        from fasttrain.lab.tune.scale import ScaleConfig, scaled
+
+        base = base if isinstance(base, ScaleConfig) else scaled(base, nproc)
     base = validate(base.with_(context=seq))
     axes, dropped = build_axes(base, cuda=cuda, family=family, allow=allow, precisions=precisions, fixed=fixed,
-                               liger_reason=liger_reason, hf=hf)
+                               liger_reason=liger_reason, hf=hf, nproc=nproc)
     notes = [] if cuda else [CPU_NOTE]
     sequences = global_batch_tokens // seq
-    space = enumerate_space(axes, sequences, fixed_batch)
+    space = enumerate_space(axes, sequences, fixed_batch, nproc=nproc)
     t0 = clock()
     entries = []
     # every configuration of the space built through the one parser and validated before any probe (the
@@ -279,7 +304,12 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     # the experiments' rows run once each: successive halving measures a candidate again at more steps.
     rows = [Experiment(cand.label, overrides=cand.overrides_dict()) for cand in space]
     refused: dict[str, int] = {}
-    for cand, row in zip(space, experiment.prepare(rows, base, skip=True)):
+    row_config = None
+    if nproc > 1:
+        from fasttrain.lab.tune.scale import scaled_row_config
+
+        row_config = scaled_row_config(base)
+    for cand, row in zip(space, experiment.prepare(rows, base, skip=True, config=row_config)):
         if row.unable is not None:
             dropped.append(f"{cand.label}: {row.unable}")
             continue
@@ -291,6 +321,8 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     dropped += [f"{n} configuration(s) the model refuses: {why}" for why, n in refused.items()]
     if not entries:
         raise FasttrainError("no configuration of the space is valid for this model: " + "; ".join(dropped[-3:]))
+    if nproc > 1:
+        entries = _offload_where_needed(entries, memory, dropped)
     fitting = _largest_fitting(entries, memory)
     pruned = sum(1 for e in entries if not memory.fits(e.predicted_bytes))
     if not fitting:

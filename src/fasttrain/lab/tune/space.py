@@ -17,6 +17,7 @@ OPT_IN: dict[str, tuple[str, dict]] = {
     "prompt_tuning": ("adapter", {"prompt_tuning_tokens": 16}),
     "adamw_8bit": ("optimizer", {"optim": "adamw_8bit"}),
     "adafactor": ("optimizer", {"optim": "adafactor"}),
+    "float8": ("float8", {"float8": "tensorwise"}),      # (its axis: none, tensorwise, rowwise; GPU only)
 }
 PRECISION_OVERRIDES = {
     "bf16": {"bf16": True, "fp16": False, "tf32": False},
@@ -127,8 +128,10 @@ def liger_support(family: str | None) -> str | None:
 
 
 def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=(), precisions=("bf16",),
-               fixed=(), liger_reason: str | None | bool = False, hf: bool = False) -> tuple[list[Axis], list[str]]:
+               fixed=(), liger_reason: str | None | bool = False, hf: bool = False,
+               nproc: int = 1) -> tuple[list[Axis], list[str]]:
     """The search's axes for ``base`` on this device, and one line for every axis (or choice) dropped.
+    ``nproc`` > 1: the strategy axis over that many ranks joins (:mod:`.scale`).
 
     ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
     ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`)."""
@@ -209,6 +212,18 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
         axes.append(Axis("adapter", (("none", {"lora_r": 0, "prompt_tuning_tokens": 0}),
                                      *((n, {"lora_r": 0, "prompt_tuning_tokens": 0, **o}) for n, o in adapters)),
                          changes_math=True))
+    if "float8" in allow:
+        from fasttrain.lab.tune.scale import float8_axis
+
+        axis, why = float8_axis(cuda)
+        axes += [axis] if axis else []
+        dropped += [why] if why else []
+    if nproc > 1:
+        from fasttrain.lab.tune.scale import strategy_axis
+
+        axis, why = strategy_axis(nproc)
+        axes.append(axis)
+        dropped += why
     kept = []
     for axis in axes:
         taken = sorted(axis.fields & fixed)
@@ -227,10 +242,11 @@ def _redundant(choices: dict) -> bool:
     return choices.get("checkpointing") == "selective" and choices.get("attention") == "sdpa"
 
 
-def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = None) -> list[Candidate]:
-    """Every combination of the axes' choices at every micro-batch reaching ``sequences`` per step."""
+def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = None,
+                    nproc: int = 1) -> list[Candidate]:
+    """Every combination of the axes' choices at every micro-batch reaching ``sequences`` per step. Over
+    ``nproc`` ranks a micro-batch is per data-parallel rank: ``b k dp = sequences`` (``dp`` the strategy's)."""
     out = []
-    batches = [fixed_batch] if fixed_batch else micro_batches(sequences)
     for combo in itertools.product(*(axis.choices for axis in axes)):
         choices = {axis.name: label for axis, (label, _) in zip(axes, combo)}
         if _redundant(choices):
@@ -238,8 +254,18 @@ def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = 
         overrides: dict = {}
         for _, o in combo:
             overrides.update(o)
+        per_rank = sequences
+        if nproc > 1:
+            from fasttrain.lab.tune.scale import dp_of
+
+            dp = dp_of(overrides, nproc)
+            if sequences % dp:
+                continue            # the global batch does not split over this strategy's ranks
+            per_rank = sequences // dp
+        batches = [fixed_batch] if fixed_batch else micro_batches(per_rank)
         for b in batches:
-            out.append(make_candidate(axes, tuple(choices.items()), overrides, b, sequences))
+            if per_rank % b == 0:
+                out.append(make_candidate(axes, tuple(choices.items()), overrides, b, per_rank))
     return out
 
 

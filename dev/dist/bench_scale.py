@@ -1,0 +1,521 @@
+"""The scale-out benchmark: the lab on 1, 2 and 4 GPUs (tune's pick) against the HF Trainer with FSDP.
+
+Models (config folders written here, random init, bf16, full training, AdamW), one entry of MODELS each:
+
+- ``llama3-8b``: Meta-Llama-3-8B's shape (hidden 4096, 32 layers, 32 heads over 8 key/value heads,
+  SwiGLU 14336, vocabulary 128256, rope theta 500000), seq 8192;
+- ``llama-1b``: Llama-3.2-1B's shape with a 32000 vocabulary (as ``dev/tune/bench_tune.py``), seq 2048;
+- ``gpt2-124m``: GPT-2 small, seq 1024.
+
+Data: seeded random token ids (``train.bin``; uint32 where the vocabulary passes 65,536): no tokenizer or
+download, the same windows for the lab and the Trainer.
+
+Phases (each one command; a work folder keeps the model's config and data)::
+
+    python3 dev/dist/bench_scale.py prepare WORK --model llama3-8b
+    torchrun --nproc-per-node 4 dev/dist/bench_scale.py hf WORK --model llama3-8b --steps 8 --out hf.json
+    torchrun --nproc-per-node 4 dev/dist/bench_scale.py lab-profile WORK --profile P -- --strategy fsdp ...
+
+``hf`` is the HF Trainer as its users run it on N GPUs (``fsdp="full_shard auto_wrap"``, ``fsdp_config``
+version 2 with ``activation_checkpointing``, bf16, micro-batch 1, torchrun), ``--flags`` adds its best
+flags (liger, fused AdamW, ``torch_compile``, a micro-batch); ``lab-profile`` is the lab's own command
+line under torchrun with the profiler of ``dev/dist/profiling.py`` stepping after each optimizer step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+MIB = 2 ** 20
+LEARNING_RATE = 3e-4
+
+MODELS = {
+    "llama3-8b": dict(seq=8192, config=dict(
+        model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama-1b": dict(seq=2048, config=dict(
+        model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+        num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
+        rope_theta=500000.0)),
+    "gpt2-124m": dict(seq=1024, config=dict(
+        model_type="gpt2", vocab_size=50304, n_positions=1024, n_embd=768, n_layer=12, n_head=12,
+        resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)),
+    # the CPU tests' model
+    "tiny-llama": dict(seq=32, config=dict(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
+}
+# the class FSDP wraps one unit of, per family (the Trainer's fsdp_config and the accelerate file name it)
+LAYER_CLASS = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
+
+
+def log(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
+
+
+def bin_dtype(name: str) -> str:
+    return "uint32" if MODELS[name]["config"]["vocab_size"] > 65536 else "uint16"
+
+
+def prepare(work: Path, name: str, n_tokens: int = 4_000_000) -> Path:
+    """The model's config folder and ``train.bin`` / ``val.bin`` of seeded random ids."""
+    import numpy as np
+    import transformers as tf
+
+    spec = MODELS[name]
+    folder = work / name
+    (folder / "model").mkdir(parents=True, exist_ok=True)
+    cfg = dict(spec["config"])
+    kind = cfg.pop("model_type")
+    (tf.GPT2Config if kind == "gpt2" else tf.LlamaConfig)(**cfg).save_pretrained(folder / "model")
+    dtype = np.uint32 if bin_dtype(name) == "uint32" else np.uint16
+    rng = np.random.default_rng(1234)
+    for split, size in (("train", n_tokens), ("val", max(n_tokens // 20, 4 * spec["seq"] + 2))):
+        rng.integers(0, cfg["vocab_size"], size=size, dtype=np.int64).astype(dtype).tofile(folder / f"{split}.bin")
+    log(f"{name}: {kind} config and {n_tokens:,} random training tokens -> {folder}")
+    return folder
+
+
+# --- the HF Trainer with FSDP (run under torchrun: one process per GPU) ---------------------------
+
+def hf_training_arguments(name: str, *, micro_batch: int, accumulation: int, steps: int, nproc: int,
+                          flags: dict | None = None, output_dir: str = "out") -> dict:
+    """``TrainingArguments`` as a user writes them for FSDP2 on ``nproc`` GPUs (a dict: the JSON the report keeps)."""
+    family = MODELS[name]["config"]["model_type"]
+    args = dict(output_dir=output_dir, max_steps=steps, per_device_train_batch_size=micro_batch,
+                gradient_accumulation_steps=accumulation, bf16=True, learning_rate=LEARNING_RATE,
+                lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1, logging_steps=max(1, steps),
+                save_strategy="no", report_to="none", seed=0, disable_tqdm=True)
+    if nproc > 1:
+        args.update(fsdp="full_shard auto_wrap",
+                    fsdp_config={"version": 2, "activation_checkpointing": True,
+                                 "transformer_layer_cls_to_wrap": [LAYER_CLASS[family]]})
+    else:
+        args.update(gradient_checkpointing=True)
+    args.update(flags or {})
+    return args
+
+
+def hf_worker(work: Path, name: str, *, micro_batch: int, accumulation: int, steps: int, skip: int,
+              flags: dict, out: Path | None, profile: Path | None) -> dict:
+    """One HF Trainer run on this torchrun world: tokens/s per GPU over the steps after ``skip``, every rank's
+    peak. Rank 0 writes ``out``."""
+    import numpy as np
+    import torch
+    import transformers as tf
+
+    spec = MODELS[name]
+    seq = spec["seq"]
+    folder = work / name
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint32 if bin_dtype(name) == "uint32" else np.uint16)
+
+    prof = None
+    if profile is not None:
+        sys.path.insert(0, str(HERE))
+        from profiling import StepProfiler
+
+        prof = StepProfiler(profile, "hf" + ("-flags" if flags else ""), wait=max(1, skip), active=2)
+    sys.path.insert(0, str(HERE.parent / "tune"))
+    from bench_tune import step_timer, token_windows
+
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(local)
+    config = tf.AutoConfig.from_pretrained(folder / "model")
+    torch.manual_seed(0)
+    # built on the GPU (the random init of 8B parameters on the CPU takes minutes a rank); FSDP shards it in place
+    with torch.device(f"cuda:{local}" if cuda else "cpu"):
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model.config.use_cache = False
+    timer = step_timer(cuda, after_step=prof.step if prof is not None else None)
+    with tempfile.TemporaryDirectory() as tmp:
+        args = tf.TrainingArguments(**{**hf_training_arguments(name, micro_batch=micro_batch, accumulation=accumulation,
+                                                               steps=steps, nproc=world, flags=flags, output_dir=tmp),
+                                       **({} if cuda else {"use_cpu": True, "bf16": False})})
+        trainer = tf.Trainer(model=model, args=args, callbacks=[timer],
+                             train_dataset=token_windows(ids, seq, steps * micro_batch * accumulation * world * 2))
+        t0 = time.perf_counter()
+        trainer.train()
+        wall = time.perf_counter() - t0
+    if prof is not None:
+        prof.close()
+    peak = torch.cuda.max_memory_allocated() if cuda else 0
+    peaks = [peak]
+    if world > 1:
+        import torch.distributed as dist
+
+        peaks = [None] * world
+        dist.all_gather_object(peaks, peak)
+    timed = timer.times[skip:]
+    step_s = sorted(timed)[len(timed) // 2] if timed else None
+    tokens_per_gpu = micro_batch * accumulation * seq
+    result = {"model": name, "gpus": world, "micro_batch": micro_batch, "accumulation": accumulation,
+              "flags": flags, "tokens_per_s_per_gpu": tokens_per_gpu / step_s if step_s else None,
+              "step_s": timer.times, "skip": skip, "peak_mib_per_rank": [p / MIB for p in peaks], "wall_s": wall,
+              "training_arguments": hf_training_arguments(name, micro_batch=micro_batch, accumulation=accumulation,
+                                                          steps=steps, nproc=world, flags=flags)}
+    if int(os.environ.get("RANK", "0")) == 0:
+        line = f"hf {name} {world} GPU(s) {flags or 'as users run it'}: {result['tokens_per_s_per_gpu'] or 0:,.0f} " \
+               f"tokens/s per GPU, peak {max(peaks) / MIB:,.0f} MiB"
+        log(line)
+        if out is not None:
+            out.write_text(json.dumps(result, indent=1, default=str))
+    return result
+
+
+# --- the lab, profiled --------------------------------------------------------------------------
+
+def lab_args(work: Path, name: str, *, micro_batch: int, accumulation: int, steps: int, extra=()) -> list[str]:
+    """``fasttrain lab`` flags for ``name`` on the benchmark's data (the strategy and techniques in ``extra``)."""
+    spec = MODELS[name]
+    folder = work / name
+    return ["lab", "--model", f"hf:{folder / 'model'}", "--train-bin", str(folder / "train.bin"),
+            "--val-bin", str(folder / "val.bin"), "--bin-dtype", bin_dtype(name), "--context", str(spec["seq"]),
+            "--per-device-train-batch-size", str(micro_batch), "--gradient-accumulation-steps", str(accumulation),
+            "--max-steps", str(steps), "--learning-rate", str(LEARNING_RATE), "--min-lr", str(LEARNING_RATE),
+            "--warmup-steps", "0", "--weight-decay", "0.1", "--dropout", "0", "--eval-interval", "0",
+            "--eval-tokens", str(spec["seq"]), "--log-interval", "1", "--bf16", "--attn-implementation", "sdpa", *extra]
+
+
+def lab_profile_worker(profile: Path, argv: list[str], skip: int) -> int:
+    """The lab's command line in this torchrun worker, the profiler stepping after every optimizer step."""
+    sys.path.insert(0, str(HERE))
+    from profiling import StepProfiler
+
+    from fasttrain.cli import main
+    from fasttrain.lab.trainer import Trainer
+
+    prof = StepProfiler(profile, "lab", wait=skip, active=2)
+    train_step = Trainer.train_step
+
+    def profiled(self, x, y):
+        out = train_step(self, x, y)
+        prof.step()
+        return out
+
+    Trainer.train_step = profiled
+    try:
+        return main(argv)
+    finally:
+        prof.close()
+
+
+def lab_figures(record: dict) -> dict:
+    """tokens/s per GPU, the largest rank's peak and the estimator's per-GPU prediction from a lab run record."""
+    d = record.get("distributed") or {}
+    gpus = d.get("world_size", 1)
+    peaks = [r["peak_allocated_bytes"] for r in d.get("per_rank", []) if r.get("peak_allocated_bytes")] \
+        or [record.get("memory", {}).get("peak_allocated_bytes") or 0]
+    predicted = (record.get("estimate") or {}).get("precise_bytes")
+    return {"gpus": gpus, "tokens_per_s_per_gpu": (record.get("tokens_per_s") or 0) / gpus,
+            "peak_mib_per_gpu": max(peaks) / MIB if peaks else None,
+            "predicted_mib_per_gpu": predicted / MIB if predicted else None}
+
+
+def profile_table(summaries: dict[str, dict], lab_record: Path | None = None, hf_record: Path | None = None) -> str:
+    """The profiles side by side (rank 0's, per step): device ms by kind of kernel, the compute's busy time, the
+    communication no compute hid, the idle time; what the gradients are reduced as; the runs' figures."""
+    from profiling import KINDS
+
+    lines = ["| side | " + " | ".join(KINDS) + " | compute busy | exposed comm | idle | step wall |",
+             "|---" * (len(KINDS) + 5) + "|"]
+    for side, p in sorted(summaries.items()):
+        ms = p["per_step_ms"]
+        lines.append(f"| {side} | " + " | ".join(f"{ms[k]:,.1f}" for k in KINDS)
+                     + f" | {p['compute_busy_ms']:,.1f} | {p['exposed_comm_ms']:,.1f} | {p['idle_ms']:,.1f} | "
+                     + (f"{p['step_wall_ms']:,.1f} |" if p.get("step_wall_ms") else "- |"))
+    lines.append("")
+    for side, p in sorted(summaries.items()):
+        lines.append(f"- {side} collectives (ms/step): " + "; ".join(f"`{k.split('(')[0]}` {v:,.1f}"
+                                                                     for k, v in p["collectives"].items()))
+    if lab_record and lab_record.exists():
+        f = lab_figures(json.loads(lab_record.read_text()))
+        lines.append(f"- lab run record: peak {f['peak_mib_per_gpu'] or 0:,.0f} MiB per GPU (largest rank), "
+                     f"predicted {f['predicted_mib_per_gpu'] or 0:,.0f} MiB")
+    if hf_record and hf_record.exists():
+        h = json.loads(hf_record.read_text())
+        lines.append(f"- HF Trainer: peak {max(h['peak_mib_per_rank']):,.0f} MiB per GPU")
+    return "\n".join(lines)
+
+
+def read_summaries(paths: list[Path]) -> dict[str, dict]:
+    """``profile-<side>-rank0.json`` files (or a ``.tgz`` of them) -> side -> summary."""
+    import tarfile
+
+    out = {}
+    for path in paths:
+        if path.suffix == ".tgz":
+            with tarfile.open(path) as tar:
+                for m in tar.getmembers():
+                    base = Path(m.name).name
+                    if base.startswith("profile-") and base.endswith("-rank0.json"):
+                        out[base[len("profile-"):-len("-rank0.json")]] = json.load(tar.extractfile(m))
+        else:
+            out[path.name[len("profile-"):].split("-rank0")[0].removesuffix(".json")] = json.loads(path.read_text())
+    return out
+
+
+# --- the benchmark's cases and its report ------------------------------------------------------------
+
+CASE_KEYS = ("model", "gpus", "strategy", "precision", "pick", "tokens_per_s_per_gpu", "peak_mib_per_gpu",
+             "predicted_mib_per_gpu", "scaling_efficiency", "hf_trainer_tokens_per_s_per_gpu",
+             "hf_trainer_flags_tokens_per_s_per_gpu", "tune_s")
+README_START, README_END = "<!-- scale-results:start -->", "<!-- scale-results:end -->"
+GOALS = {"8b_bf16_tokens_per_s_per_gpu": 7000, "float8_over_bf16": 1.2, "prediction_error": 0.05,
+         "pick_over_hf": 1.3, "pick_over_hf_flags": 1.1, "tune_s": 15 * 60, "scaling_1b_4gpu": 0.95}
+
+
+def case(model, gpus, strategy, precision, *, pick=False, tokens_per_s_per_gpu=None, peak_mib_per_gpu=None,
+         predicted_mib_per_gpu=None, scaling_efficiency=None, hf=None, hf_flags=None, tune_s=None, **extra) -> dict:
+    out = dict(model=model, gpus=gpus, strategy=strategy, precision=precision, pick=pick,
+               tokens_per_s_per_gpu=tokens_per_s_per_gpu, peak_mib_per_gpu=peak_mib_per_gpu,
+               predicted_mib_per_gpu=predicted_mib_per_gpu, scaling_efficiency=scaling_efficiency,
+               hf_trainer_tokens_per_s_per_gpu=hf, hf_trainer_flags_tokens_per_s_per_gpu=hf_flags, tune_s=tune_s)
+    assert tuple(out) == CASE_KEYS
+    return {**out, **({"extra": extra} if extra else {})}
+
+
+def _json(path: Path):
+    try:
+        return json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+
+
+def lab_case(model: str, record: dict, **kw) -> dict:
+    """A case from a lab run record (one process or several)."""
+    f = lab_figures(record)
+    d = record.get("distributed") or {}
+    cfg = record.get("config") or {}
+    precision = "bf16" if cfg.get("bf16") else "fp32"
+    if cfg.get("float8", "none") != "none":
+        precision = f"float8-{cfg['float8']}"
+    losses = [p["loss"] for p in record.get("loss_curve") or []]
+    return case(model, f["gpus"], d.get("label", "1gpu"), precision, tokens_per_s_per_gpu=f["tokens_per_s_per_gpu"],
+                peak_mib_per_gpu=f["peak_mib_per_gpu"], predicted_mib_per_gpu=f["predicted_mib_per_gpu"],
+                global_batch=d.get("global_batch_size") or _one_process_batch(record.get("batch") or {}),
+                losses=losses, **kw)
+
+
+def strategy_label(*args) -> str:
+    from fasttrain.lab.parallel.distributed import strategy_label as label
+
+    return label(*args)
+
+
+def _one_process_batch(batch: dict) -> int | None:
+    b = batch.get("per_device_train_batch_size")
+    return None if b is None else b * (batch.get("gradient_accumulation_steps") or 1)
+
+
+def collect(out: Path, model: str) -> list[dict]:
+    """Every case one model's files under ``out`` hold: tune's pick (and the rest of its measured strategies),
+    the HF Trainer both ways, float8 runs of the pick, and the lab's runs at 1, 2 and 4 GPUs (``lab-<g>gpu-*.json``)."""
+    folder = out / model
+    cases: list[dict] = []
+    hf = _json(folder / "hf-users.json")
+    flags = [r for r in (_json(p) for p in sorted(folder.glob("hf-flags-*.json"))) if r and r.get("tokens_per_s_per_gpu")]
+    best_flags = max(flags, key=lambda r: r["tokens_per_s_per_gpu"]) if flags else None
+    hf_tps = hf["tokens_per_s_per_gpu"] if hf else None
+    flags_tps = best_flags["tokens_per_s_per_gpu"] if best_flags else None
+    tuned = _json(folder / "tune" / "tune.json")
+    pick_tps = None
+    if tuned and tuned.get("pick"):
+        p = tuned["pick"]
+        n = p.get("nproc_per_node", 1)
+        pick_tps = p["tokens_per_s"] / n if p.get("tokens_per_s") else None
+        cases.append(case(model, n, p.get("strategy", "1gpu"), "bf16", pick=True, tokens_per_s_per_gpu=pick_tps,
+                          peak_mib_per_gpu=p.get("peak_mib"), predicted_mib_per_gpu=p.get("predicted_mib"),
+                          hf=hf_tps, hf_flags=flags_tps, tune_s=tuned.get("tune_s"), label=p.get("label"),
+                          lab_command=p.get("lab_command"), torchrun_command=p.get("torchrun_command"),
+                          hf_flags_used=best_flags.get("flags") if best_flags else None,
+                          hf_micro_batch=hf.get("micro_batch") if hf else None))
+        for row in tuned.get("ranked") or []:
+            if row.get("rank") in (None, 1) or not row.get("tokens_per_s"):
+                continue
+            o = row.get("overrides") or {}
+            strategy = strategy_label(o.get("strategy", "none"), o.get("reshard_after_forward", True),
+                                      o.get("tp", 1) if o.get("strategy") != "tp" else 1, o.get("dp_replicate", 1),
+                                      o.get("offload_optimizer", False)) if o.get("strategy") else "1gpu"
+            cases.append(case(model, n, strategy, "bf16",
+                              tokens_per_s_per_gpu=row["tokens_per_s"] / n, peak_mib_per_gpu=row.get("peak_mib"),
+                              predicted_mib_per_gpu=row.get("predicted_mib"), label=row["label"], source="tune probe"))
+    elif hf_tps or flags_tps:
+        cases.append(case(model, hf["gpus"] if hf else best_flags["gpus"], "hf-trainer-fsdp", "bf16", hf=hf_tps,
+                          hf_flags=flags_tps))
+    for path in sorted(folder.glob("float8-*.json")):
+        record = _json(path)
+        if record and record.get("tokens_per_s"):
+            cases.append(lab_case(model, record, source=path.name))
+    runs = [(p.name, _json(p)) for p in sorted(folder.glob("lab-*gpu-*.json"))]
+    runs = [(n, r) for n, r in runs if r and r.get("tokens_per_s")]
+    one = {}
+    for name, record in runs:
+        c = lab_case(model, record, source=name)
+        if c["gpus"] == 1:
+            one[c["extra"]["global_batch"]] = c
+        cases.append(c)
+    # scaling at the same per-GPU batch: N GPUs' tokens/s per GPU over one GPU's at that batch
+    for c in cases:
+        if c["gpus"] > 1 and c.get("extra", {}).get("source", "").startswith("lab-"):
+            per_gpu_batch = c["extra"]["global_batch"] // c["gpus"] if c["strategy"] != "tp" else c["extra"]["global_batch"]
+            ref = one.get(per_gpu_batch)
+            if ref and ref["tokens_per_s_per_gpu"]:
+                c["scaling_efficiency"] = c["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+    return cases
+
+
+def goal_lines(cases: list[dict]) -> list[str]:
+    """Each goal met or missed, from the cases (nothing typed)."""
+    out = []
+    pick = next((c for c in cases if c["pick"] and c["model"] == "llama3-8b"), None)
+    if pick and pick["tokens_per_s_per_gpu"]:
+        t = pick["tokens_per_s_per_gpu"]
+        out.append(f"8B bf16 >= {GOALS['8b_bf16_tokens_per_s_per_gpu']:,} tokens/s per GPU: {t:,.0f} "
+                   f"({'met' if t >= GOALS['8b_bf16_tokens_per_s_per_gpu'] else 'missed'})")
+        for key, name, goal in (("hf_trainer_tokens_per_s_per_gpu", "the HF Trainer as users run it", "pick_over_hf"),
+                                ("hf_trainer_flags_tokens_per_s_per_gpu", "the HF Trainer with its best flags",
+                                 "pick_over_hf_flags")):
+            if pick[key]:
+                r = t / pick[key]
+                out.append(f"pick >= {GOALS[goal]}x {name}: {r:.2f}x ({'met' if r >= GOALS[goal] else 'missed'})")
+        if pick["tune_s"] is not None:
+            out.append(f"found within {GOALS['tune_s'] // 60} min: {pick['tune_s']:.0f} s "
+                       f"({'met' if pick['tune_s'] <= GOALS['tune_s'] else 'missed'})")
+        f8 = [c for c in cases if c["model"] == "llama3-8b" and c["precision"].startswith("float8")
+              and c["tokens_per_s_per_gpu"]]
+        for c in f8:
+            r = c["tokens_per_s_per_gpu"] / t
+            out.append(f"{c['precision']} >= {GOALS['float8_over_bf16']}x bf16: {r:.2f}x "
+                       f"({'met' if r >= GOALS['float8_over_bf16'] else 'missed'})")
+    for c in cases:
+        if c["peak_mib_per_gpu"] and c["predicted_mib_per_gpu"]:
+            e = (c["predicted_mib_per_gpu"] - c["peak_mib_per_gpu"]) / c["peak_mib_per_gpu"]
+            out.append(f"{c['model']} {c['gpus']} GPU(s) {c['strategy']} {c['precision']}: predicted {e:+.1%} of the "
+                       f"measured peak ({'within' if abs(e) <= GOALS['prediction_error'] else 'outside'} 5%)")
+    # loss curves of N GPUs against 1 GPU at the same global batch (the same batches: the lab draws the global
+    # batch from one seeded stream and gives each rank its rows)
+    for c in cases:
+        extra = c.get("extra") or {}
+        if c["gpus"] < 2 or not extra.get("losses"):
+            continue
+        ref = next((o for o in cases if o["model"] == c["model"] and o["gpus"] == 1 and o.get("extra", {}).get("losses")
+                    and o["extra"].get("global_batch") == extra.get("global_batch")), None)
+        if ref:
+            pairs = list(zip(ref["extra"]["losses"], extra["losses"]))
+            diff = max(abs(a - b) for a, b in pairs)
+            out.append(f"{c['model']} {c['gpus']} GPUs {c['strategy']} against 1 GPU at global batch "
+                       f"{extra['global_batch']}: loss differs by at most {diff:.2e} over {len(pairs)} steps")
+    for c in cases:
+        if c["model"] == "llama-1b" and c["gpus"] == 4 and c["scaling_efficiency"] is not None:
+            s = c["scaling_efficiency"]
+            out.append(f"1B {c['strategy']} scaling at 4 GPUs (same per-GPU batch) >= {GOALS['scaling_1b_4gpu']}: "
+                       f"{s:.2f} ({'met' if s >= GOALS['scaling_1b_4gpu'] else 'missed'})")
+    return out
+
+
+def _f(v, spec=",.0f"):
+    return "-" if v is None else format(v, spec)
+
+
+def readme_section(data: dict) -> str:
+    """The README block generated from ``scale.json`` (between the markers the integrator includes)."""
+    lines = [README_START, f"### Past one GPU: {data['machine']} ({data['device']})", "",
+             "| model | GPUs | strategy | precision | tune's pick | tokens/s per GPU | peak MiB per GPU | predicted MiB "
+             "| scaling | HF Trainer | HF Trainer, best flags | tune s |", "|---" * 12 + "|"]
+    for c in data["cases"]:
+        lines.append(f"| {c['model']} | {c['gpus']} | {c['strategy']} | {c['precision']} | {'yes' if c['pick'] else ''} "
+                     f"| {_f(c['tokens_per_s_per_gpu'])} | {_f(c['peak_mib_per_gpu'])} | {_f(c['predicted_mib_per_gpu'])} "
+                     f"| {_f(c['scaling_efficiency'], '.2f')} | {_f(c['hf_trainer_tokens_per_s_per_gpu'])} "
+                     f"| {_f(c['hf_trainer_flags_tokens_per_s_per_gpu'])} | {_f(c['tune_s'])} |")
+    lines += ["", "Goals:", *[f"- {g}" for g in data["goals"]]]
+    if data.get("gpu_tests"):
+        lines += ["", f"GPU tests: `{data['gpu_tests']}`"]
+    lines += ["", f"Command: `{data['command']}`", README_END]
+    return "\n".join(lines)
+
+
+def report(out: Path, results: Path, command: str) -> Path:
+    """``results/dist/<machine>/scale.json`` and its README from the files a device run wrote under ``out``."""
+    env = (out / "env.txt").read_text() if (out / "env.txt").exists() else ""
+    gpus = [line.split(",")[1].strip() for line in env.splitlines() if line[:1].isdigit() and "," in line]
+    device = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
+    kind = "h200" if gpus and "H200" in gpus[0] else "h100"
+    machine = f"nvidia-{kind}-x{len(gpus)}" if gpus else "unknown"
+    cases = [c for model in MODELS for c in collect(out, model)]
+    tests = out / "gpu-tests.txt"
+    passed = [line for line in (tests.read_text().splitlines() if tests.exists() else []) if " passed" in line
+              or " failed" in line]
+    data = {"kind": "scale", "schema": 1, "machine": machine, "device": device, "cases": cases,
+            "goals": goal_lines(cases), "gpu_tests": passed[-1].strip("= ") if passed else None, "command": command}
+    folder = results / machine
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "scale.json").write_text(json.dumps(data, indent=1, default=str))
+    (folder / "README.md").write_text(f"# The scale-out benchmark on {device}\n\nGenerated by "
+                                      f"`python3 dev/dist/bench_scale.py report` from `scale.json` (this folder).\n\n"
+                                      + readme_section(data) + "\n")
+    log(readme_section(data))
+    return folder
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = ap.add_subparsers(dest="phase", required=True)
+    p = sub.add_parser("prepare")
+    p.add_argument("work", type=Path)
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--tokens", type=int, default=4_000_000)
+    for phase in ("hf", "lab-profile"):       # one run of a side: the same shape of arguments
+        p = sub.add_parser(phase)
+        p.add_argument("work", type=Path)
+        p.add_argument("--model", choices=MODELS, required=True)
+        p.add_argument("--micro-batch", type=int, default=1)
+        p.add_argument("--accumulation", type=int, default=1)
+        p.add_argument("--steps", type=int, default=8)
+        p.add_argument("--skip", type=int, default=3)
+        p.add_argument("--out", type=Path)
+        p.add_argument("--profile", type=Path, required=phase == "lab-profile")
+        if phase == "hf":
+            p.add_argument("--flags", default="{}", help="JSON: TrainingArguments added to the users' ones.")
+    p = sub.add_parser("report")
+    p.add_argument("out", type=Path, help="the folder a device run wrote (one sub-folder per model)")
+    p.add_argument("--results", type=Path, default=Path("results/dist"))
+    p.add_argument("--command", default="bash dev/device/scale_case.sh")
+    p = sub.add_parser("profile-table")
+    p.add_argument("summaries", type=Path, nargs="+", help="profile-<side>-rank0.json files or a .tgz of them")
+    p.add_argument("--lab-record", type=Path)
+    p.add_argument("--hf-record", type=Path)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    cut = argv.index("--") if "--" in argv else len(argv)
+    a = ap.parse_args(argv[:cut])
+    a.extra = argv[cut + 1:]           # lab-profile: more `fasttrain lab` flags, after --
+    if a.phase == "prepare":
+        prepare(a.work, a.model, a.tokens)
+    elif a.phase == "profile-table":
+        sys.path.insert(0, str(HERE))
+        print(profile_table(read_summaries(a.summaries), a.lab_record, a.hf_record))
+    elif a.phase == "report":
+        report(a.out, a.results, a.command)
+    elif a.phase == "hf":
+        hf_worker(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
+                  skip=a.skip, flags=json.loads(a.flags), out=a.out, profile=a.profile)
+    elif a.phase == "lab-profile":
+        extra = list(a.extra) + (["--out", str(a.out)] if a.out else [])
+        return lab_profile_worker(a.profile, lab_args(a.work, a.model, micro_batch=a.micro_batch,
+                                                      accumulation=a.accumulation, steps=a.steps, extra=extra),
+                                  a.skip)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

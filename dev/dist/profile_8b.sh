@@ -1,0 +1,34 @@
+#!/usr/bin/env bash
+# The early look on N GPUs (default 4): the distributed `gpu` tests, then the Llama-3-8B shape (seq 8192,
+# micro-batch 1, bf16, activation checkpointing) one step profiled in the lab's FSDP2 and in the HF Trainer's
+# FSDP2 as its users run it. From the repository root:
+#
+#   OUT=out bash dev/dist/profile_8b.sh
+#
+# Writes under $OUT: env.txt, gpu-tests.txt, lab-8b.json (the lab's run record), hf-8b.json, prof.tgz
+# (profile-<side>-rank<r>.json per rank: device time per step by kind of kernel, the NCCL kernels with their
+# dtypes; the Chrome trace of rank 0), log.
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"
+OUT="${OUT:-$PWD/out-profile}"; N="${NPROC:-4}"; WORK="${WORK:-/tmp/scale-work}"; STEPS="${STEPS:-7}"
+mkdir -p "$OUT/prof"
+{
+  date -u +%FT%TZ; nvidia-smi --query-gpu=index,name,memory.total --format=csv
+  nvidia-smi topo -m
+  python3 -c "import torch, transformers, accelerate; print('torch', torch.__version__, 'transformers', transformers.__version__, 'accelerate', accelerate.__version__, 'nccl', torch.cuda.nccl.version())"
+  env | grep -E '^(NCCL_NVLS_ENABLE|TORCH_SYMM_MEM_DISABLE_MULTICAST|NVSHMEM_DISABLE_NVLS)=' | sort
+} > "$OUT/env.txt" 2>&1
+cat "$OUT/env.txt"
+
+timeout 150 python3 -m pytest -q -p no:cacheprovider -m gpu tests/test_lab_distributed.py > "$OUT/gpu-tests.txt" 2>&1
+echo "gpu tests: $(tail -1 "$OUT/gpu-tests.txt")"
+
+python3 dev/dist/bench_scale.py prepare "$WORK" --model llama3-8b --tokens 2000000
+timeout 200 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py lab-profile "$WORK" --model llama3-8b \
+  --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/lab-8b.json" -- --strategy fsdp \
+  --gradient-checkpointing full --timing-warmup-steps 3 --quiet 2>&1 | tail -25
+timeout 220 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" --model llama3-8b \
+  --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/hf-8b.json" 2>&1 | grep -v Warning | tail -25
+(cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
+python3 dev/dist/bench_scale.py profile-table "$OUT/prof.tgz" --lab-record "$OUT/lab-8b.json" --hf-record "$OUT/hf-8b.json"

@@ -1,0 +1,398 @@
+"""``fasttrain tune --nproc-per-node N``: the search over N processes (GPUs, or gloo processes on the CPU).
+
+The single-GPU space (:mod:`.space`) gains the strategy axis -- how one configuration spreads over the N ranks:
+
+- ``fsdp`` (FSDP2, ZeRO-3: the plain choice, what a Trainer user runs), ``fsdp-zero2`` (not resharded after
+  the forward), ``ddp``, ``zero1``; ``hsdp-rR`` (R replicas, the model sharded inside each; N >= 4);
+  ``fsdp-tpM`` (the 2-D mesh: FSDP over N/M, tensor parallelism over M) for each M dividing N; ``tp`` over all
+  ranks; ``fsdp-offload`` (the optimizer state on the host) only where nothing else is predicted to fit;
+- with ``--allow float8``: torchao's float8 training of the Linear layers (tensorwise, rowwise).
+
+A configuration is a :class:`ScaleConfig`: the lab's configuration and its strategy. Its micro-batch is per
+data-parallel rank: ``b k dp seq = T`` (``dp = N / tp``). A shape the model cannot take (tp not dividing the
+heads, a family without a tensor-parallel plan) is refused before any prediction with the lab's own line
+(:func:`scale_refusal`); the estimator predicts every survivor per GPU
+(:func:`fasttrain.lab.parallel.distributed.estimator_parallelism`), and the device's memory prunes it.
+
+The probes are processes: every probe is ``fasttrain lab --nproc-per-node N ... --out probe.json`` in a
+subprocess of its own session (:func:`torchrun_measure`), so every probe gets a process group of its own and a
+probe that hangs or dies is stopped at its time (SIGTERM to its session, SIGKILL 10 s later), recorded, and
+the search goes on.
+
+The answer (:func:`answer`): the ``fasttrain lab ... --nproc-per-node N`` line, the ``torchrun`` line, the HF
+Trainer's ``TrainingArguments`` (``fsdp`` / ``fsdp_config``) and an ``accelerate`` config file, and one line
+for what the Trainer cannot express.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shlex
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Callable
+
+from fasttrain.errors import FasttrainError
+from fasttrain.lab.config import LabConfig
+from fasttrain.lab.tune.space import Axis, Probe
+
+# what a probe may take at most when the search gives it no time (no budget, nothing measured yet)
+PROBE_CEILING_S = 900.0
+# SIGTERM first (torchrun's agent stops its workers), SIGKILL to the whole session this much later
+KILL_GRACE_S = 10.0
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+# the class a Trainer's FSDP wraps one unit of, per family (the fsdp_config and the accelerate file name it)
+LAYER_CLASSES = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block", "mistral": "MistralDecoderLayer",
+                 "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer", "gemma": "GemmaDecoderLayer",
+                 "gemma2": "Gemma2DecoderLayer", "phi3": "Phi3DecoderLayer", "olmo2": "Olmo2DecoderLayer"}
+
+
+@dataclass
+class ScaleConfig(LabConfig):
+    """A lab configuration and how it spreads over ``nproc_per_node`` processes (``ParallelConfig``'s fields)."""
+
+    nproc_per_node: int = 1
+    strategy: str = "none"
+    tp: int = 1
+    dp_replicate: int = 1
+    reshard_after_forward: bool = True
+    offload_optimizer: bool = False
+
+    @property
+    def tp_size(self) -> int:
+        return self.nproc_per_node if self.strategy == "tp" else self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each draws its own ``per_device_train_batch_size`` rows."""
+        return max(1, self.nproc_per_node // self.tp_size)
+
+    @property
+    def label(self) -> str:
+        from fasttrain.lab.parallel.distributed import strategy_label
+
+        return strategy_label(self.strategy, self.reshard_after_forward, self.tp_size if self.strategy != "tp" else 1,
+                              self.dp_replicate, self.offload_optimizer)
+
+    def lab_config(self) -> LabConfig:
+        return LabConfig(**{f.name: getattr(self, f.name) for f in fields(LabConfig)})
+
+    def parallel(self):
+        from fasttrain.lab.parallel.distributed import ParallelConfig
+
+        return ParallelConfig(strategy=self.strategy, reshard_after_forward=self.reshard_after_forward,
+                              tp=1 if self.strategy == "tp" else self.tp, dp_replicate=self.dp_replicate,
+                              offload_optimizer=self.offload_optimizer)
+
+    def world(self):
+        """The :class:`World` rank 0 would join (no process group): what the estimator needs of it."""
+        from fasttrain.lab.parallel.distributed import World
+
+        return World(world_size=self.nproc_per_node, strategy=self.strategy,
+                     reshard_after_forward=self.reshard_after_forward,
+                     tp_size=self.tp_size if self.tp_size > 1 else 0, dp_replicate=self.dp_replicate,
+                     offload_optimizer=self.offload_optimizer)
+
+    def parallel_flags(self) -> list[str]:
+        flags = ["--strategy", self.strategy]
+        if self.strategy in ("fsdp", "hsdp") and not self.reshard_after_forward:
+            flags.append("--no-reshard-after-forward")
+        if self.strategy != "tp" and self.tp > 1:
+            flags += ["--tp", str(self.tp)]
+        if self.strategy == "hsdp":
+            flags += ["--dp-replicate", str(self.dp_replicate)]
+        if self.offload_optimizer:
+            flags.append("--offload-optimizer")
+        return flags
+
+
+def scaled(base: LabConfig, nproc: int) -> ScaleConfig:
+    return ScaleConfig(**{f.name: getattr(base, f.name) for f in fields(LabConfig)}, nproc_per_node=nproc)
+
+
+def scaled_row_config(base: ScaleConfig) -> Callable:
+    """``config(row)`` for the experiments' ``prepare``: the row's lab settings through the one parser, its
+    strategy's fields (not the lab's) as they are."""
+    import dataclasses
+
+    lab_fields = {f.name for f in fields(LabConfig)}
+
+    def config(row) -> ScaleConfig:
+        lab = {k: v for k, v in row.overrides.items() if k in lab_fields}
+        rest = {k: v for k, v in row.overrides.items() if k not in lab_fields}
+        return base.with_(**dataclasses.replace(row, overrides=lab).settings(), **rest)
+    return config
+
+
+def dp_of(overrides: dict, nproc: int) -> int:
+    """The data-parallel size a candidate's overrides give over ``nproc`` ranks."""
+    strategy = overrides.get("strategy", "none")
+    tp = nproc if strategy == "tp" else overrides.get("tp", 1)
+    return max(1, nproc // tp)
+
+
+def strategy_axis(nproc: int) -> tuple[Axis, list[str]]:
+    """The strategy axis over ``nproc`` ranks (every shape; the model's refusal drops the ones it cannot take)."""
+    plain = {"strategy": "fsdp", "tp": 1, "dp_replicate": 1, "reshard_after_forward": True, "offload_optimizer": False}
+    choices = [("fsdp", plain), ("fsdp-zero2", {**plain, "reshard_after_forward": False}),
+               ("ddp", {**plain, "strategy": "ddp"}), ("zero1", {**plain, "strategy": "zero1"})]
+    dropped = []
+    if nproc >= 4 and nproc % 2 == 0:
+        choices.append(("hsdp-r2", {**plain, "strategy": "hsdp", "dp_replicate": 2}))
+    else:
+        dropped.append(f"hsdp: replicate x shard needs an even number of ranks >= 4; {nproc} given")
+    for t in range(2, nproc):
+        if nproc % t == 0:
+            choices.append((f"fsdp-tp{t}", {**plain, "tp": t}))
+    choices.append(("tp", {**plain, "strategy": "tp", "tp": nproc}))
+    choices.append(("fsdp-offload", {**plain, "offload_optimizer": True}))
+    return Axis("strategy", tuple(choices)), dropped
+
+
+def float8_axis(cuda: bool) -> tuple[Axis | None, str | None]:
+    if not cuda:
+        return None, "float8: torchao's float8 GEMMs need an H100-class GPU; dropped on the CPU"
+    return Axis("float8", (("none", {"float8": "none"}), *((r, {"float8": r}) for r in FLOAT8_RECIPES)),
+                changes_math=True), None
+
+
+def scale_refusal(device_type: str = "cuda") -> Callable[[LabConfig], str | None]:
+    """``refuse(cfg)``: the lab's own one line for a shape it cannot run -- a tp that does not divide the heads,
+    the key/value heads or the feed-forward width, a family without a tensor-parallel plan, a technique the
+    strategy does not take -- checked before any weights, as ``fasttrain lab --nproc-per-node N`` checks it."""
+    from fasttrain.lab.parallel import distributed as D
+
+    def refuse(cfg: LabConfig) -> str | None:
+        if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
+            return None
+        try:
+            parallel = D.validate_parallel(cfg.parallel())
+            lab = cfg.lab_config()
+            D.check_config(lab, parallel)
+            D.mesh_shape(parallel, cfg.nproc_per_node)
+            D.check_model_fits(lab, cfg.nproc_per_node, cfg.strategy, tp=cfg.tp_size)
+        except FasttrainError as exc:
+            return str(exc)
+        return None
+    return refuse
+
+
+def parallel_setup(cfg: LabConfig, setup):
+    """The estimator's ``Setup`` of ``cfg`` per GPU: its strategy's fields over its ranks (as the lab's run record
+    predicts it: ``train._estimate``); a one-process configuration as it is."""
+    if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
+        return setup
+    from fasttrain.lab.parallel.distributed import estimator_parallelism
+
+    fields_ = estimator_parallelism(cfg.world(), cfg.bf16)
+    return setup.with_(**{**fields_, "grad_buffers": setup.grad_buffers or fields_.get("grad_buffers", False)})
+
+
+def device_memory_apart(limit_bytes: int | None = None):
+    """:func:`~fasttrain.lab.tune.device.device_memory` of GPU 0 measured in a process of its own: the searching
+    process holds no CUDA context on a GPU its probes' ranks need (the context measured is one rank's own)."""
+    from fasttrain.lab.tune.device import DeviceMemory
+
+    code = ("import json, dataclasses, torch; from fasttrain.lab.tune.device import device_memory; "
+            f"print(json.dumps(dataclasses.asdict(device_memory(torch.device('cuda:0'), {limit_bytes!r}))))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    if done.returncode != 0:
+        raise FasttrainError("could not read the GPU's memory: " + _error_line(done.stderr or done.stdout,
+                                                                                 done.returncode))
+    return DeviceMemory(**json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+# --- the probe: one process group per probe ------------------------------------------------------------
+
+def lab_argv(cfg: ScaleConfig) -> list[str]:
+    """``fasttrain lab`` arguments that run ``cfg`` on its ranks (without ``--nproc-per-node``)."""
+    from fasttrain.lab.config import PRESETS
+    from fasttrain.lab.overrides import changed, flags
+
+    lab = cfg.lab_config()
+    preset = lab.name if lab.name in PRESETS else "shakespeare-char"
+    settings = {k: v for k, v in changed(lab, LabConfig(name=preset, **PRESETS[preset])).items()
+                if k not in ("name", "save", "auto_find_batch_size")}
+    return ["lab", "--preset", preset, *flags(settings), *cfg.parallel_flags()]
+
+
+def run_bounded(argv: list[str], limit_s: float, env: dict | None = None, cwd=None) -> tuple[int | None, str, float]:
+    """Run ``argv`` in a session of its own for at most ``limit_s``: (exit code, or None when it was stopped;
+    its output; seconds). Stopped: SIGTERM to the session (torchrun's agent stops its workers), SIGKILL to it
+    ``KILL_GRACE_S`` later -- only the processes this call started."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
+                            start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=max(1.0, limit_s))
+        return proc.returncode, out, time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, _ = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                out = ""
+        return None, out or "", time.perf_counter() - t0
+
+
+def _error_line(output: str, code: int | None) -> str:
+    lines = [line.strip() for line in output.splitlines() if line.strip()]
+    errors = [line for line in lines if line.startswith("error:")]
+    if errors:
+        return errors[-1][len("error:"):].strip()[:300]
+    return f"exited with code {code}" + (f": {lines[-1][:200]}" if lines else "")
+
+
+def probe_from_record(record: dict, steps: int) -> Probe:
+    """A probe's measurement from the run record rank 0 wrote: tokens/s of the world, the largest rank's peak."""
+    d = record.get("distributed") or {}
+    ranks = d.get("per_rank") or []
+    peaks = [r.get("peak_allocated_bytes") for r in ranks if r.get("peak_allocated_bytes")]
+    reserved = [r.get("peak_reserved_bytes") for r in ranks if r.get("peak_reserved_bytes")]
+    warm = record.get("warmup_ms") or []
+    return Probe(steps=steps, tokens_per_s=record.get("tokens_per_s"),
+                 peak_bytes=max(peaks) if peaks else None, reserved_bytes=max(reserved) if reserved else None,
+                 predicted_bytes=(record.get("estimate") or {}).get("precise_bytes"),
+                 compile_s=warm[0] / 1e3 if warm else 0.0, warmup_s=sum(warm[1:]) / 1e3,
+                 losses=[p["loss"] for p in record.get("loss_curve") or [] if "loss" in p])
+
+
+def torchrun_measure(*, python: str = sys.executable, env: dict | None = None, ceiling_s: float = PROBE_CEILING_S,
+                     warmup: int | None = None, log: Callable | None = None) -> Callable:
+    """``measure(cfg, steps, time_allowed_s) -> Probe``: ``cfg``'s probe as ``fasttrain lab --nproc-per-node N``
+    (torchrun's launcher) in a subprocess; the record it writes is the measurement. Out of memory on any rank
+    is the probe's ``oom``; a failure its error line; a probe past its time is stopped (:func:`run_bounded`)."""
+    from fasttrain.lab.tune.probes import probe_config, warmup_steps_for
+
+    def measure(cfg: ScaleConfig, steps: int, time_allowed_s: float | None = None) -> Probe:
+        warm = warmup_steps_for(cfg) if warmup is None else warmup
+        pc = probe_config(cfg, steps, warm)
+        limit = min(time_allowed_s or ceiling_s, ceiling_s)
+        with tempfile.TemporaryDirectory(prefix="fasttrain-probe-") as tmp:
+            out = Path(tmp) / "probe.json"
+            # a rank that stalls ends the others by the collective timeout, not after the default half hour
+            argv = [python, "-m", "fasttrain", *lab_argv(pc), "--nproc-per-node", str(cfg.nproc_per_node),
+                    "--ddp-timeout", str(int(max(60, limit))), "--out", str(out), "--quiet"]
+            if log:
+                log("probe: " + shlex.join(argv[2:]))
+            code, output, took = run_bounded(argv, limit, env=env)
+            if code is None:
+                return Probe(steps=steps, stopped=True, wall_s=took,
+                             error=f"stopped after {took:.0f} s, past the {limit:.0f} s allowed")
+            text = output.lower()
+            if code != 0:
+                oom = "out of memory" in text or "does not fit on" in text
+                return Probe(steps=steps, oom=oom, wall_s=took,
+                             error="out of memory" if oom else _error_line(output, code))
+            try:
+                record = json.loads(out.read_text())
+            except (OSError, ValueError) as exc:
+                return Probe(steps=steps, wall_s=took, error=f"the probe wrote no run record ({exc})")
+        probe = probe_from_record(record, steps)
+        probe.wall_s = took
+        return probe
+    return measure
+
+
+# --- the answer --------------------------------------------------------------------------------------
+
+def layer_class(family: str | None) -> str | None:
+    return LAYER_CLASSES.get(family or "")
+
+
+def trainer_fsdp(cfg: ScaleConfig, family: str | None) -> tuple[dict, dict | None, list[str]]:
+    """The HF Trainer's equivalent of ``cfg``'s strategy: (TrainingArguments fields, accelerate's
+    parallelism sizes or None, what it cannot express)."""
+    args: dict = {}
+    cannot: list[str] = []
+    sizes = None
+    s = cfg.strategy
+    if s in ("fsdp", "hsdp"):
+        mode = "full_shard" if cfg.reshard_after_forward else "shard_grad_op"
+        args["fsdp"] = f"{mode} auto_wrap" + (" offload" if cfg.offload_optimizer else "")
+        fsdp_config = {"version": 2, "reshard_after_forward": cfg.reshard_after_forward,
+                       "activation_checkpointing": cfg.gradient_checkpointing == "full"}
+        cls = layer_class(family)
+        if cls:
+            fsdp_config["transformer_layer_cls_to_wrap"] = [cls]
+        if cfg.offload_optimizer:
+            fsdp_config["cpu_offload"] = True
+        args["fsdp_config"] = fsdp_config
+        # FSDP's own checkpointing, not the Trainer's (which gathers every layer a second time)
+        args["gradient_checkpointing"] = False
+        if s == "hsdp" or cfg.tp > 1:
+            shard = cfg.dp // cfg.dp_replicate if s == "hsdp" else cfg.dp
+            sizes = {"dp_replicate_size": cfg.dp_replicate if s == "hsdp" else 1, "dp_shard_size": shard,
+                     "tp_size": cfg.tp}
+        if cfg.gradient_checkpointing == "selective":
+            cannot.append("selective checkpointing (the attention core only)")
+    elif s == "zero1":
+        cannot.append("ZeRO-1 (only through DeepSpeed: deepspeed={'zero_optimization': {'stage': 1}})")
+    elif s == "tp":
+        sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": cfg.nproc_per_node}
+    if getattr(cfg, "torch_compile_scope", "model") == "blocks" and cfg.torch_compile:
+        cannot.append("per-block compile (torch_compile compiles the whole model)")
+    if getattr(cfg, "float8", "none") != "none":
+        cannot.append(f"float8 {cfg.float8} as a TrainingArguments flag (accelerate's mixed_precision fp8 with its "
+                      "AO backend is the nearest)")
+    if family is None:
+        cannot.append("the lab's own GPT (the Trainer trains transformers models)")
+    return args, sizes, cannot
+
+
+def accelerate_yaml(cfg: ScaleConfig, family: str | None) -> str:
+    """An ``accelerate`` config file (``accelerate launch --config_file F train.py``) for ``cfg``'s strategy."""
+    n = cfg.nproc_per_node
+    lines = ["compute_environment: LOCAL_MACHINE", "machine_rank: 0", "num_machines: 1", f"num_processes: {n}",
+             "main_training_function: main", f"mixed_precision: {'bf16' if cfg.bf16 else 'no'}",
+             "rdzv_backend: static", "same_network: true", f"use_cpu: {str(cfg.device == 'cpu').lower()}"]
+    args, sizes, _ = trainer_fsdp(cfg, family)
+    if "fsdp" in args:
+        fc = args["fsdp_config"]
+        lines += ["distributed_type: FSDP", "fsdp_config:",
+                  f"  fsdp_activation_checkpointing: {str(fc['activation_checkpointing']).lower()}",
+                  "  fsdp_auto_wrap_policy: TRANSFORMER_BASED_WRAP",
+                  f"  fsdp_offload_params: {str(cfg.offload_optimizer).lower()}",
+                  f"  fsdp_reshard_after_forward: {str(cfg.reshard_after_forward).lower()}",
+                  "  fsdp_state_dict_type: SHARDED_STATE_DICT"]
+        if "transformer_layer_cls_to_wrap" in fc:
+            lines.append(f"  fsdp_transformer_layer_cls_to_wrap: {fc['transformer_layer_cls_to_wrap'][0]}")
+        lines.append("  fsdp_version: 2")
+    else:
+        lines.append("distributed_type: MULTI_GPU")
+    if sizes:
+        lines += ["parallelism_config:"] + [f"  parallelism_config_{k}: {v}" for k, v in sizes.items()]
+    return "\n".join(lines) + "\n"
+
+
+def answer(cfg: ScaleConfig, model_id: str, family: str | None, lab_command: str, training_arguments: dict,
+           notes: list[str]) -> dict:
+    """The pick as every launcher takes it: ``fasttrain lab ... --nproc-per-node N``, ``torchrun``,
+    ``TrainingArguments`` with ``fsdp``/``fsdp_config``, an accelerate config file, and what the Trainer cannot
+    express (one line, or None)."""
+    n = cfg.nproc_per_node
+    lab_line = f"{lab_command} {shlex.join(cfg.parallel_flags())} --nproc-per-node {n}"
+    rest = lab_line.split(" ", 2)[2] if lab_line.startswith("fasttrain lab ") else lab_line
+    torchrun_line = f"torchrun --standalone --nproc-per-node {n} -m fasttrain lab {rest.replace(f' --nproc-per-node {n}', '')}"
+    fsdp_args, sizes, cannot = trainer_fsdp(cfg, family)
+    args = {**training_arguments, **fsdp_args}
+    if sizes:
+        args["parallelism_config"] = "accelerate.parallelism_config.ParallelismConfig(" + ", ".join(
+            f"{k}={v}" for k, v in sizes.items()) + ")"
+    cannot_line = None
+    if cannot:
+        cannot_line = "the HF Trainer cannot express: " + "; ".join(cannot)
+    return {"strategy": cfg.label, "nproc_per_node": n, "lab_command": lab_line, "torchrun_command": torchrun_line,
+            "training_arguments": args, "accelerate_config": accelerate_yaml(cfg, family),
+            "trainer_cannot": cannot_line, "training_arguments_notes": notes}

@@ -1,0 +1,279 @@
+"""``fasttrain tune --nproc-per-node N`` on the CPU: the strategy axis and its per-rank micro-batches, the search
+over ranks with fake probes (pruned by a per-GPU prediction, a probe that hangs stopped and recorded), the
+answer's forms (``fasttrain lab`` / ``torchrun`` lines, TrainingArguments with fsdp_config, an accelerate file),
+bad input, and one real probe of 2 gloo processes through torchrun."""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from tests_support import run_cli  # noqa: E402
+from fasttrain.errors import FasttrainError  # noqa: E402
+from fasttrain.lab.config import preset  # noqa: E402
+from fasttrain.lab import tune as T  # noqa: E402
+from fasttrain.lab.tune import scale as S  # noqa: E402
+from fasttrain.lab.tune import space as SP  # noqa: E402
+
+MIB = 2 ** 20
+SEQ = 32
+
+
+def base(**kw):
+    # 4 heads: tp over 2 and 4 ranks divides them
+    return preset("tiny", device="cpu", **{"heads": 4, **kw})
+
+
+def gpu_memory(total_mib=1000):
+    # a pretend GPU: its axes (compile, liger...) take part; the speeds are the fakes'
+    return T.DeviceMemory("fake GPU", total_mib * MIB, context_bytes=50 * MIB, reserve=0.0, cpu=False)
+
+
+# per-GPU state of each strategy over 4 ranks (MiB): ddp keeps everything, fsdp a quarter
+STATE_MIB = {"ddp": 1200, "zero1": 1000, "fsdp": 300, "hsdp": 600, "tp": 300}
+SPEED = {"ddp": 1.0, "zero1": 0.9, "fsdp-zero3": 1.0, "fsdp-zero2": 1.05, "hsdp-zero3-r2": 1.1,
+         "fsdp-zero3-tp2": 1.3, "tp": 0.8, "fsdp-zero3-offload": 0.3}
+
+
+def fake_predict(cfg):
+    state = STATE_MIB[cfg.strategy] / (cfg.tp_size if cfg.strategy == "fsdp" else 1)
+    return int((state + 20 * cfg.per_device_train_batch_size) * MIB)
+
+
+class FakeMeasure:
+    """Known speeds per strategy (the world's tokens/s); ``hang``: strategies whose probe is stopped at its time."""
+
+    def __init__(self, hang=()):
+        self.calls = []
+        self.hang = set(hang)
+
+    def __call__(self, cfg, steps):
+        self.calls.append(cfg)
+        if cfg.label in self.hang:
+            return T.Probe(steps=steps, stopped=True, error="stopped after 30 s, past the 30 s allowed")
+        speed = 1000.0 * SPEED[cfg.label] * min(cfg.per_device_train_batch_size, 4) ** 0.5 * cfg.nproc_per_node
+        return T.Probe(steps=steps, tokens_per_s=speed, peak_bytes=fake_predict(cfg),
+                       losses=[3.0 - 0.01 * i for i in range(steps + 2)])
+
+
+def dist_tune(measure, nproc=4, **kw):
+    return T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 32, measure=measure, predict=fake_predict,
+                  memory=gpu_memory(), cache_path=None, liger_reason="not here", nproc=nproc, max_candidates=4,
+                  fixed={"attn_implementation", "torch_compile", "gradient_checkpointing", "optim", "preload"}, **kw)
+
+
+def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank():
+    axes, dropped = SP.build_axes(base(), cuda=False, nproc=4)
+    strategy = next(a for a in axes if a.name == "strategy")
+    labels = [c for c, _ in strategy.choices]
+    assert labels == ["fsdp", "fsdp-zero2", "ddp", "zero1", "hsdp-r2", "fsdp-tp2", "tp", "fsdp-offload"]
+    space = SP.enumerate_space([strategy], sequences=32, nproc=4)
+    for cand in space:
+        o = cand.overrides_dict()
+        dp = S.dp_of(o, 4)
+        # b k dp = the global batch's sequences: tp's one group sees them all, fsdp's 4 ranks a quarter each
+        assert cand.micro_batch * cand.accumulation * dp == 32
+    tp_batches = {c.micro_batch for c in space if dict(c.settings)["strategy"] == "tp"}
+    fsdp_batches = {c.micro_batch for c in space if dict(c.settings)["strategy"] == "fsdp"}
+    assert max(tp_batches) == 32 and max(fsdp_batches) == 8
+    # two ranks: no hsdp (it needs R >= 2 replicas of >= 2 shards), said in one line
+    axes2, dropped2 = SP.build_axes(base(), cuda=False, nproc=2)
+    assert "hsdp-r2" not in [c for c, _ in next(a for a in axes2 if a.name == "strategy").choices]
+    assert any(line.startswith("hsdp:") for line in dropped2)
+
+
+def test_float8_joins_only_when_allowed_and_only_on_a_gpu():
+    axes, _ = SP.build_axes(base(), cuda=True, allow=("float8",), liger_reason="not here")
+    assert [c for c, _ in next(a for a in axes if a.name == "float8").choices] == ["none", "tensorwise", "rowwise"]
+    assert not any(a.name == "float8" for a in SP.build_axes(base(), cuda=True, liger_reason="x")[0])
+    axes, dropped = SP.build_axes(base(), cuda=False, allow=("float8",))
+    assert not any(a.name == "float8" for a in axes) and any(line.startswith("float8:") for line in dropped)
+
+
+def test_search_over_ranks_prunes_by_the_per_gpu_prediction_and_answers_for_every_launcher(tmp_path):
+    measure = FakeMeasure()
+    result = dist_tune(measure, out=tmp_path / "tune")
+    # ddp (1,200 MiB of state per GPU) and zero1 do not fit the 1,000 MiB GPU: never probed
+    assert result.pruned > 0
+    assert {c.strategy for c in measure.calls} <= {"fsdp", "hsdp", "tp"}
+    # every probe ran on 4 processes; offload was not searched (others fit)
+    assert {c.nproc_per_node for c in measure.calls} == {4}
+    assert not any(c.offload_optimizer for c in measure.calls)
+    assert any("fsdp-offload" in line for line in result.dropped)
+    pick = R_pick(result)
+    assert (pick.strategy, pick.tp) == ("fsdp", 2)
+    data = __import__("json").loads((tmp_path / "tune" / "tune.json").read_text())["pick"]
+    assert data["lab_command"].startswith("fasttrain lab ")
+    assert "--strategy fsdp --tp 2 --nproc-per-node 4" in data["lab_command"]
+    assert data["torchrun_command"].startswith("torchrun --standalone --nproc-per-node 4 -m fasttrain lab ")
+    assert "--nproc-per-node 4 -m" in data["torchrun_command"] and data["torchrun_command"].count("nproc") == 1
+    args = data["training_arguments"]
+    assert args["fsdp"] == "full_shard auto_wrap" and args["fsdp_config"]["version"] == 2
+    assert "tp_size=2" in args["parallelism_config"]
+    yaml_text = (tmp_path / "tune" / "accelerate_config.yaml").read_text()
+    assert "distributed_type: FSDP" in yaml_text and "num_processes: 4" in yaml_text
+    assert "parallelism_config_tp_size: 2" in yaml_text and "fsdp_version: 2" in yaml_text
+    assert data["trainer_cannot"].startswith("the HF Trainer cannot express: ")
+    assert data["tokens_per_s_per_gpu"] == pytest.approx(data["tokens_per_s"] / 4)
+
+
+def R_pick(result):
+    from fasttrain.lab.tune.report import pick_config
+
+    return pick_config(result)
+
+
+def test_a_probe_that_hangs_is_recorded_and_the_search_goes_on():
+    measure = FakeMeasure(hang={"fsdp-zero3-tp2"})
+    result = dist_tune(measure)
+    hung = [e for e in result.entries if e.probes and e.last.stopped]
+    assert hung and all("stopped after" in e.last.error for e in hung)
+    assert R_pick(result).label != "fsdp-zero3-tp2"           # the next best stands
+    assert R_pick(result).label == "hsdp-zero3-r2"
+
+
+def test_shapes_the_model_cannot_take_are_refused_before_any_prediction():
+    seen = []
+
+    def predict(cfg):
+        seen.append(cfg)
+        return fake_predict(cfg)
+    # 2 heads: tp over 4 ranks cannot split them; the lab's own line says why, once per reason
+    result = T.tune(base(heads=2), seq=SEQ, global_batch_tokens=SEQ * 32, measure=FakeMeasure(), predict=predict,
+                    memory=gpu_memory(), cache_path=None, liger_reason="x", nproc=4, max_candidates=2,
+                    fixed={"attn_implementation", "torch_compile", "gradient_checkpointing", "optim", "preload"})
+    assert not any(c.strategy == "tp" for c in seen)
+    assert any("refuses" in line and "divisible by 4" in line for line in result.dropped)
+
+
+def test_the_real_predictor_is_per_gpu():
+    from fasttrain.lab.tune.probes import lab_predictor
+
+    predict = lab_predictor(65, cpu=True)
+    one = base(per_device_train_batch_size=2)
+    four = S.scaled(one, 4)
+    ddp, fsdp = four.with_(strategy="ddp"), four.with_(strategy="fsdp")
+    assert predict(fsdp) < predict(ddp)
+    # ddp holds the whole model on each GPU plus its buckets: at least one process's
+    assert predict(ddp) >= predict(one)
+
+
+def test_more_processes_than_gpus_is_one_line_before_any_probe(monkeypatch):
+    from fasttrain.lab.parallel import launch as L
+
+    monkeypatch.setattr(L, "gpu_count", lambda: 2)
+    measure = FakeMeasure()
+    with pytest.raises(FasttrainError, match="needs 4 GPUs; this machine has 2"):
+        T.tune(preset("tiny", heads=4), seq=SEQ, global_batch_tokens=SEQ * 32, measure=measure,
+               predict=fake_predict, memory=gpu_memory(), cache_path=None, nproc=4)
+    assert measure.calls == []
+
+
+def test_nproc_zero_is_one_line(capsys):
+    code, _, err = run_cli(["tune", "--preset", "tiny", "--seq", "32", "--global-batch-tokens", "256",
+                            "--nproc-per-node", "0"], capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "--nproc-per-node" in err
+
+
+def test_answer_says_what_the_trainer_cannot_express():
+    cfg = S.scaled(base(torch_compile=True, torch_compile_scope="blocks"), 4)
+    zero1 = S.answer(cfg.with_(strategy="zero1"), "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])
+    assert "DeepSpeed" in zero1["trainer_cannot"] and "per-block compile" in zero1["trainer_cannot"]
+    assert "fsdp" not in zero1["training_arguments"]
+    hsdp = S.answer(cfg.with_(strategy="hsdp", dp_replicate=2, gradient_checkpointing="full"), "hf:x", "llama",
+                    "fasttrain lab --model hf:x", {}, [])
+    assert "dp_replicate_size=2, dp_shard_size=2" in hsdp["training_arguments"]["parallelism_config"]
+    fc = hsdp["training_arguments"]["fsdp_config"]
+    assert fc["activation_checkpointing"] is True and fc["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
+    assert "--strategy hsdp --dp-replicate 2 --nproc-per-node 4" in hsdp["lab_command"]
+
+
+def test_run_bounded_stops_a_hung_process_and_its_children():
+    code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
+            " print(p.pid, flush=True); time.sleep(60)")
+    t0 = time.perf_counter()
+    rc, out, took = S.run_bounded([sys.executable, "-c", code], 3.0)
+    assert rc is None and took < 3.0 + S.KILL_GRACE_S + 6 and time.perf_counter() - t0 < 25
+    child = int(out.split()[0])
+    time.sleep(0.5)
+    try:
+        with open(f"/proc/{child}/status") as f:
+            state = next(line for line in f if line.startswith("State:"))
+        assert "Z" in state                   # gone but for its exit status (no one reaps it here)
+    except FileNotFoundError:
+        pass                                  # gone
+
+
+def test_a_probe_that_hangs_is_stopped_within_its_time(tmp_path):
+    fake_python = tmp_path / "python"
+    fake_python.write_text("#!/bin/sh\nsleep 60\n")
+    fake_python.chmod(0o755)
+    measure = S.torchrun_measure(python=str(fake_python))
+    cfg = S.scaled(base(), 2).with_(strategy="ddp")
+    t0 = time.perf_counter()
+    probe = measure(cfg, 1, time_allowed_s=2.0)
+    assert probe.stopped and probe.error.startswith("stopped after") and time.perf_counter() - t0 < 20
+
+
+def test_a_real_two_process_gloo_probe_through_torchrun():
+    """One probe as the search runs it: ``fasttrain lab --nproc-per-node 2 --strategy ddp`` on 2 gloo processes."""
+    measure = S.torchrun_measure()
+    cfg = S.scaled(base(per_device_train_batch_size=2, gradient_accumulation_steps=1), 2).with_(strategy="ddp")
+    env_data = os.environ.get("FASTTRAIN_DATA_DIR")
+    if not env_data:
+        pytest.skip("FASTTRAIN_DATA_DIR (Tiny Shakespeare) not set")
+    probe = measure(cfg, 2, time_allowed_s=240)
+    assert probe.error is None, probe.error
+    assert probe.tokens_per_s and probe.tokens_per_s > 0
+    assert len(probe.losses) >= 2 and probe.predicted_bytes
+
+
+def _bench_scale():
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "dev" / "dist" / "bench_scale.py"
+    spec = importlib.util.spec_from_file_location("bench_scale", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_scale_benchmark_reports_fixed_keys_and_scaling_from_real_runs(tmp_path):
+    """The benchmark's harness on the CPU: the HF Trainer's runner, the lab at 1 process and at 2 gloo processes
+    (the same per-process batch), and the report: ``scale.json``'s cases with exactly the fixed keys, scaling
+    efficiency from the two lab runs, the README block between its markers."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    from fasttrain.cli import main
+
+    bench = _bench_scale()
+    work, out = tmp_path / "work", tmp_path / "out"
+    folder = out / "tiny-llama"
+    folder.mkdir(parents=True)
+    bench.prepare(work, "tiny-llama", 20_000)
+    hf = bench.hf_worker(work, "tiny-llama", micro_batch=2, accumulation=1, steps=3, skip=1, flags={},
+                         out=folder / "hf-users.json", profile=None)
+    assert hf["tokens_per_s_per_gpu"] > 0 and hf["gpus"] == 1
+    args = bench.lab_args(work, "tiny-llama", micro_batch=2, accumulation=1, steps=4) + ["--device", "cpu", "--quiet"]
+    assert main([*args, "--out", str(folder / "lab-1gpu-b2.json")]) == 0
+    assert main([*args, "--strategy", "ddp", "--nproc-per-node", "2", "--out", str(folder / "lab-2gpu-ddp-b2.json")]) == 0
+    results = tmp_path / "results"
+    bench.report(out, results, "test")
+    (machine,) = list(results.iterdir())
+    data = __import__("json").loads((machine / "scale.json").read_text())
+    assert all(tuple(k for k in c if k != "extra") == bench.CASE_KEYS for c in data["cases"])
+    two = next(c for c in data["cases"] if c["gpus"] == 2)
+    one = next(c for c in data["cases"] if c["gpus"] == 1 and c["strategy"] == "1gpu")
+    assert two["strategy"] == "ddp" and two["scaling_efficiency"] == pytest.approx(
+        two["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"])
+    assert one["scaling_efficiency"] is None and two["predicted_mib_per_gpu"]
+    hf_case = next(c for c in data["cases"] if c["strategy"] == "hf-trainer-fsdp")
+    assert hf_case["hf_trainer_tokens_per_s_per_gpu"] == pytest.approx(hf["tokens_per_s_per_gpu"])
+    text = (machine / "README.md").read_text()
+    assert bench.README_START in text and bench.README_END in text and "| tiny-llama | 2 | ddp |" in text
