@@ -9,7 +9,7 @@ Every row is a **recipe** (:mod:`fasttrain.lab.experiments.record_protocol`): a 
 (``max_steps``), everything else fixed. Per seed, one run trains exactly those steps; its figure
 is their training time (device-synchronized, validation excluded), and after the last step the
 model is scored over the **whole** validation split. A row counts when the mean of its seeds'
-final losses is at or below the target (1.47 nats per character) with a one-sided t-test p < 0.05
+final losses is at or below the target (1.47 nats per character) with a one-sided t-test p < 0.01
 over at least 5 seeds; a row that does not is shown as missing, with the reason. Validation on the
 way (``--eval-interval``, a setting, not a rung) only gives the first crossing, a secondary column.
 
@@ -561,6 +561,17 @@ def command(ctx, rungs, seeds, baseline_seeds, rung_seeds, budget_s, target, eva
 command.add_command(readme_command)
 command.add_command(merge_command)
 command.add_command(record_command)
+
+
+def _search_commands() -> None:
+    # the search module imports this one (the rows, the runner): its commands are added once both exist
+    from fasttrain.lab.experiments.speedrun_search import confirm_command, search_command
+
+    command.add_command(search_command)
+    command.add_command(confirm_command)
+
+
+_search_commands()
 
 
 __all__ = ["LADDER", "RECIPE_STEPS", "TARGET", "Rung", "Row", "build_trainer", "command", "parse_rungs", "parse_seeds",

@@ -25,7 +25,7 @@ from pathlib import Path
 import click
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.experiments.record_protocol import MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
+from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
 from fasttrain.timing import summarize as spread_of
 
 DEFAULT_SEEDS = MIN_SEEDS   # the seeds of a full row; rows with fewer are marked † and cannot count
@@ -213,7 +213,7 @@ def ladder_markdown(result: dict) -> str:
     env = result.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or result.get("device")
     settings = result.get("settings", {})
-    alpha = settings.get("alpha", 0.05)
+    alpha = settings.get("alpha", ALPHA)
     parts = [
         f"### Shakespeare speedrun: training time of fixed-step recipes whose final validation loss is ≤ {target}",
         f"GPU: **{gpu}** · torch {result.get('torch')} · git {env.get('git_sha') or '?'} · {result.get('started')}"
@@ -582,19 +582,29 @@ def process_time(times: list[dict], rung: str, cache: str) -> float | None:
 
 
 def record_of(result: dict, times: list[dict] | None = None, *, machine: str | None = None) -> dict:
-    """``record.json`` of the fastest counted row of a ladder result (see record_protocol.RECORD_KEYS), with
-    its whole-process times from ``times`` (cold: empty compiler caches; warm: filled) when measured."""
+    """``record.json`` of the judged recipe of a search's result (see record_protocol.RECORD_KEYS: its seeds
+    judged it, ``result["choosing_seeds"]`` chose it), with its whole-process times from ``times`` (cold: a
+    fresh process on a fresh machine; warm: the next one) when measured. A ladder of several counted rows
+    judged on the same seeds is refused: keeping the fastest of them is a choice made on the judging seeds."""
     from fasttrain.lab.experiments.record_protocol import record
 
     counted = [r for r in result["rows"] if r["summary"]["counts"]]
     if not counted:
         raise FasttrainError("no row of this result counts: there is no record to write")
-    row = min(counted, key=lambda r: r["summary"]["train_s_median"])
+    if "choosing_seeds" not in result:
+        raise FasttrainError("this result was not chosen apart from its judging seeds; make the record with "
+                             "fasttrain lab speedrun search (choosing and judging seeds disjoint)")
+    if len(result["rows"]) != 1:
+        raise FasttrainError(f"{len(result['rows'])} rows were judged on the same seeds: keeping the fastest is a "
+                             f"choice made on them; judge one recipe (fasttrain lab speedrun search)")
+    row = counted[0]
     s = row["summary"]
     times = times or []
     env = result.get("environment") or {}
     saved = result.get("saved") if (result.get("saved") or {}).get("rung") == row["name"] else None
-    return record(s, command=result.get("command") or "fasttrain lab speedrun",
+    search = result.get("search") or {}
+    return record(s, command=result.get("command") or "fasttrain lab speedrun search",
+                  choosing_seeds=result["choosing_seeds"],
                   process_cold_s=process_time(times, row["name"], "cold"),
                   process_warm_s=process_time(times, row["name"], "warm"),
                   rung=row["name"], label=row["label"], target=result["target"], t=s["t"], df=s["df"], std=s["std"],
@@ -603,7 +613,9 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
                   first_crossing_s=s.get("first_crossing_s_median"), checkpoint=saved,
                   machine=machine, gpu=(env.get("gpu") or {}).get("name") or result.get("device"),
                   torch=result.get("torch"), git_sha=env.get("git_sha"), started=result.get("started"),
-                  process_times=[t for t in times if t["rung"] == row["name"]])
+                  config=row["config"], user_command=result.get("user_command"), margin=search.get("margin"),
+                  search=[{k: r[k] for k in ("recipe", "steps", "probes")} for r in search.get("recipes", [])],
+                  process_times=[t for t in times if t["rung"] in (row["name"], "startup")])
 
 
 @click.command("record")
@@ -613,7 +625,7 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
 @click.option("--process-times", type=click.Path(dir_okay=False),
               help="process_times.jsonl of dev/speedrun/cold_start.sh (the whole process, cold and warm).")
 def record_command(results_dir, out_dir, process_times) -> None:
-    """Write record.json for the fastest counted row of a speedrun result folder."""
+    """Write record.json for the judged recipe of a search's result folder (with the process times)."""
     from fasttrain.lab.experiments.record_protocol import write_record
 
     result = load_result(results_dir)
