@@ -349,6 +349,34 @@ GOALS = (("train_s", "training time of the fixed steps (median over seeds)", 5.0
          ("process_warm_s", "whole process, warm compiler caches", 12.0))
 
 
+def search_markdown(record: dict) -> str:
+    """How the record was chosen and judged: the step search on the choosing seeds (every probe), the judging
+    seeds, and the confirmation of a second invocation on fresh seeds (or that none ran yet)."""
+    if "choosing_seeds" not in record:
+        return ""
+    lines = [f"Chosen on seeds {record['choosing_seeds']} (the shortest steps whose mean ends at or below "
+             f"{record.get('target')} - {record.get('margin')}), judged on seeds {record['judging_seeds']} alone "
+             f"(p < {record.get('alpha')}).", ""]
+    probes = [(r["recipe"], p) for r in record.get("search") or [] for p in r["probes"]]
+    if probes:
+        lines += ["| recipe | steps | choosing seeds' final losses | mean | train s | passes |",
+                  "| --- | ---: | --- | ---: | ---: | --- |"]
+        for name, p in probes:
+            losses = ", ".join("-" if v is None else f"{v:.4f}" for v in p["final_val_losses"])
+            lines.append(f"| {name} | {p['steps']} | {losses} | {_num(p['mean'], 4)} | {_num(p['train_s'])} | "
+                         f"{'yes' if p['passes'] else 'no'} |")
+        lines.append("")
+    conf = record.get("confirmation")
+    if conf is None:
+        lines.append("Not yet confirmed on fresh seeds (`fasttrain lab speedrun confirm`).")
+    else:
+        lines.append(f"Confirmed by a second invocation (`{conf['command']}`) on fresh seeds {conf['seeds']}: mean "
+                     f"final validation loss {conf['mean_final_val_loss']:.4f}, p = {conf['p_value']:.3g}, training "
+                     f"{conf['train_s']:.2f} s (median): "
+                     + ("**it holds**." if conf["holds"] else f"**it does not hold** ({conf.get('missing')})."))
+    return "\n".join(lines) + "\n\n"
+
+
 def goals_markdown(record: dict) -> str:
     """The record's figures against :data:`GOALS`: met, or missed by how much (an unmeasured figure says so)."""
     lines = ["| figure | goal (s) | measured (s) | verdict |", "| --- | ---: | ---: | --- |"]
@@ -414,7 +442,7 @@ def readme_section(folder, also=()) -> str:
         parts.append(f"### The record and the goals\n\nFrom {_link(folder, 'record.json')}: rung `{rec.get('rung')}`, "
                      f"{rec.get('steps')} steps, {len(rec.get('seeds') or [])} seeds, mean final validation loss "
                      f"{rec.get('mean_final_val_loss', float('nan')):.4f} (p = {rec.get('p_value', float('nan')):.3g}); "
-                     f"command: `{rec.get('command')}`.\n\n" + goals_markdown(rec))
+                     f"command: `{rec.get('command')}`.\n\n" + search_markdown(rec) + goals_markdown(rec))
     # one file per device call of cold_start.sh (process_times.jsonl, process_times-*.jsonl): each its own table
     for times_path in sorted((folder / "cold").glob("process_times*.jsonl"),
                              key=lambda p: (p.name != "process_times.jsonl", p.name)):    # the first call's first
@@ -638,6 +666,6 @@ def record_command(results_dir, out_dir, process_times) -> None:
 
 
 __all__ = ["DEFAULT_SEEDS", "GOALS", "README_END", "README_START", "baseline_row", "breakeven_of", "ladder_markdown",
-           "goals_markdown", "load_result", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
+           "goals_markdown", "load_result", "search_markdown", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
            "readme_section", "record_command", "record_of", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]
