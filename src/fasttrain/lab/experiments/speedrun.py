@@ -720,7 +720,7 @@ def confirm_record(path, *, seeds: list[int] | None = None, count: int | None = 
         rec, result["runs"], command=command or f"fasttrain lab speedrun confirm {path}", started=started,
         gpu=(env.get("gpu") or {}).get("name") or gpu_name(resolve_device(cfg)), torch=torch.__version__,
         git_sha=env.get("git_sha"), setup_s=result["setup_s"], process_wall_s=process_age_s(),
-        runs=[{k: r[k] for k in ("seed", "steps", "train_s", "ms_per_step", "final_val_loss")} for r in result["runs"]])
+        per_seed=[{k: r[k] for k in ("seed", "steps", "train_s", "ms_per_step", "final_val_loss")} for r in result["runs"]])
     check_record(rec)
     atomic_write_text(path, _json(rec))
     return rec["confirmation"]
