@@ -643,7 +643,7 @@ def run_search(recipes, choosing: list[int], judging: list[int], *, target: floa
                 "train_s": statistics.median(done) if done else None}
 
     search = choose(recipes, probe, target=target, margin=margin, log=log)
-    search.update(choosing_seeds=list(choosing), judging_seeds=list(judging), alpha=ALPHA)
+    search.update(choosing_seeds=list(choosing), judging_seeds=list(judging), alpha=ALPHA, target=target, margin=margin)
     if search["chosen"] is None:
         if out is not None:
             Path(out).mkdir(parents=True, exist_ok=True)

@@ -448,8 +448,9 @@ def readme_section(folder, also=()) -> str:
                              key=lambda p: (p.name != "process_times.jsonl", p.name)):    # the first call's first
         name = f"cold/{times_path.name}"
         parts.append(f"### The whole process, from the shell\n\nFrom {_link(folder, name)} "
-                     "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches, warm "
-                     "= filled by the run before, compile-cache = `--compile-cache FILE` loaded into a cold process; "
+                     "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches (and, "
+                     "where the script could, an emptied file cache: the libraries read from disk), warm "
+                     "= the next process, caches filled by the run before, compile-cache = `--compile-cache FILE` loaded into a cold process; "
                      "rest = imports, CUDA start-up, data, validation and writing).\n\n"
                      + process_markdown(read_process_times(times_path)))
     for extra in also:
@@ -641,9 +642,22 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
                   first_crossing_s=s.get("first_crossing_s_median"), checkpoint=saved,
                   machine=machine, gpu=(env.get("gpu") or {}).get("name") or result.get("device"),
                   torch=result.get("torch"), git_sha=env.get("git_sha"), started=result.get("started"),
-                  config=row["config"], user_command=result.get("user_command"), margin=search.get("margin"),
+                  config=row["config"], user_command=result.get("user_command"),
+                  margin=search.get("margin", next((r.get("margin") for r in search.get("recipes", [])), None)),
                   search=[{k: r[k] for k in ("recipe", "steps", "probes")} for r in search.get("recipes", [])],
                   process_times=[t for t in times if t["rung"] in (row["name"], "startup")])
+
+
+def kept_confirmation(path: Path, rec: dict) -> dict | None:
+    """The confirmation of the record already at ``path`` when it confirmed this same recipe (the same steps,
+    configuration and judging seeds): writing the record again (say, to add process times) keeps it."""
+    from fasttrain.files import read_json_object
+
+    if not path.is_file():
+        return None
+    old = read_json_object(path, "record")
+    same = all(old.get(k) == rec.get(k) for k in ("steps", "config", "judging_seeds", "choosing_seeds"))
+    return old.get("confirmation") if same else None
 
 
 @click.command("record")
@@ -659,6 +673,7 @@ def record_command(results_dir, out_dir, process_times) -> None:
     result = load_result(results_dir)
     times = read_process_times(process_times) if process_times else []
     rec = record_of(result, times, machine=Path(out_dir).name)
+    rec["confirmation"] = kept_confirmation(Path(out_dir) / "record.json", rec)
     path = write_record(rec, out_dir)
     click.echo(json.dumps({k: rec[k] for k in ("steps", "mean_final_val_loss", "p_value", "train_s", "process_cold_s",
                                                "process_warm_s")}))
