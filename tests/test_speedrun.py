@@ -191,9 +191,10 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     assert "old" not in text and "fasttrain lab speedrun readme" in text and "| 2 | bf16 |" in text
     # the record comes from a search: chosen on seeds 100-101, judged on 0-4, then the process times added
     machine = tmp_path / "results" / "cpu"
+    machine.parent.mkdir()
     code, stdout, stderr = run_cli(["lab", "speedrun", "search", "--preset", "tiny", "--recipes", "softcap-zero",
                                     "--steps", "10,20", "--choosing-seeds", "100-101", "--judging-seeds", "0-4",
-                                    "--target", str(TARGET), "--device", "cpu", "--set", "cuda_graph_step=False",
+                                    "--target", "3.5", "--device", "cpu", "--set", "cuda_graph_step=False",
                                     "--quiet", "--out", str(machine), "--save", str(tmp_path / "ck2")], capsys)
     assert code == 0, stderr
     assert "chosen: softcap-zero at 10 steps" in stdout and "counts" in stdout
@@ -504,12 +505,13 @@ def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_
     recipes = [choosing.Recipe("a", "first", dict(learning_rate=3e-3), (10, 20)),
                choosing.Recipe("b", "second", {}, (10, 20))]
     out = tmp_path / "cpu"
-    res = sr.run_search(recipes, [100, 101], [0, 1, 2, 3, 4], target=TARGET, out=str(out),
+    # a loose target: either recipe (the faster one is chosen, by measured time) ends far below it at 10 steps
+    res = sr.run_search(recipes, [100, 101], [0, 1, 2, 3, 4], target=3.5, out=str(out),
                             save=str(tmp_path / "ck"), base_preset="tiny", sets=SEARCH_SETS, device="cpu",
                             command="fasttrain lab speedrun search ...", machine="cpu")
     s = res["search"]
     assert s["choosing_seeds"] == [100, 101] and s["judging_seeds"] == [0, 1, 2, 3, 4]
-    assert s["chosen"] in ("a", "b") and s["steps"] in (10, 20)
+    assert s["chosen"] in ("a", "b") and s["steps"] == 10
     # the probes ran the choosing seeds only; the one judged row ran the judging seeds only
     judged = res["rows"]
     assert len(judged) == 1 and [r["seed"] for r in judged[0]["runs"]] == [0, 1, 2, 3, 4]
@@ -532,7 +534,7 @@ def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_
 
     # confirm: the next unused seeds (after 101), the verdict over them written into the record
     conf = sr.confirm_record(out / "record.json", device="cpu", command="fasttrain lab speedrun confirm x")
-    assert conf["seeds"] == [102, 103, 104, 105, 106] and conf["holds"] and conf["p_value"] < 0.01
+    assert conf["seeds"] == [102, 103, 104, 105, 106] and conf["holds"] and conf["p_value"] < 0.01, conf
     again = rp.read_record(out / "record.json")
     assert again["confirmation"]["seeds"] == conf["seeds"] and again["confirmation"]["train_s"] > 0
     assert {k: v for k, v in again.items() if k != "confirmation"} == \
