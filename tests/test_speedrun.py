@@ -568,3 +568,12 @@ def test_gpu_a_graph_step_recipe_is_searched_judged_and_confirmed_in_a_second_ca
     conf = sr.confirm_record(out / "record.json", corpus=corpus)
     assert conf["holds"] and conf["seeds"] == [102, 103, 104, 105, 106]
     assert rp.read_record(out / "record.json")["confirmation"]["seeds"] == conf["seeds"]
+
+
+def test_writing_the_record_again_keeps_the_confirmation_of_the_same_recipe_only(tmp_path):
+    base = {"steps": 10, "config": {"max_steps": 10}, "judging_seeds": [0, 1, 2, 3, 4], "choosing_seeds": [7, 8]}
+    (tmp_path / "record.json").write_text(json.dumps(dict(base, confirmation={"seeds": [9], "holds": True})))
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base)) == {"seeds": [9], "holds": True}
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base, steps=20)) is None
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base, judging_seeds=[0, 1, 2, 3, 5])) is None
+    assert report.kept_confirmation(tmp_path / "none.json", dict(base)) is None

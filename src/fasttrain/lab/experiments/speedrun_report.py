@@ -681,6 +681,6 @@ def record_command(results_dir, out_dir, process_times) -> None:
 
 
 __all__ = ["DEFAULT_SEEDS", "GOALS", "README_END", "README_START", "baseline_row", "breakeven_of", "ladder_markdown",
-           "goals_markdown", "load_result", "search_markdown", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
+           "goals_markdown", "kept_confirmation", "load_result", "search_markdown", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
            "readme_section", "record_command", "record_of", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]
