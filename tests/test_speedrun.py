@@ -502,6 +502,8 @@ SEARCH_SETS = dict(cuda_graph_step=False)
 def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_on_fresh_ones(fake_corpus, tmp_path,
                                                                                               monkeypatch):
     pytest.importorskip("safetensors")
+    from fasttrain.lab.data import corpus_from_text
+
     recipes = [choosing.Recipe("a", "first", dict(learning_rate=3e-3), (10, 20)),
                choosing.Recipe("b", "second", {}, (10, 20))]
     out = tmp_path / "cpu"
@@ -526,11 +528,14 @@ def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_
     # a seed that judged it is refused before any training
     import fasttrain.lab.experiments.speedrun as speedrun_module
 
-    monkeypatch.setattr(speedrun_module, "run_row", lambda *a, **k: pytest.fail("trained"))
-    with pytest.raises(FasttrainError, match=r"seeds \[4\] already chose, judged or confirmed"):
-        sr.confirm_record(out / "record.json", seeds=[4, 5, 6, 7, 8], device="cpu")
+    with monkeypatch.context() as patched:
+        patched.setattr(speedrun_module, "run_row", lambda *a, **k: pytest.fail("trained"))
+        with pytest.raises(FasttrainError, match=r"seeds \[4\] already chose, judged or confirmed"):
+            sr.confirm_record(out / "record.json", seeds=[4, 5, 6, 7, 8], device="cpu")
+        # another corpus than the one the record was judged on is refused too
+        with pytest.raises(FasttrainError, match="not the corpus the record was judged on"):
+            sr.confirm_record(out / "record.json", device="cpu", corpus=corpus_from_text("abc " * 5000))
     before = (out / "record.json").read_text()
-    monkeypatch.undo()
 
     # confirm: the next unused seeds (after 101), the verdict over them written into the record
     conf = sr.confirm_record(out / "record.json", device="cpu", command="fasttrain lab speedrun confirm x")

@@ -713,6 +713,11 @@ def confirm_record(path, *, seeds: list[int] | None = None, count: int | None = 
               gpu_only=GRAPH_STEP_NEEDS_CUDA if cfg.cuda_graph_step else None)
     experiment.prepare([row], config=lambda r: r.cfg, cuda=resolve_device(cfg).type == "cuda")
     corpus = corpus or load_corpus(cfg.data_dir)
+    data = rec.get("data") or {}
+    here = {"chars": len(corpus.chars), "train_chars": int(len(corpus.train)), "val_chars": int(len(corpus.val))}
+    if data and any(data.get(k) != v for k, v in here.items()):
+        raise FasttrainError(f"the corpus here ({here}) is not the corpus the record was judged on "
+                             f"({ {k: data.get(k) for k in here} }); give its --data-dir")
     started = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     result = run_row(row, corpus, target=rec.get("target", TARGET), log=log)
     env = environment()

@@ -642,7 +642,7 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
                   first_crossing_s=s.get("first_crossing_s_median"), checkpoint=saved,
                   machine=machine, gpu=(env.get("gpu") or {}).get("name") or result.get("device"),
                   torch=result.get("torch"), git_sha=env.get("git_sha"), started=result.get("started"),
-                  config=row["config"], user_command=result.get("user_command"),
+                  config=row["config"], user_command=result.get("user_command"), data=result.get("data"),
                   margin=search.get("margin", next((r.get("margin") for r in search.get("recipes", [])), None)),
                   search=[{k: r[k] for k in ("recipe", "steps", "probes")} for r in search.get("recipes", [])],
                   process_times=[t for t in times if t["rung"] in (row["name"], "startup")])
