@@ -41,11 +41,11 @@ def test_a_mean_just_below_the_target_with_noisy_seeds_is_not_sure_enough():
     s = math.sqrt((16 + 16 + 9 + 9) * 1e-6 / 4)
     t = -0.0001 / (s / math.sqrt(5))
     assert v["t"] == pytest.approx(t, rel=1e-6) and v["p_value"] == pytest.approx(_student_t4_cdf(t), rel=1e-6)
-    assert not v["counts"] and v["missing"].startswith("p = 0.47") and ">= 0.05" in v["missing"]
+    assert not v["counts"] and v["missing"].startswith("p = 0.47") and ">= 0.01" in v["missing"]
 
 
 @pytest.mark.parametrize("losses,planned,reason", [
-    ([1.46, 1.45, 1.46, 1.45, 1.49], 5, "p = 0.169 >= 0.05"),      # mean 1.462 < 1.47, but one seed at 1.49
+    ([1.46, 1.45, 1.46, 1.45, 1.49], 5, "p = 0.169 >= 0.01"),      # mean 1.462 < 1.47, but one seed at 1.49
     ([1.50, 1.48, 1.49, 1.47, 1.48], 5, "mean final validation loss 1.4840 > 1.47"),
     ([1.40, 1.41, 1.40], 3, "3 seeds; the protocol needs at least 5"),
     ([1.40, 1.41, 1.40, 1.41, None], 5, "only 4 of 5 seeds finished"),
@@ -156,12 +156,14 @@ def test_record_json_has_the_fixed_keys_and_shape(tmp_path):
     summary = _counted_summary()
     assert summary["counts"] and summary["steps"] == 3
     rec = rp.record(summary, command="fasttrain lab speedrun --rungs muon", process_cold_s=19.5, process_warm_s=None,
-                    rung="muon", t=summary["t"])
+                    choosing_seeds=[100, 101, 102], rung="muon", t=summary["t"])
     path = rp.write_record(rec, tmp_path / "nvidia-h100")
     data = json.loads(path.read_text())
     assert list(data)[:len(rp.RECORD_KEYS)] == list(rp.RECORD_KEYS)
     assert data["seeds"] == [0, 1, 2, 3, 4] and data["final_val_losses"] == [1.455, 1.458, 1.457, 1.456, 1.459]
-    assert data["mean_final_val_loss"] == pytest.approx(1.457) and 0 < data["p_value"] < 0.05
+    assert data["mean_final_val_loss"] == pytest.approx(1.457) and 0 < data["p_value"] < 0.01
+    assert data["choosing_seeds"] == [100, 101, 102] and data["judging_seeds"] == data["seeds"]
+    assert data["confirmation"] is None
     assert data["train_s"] == 0.52 and data["rung"] == "muon" and data["process_warm_s"] is None
     assert rp.read_record(path) == data
 
@@ -173,9 +175,16 @@ def test_record_json_has_the_fixed_keys_and_shape(tmp_path):
     (lambda r: r.update(mean_final_val_loss=1.2), "mean of final_val_losses"),
     (lambda r: r.update(p_value=2), "p_value must be"),
     (lambda r: r.update(command=""), "command"),
+    (lambda r: r.pop("choosing_seeds"), "lacks choosing_seeds"),
+    (lambda r: r.update(choosing_seeds=[7, 3]), "seeds [3] both chose and judged"),
+    (lambda r: r.update(judging_seeds=[0, 1, 2, 3, 9]), "judging_seeds must be the seeds"),
+    (lambda r: r.update(seeds=[0, 1, 2], judging_seeds=[0, 1, 2], final_val_losses=[1.4] * 3,
+                        mean_final_val_loss=1.4), "at least 5 seeds"),
+    (lambda r: r.update(confirmation={"seeds": [9]}), "confirmation lacks"),
+    (lambda r: r.update(confirmation=dict(CONFIRMED, seeds=[8, 20])), "confirmation seeds [8] already"),
 ])
 def test_a_malformed_record_is_one_line(change, message):
-    rec = rp.record(_counted_summary(), command="x")
+    rec = rp.record(_counted_summary(), command="x", choosing_seeds=[7, 8])
     change(rec)
     with pytest.raises(FasttrainError) as info:
         rp.check_record(rec)
@@ -185,4 +194,46 @@ def test_a_malformed_record_is_one_line(change, message):
 def test_a_missing_recipe_makes_no_record():
     runs = [_run(s, 1.5) for s in range(5)]
     with pytest.raises(FasttrainError, match="only a counted recipe"):
-        rp.record(rp.summarize_recipe(runs, planned_seeds=5), command="x")
+        rp.record(rp.summarize_recipe(runs, planned_seeds=5), command="x", choosing_seeds=[])
+
+
+CONFIRMED = {"seeds": [20, 21, 22, 23, 24], "final_val_losses": [1.45] * 5, "mean_final_val_loss": 1.45, "p_value": 0.0,
+             "train_s": 0.5, "holds": True, "command": "fasttrain lab speedrun confirm record.json"}
+
+
+def test_the_round_two_record_does_not_count_at_the_new_alpha():
+    # round two's committed record: mean 1.4667, p = 0.045 over seeds 1337-1341; a record now wants p < 0.01
+    losses = [1.4691454937382817, 1.468113875435911, 1.4609458085494302, 1.466519009877921, 1.468596939320709]
+    v = rp.verdict(losses, 1.47)
+    assert rp.ALPHA == 0.01 and 0.04 < v["p_value"] < 0.05
+    assert not v["counts"] and ">= 0.01" in v["missing"]
+
+
+def test_fresh_seeds_follow_every_seed_the_record_spent():
+    rec = rp.record(_counted_summary(), command="x", choosing_seeds=[7, 8])
+    assert rp.fresh_seeds(rec, 5) == [9, 10, 11, 12, 13]
+    rec["confirmation"] = dict(CONFIRMED)
+    assert rp.used_seeds(rec) == {0, 1, 2, 3, 4, 7, 8, 20, 21, 22, 23, 24}
+    assert rp.fresh_seeds(rec, 2) == [25, 26]
+    with pytest.raises(FasttrainError, match="positive count"):
+        rp.fresh_seeds(rec, 0)
+
+
+def test_a_confirmation_is_the_verdict_over_fresh_seeds_alone():
+    rec = rp.record(_counted_summary(), command="x", choosing_seeds=[7, 8])
+    good = [_run(s, v) for s, v in zip(range(20, 25), [1.452, 1.455, 1.451, 1.454, 1.453])]
+    conf = rp.confirmation(rec, good, command="fasttrain lab speedrun confirm r.json")
+    assert conf["holds"] and conf["seeds"] == [20, 21, 22, 23, 24] and conf["p_value"] < 0.01
+    assert conf["mean_final_val_loss"] == pytest.approx(1.453) and conf["train_s"] == pytest.approx(0.72)
+    assert list(conf)[:1] == ["seeds"] and set(rp.CONFIRMATION_KEYS) <= set(conf)
+    rec["confirmation"] = conf
+    rp.check_record(rec)
+    # the same recipe ending near the target on the fresh seeds: written, and it does not hold
+    near = [_run(s, v) for s, v in zip(range(20, 25), [1.466, 1.472, 1.469, 1.464, 1.471])]
+    miss = rp.confirmation(rec, near, command="x")
+    assert not miss["holds"] and miss["missing"].startswith("p = ")
+    # a seed that judged (or chose) the record is refused; so is another step count
+    with pytest.raises(FasttrainError, match=r"seeds \[3, 8\] already chose or judged"):
+        rp.confirmation(rec, [_run(s, 1.45) for s in (3, 8, 30, 31, 32)], command="x")
+    with pytest.raises(FasttrainError, match="ran 4 steps, the record's recipe 3"):
+        rp.confirmation(rec, [_run(s, 1.45, steps=4) for s in range(30, 35)], command="x")

@@ -166,17 +166,9 @@ def test_ladder_on_a_tiny_budget_writes_results_a_record_and_a_checkpoint_lab_ev
     again = lab_evaluate.evaluate_checkpoint(ck, device="cpu", corpus=corpus)
     assert again["val_loss"] == meta["val_loss"] == res["saved"]["val_loss"] and again["val_loss"] <= TARGET
 
-    # record.json of the fastest counted row, with the whole-process times measured from the shell
-    times = [{"rung": res["fastest"]["name"], "cache": "cold", "process_s": 30.0, "rc": 0},
-             {"rung": res["fastest"]["name"], "cache": "warm", "process_s": 12.0, "rc": 0},
-             {"rung": res["fastest"]["name"], "cache": "warm", "process_s": 99.0, "rc": 1}]
-    record = report.record_of(res, times, machine="cpu")
-    fastest = next(r for r in res["rows"] if r["name"] == res["fastest"]["name"])["summary"]
-    assert record["final_val_losses"] == fastest["final_val_losses"] and record["seeds"] == [0, 1, 2, 3, 4]
-    assert (record["process_cold_s"], record["process_warm_s"]) == (30.0, 12.0)
-    assert record["train_s"] == fastest["train_s_median"] == res["fastest"]["train_s"]
-    assert record["checkpoint"]["path"] == str(ck)
-    rp.check_record(record)
+    # several rows judged on the same seeds: keeping the fastest is a choice made on them, so no record
+    with pytest.raises(FasttrainError, match="not chosen apart from its judging seeds"):
+        report.record_of(res, machine="cpu")
 
 
 def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
@@ -198,18 +190,26 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     assert code == 0, stderr
     text = readme.read_text()
     assert "old" not in text and "fasttrain lab speedrun readme" in text and "| 2 | bf16 |" in text
-    times = tmp_path / "process_times.jsonl"
-    name = report.load_result(out)["fastest"]["name"]
-    times.write_text(json.dumps({"rung": name, "cache": "cold", "process_s": 21.5, "rc": 0}) + "\n")
+    # the record comes from a search: chosen on seeds 100-101, judged on 0-4, then the process times added
     machine = tmp_path / "results" / "cpu"
-    code, stdout, stderr = run_cli(["lab", "speedrun", "record", str(out), "--out", str(machine),
+    machine.parent.mkdir()
+    code, stdout, stderr = run_cli(["lab", "speedrun", "search", "--preset", "tiny", "--recipes", "softcap-zero",
+                                    "--steps", "10,20", "--choosing-seeds", "100-101", "--judging-seeds", "0-4",
+                                    "--target", "3.5", "--device", "cpu", "--set", "cuda_graph_step=False",
+                                    "--quiet", "--out", str(machine), "--save", str(tmp_path / "ck2")], capsys)
+    assert code == 0, stderr
+    assert "chosen: softcap-zero at 10 steps" in stdout and "counts" in stdout
+    name = "softcap-zero"
+    times = tmp_path / "process_times.jsonl"
+    times.write_text(json.dumps({"rung": name, "cache": "cold", "process_s": 21.5, "rc": 0}) + "\n")
+    code, stdout, stderr = run_cli(["lab", "speedrun", "record", str(machine), "--out", str(machine),
                                     "--process-times", str(times)], capsys)
     assert code == 0, stderr
     record = rp.read_record(machine / "record.json")
-    assert record["process_cold_s"] == 21.5 and record["process_warm_s"] is None and record["steps"] == 20
+    assert record["process_cold_s"] == 21.5 and record["process_warm_s"] is None and record["steps"] == 10
+    assert record["choosing_seeds"] == [100, 101] and record["judging_seeds"] == [0, 1, 2, 3, 4]
     assert record["command"].startswith("fasttrain lab speedrun")      # (in-process: sys.argv is pytest's)
     # the README section reads the record against the goals, the process times and a step profile beside them
-    (machine / "speedrun.json").write_text((out / "speedrun.json").read_text())
     (machine / "cold").mkdir()
     (machine / "cold" / "process_times.jsonl").write_text(
         json.dumps({"rung": name, "cache": "cold", "process_s": 21.5, "setup_s": 10.0, "train_s": 4.0, "rc": 0}) + "\n")
@@ -246,7 +246,7 @@ def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     assert len(headings) == len(set(headings)) and f"### Variants measured apart (`{tmp_path / 'out2'}`)" in headings
     assert "the GPU busy 3.00 ms of it (75%)" in section
     times.write_text("not json\n")
-    code, _, stderr = run_cli(["lab", "speedrun", "record", str(out), "--out", str(machine),
+    code, _, stderr = run_cli(["lab", "speedrun", "record", str(machine), "--out", str(machine),
                                "--process-times", str(times)], capsys)
     assert code == 1 and "line 1: not JSON" in stderr and stderr.count("\n") == 1
 
@@ -434,3 +434,170 @@ def test_progress_hears_the_start_and_every_seed_after_its_run(fake_corpus):
     result = sr.run_ladder(rows, progress=Recorder())
     finals = [r["final_val_loss"] for r in result["rows"][0]["runs"]]
     assert calls == [(0, 2, None), (1, 2, finals[0]), (2, 2, finals[1])]
+
+
+# --- round three: choose on some seeds, judge on others, confirm on fresh ones --------------------------
+
+from fasttrain.lab.experiments import speedrun_search as choosing  # noqa: E402
+
+ENDS = {800: 1.475, 950: 1.466, 1100: 1.461, 1250: 1.458, 1400: 1.455}     # a recipe's mean final loss by steps
+
+
+def _fake_probe(ends, calls, spread=0.002, ms=7.0):
+    def probe(steps):
+        calls.append(steps)
+        m = ends[steps]
+        return {"final_val_losses": [m - spread, m, m + spread], "train_s": steps * ms / 1e3}
+    return probe
+
+
+def test_the_step_search_bisects_to_the_shortest_count_that_ends_below_the_target_with_margin():
+    calls = []
+    found = choosing.search_steps(_fake_probe(ENDS, calls), list(ENDS), target=1.47, margin=0.008)
+    # 1.461 <= 1.47 - 0.008 = 1.462 first at 1,100; 950's 1.466 is below the target but inside the margin
+    assert found["steps"] == 1100 and found["train_s"] == pytest.approx(7.7)
+    assert calls == [1100, 800, 950] and [p["passes"] for p in found["probes"]] == [True, False, False]
+    assert found["probes"][0]["mean"] == pytest.approx(1.461) and found["margin"] == 0.008
+    # no margin: 950 counts; a margin nothing meets: no steps, every probe recorded
+    assert choosing.search_steps(_fake_probe(ENDS, []), list(ENDS), target=1.47, margin=0.0)["steps"] == 950
+    calls = []
+    none = choosing.search_steps(_fake_probe(ENDS, calls), list(ENDS), target=1.47, margin=0.02)
+    assert none["steps"] is None and none["train_s"] is None and calls == [1100, 1250, 1400]
+
+
+def test_a_probe_with_a_seed_that_did_not_finish_does_not_pass():
+    assert choosing.passes([1.40, 1.41], target=1.47, margin=0.008)
+    assert not choosing.passes([1.40, None], target=1.47, margin=0.008)
+    assert not choosing.passes([1.40, float("nan")], target=1.47, margin=0.008)
+    with pytest.raises(FasttrainError, match="positive step counts"):
+        choosing.search_steps(lambda s: {}, [0, 10])
+
+
+def test_choosing_keeps_the_recipe_whose_chosen_steps_train_fastest():
+    slow_step = choosing.Recipe("slow-step", "", {}, (800, 950, 1100))          # 1,100 steps at 7 ms: 7.7 s
+    fast_step = choosing.Recipe("fast-step", "", {}, (1100, 1250, 1400))        # 1,100 steps at 5 ms: 5.5 s
+    hopeless = choosing.Recipe("hopeless", "", {}, (800, 950))
+    ms = {"slow-step": 7.0, "fast-step": 5.0, "hopeless": 1.0}
+    calls = []
+
+    def probe(recipe, steps):
+        if recipe.name == "hopeless":
+            return {"final_val_losses": [1.5, 1.51], "train_s": 0.1}
+        return _fake_probe(ENDS, calls, ms=ms[recipe.name])(steps)
+
+    picked = choosing.choose([slow_step, fast_step, hopeless], probe, target=1.47, margin=0.008)
+    assert picked["chosen"] == "fast-step" and picked["steps"] == 1100
+    assert [r["steps"] for r in picked["recipes"]] == [1100, 1100, None]
+
+
+def test_choosing_and_judging_seeds_are_disjoint_and_enough_before_any_work():
+    assert choosing.parse_seed_list("2000-2002,7", "--choosing-seeds") == [2000, 2001, 2002, 7]
+    for text in ("", "1,1", "a-b", "-3"):
+        with pytest.raises(FasttrainError, match="distinct non-negative"):
+            choosing.parse_seed_list(text, "--judging-seeds")
+    with pytest.raises(FasttrainError, match=r"seeds \[3\] are both choosing and judging"):
+        choosing.check_seeds([3, 9], [1, 2, 3, 4, 5])
+    with pytest.raises(FasttrainError, match="at least 5"):
+        choosing.check_seeds([8, 9], [1, 2, 3, 4])
+    with pytest.raises(FasttrainError, match="at least 2"):
+        choosing.check_seeds([9], [1, 2, 3, 4, 5])
+    with pytest.raises(FasttrainError, match="use names from"):
+        choosing.parse_recipes("softcap-zero,nope")
+
+
+def test_every_recipe_is_the_graph_step_rung_with_the_task_kept():
+    for recipe in choosing.RECIPES:
+        cfg = sr.recipe_row(recipe, recipe.steps[0], [1, 2]).cfg
+        assert cfg.cuda_graph_step and not cfg.torch_compile and cfg.max_steps == recipe.steps[0]
+        assert cfg.eval_tokens is None and cfg.context == 256 and cfg.train_file is None and cfg.tokenizer is None
+        assert list(recipe.steps) == sorted(set(recipe.steps))
+        assert sr.user_command(cfg).startswith("fasttrain lab speedrun --rungs graph-step --seeds 1")
+        assert f"max_steps={recipe.steps[0]}" in sr.user_sets(cfg)
+
+
+SEARCH_SETS = dict(cuda_graph_step=False)
+
+
+def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_on_fresh_ones(fake_corpus, tmp_path,
+                                                                                              monkeypatch):
+    pytest.importorskip("safetensors")
+    from fasttrain.lab.data import corpus_from_text
+
+    recipes = [choosing.Recipe("a", "first", dict(learning_rate=3e-3), (10, 20)),
+               choosing.Recipe("b", "second", {}, (10, 20))]
+    out = tmp_path / "cpu"
+    # a loose target: either recipe (the faster one is chosen, by measured time) ends far below it at 10 steps
+    res = sr.run_search(recipes, [100, 101], [0, 1, 2, 3, 4], target=3.5, out=str(out),
+                            save=str(tmp_path / "ck"), base_preset="tiny", sets=SEARCH_SETS, device="cpu",
+                            command="fasttrain lab speedrun search ...", machine="cpu")
+    s = res["search"]
+    assert s["choosing_seeds"] == [100, 101] and s["judging_seeds"] == [0, 1, 2, 3, 4]
+    assert s["chosen"] in ("a", "b") and s["steps"] == 10
+    # the probes ran the choosing seeds only; the one judged row ran the judging seeds only
+    judged = res["rows"]
+    assert len(judged) == 1 and [r["seed"] for r in judged[0]["runs"]] == [0, 1, 2, 3, 4]
+    assert judged[0]["config"]["max_steps"] == s["steps"] and judged[0]["name"] == s["chosen"]
+    rec = rp.read_record(out / "record.json")
+    assert rec["choosing_seeds"] == [100, 101] and rec["seeds"] == rec["judging_seeds"] == [0, 1, 2, 3, 4]
+    assert rec["confirmation"] is None and rec["config"]["max_steps"] == rec["steps"] == s["steps"]
+    assert rec["search"][0]["probes"] and rec["margin"] == choosing.MARGIN
+    assert json.loads((out / "search.json").read_text())["chosen"] == s["chosen"]
+    assert (out / "speedrun.json").is_file() and (tmp_path / "ck" / "config.json").is_file()
+
+    # a seed that judged it is refused before any training
+    import fasttrain.lab.experiments.speedrun as speedrun_module
+
+    with monkeypatch.context() as patched:
+        patched.setattr(speedrun_module, "run_row", lambda *a, **k: pytest.fail("trained"))
+        with pytest.raises(FasttrainError, match=r"seeds \[4\] already chose, judged or confirmed"):
+            sr.confirm_record(out / "record.json", seeds=[4, 5, 6, 7, 8], device="cpu")
+        # another corpus than the one the record was judged on is refused too
+        with pytest.raises(FasttrainError, match="not the corpus the record was judged on"):
+            sr.confirm_record(out / "record.json", device="cpu", corpus=corpus_from_text("abc " * 5000))
+    before = (out / "record.json").read_text()
+
+    # confirm: the next unused seeds (after 101), the verdict over them written into the record
+    conf = sr.confirm_record(out / "record.json", device="cpu", command="fasttrain lab speedrun confirm x")
+    assert conf["seeds"] == [102, 103, 104, 105, 106] and conf["holds"] and conf["p_value"] < 0.01, conf
+    again = rp.read_record(out / "record.json")
+    assert again["confirmation"]["seeds"] == conf["seeds"] and again["confirmation"]["train_s"] > 0
+    assert {k: v for k, v in again.items() if k != "confirmation"} == \
+        {k: v for k, v in json.loads(before).items() if k != "confirmation"}
+    assert "the record holds" in sr.confirmation_line(conf)
+
+
+
+def test_cli_confirm_bad_input_is_one_line(fake_corpus, tmp_path, capsys):
+    code, _, stderr = run_cli(["lab", "speedrun", "confirm", str(tmp_path / "none.json")], capsys)
+    assert code == 1 and stderr.count("\n") == 1 and "none.json" in stderr
+    old = tmp_path / "record.json"
+    old.write_text(json.dumps({"steps": 1550, "seeds": [1, 2, 3, 4, 5]}))
+    code, _, stderr = run_cli(["lab", "speedrun", "confirm", str(old)], capsys)
+    assert code == 1 and "lacks" in stderr and "earlier protocol" in stderr and stderr.count("\n") == 1
+    code, _, stderr = run_cli(["lab", "speedrun", "search", "--choosing-seeds", "1-2", "--judging-seeds", "2-6",
+                               "--out", str(tmp_path / "o")], capsys)
+    assert code == 1 and "both choosing and judging" in stderr and not (tmp_path / "o").exists()
+
+
+@pytest.mark.gpu
+def test_gpu_a_graph_step_recipe_is_searched_judged_and_confirmed_in_a_second_call(corpus, tmp_path):
+    """The device's path on the tiny model: the recipes' own rung (the whole step as one CUDA graph), chosen on
+    two seeds, judged on five others, then confirmed on five fresh ones from the written record."""
+    pytest.importorskip("safetensors")
+    recipe = choosing.Recipe("tiny-graph", "the tiny model, graph step", dict(logit_softcap=30.0), (20, 40))
+    out = tmp_path / "gpu"
+    res = sr.run_search([recipe], [100, 101], [0, 1, 2, 3, 4], target=TARGET, out=str(out), corpus=corpus,
+                        save=str(tmp_path / "ck"), base_preset="tiny", device="cuda")
+    assert res["rows"][0]["config"]["cuda_graph_step"] and res["record"] is not None, res["search"]
+    conf = sr.confirm_record(out / "record.json", corpus=corpus)
+    assert conf["holds"] and conf["seeds"] == [102, 103, 104, 105, 106]
+    assert rp.read_record(out / "record.json")["confirmation"]["seeds"] == conf["seeds"]
+
+
+def test_writing_the_record_again_keeps_the_confirmation_of_the_same_recipe_only(tmp_path):
+    base = {"steps": 10, "config": {"max_steps": 10}, "judging_seeds": [0, 1, 2, 3, 4], "choosing_seeds": [7, 8]}
+    (tmp_path / "record.json").write_text(json.dumps(dict(base, confirmation={"seeds": [9], "holds": True})))
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base)) == {"seeds": [9], "holds": True}
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base, steps=20)) is None
+    assert report.kept_confirmation(tmp_path / "record.json", dict(base, judging_seeds=[0, 1, 2, 3, 5])) is None
+    assert report.kept_confirmation(tmp_path / "none.json", dict(base)) is None

@@ -16,13 +16,19 @@
 # `fasttrain lab speedrun record --process-times` reads it), $OUT/cold_start.md (the table) and one log per
 # process under $OUT/logs/. Knobs: RUNGS, REPEATS, SEEDS (1: the recipe as a user runs it once), EXTRA_ARGS,
 # PYTHON, FASTTRAIN_DATA_DIR, CACHE_RUNGS (the rungs that get the cache-file variants: those inductor compiles),
-# COLD_ONLY (rungs timed once: no compiler cache to warm, e.g. graph-step), STARTUP (0: skip the bare start-up).
+# COLD_ONLY (rungs timed once: no compiler cache to warm, e.g. graph-step), STARTUP (0: skip the bare start-up),
+# LABEL (the name the timings of the rungs go under, e.g. the record's recipe run as a rung with EXTRA_ARGS="--set ..."),
+# DROP_CACHES (1: empty the operating system's file cache before each cold process, so that the interpreter and
+# torch's libraries are read from disk as on a fresh machine; needs root, and says when it could not).
+# The bare start-up is timed after the rungs, so that the first cold process is the machine's first.
 set -u
 OUT=${OUT:-/tmp/cold-start}
 RUNGS=${RUNGS:-compile cuda-graphs regional graph-step muon}
 CACHE_RUNGS=${CACHE_RUNGS-compile cuda-graphs regional}    # the rungs inductor compiles: the cache-file variants
 COLD_ONLY=${COLD_ONLY:-}
 STARTUP=${STARTUP:-1}
+LABEL=${LABEL:-}
+DROP_CACHES=${DROP_CACHES:-0}
 REPEATS=${REPEATS:-1}
 SEEDS=${SEEDS:-1}
 PY=${PYTHON:-python3}
@@ -72,31 +78,43 @@ speedrun() {  # speedrun RUNG RESULT_DIR [ARGS...]
   "$PY" -m fasttrain lab speedrun --rungs "$rung" --seeds "$SEEDS" --quiet --out "$dir" ${EXTRA_ARGS:-} "$@"
 }
 
+drop_caches() {  # the file cache emptied (cold libraries), or a line saying it could not be
+  [ "$DROP_CACHES" = 1 ] || return 0
+  sync
+  if ! (echo 3 > /proc/sys/vm/drop_caches) 2>/dev/null; then
+    echo "could not empty the file cache (not root?): the cold process reads warm libraries"
+  fi
+}
+
+for rung in $RUNGS; do
+  name=${LABEL:-$rung}
+  echo "=== $name $(date +%T)"
+  for i in $(seq "$REPEATS"); do
+    fresh_caches "$rung-$i"
+    drop_caches
+    timed "$name" cold "$WORK/r" -- speedrun "$rung" "$WORK/r"
+    case " $COLD_ONLY " in *" $rung "*) continue ;; esac
+    timed "$name" warm "$WORK/r" -- speedrun "$rung" "$WORK/r"
+    case " $CACHE_RUNGS " in *" $rung "*) ;; *) continue ;; esac
+    fresh_caches "$rung-$i-fill"
+    rm -f "$WORK/$rung.cache"
+    timed "$name" cache-fill "$WORK/r" -- speedrun "$rung" "$WORK/r" --compile-cache "$WORK/$rung.cache"
+    if [ -s "$WORK/$rung.cache" ]; then
+      fresh_caches "$rung-$i-load"
+      timed "$name" compile-cache "$WORK/r" -- speedrun "$rung" "$WORK/r" --compile-cache "$WORK/$rung.cache"
+    fi
+  done
+done
+
 echo "=== start-up $(date +%T)"
 fresh_caches startup
 [ "$STARTUP" = 0 ] || for i in $(seq "$REPEATS"); do
+  drop_caches
+  timed startup import-torch-cold "" -- "$PY" -c "import torch"
   timed startup import-torch "" -- "$PY" -c "import torch"
   timed startup cuda-init "" -- "$PY" -c "import torch; torch.cuda.init()"
   timed startup speedrun-imports "" -- "$PY" -c \
     "import torch, fasttrain.lab.experiments.speedrun, fasttrain.lab.trainer, fasttrain.lab.model; torch.cuda.init()"
-done
-
-for rung in $RUNGS; do
-  echo "=== $rung $(date +%T)"
-  for i in $(seq "$REPEATS"); do
-    fresh_caches "$rung-$i"
-    timed "$rung" cold "$WORK/r" -- speedrun "$rung" "$WORK/r"
-    case " $COLD_ONLY " in *" $rung "*) continue ;; esac
-    timed "$rung" warm "$WORK/r" -- speedrun "$rung" "$WORK/r"
-    case " $CACHE_RUNGS " in *" $rung "*) ;; *) continue ;; esac
-    fresh_caches "$rung-$i-fill"
-    rm -f "$WORK/$rung.cache"
-    timed "$rung" cache-fill "$WORK/r" -- speedrun "$rung" "$WORK/r" --compile-cache "$WORK/$rung.cache"
-    if [ -s "$WORK/$rung.cache" ]; then
-      fresh_caches "$rung-$i-load"
-      timed "$rung" compile-cache "$WORK/r" -- speedrun "$rung" "$WORK/r" --compile-cache "$WORK/$rung.cache"
-    fi
-  done
 done
 
 "$PY" - "$TIMES" > "$OUT/cold_start.md" <<'EOF'
@@ -106,7 +124,7 @@ def med(rung, cache, key="process_s"):
     v = [r[key] for r in rows if r["rung"] == rung and r["cache"] == cache and r["rc"] == 0 and r[key] is not None]
     return f"{statistics.median(v):.1f}" if v else "-"
 print("| process | whole process s (median) |\n| --- | ---: |")
-for c in ("import-torch", "cuda-init", "speedrun-imports"):
+for c in ("import-torch-cold", "import-torch", "cuda-init", "speedrun-imports"):
     print(f"| `{c}` | {med('startup', c)} |")
 print("\n| rung | cold s | warm s | compile-cache s | setup cold s | setup warm s | setup compile-cache s | training s |")
 print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")

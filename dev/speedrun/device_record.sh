@@ -1,23 +1,29 @@
 #!/usr/bin/env bash
 # The speedrun's record on the GPU machine, from the repository root, in one device call (~8 min on an H100):
 #
-#   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) OUT=$OUT bash dev/speedrun/device_record.sh
+#   OUT=$OUT bash dev/speedrun/device_record.sh
 #
-# Stages (STAGES, default "ladder cold record"; "tests" runs the gpu-marked tests, ~2 min):
-#   ladder  the ladder under the record protocol: RUNGS (default 5,7,9,10; rung 5, the best eager recipe, on
-#           one seed: measured, it cannot count), SEEDS (default 5) seeds for the others, each a fixed-step
-#           recipe scored over the whole validation split; --save of the fastest counted row's median seed,
-#           then `fasttrain lab eval` of that checkpoint (the loss must come back identical).
-#   cold    dev/speedrun/cold_start.sh for COLD_RUNGS (default cuda-graphs graph-step): whole processes timed
-#           from the shell, cold and warm compiler caches, --compile-cache, and the bare CUDA start-up.
-#   record  record.json of the fastest counted row with its process times, into $OUT/record/<machine>/.
-#   tests   the gpu-marked tests of the speedrun, the cold start and the batched Muon.
-# Everything lands under $OUT: ladder/ (speedrun.json, speedrun.csv, ladder.md, runs/, checkpoint-config.json),
-# cold/ (process_times.jsonl, cold_start.md, logs/), record/<machine>/record.json, *.log.
-# Knobs: STAGES, RUNGS, RUNG_SEEDS, SEEDS, BUDGET_S, EVAL_INTERVAL, COLD_RUNGS, EXTRA_ARGS, FASTTRAIN_DATA_DIR.
+# Stages (STAGES, default "search cold record confirm eval tests"), each a separate process:
+#   search   fasttrain lab speedrun search: RECIPES' steps searched on the CHOOSING seeds, the fastest chosen,
+#            judged on the JUDGING seeds (disjoint) under the record protocol (p < 0.01); its result files,
+#            search.json and record.json into $OUT/<machine>/, the median seed's model into $WORK/ck.
+#   cold     the record's recipe as a user runs it (one seed), whole processes timed from the shell
+#            (dev/speedrun/cold_start.sh): cold = the machine's file cache emptied first, warm = the next one;
+#            then `import torch` and CUDA start-up alone.
+#   record   record.json again with the process times (fasttrain lab speedrun record).
+#   confirm  a second invocation: fasttrain lab speedrun confirm on the CONFIRMING seeds (fresh), written into
+#            record.json.
+#   eval     fasttrain lab eval of the saved model (must give back the recorded loss).
+#   tests    the gpu-marked tests of the speedrun files.
+# Everything lands under $OUT/<machine>/ (the folder committed as results/speedrun/<machine>/), logs in logs/,
+# and $OUT/results.tgz holds it all (the device tool brings back few files).
 set -u
-STAGES=${STAGES:-ladder cold record}
+STAGES=${STAGES:-search cold record confirm eval tests}
 OUT=${OUT:-/tmp/device-out}
+RECIPES=${RECIPES:-softcap-zero,drop-0.1}
+CHOOSING=${CHOOSING:-2000-2002}
+JUDGING=${JUDGING:-3000-3004}
+CONFIRMING=${CONFIRMING:-4000-4004}
 WORK=/tmp/speedrun-record
 mkdir -p "$OUT" "$WORK"
 if [ -z "${FASTTRAIN_DATA_DIR:-}" ]; then
@@ -29,42 +35,50 @@ if [ ! -f "${FASTTRAIN_DATA_DIR:-none}/tinyshakespeare/input.txt" ]; then
   echo "error: Tiny Shakespeare not found; carry it as .data/tinyshakespeare/input.txt or set FASTTRAIN_DATA_DIR"
   exit 2
 fi
-export FASTTRAIN_DATA_DIR PYTHONPATH=src PYTHONUNBUFFERED=1
+export FASTTRAIN_DATA_DIR PYTHONPATH=${PYTHONPATH:-src} PYTHONUNBUFFERED=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.max.sm --format=csv,noheader
-python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
-MACHINE=$(python3 -c "import torch; n = torch.cuda.get_device_name(0).lower().split(); print('-'.join(n[:2]))" \
-  2>/dev/null || echo cpu)
-echo "machine: $MACHINE"
+MACHINE=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1 | tr 'A-Z' 'a-z' | awk '{print $1 "-" $2}')
+R=$OUT/${MACHINE:-cpu}
+mkdir -p "$R/logs"
+echo "machine: $MACHINE -> $R"
+field() {  # field EXPR: a value of the judged result ($R/speedrun.json as r), e.g. field "r['user_sets']"
+  python3 -c "import json, sys; r = json.load(open(sys.argv[1])); print($1)" "$R/speedrun.json"
+}
 
 for stage in $STAGES; do
   echo "=== $stage $(date +%T)"
   case $stage in
-    ladder)
-      rm -rf "$WORK/ladder" "$WORK/ck" "$OUT/ladder"
-      timeout ${LADDER_TIMEOUT:-330} python3 -m fasttrain lab speedrun --rungs ${RUNGS:-5,7,9,10} \
-        --rung-seeds ${RUNG_SEEDS:-5=1} --seeds ${SEEDS:-5} --eval-interval ${EVAL_INTERVAL:-250} \
-        --budget-s ${BUDGET_S:-280} --out "$WORK/ladder" --save "$WORK/ck" ${EXTRA_ARGS:-} \
-        2>&1 | tee "$OUT/ladder.log" | grep -v "^  step"
-      echo "speedrun exit ${PIPESTATUS[0]}"
-      if [ -f "$WORK/ck/config.json" ]; then
-        timeout 120 python3 -m fasttrain lab eval "$WORK/ck" 2>&1 | tee "$OUT/lab-eval.log"
-        echo "lab eval exit ${PIPESTATUS[0]}"
-        cp "$WORK/ck/config.json" "$WORK/ladder/checkpoint-config.json"
-      else
-        echo "no checkpoint written (no row counts)"
-      fi
-      [ -d "$WORK/ladder" ] && cp -r "$WORK/ladder" "$OUT/ladder" ;;
+    search)
+      rm -rf "$WORK/ck"
+      timeout ${SEARCH_TIMEOUT:-280} python3 -m fasttrain lab speedrun search --recipes "$RECIPES" \
+        --choosing-seeds "$CHOOSING" --judging-seeds "$JUDGING" --out "$R" --save "$WORK/ck" ${EXTRA_ARGS:-} \
+        > "$R/logs/search.log" 2>&1
+      echo "search exit $?"; grep -v "^  step" "$R/logs/search.log" | tail -40 ;;
     cold)
-      OUT=$OUT/cold RUNGS=${COLD_RUNGS:-cuda-graphs graph-step} timeout ${COLD_TIMEOUT:-240} \
-        bash dev/speedrun/cold_start.sh 2>&1 | tee "$OUT/cold.log" ;;
+      [ -f "$R/speedrun.json" ] || { echo "no judged recipe: nothing to time"; continue; }
+      OUT=$R/cold RUNGS=graph-step COLD_ONLY= CACHE_RUNGS= LABEL=$(field "r['search']['chosen']") \
+        EXTRA_ARGS="--set $(field "r['user_sets']")" DROP_CACHES=1 timeout ${COLD_TIMEOUT:-150} bash dev/speedrun/cold_start.sh > "$R/logs/cold.log" 2>&1
+      echo "cold exit $?"; tail -14 "$R/logs/cold.log" ;;
     record)
-      timeout 60 python3 -m fasttrain lab speedrun record "$OUT/ladder" --out "$OUT/record/$MACHINE" \
-        --process-times "$OUT/cold/process_times.jsonl" 2>&1 | tee "$OUT/record.log" ;;
+      [ -f "$R/record.json" ] || { echo "no record (the judged recipe did not count)"; continue; }
+      timeout 60 python3 -m fasttrain lab speedrun record "$R" --out "$R" \
+        --process-times "$R/cold/process_times.jsonl" 2>&1 | tee "$R/logs/record.log" ;;
+    confirm)
+      [ -f "$R/record.json" ] || { echo "no record to confirm"; continue; }
+      timeout ${CONFIRM_TIMEOUT:-120} python3 -m fasttrain lab speedrun confirm "$R/record.json" \
+        --seeds "$CONFIRMING" > "$R/logs/confirm.log" 2>&1
+      echo "confirm exit $?"; grep -v "^  step" "$R/logs/confirm.log" | tail -4 ;;
+    eval)
+      [ -f "$WORK/ck/config.json" ] || { echo "no checkpoint written"; continue; }
+      timeout 90 python3 -m fasttrain lab eval "$WORK/ck" 2>&1 | tee "$R/logs/lab-eval.log"
+      cp "$WORK/ck/config.json" "$R/checkpoint-config.json" ;;
     tests)
-      timeout ${TEST_TIMEOUT:-300} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_speedrun.py \
-        tests/test_lab_coldstart.py tests/test_lab_optim.py > "$OUT/gpu-tests.log" 2>&1
-      echo "pytest exit $?"; tail -15 "$OUT/gpu-tests.log" ;;
-    *) echo "unknown stage $stage (use: ladder cold record tests)" ;;
+      timeout ${TEST_TIMEOUT:-120} python3 -m pytest -q -m gpu -p no:cacheprovider -rfs tests/test_speedrun.py \
+        tests/test_lab_coldstart.py tests/test_lab_record_protocol.py > "$R/logs/gpu-tests.log" 2>&1
+      echo "pytest exit $?"; tail -6 "$R/logs/gpu-tests.log" ;;
+    *) echo "unknown stage $stage (use: search cold record confirm eval tests)" ;;
   esac
+  tar -czf "$OUT/results.tgz" -C "$OUT" "$(basename "$R")"     # after every stage: a run cut short keeps what ran
 done
 echo "=== done $(date +%T)"

@@ -12,7 +12,7 @@ recipe) only give the **first crossing**, the training time to the first validat
 target: a secondary figure, never the one that counts (it picks each seed's luckiest moment).
 
 A recipe **counts** (:func:`verdict`) when, over n >= 5 seeds, the mean final validation loss is at or
-below the target (1.47 nats per character) and a one-sided one-sample t-test says so with p < 0.05:
+below the target (1.47 nats per character) and a one-sided one-sample t-test says so with p < 0.01:
 
     H0: mu >= target,  H1: mu < target
     t = (mean - target) / (s / sqrt(n)),  s = sample standard deviation (ddof = 1),  df = n - 1
@@ -21,7 +21,13 @@ below the target (1.47 nats per character) and a one-sided one-sample t-test say
 (``scipy.stats.ttest_1samp(losses, target, alternative="less")``). A recipe that misses is reported as
 missing, with the reason. Its figure is the median over seeds of the training time.
 
-The record of a machine (:func:`record`) is the fastest counted recipe, written to
+The seeds that **choose** a recipe (its steps, learning rate, schedule: ``fasttrain lab speedrun search``)
+never **judge** it: a record names both sets (``choosing_seeds``, ``judging_seeds``, disjoint), and the
+t-test runs on the judging seeds alone, so picking the luckiest of several tries on the same seeds cannot
+make a recipe count. ``fasttrain lab speedrun confirm RECORD`` reruns the record's recipe in a new process on
+fresh seeds (disjoint from both) and writes what it found into the record (``confirmation``).
+
+The record of a machine (:func:`record`) is the chosen recipe judged, written to
 ``results/speedrun/<machine>/record.json`` with fixed keys (:data:`RECORD_KEYS`) so that any script
 can check it (:func:`check_record`).
 """
@@ -37,9 +43,10 @@ from fasttrain.errors import FasttrainError
 
 TARGET = 1.47
 MIN_SEEDS = 5
-ALPHA = 0.05
+ALPHA = 0.01                # a record wants p < 0.01 (a 1-in-100 chance that a recipe at 1.47 passes)
 RECORD_KEYS = ("steps", "seeds", "final_val_losses", "mean_final_val_loss", "p_value", "train_s", "process_cold_s",
-               "process_warm_s", "command")
+               "process_warm_s", "command", "choosing_seeds", "judging_seeds", "confirmation")
+CONFIRMATION_KEYS = ("seeds", "final_val_losses", "mean_final_val_loss", "p_value", "train_s", "holds", "command")
 
 
 # --- the statistics -------------------------------------------------------------------------------
@@ -185,52 +192,127 @@ def summarize_recipe(runs: list[dict], *, planned_seeds: int, target: float = TA
 
 # --- the record file -----------------------------------------------------------------------------------
 
-def record(summary: dict, *, command: str, process_cold_s: float | None = None,
+def record(summary: dict, *, command: str, choosing_seeds, process_cold_s: float | None = None,
            process_warm_s: float | None = None, **extra) -> dict:
-    """``record.json`` of the fastest counted recipe, from its :func:`summarize_recipe` row; ``extra`` (the
-    rung's name, machine, checkpoint, t statistic...) goes beside the fixed keys."""
+    """``record.json`` of a judged recipe, from its :func:`summarize_recipe` row (its seeds are the judging
+    seeds); ``choosing_seeds``: the seeds that chose it (its steps, its settings), none of them judged;
+    ``extra`` (the recipe's name, configuration, machine, checkpoint, t statistic...) goes beside the fixed
+    keys. ``confirmation`` starts empty (null): ``fasttrain lab speedrun confirm`` fills it."""
     if not summary.get("counts"):
         raise FasttrainError(f"only a counted recipe makes a record ({summary.get('missing')})")
     rec = {"steps": summary["steps"], "seeds": list(summary["seeds"]),
            "final_val_losses": list(summary["final_val_losses"]), "mean_final_val_loss": summary["mean"],
            "p_value": summary["p_value"], "train_s": summary["train_s_median"], "process_cold_s": process_cold_s,
-           "process_warm_s": process_warm_s, "command": command}
+           "process_warm_s": process_warm_s, "command": command, "choosing_seeds": list(choosing_seeds),
+           "judging_seeds": list(summary["seeds"]), "confirmation": None}
     rec.update({k: v for k, v in extra.items() if k not in rec})
     check_record(rec)
     return rec
 
 
+def _number(v, none_ok: bool = False) -> bool:
+    return (v is None and none_ok) or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
+
+
+def _seed_list(v) -> bool:
+    return isinstance(v, list) and all(isinstance(s, int) and not isinstance(s, bool) for s in v) \
+        and len(set(v)) == len(v)
+
+
 def check_record(rec: dict) -> dict:
-    """Raise a one-line error unless ``rec`` has the fixed keys with values of the right shape."""
+    """Raise a one-line error unless ``rec`` has the fixed keys with values of the right shape: the judging
+    seeds are the seeds (at least :data:`MIN_SEEDS`), none of them chose anything, and a confirmation ran
+    on seeds neither chose nor judged."""
     missing = [k for k in RECORD_KEYS if k not in rec]
     if missing:
-        raise FasttrainError(f"record.json lacks {', '.join(missing)}")
-
-    def number(v, none_ok=False):
-        return (v is None and none_ok) or (isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v))
-
+        raise FasttrainError(f"record.json lacks {', '.join(missing)} (a record of the earlier protocol: make it "
+                             f"again with fasttrain lab speedrun search)")
     problems = []
     if not (isinstance(rec["steps"], int) and rec["steps"] > 0):
         problems.append("steps must be a positive integer")
     seeds, losses = rec["seeds"], rec["final_val_losses"]
-    if not (isinstance(seeds, list) and all(isinstance(s, int) for s in seeds) and len(set(seeds)) == len(seeds)):
+    if not _seed_list(seeds):
         problems.append("seeds must be a list of distinct integers")
-    if not (isinstance(losses, list) and len(losses) == len(seeds) and all(number(v) for v in losses)):
+    elif len(seeds) < MIN_SEEDS:
+        problems.append(f"a record is judged on at least {MIN_SEEDS} seeds, it has {len(seeds)}")
+    if not (isinstance(losses, list) and len(losses) == len(seeds) and all(_number(v) for v in losses)):
         problems.append("final_val_losses must be one finite number per seed")
-    elif not (number(rec["mean_final_val_loss"]) and abs(statistics.fmean(losses) - rec["mean_final_val_loss"]) < 1e-9):
+    elif not (_number(rec["mean_final_val_loss"]) and abs(statistics.fmean(losses) - rec["mean_final_val_loss"]) < 1e-9):
         problems.append("mean_final_val_loss must be the mean of final_val_losses")
-    if not (number(rec["p_value"]) and 0.0 <= rec["p_value"] <= 1.0):
+    if not (_number(rec["p_value"]) and 0.0 <= rec["p_value"] <= 1.0):
         problems.append("p_value must be a number in [0, 1]")
-    if not (number(rec["train_s"]) and rec["train_s"] > 0):
+    if not (_number(rec["train_s"]) and rec["train_s"] > 0):
         problems.append("train_s must be a positive number of seconds")
     for key in ("process_cold_s", "process_warm_s"):
-        if not number(rec[key], none_ok=True):
+        if not _number(rec[key], none_ok=True):
             problems.append(f"{key} must be seconds or null")
     if not (isinstance(rec["command"], str) and rec["command"].strip()):
         problems.append("command must be the command line that made it")
+    choosing, judging = rec["choosing_seeds"], rec["judging_seeds"]
+    if not (_seed_list(choosing) and _seed_list(judging)):
+        problems.append("choosing_seeds and judging_seeds must be lists of distinct integers")
+    else:
+        if judging != seeds:
+            problems.append("judging_seeds must be the seeds the t-test ran on (seeds)")
+        if set(choosing) & set(judging):
+            problems.append(f"seeds {sorted(set(choosing) & set(judging))} both chose and judged the recipe")
+        problems += _confirmation_problems(rec["confirmation"], set(choosing) | set(judging))
     if problems:
         raise FasttrainError("record.json: " + "; ".join(problems))
     return rec
+
+
+def _confirmation_problems(conf, used: set) -> list[str]:
+    if conf is None:
+        return []
+    if not isinstance(conf, dict):
+        return ["confirmation must be null or an object"]
+    missing = [k for k in CONFIRMATION_KEYS if k not in conf]
+    if missing:
+        return [f"confirmation lacks {', '.join(missing)}"]
+    problems = []
+    if not _seed_list(conf["seeds"]):
+        problems.append("confirmation seeds must be a list of distinct integers")
+    elif set(conf["seeds"]) & used:
+        problems.append(f"confirmation seeds {sorted(set(conf['seeds']) & used)} already chose or judged the recipe")
+    if not isinstance(conf["holds"], bool):
+        problems.append("confirmation holds must be true or false")
+    return problems
+
+
+def fresh_seeds(rec: dict, count: int) -> list[int]:
+    """``count`` seeds that neither chose nor judged nor confirmed the record's recipe: the next integers after
+    the largest used."""
+    if not (isinstance(count, int) and count >= 1):
+        raise FasttrainError(f"--seeds must be a positive count, got {count!r}")
+    used = used_seeds(rec)
+    start = max(used) + 1 if used else 0
+    return list(range(start, start + count))
+
+
+def used_seeds(rec: dict) -> set[int]:
+    """Every seed the record has spent: choosing, judging and (when confirmed) confirming."""
+    conf = rec.get("confirmation") or {}
+    return set(rec["choosing_seeds"]) | set(rec["judging_seeds"]) | set(conf.get("seeds") or [])
+
+
+def confirmation(rec: dict, runs: list[dict], *, command: str, **extra) -> dict:
+    """The ``confirmation`` of a record from a second invocation's runs of its recipe (``runs``: one
+    :func:`run_fixed_steps` record per fresh seed): the verdict at the record's target and alpha over those
+    seeds alone; ``holds`` when the recipe counts again."""
+    seeds = [r["seed"] for r in runs]
+    clash = set(seeds) & (set(rec["choosing_seeds"]) | set(rec["judging_seeds"]))
+    if clash:
+        raise FasttrainError(f"seeds {sorted(clash)} already chose or judged this record; confirm on fresh seeds")
+    target, alpha = rec.get("target", TARGET), rec.get("alpha", ALPHA)
+    s = summarize_recipe(runs, planned_seeds=len(runs), target=target, alpha=alpha,
+                         min_seeds=min(MIN_SEEDS, len(rec["seeds"])))
+    if s["steps"] != rec["steps"]:
+        raise FasttrainError(f"the confirmation ran {s['steps']} steps, the record's recipe {rec['steps']}")
+    return {"seeds": seeds, "final_val_losses": s["final_val_losses"], "mean_final_val_loss": s["mean"],
+            "std": s["std"], "t": s["t"], "df": s["df"], "p_value": s["p_value"], "train_s": s["train_s_median"],
+            "holds": bool(s["counts"]), "missing": s["missing"], "target": target, "alpha": alpha,
+            "command": command, **extra}
 
 
 def write_record(rec: dict, folder) -> Path:
@@ -250,5 +332,6 @@ def read_record(path) -> dict:
     return check_record(read_json_object(path, "record"))
 
 
-__all__ = ["ALPHA", "MIN_SEEDS", "RECORD_KEYS", "TARGET", "breakeven_steps", "check_record", "read_record", "record",
-           "run_fixed_steps", "summarize_recipe", "t_test_below", "verdict", "write_record"]
+__all__ = ["ALPHA", "CONFIRMATION_KEYS", "MIN_SEEDS", "RECORD_KEYS", "TARGET", "breakeven_steps", "check_record",
+           "confirmation", "fresh_seeds", "read_record", "record", "run_fixed_steps", "summarize_recipe", "t_test_below",
+           "used_seeds", "verdict", "write_record"]

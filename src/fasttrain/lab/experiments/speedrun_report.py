@@ -27,7 +27,7 @@ from pathlib import Path
 import click
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.experiments.record_protocol import MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
+from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS, breakeven_steps, compile_seconds_of, summarize_recipe
 from fasttrain.timing import summarize as spread_of
 
 DEFAULT_SEEDS = MIN_SEEDS   # the seeds of a full row; rows with fewer are marked † and cannot count
@@ -215,7 +215,7 @@ def ladder_markdown(result: dict) -> str:
     env = result.get("environment") or {}
     gpu = (env.get("gpu") or {}).get("name") or result.get("device")
     settings = result.get("settings", {})
-    alpha = settings.get("alpha", 0.05)
+    alpha = settings.get("alpha", ALPHA)
     parts = [
         f"### Shakespeare speedrun: training time of fixed-step recipes whose final validation loss is ≤ {target}",
         f"GPU: **{gpu}** · torch {result.get('torch')} · git {env.get('git_sha') or '?'} · {result.get('started')}"
@@ -351,6 +351,34 @@ GOALS = (("train_s", "training time of the fixed steps (median over seeds)", 5.0
          ("process_warm_s", "whole process, warm compiler caches", 12.0))
 
 
+def search_markdown(record: dict) -> str:
+    """How the record was chosen and judged: the step search on the choosing seeds (every probe), the judging
+    seeds, and the confirmation of a second invocation on fresh seeds (or that none ran yet)."""
+    if "choosing_seeds" not in record:
+        return ""
+    lines = [f"Chosen on seeds {record['choosing_seeds']} (the shortest steps whose mean ends at or below "
+             f"{record.get('target')} - {record.get('margin')}), judged on seeds {record['judging_seeds']} alone "
+             f"(p < {record.get('alpha')}).", ""]
+    probes = [(r["recipe"], p) for r in record.get("search") or [] for p in r["probes"]]
+    if probes:
+        lines += ["| recipe | steps | choosing seeds' final losses | mean | train s | passes |",
+                  "| --- | ---: | --- | ---: | ---: | --- |"]
+        for name, p in probes:
+            losses = ", ".join("-" if v is None else f"{v:.4f}" for v in p["final_val_losses"])
+            lines.append(f"| {name} | {p['steps']} | {losses} | {_num(p['mean'], 4)} | {_num(p['train_s'])} | "
+                         f"{'yes' if p['passes'] else 'no'} |")
+        lines.append("")
+    conf = record.get("confirmation")
+    if conf is None:
+        lines.append("Not yet confirmed on fresh seeds (`fasttrain lab speedrun confirm`).")
+    else:
+        lines.append(f"Confirmed by a second invocation (`{conf['command']}`) on fresh seeds {conf['seeds']}: mean "
+                     f"final validation loss {conf['mean_final_val_loss']:.4f}, p = {conf['p_value']:.3g}, training "
+                     f"{conf['train_s']:.2f} s (median): "
+                     + ("**it holds**." if conf["holds"] else f"**it does not hold** ({conf.get('missing')})."))
+    return "\n".join(lines) + "\n\n"
+
+
 def goals_markdown(record: dict) -> str:
     """The record's figures against :data:`GOALS`: met, or missed by how much (an unmeasured figure says so)."""
     lines = ["| figure | goal (s) | measured (s) | verdict |", "| --- | ---: | ---: | --- |"]
@@ -426,7 +454,7 @@ def readme_section(folder, also=(), into=None) -> str:
         parts.append(f"### The record and the goals\n\nFrom {link(folder, 'record.json')}: rung `{rec.get('rung')}`, "
                      f"{rec.get('steps')} steps, {len(rec.get('seeds') or [])} seeds, mean final validation loss "
                      f"{rec.get('mean_final_val_loss', float('nan')):.4f} (p = {rec.get('p_value', float('nan')):.3g}); "
-                     f"command: `{rec.get('command')}`.\n\n" + goals_markdown(rec))
+                     f"command: `{rec.get('command')}`.\n\n" + search_markdown(rec) + goals_markdown(rec))
     # one file per device call of cold_start.sh (process_times.jsonl, process_times-*.jsonl): each its own table,
     # the first call's first; a later call's heading names its file
     for times_path in sorted((folder / "cold").glob("process_times*.jsonl"),
@@ -434,8 +462,9 @@ def readme_section(folder, also=(), into=None) -> str:
         name = f"cold/{times_path.name}"
         call = "" if times_path.name == "process_times.jsonl" else f" (`{name}`)"
         parts.append(f"### The whole process, from the shell{call}\n\nFrom {link(folder, name)} "
-                     "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches, warm "
-                     "= filled by the run before, compile-cache = `--compile-cache FILE` loaded into a cold process; "
+                     "(`dev/speedrun/cold_start.sh`, one device call: cold = empty inductor and autotuning caches (and, "
+                     "where the script could, an emptied file cache: the libraries read from disk), warm "
+                     "= the next process, caches filled by the run before, compile-cache = `--compile-cache FILE` loaded into a cold process; "
                      "rest = imports, CUDA start-up, data, validation and writing).\n\n"
                      + process_markdown(read_process_times(times_path)))
     for extra in also:
@@ -600,19 +629,29 @@ def process_time(times: list[dict], rung: str, cache: str) -> float | None:
 
 
 def record_of(result: dict, times: list[dict] | None = None, *, machine: str | None = None) -> dict:
-    """``record.json`` of the fastest counted row of a ladder result (see record_protocol.RECORD_KEYS), with
-    its whole-process times from ``times`` (cold: empty compiler caches; warm: filled) when measured."""
+    """``record.json`` of the judged recipe of a search's result (see record_protocol.RECORD_KEYS: its seeds
+    judged it, ``result["choosing_seeds"]`` chose it), with its whole-process times from ``times`` (cold: a
+    fresh process on a fresh machine; warm: the next one) when measured. A ladder of several counted rows
+    judged on the same seeds is refused: keeping the fastest of them is a choice made on the judging seeds."""
     from fasttrain.lab.experiments.record_protocol import record
 
     counted = [r for r in result["rows"] if r["summary"]["counts"]]
     if not counted:
         raise FasttrainError("no row of this result counts: there is no record to write")
-    row = min(counted, key=lambda r: r["summary"]["train_s_median"])
+    if "choosing_seeds" not in result:
+        raise FasttrainError("this result was not chosen apart from its judging seeds; make the record with "
+                             "fasttrain lab speedrun search (choosing and judging seeds disjoint)")
+    if len(result["rows"]) != 1:
+        raise FasttrainError(f"{len(result['rows'])} rows were judged on the same seeds: keeping the fastest is a "
+                             f"choice made on them; judge one recipe (fasttrain lab speedrun search)")
+    row = counted[0]
     s = row["summary"]
     times = times or []
     env = result.get("environment") or {}
     saved = result.get("saved") if (result.get("saved") or {}).get("rung") == row["name"] else None
-    return record(s, command=result.get("command") or "fasttrain lab speedrun",
+    search = result.get("search") or {}
+    return record(s, command=result.get("command") or "fasttrain lab speedrun search",
+                  choosing_seeds=result["choosing_seeds"],
                   process_cold_s=process_time(times, row["name"], "cold"),
                   process_warm_s=process_time(times, row["name"], "warm"),
                   rung=row["name"], label=row["label"], target=result["target"], t=s["t"], df=s["df"], std=s["std"],
@@ -621,7 +660,22 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
                   first_crossing_s=s.get("first_crossing_s_median"), checkpoint=saved,
                   machine=machine, gpu=(env.get("gpu") or {}).get("name") or result.get("device"),
                   torch=result.get("torch"), git_sha=env.get("git_sha"), started=result.get("started"),
-                  process_times=[t for t in times if t["rung"] == row["name"]])
+                  config=row["config"], user_command=result.get("user_command"), data=result.get("data"),
+                  margin=search.get("margin", next((r.get("margin") for r in search.get("recipes", [])), None)),
+                  search=[{k: r[k] for k in ("recipe", "steps", "probes")} for r in search.get("recipes", [])],
+                  process_times=[t for t in times if t["rung"] in (row["name"], "startup")])
+
+
+def kept_confirmation(path: Path, rec: dict) -> dict | None:
+    """The confirmation of the record already at ``path`` when it confirmed this same recipe (the same steps,
+    configuration and judging seeds): writing the record again (say, to add process times) keeps it."""
+    from fasttrain.files import read_json_object
+
+    if not path.is_file():
+        return None
+    old = read_json_object(path, "record")
+    same = all(old.get(k) == rec.get(k) for k in ("steps", "config", "judging_seeds", "choosing_seeds"))
+    return old.get("confirmation") if same else None
 
 
 @click.command("record")
@@ -631,12 +685,13 @@ def record_of(result: dict, times: list[dict] | None = None, *, machine: str | N
 @click.option("--process-times", type=click.Path(dir_okay=False),
               help="process_times.jsonl of dev/speedrun/cold_start.sh (the whole process, cold and warm).")
 def record_command(results_dir, out_dir, process_times) -> None:
-    """Write record.json for the fastest counted row of a speedrun result folder."""
+    """Write record.json for the judged recipe of a search's result folder (with the process times)."""
     from fasttrain.lab.experiments.record_protocol import write_record
 
     result = load_result(results_dir)
     times = read_process_times(process_times) if process_times else []
     rec = record_of(result, times, machine=Path(out_dir).name)
+    rec["confirmation"] = kept_confirmation(Path(out_dir) / "record.json", rec)
     path = write_record(rec, out_dir)
     click.echo(json.dumps({k: rec[k] for k in ("steps", "mean_final_val_loss", "p_value", "train_s", "process_cold_s",
                                                "process_warm_s")}))
@@ -644,6 +699,6 @@ def record_command(results_dir, out_dir, process_times) -> None:
 
 
 __all__ = ["DEFAULT_SEEDS", "GOALS", "README_END", "README_START", "baseline_row", "breakeven_of", "ladder_markdown",
-           "goals_markdown", "load_result", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
+           "goals_markdown", "kept_confirmation", "load_result", "search_markdown", "median_run", "merge_command", "merge_results", "process_markdown", "profile_markdown", "read_process_times", "readme_command",
            "readme_section", "record_command", "record_of", "save_fastest", "speedup", "step_speedup", "summarize",
            "to_csv", "write_results"]
