@@ -267,3 +267,30 @@ def test_the_trainer_draws_this_ranks_micro_batches_from_the_config(corpus):
     trainer = make_trainer(cfg, corpus, torch.device("cpu"))
     step = next(trainer.batches(1))
     assert [tuple(x.shape) for x, _ in step] == [(3, cfg.context)] * 2
+
+
+def test_the_readmes_your_model_commands_run_as_written(tmp_path):
+    """The README's "Your model and your data" commands, word for word (a tiny Llama from a config, the
+    run, its settings as a file, a run from the file with checkpoints, and that run continued from its
+    folder alone), in a fresh folder holding only the text file they name."""
+    import os
+    import re
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    section = readme.split("### Your model and your data", 1)[1].split("\n### ", 1)[0]
+    blocks = re.findall(r"```bash\n(.*?)```", section, re.S)
+    assert len(blocks) == 2 and "--print-config" in blocks[1] and "--resume ckpt" in blocks[1]
+    (tmp_path / "my.txt").write_text(toy_text(20000))
+    # `fasttrain` is the installed entry point; this interpreter's module runs the same code
+    script = "set -e\nfasttrain() { \"$PY\" -m fasttrain \"$@\"; }\n" + "\n".join(blocks)
+    env = {**os.environ, "PY": sys.executable, "PYTHONPATH": os.pathsep.join(sys.path)}
+    done = subprocess.run(["bash", "-c", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    first, second = (json.loads((tmp_path / name).read_text()) for name in ("run.json", "run2.json"))
+    assert first["config"]["context"] == 128 and first["batch"]["per_device_train_batch_size"] == 8
+    assert first["config_sources"]["context"].startswith("model") and first["loss_curve"]
+    assert second["config"]["max_steps"] == 20 and (tmp_path / "ckpt").is_dir()
+    assert "max_steps: 20" in (tmp_path / "run.yaml").read_text()

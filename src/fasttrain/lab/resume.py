@@ -121,7 +121,7 @@ def data_description(corpus) -> dict:
 
 
 def data_change(saved: dict, now: dict) -> str | None:
-    """The first difference between two :func:`data_description`\ s, in words (None: the same data)."""
+    """The first difference between two :func:`data_description` results, in words (None: the same data)."""
     now_files = {f.get("role"): f for f in now.get("files", [])}
     for was in saved.get("files", []):
         cur = now_files.get(was.get("role"))
