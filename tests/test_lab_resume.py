@@ -129,3 +129,42 @@ def test_a_save_killed_mid_write_leaves_a_temporary_that_the_next_save_removes(t
     cfg = preset("tiny", device="cpu", max_steps=3, eval_interval=0, save_steps=2, output_dir=str(states))
     run(cfg, corpus=corpus)                 # the temporary is not "another run's files"
     assert sorted(p.name for p in states.iterdir()) == ["checkpoint-2"]
+
+
+def test_resume_and_from_record_refuse_a_changed_model_config(tmp_path, capsys):
+    """A transformers model's config.json changed between a run and its resume (or --from-record rerun):
+    today's architecture would load the saved state into another model; refused in one line naming it."""
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.errors import FasttrainError
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.train import run
+    from tests_support import run_cli, toy_text
+
+    text = tmp_path / "t.txt"
+    text.write_text(toy_text(6000))
+    folder = tmp_path / "m"
+    transformers.LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64).save_pretrained(folder)
+    cfg = preset("tiny", model=f"hf:{folder}", device="cpu", max_steps=4, eval_interval=0, save_steps=2,
+                 output_dir=str(tmp_path / "o"), train_file=str(text))
+    run(cfg)
+    original = (folder / "config.json").read_text()
+    changed = json.loads(original)
+    changed["intermediate_size"] = 96
+    (folder / "config.json").write_text(json.dumps(changed))
+    with pytest.raises(FasttrainError) as info:
+        run(cfg.with_(resume=str(tmp_path / "o")))
+    line = str(info.value)
+    assert "\n" not in line and "--resume" in line and f"the model's config.json {folder / 'config.json'} changed" in line
+    # --from-record: the same comparison, against what the record read
+    (folder / "config.json").write_text(original)
+    record = tmp_path / "run.json"
+    code, _, err = run_cli(["lab", "--preset", "tiny", "--model", f"hf:{folder}", "--device", "cpu", "--quiet",
+                            "--max-steps", "2", "--train-file", str(text), "--out", str(record)], capsys)
+    assert code == 0, err
+    (folder / "config.json").write_text(json.dumps(changed))
+    code, _, err = run_cli(["lab", "--from-record", str(record), "--quiet"], capsys)
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert code == 1 and len(lines) == 1 and "--from-record" in lines[0] and "config.json" in lines[0], err
+    (folder / "config.json").write_text(original)           # restored: the resume goes on
+    run(cfg.with_(resume=str(tmp_path / "o")))

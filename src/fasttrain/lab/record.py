@@ -20,6 +20,7 @@ from typing import Any
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.data import tokens_sha256
+from fasttrain.lab.resume import model_change, model_description
 
 # every library a lab technique runs on (distribution names)
 LIBRARIES = ("torch", "numpy", "transformers", "tokenizers", "peft", "torchao", "liger-kernel", "safetensors",
@@ -49,7 +50,7 @@ def provenance(cfg, lab_model, corpus) -> dict:
         "argv": list(sys.argv),
         "libraries": library_versions(),
         "model_source": {"name": lab_model.name, "family": lab_model.family, "vocab_size": lab_model.vocab_size,
-                         "context": lab_model.context},
+                         "context": lab_model.context, "config_file": model_description(cfg.model)},
         "corpus": {"sha256": getattr(corpus, "sha256", None), "tokens_sha256": tokens_sha256(corpus),
                    "vocab_size": int(corpus.vocab_size), "train_tokens": int(len(corpus.train)),
                    "val_tokens": int(len(corpus.val)), "tokenizer": _tokenizer_description(corpus)},
@@ -162,6 +163,12 @@ def check_record_inputs(record: dict, cfg, where) -> None:
             raise FasttrainError(f"--from-record {where}: --{name.replace('_', '-')} {path} changed since the run "
                                  f"(SHA-256 {now[:12]}..., recorded {recorded[:12]}...); restore the file the run "
                                  f"read, or rerun without --from-record to train on the new one")
+    source = record.get("model_source") if isinstance(record.get("model_source"), dict) else {}
+    if cfg.model == ran.get("model"):
+        change = model_change(source.get("config_file"), model_description(cfg.model))
+        if change:
+            raise FasttrainError(f"--from-record {where}: {change}; restore the model the run trained, or rerun "
+                                 f"without --from-record")
     desc = corpus.get("tokenizer")
     if isinstance(desc, dict) and desc.get("kind") == "hf" and cfg.tokenizer == ran.get("tokenizer"):
         try:

@@ -78,7 +78,8 @@ def save_state(trainer, metrics, output_dir, *, keep: int | None = None, run_id:
     state["metrics"] = metrics.state()
     state["config"] = trainer.cfg.to_dict()
     state["format"] = "fasttrain-lab-state-1"
-    readable = {"step": step, "config": state["config"], "run": run_id, "data": data_description(trainer.corpus)}
+    readable = {"step": step, "config": state["config"], "run": run_id, "data": data_description(trainer.corpus),
+                "model": model_description(trainer.cfg.model)}
     tmp = Path(tempfile.mkdtemp(prefix=final.name + ".", suffix=".tmp", dir=out))
     try:
         torch.save(state, tmp / STATE)
@@ -120,6 +121,30 @@ def data_description(corpus) -> dict:
             "tokenizer": desc.get("tokenizer"), "tokens_sha256": tokens_sha256(corpus)}
 
 
+def model_description(spec) -> dict | None:
+    """A transformers model's ``config.json`` as the run read it (its path and SHA-256), to refuse another
+    architecture on resume; None for the lab's GPT (its shape is in the saved settings) or a hub name."""
+    import hashlib
+
+    from fasttrain.lab.models import HF_PREFIX, is_hf
+
+    if not is_hf(spec):
+        return None
+    folder = Path(spec[len(HF_PREFIX):]).expanduser()
+    config = folder / "config.json" if folder.is_dir() else None
+    if config is None or not config.is_file():
+        return None
+    return {"config": str(config), "sha256": hashlib.sha256(config.read_bytes()).hexdigest()}
+
+
+def model_change(saved, now) -> str | None:
+    """The model's ``config.json`` changed between two :func:`model_description` results, in words."""
+    if not isinstance(saved, dict) or not isinstance(now, dict) or saved.get("sha256") == now.get("sha256"):
+        return None
+    return (f"the model's config.json {now.get('config')} changed since (SHA-256 {str(now.get('sha256'))[:12]}..., "
+            f"saved {str(saved.get('sha256'))[:12]}...)")
+
+
 def data_change(saved: dict, now: dict) -> str | None:
     """The first difference between two :func:`data_description` results, in words (None: the same data)."""
     now_files = {f.get("role"): f for f in now.get("files", [])}
@@ -140,11 +165,17 @@ def data_change(saved: dict, now: dict) -> str | None:
     return None
 
 
-def check_resume_data(path, corpus) -> None:
-    """Refuse, before the model is built, resuming on other data than the checkpoint trained on: a
-    changed file, another tokenizer, other token ids (the data position would point elsewhere)."""
+def check_resume_data(path, corpus, spec=None) -> None:
+    """Refuse, before the model is built, resuming on other data than the checkpoint trained on (a
+    changed file, another tokenizer, other token ids: the data position would point elsewhere) or on a
+    transformers model whose ``config.json`` changed (``spec``: the run's ``--model``)."""
     where = find_checkpoint(path)
-    saved = _trainer_state(where).get("data")
+    state = _trainer_state(where)
+    change = model_change(state.get("model"), model_description(spec))
+    if change:
+        raise FasttrainError(f"--resume {where}: {change}; resume with the model it was saved with (restore its "
+                             f"config.json), or start a new run")
+    saved = state.get("data")
     if not isinstance(saved, dict):
         return                          # a checkpoint from before the data was kept: the settings are compared
     change = data_change(saved, data_description(corpus))
@@ -229,4 +260,4 @@ class Saver:
 
 
 __all__ = ["save_state", "resume", "find_checkpoint", "checkpoints", "check_resume_data", "data_change",
-           "data_description", "run_of", "Saver"]
+           "data_description", "model_description", "model_change", "run_of", "Saver"]

@@ -172,7 +172,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
     if cfg.resume:
         from fasttrain.lab.resume import check_resume_data
 
-        check_resume_data(cfg.resume, corpus)           # the data it was saved with, before the model is built
+        check_resume_data(cfg.resume, corpus, cfg.model)           # the data it was saved with, before the model is built
     from fasttrain.lab.preflight import check_ready
 
     check_ready(cfg, corpus, device, world.world_size)   # the vocabulary, the memory it will need
