@@ -30,6 +30,7 @@ def case_config(setup, device: str):
     return LabConfig(name="memory-check", device=device, per_device_train_batch_size=setup.micro_batch,
                      context=setup.seq, layers=setup.layers, heads=setup.heads, width=setup.hidden,
                      optim="adamw_torch_fused" if setup.optimizer == "fused" else "adamw_torch",
+                     attn_implementation="sdpa" if setup.attention == "flash" else "eager",   # as build(setup) makes it
                      bf16=setup.precision == "amp", learning_rate=1e-4, min_lr=1e-4, warmup_steps=0,
                      weight_decay=0.0, max_grad_norm=0.0, eval_interval=0, log_interval=1, timing_warmup_steps=0)
 

@@ -9,7 +9,7 @@ from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig, validate
-from fasttrain.lab.tune.space import Probe
+from fasttrain.lab.tune.space import Probe, ScaleConfig
 
 
 # --- the lab: prediction and probes through its trainer -------------------------------------------
@@ -80,8 +80,6 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
             setup = lab_setup(cfg, vocab)
         if cpu:
             setup = setup.with_(workspace_mib=0.0)
-        from fasttrain.lab.tune.scale import parallel_setup
-
         # over several ranks: per GPU, the strategy's shards (the prediction a lab run records)
         return int(estimate(parallel_setup(cfg, setup), "precise").total)
 
@@ -207,3 +205,14 @@ def lab_measure(corpus=None, warmup: int | None = None) -> Callable:
 
 class ProbeStopped(Exception):
     """Raised between a probe's micro-batches once it has run longer than it was allowed."""
+
+
+def parallel_setup(cfg: LabConfig, setup):
+    """The estimator's ``Setup`` of ``cfg`` per GPU: its strategy's fields over its ranks (as the lab's run record
+    predicts it: ``train._estimate``); a one-process configuration as it is."""
+    if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
+        return setup
+    from fasttrain.lab.parallel.distributed import estimator_parallelism
+
+    fields_ = estimator_parallelism(cfg.world(), cfg.bf16)
+    return setup.with_(**{**fields_, "grad_buffers": setup.grad_buffers or fields_.get("grad_buffers", False)})

@@ -40,126 +40,17 @@ from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
-from fasttrain.lab.tune.space import Axis, Probe
+from fasttrain.lab.tune.space import FLOAT8_RECIPES, Axis, Probe, ScaleConfig, dp_of, float8_axis, scaled, scaled_row_config, strategy_axis  # noqa: F401
+from fasttrain.lab.tune.probes import parallel_setup  # noqa: F401
 
 # what a probe may take at most when the search gives it no time (no budget, nothing measured yet)
 PROBE_CEILING_S = 900.0
 # SIGTERM first (torchrun's agent stops its workers), SIGKILL to the whole session this much later
 KILL_GRACE_S = 10.0
-FLOAT8_RECIPES = ("tensorwise", "rowwise")
 # the class a Trainer's FSDP wraps one unit of, per family (the fsdp_config and the accelerate file name it)
 LAYER_CLASSES = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block", "mistral": "MistralDecoderLayer",
                  "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer", "gemma": "GemmaDecoderLayer",
                  "gemma2": "Gemma2DecoderLayer", "phi3": "Phi3DecoderLayer", "olmo2": "Olmo2DecoderLayer"}
-
-
-@dataclass
-class ScaleConfig(LabConfig):
-    """A lab configuration and how it spreads over ``nproc_per_node`` processes (``ParallelConfig``'s fields)."""
-
-    nproc_per_node: int = 1
-    strategy: str = "none"
-    tp: int = 1
-    dp_replicate: int = 1
-    reshard_after_forward: bool = True
-    offload_optimizer: bool = False
-
-    @property
-    def tp_size(self) -> int:
-        return self.nproc_per_node if self.strategy == "tp" else self.tp
-
-    @property
-    def dp(self) -> int:
-        """Data-parallel ranks: each draws its own ``per_device_train_batch_size`` rows."""
-        return max(1, self.nproc_per_node // self.tp_size)
-
-    @property
-    def label(self) -> str:
-        from fasttrain.lab.parallel.distributed import strategy_label
-
-        return strategy_label(self.strategy, self.reshard_after_forward, self.tp_size if self.strategy != "tp" else 1,
-                              self.dp_replicate, self.offload_optimizer)
-
-    def lab_config(self) -> LabConfig:
-        return LabConfig(**{f.name: getattr(self, f.name) for f in fields(LabConfig)})
-
-    def parallel(self):
-        from fasttrain.lab.parallel.distributed import ParallelConfig
-
-        return ParallelConfig(strategy=self.strategy, reshard_after_forward=self.reshard_after_forward,
-                              tp=1 if self.strategy == "tp" else self.tp, dp_replicate=self.dp_replicate,
-                              offload_optimizer=self.offload_optimizer)
-
-    def world(self):
-        """The :class:`World` rank 0 would join (no process group): what the estimator needs of it."""
-        from fasttrain.lab.parallel.distributed import World
-
-        return World(world_size=self.nproc_per_node, strategy=self.strategy,
-                     reshard_after_forward=self.reshard_after_forward,
-                     tp_size=self.tp_size if self.tp_size > 1 else 0, dp_replicate=self.dp_replicate,
-                     offload_optimizer=self.offload_optimizer)
-
-    def parallel_flags(self) -> list[str]:
-        flags = ["--strategy", self.strategy]
-        if self.strategy in ("fsdp", "hsdp") and not self.reshard_after_forward:
-            flags.append("--no-reshard-after-forward")
-        if self.strategy != "tp" and self.tp > 1:
-            flags += ["--tp", str(self.tp)]
-        if self.strategy == "hsdp":
-            flags += ["--dp-replicate", str(self.dp_replicate)]
-        if self.offload_optimizer:
-            flags.append("--offload-optimizer")
-        return flags
-
-
-def scaled(base: LabConfig, nproc: int) -> ScaleConfig:
-    return ScaleConfig(**{f.name: getattr(base, f.name) for f in fields(LabConfig)}, nproc_per_node=nproc)
-
-
-def scaled_row_config(base: ScaleConfig) -> Callable:
-    """``config(row)`` for the experiments' ``prepare``: the row's lab settings through the one parser, its
-    strategy's fields (not the lab's) as they are."""
-    import dataclasses
-
-    lab_fields = {f.name for f in fields(LabConfig)}
-
-    def config(row) -> ScaleConfig:
-        lab = {k: v for k, v in row.overrides.items() if k in lab_fields}
-        rest = {k: v for k, v in row.overrides.items() if k not in lab_fields}
-        return base.with_(**dataclasses.replace(row, overrides=lab).settings(), **rest)
-    return config
-
-
-def dp_of(overrides: dict, nproc: int) -> int:
-    """The data-parallel size a candidate's overrides give over ``nproc`` ranks."""
-    strategy = overrides.get("strategy", "none")
-    tp = nproc if strategy == "tp" else overrides.get("tp", 1)
-    return max(1, nproc // tp)
-
-
-def strategy_axis(nproc: int) -> tuple[Axis, list[str]]:
-    """The strategy axis over ``nproc`` ranks (every shape; the model's refusal drops the ones it cannot take)."""
-    plain = {"strategy": "fsdp", "tp": 1, "dp_replicate": 1, "reshard_after_forward": True, "offload_optimizer": False}
-    choices = [("fsdp", plain), ("fsdp-zero2", {**plain, "reshard_after_forward": False}),
-               ("ddp", {**plain, "strategy": "ddp"}), ("zero1", {**plain, "strategy": "zero1"})]
-    dropped = []
-    if nproc >= 4 and nproc % 2 == 0:
-        choices.append(("hsdp-r2", {**plain, "strategy": "hsdp", "dp_replicate": 2}))
-    else:
-        dropped.append(f"hsdp: replicate x shard needs an even number of ranks >= 4; {nproc} given")
-    for t in range(2, nproc):
-        if nproc % t == 0:
-            choices.append((f"fsdp-tp{t}", {**plain, "tp": t}))
-    choices.append(("tp", {**plain, "strategy": "tp", "tp": nproc}))
-    choices.append(("fsdp-offload", {**plain, "offload_optimizer": True}))
-    return Axis("strategy", tuple(choices)), dropped
-
-
-def float8_axis(cuda: bool) -> tuple[Axis | None, str | None]:
-    if not cuda:
-        return None, "float8: torchao's float8 GEMMs need an H100-class GPU; dropped on the CPU"
-    return Axis("float8", (("none", {"float8": "none"}), *((r, {"float8": r}) for r in FLOAT8_RECIPES)),
-                changes_math=True), None
 
 
 def scale_refusal(device_type: str = "cuda") -> Callable[[LabConfig], str | None]:
@@ -181,17 +72,6 @@ def scale_refusal(device_type: str = "cuda") -> Callable[[LabConfig], str | None
             return str(exc)
         return None
     return refuse
-
-
-def parallel_setup(cfg: LabConfig, setup):
-    """The estimator's ``Setup`` of ``cfg`` per GPU: its strategy's fields over its ranks (as the lab's run record
-    predicts it: ``train._estimate``); a one-process configuration as it is."""
-    if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
-        return setup
-    from fasttrain.lab.parallel.distributed import estimator_parallelism
-
-    fields_ = estimator_parallelism(cfg.world(), cfg.bf16)
-    return setup.with_(**{**fields_, "grad_buffers": setup.grad_buffers or fields_.get("grad_buffers", False)})
 
 
 def device_memory_apart(limit_bytes: int | None = None):
@@ -341,9 +221,9 @@ def trainer_fsdp(cfg: ScaleConfig, family: str | None) -> tuple[dict, dict | Non
         cannot.append("ZeRO-1 (only through DeepSpeed: deepspeed={'zero_optimization': {'stage': 1}})")
     elif s == "tp":
         sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": cfg.nproc_per_node}
-    if getattr(cfg, "torch_compile_scope", "model") == "blocks" and cfg.torch_compile:
+    if cfg.torch_compile_scope == "blocks" and cfg.torch_compile:
         cannot.append("per-block compile (torch_compile compiles the whole model)")
-    if getattr(cfg, "float8", "none") != "none":
+    if cfg.float8 != "none":
         cannot.append(f"float8 {cfg.float8} as a TrainingArguments flag (accelerate's mixed_precision fp8 with its "
                       "AO backend is the nearest)")
     if family is None:

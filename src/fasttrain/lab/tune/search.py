@@ -15,7 +15,7 @@ from fasttrain.lab.config import LabConfig, validate
 from fasttrain.lab.experiments.experiment import Experiment
 from fasttrain.lab.tune.device import DeviceMemory, ProbeCache
 from fasttrain.lab.tune.probes import warmup_steps_for
-from fasttrain.lab.tune.space import Candidate, build_axes, enumerate_space
+from fasttrain.lab.tune.space import Candidate, ScaleConfig, build_axes, enumerate_space
 from fasttrain.lab.tune.space import MIB, OPT_IN, Probe
 
 
@@ -91,7 +91,8 @@ def slow_probe_limit(cfg: LabConfig, steps: int, best_tokens_per_s: float) -> tu
 
 def tokens_per_step(cfg: LabConfig) -> int:
     """Tokens per optimizer step over every data-parallel rank (one process: ``b k seq``)."""
-    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context * getattr(cfg, "dp", 1)
+    dp = cfg.dp if isinstance(cfg, ScaleConfig) else 1       # a ScaleConfig's data-parallel ranks
+    return cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context * dp
 
 
 def run_probe(measure: Callable, cfg: LabConfig, steps: int, allowed: tuple[float, str] | None,

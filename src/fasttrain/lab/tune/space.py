@@ -6,6 +6,7 @@ import itertools
 import json
 import re
 from dataclasses import asdict, dataclass, field, fields
+from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
@@ -213,14 +214,10 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
                                      *((n, {"lora_r": 0, "prompt_tuning_tokens": 0, **o}) for n, o in adapters)),
                          changes_math=True))
     if "float8" in allow:
-        from fasttrain.lab.tune.scale import float8_axis
-
         axis, why = float8_axis(cuda)
         axes += [axis] if axis else []
         dropped += [why] if why else []
     if nproc > 1:
-        from fasttrain.lab.tune.scale import strategy_axis
-
         axis, why = strategy_axis(nproc)
         axes.append(axis)
         dropped += why
@@ -256,8 +253,6 @@ def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = 
             overrides.update(o)
         per_rank = sequences
         if nproc > 1:
-            from fasttrain.lab.tune.scale import dp_of
-
             dp = dp_of(overrides, nproc)
             if sequences % dp:
                 continue            # the global batch does not split over this strategy's ranks
@@ -325,3 +320,111 @@ class Probe:
 
     def to_dict(self) -> dict:
         return asdict(self)
+
+
+# --- several processes: the strategy's configuration and axes (lab/tune/scale.py searches them) ---------
+
+FLOAT8_RECIPES = ("tensorwise", "rowwise")
+
+@dataclass
+class ScaleConfig(LabConfig):
+    """A lab configuration and how it spreads over ``nproc_per_node`` processes (``ParallelConfig``'s fields)."""
+
+    nproc_per_node: int = 1
+    strategy: str = "none"
+    tp: int = 1
+    dp_replicate: int = 1
+    reshard_after_forward: bool = True
+    offload_optimizer: bool = False
+
+    @property
+    def tp_size(self) -> int:
+        return self.nproc_per_node if self.strategy == "tp" else self.tp
+
+    @property
+    def dp(self) -> int:
+        """Data-parallel ranks: each draws its own ``per_device_train_batch_size`` rows."""
+        return max(1, self.nproc_per_node // self.tp_size)
+
+    @property
+    def label(self) -> str:
+        from fasttrain.lab.parallel.distributed import strategy_label
+
+        return strategy_label(self.strategy, self.reshard_after_forward, self.tp_size if self.strategy != "tp" else 1,
+                              self.dp_replicate, self.offload_optimizer)
+
+    def lab_config(self) -> LabConfig:
+        return LabConfig(**{f.name: getattr(self, f.name) for f in fields(LabConfig)})
+
+    def parallel(self):
+        from fasttrain.lab.parallel.distributed import ParallelConfig
+
+        return ParallelConfig(strategy=self.strategy, reshard_after_forward=self.reshard_after_forward,
+                              tp=1 if self.strategy == "tp" else self.tp, dp_replicate=self.dp_replicate,
+                              offload_optimizer=self.offload_optimizer)
+
+    def world(self):
+        """The :class:`World` rank 0 would join (no process group): what the estimator needs of it."""
+        from fasttrain.lab.parallel.distributed import World
+
+        return World(world_size=self.nproc_per_node, strategy=self.strategy,
+                     reshard_after_forward=self.reshard_after_forward,
+                     tp_size=self.tp_size if self.tp_size > 1 else 0, dp_replicate=self.dp_replicate,
+                     offload_optimizer=self.offload_optimizer)
+
+    def parallel_flags(self) -> list[str]:
+        flags = ["--strategy", self.strategy]
+        if self.strategy in ("fsdp", "hsdp") and not self.reshard_after_forward:
+            flags.append("--no-reshard-after-forward")
+        if self.strategy != "tp" and self.tp > 1:
+            flags += ["--tp", str(self.tp)]
+        if self.strategy == "hsdp":
+            flags += ["--dp-replicate", str(self.dp_replicate)]
+        if self.offload_optimizer:
+            flags.append("--offload-optimizer")
+        return flags
+
+def scaled(base: LabConfig, nproc: int) -> ScaleConfig:
+    return ScaleConfig(**{f.name: getattr(base, f.name) for f in fields(LabConfig)}, nproc_per_node=nproc)
+
+def scaled_row_config(base: ScaleConfig) -> Callable:
+    """``config(row)`` for the experiments' ``prepare``: the row's lab settings through the one parser, its
+    strategy's fields (not the lab's) as they are."""
+    import dataclasses
+
+    lab_fields = {f.name for f in fields(LabConfig)}
+
+    def config(row) -> ScaleConfig:
+        lab = {k: v for k, v in row.overrides.items() if k in lab_fields}
+        rest = {k: v for k, v in row.overrides.items() if k not in lab_fields}
+        return base.with_(**dataclasses.replace(row, overrides=lab).settings(), **rest)
+    return config
+
+def dp_of(overrides: dict, nproc: int) -> int:
+    """The data-parallel size a candidate's overrides give over ``nproc`` ranks."""
+    strategy = overrides.get("strategy", "none")
+    tp = nproc if strategy == "tp" else overrides.get("tp", 1)
+    return max(1, nproc // tp)
+
+def strategy_axis(nproc: int) -> tuple[Axis, list[str]]:
+    """The strategy axis over ``nproc`` ranks (every shape; the model's refusal drops the ones it cannot take)."""
+    plain = {"strategy": "fsdp", "tp": 1, "dp_replicate": 1, "reshard_after_forward": True, "offload_optimizer": False}
+    choices = [("fsdp", plain), ("fsdp-zero2", {**plain, "reshard_after_forward": False}),
+               ("ddp", {**plain, "strategy": "ddp"}), ("zero1", {**plain, "strategy": "zero1"})]
+    dropped = []
+    if nproc >= 4 and nproc % 2 == 0:
+        choices.append(("hsdp-r2", {**plain, "strategy": "hsdp", "dp_replicate": 2}))
+    else:
+        dropped.append(f"hsdp: replicate x shard needs an even number of ranks >= 4; {nproc} given")
+    for t in range(2, nproc):
+        if nproc % t == 0:
+            choices.append((f"fsdp-tp{t}", {**plain, "tp": t}))
+    choices.append(("tp", {**plain, "strategy": "tp", "tp": nproc}))
+    choices.append(("fsdp-offload", {**plain, "offload_optimizer": True}))
+    return Axis("strategy", tuple(choices)), dropped
+
+def float8_axis(cuda: bool) -> tuple[Axis | None, str | None]:
+    if not cuda:
+        return None, "float8: torchao's float8 GEMMs need an H100-class GPU; dropped on the CPU"
+    return Axis("float8", (("none", {"float8": "none"}), *((r, {"float8": r}) for r in FLOAT8_RECIPES)),
+                changes_math=True), None
