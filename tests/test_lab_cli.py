@@ -10,15 +10,10 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests_support import run_cli  # noqa: E402
+from tests_support import one_error_line, run_cli  # noqa: E402
 
 LAB = ["lab", "--preset", "tiny", "--device", "cpu", "--max-steps", "2", "--eval-tokens", "200"]
 
-
-def _one_error_line(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 @pytest.fixture
@@ -37,7 +32,7 @@ def test_save_into_a_folder_of_other_files_is_refused_and_nothing_is_lost(fake_c
     (victim / "data.bin").write_bytes(b"\x00\x01")
     code, _, stderr = run_cli([*LAB, "--quiet", "--save", str(victim)], capsys)
     assert code == 1
-    line = _one_error_line(stderr)
+    line = one_error_line(stderr)
     assert f"--save {victim}: the folder holds other files (data.bin, notes.txt)" in line
     assert sorted(p.name for p in victim.iterdir()) == ["data.bin", "notes.txt"]
     assert (victim / "notes.txt").read_text() == "precious"
@@ -57,7 +52,7 @@ def test_save_into_a_folder_of_other_files_is_refused_and_nothing_is_lost(fake_c
 def test_bad_input_is_one_line_before_training(fake_corpus, tmp_path, capsys, no_training, args, message):
     (tmp_path / "ck").mkdir()
     code, _, stderr = run_cli([*LAB, "--quiet", *[a.format(tmp=tmp_path) for a in args]], capsys)
-    assert code == 1 and message in _one_error_line(stderr), stderr
+    assert code == 1 and message in one_error_line(stderr), stderr
     assert not (tmp_path / "same").exists()
 
 
@@ -78,7 +73,7 @@ def test_an_existing_checkpoint_is_replaced_whole_and_the_run_says_so(fake_corpu
     assert code == 0, stderr
     first = (ck / "model.safetensors").read_bytes()
     code, _, stderr = run_cli([*LAB, "--seed", "9", "--save", str(ck)], capsys)      # another run's: refused
-    assert code == 1 and "holds another run's checkpoint" in _one_error_line(stderr), stderr
+    assert code == 1 and "holds another run's checkpoint" in one_error_line(stderr), stderr
     code, stdout, stderr = run_cli([*LAB, "--seed", "9", "--save", str(ck), "--overwrite-output-dir"], capsys)
     assert code == 0, stderr
     assert "holds a lab checkpoint; it is replaced whole when this run ends" in stderr

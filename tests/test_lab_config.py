@@ -11,18 +11,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests_support import run_cli, toy_text  # noqa: E402
+from tests_support import one_error_line, run_cli, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab import config as C  # noqa: E402
 from fasttrain.lab.config import GROUPS, LabConfig, training_arguments_of  # noqa: E402
 
 TINY = ["lab", "--preset", "tiny", "--device", "cpu", "--eval-tokens", "200"]
 
-
-def _error(stderr: str) -> str:
-    lines = [line for line in stderr.splitlines() if line.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in stderr, stderr
-    return lines[0]
 
 
 @pytest.fixture
@@ -71,7 +66,7 @@ def test_another_name_is_read_as_the_setting_and_says_so(capsys):
     assert "--micro-batch is another name of --per-device-train-batch-size" in err
     assert "--seq is another name of --context" in err
     code, _, err = run_cli([*TINY, "--micro-batch", "4", "--per-device-train-batch-size", "8"], capsys)
-    assert code == 1 and "name the same setting with different values" in _error(err)
+    assert code == 1 and "name the same setting with different values" in one_error_line(err)
 
 
 def test_a_config_is_validated_once_per_run(monkeypatch, capsys, text_file):
@@ -146,7 +141,7 @@ def test_a_bad_config_file_is_one_line_naming_the_file_and_key(tmp_path, capsys,
     if text is not None:
         path.write_text(text)
     code, _, err = run_cli([*TINY, "--config", str(path)], capsys)
-    line = _error(err)
+    line = one_error_line(err)
     assert code == 1 and str(path) in line and message in line, line
 
 
@@ -169,12 +164,12 @@ def test_resume_from_a_folder_alone_continues_bit_for_bit(tmp_path, capsys, text
     assert resumed["config_sources"]["learning_rate"] == "saved"
     # a flag that would change the trajectory is refused, naming it; one that does not (max-steps) is taken
     code, _, err = run_cli(["lab", "--resume", str(tmp_path / "run"), "--learning-rate", "0.5"], capsys)
-    line = _error(err)
+    line = one_error_line(err)
     assert code == 1 and "--learning-rate 0.5 differs from the saved run's 0.01" in line, line
     code, out, err = run_cli(["lab", "--resume", str(tmp_path / "run"), "--max-steps", "6", "--print-config"], capsys)
     assert code == 0 and "max_steps: 6" in out, err
     code, _, err = run_cli(["lab", "--resume", str(tmp_path / "none")], capsys)
-    assert code == 1 and "no such folder" in _error(err)
+    assert code == 1 and "no such folder" in one_error_line(err)
 
 
 # --- a transformers model's own defaults -----------------------------------------------------------

@@ -75,7 +75,7 @@ def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank(
     space = SP.enumerate_space([strategy], sequences=32, nproc=4)
     for cand in space:
         o = cand.overrides_dict()
-        dp = S.dp_of(o, 4)
+        dp = SP.dp_of(o, 4)
         # b k dp = the global batch's sequences: tp's one group sees them all, fsdp's 4 ranks a quarter each
         assert cand.micro_batch * cand.accumulation * dp == 32
     tp_batches = {c.micro_batch for c in space if dict(c.settings)["strategy"] == "tp"}
@@ -156,7 +156,7 @@ def test_the_real_predictor_is_per_gpu():
 
     predict = lab_predictor(65, cpu=True)
     one = base(per_device_train_batch_size=2)
-    four = S.scaled(one, 4)
+    four = SP.scaled(one, 4)
     ddp, fsdp = four.with_(strategy="ddp"), four.with_(strategy="fsdp")
     assert predict(fsdp) < predict(ddp)
     # ddp holds the whole model on each GPU plus its buckets: at least one process's
@@ -181,7 +181,7 @@ def test_nproc_zero_is_one_line(capsys):
 
 
 def test_answer_says_what_the_trainer_cannot_express():
-    cfg = S.scaled(base(torch_compile=True, torch_compile_scope="blocks"), 4)
+    cfg = SP.scaled(base(torch_compile=True, torch_compile_scope="blocks"), 4)
     zero1 = S.answer(cfg.with_(strategy="zero1"), "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])
     assert "DeepSpeed" in zero1["trainer_cannot"] and "per-block compile" in zero1["trainer_cannot"]
     assert "fsdp" not in zero1["training_arguments"]
@@ -214,7 +214,7 @@ def test_a_probe_that_hangs_is_stopped_within_its_time(tmp_path):
     fake_python.write_text("#!/bin/sh\nsleep 60\n")
     fake_python.chmod(0o755)
     measure = S.torchrun_measure(python=str(fake_python))
-    cfg = S.scaled(base(), 2).with_(strategy="ddp")
+    cfg = SP.scaled(base(), 2).with_(strategy="ddp")
     t0 = time.perf_counter()
     probe = measure(cfg, 1, time_allowed_s=2.0)
     assert probe.stopped and probe.error.startswith("stopped after") and time.perf_counter() - t0 < 20
@@ -223,7 +223,7 @@ def test_a_probe_that_hangs_is_stopped_within_its_time(tmp_path):
 def test_a_real_two_process_gloo_probe_through_torchrun():
     """One probe as the search runs it: ``fasttrain lab --nproc-per-node 2 --strategy ddp`` on 2 gloo processes."""
     measure = S.torchrun_measure()
-    cfg = S.scaled(base(per_device_train_batch_size=2, gradient_accumulation_steps=1), 2).with_(strategy="ddp")
+    cfg = SP.scaled(base(per_device_train_batch_size=2, gradient_accumulation_steps=1), 2).with_(strategy="ddp")
     env_data = os.environ.get("FASTTRAIN_DATA_DIR")
     if not env_data:
         pytest.skip("FASTTRAIN_DATA_DIR (Tiny Shakespeare) not set")

@@ -110,3 +110,10 @@ def leave_process_group(group) -> None:
 
     group.owns_group = True
     D.shutdown(group)
+
+
+def one_error_line(stderr: str) -> str:
+    """The single ``error: ...`` line a refused command prints (no traceback, nothing else)."""
+    lines = [line for line in stderr.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in stderr, stderr
+    return lines[0]

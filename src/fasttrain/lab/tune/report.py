@@ -204,7 +204,8 @@ def summary(result, model_id: str = "gpt") -> dict:
 def _scaled_answer(cfg, result, model_id: str, winner: dict) -> dict:
     """Over several processes: the pick as ``fasttrain lab --nproc-per-node N``, ``torchrun``, ``TrainingArguments``
     with ``fsdp``/``fsdp_config``, an accelerate config file, and what the Trainer cannot express; per GPU."""
-    from fasttrain.lab.tune.scale import ScaleConfig, answer
+    from fasttrain.lab.tune.scale import answer
+    from fasttrain.lab.tune.space import ScaleConfig
 
     if not isinstance(cfg, ScaleConfig) or cfg.strategy == "none":
         return {}

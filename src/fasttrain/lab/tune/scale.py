@@ -40,8 +40,7 @@ from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
-from fasttrain.lab.tune.space import FLOAT8_RECIPES, Axis, Probe, ScaleConfig, dp_of, float8_axis, scaled, scaled_row_config, strategy_axis  # noqa: F401
-from fasttrain.lab.tune.probes import parallel_setup  # noqa: F401
+from fasttrain.lab.tune.space import Probe, ScaleConfig
 
 # what a probe may take at most when the search gives it no time (no budget, nothing measured yet)
 PROBE_CEILING_S = 900.0

@@ -289,7 +289,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         raise FasttrainError(f"--budget must be positive, got {budget_s}")
     cuda = not memory.cpu
     if nproc > 1:
-        from fasttrain.lab.tune.scale import ScaleConfig, scaled
+        from fasttrain.lab.tune.space import scaled
 
         base = base if isinstance(base, ScaleConfig) else scaled(base, nproc)
     base = validate(base.with_(context=seq))
@@ -307,7 +307,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     refused: dict[str, int] = {}
     row_config = None
     if nproc > 1:
-        from fasttrain.lab.tune.scale import scaled_row_config
+        from fasttrain.lab.tune.space import scaled_row_config
 
         row_config = scaled_row_config(base)
     for cand, row in zip(space, experiment.prepare(rows, base, skip=True, config=row_config)):
