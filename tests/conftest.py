@@ -9,7 +9,14 @@ import shutil
 import subprocess
 from functools import lru_cache
 
-import pytest
+# Each xdist worker is one of `-n auto` processes on as many cores: one thread each for OpenMP (torch, inductor's
+# kernels) and NumPy's BLAS, or the spinning pools of two workers oversubscribe the cores. Set before numpy or
+# torch load (and inherited by the processes a test starts); a value given in the environment is kept.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    for _threads in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS"):
+        os.environ.setdefault(_threads, "1")
+
+import pytest  # noqa: E402
 
 from fasttrain.data.datasets import Dataset
 from fasttrain.data.synthetic import synthetic_dataset

@@ -191,6 +191,7 @@ def test_lab_md_shows_the_compiling_rows_cold_and_warm_start():
     assert "Compiling rows" not in lab_report.markdown(result)
 
 
+@pytest.mark.slow
 def test_a_compiling_row_runs_cold_on_empty_cache_folders_then_warm_on_them_and_restores(corpus, monkeypatch):
     import os
 
@@ -264,6 +265,7 @@ def test_bench_lab_measures_the_compile_rows_cold_and_warm_start_on_cuda(fake_co
 # --- runs ---------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_bench_lab_on_the_cpu_writes_csv_markdown_and_readme(fake_corpus, tmp_path, capsys):
     out = tmp_path / "res"
     code, stdout, err = run_cli(["bench", "lab", "--preset", "tiny", "--steps", "3", "--warmup", "2", "--device", "cpu",

@@ -72,8 +72,10 @@ STEP_CONFIGS = [
 KERNELS = {"fused_logreg.cu": LOGREG_CONFIGS, "fused_step.cu": STEP_CONFIGS, "fused_mlp.cu": MLP_CONFIGS,
            "fused_grid.cu": GRID_CONFIGS}
 
-# every configuration for sm_90; the first of each kernel also for sm_90a
+# every configuration for sm_90; the first of each kernel also for sm_90a. The default suite compiles the first
+# configuration of each kernel for both; the other configurations are `slow` (nvcc takes 3-5 s each)
 CASES = [(n, d, "sm_90") for n, ds in KERNELS.items() for d in ds] + [(n, ds[0], "sm_90a") for n, ds in KERNELS.items()]
+FIRST = [(n, d, arch) for n, d, arch in CASES if d == KERNELS[n][0]]
 
 
 def options(rung, **values):
@@ -92,7 +94,8 @@ def make_job(data, model="logreg", **config):
 # --- CPU ------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name,defines,arch", CASES, ids=[f"{n}-{a}-{i}" for i, (n, _, a) in enumerate(CASES)])
+@pytest.mark.parametrize("name,defines,arch", [c if c in FIRST else pytest.param(*c, marks=pytest.mark.slow)
+                                               for c in CASES], ids=[f"{n}-{a}-{i}" for i, (n, _, a) in enumerate(CASES)])
 def test_fused_kernels_compile_without_spills(name, defines, arch, tmp_path):
     if NVCC is None:
         pytest.skip("nvcc not found (install the CUDA toolkit, or put nvcc on PATH)")
@@ -358,6 +361,7 @@ def test_tuning_options_are_typed_and_belong_to_their_rung(words, message):
         engine.check_config(parse_model("logreg"), default_config("logreg", precision="fp16"))
 
 
+@pytest.mark.slow
 def test_step_smem_mirrors_the_kernel(tmp_path):
     """The host's mirrors of ft_bwd's and ft_fwd's shared memory equal the kernel's own constants (compiled to PTX
     and read back from the ``ft_bwd_smem`` / ``ft_fwd_smem`` initializers)."""

@@ -264,6 +264,7 @@ def test_the_trainer_draws_this_ranks_micro_batches_from_the_config(corpus):
     assert [tuple(x.shape) for x, _ in step] == [(3, cfg.context)] * 2
 
 
+@pytest.mark.slow
 def test_the_readmes_your_model_commands_run_as_written(tmp_path):
     """The README's "Your model and your data" commands, word for word (a tiny Llama from a config, the
     run, its settings as a file, a run from the file with checkpoints, and that run continued from its

@@ -67,6 +67,7 @@ def _weights(folder) -> dict:
     return load_file(os.path.join(folder, "model.safetensors"))
 
 
+@pytest.mark.slow
 def test_two_processes_train_the_same_function_as_one(tmp_path):
     _same_function(tmp_path, "cpu", rel=1e-5)
 
@@ -160,6 +161,7 @@ def _dying_worker(rank: int, port: int, out_dir: str) -> None:
     os._exit(0)
 
 
+@pytest.mark.slow
 def test_a_dead_rank_stops_the_others_with_one_line(tmp_path):
     ctx = mp.get_context("spawn")
     port = _free_port()
@@ -319,6 +321,7 @@ def _fasttrain(args, env_extra=None, timeout=120):
                           timeout=timeout)
 
 
+@pytest.mark.slow
 def test_fasttrain_lab_starts_torchrun_itself(tmp_path, shakespeare_dir):
     """``fasttrain lab --nproc-per-node 2``: torchrun's launcher, 2 gloo workers, rank 0 writes the
     record; the loss curve is the one process's at the same global batch."""
@@ -340,6 +343,7 @@ def test_fasttrain_lab_starts_torchrun_itself(tmp_path, shakespeare_dir):
     assert [p["loss"] for p in rec["loss_curve"]] == pytest.approx([p["loss"] for p in one["loss_curve"]], rel=1e-5)
 
 
+@pytest.mark.slow
 def test_a_failing_worker_stops_the_launch_with_one_line(tmp_path, shakespeare_dir):
     root = shakespeare_dir
     # a world the model cannot split is caught before launch; a failure only the workers see

@@ -423,6 +423,7 @@ def test_peft_of_a_pretrained_folder_carries_an_estimate(tmp_path, corpus):
         assert rec["params"]["trainable"] == expected.extra["trainable_params"]
 
 
+@pytest.mark.slow
 def test_compile_through_the_lab(folders, corpus):
     from fasttrain.lab.train import run
 
@@ -457,6 +458,7 @@ def test_save_loads_with_from_pretrained_and_lab_eval_rescores(folders, corpus, 
     assert "weights loaded" in lines[0]
 
 
+@pytest.mark.slow
 def test_cli_trains_saves_evaluates_and_samples(folders, tmp_path, shakespeare_dir):
     from tests_support import fasttrain_cli
 
@@ -528,6 +530,7 @@ def _dist_worker(rank: int, port: int, folder: str, out_dir: str) -> None:
     D.shutdown(group)
 
 
+@pytest.mark.slow
 def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, corpus, tmp_path):
     import socket
 
@@ -581,6 +584,7 @@ def _tp_worker(rank: int, port: int, folders: dict, out_dir: str) -> None:
     D.shutdown(group)
 
 
+@pytest.mark.slow
 def test_tensor_parallel_in_two_processes_trains_the_same_function_as_one(folders, corpus, tmp_path):
     """tp over 2 gloo processes by the family's own plan: Llama (embedding and lm_head split, GQA 4/2),
     Qwen2 (tied embeddings kept whole, q/k/v biases split), Qwen3 (per-head norms replicated, their

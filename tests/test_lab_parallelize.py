@@ -17,7 +17,7 @@ from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab import fit as F  # noqa: E402
 from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
-from tests_support import word_corpus as _text_corpus  # noqa: E402
+from tests_support import slow_beyond, word_corpus as _text_corpus  # noqa: E402
 
 GLOBAL_BATCH = 16
 
@@ -297,7 +297,7 @@ def _worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> 
     leave_process_group(group)
 
 
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", slow_beyond([2, 4], keep=1))
 def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world):
     _same_function(tmp_path, world, "cpu", rel=1e-5)
 

@@ -53,6 +53,7 @@ def _curve(path):
     return [(p["step"], p["loss"], p["lr"]) for p in data["loss_curve"]], [(e["step"], e["val_loss"]) for e in data["eval"]]
 
 
+@pytest.mark.slow
 def test_a_run_killed_after_a_checkpoint_resumes_bit_for_bit(tmp_path):
     whole = _python(tmp_path, tmp_path / "whole", tmp_path / "whole.json", "", 0)
     killed = _python(tmp_path, tmp_path / "ck", tmp_path / "killed.json", "", 10)

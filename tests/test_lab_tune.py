@@ -511,6 +511,7 @@ def test_frontier_keeps_only_points_nothing_beats():
 
 # --- through the lab's trainer -------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_end_to_end_on_a_tiny_model_through_the_real_trainer(tmp_path):
     from fasttrain.lab.data import corpus_from_text
 
@@ -773,6 +774,7 @@ def test_tune_on_a_gpu_prunes_measures_and_predicts_the_pick(tmp_path):
     assert all(abs(r["loss_vs_baseline"]) < 0.05 for r in rows if r["loss_vs_baseline"] is not None)
 
 
+@pytest.mark.slow
 def test_bench_harness_every_phase_on_the_cpu(tmp_path):
     """prepare, both HF Trainer runs, tune, a grid of 3, confirm and the report, on a tiny GPT-2 (needs the lab's
     --model hf: and --train-bin)."""
@@ -850,6 +852,7 @@ def test_a_probe_runs_its_warmup_untimed_then_its_timed_steps(monkeypatch):
     assert seen[-1] == (1, 1)
 
 
+@pytest.mark.slow
 def test_bench_grid_reads_tunes_probes_and_stops_when_told(tmp_path):
     """The benchmark's grid measures each point once, saves after every point, reads a point tune measured
     from tune's probe cache (run tune first: its search time stays its own), and --stop-after leaves the
@@ -879,6 +882,7 @@ def test_bench_grid_reads_tunes_probes_and_stops_when_told(tmp_path):
         bench.main(["prepare,nonsense", str(work), "--model", "tiny-gpt2"])
 
 
+@pytest.mark.slow
 def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
     """A lease of two GPUs: lane A fixes the grid before its search, lane B measures the same members, each point
     is taken by one lane only (the claims folder), a point starts only where its expected time fits the call, and

@@ -220,6 +220,7 @@ def test_a_probe_that_hangs_is_stopped_within_its_time(tmp_path):
     assert probe.stopped and probe.error.startswith("stopped after") and time.perf_counter() - t0 < 20
 
 
+@pytest.mark.slow
 def test_a_real_two_process_gloo_probe_through_torchrun():
     """One probe as the search runs it: ``fasttrain lab --nproc-per-node 2 --strategy ddp`` on 2 gloo processes."""
     measure = S.torchrun_measure()
@@ -244,6 +245,7 @@ def _bench_scale():
     return module
 
 
+@pytest.mark.slow
 def test_scale_benchmark_reports_fixed_keys_and_scaling_from_real_runs(tmp_path):
     """The benchmark's harness on the CPU: the HF Trainer's runner, the lab at 1 process and at 2 gloo processes
     (the same per-process batch), and the report: ``scale.json``'s cases with exactly the fixed keys, scaling

@@ -13,6 +13,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.memory import estimate
 from fasttrain.memory.hf_config import architecture, read_config_json, setup_from_hf_config
 from fasttrain.memory.training_state import param_counts
+from tests_support import slow_beyond  # noqa: E402
 
 # published shapes (the released config.json files' architecture fields), and their published counts
 LLAMA3_8B = dict(model_type="llama", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
@@ -426,7 +427,7 @@ COMPILED_CASES = [          # (each whole-model case compiles for 5 to 20 s on a
 ]
 
 
-@pytest.mark.parametrize("name, attention, amp, batch, scope, recompute", COMPILED_CASES,
+@pytest.mark.parametrize("name, attention, amp, batch, scope, recompute", slow_beyond(COMPILED_CASES, keep=3),
                          ids=[f"{c[0]}-{c[1]}-{'bf16' if c[2] else 'fp32'}-b{c[3]}-{c[4]}-recompute-{c[5]}"
                               for c in COMPILED_CASES])
 def test_compiled_saved_activations_match_what_the_partitioner_keeps_on_cpu(name, attention, amp, batch, scope,
@@ -454,7 +455,7 @@ CPEAK_CASES = [("llama-v2048", "eager", False, "model"), ("gpt2-v2048", "eager",
                ("llama", "eager", True, "blocks"), ("gpt2", "eager", True, "blocks")]
 
 
-@pytest.mark.parametrize("name, attention, amp, scope", CPEAK_CASES,
+@pytest.mark.parametrize("name, attention, amp, scope", slow_beyond(CPEAK_CASES, keep=1),
                          ids=[f"{c[0]}-{c[1]}-{'bf16' if c[2] else 'fp32'}-{c[3]}" for c in CPEAK_CASES])
 def test_compiled_peak_matches_the_cpu_allocators_peak(name, attention, amp, scope):
     torch = pytest.importorskip("torch")

@@ -71,6 +71,14 @@ def test_saved_weights_reload_to_the_recorded_accuracy(tiny_data, tmp_path):
 
 
 @pytest.mark.mnist
+def test_logreg_passes_90_percent_on_mnist_in_two_epochs(mnist):
+    # the default suite's check of the real data (the 20 epochs below take a minute of one core)
+    record = fasttrain.train("numpy", "logreg", data=mnist, epochs=2)
+    assert record.final["test_acc"] >= 0.90
+
+
+@pytest.mark.mnist
+@pytest.mark.slow
 def test_logreg_reaches_92_percent_on_mnist(mnist, tmp_path):
     record = fasttrain.train("numpy", "logreg", data=mnist, epochs=20, save_weights_to=tmp_path / "w.npz")
     assert record.final["test_acc"] >= 0.92

@@ -120,6 +120,7 @@ def test_speedups_divide_median_training_times_and_mark_a_row_that_does_not_coun
 
 # --- the whole code path ----------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_ladder_on_a_tiny_budget_writes_results_a_record_and_a_checkpoint_lab_eval_reproduces(corpus, tmp_path):
     pytest.importorskip("safetensors")
     rows = sr.plan([0, 3], [0, 1, 2, 3, 4], base_preset="tiny", baseline_seeds=1, sets=SMALL,
@@ -171,6 +172,7 @@ def test_ladder_on_a_tiny_budget_writes_results_a_record_and_a_checkpoint_lab_ev
         report.record_of(res, machine="cpu")
 
 
+@pytest.mark.slow
 def test_cli_speedrun_then_lab_eval_then_record(fake_corpus, tmp_path, capsys):
     pytest.importorskip("safetensors")
     out, ck = tmp_path / "out", tmp_path / "ck"
@@ -366,6 +368,7 @@ def test_muon_takes_the_blocks_matrices_and_adamw_the_rest(corpus):
     assert rec["memory"]["by_kind"]["optimizer_state"] == 4 * hidden + 8 * rest + 4 * (len(named) - len(in_muon))
 
 
+@pytest.mark.slow
 def test_merge_joins_invocations_of_different_rungs_into_one_ladder(fake_corpus, tmp_path, capsys):
     """A ladder longer than one device call runs as several invocations; merge orders the rungs, keeps every
     run record, and refuses a rung measured twice or results of another GPU."""
@@ -518,6 +521,7 @@ def test_every_recipe_is_the_graph_step_rung_with_the_task_kept():
 SEARCH_SETS = dict(cuda_graph_step=False)
 
 
+@pytest.mark.slow
 def test_search_judges_the_chosen_recipe_on_its_own_seeds_and_confirm_reruns_it_on_fresh_ones(fake_corpus, tmp_path,
                                                                                               monkeypatch):
     pytest.importorskip("safetensors")

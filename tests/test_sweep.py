@@ -275,6 +275,7 @@ def test_many_report_goal_lines_and_ratios():
     assert "| cuda rung 8 | 200 | 2,667 |" in text and "| cuda rung 8 | 1× | 1.2× |" in text
 
 
+@pytest.mark.slow
 def test_bench_many_quick_on_numpy_writes_its_files(tmp_path, capsys):
     from fasttrain.cli import main
 

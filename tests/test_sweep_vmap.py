@@ -26,6 +26,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.parity import loss_deviation, reference_run, weight_error
 from fasttrain.sweep import check_sweep_memory, run_sweep, sweep_configs
 from fasttrain.training import run
+from tests_support import slow_beyond  # noqa: E402
 
 LRS, SEEDS = (0.02, 0.05), (0, 1)  # K = 4 models, lr major
 CONFIG = dict(epochs=2, batch_size=37)
@@ -92,15 +93,16 @@ def check_sweep(engine: str, model: str, precision: str, options: dict, data, ex
 # --- CPU -----------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("model,precision", [("logreg", "fp32"), ("mlp:16x2", "fp32"), ("mlp:16x2", "bf16"),
-                                             ("mlp:16x2", "fp16")])
+@pytest.mark.parametrize("model,precision", slow_beyond([("logreg", "fp32"), ("mlp:16x2", "fp32"), ("mlp:16x2", "bf16"),
+                                                         ("mlp:16x2", "fp16")], keep=1))
 def test_jax_sweep_is_each_models_own_run_bit_for_bit(tiny_data, model, precision):
     _needs("jax")
     check_sweep("jax", model, precision, CPU, tiny_data, exact=True)
 
 
-@pytest.mark.parametrize("model,precision", [("logreg", "fp32"), ("mlp:16x2", "fp32"), ("mlp:16x2", "fp64"),
-                                             ("logreg", "fp64"), ("mlp:16x2", "bf16"), ("mlp:16x2", "fp16")])
+@pytest.mark.parametrize("model,precision", slow_beyond([("logreg", "fp32"), ("mlp:16x2", "fp32"), ("mlp:16x2", "fp64"),
+                                                         ("logreg", "fp64"), ("mlp:16x2", "bf16"), ("mlp:16x2", "fp16")],
+                                                        keep=2))
 def test_torch_fast_sweep_is_each_models_own_run(tiny_data, model, precision):
     _needs("torch")
     records = check_sweep("torch-fast", model, precision, CPU, tiny_data, exact=False)
@@ -108,6 +110,7 @@ def test_torch_fast_sweep_is_each_models_own_run(tiny_data, model, precision):
 
 
 @pytest.mark.parametrize("engine", ["jax", "torch-fast"])
+@pytest.mark.slow
 def test_epochs_of_every_length_and_drop_last(tiny_data, engine):
     # 40 steps of 37: epochs of 17 (ending with the batch of 8), 17 and 6 steps, each its own program
     _needs(engine)
@@ -137,6 +140,7 @@ def test_warm_up_does_not_train_any_model(tiny_data, engine, precision):
         session.close()
 
 
+@pytest.mark.slow
 def test_torch_fast_fp16_scales_each_models_loss_on_its_own(tiny_data, monkeypatch):
     # Model 1 starts at a loss scale of 2**40: its scaled gradients overflow fp16, so its first steps are
     # skipped and its scale halved until they fit; the other models train from the first step, as alone.

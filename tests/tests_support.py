@@ -8,6 +8,8 @@ import re
 import subprocess
 import sys
 
+import pytest
+
 
 def fasttrain_cli(*args, env=None, cwd=None, timeout=300):
     environ = {**os.environ, **(env or {})}
@@ -117,3 +119,12 @@ def one_error_line(stderr: str) -> str:
     lines = [line for line in stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and lines[0].startswith("error:") and "Traceback" not in stderr, stderr
     return lines[0]
+
+
+def slow_beyond(cases, keep: int) -> list:
+    """Parametrize cases of which the first ``keep`` run in the default suite and the rest carry the ``slow``
+    marker (run by ``pytest -m slow``, which the device run takes): one representative of each kind stays in the
+    six-minute CPU suite, none is dropped."""
+    return [case if i < keep else pytest.param(*(case if isinstance(case, tuple) else (case,)),
+                                               marks=pytest.mark.slow)
+            for i, case in enumerate(cases)]
