@@ -170,6 +170,7 @@ def test_blocks_are_the_decoder_layers(tmp_path, family, path):
     assert len(prompt.blocks(prompt.module)) == 2
 
 
+@pytest.mark.slow           # a first inductor compile in the process: 30-50 s of CPU on a cold cache
 def test_compile_per_block_gives_the_same_loss(tmp_path):
     write_config(tmp_path, "llama")
     plain = trainer_for(tmp_path)

@@ -792,7 +792,8 @@ def test_bench_harness_every_phase_on_the_cpu(tmp_path):
                        "--confirm-steps", "2", "--results", str(results)]) == 0
     state = bench.load_state(work, "tiny-gpt2")
     assert state["tune"]["pick"] and state["tune"]["pick_tokens_per_s"] > 0
-    assert len(state["grid_members"]) == 3 and len(state["grid"]) == 3
+    # at least --grid-size points: more where covering every axis choice needs more (a GPU's compile modes)
+    assert len(state["grid"]) == len(state["grid_members"]) >= 3
     assert state["confirm"]["oom"] is False and state["confirm"]["steps"] == 2
     (folder,) = list(results.iterdir())
     case = json.loads((folder / "tune.json").read_text())["cases"][0]

@@ -93,8 +93,9 @@ def check_sweep(engine: str, model: str, precision: str, options: dict, data, ex
 # --- CPU -----------------------------------------------------------------------------------------
 
 
+# all slow (XLA compiles each for 10-20 s of CPU): the default suite's JAX sweep is the warm-up test below
 @pytest.mark.parametrize("model,precision", slow_beyond([("logreg", "fp32"), ("mlp:16x2", "fp32"), ("mlp:16x2", "bf16"),
-                                                         ("mlp:16x2", "fp16")], keep=1))
+                                                         ("mlp:16x2", "fp16")], keep=0))
 def test_jax_sweep_is_each_models_own_run_bit_for_bit(tiny_data, model, precision):
     _needs("jax")
     check_sweep("jax", model, precision, CPU, tiny_data, exact=True)
@@ -122,8 +123,11 @@ def test_epochs_of_every_length_and_drop_last(tiny_data, engine):
     assert [r["steps"] for r in records[0].epochs] == [16, 16]
 
 
-@pytest.mark.parametrize("engine", ["jax", "torch-fast"])
-@pytest.mark.parametrize("precision", ["fp32", "fp16"])
+WARM_UP_CASES = [("jax", "fp32"), ("torch-fast", "fp32"), ("torch-fast", "fp16"), ("jax", "fp16")]
+
+
+@pytest.mark.parametrize("engine,precision", slow_beyond(WARM_UP_CASES, keep=3),
+                         ids=[f"{precision}-{engine}" for engine, precision in WARM_UP_CASES])
 def test_warm_up_does_not_train_any_model(tiny_data, engine, precision):
     _needs(engine)
     spec, configs = _configs("mlp:16x2", precision)

@@ -179,7 +179,7 @@ if GPU:
                      ("logreg", {"programs": 1}), ("logreg", {"programs": 13})]
 
 
-@pytest.mark.parametrize("model,options", slow_beyond(ENGINE_CASES, keep=4), ids=lambda v: str(v))
+@pytest.mark.parametrize("model,options", slow_beyond(ENGINE_CASES, keep=3), ids=lambda v: str(v))
 def test_engine_fp32_parity(small_data, model, options):
     # steps=6 with 5 batches per epoch: a full epoch (last batch partial) then an epoch of 1 step
     cfg = default_config(parse_model(model), steps=6, batch_size=37, lr=0.2)
