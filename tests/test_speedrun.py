@@ -466,6 +466,18 @@ def test_the_step_search_bisects_to_the_shortest_count_that_ends_below_the_targe
     calls = []
     none = choosing.search_steps(_fake_probe(ENDS, calls), list(ENDS), target=1.47, margin=0.02)
     assert none["steps"] is None and none["train_s"] is None and calls == [1100, 1250, 1400]
+    assert found["monotone"] and none["monotone"]
+
+
+def test_a_loss_that_rises_with_the_steps_is_said():
+    """The H100's dropout-0.1 recipe on seeds 2000-2004: 1.4587 at 1,400 steps, 1.4628 at 1,550."""
+    ends, calls, lines = {1250: 1.4600, 1400: 1.4587, 1550: 1.4628}, [], []
+    recipe = choosing.Recipe("drop-0.1", "", {}, tuple(ends))
+    result = choosing.choose([recipe], lambda r, steps: _fake_probe(ends, calls)(steps), target=1.47,
+                             margin=0.012, log=lines.append)
+    (searched,) = result["recipes"]
+    assert calls == [1400, 1550] and searched["steps"] is None and searched["monotone"] is False
+    assert "a longer probe ended higher than a shorter one (1400: 1.4587, 1550: 1.4628)" in lines[-1]
 
 
 def test_a_probe_with_a_seed_that_did_not_finish_does_not_pass():
