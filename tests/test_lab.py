@@ -12,7 +12,7 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from tests_support import run_cli, toy_text  # noqa: E402
+from tests_support import no_compile, run_cli, toy_text  # noqa: E402
 from fasttrain.errors import FasttrainError  # noqa: E402
 from fasttrain.lab.config import LabConfig, preset  # noqa: E402
 from fasttrain.lab.data import eval_windows, load_corpus, train_batches, windows  # noqa: E402
@@ -175,12 +175,8 @@ def _state_after_step(optim, shapes=((64, 256), (256,))):
     # torchao's 8-bit AdamW compiles its step; the state it makes does not depend on that, so its torch.compile
     # is the identity here (compiling costs 5-25 s of CPU)
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(torch, "compile", _no_compile)
+        patch.setattr(torch, "compile", no_compile)
         return _step_once(optim, shapes)
-
-
-def _no_compile(fn=None, **options):
-    return fn if fn is not None else (lambda f: f)
 
 
 def _step_once(optim, shapes):
@@ -486,7 +482,7 @@ def test_every_optimizer_follows_the_learning_rate_schedule(corpus, monkeypatch)
 
     cfg = tiny(optim="adamw_8bit", max_steps=3, warmup_steps=2)
     trainer = make_trainer(cfg, corpus, torch.device("cpu"))
-    monkeypatch.setattr(torch, "compile", _no_compile)       # torchao's step, eager: the schedule is the same
+    monkeypatch.setattr(torch, "compile", no_compile)       # torchao's step, eager: the schedule is the same
     for step, micro_batches in zip(range(2), trainer.batches(2)):
         trainer.train_step(micro_batches)
         lrs = [float(g["lr"]) for g in trainer.optimizer.param_groups]

@@ -19,6 +19,7 @@ from fasttrain.errors import FasttrainError
 from fasttrain.memory import Setup, estimate, preset
 from fasttrain.memory.precise import estimate as precise_estimate
 from fasttrain.memory.training_state import optimizer_state_bytes, param_counts, param_shapes, trainable_shapes
+from tests_support import no_compile
 
 SMALL = Setup(heads=4, kv_heads=2, micro_batch=4, hidden=64, ffn=176, layers=2, seq=32, vocab=500, precision="fp32",
               ffn_act="swiglu", norm="rms", pos="rope", tied=False, bias=False, dropout=False, attention="eager",
@@ -171,7 +172,7 @@ def test_adamw_8bit_state_after_a_real_step(monkeypatch):
     optim = pytest.importorskip("torchao.optim", reason="torchao not installed: pip install --no-deps torchao")
     # torchao compiles its step; the state it makes does not depend on that: torch.compile is the identity here
     # (compiling costs half a minute of CPU)
-    monkeypatch.setattr(torch, "compile", lambda fn=None, **options: fn if fn is not None else (lambda f: f))
+    monkeypatch.setattr(torch, "compile", no_compile)
     ps = [torch.nn.Parameter(torch.randn(64, 128)), torch.nn.Parameter(torch.randn(64))]
     opt = optim.AdamW8bit(ps, lr=1e-3)
     for p in ps:

@@ -128,3 +128,9 @@ def slow_beyond(cases, keep: int) -> list:
     return [case if i < keep else pytest.param(*(case if isinstance(case, tuple) else (case,)),
                                                marks=pytest.mark.slow)
             for i, case in enumerate(cases)]
+
+
+def no_compile(fn=None, **options):
+    """``torch.compile`` as the identity (monkeypatched in where a test asks what a library's compiled step makes,
+    not how fast: torchao's 8-bit AdamW compiles its step, half a minute of CPU, and makes the same state)."""
+    return fn if fn is not None else (lambda f: f)
