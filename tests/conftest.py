@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from functools import lru_cache
 
 # Each xdist worker is one of `-n auto` processes on as many cores: one thread each for OpenMP (torch, inductor's
@@ -51,6 +52,19 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_as_found():
+    """A test that sets torch's thread count (a few memory tests measure at 2) leaves the worker's as it found it
+    (one thread per worker: the module's top), so the tests after it run as they would alone."""
+    torch = sys.modules.get("torch")
+    before = torch.get_num_threads() if torch is not None else None
+    yield
+    torch = sys.modules.get("torch")
+    wanted = before if before is not None else int(os.environ.get("OMP_NUM_THREADS", "0") or 0)
+    if torch is not None and wanted and torch.get_num_threads() != wanted:
+        torch.set_num_threads(wanted)
 
 
 def make_synthetic(n_train: int = 600, n_test: int = 200, seed: int = 0) -> Dataset:

@@ -5,8 +5,9 @@ lab's runs (``fasttrain lab --strategy fsdp`` under torchrun with 8 processes, `
 :func:`rank` lists every strategy x checkpointing choice on those N GPUs, the smallest per-GPU peak
 first, each marked whether it fits in the GPU's memory.
 
-How each strategy reads in the estimator's :class:`~fasttrain.memory.config.Setup` (as the lab's
-trainer maps a run it measured, ``lab/parallel/distributed.py``'s ``estimator_parallelism``):
+How each strategy reads in the estimator's :class:`~fasttrain.memory.config.Setup` (:func:`parallel_fields`,
+which the lab's trainer also uses for a run it measured, through ``lab/parallel/distributed.py``'s
+``estimator_parallelism``):
 
 - ``ddp``: d = N, ZeRO 0, gradients kept between steps in DDP's buckets (``grad_buffers``);
 - ``zero1``: the same with the optimizer state / N;
@@ -37,21 +38,46 @@ def lab_flags(strategy: str, recompute: str) -> str:
     return " ".join(x for x in (flags, f"--gradient-checkpointing {recompute}" if recompute != "none" else "") if x)
 
 
+def parallel_fields(strategy: str, *, dp: int, tp: int = 1, replicas: int = 1, reshard_after_forward: bool = True,
+                    offload: bool = False, bf16: bool = False) -> dict:
+    """The Setup fields of one of the lab's strategies per GPU (``none``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp``,
+    ``tp``) over ``dp`` data-parallel ranks and ``tp`` tensor-parallel ones: d (the group the state is sharded
+    over), the ZeRO stage, t, whether gradients persist between steps, and whether the optimizer state and
+    master weights live on the host.
+
+    ddp: d = dp, ZeRO 0, gradients in DDP's buckets for the whole run (``grad_buffers``); zero1: the same with
+    the optimizer state / d; fsdp: ZeRO-3 (resharded after forward) or ZeRO-2, gradients / d; hsdp: the same
+    over the shard group (d = dp / replicas: the replicas hold the same shards); the 2-D mesh: t beside it;
+    with ``bf16`` FSDP's mixed-precision policy is the estimator's ``mixed`` (bf16 compute copies of the
+    weights and gradients, fp32 shards = master weights); ``offload``: shards, their gradients and the
+    optimizer state in host memory; tp: t ranks, d = 1."""
+    if strategy == "none":
+        return {"dp": 1, "zero": 0, "tp": 1}
+    if strategy in ("ddp", "zero1"):
+        return {"dp": dp, "zero": 0 if strategy == "ddp" else 1, "tp": 1, "grad_buffers": True}
+    if strategy in ("fsdp", "hsdp"):
+        out = {"dp": dp // replicas if strategy == "hsdp" else dp, "zero": 3 if reshard_after_forward else 2,
+               "tp": tp}
+        if bf16:
+            out["precision"] = "mixed"
+        if offload:
+            out["offload"] = True
+        return out
+    return {"dp": 1, "zero": 0, "tp": tp}
+
+
 def strategy_changes(strategy: str, n: int, bf16: bool) -> dict:
-    """The Setup fields of ``strategy`` over ``n`` GPUs (see the module docstring)."""
+    """The Setup fields of ``strategy`` (this command's names: ``fsdp-zero2`` is fsdp kept sharded through the
+    step) over ``n`` GPUs, with the precision the lab's run would use."""
     if strategy not in STRATEGIES:
         raise FasttrainError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
-    if strategy == "none":
-        if n != 1:
-            raise FasttrainError(f"--nproc-per-node {n} needs a --strategy (ddp, zero1, fsdp, fsdp-zero2 or tp)")
-        changes = {"dp": 1, "zero": 0, "tp": 1, "grad_buffers": False}
-    elif strategy in ("ddp", "zero1"):
-        changes = {"dp": n, "zero": 0 if strategy == "ddp" else 1, "tp": 1, "grad_buffers": True}
-    elif strategy.startswith("fsdp"):
-        changes = {"dp": n, "zero": 2 if strategy == "fsdp-zero2" else 3, "tp": 1, "grad_buffers": False}
-    else:
-        changes = {"dp": 1, "zero": 0, "tp": n, "grad_buffers": False}
-    changes["precision"] = ("mixed" if strategy.startswith("fsdp") else "amp") if bf16 else "fp32"
+    if strategy == "none" and n != 1:
+        raise FasttrainError(f"--nproc-per-node {n} needs a --strategy (ddp, zero1, fsdp, fsdp-zero2 or tp)")
+    fsdp = strategy.startswith("fsdp")
+    changes = {"grad_buffers": False,
+               **parallel_fields("fsdp" if fsdp else strategy, dp=1 if strategy in ("none", "tp") else n,
+                                 tp=n if strategy == "tp" else 1, reshard_after_forward=strategy != "fsdp-zero2")}
+    changes["precision"] = ("mixed" if fsdp else "amp") if bf16 else "fp32"
     return changes
 
 
@@ -98,4 +124,5 @@ def rank(setup, n: int, gpu_bytes: float, bf16: bool) -> list[Fit]:
     return sorted(rows, key=lambda r: (r.bytes is None, not r.fits, r.bytes or 0))
 
 
-__all__ = ["STRATEGIES", "RECOMPUTES", "Fit", "rank", "strategy_changes", "precision_words", "lab_flags"]
+__all__ = ["STRATEGIES", "RECOMPUTES", "Fit", "rank", "parallel_fields", "strategy_changes", "precision_words",
+           "lab_flags"]

@@ -67,6 +67,7 @@ from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import is_hf
+from fasttrain.memory.fit import parallel_fields
 
 STRATEGIES = ("none", "ddp", "zero1", "fsdp", "hsdp", "tp")
 FSDP_STRATEGIES = ("fsdp", "hsdp")
@@ -639,31 +640,10 @@ def full_state_dict(model, world: World) -> dict:
 # --- the estimator's view of a strategy ------------------------------------------------------------
 
 def estimator_parallelism(world: World, bf16: bool = False) -> dict:
-    """The memory estimator's ``Setup`` fields for this strategy, per GPU: data parallelism d (the
-    group the state is sharded over), ZeRO stage, tensor parallelism t, whether gradients persist
-    between steps, and whether the optimizer state and master weights live on the host.
-
-    ddp: d = N, ZeRO 0, gradients in DDP's buckets for the whole run (``grad_buffers``);
-    zero1: the same with the optimizer state / N; fsdp: ZeRO-3 (resharded after forward) or
-    ZeRO-2 over the dp ranks, gradients / d; hsdp: the same over the shard group (d = dp / R: the
-    replicas hold the same shards); the 2-D mesh: t = tp beside it; with bf16 the FSDP
-    mixed-precision policy is the estimator's ``mixed`` (bf16 compute copies of the weights and
-    gradients, fp32 shards = master weights); ``--offload-optimizer``: ``offload`` (shards, their
-    gradients and the optimizer state in host memory); tp: t = N."""
-    s = world.strategy
-    if s == "none":
-        return {"dp": 1, "zero": 0, "tp": 1}
-    if s == "ddp":
-        return {"dp": world.dp, "zero": 0, "tp": 1, "grad_buffers": True}
-    if s == "zero1":
-        return {"dp": world.dp, "zero": 1, "tp": 1, "grad_buffers": True}
-    if s in FSDP_STRATEGIES:
-        shard = world.dp // world.dp_replicate if s == "hsdp" else world.dp
-        out = {"dp": shard, "zero": 3 if world.reshard_after_forward else 2, "tp": world.tp}
-        if bf16:
-            out["precision"] = "mixed"
-        if world.offload_optimizer:
-            out["offload"] = True
-        return out
-    return {"dp": 1, "zero": 0, "tp": world.tp}
+    """The memory estimator's ``Setup`` fields for this run's strategy, per GPU
+    (:func:`fasttrain.memory.fit.parallel_fields`: the one mapping, which ``fasttrain memory --strategy``
+    uses too)."""
+    return parallel_fields(world.strategy, dp=world.dp, tp=world.tp, replicas=world.dp_replicate,
+                           reshard_after_forward=world.reshard_after_forward, offload=world.offload_optimizer,
+                           bf16=bf16)
 
