@@ -680,32 +680,82 @@ def test_bench_report_names_a_grid_not_finished_and_the_picks_profile(tmp_path):
     assert "(results/logs/llama-1b-profile.json)" in bench.readme(folder, into=tmp_path / "README.md")
 
 
-def test_bench_hf_flags_that_cannot_run_together_are_tried_apart(monkeypatch, tmp_path):
-    """liger's fused cross-entropy under the Trainer's torch_compile fails (seen on the H100 with a Llama): the
-    careful user's figure is the faster of compile alone and liger alone, each failure said in a note."""
-    bench = _bench_module()
+def _search_case(bench, monkeypatch, runs, work):
+    """A case of 64 sequences a step (micro-batches 8 to 64) whose fake Trainer fits 16 sequences eager and 32
+    compiled or with liger, runs faster with more sequences, compile and liger, and cannot run liger under its
+    torch_compile (seen on the H100 with a Llama); each run takes its expected time on a fake clock."""
+    import torch
     import fasttrain.lab.tune as tune_module
-    monkeypatch.setattr(tune_module, "liger_support", lambda family: None)
-    runs = []
 
-    def fake_run(work, name, *, start, extra, steps, skip, cuda, notes):
-        runs.append(sorted(k for k, v in extra.items() if v is True))
+    monkeypatch.setattr(tune_module, "liger_support", lambda family: None)
+    monkeypatch.setitem(bench.MODELS, "search-case", dict(seq=32, tokens=32 * 64, config=dict(model_type="llama")))
+    (work / "search-case").mkdir()
+    clock = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: clock[0])
+
+    def fake_run(work, name, *, batch, extra, steps, skip, cuda, find):
+        clock[0] += bench.point_seconds(extra)
+        assert find is False and extra["optim"] == "adamw_torch_fused" and extra["tf32"]
+        assert extra["logging_nan_inf_filter"] is False and extra["dataloader_num_workers"] == 2
+        runs.append((bench._flags_label({k: v for k, v in extra.items() if k != "tf32"}), batch))
         if extra.get("torch_compile") and extra.get("use_liger_kernel"):
             raise RuntimeError("RuntimeError when making fake tensor call\nlong trace")
-        return {"tokens_per_s": 300.0 if extra.get("torch_compile") else 200.0, "found_batch": start}
+        if batch > (32 if extra.get("torch_compile") or extra.get("use_liger_kernel") else 16):
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        speed = batch * (1.5 if extra.get("torch_compile") else 1.0) * (1.2 if extra.get("use_liger_kernel") else 1.0)
+        return {"tokens_per_s": speed, "peak_mib": 10.0 * batch}
 
-    monkeypatch.setattr(bench, "_hf_found_run", fake_run)
-    result = bench.hf_trainer_case(tmp_path, "tiny-gpt2", flags=True, steps=2, skip=1, cuda=True)
-    assert runs == [["tf32", "torch_compile", "use_liger_kernel"], ["tf32", "torch_compile"],
-                    ["tf32", "use_liger_kernel"]]
-    assert result["tokens_per_s"] == 300.0 and "use_liger_kernel" not in result["flags"]
-    assert any("failed: RuntimeError: RuntimeError when making fake tensor call" in n for n in result["notes"])
-    assert len(result["variants"]) == 3
-    # flags that run together are measured once
+    monkeypatch.setattr(bench, "_hf_run", fake_run)
+
+
+def test_bench_trainer_search_climbs_each_variants_micro_batches_until_one_does_not_fit(monkeypatch, tmp_path):
+    """The Trainer's column is the search a careful user runs: micro-batches 8, 16, 32, ... (the accumulation
+    keeping the global batch) for each of its flags apart and together, until a micro-batch does not fit; a
+    combination a library cannot run is said and skipped; the best point is the column, every point is kept."""
+    bench = _bench_module()
+    runs = []
+    _search_case(bench, monkeypatch, runs, tmp_path)
+    best = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True)
+    assert runs == [("no flags", 8), ("no flags", 16), ("no flags", 32),
+                    ("torch_compile", 8), ("torch_compile", 16), ("torch_compile", 32), ("torch_compile", 64),
+                    ("torch_compile+mode=max-autotune-no-cudagraphs", 8),
+                    ("torch_compile+mode=max-autotune-no-cudagraphs", 16),
+                    ("torch_compile+mode=max-autotune-no-cudagraphs", 32),
+                    ("torch_compile+mode=max-autotune-no-cudagraphs", 64),
+                    ("use_liger_kernel", 8), ("use_liger_kernel", 16), ("use_liger_kernel", 32),
+                    ("use_liger_kernel", 64), ("use_liger_kernel+torch_compile", 8)]
+    assert best["tokens_per_s"] == 48.0 and best["batch"] == 32 and best["gradient_accumulation_steps"] == 2
+    assert best["flags"]["torch_compile"] and best["complete"]
+    statuses = [p["status"] for p in best["points"]]
+    assert len(best["points"]) == 16 and statuses.count("oom") == 4 and statuses.count("failed: RuntimeError") == 1
+    assert any("use_liger_kernel+torch_compile: RuntimeError: RuntimeError when making fake tensor call" in n
+               for n in best["notes"])
+    # the points are in the state as they were measured: a second call measures nothing again
+    assert len(bench.load_state(tmp_path, "search-case")["hf_search_points"]) == 16
     runs.clear()
-    monkeypatch.setattr(bench, "_hf_found_run", lambda *a, **k: runs.append(1) or {"tokens_per_s": 1.0})
-    assert bench.hf_trainer_case(tmp_path, "tiny-gpt2", flags=True, steps=2, skip=1, cuda=True)["tokens_per_s"] == 1.0
-    assert runs == [1]
+    assert bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True)["tokens_per_s"] == 48.0
+    assert runs == []
+
+
+def test_bench_trainer_search_stops_where_the_calls_time_ends_and_goes_on_in_the_next(monkeypatch, tmp_path):
+    bench = _bench_module()
+    runs = []
+    _search_case(bench, monkeypatch, runs, tmp_path)
+    # 80 s: the three eager points (25 s each, point_seconds) fit; a compiled one (110 s) would not
+    first = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True, time_left=80.0)
+    assert runs == [("no flags", 8), ("no flags", 16), ("no flags", 32)] and not first["complete"]
+    assert "rerun the phase for the rest" in first["notes"][-1]
+    runs.clear()
+    second = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True)
+    assert runs[0] == ("torch_compile", 8) and second["complete"] and len(second["points"]) == 16
+
+
+def test_bench_trainer_search_on_the_cpu_is_the_micro_batches_without_gpu_flags(monkeypatch, tmp_path):
+    bench = _bench_module()
+    assert bench.trainer_micro_batches(512) == [8, 16, 32, 64, 128, 256, 512]
+    assert bench.trainer_micro_batches(8) == [8] and bench.trainer_micro_batches(4) == [4]
+    variants, notes = bench.trainer_variants("gpt2", cuda=False)
+    assert variants == [{}] and "no torch_compile, tf32 or liger" in notes[0]
 
 
 def test_the_prediction_of_a_transformers_model_counts_liger_where_the_estimator_models_it():

@@ -8,9 +8,14 @@ parameters at seq 2048 (131,072 tokens: see MODELS), both written here as config
                   from the Trainer's default micro-batch (8), ``gradient_accumulation_steps`` reaching
                   the global batch (re-derived when the finder halves the micro-batch: the Trainer
                   keeps the accumulation, so a user keeps the global batch by rerunning at the found size);
-(b) ``hf-flags``: the same with the best of its own flags, as a careful user sets them: ``torch_compile``,
-                  ``use_liger_kernel`` (where liger has the family's kernels), ``optim="adamw_torch_fused"``,
-                  ``tf32``, two DataLoader workers, the finder started at twice the default;
+(b) ``hf-flags``: the Trainer searched as a careful user searches it: every micro-batch in powers of two
+                  from 8 up to the largest that fits (the global batch kept by the accumulation), for
+                  each of its own speed flags apart and together (none, ``torch_compile`` and its
+                  ``max-autotune-no-cudagraphs`` mode, ``use_liger_kernel`` where liger has the family's
+                  kernels, liger with compile), all over ``optim="adamw_torch_fused"``, ``tf32``,
+                  ``logging_nan_inf_filter=False`` and two DataLoader workers; the column is the best
+                  point, and every point is kept (``hf_search_points``: a call that runs out of time
+                  leaves the rest to the next);
 (c) ``tune``:     ``fasttrain tune``'s pick within its budget (``--budget``);
 (d) ``grid``:     a grid over tune's space fixed before the search, not derived from it: every
                   configuration that fits (by the estimator) when they are at most ``--grid-size``,
@@ -175,61 +180,118 @@ def prepare(work: Path, name: str, n_tokens: int | None = None) -> Path:
 
 # --- (a), (b): the Hugging Face Trainer ------------------------------------------------------------
 
-def hf_trainer_case(work: Path, name: str, *, flags: bool, steps: int, skip: int, cuda: bool) -> dict:
-    """One HF Trainer run: tokens/s over its optimizer steps after the first ``skip``; the micro-batch
-    its finder settled on; the peak memory."""
+def hf_trainer_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool) -> dict:
+    """(a): the HF Trainer as its users run it: tokens/s over its optimizer steps after the first ``skip``; the
+    micro-batch its finder settled on; the peak memory."""
     spec = MODELS[name]
-    seq, tokens = spec["seq"], spec["tokens"]
-    start = HF_DEFAULT_BATCH * (2 if flags else 1)
-    start = min(start, tokens // seq)
-    notes = []
-    extra = {}
-    if flags:
-        extra = dict(optim="adamw_torch_fused", dataloader_num_workers=2)
-        if cuda:
-            extra.update(torch_compile=True, tf32=True)
-            from fasttrain.lab.tune import liger_support
+    start = min(HF_DEFAULT_BATCH, spec["tokens"] // spec["seq"])
+    notes: list = []
+    result = _hf_found_run(work, name, start=start, extra={}, steps=steps, skip=skip, cuda=cuda, notes=notes)
+    result["flags"], result["notes"] = {}, notes
+    return result
 
-            reason = liger_support(spec["config"]["model_type"])
-            if reason:
-                notes.append(f"use_liger_kernel off: {reason}")
-            else:
-                extra["use_liger_kernel"] = True
-        else:
-            notes.append("on the CPU: no torch_compile, tf32 or liger (GPU techniques)")
-    # a careful user whose flags cannot run together (liger's fused cross-entropy under torch_compile, say)
-    # drops one of them, tries each way and keeps the faster
-    variants = [extra]
-    if extra.get("torch_compile") and extra.get("use_liger_kernel"):
-        variants += [{k: v for k, v in extra.items() if k != "use_liger_kernel"},
-                     {k: v for k, v in extra.items() if k != "torch_compile"}]
-    tried = []
-    for i, flags_now in enumerate(variants):
-        if i == 1 and tried[0].get("tokens_per_s"):
-            break                       # every flag ran together: nothing to drop
-        try:
-            result = _hf_found_run(work, name, start=start, extra=flags_now, steps=steps, skip=skip, cuda=cuda,
-                                   notes=notes)
-        except Exception as exc:  # noqa: BLE001 - a combination the libraries cannot run is this variant's result
-            _release_failed_run(cuda)
-            first = (str(exc).strip().splitlines() or [""])[0][:200]
-            notes.append(f"{_flags_label(flags_now)} failed: {type(exc).__name__}: {first}")
-            result = {"tokens_per_s": None, "error": f"{type(exc).__name__}: {first}"}
-        result["flags"] = dict(flags_now)
-        tried.append(result)
-    ran = [r for r in tried if r.get("tokens_per_s")]
+
+# (b): the flags every point of the search has, and the ones it tries apart and together
+TRAINER_FLAGS = dict(optim="adamw_torch_fused", logging_nan_inf_filter=False, dataloader_num_workers=2)
+
+
+def trainer_micro_batches(sequences: int) -> list[int]:
+    """Powers of two from the Trainer's default micro-batch (8) up to the global batch's sequences."""
+    out, batch = [], min(HF_DEFAULT_BATCH, sequences)
+    while batch <= sequences:
+        out.append(batch)
+        batch *= 2
+    return out
+
+
+def trainer_variants(model_type: str, cuda: bool) -> tuple[list[dict], list[str]]:
+    """The Trainer's own speed flags a careful user tries, apart and together (GPU techniques: none on the CPU)."""
+    if not cuda:
+        return [{}], ["on the CPU: no torch_compile, tf32 or liger (GPU techniques)"]
+    from fasttrain.lab.tune import liger_support
+
+    variants = [{}, {"torch_compile": True},
+                {"torch_compile": True, "torch_compile_mode": "max-autotune-no-cudagraphs"}]
+    reason = liger_support(model_type)
+    if reason:
+        return variants, [f"use_liger_kernel off: {reason}"]
+    return variants + [{"use_liger_kernel": True}, {"use_liger_kernel": True, "torch_compile": True}], []
+
+
+def hf_search_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool,
+                   time_left: float | None = None) -> dict:
+    """(b): the HF Trainer at its best. For each variant of its flags (:func:`trainer_variants` over
+    :data:`TRAINER_FLAGS`, tf32 on a GPU), every micro-batch of :func:`trainer_micro_batches`, smallest first, with
+    the accumulation that keeps the global batch and the finder off: a point out of memory ends that variant's
+    ladder (a larger micro-batch does not fit either), one a library cannot run ends the variant. Every point is
+    saved as it is measured (``hf_search_points`` in the state) and read back by the next call; with
+    ``time_left`` a point starts only where its expected time (:func:`point_seconds`) fits. Returns the best
+    point, with every point and whether the search is complete."""
+    spec = MODELS[name]
+    base = dict(TRAINER_FLAGS, **({"tf32": True} if cuda else {}))
+    variants, notes = trainer_variants(spec["config"]["model_type"], cuda)
+    points = {_trainer_point_key(p["flags"], p["batch"]): p for p in load_state(work, name).get("hf_search_points", [])}
+    t0, complete = time.perf_counter(), True
+    for variant in variants:
+        flags = dict(base, **variant)
+        for batch in trainer_micro_batches(spec["tokens"] // spec["seq"]):
+            key = _trainer_point_key(flags, batch)
+            if key not in points:
+                if time_left is not None and time.perf_counter() - t0 + point_seconds(variant) > time_left:
+                    complete = False
+                    break
+                points[key] = _trainer_point(work, name, batch=batch, flags=flags, steps=steps, skip=skip, cuda=cuda)
+                state = load_state(work, name)
+                state["hf_search_points"] = list(points.values())
+                save_state(work, name, state)
+                log(f"trainer {_flags_label(variant)} {batch}: {points[key]['status']} "
+                    f"{_fmt(points[key].get('tokens_per_s'))} tokens/s")
+            if points[key]["status"] != "ok":
+                break
+        if not complete:
+            break
+    ran = [p for p in points.values() if p["status"] == "ok"]
     if not ran:
-        raise SystemExit(f"{name}: no combination of the HF Trainer's flags ran: " + "; ".join(notes))
-    best = max(ran, key=lambda r: r["tokens_per_s"])
-    if len(tried) > 1:
-        notes += [f"{_flags_label(r['flags'])}: {r['tokens_per_s']:,.0f} tokens/s" for r in ran]
-        best["variants"] = [{k: v for k, v in r.items() if k != "variants"} for r in tried]
-    best["notes"] = notes
+        raise SystemExit(f"{name}: no point of the HF Trainer's search ran: "
+                         + "; ".join(f"{_flags_label(p['flags'])} {p['batch']}: {p['status']}" for p in points.values()))
+    best = dict(max(ran, key=lambda p: p["tokens_per_s"]))
+    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}" for p in points.values()
+                     if p["status"].startswith("failed")})
+    notes += [f"the Trainer's best of {len(ran)} points measured ({len(points) - len(ran)} did not run): "
+              f"{_flags_label(best['flags'])} at micro-batch {best['batch']} x {best['gradient_accumulation_steps']}"]
+    notes += [f"{line} (this variant skipped)" for line in failed]
+    if not complete:
+        notes.append("the search ran out of this call's time: rerun the phase for the rest")
+    best.update(points=sorted(points.values(), key=lambda p: (_flags_label(p["flags"]), p["batch"])),
+                complete=complete, notes=notes)
     return best
 
 
+def _trainer_point_key(flags: dict, batch: int) -> str:
+    return f"{point_key(flags)}@{batch}"
+
+
+def _trainer_point(work: Path, name: str, *, batch: int, flags: dict, steps: int, skip: int, cuda: bool) -> dict:
+    """One point of the Trainer's search: ``status`` ok, oom, or failed (a combination a library cannot run)."""
+    spec = MODELS[name]
+    point = {"batch": batch, "gradient_accumulation_steps": max(1, spec["tokens"] // (batch * spec["seq"])),
+             "flags": dict(flags)}
+    try:
+        result = _hf_run(work, name, batch=batch, extra=flags, steps=steps, skip=skip, cuda=cuda, find=False)
+        return {**point, **result, "batch": batch, "flags": dict(flags), "status": "ok"}
+    except Exception as exc:  # noqa: BLE001 - out of memory or a library's refusal is this point's result
+        _release_failed_run(cuda)
+        first = (str(exc).strip().splitlines() or [""])[0][:200]
+        oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
+        return {**point, "tokens_per_s": None, "error": f"{type(exc).__name__}: {first}",
+                "status": "oom" if oom else f"failed: {type(exc).__name__}"}
+
+
 def _flags_label(flags: dict) -> str:
-    return "+".join(k for k, v in flags.items() if v is True) or "no flags"
+    parts = [k for k, v in flags.items() if v is True]
+    if flags.get("torch_compile_mode"):
+        parts.append(f"mode={flags['torch_compile_mode']}")
+    return "+".join(parts) or "no flags"
 
 
 def _release_failed_run(cuda: bool) -> None:
@@ -303,7 +365,8 @@ def step_timer(cuda: bool, after_step=None):
     return StepTimer()
 
 
-def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip: int, cuda: bool) -> dict:
+def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip: int, cuda: bool,
+            find: bool = True) -> dict:
     import numpy as np
     import torch
     import transformers as tf
@@ -324,7 +387,7 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
     with tempfile.TemporaryDirectory() as out:
         args = tf.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
-            gradient_accumulation_steps=accumulation, bf16=True, auto_find_batch_size=True,
+            gradient_accumulation_steps=accumulation, bf16=True, auto_find_batch_size=find,
             learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.1,
             logging_steps=max(1, steps), save_strategy="no", report_to="none", seed=0, use_cpu=not cuda,
             disable_tqdm=True, **extra)
@@ -791,6 +854,13 @@ def readme(folder: Path, into: Path | None = None) -> str:
             lines += ["", profile_line(json.loads(profile.read_text()), (base / "logs" / profile.name).as_posix(), hf)]
         for note in detail.get("notes", []):
             lines.append(f"\n- {note}")
+        points = ((data.get("states", {}).get(detail["model"]) or {}).get("hf_flags") or {}).get("points")
+        if points:
+            lines += ["", "Every HF Trainer point measured (its best flags' column is the fastest):", "",
+                      "| Trainer flags | micro-batch x accumulation | tokens/s | peak MiB | status |",
+                      "| --- | ---: | ---: | ---: | --- |"]
+            lines += [f"| {_flags_label(p['flags'])} | {p['batch']} x {p['gradient_accumulation_steps']} "
+                      f"| {_fmt(p.get('tokens_per_s'))} | {_fmt(p.get('peak_mib'))} | {p['status']} |" for p in points]
     return "\n".join(lines) + "\n"
 
 
@@ -858,7 +928,7 @@ def main(argv=None) -> int:
     ap.add_argument("--stop-after", type=float, default=None,
                     help="grid: start no new point after this many seconds (run the phase again for the rest)")
     ap.add_argument("--time-left", type=float, default=None,
-                    help="grid: seconds this call has; a point starts only where its expected time fits")
+                    help="grid, hf-flags: seconds this call has; a point starts only where its expected time fits")
     ap.add_argument("--claims", type=Path, default=None,
                     help="grid: a folder shared with the other GPU's lane, through which each point is taken once")
     ap.add_argument("--members-from", type=Path, default=None,
@@ -939,9 +1009,12 @@ def main(argv=None) -> int:
                 merge_lanes(args.work, name, args.source)
                 continue
             if phase == "hf":
-                state["hf"] = hf_trainer_case(args.work, name, flags=False, steps=skip + steps, skip=skip, cuda=cuda)
+                state["hf"] = hf_trainer_case(args.work, name, steps=skip + steps, skip=skip, cuda=cuda)
             elif phase == "hf-flags":
-                state["hf_flags"] = hf_trainer_case(args.work, name, flags=True, steps=skip + steps, skip=skip, cuda=cuda)
+                best = hf_search_case(args.work, name, steps=skip + steps, skip=skip, cuda=cuda,
+                                      time_left=args.time_left)
+                state = load_state(args.work, name)          # with the points the search saved as it went
+                state["hf_flags"] = best
             elif phase == "tune":
                 state["tune"] = tune_case(args.work, name, budget=args.budget, cuda=cuda, steps=args.probe_steps,
                                           max_candidates=args.max_candidates)
