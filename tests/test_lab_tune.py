@@ -703,7 +703,8 @@ def _search_case(bench, monkeypatch, runs, work):
         if batch > (32 if extra.get("torch_compile") or extra.get("use_liger_kernel") else 16):
             raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
         speed = batch * (1.5 if extra.get("torch_compile") else 1.0) * (1.2 if extra.get("use_liger_kernel") else 1.0)
-        return {"tokens_per_s": speed, "peak_mib": 10.0 * batch}
+        # as _hf_run reports: the micro-batch and the accumulation that keeps the 64 sequences
+        return {"tokens_per_s": speed, "peak_mib": 10.0 * batch, "batch": batch, "gradient_accumulation_steps": 64 // batch}
 
     monkeypatch.setattr(bench, "_hf_run", fake_run)
 

@@ -273,17 +273,17 @@ def _trainer_point_key(flags: dict, batch: int) -> str:
 
 def _trainer_point(work: Path, name: str, *, batch: int, flags: dict, steps: int, skip: int, cuda: bool) -> dict:
     """One point of the Trainer's search: ``status`` ok, oom, or failed (a combination a library cannot run)."""
-    spec = MODELS[name]
-    point = {"batch": batch, "gradient_accumulation_steps": max(1, spec["tokens"] // (batch * spec["seq"])),
-             "flags": dict(flags)}
     try:
+        # _hf_run's figures carry the micro-batch and the accumulation it ran
         result = _hf_run(work, name, batch=batch, extra=flags, steps=steps, skip=skip, cuda=cuda, find=False)
-        return {**point, **result, "batch": batch, "flags": dict(flags), "status": "ok"}
+        return {**result, "flags": dict(flags), "status": "ok"}
     except Exception as exc:  # noqa: BLE001 - out of memory or a library's refusal is this point's result
         _release_failed_run(cuda)
+        spec = MODELS[name]
         first = (str(exc).strip().splitlines() or [""])[0][:200]
         oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
-        return {**point, "tokens_per_s": None, "error": f"{type(exc).__name__}: {first}",
+        return {"batch": batch, "gradient_accumulation_steps": max(1, spec["tokens"] // (batch * spec["seq"])),
+                "flags": dict(flags), "tokens_per_s": None, "error": f"{type(exc).__name__}: {first}",
                 "status": "oom" if oom else f"failed: {type(exc).__name__}"}
 
 
