@@ -158,6 +158,10 @@ def test_ladder_on_a_tiny_budget_writes_results_a_record_and_a_checkpoint_lab_ev
     assert "fasttrain lab eval" in md and "final val loss (mean ± sd)" in md
     summary = json.loads((out / "speedrun.json").read_text())
     assert summary["fastest"]["name"] == res["fastest"]["name"] and summary["process_wall_s"] > 0
+    # the cold-start profile: the process's age at each milestone, in the order they happen
+    ages = [summary["process_phases"][k] for k in ("entered_s", "corpus_loaded_s", "environment_s", "rows_done_s",
+                                                   "saved_s")]
+    assert ages == sorted(ages) and ages[0] > 0 and ages[-1] == summary["process_wall_s"]
 
     # the saved model (the fastest counted row's median seed) alone gives back its final loss, exactly
     meta = json.loads((ck / "config.json").read_text())

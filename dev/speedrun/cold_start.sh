@@ -42,7 +42,14 @@ trap 'rm -rf "$WORK"' EXIT
 field() {  # field RESULT_DIR KEY: setup_s / train_s (median over seeds) of the speedrun's only row, or null
   "$PY" - "$1" "$2" <<'EOF' 2>/dev/null || echo null
 import json, sys
-r = json.load(open(sys.argv[1] + "/speedrun.json"))["rows"][0]
+result = json.load(open(sys.argv[1] + "/speedrun.json"))
+r = result["rows"][0]
+if sys.argv[2] == "phases":     # the process's age at each milestone, and the row's own parts of the setup
+    run = (r.get("runs") or [{}])[0]
+    print(json.dumps({**result.get("process_phases", {}), "build_s": r.get("build_s"),
+                      "warmup_steps_s": sum(r.get("warmup_ms") or []) / 1e3, "warmup_eval_s": (r.get("warmup_eval_ms") or 0) / 1e3,
+                      "train_s": run.get("train_s"), "final_eval_s": run.get("eval_s")}))
+    raise SystemExit
 v = r.get("setup_s") if sys.argv[2] == "setup_s" else r["summary"].get("train_s_median")
 print("null" if v is None else f"{v:.3f}")
 EOF
@@ -59,10 +66,12 @@ timed() {  # timed RUNG CACHE RESULT_DIR -- COMMAND...: run it, clock it, append
   t1=$(date +%s.%N)
   local secs setup train
   secs=$(awk -v a="$t0" -v b="$t1" 'BEGIN { printf "%.3f", b - a }')
-  setup=null; train=null
-  if [ -n "$dir" ] && [ -f "$dir/speedrun.json" ]; then setup=$(field "$dir" setup_s); train=$(field "$dir" train_s); fi
-  printf '{"rung": "%s", "cache": "%s", "process_s": %s, "rc": %d, "setup_s": %s, "train_s": %s}\n' \
-    "$rung" "$cache" "$secs" "$rc" "$setup" "$train" >> "$TIMES"
+  setup=null; train=null; phases=null
+  if [ -n "$dir" ] && [ -f "$dir/speedrun.json" ]; then
+    setup=$(field "$dir" setup_s); train=$(field "$dir" train_s); phases=$(field "$dir" phases)
+  fi
+  printf '{"rung": "%s", "cache": "%s", "process_s": %s, "rc": %d, "setup_s": %s, "train_s": %s, "phases": %s}\n' \
+    "$rung" "$cache" "$secs" "$rc" "$setup" "$train" "$phases" >> "$TIMES"
   echo "$rung $cache: ${secs} s (exit $rc, setup $setup s, training $train s)"
 }
 

@@ -354,6 +354,8 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
     median seed (``save``; ``result["saved"]`` stays None when no row counts). ``budget_s``: no row or seed
     starts after this many seconds from the call (results stay whole). ``compile_cache``: a file of compiled
     artifacts loaded first (when it exists) and rewritten after each compiling row's setup."""
+    # where a whole process's seconds go (the cold-start profile): its age at each milestone, from /proc
+    phases = {"entered_s": process_age_s()}
     from fasttrain.environment import environment
     from fasttrain.lab.build import resolve_device
     from fasttrain.lab.data import load_corpus
@@ -391,6 +393,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         log(f"compile cache {compile_cache}: " + (f"loaded {cache_loaded['bytes']:,} bytes in "
                                                   f"{cache_loaded['load_s']:.2f} s" if cache_loaded["loaded"]
                                                   else "empty (this run fills it)"))
+    phases["corpus_loaded_s"] = process_age_s()
     import torch
 
     result = {
@@ -401,8 +404,9 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
                      "seeds": max((r.seeds for r in rows), key=len)},
         "data": {"chars": len(corpus.chars), "train_chars": int(len(corpus.train)), "val_chars": int(len(corpus.val)),
                  "split": "first 90% of the characters train, last 10% validate"},
-        "rows": [], "saved": None,
+        "rows": [], "saved": None, "process_phases": phases,
     }
+    phases["environment_s"] = process_age_s()
     best_row, best_state = None, None
     # ``progress(done, total, loss)``: after every seed's run (its final validation loss), never inside one
     seeds_total, seeds_done = sum(len(r.seeds) for r in rows), 0
@@ -446,6 +450,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
             write_results(result, out)
 
     experiment.run(prepared, run_one, on_row=finished)
+    phases["rows_done_s"] = process_age_s()
     result["fastest"] = None if best_row is None else {
         "label": best_row["label"], "name": best_row["name"], "train_s": best_row["summary"]["train_s_median"],
         "seed": best_state[0]["seed"]}
@@ -453,7 +458,7 @@ def run_ladder(rows: list[Row], *, target: float = TARGET, min_seeds: int = MIN_
         result["saved"] = save_fastest(save, best_row, *best_state, corpus=corpus, target=target)
         log(f"saved {best_row['name']} seed {best_state[0]['seed']} to {save}")
     result["finished"] = _now()
-    result["process_wall_s"] = process_age_s()
+    result["process_wall_s"] = phases["saved_s"] = process_age_s()
     if out:
         write_results(result, out)
     return result
