@@ -9,6 +9,8 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
+import statistics
 import shutil
 
 import pytest
@@ -485,11 +487,34 @@ def test_a_loss_that_rises_with_the_steps_is_said():
 
 
 def test_a_probe_with_a_seed_that_did_not_finish_does_not_pass():
-    assert choosing.passes([1.40, 1.41], target=1.47, margin=0.008)
-    assert not choosing.passes([1.40, None], target=1.47, margin=0.008)
-    assert not choosing.passes([1.40, float("nan")], target=1.47, margin=0.008)
+    assert choosing.passes([1.40, 1.41], target=1.47, margin=0.008) == (True, 0.008)
+    assert choosing.passes([1.40, None], target=1.47, margin=0.008) == (False, None)
+    assert choosing.passes([1.40, float("nan")], target=1.47, margin=0.008) == (False, None)
     with pytest.raises(FasttrainError, match="positive step counts"):
         choosing.search_steps(lambda s: {}, [0, 10])
+
+
+def test_the_auto_margin_is_the_verdicts_line_plus_two_standard_errors_of_the_choosing_mean():
+    from scipy import stats
+
+    # like the H100's wd-0.5 at 1,250 steps on choosing seeds 2000-2004 (mean 1.4587, sd 0.0055)
+    losses = [1.4515, 1.4605, 1.4665, 1.4555, 1.4595]
+    sd = statistics.stdev(losses)
+    for n_j in (5, 10):
+        want = stats.t.ppf(0.99, n_j - 1) * sd / math.sqrt(n_j) + 2 * sd / math.sqrt(5)
+        assert choosing.auto_margin(losses, n_j) == pytest.approx(want)
+    # with 5 judging seeds this spread needs a mean <= 1.4555; with 10, <= 1.4599: the mean 1.4587 passes then only
+    assert choosing.passes(losses, target=1.47, margin="auto", judging_n=5)[0] is False
+    ok, used = choosing.passes(losses, target=1.47, margin="auto", judging_n=10)
+    assert ok and used == pytest.approx(choosing.auto_margin(losses, 10))
+    # a wider spread asks more of the same mean
+    wide = [1.4500, 1.4620, 1.4700, 1.4520, 1.4595]     # sd 0.0081
+    assert statistics.fmean(wide) == pytest.approx(statistics.fmean(losses))
+    assert choosing.passes(wide, target=1.47, margin="auto", judging_n=10)[0] is False
+    assert choosing.parse_margin("auto") == "auto" and choosing.parse_margin("0.01") == 0.01
+    for bad in ("-0.1", "nan", "lots", None):
+        with pytest.raises(FasttrainError, match="--margin must be auto or a non-negative number"):
+            choosing.parse_margin(bad)
 
 
 def test_choosing_keeps_the_recipe_whose_chosen_steps_train_fastest():

@@ -53,7 +53,7 @@ from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS
 from fasttrain.lab.overrides import parse_assignments, parse_variant
 from fasttrain.lab.experiments.speedrun_ladder import LADDER, RECIPE_STEPS, Rung  # noqa: F401 (Rung: the ladder's type)
 from fasttrain.lab.experiments.speedrun_search import (BASE_RUNG, MARGIN, RECIPES, Recipe, check_seeds, choose,
-                                                       parse_recipes, parse_seed_list, recipe_names)
+                                                       parse_margin, parse_recipes, parse_seed_list, recipe_names)
 from fasttrain.lab.experiments.speedrun_report import (DEFAULT_SEEDS, ladder_markdown, median_run, merge_command, readme_command,
                                            record_command, save_fastest, summarize, write_results)
 
@@ -609,7 +609,7 @@ def _command_line(sub: str) -> str | None:
         if sys.argv[1:4] == ["lab", "speedrun", sub] else None
 
 
-def run_search(recipes, choosing: list[int], judging: list[int], *, target: float = TARGET, margin: float = MARGIN,
+def run_search(recipes, choosing: list[int], judging: list[int], *, target: float = TARGET, margin=MARGIN,
                out: str | None = None, save: str | None = None, corpus=None, base_preset: str | None = None,
                sets: dict | None = None, device: str | None = None, data_dir: str | None = None,
                command: str | None = None, machine: str | None = None, log=None) -> dict:
@@ -624,8 +624,7 @@ def run_search(recipes, choosing: list[int], judging: list[int], *, target: floa
     from fasttrain.lab.outputs import check_save_folder
 
     check_seeds(choosing, judging)
-    if not (isinstance(margin, (int, float)) and math.isfinite(margin) and margin >= 0):
-        raise FasttrainError(f"--margin must be a non-negative number of nats, got {margin!r}")
+    margin = parse_margin(margin)
     if out is not None:
         check_new_folder(out, "--out")
     if save is not None:
@@ -647,7 +646,7 @@ def run_search(recipes, choosing: list[int], judging: list[int], *, target: floa
         return {"final_val_losses": [r["final_val_loss"] for r in rec["runs"]],
                 "train_s": statistics.median(done) if done else None}
 
-    search = choose(recipes, probe, target=target, margin=margin, log=log)
+    search = choose(recipes, probe, target=target, margin=margin, judging_n=len(judging), log=log)
     search.update(choosing_seeds=list(choosing), judging_seeds=list(judging), alpha=ALPHA, target=target, margin=margin)
     if search["chosen"] is None:
         if out is not None:
@@ -751,8 +750,9 @@ def confirmation_line(conf: dict) -> str:
               help=f"Seeds that judge the chosen recipe, at least {MIN_SEEDS}, none of the choosing ones (e.g. 3000-3004).")
 @click.option("--steps", "steps_text", help="Candidate step counts for every recipe, comma-separated (default: each "
                                            "recipe's own).")
-@click.option("--margin", type=float, default=MARGIN, show_default=True,
-              help="The choosing seeds' mean must end this far below the target.")
+@click.option("--margin", default=MARGIN, show_default=True,
+              help="The choosing seeds' mean must end this far below the target: auto (from their spread and the "
+                   "judging seeds' count, so the judging and confirming verdicts pass with it) or nats.")
 @click.option("--target", type=float, default=TARGET, show_default=True, help="Mean final validation loss to beat.")
 @click.option("--set", "sets", multiple=True, help="Overrides for every recipe, FIELD=VALUE[,...].")
 @click.option("--preset", "base_preset", help="The preset the recipes start from (tiny: a smoke run).")
@@ -787,10 +787,12 @@ def search_command(recipes, choosing_seeds, judging_seeds, steps_text, margin, t
                         command=_command_line("search"), machine=Path(out_dir).name, log=log)
     search = result["search"]
     for s in search["recipes"]:
-        click.echo(f"{s['recipe']}: " + ", ".join(f"{p['steps']} steps mean {p['mean']:.4f}" + (" ok" if p["passes"]
-                                                  else "") for p in s["probes"] if p["mean"] is not None))
+        click.echo(f"{s['recipe']}: " + ", ".join(
+            f"{p['steps']} steps mean {p['mean']:.4f}" + (f" (margin {p['margin']:.4f})" if p.get("margin") is not None
+                                                          else "") + (" ok" if p["passes"] else "")
+            for p in s["probes"] if p["mean"] is not None))
     if search["chosen"] is None:
-        raise FasttrainError(f"no recipe ends <= {target} - {margin} on the choosing seeds at any of its steps: "
+        raise FasttrainError(f"no recipe ends <= {target} - margin ({margin}) on the choosing seeds at any of its steps: "
                              f"nothing judged (see {out_dir}/search.json)")
     s = result["rows"][0]["summary"]
     click.echo(f"chosen: {search['chosen']} at {search['steps']} steps; judged on {judging}: mean "

@@ -356,17 +356,21 @@ def search_markdown(record: dict) -> str:
     seeds, and the confirmation of a second invocation on fresh seeds (or that none ran yet)."""
     if "choosing_seeds" not in record:
         return ""
+    margin = record.get("margin")
+    rule = ("the margin auto: t(0.99, n_j - 1) sd / sqrt n_j + 2 sd / sqrt n_c from each probe's own spread, n_j the "
+            "judging seeds" if margin == "auto" else f"the margin {margin}")
     lines = [f"Chosen on seeds {record['choosing_seeds']} (the shortest steps whose mean ends at or below "
-             f"{record.get('target')} - {record.get('margin')}), judged on seeds {record['judging_seeds']} alone "
+             f"{record.get('target')} less {rule}), judged on seeds {record['judging_seeds']} alone "
              f"(p < {record.get('alpha')}).", ""]
     probes = [(r["recipe"], p) for r in record.get("search") or [] for p in r["probes"]]
     if probes:
-        lines += ["| recipe | steps | choosing seeds' final losses | mean | train s | passes |",
-                  "| --- | ---: | --- | ---: | ---: | --- |"]
+        lines += ["| recipe | steps | choosing seeds' final losses | mean | margin | train s | passes |",
+                  "| --- | ---: | --- | ---: | ---: | ---: | --- |"]
         for name, p in probes:
             losses = ", ".join("-" if v is None else f"{v:.4f}" for v in p["final_val_losses"])
-            lines.append(f"| {name} | {p['steps']} | {losses} | {_num(p['mean'], 4)} | {_num(p['train_s'])} | "
-                         f"{'yes' if p['passes'] else 'no'} |")
+            used = p.get("margin", margin if margin != "auto" else None)
+            lines.append(f"| {name} | {p['steps']} | {losses} | {_num(p['mean'], 4)} | {_num(used, 4)} | "
+                         f"{_num(p['train_s'])} | {'yes' if p['passes'] else 'no'} |")
         lines.append("")
     conf = record.get("confirmation")
     if conf is None:
