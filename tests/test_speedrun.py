@@ -494,6 +494,21 @@ def test_a_probe_with_a_seed_that_did_not_finish_does_not_pass():
         choosing.search_steps(lambda s: {}, [0, 10])
 
 
+def test_a_timed_process_is_cut_at_its_milestones_into_parts_that_add_up():
+    # the H100's warm wd-0.5 process (cold_start.sh's line)
+    t = {"rung": "wd-0.5", "cache": "warm", "process_s": 24.195, "rc": 0, "setup_s": 5.97, "train_s": 9.504,
+         "phases": {"entered_s": 0.63, "corpus_loaded_s": 4.15, "environment_s": 4.2, "rows_done_s": 22.9,
+                    "saved_s": 22.9, "build_s": 5.677, "warmup_steps_s": 0.0244, "warmup_eval_s": 0.2583,
+                    "train_s": 9.5039, "final_eval_s": 0.025}}
+    parts = report.process_parts(t)
+    assert list(parts) == list(report.PROCESS_PARTS) and sum(parts.values()) == pytest.approx(24.195)
+    assert parts["imports_data"] == pytest.approx(3.52) and parts["exit"] == pytest.approx(1.295)
+    assert parts["rest_of_row"] == pytest.approx(22.9 - 4.15 - 5.677 - 0.2827 - 9.5039)
+    md = report.process_markdown([t, {"rung": "startup", "cache": "import-torch", "process_s": 4.6, "rc": 0,
+                                      "setup_s": None, "train_s": None, "phases": None}])
+    assert "| wd-0.5 | warm | 0.63 | 3.52 | 5.68 | 0.283 | 9.5 |" in md and md.count("| startup |") == 1
+
+
 def test_the_auto_margin_is_the_verdicts_line_plus_two_standard_errors_of_the_choosing_mean():
     from scipy import stats
 

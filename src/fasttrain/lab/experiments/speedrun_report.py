@@ -408,7 +408,30 @@ def process_markdown(times: list[dict]) -> str:
         cells = [_num(v, 3) if v is not None else "-" for v in (t["process_s"], setup, train, rest)]
         failed = "" if t.get("rc", 0) == 0 else f" (exit {t['rc']})"
         lines.append(f"| {t['rung']} | {t['cache']}{failed} | " + " | ".join(cells) + " |")
+    phased = [t for t in times if t.get("phases")]
+    if phased:
+        lines += ["", "Where a process's seconds go (its age at each milestone, from `/proc`, in `process_phases`):", "",
+                  "| rung | caches | interpreter + CLI | import torch + data | build + capture | warm-up + validation "
+                  "| train | rest of the row | exit |", "| --- | --- | " + "---: | " * 6 + "---: |"]
+        for t in phased:
+            parts = process_parts(t)
+            lines.append(f"| {t['rung']} | {t['cache']} | " + " | ".join(_num(parts[k], 3) for k in PROCESS_PARTS)
+                         + " |")
     return "\n".join(lines) + "\n"
+
+
+PROCESS_PARTS = ("interpreter", "imports_data", "build", "warmup", "train", "rest_of_row", "exit")
+
+
+def process_parts(t: dict) -> dict:
+    """One timed process cut at its milestones (``phases``: the process's age on entering the ladder, after the
+    data, after the row; the row's own build, warm-up and training): the parts add up to ``process_s``."""
+    ph = t["phases"]
+    warmup = ph["warmup_steps_s"] + ph["warmup_eval_s"]
+    row = ph["rows_done_s"] - ph["corpus_loaded_s"]
+    return {"interpreter": ph["entered_s"], "imports_data": ph["corpus_loaded_s"] - ph["entered_s"],
+            "build": ph["build_s"], "warmup": warmup, "train": ph["train_s"],
+            "rest_of_row": row - ph["build_s"] - warmup - ph["train_s"], "exit": t["process_s"] - ph["saved_s"]}
 
 
 def profile_markdown(profile: dict) -> str:
