@@ -50,7 +50,7 @@ def model_refusal(hf_config: dict | None, device) -> Callable[[LabConfig], str |
 
 def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) -> Callable:
     """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` -- the lab's GPT
-    (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config (the lab's own mapping,
+    (:func:`~fasttrain.lab.estimate.lab_setup`) or a transformers model from its config (the lab's own mapping,
     ``fasttrain.lab.hf.memory_setup_for``: torch.compile, its CUDA graphs, liger-kernel, LoRA); None where the
     estimator cannot describe it (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS
     workspaces (the estimator's 65 MiB are a GPU's)."""
@@ -68,7 +68,7 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
             if setup is None:
                 return None
         else:
-            from fasttrain.lab.train import lab_setup
+            from fasttrain.lab.estimate import lab_setup
 
             setup = lab_setup(cfg, vocab)
         if cpu:
