@@ -168,7 +168,8 @@ def row(source: str, model: str, cfg, hf_config, *, measured, then=None, oom=Fal
     tags = tags_of(cfg)
     notes = [note for prefix, name, applies, note in TRAINER_NOTES
              if source.startswith(prefix) and model == name and applies(cfg)]
-    return dict(source=source, model=model, batch=f"{cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps}",
+    batch = f"{cfg.per_device_train_batch_size}x{cfg.gradient_accumulation_steps}"
+    return dict(source=source, model=model, batch=batch,
                 technique=" + ".join(tags), tags=tags, measured_mib=measured,
                 measured_reserved_mib=reserved, predicted_mib=predicted, predicted_then_mib=then, prediction=origin,
                 error_pct=error_pct(measured, predicted), oom=oom, predicted_fits=fits(predicted, device),
@@ -209,7 +210,8 @@ def tune_rows(folder: Path, models: dict, rel) -> tuple[list[dict], list[dict]]:
         for key, point in (state.get("grid") or {}).items():
             overrides = point.get("overrides") or dict(json.loads(key))
             if point.get("from_tune_cache"):
-                excluded.append(dict(source=f"{rel(top)} grid", reason="read from tune's probe cache: that probe's row"))
+                excluded.append(dict(source=f"{rel(top)} grid",
+                                     reason="read from tune's probe cache: that probe's row"))
                 continue
             oom = point.get("oom") or point.get("error") == "out of memory"
             if point.get("peak_mib") is None and not oom:
@@ -264,7 +266,8 @@ def dist_rows(folder: Path, models: dict, rel) -> tuple[list[dict], list[dict]]:
                                 measured=probe["peak_mib"], then=probe.get("predicted_mib"),
                                 reserved=probe.get("reserved_mib"), device=device))
         elif "peak_mib_per_rank" in data or path.name.startswith("hf-"):
-            excluded.append(dict(source=rel(path), reason="the HF Trainer's run: not the trainer the estimator follows"))
+            excluded.append(dict(source=rel(path),
+                                 reason="the HF Trainer's run: not the trainer the estimator follows"))
     return rows, excluded
 
 

@@ -67,8 +67,8 @@ D19 liger-kernel on a transformers model (``liger``): its RMSNorm keeps input an
     its fused linear cross-entropy keeps the d(input) and d(weight) it makes in the forward (no logits, no
     log-probabilities); the step's peak moves into that forward's chunk buffers (``hf_activations``).
 
-D20 CUDA graphs (``cuda_graphs``: torch.compile's reduce-overhead, the cudagraphs backend): the captured
-    forward and backward allocate from a private pool that stays reserved for the next replay, and the caching
+D20 CUDA graphs (``cuda_graphs``: torch.compile's reduce-overhead and max-autotune, the cudagraphs backend): the
+    captured forward and backward allocate from a private pool that stays reserved for the next replay, and the caching
     allocator serves nothing outside the graphs from it (nor the graphs from the rest). The two arenas peak apart
     and add: the pool at the graphs' own peak (what the forward keeps, the backward's working memory and the
     gradients it has output, which live in the pool until the trainer takes them into its buffers, or as the
