@@ -5,6 +5,7 @@ sections are exactly what the generators write from the committed result files (
 from __future__ import annotations
 
 import importlib.util
+import json
 import re
 from pathlib import Path
 
@@ -13,7 +14,8 @@ from fasttrain.files import write_into
 ROOT = Path(__file__).resolve().parents[1]
 INDEX = ROOT / "results" / "README.md"
 LINK = re.compile(r"\[[^\]]*\]\(([^)\s]+)\)")
-MARKERS = ("bench-results", "record-results", "many-results", "lab-results", "tune-results", "speedrun-results")
+MARKERS = ("bench-results", "record-results", "many-results", "lab-results", "tune-results", "speedrun-results",
+           "memory-heldout")
 
 
 def links(text: str) -> list[str]:
@@ -85,11 +87,15 @@ def test_every_readme_under_results_is_reachable_from_the_index():
             f"{readme.relative_to(ROOT)} is not linked from results/README.md"
 
 
-def _bench_tune():
-    spec = importlib.util.spec_from_file_location("bench_tune", ROOT / "dev" / "tune" / "bench_tune.py")
+def _dev_module(name: str, path: str):
+    spec = importlib.util.spec_from_file_location(name, ROOT / path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+def _bench_tune():
+    return _dev_module("bench_tune", "dev/tune/bench_tune.py")
 
 
 def test_the_index_sections_are_what_the_generators_write(tmp_path, monkeypatch):
@@ -118,6 +124,10 @@ def test_the_index_sections_are_what_the_generators_write(tmp_path, monkeypatch)
     section = speedrun_report.readme_section("results/speedrun/nvidia-h100", ("results/speedrun/nvidia-h100-variants",),
                                              index)
     write_into(copy, section, start=speedrun_report.README_START, end=speedrun_report.README_END)
+    # the estimator out of sample: from the committed table (tests/test_memory_heldout.py holds the table itself)
+    heldout = _dev_module("heldout", "dev/memory/heldout.py")
+    data = json.loads((ROOT / "results" / "memory" / "heldout.json").read_text())
+    write_into(copy, heldout.readme_section(data), start=heldout.START, end=heldout.END)
     assert copy.read_text() == text, "results/README.md differs from its generators' output: run the commands it names"
 
 

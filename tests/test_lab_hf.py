@@ -779,10 +779,13 @@ def test_the_memory_setup_follows_the_liger_flag():
     gpt2 = dict(model_type="gpt2", n_embd=32, n_layer=2, n_head=4, vocab_size=120, n_positions=64,
                 embd_pdrop=0.0, attn_pdrop=0.0, resid_pdrop=0.0)
     assert hf.memory_setup_for(gpt2)(liger, 2) is None
-    # liger's layer kernels under a per-block compile are not modelled: no estimate rather than a wrong one; the
-    # fused cross-entropy alone is (the head and the loss stay eager beside compiled layers)
+    # under a per-block compile the head and the loss stay eager beside the compiled layers: all of liger's kernels
+    # and the fused cross-entropy alone are modelled there; a whole compiled model with liger is not (no estimate)
     blocks = dict(torch_compile=True, torch_compile_scope="blocks")
-    assert setup_of(liger.with_(**blocks), 2) is None
+    assert setup_of(liger.with_(**blocks), 2).compiled == "blocks"
+    assert setup_of(liger.with_(torch_compile=True), 2) is None
+    graphs = setup_of(cfg.with_(torch_compile=True, torch_compile_mode="reduce-overhead"), 2)
+    assert graphs.cuda_graphs and graphs.compiled == "model" and not setup_of(cfg.with_(**blocks), 2).cuda_graphs
     flce = setup_of(liger.with_(model="hf:x", liger_kernels="fused_linear_cross_entropy", **blocks), 2)
     assert flce.liger == ("fused_linear_cross_entropy",) and flce.compiled == "blocks"
     big_vocab = hf.memory_setup_for({**llama, "vocab_size": 4096})     # where the logits are the peak's

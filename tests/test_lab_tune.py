@@ -759,10 +759,10 @@ def test_bench_trainer_search_on_the_cpu_is_the_micro_batches_without_gpu_flags(
     assert variants == [{}] and "no torch_compile, tf32 or liger" in notes[0]
 
 
-def test_the_prediction_of_a_transformers_model_counts_liger_where_the_estimator_models_it():
-    """liger-kernel's patches keep less (the fused cross-entropy never makes the logits): predicted eager as the
-    estimator models them (within 0.01% of the H100's Llama 1B peak); inside compiled layers, which the estimator
-    does not model, as the compiled model without liger (liger only frees memory there: the safe side)."""
+def test_the_prediction_of_a_transformers_model_counts_liger_and_cuda_graphs():
+    """liger-kernel's patches keep less (the fused cross-entropy never makes the logits): predicted as the estimator
+    models them, eager and inside per-block compiled layers alike (no longer as the compiled model without liger,
+    which counted the logits the fused cross-entropy never makes); reduce-overhead's CUDA graphs with their pool."""
     pytest.importorskip("transformers")
     from fasttrain.memory import estimate
     from fasttrain.memory.hf_config import setup_from_hf_config
@@ -780,7 +780,11 @@ def test_the_prediction_of_a_transformers_model_counts_liger_where_the_estimator
 
     assert predict(base.with_(use_liger_kernel=True)) == estimated(liger=True) < predict(base)
     blocks = base.with_(torch_compile=True, torch_compile_scope="blocks")
-    assert predict(blocks.with_(use_liger_kernel=True)) == predict(blocks) == estimated(compiled="blocks")
+    assert predict(blocks) == estimated(compiled="blocks")
+    assert predict(blocks.with_(use_liger_kernel=True)) == estimated(compiled="blocks", liger=True) < predict(blocks)
+    whole = base.with_(torch_compile=True)
+    graphs = whole.with_(torch_compile_mode="reduce-overhead")
+    assert predict(graphs) == estimated(compiled="model", cuda_graphs=True) > predict(whole)
 
 
 def test_the_search_on_the_modelled_llama_finds_the_models_best_within_its_budget(capsys):

@@ -1,4 +1,4 @@
-"""precise mode: each difference from the widget (D1-D14 in fasttrain/memory/precise.py), the
+"""precise mode: each difference from the widget (D1-D20 in fasttrain/memory/precise.py), the
 published parameter counts, and the whole model checked on the CPU against the live tensor bytes
 of the reference PyTorch implementation (fasttrain.lab.model) counted op by op."""
 
@@ -175,6 +175,34 @@ def test_d14_framework_buffers_and_ids():
     assert b.line("buffers + token ids").bytes == 8 * 8 + 2 * 8 * d * 4 + 16 * 16     # mask, cos/sin, ids
     flash = estimate(SMALL.with_(attention="flash", pos="learned"))
     assert flash.line("buffers + token ids").bytes == 16 * 16
+
+
+def test_d20_cuda_graphs_pool_adds_to_the_optimizer_step():
+    """CUDA graphs: the pool, held at the graphs' own peak (the largest forward or backward moment), adds to the
+    optimizer step's temporaries (made outside it); without them the step's peak is the larger of the two."""
+    from fasttrain.errors import FasttrainError
+
+    opt_heavy = SMALL.with_(hidden=256, heads=4, kv_heads=4, ffn=1024, seq=4, micro_batch=1, compiled="model")
+    act_heavy = SMALL.with_(seq=64, micro_batch=8, compiled="model")
+    for s in (opt_heavy, act_heavy):
+        plain, graphs = estimate(s), estimate(s.with_(cuda_graphs=True))
+        moments = {m["name"]: m["bytes"] for m in plain.extra["moments"]}
+        persistent = sum(plain.line(n).bytes for n in ("parameters", "optimizer", "buffers + token ids", "framework"))
+        opt_temp = moments.pop("optimizer step") - persistent - plain.extra["grad_bytes"]
+        assert opt_temp == 4 * plain.params                        # foreach AdamW's one fp32 copy (D13)
+        # no gradient buffers: the graphs' gradients are the pool's own, counted in its moments
+        assert graphs.total == max(moments.values()) + opt_temp >= plain.total
+        # the optimizer's temporaries no longer fit into the activations' freed memory, or the pool holds only
+        # what the optimizer step holds anyway (its gradients, at the end of backward)
+        assert (graphs.total > plain.total) == (s is act_heavy)
+        assert graphs.total == pytest.approx(sum(l.bytes for l in graphs.lines if l.in_total), rel=1e-12)
+        assert graphs.extra["peak_moment"].startswith("optimizer step beside the CUDA-graph pool")
+    # accumulating: the buffers outside the pool, the gradients the backward has output so far inside it
+    plain, graphs = (estimate(act_heavy.with_(grad_buffers=True, cuda_graphs=c)) for c in (False, True))
+    made = graphs.line("gradients").bytes - plain.extra["grad_bytes"]
+    assert 0 < made < plain.extra["grad_bytes"] and graphs.total >= plain.total + 4 * plain.params + made
+    with pytest.raises(FasttrainError, match="give the compiled scope too"):
+        estimate(SMALL.with_(cuda_graphs=True))
 
 
 def test_zero_stages_shard_over_dp():

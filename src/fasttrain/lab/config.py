@@ -611,11 +611,19 @@ def liger_of(cfg: "LabConfig"):
 def compiled_scope(cfg: "LabConfig") -> str:
     """The estimator's ``Setup.compiled`` for a lab run: ``none`` (eager), ``model`` (``torch.compile`` of the
     whole module, the loss inside the graph) or ``blocks`` (each decoder layer compiled alone).
-    Modes (default, reduce-overhead) and backends keep the same tensors: AOT autograd's min-cut
-    partitioner chooses what the forward saves in every case (CUDA graphs change where, not how much)."""
+    Modes and backends keep the same tensors: AOT autograd's min-cut partitioner chooses what the forward
+    saves in every case; CUDA graphs change where they live (:func:`cuda_graphs_of`)."""
     if not cfg.torch_compile:
         return "none"
     return "blocks" if cfg.torch_compile_scope == "blocks" else "model"
+
+
+def cuda_graphs_of(cfg: "LabConfig") -> bool:
+    """The estimator's ``Setup.cuda_graphs``: the compiled code captured as CUDA graphs, whose private pool peaks
+    apart from the rest of the step: inductor's reduce-overhead and max-autotune modes (both turn its CUDA
+    graphs on) and the cudagraphs backend."""
+    return cfg.torch_compile and (cfg.torch_compile_mode in ("reduce-overhead", "max-autotune")
+                                  or cfg.torch_compile_backend == "cudagraphs")
 
 
 def lora_targets_for(cfg: "LabConfig", model_default: tuple[str, ...] = ()) -> tuple[str, ...]:
@@ -627,5 +635,6 @@ def lora_targets_for(cfg: "LabConfig", model_default: tuple[str, ...] = ()) -> t
     return targets
 
 
-__all__ = ["LabConfig", "GROUPS", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "ensure_valid", "lora_targets_for",
+__all__ = ["LabConfig", "GROUPS", "PRESETS", "PRESET_NOTES", "OPTIMS", "compiled_scope", "cuda_graphs_of",
+           "ensure_valid", "lora_targets_for",
            "preset", "setting", "setting_meta", "training_arguments_of", "validate"]

@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from fasttrain.lab.build import model_config, model_source
-from fasttrain.lab.config import LabConfig, compiled_scope
+from fasttrain.lab.config import LabConfig, compiled_scope, cuda_graphs_of
 
 
 # the memory estimator's optimizer kinds (its Setup.optim) for the lab's --optim names; Muon keeps
@@ -23,7 +23,7 @@ def lab_setup(cfg: LabConfig, vocab: int = 65):
     listed in :func:`estimate_notes` (liger's kernels in the lab's GPT; a transformers model's are
     modelled, lab/hf.py). Optimizer kind, LoRA's frozen base and the soft prompt are modelled.
     ``compiled`` records the torch.compile scope; the estimator leaves the lab's GPT as eager (its
-    compiled runs measure within about 1% of that).
+    compiled runs measure within about 1% of that); ``cuda_graphs``, CUDA graphs' pool (memory.precise D20).
     """
     from fasttrain.memory.config import Setup
 
@@ -37,7 +37,8 @@ def lab_setup(cfg: LabConfig, vocab: int = 65):
         ffn_act=mc.ffn_act, norm=mc.norm, pos=mc.pos, tied=mc.tied, bias=mc.bias, dropout=mc.dropout > 0,
         attention="flash" if cfg.attn_implementation == "sdpa" else "eager",
         optimizer="fused" if cfg.optim == "adamw_torch_fused" else "foreach",
-        grad_buffers=cfg.gradient_accumulation_steps > 1, compiled=compiled_scope(cfg))
+        grad_buffers=cfg.gradient_accumulation_steps > 1, compiled=compiled_scope(cfg),
+        cuda_graphs=cuda_graphs_of(cfg))
 
 
 def estimate_notes(cfg: LabConfig) -> list[str]:

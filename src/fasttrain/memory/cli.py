@@ -48,6 +48,9 @@ def _options(fn):
                      "through backward."),
         click.option("--compiled", type=click.Choice(["none", "model", "blocks"]), help="precise, --hf-config: "
                      "torch.compile of the whole model (the loss inside) or of each decoder layer (default none)."),
+        click.option("--cuda-graphs", is_flag=True, help="precise, with --compiled: the compiled code captured as CUDA "
+                     "graphs (--torch-compile-mode reduce-overhead, the cudagraphs backend), whose private memory pool "
+                     "peaks apart from the rest."),
         click.option("--liger", is_flag=True, help="precise, --hf-config: liger-kernel's patches of the family "
                      "(RMSNorm, RoPE, SwiGLU/GeGLU, fused linear cross-entropy), as --use-liger-kernel applies them."),
         click.option("--list-presets", is_flag=True, help="List the presets and exit."),
@@ -169,7 +172,7 @@ def _setup_from_flags(opts: dict):
                  "optimizer", "workspace_mib"):
         if opts.get(name) is not None:
             changes[name] = opts[name]
-    for name in ("seq_parallel", "grad_buffers"):
+    for name in ("seq_parallel", "grad_buffers", "cuda_graphs"):
         if opts.get(name):
             changes[name] = True
     changes.update(training_changes(opts))
@@ -201,7 +204,7 @@ def _setup_from_hf_options(opts: dict):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
     changes = {name: opts[name] for name in ("tp", "dp", "opt_bytes", "zero", "workspace_mib")
                if opts.get(name) is not None}
-    for name in ("seq_parallel", "grad_buffers"):
+    for name in ("seq_parallel", "grad_buffers", "cuda_graphs"):
         if opts.get(name):
             changes[name] = True
     changes.update(training_changes(opts))
@@ -266,7 +269,8 @@ def _print_breakdown(b) -> None:
              + (f" · LoRA r={s.lora_rank} on {','.join(s.lora_targets)}" if s.lora_rank else "")
              + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "")
              + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else "")
-             + (f" · compiled ({s.compiled})" if s.compiled != "none" and s.modules != "lab" else ""))
+             + (f" · compiled ({s.compiled})" if s.compiled != "none" and s.modules != "lab" else "")
+             + (" · CUDA graphs" if s.cuda_graphs else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

@@ -120,6 +120,7 @@ class Setup:
     keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
     liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
+    cuda_graphs: bool = False       # the compiled code captured as CUDA graphs, their private memory pool (precise.D20)
 
     @property
     def g(self) -> int:
@@ -218,6 +219,9 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                              f"got {setup.compiled!r}")
     if setup.compiled != "none" and mode == "playbook":
         raise FasttrainError("torch.compile (compiled) exists only in --mode precise; the widget models eager PyTorch")
+    if setup.cuda_graphs and setup.compiled == "none":
+        raise FasttrainError("cuda_graphs are torch.compile's (reduce-overhead, the cudagraphs backend): give the "
+                             "compiled scope too (--compiled model or blocks)")
     _check_liger(setup)
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
@@ -263,13 +267,12 @@ def _check_liger(setup: Setup) -> None:
         raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
                              "Qwen2, Gemma, Phi-3), not for " + ("the lab's GPT" if setup.modules == "lab" else "GPT-2")
                              + "; drop liger")
-    if setup.compiled == "model" or (setup.compiled == "blocks" and tuple(kernels) != ("fused_linear_cross_entropy",)):
-        # per-block compile leaves the head and the loss eager, so the fused cross-entropy alone is what it is
-        # eager; liger's layer kernels inside compiled code are not modelled (on the H100 the compiled layers with
-        # them kept 5-8% more than the compiled layers plus the fused cross-entropy, for reasons not identified)
-        raise FasttrainError("liger-kernel under torch.compile is modelled only for the fused linear cross-entropy "
-                             "alone beside per-block compiled layers; estimate it eager (compiled none) or "
-                             "without liger")
+    if setup.compiled == "model":
+        # per-block compile leaves the head and the loss eager (liger's fused cross-entropy is what it is eager) and
+        # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); a whole
+        # compiled model would trace the fused cross-entropy, which the lab refuses
+        raise FasttrainError("liger-kernel under a whole-model torch.compile is not modelled; estimate it with "
+                             "per-block compiled layers (compiled blocks), eager (compiled none) or without liger")
     if setup.tp > 1:
         raise FasttrainError("liger-kernel with tensor parallelism is not modelled by the estimator; use --tp 1")
 

@@ -67,6 +67,15 @@ D19 liger-kernel on a transformers model (``liger``): its RMSNorm keeps input an
     its fused linear cross-entropy keeps the d(input) and d(weight) it makes in the forward (no logits, no
     log-probabilities); the step's peak moves into that forward's chunk buffers (``hf_activations``).
 
+D20 CUDA graphs (``cuda_graphs``: torch.compile's reduce-overhead and max-autotune, the cudagraphs backend): the
+    captured forward and backward allocate from a private pool that stays reserved for the next replay, and the caching
+    allocator serves nothing outside the graphs from it (nor the graphs from the rest). The two arenas peak apart
+    and add: the pool at the graphs' own peak (what the forward keeps, the backward's working memory and the
+    gradients it has output, which live in the pool until the trainer takes them into its buffers, or as the
+    ``.grad`` itself without accumulation), the rest at the optimizer step (gradient buffers and the optimizer's
+    temporaries, made while the pool still holds its peak). A per-block scope is counted the same way (its eager
+    head then shares the regular arena: this is an upper bound there).
+
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
 buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
 """
@@ -382,6 +391,17 @@ def sdpa_runs_the_math_kernel(s: Setup, kernel_temps: bool = True) -> bool:
             and s.g < s.heads and s.d <= 256 and s.compiled != "model")
 
 
+def _beside_the_graph_pool(moments, buffers: float, opt_temp: float) -> tuple[str, float, float, float]:
+    """The step's peak under CUDA graphs (D20) as ``(name, kept, gradients, transient)``: the optimizer step's
+    gradient ``buffers`` and temporaries beside the pool held at the graphs' own peak, which is the largest
+    forward or backward moment's kept bytes, the gradients the backward has output by then (they are the graph's
+    outputs, in the pool) and its working memory."""
+    graph = [m for m in moments if m[0] != "optimizer step"]
+    name, kept, made, transient = max(graph, key=lambda m: m[1] + m[2] + m[3])
+    return (f"optimizer step beside the CUDA-graph pool (held at its peak, {name})", kept, buffers + made,
+            transient + opt_temp)
+
+
 def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakdown:
     """The peak bytes on one GPU during a training step, with the lines alive at that moment."""
     check(s, "precise")
@@ -477,7 +497,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     logits_c = C * N_out * v_l
 
     zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 else 0   # gathered weights: current + prefetch
-    moments: list[tuple[str, float, float, float]] = []         # (name, kept, grads, transient)
+    # (name, kept, gradients made so far, transient); the gradients alive are all of them with buffers
+    moments: list[tuple[str, float, float, float]] = []
 
     def grads(now):
         return grads_all if s.grad_buffers else now
@@ -516,7 +537,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         logits_c = 0                                  # nothing for the trainer to hold either (keep_logits)
     if T["cast"] and full and not frozen and not whole:
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
-    moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra))
+    moments.append(("end of forward (loss)", saved_all, 0, fwd_extra))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
     # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
@@ -530,16 +551,16 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # its backward hands on the gradients it made in the forward: d(weight) becomes the head's gradient
         # (the same tensor), d(input) the final norm's d(output)
         moments.append(("backward: fused linear cross-entropy", saved_all - head_part["fused_CE_grad_weight"],
-                        grads(g_now), 0))
+                        g_now, 0))
     else:
-        moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad))
+        moments.append(("backward: log-softmax", saved_all, 0, loss_grad))
         moments.append(("backward: output projection",
-                        saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now),
+                        saved_all - head_part.get("log_probs", head_part.get("logits", 0)), g_now,
                         logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
                         + (C * nh if s.prompt_tokens and not hf else 0)))    # the prompt cut: a zero-padded s + P gradient
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += grad_scale * final_norm_g
-    moments.append(("backward: final norm", saved, grads(g_now), lt["norm_extra"] + zero3 / 2))
+    moments.append(("backward: final norm", saved, g_now, lt["norm_extra"] + zero3 / 2))
     saved -= head_part["final_norm"]
     for i in range(L, 0, -1):
         tag = f"layer {i}"
@@ -551,14 +572,14 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         if full:
             # recomputation: the layer's forward again, all its activations kept again
             saved += a_part + m_part - lt["checkpoint"]
-            moments.append((f"backward {tag}: recompute", saved - m_part, grads(g_now), lt["attn_fwd"] + zero3))
+            moments.append((f"backward {tag}: recompute", saved - m_part, g_now, lt["attn_fwd"] + zero3))
         if "MLP" not in skip:
-            moments.append((f"backward {tag}: MLP", saved - mlp_i["dropout_mask"], grads(g_now + grad_scale * down_g),
+            moments.append((f"backward {tag}: MLP", saved - mlp_i["dropout_mask"], g_now + grad_scale * down_g,
                             lt["mlp_extra"] + lt["stream"] + zero3))
         saved -= m_part - mlp_i["norm2"]
         g_now += grad_scale * mlp_g
         if "norm 2" not in skip:
-            moments.append((f"backward {tag}: norm 2", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+            moments.append((f"backward {tag}: norm 2", saved, g_now, lt["norm_extra"] + lt["stream"] + zero3))
         saved -= mlp_i["norm2"]
         if "attention" not in skip:
             extra = lt["attn_extra"] + lt["stream"] + zero3
@@ -567,16 +588,16 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
             # eager: the output projection's backward has released its input before the core's
             # (and the residual dropout's backward, first of all, its mask)
             done = attn_i["dropout_mask"] + (0 if s.attention == "flash" else attn_i["proj_input"])
-            moments.append((f"backward {tag}: attention", saved - done, grads(g_now + grad_scale * proj_g), extra))
+            moments.append((f"backward {tag}: attention", saved - done, g_now + grad_scale * proj_g, extra))
         saved -= a_part - attn_i["norm1"]
         g_now += grad_scale * attn_g
         if "norm 1" not in skip:
-            moments.append((f"backward {tag}: norm 1", saved, grads(g_now), lt["norm_extra"] + lt["stream"] + zero3))
+            moments.append((f"backward {tag}: norm 1", saved, g_now, lt["norm_extra"] + lt["stream"] + zero3))
         saved -= attn_i["norm1"]
     g_now += grad_scale * embed_g
     # tied: the embedding's gradient is added out of place to the output projection's (new + sum)
     if not lora_only:
-        moments.append(("backward: embedding", saved, grads(g_now),
+        moments.append(("backward: embedding", saved, g_now,
                         2 * grad_scale * P["embed"] if s.tied and not frozen else 0))
     opt_temp = 0 if s.offload else optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     moments.append(("optimizer step", 0, grads_all, opt_temp))
@@ -584,7 +605,11 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     if s.keep_logits:
         # the model's output holds the logits until the trainer drops it (after the optimizer step)
         moments = [m if i == 0 else (m[0], m[1], m[2], m[3] + logits_c) for i, m in enumerate(moments)]
-    peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + m[2] + m[3])
+    peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + grads(m[2]) + m[3])
+    g_peak = grads(g_peak)
+    if s.cuda_graphs:
+        peak_name, kept, g_peak, transient = _beside_the_graph_pool(moments, grads_all if s.grad_buffers else 0,
+                                                                    opt_temp)
     total = persistent + kept + g_peak + transient
     activations_all = saved_all
     trained = ("" if not frozen else f" + {n_adapters:,.0f} trainable ("
@@ -623,7 +648,8 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         notes.append("sdpa in fp32 with grouped key/value heads runs torch's math kernel on a GPU: counted as "
                      "eager attention (it keeps the s^2 probabilities)")
     extra = {"peak_moment": peak_name,
-             "moments": [{"name": n, "bytes": persistent + k + g + x} for n, k, g, x in moments],
+             "moments": [{"name": n, "bytes": persistent + k + grads(g) + x} for n, k, g, x in moments]
+             + ([{"name": peak_name, "bytes": total}] if s.cuda_graphs else []),
              "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments),
              "trainable_params": n_train, "param_bytes": params_b, "grad_bytes": grads_all,
              "optimizer_bytes": opt_b}

@@ -244,7 +244,7 @@ def memory_setup_for(hf_config: dict):
     """The estimator's view of a run of this HF model: ``(cfg, micro_batch) -> Setup | None`` through
     ``fasttrain.memory.hf_config.setup_from_hf_config`` (the estimator's mapping of a transformers config).
     A setting the estimator does not model (it raises) gives None: the run records no estimate, no error."""
-    from fasttrain.lab.config import compiled_scope, liger_of, lora_targets_for
+    from fasttrain.lab.config import compiled_scope, cuda_graphs_of, liger_of, lora_targets_for
     from fasttrain.memory.hf_config import setup_from_hf_config
 
     def setup(cfg: LabConfig, micro_batch: int):
@@ -260,7 +260,7 @@ def memory_setup_for(hf_config: dict):
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
                                         optim=cfg.optim, compiled=compiled_scope(cfg),
-                                        liger=liger_of(cfg), **extra)
+                                        cuda_graphs=cuda_graphs_of(cfg), liger=liger_of(cfg), **extra)
         except FasttrainError:
             return None
     return setup

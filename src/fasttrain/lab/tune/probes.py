@@ -50,51 +50,32 @@ def model_refusal(hf_config: dict | None, device) -> Callable[[LabConfig], str |
 
 def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) -> Callable:
     """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` -- the lab's GPT
-    (:func:`~fasttrain.lab.train.lab_setup`) or a transformers model from its config
-    (``fasttrain.memory.hf_config.setup_from_hf_config``); None where the estimator cannot describe it
-    (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS workspaces (the estimator's
-    65 MiB are a GPU's). torch.compile of a transformers model is modelled, liger-kernel's patches of it eager,
-    and its fused cross-entropy alone beside per-block compiled layers; liger's layer kernels inside compiled
-    code are predicted as the compiled model without liger (the estimator does not model them; liger only frees
-    memory there: on the H100 the Llama 1B case's per-block compiled layers with all of liger peaked 5% below
-    that prediction, so the pruning is on the safe side)."""
+    (:func:`~fasttrain.lab.estimate.lab_setup`) or a transformers model from its config (the lab's own mapping,
+    ``fasttrain.lab.hf.memory_setup_for``: torch.compile, its CUDA graphs, liger-kernel, LoRA); None where the
+    estimator cannot describe it (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS
+    workspaces (the estimator's 65 MiB are a GPU's)."""
     from fasttrain.memory import estimate
 
-    def peak(cfg: LabConfig, liger) -> int | None:
-        if hf_config is not None:
-            try:
-                from fasttrain.memory.hf_config import setup_from_hf_config
-            except ImportError:
-                return None
-            from fasttrain.lab.config import compiled_scope
+    setup_of = None
+    if hf_config is not None:
+        from fasttrain.lab.hf import memory_setup_for
 
-            precision = "bf16" if cfg.bf16 else "fp16" if cfg.fp16 else "fp32"
-            setup = setup_from_hf_config(hf_config, micro_batch=cfg.per_device_train_batch_size, seq=cfg.context,
-                                         precision=precision, recompute=cfg.gradient_checkpointing,
-                                         attention=cfg.attn_implementation, optim=cfg.optim,
-                                         grad_buffers=cfg.gradient_accumulation_steps > 1,
-                                         compiled=compiled_scope(cfg), liger=liger)
+        setup_of = memory_setup_for(hf_config)
+
+    def predict(cfg: LabConfig) -> int | None:
+        if setup_of is not None:
+            setup = setup_of(cfg, cfg.per_device_train_batch_size)
+            if setup is None:
+                return None
         else:
-            from fasttrain.lab.train import lab_setup
+            from fasttrain.lab.estimate import lab_setup
 
             setup = lab_setup(cfg, vocab)
         if cpu:
             setup = setup.with_(workspace_mib=0.0)
-        # over several ranks: per GPU, the strategy's shards (the prediction a lab run records)
-        return int(estimate(parallel_setup(cfg, setup), "precise").total)
-
-    def predict(cfg: LabConfig) -> int | None:
-        from fasttrain.lab.config import liger_of
-
-        liger = liger_of(cfg) if hf_config is not None else False
         try:
-            return peak(cfg, liger)
-        except FasttrainError:
-            if not liger:
-                return None
-        # liger where the estimator does not model it (its layer kernels under compile): the model without it
-        try:
-            return peak(cfg, False)
+            # over several ranks: per GPU, the strategy's shards (the prediction a lab run records)
+            return int(estimate(parallel_setup(cfg, setup), "precise").total)
         except FasttrainError:
             return None
     return predict
