@@ -57,7 +57,9 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
     and its fused cross-entropy alone beside per-block compiled layers; liger's layer kernels inside compiled
     code are predicted as the compiled model without liger (the estimator does not model them; liger only frees
     memory there: on the H100 the Llama 1B case's per-block compiled layers with all of liger peaked 5% below
-    that prediction, so the pruning is on the safe side)."""
+    that prediction, so the pruning is on the safe side), and so is the fused cross-entropy beside a whole
+    compiled model (GPT-2's: the graph ends at the last hidden state; the prediction counts the logits the
+    fused loss never makes)."""
     from fasttrain.memory import estimate
 
     def peak(cfg: LabConfig, liger) -> int | None:
