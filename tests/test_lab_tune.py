@@ -1115,6 +1115,22 @@ def test_a_transformers_model_refuses_liger_under_a_whole_model_compile():
     assert T.model_refusal(None, torch.device("cuda"))(cfg) is None         # the lab's GPT: validate judged it
 
 
+def hf_tune_config(tmp_path, config) -> LabConfig:
+    """A GPU run of the transformers model ``config`` (saved in ``tmp_path / "model"``) on random token files of its
+    vocabulary, for tune."""
+    import numpy as np
+
+    folder = tmp_path / "model"
+    config.save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, config.vocab_size, size=200_000, dtype=np.int64).astype(np.uint16).tofile(
+            tmp_path / f"{split}.bin")
+    return LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
+                                          val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
+                                          eval_interval=0, eval_tokens=128, warmup_steps=0)
+
+
 @pytest.mark.gpu
 def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
     """A HF Llama with liger's kernels searched: the combinations its check refuses (liger's fused cross-entropy
@@ -1123,18 +1139,9 @@ def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
         pytest.skip("needs a CUDA GPU")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("liger_kernel")
-    folder = tmp_path / "model"
-    transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True).save_pretrained(folder)
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        rng.integers(0, 512, size=200_000, dtype=np.int64).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
-    cfg = LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
-                                         val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
-                                         eval_interval=0, eval_tokens=128, warmup_steps=0)
+    cfg = hf_tune_config(tmp_path, transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True))
     res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="2m", steps=1, cache_path=None,
                  out=tmp_path / "run", fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"))
     assert any("the model refuses: --use-liger-kernel with --torch-compile" in d for d in res.dropped)
@@ -1151,16 +1158,8 @@ def test_tune_on_a_gpu_probes_gpt2s_fused_cross_entropy(tmp_path):
         pytest.skip("needs a CUDA GPU")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("liger_kernel")
-    folder = tmp_path / "model"
-    transformers.GPT2Config(vocab_size=8192, n_embd=128, n_layer=2, n_head=4, n_positions=256).save_pretrained(folder)
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        rng.integers(0, 8192, size=200_000, dtype=np.int64).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
-    cfg = LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
-                                         val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
-                                         eval_interval=0, eval_tokens=128, warmup_steps=0)
+    cfg = hf_tune_config(tmp_path, transformers.GPT2Config(vocab_size=8192, n_embd=128, n_layer=2, n_head=4,
+                                                           n_positions=256))
     res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="3m", steps=1, cache_path=None,
                  fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"), max_candidates=16)
     assert any("its fused linear cross-entropy alone (on the model's head) searched" in d for d in res.dropped)
