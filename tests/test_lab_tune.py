@@ -131,6 +131,44 @@ def test_a_family_liger_cannot_patch_drops_the_axis():
     assert [d for d in dropped if "liger" in d] == [f"liger-kernel: {reason}; dropped"]
 
 
+def test_a_transformers_family_liger_cannot_patch_searches_its_fused_cross_entropy():
+    """GPT-2 from transformers: liger's fused linear cross-entropy alone on its head (the lab's forward) is searched,
+    said in one line; liger's other kernels are not; what the lab would refuse of it is not in the space."""
+    pytest.importorskip("liger_kernel")
+    assert T.liger_support("gpt2", "fused_linear_cross_entropy") is None
+    axes, dropped = T.build_axes(base(), cuda=True, family="gpt2", hf=True)
+    (liger,) = [a for a in axes if a.name == "liger"]
+    assert liger.choices == (("off", {"use_liger_kernel": False, "liger_kernels": "all"}),
+                             ("fused-ce", {"use_liger_kernel": True, "liger_kernels": "fused_linear_cross_entropy"}))
+    assert [d for d in dropped if "liger" in d] == [
+        f"liger-kernel: {T.liger_support('gpt2')}; its fused linear cross-entropy alone (on the model's head) searched"]
+    gpt2 = dict(model_type="gpt2", vocab_size=512, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    refuse = T.model_refusal(gpt2, torch.device("cuda"))
+    space = T.enumerate_space(axes, 16)
+    fused = [c for c in space if dict(c.choices)["liger"] == "fused-ce"]
+    assert {dict(c.choices)["compile"] for c in fused} == {"none", "default", "reduce-overhead", "block"}
+    assert all(refuse(base(context=64, model="hf:x").with_(**c.overrides_dict())) is None for c in fused)
+    assert refuse(base(context=64, model="hf:x", use_liger_kernel=True)).startswith("liger-kernel")
+
+
+def test_the_space_offers_cuda_graphs_for_the_step_on_a_gpu():
+    """reduce-overhead (CUDA graphs of the compiled forward and backward: the lab's batches have fixed shapes) is a
+    choice of the compile axis on a GPU, at every micro-batch, accumulation included: the trainer keeps the
+    gradients allocated between a step's micro-batches so that each graph replay adds into them
+    (``Trainer.keep_grads``); the cudagraphs backend takes the default mode only, so a user's fixed backend leaves
+    it out before any probe."""
+    axes, _ = T.build_axes(base(), cuda=True, liger_reason=None)
+    (compile_axis,) = [a for a in axes if a.name == "compile"]
+    assert ("reduce-overhead", {"torch_compile": True, "torch_compile_mode": "reduce-overhead"}) in compile_axis.choices
+    graphs = [c for c in T.enumerate_space(axes, 16) if dict(c.choices)["compile"] == "reduce-overhead"]
+    assert {c.accumulation for c in graphs} == {1, 2, 4, 8, 16}
+    res = T.search(base(torch_compile_backend="cudagraphs"), seq=SEQ, global_batch_tokens=SEQ * 16,
+                   measure=FakeMeasure(), predict=fake_predict, memory=gpu_memory(), liger_reason=None,
+                   fixed={"torch_compile_backend"}, steps=1, max_candidates=4)
+    assert not any(dict(e.candidate.choices)["compile"] == "reduce-overhead" for e in res.entries)
+    assert any("reduce-overhead" in d and "cudagraphs backend takes the default mode" in d for d in res.dropped)
+
+
 # --- predict, then measure -----------------------------------------------------------------------
 
 def test_the_estimator_prunes_before_anything_is_measured():
@@ -504,6 +542,30 @@ def test_training_arguments_are_accepted_by_transformers(tmp_path):
     assert "--use-liger-kernel --liger-kernels fused_linear_cross_entropy" in R.lab_command(flce)
 
 
+def test_the_trainers_answer_leaves_out_liger_for_a_family_it_does_not_patch():
+    """The HF Trainer's use_liger_kernel is liger's family patch: for GPT-2 it would apply nothing (the logits made,
+    silently). The pick's fused cross-entropy on GPT-2's head is the lab's, so the answer leaves it out and says why;
+    a Llama's stays."""
+    pytest.importorskip("liger_kernel")
+    from types import SimpleNamespace
+
+    overrides = {"use_liger_kernel": True, "liger_kernels": "fused_linear_cross_entropy"}
+    cfg = base(model="hf:some/folder", **overrides)
+
+    def answer(family):
+        pick = SimpleNamespace(candidate=SimpleNamespace(overrides_dict=lambda: overrides))
+        return R.answer_arguments(SimpleNamespace(pick=pick, fixed=(), family=family), cfg)
+
+    args, _, notes = answer("gpt2")
+    assert "use_liger_kernel" not in args and "liger_kernel_config" not in args
+    assert [n for n in notes if "liger" in n] == [
+        "liger's fused linear cross-entropy on the gpt2 model's head is the lab's own forward (liger has no gpt2 "
+        "patch, so the Trainer's use_liger_kernel would apply nothing): left out here"]
+    args, _, notes = answer("llama")
+    assert args["use_liger_kernel"] and args["liger_kernel_config"]["fused_linear_cross_entropy"]
+    assert not any("liger" in n for n in notes)
+
+
 def test_frontier_keeps_only_points_nothing_beats():
     pts = [(100, 5.0), (200, 4.0), (200, 7.0), (300, 6.0), (400, 9.0)]
     assert R.frontier(pts) == [(100, 5.0), (200, 7.0), (400, 9.0)]
@@ -787,6 +849,25 @@ def test_the_prediction_of_a_transformers_model_counts_liger_and_cuda_graphs():
     assert predict(graphs) == estimated(compiled="model", cuda_graphs=True) > predict(whole)
 
 
+
+def test_the_prediction_of_gpt2s_fused_cross_entropy_drops_the_logits():
+    """GPT-2's fused cross-entropy (the lab's forward with liger's kernel) is the estimator's liger fused
+    cross-entropy: the predicted peak drops by more than the fp32 logits, eager and beside per-block compiled
+    layers; beside a whole compiled model (the graph ends at the last hidden state, not modelled) it is predicted
+    as that model without liger, which counts the logits."""
+    pytest.importorskip("transformers")
+    gpt2 = dict(model_type="gpt2", vocab_size=8192, n_embd=64, n_layer=2, n_head=4, n_positions=128)
+    predict = T.lab_predictor(gpt2["vocab_size"], gpt2)
+    plain = LabConfig(name="custom").with_(context=128, per_device_train_batch_size=8, bf16=True,
+                                           attn_implementation="sdpa", device="cuda")
+    fused = dict(use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy")
+    logits_fp32 = 4 * 8 * 128 * 8192
+    for compiled in ({}, dict(torch_compile=True, torch_compile_scope="blocks")):
+        assert predict(plain.with_(**compiled, **fused)) < predict(plain.with_(**compiled)) - logits_fp32, compiled
+    whole = plain.with_(torch_compile=True)
+    assert predict(whole.with_(**fused)) == predict(whole)
+
+
 def test_the_search_on_the_modelled_llama_finds_the_models_best_within_its_budget(capsys):
     """dev/tune/simulate_search.py: the search on the first look's Llama 1B speed model (compile + liger failing
     together, reduce-overhead 25x slower) finds the model's best configuration within 8 minutes."""
@@ -1038,6 +1119,22 @@ def test_a_transformers_model_refuses_liger_under_a_whole_model_compile():
     assert T.model_refusal(None, torch.device("cuda"))(cfg) is None         # the lab's GPT: validate judged it
 
 
+def hf_tune_config(tmp_path, config) -> LabConfig:
+    """A GPU run of the transformers model ``config`` (saved in ``tmp_path / "model"``) on random token files of its
+    vocabulary, for tune."""
+    import numpy as np
+
+    folder = tmp_path / "model"
+    config.save_pretrained(folder)
+    rng = np.random.default_rng(0)
+    for split in ("train", "val"):
+        rng.integers(0, config.vocab_size, size=200_000, dtype=np.int64).astype(np.uint16).tofile(
+            tmp_path / f"{split}.bin")
+    return LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
+                                          val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
+                                          eval_interval=0, eval_tokens=128, warmup_steps=0)
+
+
 @pytest.mark.gpu
 def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
     """A HF Llama with liger's kernels searched: the combinations its check refuses (liger's fused cross-entropy
@@ -1046,24 +1143,34 @@ def test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses(tmp_path):
         pytest.skip("needs a CUDA GPU")
     transformers = pytest.importorskip("transformers")
     pytest.importorskip("liger_kernel")
-    folder = tmp_path / "model"
-    transformers.LlamaConfig(vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2,
-                             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                             tie_word_embeddings=True).save_pretrained(folder)
-    import numpy as np
-
-    rng = np.random.default_rng(0)
-    for split in ("train", "val"):
-        rng.integers(0, 512, size=200_000, dtype=np.int64).astype(np.uint16).tofile(tmp_path / f"{split}.bin")
-    cfg = LabConfig(name="custom").with_(model=f"hf:{folder}", train_bin=str(tmp_path / "train.bin"),
-                                         val_bin=str(tmp_path / "val.bin"), bin_dtype="uint16", device="cuda",
-                                         eval_interval=0, eval_tokens=128, warmup_steps=0)
+    cfg = hf_tune_config(tmp_path, transformers.LlamaConfig(
+        vocab_size=512, hidden_size=128, intermediate_size=512, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=True))
     res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="2m", steps=1, cache_path=None,
                  out=tmp_path / "run", fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"))
     assert any("the model refuses: --use-liger-kernel with --torch-compile" in d for d in res.dropped)
     rows = R.ranked_rows(res)
     assert rows and not any("does not trace" in str(r["status"]) for r in rows)
     assert res.pick is not None and res.pick.ok
+
+
+@pytest.mark.gpu
+def test_tune_on_a_gpu_probes_gpt2s_fused_cross_entropy(tmp_path):
+    """A HF GPT-2 (liger has no patch for it): tune's liger axis is the fused cross-entropy alone on its head, and
+    its probes run, eager, per block and whole compiled, without an error."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    transformers = pytest.importorskip("transformers")
+    pytest.importorskip("liger_kernel")
+    cfg = hf_tune_config(tmp_path, transformers.GPT2Config(vocab_size=8192, n_embd=128, n_layer=2, n_head=4,
+                                                           n_positions=256))
+    res = T.tune(cfg, seq=128, global_batch_tokens=128 * 16, budget="3m", steps=1, cache_path=None,
+                 fixed=("attn_implementation", "gradient_checkpointing", "optim", "preload"), max_candidates=16)
+    assert any("its fused linear cross-entropy alone (on the model's head) searched" in d for d in res.dropped)
+    fused = [e for e in res.entries if e.probes and dict(e.candidate.choices).get("liger") == "fused-ce"]
+    assert fused and not any(e.last.error and not (e.last.oom or e.last.stopped) for e in fused), \
+        [(e.candidate.label, e.last.error) for e in fused]
+    assert {dict(e.candidate.choices)["compile"] for e in fused if e.ok} >= {"none"}
 
 
 # --- fixed flags and the cache never silently changed (issue 40) ----------------------------------

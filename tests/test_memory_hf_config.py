@@ -624,7 +624,12 @@ model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.fo
 model.train()
 if a["recompute"] == "full":
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
-if a.get("liger"):
+if a.get("liger") == "fused_head":
+    # a family liger has no patch for (GPT-2): the lab's forward with liger's fused linear cross-entropy
+    sys.path.insert(0, a["fasttrain_path"])
+    from fasttrain.lab.hf.liger import apply_fused_linear_cross_entropy
+    apply_fused_linear_cross_entropy(model)
+elif a.get("liger"):
     from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     _apply_liger_kernel_to_instance(model=model)
 run = model
@@ -887,6 +892,45 @@ def test_liger_saved_activations_equal_what_autograd_saves_on_cpu(name, attentio
     assert est == measured
 
 
+GENERIC_HEAD_CASES = [("gpt2", "eager", False, 2), ("gpt2", "sdpa", True, 1), ("gpt2-dropout", "eager", True, 2)]
+
+
+@pytest.mark.parametrize("name, attention, amp, batch", GENERIC_HEAD_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{'amp' if c[2] else 'fp32'}-b{c[3]}" for c in GENERIC_HEAD_CASES])
+def test_gpt2s_fused_head_saves_what_the_estimator_counts_on_cpu(name, attention, amp, batch):
+    """GPT-2 has no liger patch: the lab fuses its head itself (``lab/hf/liger.py``: the base model to the last
+    hidden state, then liger's kernel with the head's weight), and the estimator counts it as liger's fused
+    cross-entropy (its d(input) and d(weight), no logits). Measured with the CPU stand-in that saves what liger's
+    kernel saves, the lab's labels and shifted targets."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.lab.hf import apply_fused_linear_cross_entropy
+    from fasttrain.memory import precise
+    from fasttrain.memory.tracker import saved_tensor_bytes
+
+    flce = _cpu_liger_functions()[-1]
+    cfg, seq = dict(CACT[name]), 12
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
+                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
+    model.train()
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return model(input_ids=ids, labels=ids, shift_labels=targets, use_cache=False).loss
+
+    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
+    loss.backward()
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, liger=("fused_linear_cross_entropy",), workspace_mib=0.0)
+    est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).line("activations at the end of forward").bytes
+    assert est == measured
+
+
 def test_liger_terms_are_eager_terms_less_what_each_kernel_does_not_keep():
     """Each kernel changes exactly its own terms: RMSNorm keeps x and rstd (R N h + 4 N, not 8 N h + 4 N), the
     gated MLP 3 C N f (not 4), RoPE nothing, the fused cross-entropy its d(input) and d(weight) instead of the
@@ -971,6 +1015,14 @@ def test_liger_is_checked_and_mapped_per_family():
     assert both.total < blocks.total and both.total < eager.total
     with pytest.raises(FasttrainError, match="no patches for model_type 'gpt2'"):
         setup_from_hf_config(GPT2, seq=64, liger=True)
+    # GPT-2's fused cross-entropy alone (the lab's head, liger's kernel) is modelled, its other kernels are not;
+    # the fp32 logits' bytes and more leave its predicted peak (the logits, their log-probabilities, d(logits))
+    with pytest.raises(FasttrainError, match="GPT-2's other layers"):
+        setup_from_hf_config(GPT2, seq=64, liger=("rms_norm", "fused_linear_cross_entropy"))
+    gpt2 = dict(seq=1024, micro_batch=8, precision="bf16", attention="sdpa")
+    fused_gpt2 = estimate(setup_from_hf_config(GPT2, liger=flce, **gpt2))
+    assert estimate(setup_from_hf_config(GPT2, **gpt2)).total - fused_gpt2.total > 4 * 8 * 1024 * 50257
+    assert "backward: fused linear cross-entropy" in [m["name"] for m in fused_gpt2.extra["moments"]]
     from fasttrain.memory.config import preset
     with pytest.raises(FasttrainError, match="the lab's GPT"):
         estimate(preset("val-llama", liger=("rms_norm",)))
@@ -1030,6 +1082,27 @@ def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu
                                  recompute=recompute, optim="adamw_torch", liger=True)
     assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, recompute,
                                                                            liger=True), "liger_kernel")
+
+
+GPU_HEAD_CASES = [("sdpa", "bf16", "none"), ("sdpa", "fp32", "none"), ("eager", "bf16", "blocks")]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("attention, precision, scope", GPU_HEAD_CASES,
+                         ids=[f"gpt2-{c[0]}-{c[1]}-compiled-{c[2]}-fused-head" for c in GPU_HEAD_CASES])
+def test_precise_estimate_within_5_percent_of_gpt2s_fused_head_peak_on_gpu(attention, precision, scope):
+    """GPT-2 (no liger patch) with the lab's fused head: liger's real kernel on the last hidden state and the tied
+    head's weight, eager or beside per-block compiled layers; the estimate with the fused cross-entropy against
+    torch.cuda.max_memory_allocated."""
+    from pathlib import Path
+
+    import fasttrain
+
+    setup = setup_from_hf_config(GPU_GPT2, micro_batch=4, seq=1024, precision=precision, attention=attention,
+                                 optim="adamw_torch", compiled=scope, liger=("fused_linear_cross_entropy",))
+    args = dict(step_args(GPU_GPT2, attention, precision, scope=scope, liger="fused_head"),
+                fasttrain_path=str(Path(fasttrain.__file__).resolve().parents[1]))
+    assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, args, "liger_kernel")
 
 
 def test_cli_liger_estimates_the_liger_patched_model(tmp_path):

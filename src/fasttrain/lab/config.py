@@ -482,8 +482,9 @@ def validate(cfg: LabConfig) -> LabConfig:
     if cfg.liger_kernels != "all" and not (cfg.use_liger_kernel and is_hf(cfg.model)):
         raise FasttrainError(f"--liger-kernels {cfg.liger_kernels} chooses among liger-kernel's patches of a "
                              "transformers model: give it with --use-liger-kernel and --model hf:..., or drop it")
-    if cfg.lora_r and cfg.use_liger_kernel and "head" in cfg.lora_target_modules:
-        raise FasttrainError("liger's fused cross-entropy reads the output weight directly: drop 'head' from "
+    head = [m for m in cfg.lora_target_modules if m in ("head", "lm_head")]     # the lab GPT's name, transformers'
+    if cfg.lora_r and cfg.use_liger_kernel and head:
+        raise FasttrainError(f"liger's fused cross-entropy reads the output weight directly: drop '{head[0]}' from "
                              "--lora-target-modules or --use-liger-kernel")
     if cfg.lora_r and not cfg.lora_target_modules:
         raise FasttrainError("--lora-target-modules is empty; name at least one of qkv, proj, up, down, head")

@@ -256,21 +256,24 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
 
 
 def _check_liger(setup: Setup) -> None:
-    """liger-kernel's patches: modelled for the transformers families liger patches, eager, one rank."""
+    """liger-kernel's patches: modelled for the transformers families liger patches, and its fused linear
+    cross-entropy alone on any transformers model's head (GPT-2's: the lab applies it without a family patch);
+    eager, or the fused cross-entropy beside per-block compiled layers; one rank."""
     kernels = setup.liger
     if isinstance(kernels, str) or not isinstance(kernels, (tuple, list)) \
             or not all(k in LIGER_KERNELS for k in kernels) or len(set(kernels)) != len(kernels):
         raise FasttrainError(f"liger must be distinct names among {', '.join(LIGER_KERNELS)}, got {kernels!r}")
     if not kernels:
         return
-    if setup.modules in ("lab", "hf-gpt2"):
+    if setup.modules == "lab" or (setup.modules == "hf-gpt2" and tuple(kernels) != ("fused_linear_cross_entropy",)):
         raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
-                             "Qwen2, Gemma, Phi-3), not for " + ("the lab's GPT" if setup.modules == "lab" else "GPT-2")
-                             + "; drop liger")
+                             "Qwen2, Gemma, Phi-3) and, for GPT-2, its fused linear cross-entropy alone; not for "
+                             + ("the lab's GPT" if setup.modules == "lab" else "GPT-2's other layers") + "; drop liger")
     if setup.compiled == "model":
         # per-block compile leaves the head and the loss eager (liger's fused cross-entropy is what it is eager) and
         # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); a whole
-        # compiled model would trace the fused cross-entropy, which the lab refuses
+        # compiled model traces the layers and ends its graph at the last hidden state (GPT-2's fused head), which
+        # is not modelled
         raise FasttrainError("liger-kernel under a whole-model torch.compile is not modelled; estimate it with "
                              "per-block compiled layers (compiled blocks), eager (compiled none) or without liger")
     if setup.tp > 1:

@@ -89,8 +89,10 @@ from eager (the rest is as above):
   d(c_proj's input) and d(c_fc's output) in bf16 (in fp32 the kernel writes over its dead input);
   the rest as eager.
 liger-kernel (``Setup.liger``: the kernels patched in; the lab patches all four of a family liger
-knows). Its kernels are Triton (CUDA only): what they keep is read from their ``save_for_backward``
-and in-place writes, the transformers code around them is eager's. What changes from eager:
+knows, or its fused linear cross-entropy alone, on any family's head: GPT-2's through the lab's own forward,
+the same kernel on the same last hidden state). Its kernels are Triton (CUDA only): what they keep is read
+from their ``save_for_backward`` and in-place writes, the transformers code around them is eager's. What
+changes from eager:
 - ``rms_norm`` (LigerRMSNorm; Gemma's with offset 1 and its casting mode): one kernel keeps its
   input and the fp32 row statistic, R N h + 4 N (eager: 8 N h + 4 N, Gemma's 4 h more); its output
   is new, in the input's dtype. Backward writes d(input) over d(output) in place: the moment holds

@@ -41,7 +41,8 @@ _REQUIRED_DEFAULT = ("hidden_size", "num_hidden_layers", "num_attention_heads", 
 ATTENTION_ALIASES = {"eager": "eager", "sdpa": "flash", "flash_attention_2": "flash", "flash": "flash",
                      "flash_attention_3": "flash"}
 # the kernels liger-kernel patches into each family by default (its apply_liger_kernel_to_<family>: RMSNorm,
-# RoPE, SwiGLU (Gemma: GeGLU), fused linear cross-entropy); GPT-2 has no liger patches
+# RoPE, SwiGLU (Gemma: GeGLU), fused linear cross-entropy); GPT-2 has no liger patches (the lab fuses its head
+# itself with liger's kernel: liger=("fused_linear_cross_entropy",))
 LIGER_OF = {"llama": LIGER_KERNELS, "mistral": LIGER_KERNELS, "qwen2": LIGER_KERNELS, "gemma": LIGER_KERNELS,
             "phi3": LIGER_KERNELS}
 # LoRA's default targets per model_type (the lab's too): the attention projections LoRA's authors adapted
@@ -206,7 +207,8 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
     ``adamw_torch_fused``, ``adamw_8bit``, ``adafactor``, ``sgd``) or the estimator's.
     ``keep_logits``: the trainer keeps the model's output (its logits) through backward.
     ``liger``: True = liger-kernel's patches of the family (``_apply_liger_kernel_to_instance``: all of
-    :data:`LIGER_OF`), or a tuple of kernel names (``Setup.liger``); GPT-2 has none.
+    :data:`LIGER_OF`), or a tuple of kernel names (``Setup.liger``); GPT-2 has no patches, its fused linear
+    cross-entropy alone is the lab's head (``("fused_linear_cross_entropy",)``).
     ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ...).
     ``lora_rank``: peft's LoRA of that rank on ``lora_targets``, the model's own module names (q_proj,
     k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, c_attn, c_proj, c_fc,

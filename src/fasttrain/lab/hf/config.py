@@ -222,11 +222,13 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
             raise FasttrainError("--use-liger-kernel needs a CUDA GPU (liger-kernel's kernels are Triton); "
                                  "drop it on the CPU")
         supported = liger_families()
-        if family not in supported:
+        if family not in supported and cfg.liger_kernels != "fused_linear_cross_entropy":
             raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r} "
-                                 f"(it patches {', '.join(sorted(f for f in supported if f))}); drop "
+                                 f"(it patches {', '.join(sorted(f for f in supported if f))}); add --liger-kernels "
+                                 f"fused_linear_cross_entropy (its fused loss on the model's head) or drop "
                                  f"--use-liger-kernel")
-        if cfg.torch_compile and cfg.torch_compile_scope == "model":
+        # (another family's fused cross-entropy alone is the lab's forward, its kernel outside the compiled graph)
+        if family in supported and cfg.torch_compile and cfg.torch_compile_scope == "model":
             # measured (H100, torch 2.11, liger-kernel 0.8.5): dynamo cannot trace liger's fused linear
             # cross-entropy (its addmm with out_dtype fails on fake tensors); compiling the decoder
             # layers alone leaves the loss outside the graph

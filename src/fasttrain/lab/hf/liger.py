@@ -1,8 +1,32 @@
-"""liger-kernel's patches of a transformers family: which families, apply, undo."""
+"""liger-kernel on a transformers model: its family patches (which families, apply, undo) and its fused linear
+cross-entropy on the head of any causal LM (:func:`apply_fused_linear_cross_entropy`).
+
+Which one a run gets (:func:`apply_liger`):
+
+- a family in liger's own table (Llama, Qwen2, Mistral, Gemma, Phi-3, ...): liger's patch, all of its kernels or
+  the fused cross-entropy alone. liger writes each family's forward with what that family does beyond
+  ``lm_head(hidden)`` (Gemma 2's soft-capped logits, a mixture of experts' auxiliary loss), and the lab's measured
+  figures for these families are of it; its patch rebinds module-level names, which :func:`undo_liger_patches`
+  puts back;
+- any other causal LM (GPT-2, GPT-NeoX, ...), for the fused cross-entropy alone (``--liger-kernels
+  fused_linear_cross_entropy``; liger has no layer kernels for it): the lab's own forward on that one instance. It
+  runs the base model to the last hidden state and hands that, the head's weight and bias and the shifted labels
+  to liger's kernel, so the (N, V) logits never exist; checked on the instance before any training to be the model's
+  own loss (a family whose forward scales, caps or adds to it is refused), and nothing outside the instance
+  changes: a model built later in the process runs its class's forward.
+
+Why two paths and not the generic one for every family asking for the fused cross-entropy alone: it would refuse
+the families whose forward does more than ``lm_head(hidden)``, which liger's patch handles, and it would change
+what was measured for the others; where liger has no patch it is the only way to the kernel, and it is cleaner
+there than a class-level patch (nothing module-level to undo, and a whole-model compile keeps the kernel out of
+its graph, which liger's patched forward cannot: dynamo fails inside it).
+"""
 
 from __future__ import annotations
 
+import types
 
+from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import liger_switches, missing_extra
 
 
@@ -49,12 +73,19 @@ def apply_liger(model, kernels: str = "all") -> None:
     """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
     cross-entropy (which the model's loss path then uses whenever it is given labels in training); with
     ``kernels="fused_linear_cross_entropy"`` that one alone. The module-level names it rebinds are recorded;
-    :func:`undo_liger_patches` puts them back."""
+    :func:`undo_liger_patches` puts them back. A family liger has no patch for gets the fused cross-entropy
+    alone on its head (:func:`apply_fused_linear_cross_entropy`); all of liger's kernels it cannot have."""
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as exc:
         raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
     family = getattr(getattr(model, "config", None), "model_type", "") or ""
+    if family not in liger_families():
+        if kernels != "fused_linear_cross_entropy":
+            raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r}: only "
+                                 f"its fused linear cross-entropy applies (--liger-kernels fused_linear_cross_entropy)")
+        apply_fused_linear_cross_entropy(model)
+        return
     before = _modeling_state(family)
     _apply_liger_kernel_to_instance(model=model, **liger_switches(kernels))
     for owner, names in before.items():
@@ -80,3 +111,108 @@ def undo_liger_patches() -> int:
             setattr(owner, name, old)
         count += 1
     return count
+
+
+# --- the fused linear cross-entropy on any causal LM's head ----------------------------------------------------
+
+def fused_linear_cross_entropy_kernel():
+    """liger's ``liger_fused_linear_cross_entropy(input, weight, target, bias=, ignore_index=, reduction=)``,
+    imported on first use."""
+    try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy
+    except ImportError as exc:
+        raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
+    return liger_fused_linear_cross_entropy
+
+
+def apply_fused_linear_cross_entropy(model, kernel=None) -> None:
+    """Give this one instance a forward whose loss, in training with labels, is ``kernel`` (liger's fused linear
+    cross-entropy) over its last hidden state and its output layer's weight and bias: the logits are never
+    materialized. Eval mode, or no labels: the class's own forward (logits as usual). ``kernel`` is given by
+    tests (a reference cross-entropy); it is called outside any ``torch.compile`` graph (a whole compiled model
+    breaks its graph there: dynamo cannot trace liger's kernel, and compiling the head and loss would make the
+    logits the kernel avoids). Refused in one line where the model's head is not a Linear on the base model's last
+    hidden state or its loss is more than their cross-entropy (:func:`check_plain_head`)."""
+    import torch
+
+    kernel = kernel or fused_linear_cross_entropy_kernel()
+    check_plain_head(model)
+    model._fasttrain_fused_loss = torch.compiler.disable(kernel)
+    # a method bound to this instance (a deep copy binds it to the copy); the class is untouched
+    model.forward = types.MethodType(_fused_forward, model)
+
+
+def _family(model) -> str:
+    return getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
+
+
+def check_plain_head(model) -> None:
+    """The model's loss is the cross-entropy of its output Linear over its base model's last hidden state,
+    checked on this instance: its own forward on a few tokens (eval mode, no gradients, no random draws) against
+    ``head(base(ids))`` and their shifted cross-entropy. A family whose forward scales or caps the logits, or adds
+    to the loss (an auxiliary loss), is refused: the fused path would compute another loss."""
+    import torch
+    import torch.nn as nn
+    import torch.nn.functional as F
+
+    family = _family(model)
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    base = getattr(model, "base_model", model)
+    if not isinstance(head, nn.Linear) or base is model:
+        what = f"its output layer is {type(head).__name__}" if not isinstance(head, nn.Linear) \
+            else "it has no base model apart from its head"
+        raise FasttrainError(f"liger's fused linear cross-entropy needs a Linear output layer over a base model; the "
+                             f"{family} model's {what}: drop --use-liger-kernel")
+    n = 8
+    ids = (torch.arange(n, device=head.weight.device) * 7 % head.out_features)[None]
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            own = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False)
+            logits = head(base(input_ids=ids, use_cache=False)[0])
+            loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
+    finally:
+        model.train(was_training)
+    same = own.logits is not None and own.logits.shape == logits.shape and \
+        torch.allclose(own.logits.float(), logits.float(), rtol=1e-4, atol=1e-5) and \
+        torch.allclose(own.loss.float(), loss, rtol=1e-4, atol=1e-5)
+    if not same:
+        raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
+                             f"hidden state (its forward scales or caps the logits, or adds to the loss): liger's "
+                             f"fused linear cross-entropy would train another loss; drop --use-liger-kernel")
+
+
+def _fused_forward(self, input_ids=None, labels=None, shift_labels=None, **kwargs):
+    """The causal LM's forward with the head and the loss fused (training with labels). The targets are
+    transformers': ``shift_labels`` as given, else ``labels`` shifted left one position with ``ignore_index`` at
+    the end; the loss is mean_{t: y_t != ignore} CE(W h_t + b, y_t) (with ``num_items_in_batch``: the sum over
+    those tokens / that number), the number ``ForCausalLMLoss`` computes from the logits. As there, no
+    ``labels``, no loss."""
+    if not (self.training and labels is not None):
+        extra = {} if shift_labels is None else {"shift_labels": shift_labels}
+        return type(self).forward(self, input_ids=input_ids, labels=labels, **extra, **kwargs)
+    import torch.nn as nn
+    import torch.nn.functional as F
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    ignore_index = kwargs.pop("ignore_index", -100)
+    items = kwargs.pop("num_items_in_batch", None)
+    kwargs.pop("logits_to_keep", None)          # every position has a target here
+    return_dict = kwargs.pop("return_dict", None)
+    out = self.base_model(input_ids=input_ids, **kwargs)
+    hidden = out[0]
+    head = self.get_output_embeddings()
+    if not isinstance(head, nn.Linear):         # wrapped after the check (LoRA on the head): its weight is not all
+        raise FasttrainError(f"liger's fused linear cross-entropy reads the output layer's weight, but it is now "
+                             f"{type(head).__name__}: leave the head out of --lora-target-modules")
+    if shift_labels is None:
+        shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
+    targets = shift_labels.reshape(-1).to(hidden.device)
+    loss = self._fasttrain_fused_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets, bias=head.bias,
+                                      ignore_index=ignore_index, reduction="mean" if items is None else "sum")
+    if items is not None:
+        loss = loss / (items.to(loss.device) if hasattr(items, "to") else items)
+    result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
+                                    attentions=getattr(out, "attentions", None))
+    return result.to_tuple() if return_dict is False else result

@@ -7,9 +7,11 @@ the same tokens per optimizer step ``T``:
 - micro-batch ``b`` x accumulation ``k`` with ``b k seq = T`` (so ``b`` runs over the divisors of ``T / seq``);
 - bf16 autocast (tf32 or fp16 where asked, ``precisions=``);
 - the attention implementation (eager, sdpa);
-- ``torch.compile`` (none, default, reduce-overhead; per block where the lab has the setting);
+- ``torch.compile`` (none, default, reduce-overhead -- CUDA graphs of the step's forward and backward, the
+  batches' shapes being fixed --; per block where the lab has the setting);
 - activation checkpointing (none, selective, full);
-- liger-kernel's fused kernels;
+- liger-kernel's fused kernels (all of a family's, or its fused linear cross-entropy alone; a transformers
+  family liger has no patch for, GPT-2, gets that one alone on its head);
 - the AdamW implementation (for-each, fused);
 - data preloading.
 

@@ -51,9 +51,9 @@ def model_refusal(hf_config: dict | None, device) -> Callable[[LabConfig], str |
 def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) -> Callable:
     """``predict(cfg) -> bytes``: the memory estimator's ``precise`` peak of ``cfg`` -- the lab's GPT
     (:func:`~fasttrain.lab.estimate.lab_setup`) or a transformers model from its config (the lab's own mapping,
-    ``fasttrain.lab.hf.memory_setup_for``: torch.compile, its CUDA graphs, liger-kernel, LoRA); None where the
-    estimator cannot describe it (then nothing is pruned and the probe finds out). ``cpu``: no cuBLAS
-    workspaces (the estimator's 65 MiB are a GPU's)."""
+    ``fasttrain.lab.hf.memory_setup_for``: torch.compile, its CUDA graphs, liger-kernel, GPT-2's fused
+    cross-entropy head, LoRA); None where the estimator cannot describe it (then nothing is pruned and the probe
+    finds out). ``cpu``: no cuBLAS workspaces (the estimator's 65 MiB are a GPU's)."""
     from fasttrain.memory import estimate
 
     setup_of = None
@@ -65,6 +65,10 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
     def predict(cfg: LabConfig) -> int | None:
         if setup_of is not None:
             setup = setup_of(cfg, cfg.per_device_train_batch_size)
+            if setup is None and cfg.use_liger_kernel:
+                # liger where the estimator does not model it (GPT-2's fused head beside a whole compiled model):
+                # the model without it, which counts the logits the fused loss never makes (errs high, prunes safely)
+                setup = setup_of(cfg.with_(use_liger_kernel=False), cfg.per_device_train_batch_size)
             if setup is None:
                 return None
         else:

@@ -138,6 +138,18 @@ def answer_arguments(result, cfg: LabConfig) -> tuple[dict, dict, list[str]]:
         chosen.add("torch_compile_mode")
     args = {k: v for k, v in args.items() if ARGUMENT_SOURCES.get(k, k) in chosen}
     model_kwargs = {k: v for k, v in model_kwargs.items() if k in chosen}
+    family = getattr(result, "family", None)
+    if cfg.use_liger_kernel and family:
+        from fasttrain.lab.tune.space import liger_support
+
+        if liger_support(family) is not None and liger_support(family, "fused_linear_cross_entropy") is None:
+            # the Trainer's use_liger_kernel is liger's family patch, of which this family has none: it would
+            # train with the logits made, silently
+            args.pop("use_liger_kernel", None)
+            args.pop("liger_kernel_config", None)
+            notes = notes + [f"liger's fused linear cross-entropy on the {family} model's head is the lab's own "
+                             f"forward (liger has no {family} patch, so the Trainer's use_liger_kernel would apply "
+                             f"nothing): left out here"]
     return args, model_kwargs, notes
 
 

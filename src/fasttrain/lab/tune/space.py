@@ -111,8 +111,10 @@ def _per_block_compile() -> tuple[str, object] | None:
     return None
 
 
-def liger_support(family: str | None) -> str | None:
-    """None when liger-kernel can patch a model of ``family`` (None: the lab's own GPT), else why not."""
+def liger_support(family: str | None, kernels: str = "all") -> str | None:
+    """None when liger-kernel can run ``kernels`` on a model of ``family`` (None: the lab's own GPT), else why not:
+    all of them on the families its table patches; its fused linear cross-entropy alone
+    (``fused_linear_cross_entropy``) on any transformers model's head (the lab's forward, ``lab/hf/liger.py``)."""
     try:
         import liger_kernel  # noqa: F401
     except ImportError:
@@ -120,10 +122,11 @@ def liger_support(family: str | None) -> str | None:
     if family is None:
         return None
     try:
+        from liger_kernel.transformers.functional import liger_fused_linear_cross_entropy  # noqa: F401
         from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
     except ImportError:
         return "this liger-kernel has no transformers patches"
-    if family not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+    if family not in MODEL_TYPE_TO_APPLY_LIGER_FN and kernels != "fused_linear_cross_entropy":
         return f"liger-kernel has no kernels for the {family} family"
     return None
 
@@ -177,8 +180,17 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
                        "(gradient_checkpointing_enable); none and full searched")
     axes.append(Axis("checkpointing", tuple((c, {"gradient_checkpointing": c}) for c in checkpointing)))
     reason = liger_support(family) if liger_reason is False else liger_reason
+    # a family liger has no patch for (GPT-2): its fused cross-entropy alone, on the model's head
+    head_only = hf and bool(reason) and liger_reason is False \
+        and liger_support(family, "fused_linear_cross_entropy") is None
     if not cuda:
         dropped.append("liger-kernel: dropped on the CPU (its kernels are Triton, GPU only)")
+    elif head_only:
+        dropped.append(f"liger-kernel: {reason}; its fused linear cross-entropy alone (on the model's head) "
+                       f"searched")
+        axes.append(Axis("liger", (("off", {"use_liger_kernel": False, "liger_kernels": "all"}),
+                                   ("fused-ce", {"use_liger_kernel": True,
+                                                 "liger_kernels": "fused_linear_cross_entropy"}))))
     elif reason:
         dropped.append(f"liger-kernel: {reason}; dropped")
     else:
