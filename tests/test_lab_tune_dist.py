@@ -193,6 +193,46 @@ def test_answer_says_what_the_trainer_cannot_express():
     assert "--strategy hsdp --dp-replicate 2 --nproc-per-node 4" in hsdp["lab_command"]
 
 
+def test_a_transformers_model_s_probes_and_pick_carry_no_preset(tmp_path):
+    """The scale benchmark's pick once read ``fasttrain lab --preset shakespeare-char --model hf:...`` (the
+    lab's GPT preset beside a transformers model). A model folder named like a preset (``tiny``) is the sharpest
+    case: its probes' argv and the pick's command line name no preset, write the model's own defaults out, and
+    parse back through the lab's command line to the configuration searched."""
+    pytest.importorskip("transformers")
+    import json
+
+    import transformers
+
+    from fasttrain.lab.cli import command as lab_cli, config_from
+    from fasttrain.lab.settings import resolve_settings
+
+    folder = tmp_path / "tiny"
+    transformers.LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(folder)
+    hf = resolve_settings(None, {"model": f"hf:{folder}", "context": SEQ, "device": "cpu"}).cfg
+    assert hf.name == "tiny"                     # the folder's name, which is also a preset's
+
+    def parsed(argv):
+        ctx = lab_cli.make_context("lab", list(argv))
+        options = {k: v for k, v in ctx.params.items() if k in hf.to_dict() or k in ("model", "name")}
+        return config_from(ctx.params["preset_name"], options)
+
+    probe = SP.scaled(hf, 2).with_(strategy="fsdp", reshard_after_forward=False)
+    argv = S.lab_argv(probe)
+    assert "--preset" not in argv and argv[argv.index("--strategy"):] == probe.parallel_flags()
+    assert parsed(argv[1:argv.index("--strategy")]) == probe.lab_config()
+    result = T.tune(hf, seq=SEQ, global_batch_tokens=SEQ * 32, measure=FakeMeasure(), predict=fake_predict,
+                    memory=gpu_memory(), cache_path=None, liger_reason="not here", nproc=2, max_candidates=2,
+                    fixed={"attn_implementation", "torch_compile", "gradient_checkpointing", "optim", "preload"},
+                    out=tmp_path / "tune", model_id=hf.model)
+    pick = json.loads((tmp_path / "tune" / "tune.json").read_text())["pick"]
+    assert "--preset" not in pick["lab_command"] and "--preset" not in pick["torchrun_command"]
+    line = pick["lab_command"].split()
+    assert line[:2] == ["fasttrain", "lab"] and f"--model hf:{folder}" in pick["lab_command"]
+    assert parsed(line[2:line.index("--strategy")]) == R_pick(result).lab_config()
+
+
 def test_run_bounded_stops_a_hung_process_and_its_children():
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             " print(p.pid, flush=True); time.sleep(60)")

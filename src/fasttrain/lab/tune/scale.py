@@ -90,15 +90,13 @@ def device_memory_apart(limit_bytes: int | None = None):
 # --- the probe: one process group per probe ------------------------------------------------------------
 
 def lab_argv(cfg: ScaleConfig) -> list[str]:
-    """``fasttrain lab`` arguments that run ``cfg`` on its ranks (without ``--nproc-per-node``)."""
-    from fasttrain.lab.config import PRESETS
-    from fasttrain.lab.overrides import changed, flags
+    """``fasttrain lab`` arguments that run ``cfg`` on its ranks (without ``--nproc-per-node``): the settings
+    :func:`fasttrain.lab.overrides.settings_of` gives (a transformers model takes no preset), then the strategy."""
+    from fasttrain.lab.overrides import flags, settings_of
 
-    lab = cfg.lab_config()
-    preset = lab.name if lab.name in PRESETS else "shakespeare-char"
-    settings = {k: v for k, v in changed(lab, LabConfig(name=preset, **PRESETS[preset])).items()
-                if k not in ("name", "save", "auto_find_batch_size")}
-    return ["lab", "--preset", preset, *flags(settings), *cfg.parallel_flags()]
+    preset, settings = settings_of(cfg.lab_config())
+    settings = {k: v for k, v in settings.items() if k not in ("save", "auto_find_batch_size")}
+    return ["lab", *(["--preset", preset] if preset else []), *flags(settings), *cfg.parallel_flags()]
 
 
 def run_bounded(argv: list[str], limit_s: float, env: dict | None = None, cwd=None) -> tuple[int | None, str, float]:
