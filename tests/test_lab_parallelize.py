@@ -1,7 +1,7 @@
 """lab/parallelize.py: the one order of techniques; every strategy (ddp, zero1, fsdp ZeRO-2/3, hsdp,
 tp, the 2-D fsdp x tp mesh, optimizer offload) in 2 and 4 gloo processes trains the same function as
-one process at the same global batch; the meta-device build gives the one-process weights; float8's
-module selection and refusals; the shapes that do not divide the world, refused in one line."""
+one process at the same global batch; the meta-device build gives the one-process weights; fused AdamW
+steps FSDP's DTensor shards; float8's module selection and refusals; the shapes that do not divide the world, refused in one line."""
 
 from __future__ import annotations
 
@@ -181,6 +181,53 @@ def test_meta_build_is_for_fsdp_from_scratch_only():
     assert not meta_build_for(_cfg(), D.World(rank=0, world_size=4, strategy="fsdp", tp_size=2))
     assert not meta_build_for(_cfg(lora_r=2), fsdp)
     assert not meta_build_for(_cfg(), None)
+
+
+# --- the optimizer over FSDP's shards ------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_adamw_steps_fsdp_s_dtensor_shards_in_one_fused_kernel(monkeypatch, device):
+    """``--optim adamw_torch_fused`` under fully_shard: AdamW(fused=True) over the DTensor shards, stepped by
+    torch's fused kernel on the DTensors themselves (no fall-back to for-each or the per-tensor loop), to the
+    weights ``--optim adamw_torch`` gives (on the CPU its per-tensor loop; for-each on a GPU)."""
+    from fasttrain.lab.build import build_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fasttrain.lab.config import preset
+
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(_free_port())).items():
+        monkeypatch.setenv(name, value)
+    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device=device)
+    kernels = []
+    fused = torch._fused_adamw_
+
+    def spy_fused(params, *args, **kwargs):
+        kernels.append({type(p).__name__ for p in params})
+        return fused(params, *args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", spy_fused)
+    try:
+        weights = {}
+        for optim in ("adamw_torch_fused", "adamw_torch"):
+            cfg = preset("tiny", device=device, style="llama", heads=4, kv_heads=2, optim=optim)
+            done = P.parallelize(build_model(cfg, 65, torch.device(world.device)), cfg, world)
+            assert all(type(p).__name__ == "DTensor" for p in done.module.parameters())
+            assert {g["fused"] for g in done.optimizer.param_groups} == ({True} if optim.endswith("fused") else {None})
+            kernels.clear()
+            x = torch.randint(0, 65, (2, cfg.context), generator=torch.Generator().manual_seed(0)).to(world.device)
+            done.train_model(x, x).backward()
+            done.optimizer.step()
+            if optim.endswith("fused"):
+                assert kernels and all(types == {"DTensor"} for types in kernels), kernels
+            else:
+                assert not kernels
+            weights[optim] = {n: p.full_tensor() for n, p in done.module.named_parameters()}
+        for n, w in weights["adamw_torch"].items():
+            torch.testing.assert_close(weights["adamw_torch_fused"][n], w, msg=n)
+    finally:
+        world.owns_group = True
+        D.shutdown(world)
 
 
 # --- bad input: shapes, combinations -------------------------------------------------------------------
