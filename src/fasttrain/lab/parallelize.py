@@ -262,10 +262,11 @@ def apply_data_parallel(lab_model, cfg, module, world, applied: list):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    # bf16: gather bf16 parameters and compute in bf16, reduce gradients in fp32 (the fp32 shards are
-    # the master weights)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 \
-        else MixedPrecisionPolicy()
+    # bf16: gather bf16 parameters and compute in bf16 (the fp32 shards are the master weights); the gradients
+    # are reduced in --fsdp-reduce-dtype (fp32: each rank's bf16 gradient cast up and summed in fp32; bf16: half
+    # the bytes, every partial sum rounded to bf16) and land in fp32 shards either way
+    reduce_dtype = torch.bfloat16 if cfg.fsdp_reduce_dtype == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=world.device.startswith("cuda")) if world.offload_optimizer \
         else OffloadPolicy()
     mesh = world.dp_mesh
@@ -280,7 +281,7 @@ def apply_data_parallel(lab_model, cfg, module, world, applied: list):
         materialize(module, world)
         applied.append(("data_parallel", "weights initialized shard by shard (meta-device build)"))
     shape = " x ".join(f"{n} {s}" for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape))
-    applied.append(("data_parallel", f"{world.label} over {shape}"))
+    applied.append(("data_parallel", f"{world.label} over {shape}, gradients reduced in {cfg.fsdp_reduce_dtype}"))
     return module
 
 
