@@ -87,6 +87,34 @@ def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank(
     assert any(line.startswith("hsdp:") for line in dropped2)
 
 
+def test_the_reduce_dtype_is_searched_with_fsdp_and_hsdp_and_fixed_when_given():
+    axes, dropped = SP.build_axes(base(), cuda=False, nproc=4)
+    reduce = next(a for a in axes if a.name == "reduce")
+    assert [c for c, _ in reduce.choices] == ["reduce-fp32", "reduce-bf16"] and not reduce.changes_math
+    space = SP.enumerate_space(axes, sequences=32, nproc=4)
+    bf16 = {dict(c.settings)["strategy"] for c in space if c.overrides_dict()["fsdp_reduce_dtype"] == "bf16"}
+    assert bf16 == {"fsdp", "fsdp-zero2", "hsdp-r2", "fsdp-tp2", "fsdp-offload"}
+    assert any(line.startswith("reduce-bf16:") for line in dropped)
+    # a label names bf16's reduction; fp32's, the plain one, goes unsaid
+    labels = " ".join(c.label for c in space)
+    assert "reduce-bf16" in labels and "reduce-fp32" not in labels
+    # given as a flag, it is not searched; one process has no such axis
+    fixed, dropped = SP.build_axes(base(), cuda=False, nproc=4, fixed={"fsdp_reduce_dtype"})
+    assert [c for c, _ in next(a for a in fixed if a.name == "reduce").choices] == ["fixed"]
+    assert not any(a.name == "reduce" for a in SP.build_axes(base(), cuda=False)[0])
+
+
+def test_the_trainer_s_answer_for_the_reduce_dtype():
+    """The HF Trainer's FSDP reduces in its training precision (accelerate: bf16=True gives param and reduce dtype
+    bf16): a pick reducing otherwise says it cannot be written in TrainingArguments, and how it could."""
+    cfg = SP.scaled(base(bf16=True), 2).with_(strategy="fsdp")
+    said = lambda c: S.answer(c, "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])["trainer_cannot"] or ""  # noqa: E731
+    assert "gradient reduction in fp32 under bf16" in said(cfg) and "'reduce_dtype': torch.float32" in said(cfg)
+    assert "gradient reduction" not in said(cfg.with_(fsdp_reduce_dtype="bf16"))
+    assert "gradient reduction in bf16 under fp32" in said(cfg.with_(bf16=False, fsdp_reduce_dtype="bf16"))
+    assert "gradient reduction" not in said(cfg.with_(bf16=False))
+
+
 def test_float8_joins_only_when_allowed_and_only_on_a_gpu():
     axes, _ = SP.build_axes(base(), cuda=True, allow=("float8",), liger_reason="not here")
     assert [c for c, _ in next(a for a in axes if a.name == "float8").choices] == ["none", "tensorwise", "rowwise"]
