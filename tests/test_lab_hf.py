@@ -77,6 +77,86 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_a_model_from_its_config_is_drawn_by_its_own_initializers(tmp_path):
+    """Without weights, the model is built with its matrices on the meta device and drawn by its own
+    initialize_weights from the seed: transformers' initialization in distribution (the values of a plain
+    from_config differ: it also draws the layers' construction init first), the same whatever the generator held
+    before, GPT-2's residual projections at 0.02 / sqrt(2 L)."""
+    import math
+
+    for family in ("llama", "gpt2"):
+        folder = write_config(tmp_path / family, family, vocab=300)
+        torch.manual_seed(123)
+        mine = {n: p.detach() for n, p in hf.build_hf_model(f"hf:{folder}", cfg(), None, "cpu").module.named_parameters()}
+        again = {n: p.detach() for n, p in hf.build_hf_model(f"hf:{folder}", cfg(), None, "cpu").module.named_parameters()}
+        torch.manual_seed(cfg().seed)
+        plain = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+        differ = 0
+        for name, w in plain.named_parameters():
+            w = w.detach()
+            assert torch.equal(mine[name], again[name]), name
+            if w.dim() < 2:                     # norms' ones, biases' zeros: the same rule, the same values
+                assert torch.equal(mine[name], w), name
+                continue
+            std = 0.02 / (math.sqrt(2 * 2) if family == "gpt2" and name.endswith("c_proj.weight") else 1)
+            assert float(mine[name].std()) == pytest.approx(std, rel=0.2), name
+            assert float(w.std()) == pytest.approx(std, rel=0.2), name
+            assert abs(float(mine[name].mean())) < 4 * std / math.sqrt(w.numel()), name
+            differ += not torch.equal(mine[name], w)
+        assert differ > 0
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {}), ("qwen2", {}), ("llama", {"pad_token_id": 3})],
+                         ids=["llama", "gpt2", "qwen2-tied", "llama-padding-row"])
+def test_fsdp_shards_a_meta_build_and_draws_the_one_process_weights(tmp_path, monkeypatch, family, extra):
+    """Under FSDP a model without weights is built with its matrices on the meta device, sharded, then drawn shard
+    by shard: exactly the one-process build's weights and buffers, ties kept, the generator left where that build
+    leaves it (one process here; two in the slow test below)."""
+    from fasttrain.lab.build import meta_build_for
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.parallel import distributed as D
+    from tests_support import free_port
+
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    folder = write_config(tmp_path / family, family, **extra)
+    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
+    try:
+        ref, mine, rng = _one_process_and_sharded(folder, world)
+        assert rng
+        for name, w in ref.named_parameters():
+            assert torch.equal(mine[name], w), name
+    finally:
+        world.owns_group = True
+        D.shutdown(world)
+    assert not meta_build_for(preset("tiny", model=f"hf:{folder}", device="cpu"), D.World(strategy="ddp"))
+
+
+def _one_process_and_sharded(folder, world):
+    """The one-process build of ``folder``'s model and the meta build sharded over ``world`` (its weights
+    gathered whole), and whether the generator ends in the same state after both."""
+    from fasttrain.lab import parallelize as P
+    from fasttrain.lab.build import build_model, meta_build_for
+    from fasttrain.lab.config import preset
+
+    cfg = preset("tiny", model=f"hf:{folder}", device="cpu", context=16)
+    assert meta_build_for(cfg, world)
+    ref = build_model(cfg, 100, torch.device("cpu")).module
+    after = torch.get_rng_state()
+    lab_model = build_model(cfg, 100, torch.device("cpu"), meta=True)
+    matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
+    assert matrices and all(p.device.type == "meta" for p in matrices)
+    done = P.parallelize(lab_model, cfg, world)
+    assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
+    buffers = dict(done.module.named_buffers())
+    assert all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
+    if getattr(ref.config, "tie_word_embeddings", False):
+        assert done.module.get_output_embeddings().weight is done.module.get_input_embeddings().weight
+    return ref, {n: p.full_tensor() for n, p in done.module.named_parameters()}, \
+        torch.equal(torch.get_rng_state(), after)
+
+
 def test_weights_in_the_folder_are_loaded_and_said(tmp_path):
     write_config(tmp_path / "cfg", "gpt2")
     lines = []
@@ -549,6 +629,41 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert two[strategy] == pytest.approx(one, rel=1e-5), strategy
         # FSDP's shards gathered into one folder from_pretrained loads
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
+
+
+def _meta_worker(rank: int, port: int, folders: dict, out: str) -> None:
+    from fasttrain.lab.parallel import distributed as D
+
+    _join_local_job(rank, port)
+    torch.set_num_threads(1)
+    world = D.init_world(D.ParallelConfig(strategy="fsdp", ddp_timeout=60), device="cpu")
+    differ = {}
+    for name, folder in folders.items():
+        ref, mine, rng = _one_process_and_sharded(folder, world)
+        differ[name] = [n for n, w in ref.named_parameters() if not torch.equal(mine[n], w)] + ([] if rng else ["rng"])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(differ, f)
+    world.owns_group = True
+    D.shutdown(world)
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(folders, tmp_path):
+    """The meta build sharded over 2 gloo processes (each matrix's rows split, a padding row on one rank only):
+    every rank's shards gathered are the one-process build's weights."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    padded = write_config(tmp_path / "padded", "llama", pad_token_id=3)
+    cases = {**{k: str(v) for k, v in folders.items()}, "llama-padding-row": str(padded)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "differ.json"
+    mp.start_processes(_meta_worker, args=(port, cases, str(out)), nprocs=2, start_method="spawn")
+    assert json.loads(out.read_text()) == {name: [] for name in cases}
 
 
 # qwen3: per-head q/k norms on split heads (their gradients summed over the ranks), over 2 micro-batches;
