@@ -307,7 +307,9 @@ def test_cli_bad_shapes_are_one_line_before_any_process(tmp_path, capsys, args, 
 def test_estimator_parallelism_of_hsdp_the_2d_mesh_and_offload():
     def fields(**kw):
         return D.estimator_parallelism(D.World(rank=0, **kw), bf16=True)
-    assert fields(world_size=4, strategy="fsdp", tp_size=2) == {"dp": 2, "zero": 3, "tp": 2, "precision": "mixed"}
+    assert fields(world_size=4, strategy="fsdp", tp_size=2) == {"dp": 2, "zero": 3, "tp": 2, "precision": "mixed",
+                                                               "fsdp": True, "reduce_dtype": "fp32"}
+    assert D.estimator_parallelism(D.World(rank=0, world_size=2, strategy="fsdp"), True, "bf16")["reduce_dtype"] == "bf16"
     # hsdp: the state is sharded over the shard group only
     assert fields(world_size=8, strategy="hsdp", dp_replicate=2)["dp"] == 4
     assert fields(world_size=4, strategy="fsdp", offload_optimizer=True)["offload"] is True

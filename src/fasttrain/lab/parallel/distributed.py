@@ -644,11 +644,11 @@ def full_state_dict(model, world: World) -> dict:
 
 # --- the estimator's view of a strategy ------------------------------------------------------------
 
-def estimator_parallelism(world: World, bf16: bool = False) -> dict:
-    """The memory estimator's ``Setup`` fields for this run's strategy, per GPU
-    (:func:`fasttrain.memory.fit.parallel_fields`: the one mapping, which ``fasttrain memory --strategy``
-    uses too)."""
+def estimator_parallelism(world: World, bf16: bool = False, reduce_dtype: str = "fp32") -> dict:
+    """The memory estimator's ``Setup`` fields for this run's strategy, per GPU, FSDP's gradients reduced in
+    ``reduce_dtype`` (``--fsdp-reduce-dtype``) (:func:`fasttrain.memory.fit.parallel_fields`: the one mapping,
+    which ``fasttrain memory --strategy`` uses too)."""
     return parallel_fields(world.strategy, dp=world.dp, tp=world.tp, replicas=world.dp_replicate,
                            reshard_after_forward=world.reshard_after_forward, offload=world.offload_optimizer,
-                           bf16=bf16)
+                           bf16=bf16, reduce_dtype=reduce_dtype)
 
