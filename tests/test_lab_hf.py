@@ -115,46 +115,28 @@ def test_fsdp_shards_a_meta_build_and_draws_the_one_process_weights(tmp_path, mo
     from fasttrain.lab.build import meta_build_for
     from fasttrain.lab.config import preset
     from fasttrain.lab.parallel import distributed as D
-    from tests_support import free_port
+    from tests_support import one_rank_world
 
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(free_port())).items():
-        monkeypatch.setenv(name, value)
     folder = write_config(tmp_path / family, family, **extra)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
-    try:
+    with one_rank_world(monkeypatch) as world:
         ref, mine, rng = _one_process_and_sharded(folder, world)
-        assert rng
-        for name, w in ref.named_parameters():
-            assert torch.equal(mine[name], w), name
-    finally:
-        world.owns_group = True
-        D.shutdown(world)
+    assert rng
+    for name, w in ref.named_parameters():
+        assert torch.equal(mine[name], w), name
     assert not meta_build_for(preset("tiny", model=f"hf:{folder}", device="cpu"), D.World(strategy="ddp"))
 
 
 def _one_process_and_sharded(folder, world):
-    """The one-process build of ``folder``'s model and the meta build sharded over ``world`` (its weights
-    gathered whole), and whether the generator ends in the same state after both."""
-    from fasttrain.lab import parallelize as P
-    from fasttrain.lab.build import build_model, meta_build_for
+    """The one-process build of ``folder``'s model and its meta build sharded over ``world`` (weights gathered
+    whole; ties kept), and whether the generator ends in the same state after both."""
     from fasttrain.lab.config import preset
+    from tests_support import meta_build_beside_one_process
 
     cfg = preset("tiny", model=f"hf:{folder}", device="cpu", context=16)
-    assert meta_build_for(cfg, world)
-    ref = build_model(cfg, 100, torch.device("cpu")).module
-    after = torch.get_rng_state()
-    lab_model = build_model(cfg, 100, torch.device("cpu"), meta=True)
-    matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
-    assert matrices and all(p.device.type == "meta" for p in matrices)
-    done = P.parallelize(lab_model, cfg, world)
-    assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
-    buffers = dict(done.module.named_buffers())
-    assert all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
+    ref, sharded, mine, rng = meta_build_beside_one_process(cfg, 100, world)
     if getattr(ref.config, "tie_word_embeddings", False):
-        assert done.module.get_output_embeddings().weight is done.module.get_input_embeddings().weight
-    return ref, {n: p.full_tensor() for n, p in done.module.named_parameters()}, \
-        torch.equal(torch.get_rng_state(), after)
+        assert sharded.get_output_embeddings().weight is sharded.get_input_embeddings().weight
+    return ref, mine, rng
 
 
 def test_weights_in_the_folder_are_loaded_and_said(tmp_path):

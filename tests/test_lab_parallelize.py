@@ -17,6 +17,7 @@ from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab import fit as F  # noqa: E402
 from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
+from tests_support import meta_build_beside_one_process, one_rank_world  # noqa: E402
 from tests_support import slow_beyond, word_corpus as _text_corpus  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -141,35 +142,16 @@ def test_float8_trains_near_bf16_on_a_gpu():
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_a_meta_build_sharded_by_fsdp_has_the_one_process_weights(monkeypatch, style):
-    from fasttrain.lab.build import build_model
-
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(name, value)
-    shape = dict(style="llama", heads=4, kv_heads=2) if style == "llama" else dict(style="gpt2", heads=2, bias=True)
     from fasttrain.lab.config import preset
 
-    cfg = preset("tiny", device="cpu", **shape)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
-    try:
-        ref = build_model(cfg, 65, torch.device("cpu")).module
-        after_ref = torch.get_rng_state()
-        lab_model = build_model(cfg, 65, torch.device("cpu"), meta=True)
+    shape = dict(style="llama", heads=4, kv_heads=2) if style == "llama" else dict(style="gpt2", heads=2, bias=True)
+    with one_rank_world(monkeypatch) as world:
         # the matrices are never materialized whole: on the meta device until sharded
-        matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
-        assert matrices and all(p.device.type == "meta" for p in matrices)
-        done = P.parallelize(lab_model, cfg, world)
-        assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
-        mine = dict(done.module.named_parameters())
-        for name, w in ref.named_parameters():
-            torch.testing.assert_close(mine[name].full_tensor(), w, rtol=0, atol=0, msg=name)
-        for name, b in ref.named_buffers():
-            assert torch.equal(dict(done.module.named_buffers())[name], b), name
-        # the generator ends where a plain build leaves it (dropout draws after it match too)
-        assert torch.equal(torch.get_rng_state(), after_ref)
-    finally:
-        world.owns_group = True
-        D.shutdown(world)
+        ref, _, mine, rng = meta_build_beside_one_process(preset("tiny", device="cpu", **shape), 65, world)
+    for name, w in ref.named_parameters():
+        assert torch.equal(mine[name], w), name
+    # the generator ends where a plain build leaves it (dropout draws after it match too)
+    assert rng
 
 
 def test_meta_build_is_for_fsdp_from_scratch_only():
@@ -196,10 +178,6 @@ def test_fused_adamw_steps_fsdp_s_dtensor_shards_in_one_fused_kernel(monkeypatch
         pytest.skip("needs a CUDA GPU")
     from fasttrain.lab.config import preset
 
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(name, value)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device=device)
     kernels = []
     fused = torch._fused_adamw_
 
@@ -207,7 +185,7 @@ def test_fused_adamw_steps_fsdp_s_dtensor_shards_in_one_fused_kernel(monkeypatch
         kernels.append({type(p).__name__ for p in params})
         return fused(params, *args, **kwargs)
     monkeypatch.setattr(torch, "_fused_adamw_", spy_fused)
-    try:
+    with one_rank_world(monkeypatch, device=device) as world:
         weights = {}
         for optim in ("adamw_torch_fused", "adamw_torch"):
             cfg = preset("tiny", device=device, style="llama", heads=4, kv_heads=2, optim=optim)
@@ -223,11 +201,8 @@ def test_fused_adamw_steps_fsdp_s_dtensor_shards_in_one_fused_kernel(monkeypatch
             else:
                 assert not kernels
             weights[optim] = {n: p.full_tensor() for n, p in done.module.named_parameters()}
-        for n, w in weights["adamw_torch"].items():
-            torch.testing.assert_close(weights["adamw_torch_fused"][n], w, msg=n)
-    finally:
-        world.owns_group = True
-        D.shutdown(world)
+    for n, w in weights["adamw_torch"].items():
+        torch.testing.assert_close(weights["adamw_torch_fused"][n], w, msg=n)
 
 
 # --- bad input: shapes, combinations -------------------------------------------------------------------
@@ -365,11 +340,7 @@ def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
     significant bits, some of them changed); with fp32, untouched."""
     from fasttrain.lab.build import build_model
 
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(name, value)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
-    try:
+    with one_rank_world(monkeypatch) as world:
         x = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
         grads = {}
         for dtype in ("fp32", "bf16"):
@@ -378,13 +349,10 @@ def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
             assert [what for step, what in done.applied if step == "data_parallel"][-1].endswith(f"reduced in {dtype}")
             done.train_model(x, x).backward()
             grads[dtype] = {n: p.grad.to_local() for n, p in done.module.named_parameters()}
-        for n, g in grads["fp32"].items():
-            assert grads["bf16"][n].dtype == torch.float32, n
-            assert torch.equal(grads["bf16"][n], g.bfloat16().float()), n
-        assert any(not torch.equal(grads["bf16"][n], g) for n, g in grads["fp32"].items())
-    finally:
-        world.owns_group = True
-        D.shutdown(world)
+    for n, g in grads["fp32"].items():
+        assert grads["bf16"][n].dtype == torch.float32, n
+        assert torch.equal(grads["bf16"][n], g.bfloat16().float()), n
+    assert any(not torch.equal(grads["bf16"][n], g) for n, g in grads["fp32"].items())
 
 
 @pytest.mark.slow
