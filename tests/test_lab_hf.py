@@ -132,7 +132,7 @@ def _one_process_and_sharded(folder, world):
     from fasttrain.lab.config import preset
     from tests_support import meta_build_beside_one_process
 
-    cfg = preset("tiny", model=f"hf:{folder}", device="cpu", context=16)
+    cfg = preset("tiny", model=f"hf:{folder}", device=world.device.split(":")[0], context=16)
     ref, sharded, mine, rng = meta_build_beside_one_process(cfg, 100, world)
     if getattr(ref.config, "tie_word_embeddings", False):
         assert sharded.get_output_embeddings().weight is sharded.get_input_embeddings().weight
@@ -613,12 +613,12 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
 
 
-def _meta_worker(rank: int, port: int, folders: dict, out: str) -> None:
+def _meta_worker(rank: int, port: int, folders: dict, out: str, device: str = "cpu", offload: bool = False) -> None:
     from fasttrain.lab.parallel import distributed as D
 
     _join_local_job(rank, port)
     torch.set_num_threads(1)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp", ddp_timeout=60), device="cpu")
+    world = D.init_world(D.ParallelConfig(strategy="fsdp", ddp_timeout=60, offload_optimizer=offload), device=device)
     differ = {}
     for name, folder in folders.items():
         ref, mine, rng = _one_process_and_sharded(folder, world)
@@ -645,6 +645,27 @@ def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(fo
         port = s.getsockname()[1]
     out = tmp_path / "differ.json"
     mp.start_processes(_meta_worker, args=(port, cases, str(out)), nprocs=2, start_method="spawn")
+    assert json.loads(out.read_text()) == {name: [] for name in cases}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp_on_two_gpus_draws_the_one_process_weights_shard_by_shard(folders, tmp_path, offload):
+    """The same on 2 GPUs (NCCL; the CUDA generator); with --offload-optimizer the shards live in host memory
+    while the draws stay on the GPU."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    padded = write_config(tmp_path / "padded", "llama", pad_token_id=3)
+    cases = {**{k: str(v) for k, v in folders.items()}, "llama-padding-row": str(padded)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "differ.json"
+    mp.start_processes(_meta_worker, args=(port, cases, str(out), "cuda", offload), nprocs=2, start_method="spawn")
     assert json.loads(out.read_text()) == {name: [] for name in cases}
 
 

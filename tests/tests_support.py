@@ -135,18 +135,28 @@ def meta_build_beside_one_process(cfg, vocab: int, world):
     from fasttrain.lab import parallelize as P
     from fasttrain.lab.build import build_model, meta_build_for
 
+    device = torch.device(world.device)
+
+    def rng_state():
+        return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
     assert meta_build_for(cfg, world)
-    ref = build_model(cfg, vocab, torch.device("cpu")).module
-    after = torch.get_rng_state()
-    lab_model = build_model(cfg, vocab, torch.device("cpu"), meta=True)
+    ref = build_model(cfg, vocab, device).module
+    after = rng_state()
+    lab_model = build_model(cfg, vocab, device, meta=True)
     matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
     assert matrices and all(p.device.type == "meta" for p in matrices)
     done = P.parallelize(lab_model, cfg, world)
     assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
     buffers = dict(done.module.named_buffers())
     assert all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
-    rng = torch.equal(torch.get_rng_state(), after)
-    return ref, done.module, {n: p.full_tensor() for n, p in done.module.named_parameters()}, rng
+    rng = torch.equal(rng_state(), after)
+    from torch.distributed.tensor import DTensor
+
+    # (an offloaded shard lives in host memory: gathered from the device the collectives run on)
+    whole = {n: DTensor.from_local(p.to_local().to(device), p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride()).full_tensor() for n, p in done.module.named_parameters()}
+    return ref, done.module, whole, rng
 
 
 def leave_process_group(group) -> None:

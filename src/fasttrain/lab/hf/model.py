@@ -152,9 +152,10 @@ def _padding_row_on_its_shard(init_weights, device):
             module.padding_idx = pad
         keep = torch.ones((module.weight.shape[0], 1), dtype=module.weight.dtype, device=device)
         keep[pad] = 0
+        local = module.weight.to_local()            # (in host memory when FSDP offloads its shards)
         with torch.no_grad():
-            module.weight.to_local().mul_(distribute_tensor(keep, module.weight.device_mesh, module.weight.placements,
-                                                            src_data_rank=None).to_local())
+            local.mul_(distribute_tensor(keep, module.weight.device_mesh, module.weight.placements,
+                                         src_data_rank=None).to_local().to(local.device))
     return init
 
 
