@@ -594,11 +594,11 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # (FSDP's ZeRO-3: the loss's gradient reaching the root's output starts block L's all-gather, held from
         # here on)
         moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad, gathered(L, 1)))
+        # (a soft prompt cut from the output: a zero-padded s + P gradient)
         moments.append(("backward: output projection",
                         saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now, g_fresh),
                         logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
                         + (C * nh if s.prompt_tokens and not hf else 0), gathered(L, 1)))
-        # (the prompt cut: a zero-padded s + P gradient)
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += u * final_norm_g
     g_fresh += u * final_norm_g if fsdp else 0
@@ -679,11 +679,11 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     trained = ("" if not frozen else f" + {n_adapters:,.0f} trainable ("
                + ("LoRA r=" + str(s.lora_rank) if lora_only else f"{s.prompt_tokens} prompt tokens") + ")")
     if fsdp:
-        where = "in host memory, " if s.offload else ""
+        shards = 4 * (n_local + n_adapters) / dpz
         params_line = Line("parameters", params_b + gathered_peak,
-                           f"4 B x {n_local:,.0f} params / d: FSDP's fp32 shards ({where}{params_b / MiB:,.1f} MiB)"
-                           + (" (frozen)" if frozen else "") + trained + f"; {cp} B compute copies gathered at the "
-                           f"peak: {gathered_peak / MiB:,.1f} MiB")
+                           f"4 B x {n_local:,.0f} params / d: FSDP's fp32 shards ({shards / MiB:,.1f} MiB"
+                           + (", in host memory" if s.offload else "") + ")" + (" (frozen)" if frozen else "")
+                           + trained + f"; {cp} B compute copies gathered at the peak: {gathered_peak / MiB:,.1f} MiB")
     else:
         params_line = Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
                            + (" (frozen)" if frozen else "") + trained + (" / d (ZeRO-3)" if s.zero >= 3 else ""))
