@@ -630,10 +630,9 @@ def _meta_worker(rank: int, port: int, folders: dict, out: str, device: str = "c
     D.shutdown(world)
 
 
-@pytest.mark.slow
-def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(folders, tmp_path):
-    """The meta build sharded over 2 gloo processes (each matrix's rows split, a padding row on one rank only):
-    every rank's shards gathered are the one-process build's weights."""
+def _meta_in_two_processes(folders, tmp_path, device: str = "cpu", offload: bool = False) -> dict:
+    """The meta build of every tiny family (and a Llama with a padding row) sharded over 2 processes: per model,
+    the parameters whose gathered shards differ from the one-process build (and "rng" if the generator does)."""
     import socket
 
     import torch.multiprocessing as mp
@@ -644,8 +643,18 @@ def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(fo
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     out = tmp_path / "differ.json"
-    mp.start_processes(_meta_worker, args=(port, cases, str(out)), nprocs=2, start_method="spawn")
-    assert json.loads(out.read_text()) == {name: [] for name in cases}
+    mp.start_processes(_meta_worker, args=(port, cases, str(out), device, offload), nprocs=2, start_method="spawn")
+    differ = json.loads(out.read_text())
+    assert set(differ) == set(cases)
+    return differ
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(folders, tmp_path):
+    """The meta build sharded over 2 gloo processes (each matrix's rows split, a padding row on one rank only):
+    every rank's shards gathered are the one-process build's weights."""
+    differ = _meta_in_two_processes(folders, tmp_path)
+    assert differ == {name: [] for name in differ}
 
 
 @pytest.mark.gpu
@@ -653,20 +662,10 @@ def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(fo
 def test_fsdp_on_two_gpus_draws_the_one_process_weights_shard_by_shard(folders, tmp_path, offload):
     """The same on 2 GPUs (NCCL; the CUDA generator); with --offload-optimizer the shards live in host memory
     while the draws stay on the GPU."""
-    import socket
-
-    import torch.multiprocessing as mp
-
     if torch.cuda.device_count() < 2:
         pytest.skip("needs 2 CUDA GPUs")
-    padded = write_config(tmp_path / "padded", "llama", pad_token_id=3)
-    cases = {**{k: str(v) for k, v in folders.items()}, "llama-padding-row": str(padded)}
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = tmp_path / "differ.json"
-    mp.start_processes(_meta_worker, args=(port, cases, str(out), "cuda", offload), nprocs=2, start_method="spawn")
-    assert json.loads(out.read_text()) == {name: [] for name in cases}
+    differ = _meta_in_two_processes(folders, tmp_path, "cuda", offload)
+    assert differ == {name: [] for name in differ}
 
 
 # qwen3: per-head q/k norms on split heads (their gradients summed over the ranks), over 2 micro-batches;
