@@ -91,6 +91,68 @@ def test_same_seed_same_weights_other_seed_other_weights(tmp_path):
     assert not all(torch.equal(a[k], c[k]) for k in a)
 
 
+def test_a_model_from_its_config_is_drawn_by_its_own_initializers(tmp_path):
+    """Without weights, the model is built with its matrices on the meta device and drawn by its own
+    initialize_weights from the seed: transformers' initialization in distribution (the values of a plain
+    from_config differ: it also draws the layers' construction init first), the same whatever the generator held
+    before, GPT-2's residual projections at 0.02 / sqrt(2 L)."""
+    import math
+
+    for family in ("llama", "gpt2"):
+        folder = write_config(tmp_path / family, family, vocab=300)
+        torch.manual_seed(123)
+        mine = {n: p.detach() for n, p in hf.build_hf_model(f"hf:{folder}", cfg(), None, "cpu").module.named_parameters()}
+        again = {n: p.detach() for n, p in hf.build_hf_model(f"hf:{folder}", cfg(), None, "cpu").module.named_parameters()}
+        torch.manual_seed(cfg().seed)
+        plain = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.from_pretrained(folder))
+        differ = 0
+        for name, w in plain.named_parameters():
+            w = w.detach()
+            assert torch.equal(mine[name], again[name]), name
+            if w.dim() < 2:                     # norms' ones, biases' zeros: the same rule, the same values
+                assert torch.equal(mine[name], w), name
+                continue
+            std = 0.02 / (math.sqrt(2 * 2) if family == "gpt2" and name.endswith("c_proj.weight") else 1)
+            assert float(mine[name].std()) == pytest.approx(std, rel=0.2), name
+            assert float(w.std()) == pytest.approx(std, rel=0.2), name
+            assert abs(float(mine[name].mean())) < 4 * std / math.sqrt(w.numel()), name
+            differ += not torch.equal(mine[name], w)
+        assert differ > 0
+
+
+@pytest.mark.parametrize("family,extra", [("llama", {}), ("gpt2", {}), ("qwen2", {}), ("llama", {"pad_token_id": 3})],
+                         ids=["llama", "gpt2", "qwen2-tied", "llama-padding-row"])
+def test_fsdp_shards_a_meta_build_and_draws_the_one_process_weights(tmp_path, monkeypatch, family, extra):
+    """Under FSDP a model without weights is built with its matrices on the meta device, sharded, then drawn shard
+    by shard: exactly the one-process build's weights and buffers, ties kept, the generator left where that build
+    leaves it (one process here; two in the slow test below)."""
+    from fasttrain.lab.build import meta_build_for
+    from fasttrain.lab.config import preset
+    from fasttrain.lab.parallel import distributed as D
+    from tests_support import one_rank_world
+
+    folder = write_config(tmp_path / family, family, **extra)
+    with one_rank_world(monkeypatch) as world:
+        ref, mine, rng = _one_process_and_sharded(folder, world)
+    assert rng
+    for name, w in ref.named_parameters():
+        assert torch.equal(mine[name], w), name
+    assert not meta_build_for(preset("tiny", model=f"hf:{folder}", device="cpu"), D.World(strategy="ddp"))
+
+
+def _one_process_and_sharded(folder, world):
+    """The one-process build of ``folder``'s model and its meta build sharded over ``world`` (weights gathered
+    whole; ties kept), and whether the generator ends in the same state after both."""
+    from fasttrain.lab.config import preset
+    from tests_support import meta_build_beside_one_process
+
+    cfg = preset("tiny", model=f"hf:{folder}", device=world.device.split(":")[0], context=16)
+    ref, sharded, mine, rng = meta_build_beside_one_process(cfg, 100, world)
+    if getattr(ref.config, "tie_word_embeddings", False):
+        assert sharded.get_output_embeddings().weight is sharded.get_input_embeddings().weight
+    return ref, mine, rng
+
+
 def test_weights_in_the_folder_are_loaded_and_said(tmp_path):
     write_config(tmp_path / "cfg", "gpt2")
     lines = []
@@ -563,6 +625,61 @@ def test_ddp_and_fsdp_in_two_processes_train_the_same_function_as_one(folders, c
         assert two[strategy] == pytest.approx(one, rel=1e-5), strategy
         # FSDP's shards gathered into one folder from_pretrained loads
         assert transformers.AutoModelForCausalLM.from_pretrained(tmp_path / strategy).config.model_type == "llama"
+
+
+def _meta_worker(rank: int, port: int, folders: dict, out: str, device: str = "cpu", offload: bool = False) -> None:
+    from fasttrain.lab.parallel import distributed as D
+
+    _join_local_job(rank, port)
+    torch.set_num_threads(1)
+    world = D.init_world(D.ParallelConfig(strategy="fsdp", ddp_timeout=60, offload_optimizer=offload), device=device)
+    differ = {}
+    for name, folder in folders.items():
+        ref, mine, rng = _one_process_and_sharded(folder, world)
+        differ[name] = [n for n, w in ref.named_parameters() if not torch.equal(mine[n], w)] + ([] if rng else ["rng"])
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(differ, f)
+    world.owns_group = True
+    D.shutdown(world)
+
+
+def _meta_in_two_processes(folders, tmp_path, device: str = "cpu", offload: bool = False) -> dict:
+    """The meta build of every tiny family (and a Llama with a padding row) sharded over 2 processes: per model,
+    the parameters whose gathered shards differ from the one-process build (and "rng" if the generator does)."""
+    import socket
+
+    import torch.multiprocessing as mp
+
+    padded = write_config(tmp_path / "padded", "llama", pad_token_id=3)
+    cases = {**{k: str(v) for k, v in folders.items()}, "llama-padding-row": str(padded)}
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "differ.json"
+    mp.start_processes(_meta_worker, args=(port, cases, str(out), device, offload), nprocs=2, start_method="spawn")
+    differ = json.loads(out.read_text())
+    assert set(differ) == set(cases)
+    return differ
+
+
+@pytest.mark.slow
+def test_fsdp_over_two_processes_draws_the_one_process_weights_shard_by_shard(folders, tmp_path):
+    """The meta build sharded over 2 gloo processes (each matrix's rows split, a padding row on one rank only):
+    every rank's shards gathered are the one-process build's weights."""
+    differ = _meta_in_two_processes(folders, tmp_path)
+    assert differ == {name: [] for name in differ}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("offload", [False, True])
+def test_fsdp_on_two_gpus_draws_the_one_process_weights_shard_by_shard(folders, tmp_path, offload):
+    """The same on 2 GPUs (NCCL; the CUDA generator); with --offload-optimizer the shards live in host memory
+    while the draws stay on the GPU."""
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 CUDA GPUs")
+    differ = _meta_in_two_processes(folders, tmp_path, "cuda", offload)
+    assert differ == {name: [] for name in differ}
 
 
 # qwen3: per-head q/k norms on split heads (their gradients summed over the ranks), over 2 micro-batches;

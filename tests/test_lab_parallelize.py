@@ -1,7 +1,7 @@
 """lab/parallelize.py: the one order of techniques; every strategy (ddp, zero1, fsdp ZeRO-2/3, hsdp,
 tp, the 2-D fsdp x tp mesh, optimizer offload) in 2 and 4 gloo processes trains the same function as
-one process at the same global batch; the meta-device build gives the one-process weights; float8's
-module selection and refusals; the shapes that do not divide the world, refused in one line."""
+one process at the same global batch; the meta-device build gives the one-process weights; fused AdamW
+steps FSDP's DTensor shards; float8's module selection and refusals; the shapes that do not divide the world, refused in one line."""
 
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ from fasttrain.lab import parallelize as P  # noqa: E402
 from fasttrain.lab.parallel import distributed as D  # noqa: E402
 from fasttrain.lab import fit as F  # noqa: E402
 from tests_support import free_port as _free_port, join_process_group, leave_process_group  # noqa: E402
+from tests_support import meta_build_beside_one_process, one_rank_world  # noqa: E402
 from tests_support import slow_beyond, word_corpus as _text_corpus  # noqa: E402
 
 GLOBAL_BATCH = 16
@@ -141,35 +142,16 @@ def test_float8_trains_near_bf16_on_a_gpu():
 
 @pytest.mark.parametrize("style", ["llama", "gpt2"])
 def test_a_meta_build_sharded_by_fsdp_has_the_one_process_weights(monkeypatch, style):
-    from fasttrain.lab.build import build_model
-
-    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
-                            MASTER_PORT=str(_free_port())).items():
-        monkeypatch.setenv(name, value)
-    shape = dict(style="llama", heads=4, kv_heads=2) if style == "llama" else dict(style="gpt2", heads=2, bias=True)
     from fasttrain.lab.config import preset
 
-    cfg = preset("tiny", device="cpu", **shape)
-    world = D.init_world(D.ParallelConfig(strategy="fsdp"), device="cpu")
-    try:
-        ref = build_model(cfg, 65, torch.device("cpu")).module
-        after_ref = torch.get_rng_state()
-        lab_model = build_model(cfg, 65, torch.device("cpu"), meta=True)
+    shape = dict(style="llama", heads=4, kv_heads=2) if style == "llama" else dict(style="gpt2", heads=2, bias=True)
+    with one_rank_world(monkeypatch) as world:
         # the matrices are never materialized whole: on the meta device until sharded
-        matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
-        assert matrices and all(p.device.type == "meta" for p in matrices)
-        done = P.parallelize(lab_model, cfg, world)
-        assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
-        mine = dict(done.module.named_parameters())
-        for name, w in ref.named_parameters():
-            torch.testing.assert_close(mine[name].full_tensor(), w, rtol=0, atol=0, msg=name)
-        for name, b in ref.named_buffers():
-            assert torch.equal(dict(done.module.named_buffers())[name], b), name
-        # the generator ends where a plain build leaves it (dropout draws after it match too)
-        assert torch.equal(torch.get_rng_state(), after_ref)
-    finally:
-        world.owns_group = True
-        D.shutdown(world)
+        ref, _, mine, rng = meta_build_beside_one_process(preset("tiny", device="cpu", **shape), 65, world)
+    for name, w in ref.named_parameters():
+        assert torch.equal(mine[name], w), name
+    # the generator ends where a plain build leaves it (dropout draws after it match too)
+    assert rng
 
 
 def test_meta_build_is_for_fsdp_from_scratch_only():
@@ -181,6 +163,46 @@ def test_meta_build_is_for_fsdp_from_scratch_only():
     assert not meta_build_for(_cfg(), D.World(rank=0, world_size=4, strategy="fsdp", tp_size=2))
     assert not meta_build_for(_cfg(lora_r=2), fsdp)
     assert not meta_build_for(_cfg(), None)
+
+
+# --- the optimizer over FSDP's shards ------------------------------------------------------------------
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_fused_adamw_steps_fsdp_s_dtensor_shards_in_one_fused_kernel(monkeypatch, device):
+    """``--optim adamw_torch_fused`` under fully_shard: AdamW(fused=True) over the DTensor shards, stepped by
+    torch's fused kernel on the DTensors themselves (no fall-back to for-each or the per-tensor loop), to the
+    weights ``--optim adamw_torch`` gives (on the CPU its per-tensor loop; for-each on a GPU)."""
+    from fasttrain.lab.build import build_model
+
+    if device == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from fasttrain.lab.config import preset
+
+    kernels = []
+    fused = torch._fused_adamw_
+
+    def spy_fused(params, *args, **kwargs):
+        kernels.append({type(p).__name__ for p in params})
+        return fused(params, *args, **kwargs)
+    monkeypatch.setattr(torch, "_fused_adamw_", spy_fused)
+    with one_rank_world(monkeypatch, device=device) as world:
+        weights = {}
+        for optim in ("adamw_torch_fused", "adamw_torch"):
+            cfg = preset("tiny", device=device, style="llama", heads=4, kv_heads=2, optim=optim)
+            done = P.parallelize(build_model(cfg, 65, torch.device(world.device)), cfg, world)
+            assert all(type(p).__name__ == "DTensor" for p in done.module.parameters())
+            assert {g["fused"] for g in done.optimizer.param_groups} == ({True} if optim.endswith("fused") else {None})
+            kernels.clear()
+            x = torch.randint(0, 65, (2, cfg.context), generator=torch.Generator().manual_seed(0)).to(world.device)
+            done.train_model(x, x).backward()
+            done.optimizer.step()
+            if optim.endswith("fused"):
+                assert kernels and all(types == {"DTensor"} for types in kernels), kernels
+            else:
+                assert not kernels
+            weights[optim] = {n: p.full_tensor() for n, p in done.module.named_parameters()}
+    for n, w in weights["adamw_torch"].items():
+        torch.testing.assert_close(weights["adamw_torch_fused"][n], w, msg=n)
 
 
 # --- bad input: shapes, combinations -------------------------------------------------------------------
@@ -260,10 +282,98 @@ def test_cli_bad_shapes_are_one_line_before_any_process(tmp_path, capsys, args, 
 def test_estimator_parallelism_of_hsdp_the_2d_mesh_and_offload():
     def fields(**kw):
         return D.estimator_parallelism(D.World(rank=0, **kw), bf16=True)
-    assert fields(world_size=4, strategy="fsdp", tp_size=2) == {"dp": 2, "zero": 3, "tp": 2, "precision": "mixed"}
+    assert fields(world_size=4, strategy="fsdp", tp_size=2) == {"dp": 2, "zero": 3, "tp": 2, "precision": "mixed",
+                                                               "fsdp": True, "reduce_dtype": "fp32"}
+    assert D.estimator_parallelism(D.World(rank=0, world_size=2, strategy="fsdp"), True, "bf16")["reduce_dtype"] == "bf16"
     # hsdp: the state is sharded over the shard group only
     assert fields(world_size=8, strategy="hsdp", dp_replicate=2)["dp"] == 4
     assert fields(world_size=4, strategy="fsdp", offload_optimizer=True)["offload"] is True
+
+
+# --- the dtype FSDP reduces the gradients in ----------------------------------------------------------
+
+def _reduce_dtype_worker(rank: int, world: int, port: int, out: str) -> None:
+    import torch.distributed as dist
+
+    from fasttrain.lab.build import build_model
+    from fasttrain.lab.train import run
+
+    group = join_process_group(rank, world, port)
+    seen = []
+
+    def spying(collective):
+        def spy(*args, **kwargs):
+            seen.append(str(kwargs.get("input", args[1] if len(args) > 1 else None).dtype))
+            return collective(*args, **kwargs)
+        return spy
+    # FSDP's reduce-scatter (torch.distributed's name for it differs between versions)
+    for name in ("reduce_scatter_tensor", "reduce_scatter_single"):
+        if hasattr(dist, name):
+            setattr(dist, name, spying(getattr(dist, name)))
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 65, (2 * world, 32), generator=gen)
+    out_data = {}
+    parallel = D.ParallelConfig(strategy="fsdp", global_batch_size=2 * world)
+    w = D.init_world(parallel, device="cpu")
+    for dtype in ("fp32", "bf16"):
+        cfg = _cfg(fsdp_reduce_dtype=dtype)
+        done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg, w)
+        seen.clear()
+        rows = x[w.rows(2)]
+        done.train_model(rows, rows).backward()
+        grads = {n: p.grad for n, p in done.module.named_parameters()}
+        out_data[dtype] = {"reduced_in": sorted(set(seen)), "grad_dtypes": sorted({str(g.dtype) for g in grads.values()}),
+                           "applied": [what for step, what in done.applied if step == "data_parallel"],
+                           "grads": {n: g.full_tensor().tolist() for n, g in grads.items()}}
+    # a run through the lab's trainer: its record says how it reduced
+    record = run(_cfg(fsdp_reduce_dtype="bf16").with_(max_steps=2), corpus=_text_corpus(), parallel=parallel)
+    if rank == 0:
+        out_data["record"] = {"config": record["config"]["fsdp_reduce_dtype"], "applied": record["applied"]}
+        with open(out, "w") as f:
+            json.dump(out_data, f)
+    leave_process_group(group)
+
+
+def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
+    """One process under FSDP (its reduce-scatter is a copy through the reduce buffer): with bf16 every
+    gradient passes through bf16 on its way to its fp32 shard (each element the fp32 one rounded to bf16's 8
+    significant bits, some of them changed); with fp32, untouched."""
+    from fasttrain.lab.build import build_model
+
+    with one_rank_world(monkeypatch) as world:
+        x = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
+        grads = {}
+        for dtype in ("fp32", "bf16"):
+            cfg = _cfg(fsdp_reduce_dtype=dtype)
+            done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg, world)
+            assert [what for step, what in done.applied if step == "data_parallel"][-1].endswith(f"reduced in {dtype}")
+            done.train_model(x, x).backward()
+            grads[dtype] = {n: p.grad.to_local() for n, p in done.module.named_parameters()}
+    for n, g in grads["fp32"].items():
+        assert grads["bf16"][n].dtype == torch.float32, n
+        assert torch.equal(grads["bf16"][n], g.bfloat16().float()), n
+    assert any(not torch.equal(grads["bf16"][n], g) for n, g in grads["fp32"].items())
+
+
+@pytest.mark.slow
+def test_fsdp_reduces_the_gradients_in_the_dtype_asked_for(tmp_path):
+    """``--fsdp-reduce-dtype`` on 2 gloo processes: the reduce-scatter runs in fp32 or bf16 as asked, the
+    gradients land in fp32 shards either way; bf16's sum is the fp32 one to within bf16's rounding of each
+    rank's gradient and of their sum (here under 2 x 2^-8 of the gradient's norm, and not equal to it); the run
+    record says which it was."""
+    out = tmp_path / "reduce.json"
+    mp.start_processes(_reduce_dtype_worker, args=(2, _free_port(), str(out)), nprocs=2, start_method="spawn")
+    data = json.loads(out.read_text())
+    assert data["fp32"]["reduced_in"] == ["torch.float32"] and data["bf16"]["reduced_in"] == ["torch.bfloat16"]
+    assert data["fp32"]["grad_dtypes"] == data["bf16"]["grad_dtypes"] == ["torch.float32"]
+    assert data["bf16"]["applied"][-1].endswith("gradients reduced in bf16")
+    f32 = torch.cat([torch.tensor(g).flatten() for g in data["fp32"]["grads"].values()])
+    b16 = torch.cat([torch.tensor(g).flatten() for g in data["bf16"]["grads"].values()])
+    error = float((b16 - f32).norm() / f32.norm())
+    assert 0 < error < 2 * 2 ** -8, error
+    record = data["record"]
+    assert record["config"] == "bf16"
+    assert any(step == "data_parallel" and what.endswith("reduced in bf16") for step, what in record["applied"])
 
 
 # --- every strategy in 2 and 4 gloo processes, against one process at the same global batch ------------

@@ -87,6 +87,34 @@ def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank(
     assert any(line.startswith("hsdp:") for line in dropped2)
 
 
+def test_the_reduce_dtype_is_searched_with_fsdp_and_hsdp_and_fixed_when_given():
+    axes, dropped = SP.build_axes(base(), cuda=False, nproc=4)
+    reduce = next(a for a in axes if a.name == "reduce")
+    assert [c for c, _ in reduce.choices] == ["reduce-fp32", "reduce-bf16"] and not reduce.changes_math
+    space = SP.enumerate_space(axes, sequences=32, nproc=4)
+    bf16 = {dict(c.settings)["strategy"] for c in space if c.overrides_dict()["fsdp_reduce_dtype"] == "bf16"}
+    assert bf16 == {"fsdp", "fsdp-zero2", "hsdp-r2", "fsdp-tp2", "fsdp-offload"}
+    assert any(line.startswith("reduce-bf16:") for line in dropped)
+    # a label names bf16's reduction; fp32's, the plain one, goes unsaid
+    labels = " ".join(c.label for c in space)
+    assert "reduce-bf16" in labels and "reduce-fp32" not in labels
+    # given as a flag, it is not searched; one process has no such axis
+    fixed, dropped = SP.build_axes(base(), cuda=False, nproc=4, fixed={"fsdp_reduce_dtype"})
+    assert [c for c, _ in next(a for a in fixed if a.name == "reduce").choices] == ["fixed"]
+    assert not any(a.name == "reduce" for a in SP.build_axes(base(), cuda=False)[0])
+
+
+def test_the_trainer_s_answer_for_the_reduce_dtype():
+    """The HF Trainer's FSDP reduces in its training precision (accelerate: bf16=True gives param and reduce dtype
+    bf16): a pick reducing otherwise says it cannot be written in TrainingArguments, and how it could."""
+    cfg = SP.scaled(base(bf16=True), 2).with_(strategy="fsdp")
+    said = lambda c: S.answer(c, "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])["trainer_cannot"] or ""  # noqa: E731
+    assert "gradient reduction in fp32 under bf16" in said(cfg) and "'reduce_dtype': torch.float32" in said(cfg)
+    assert "gradient reduction" not in said(cfg.with_(fsdp_reduce_dtype="bf16"))
+    assert "gradient reduction in bf16 under fp32" in said(cfg.with_(bf16=False, fsdp_reduce_dtype="bf16"))
+    assert "gradient reduction" not in said(cfg.with_(bf16=False))
+
+
 def test_float8_joins_only_when_allowed_and_only_on_a_gpu():
     axes, _ = SP.build_axes(base(), cuda=True, allow=("float8",), liger_reason="not here")
     assert [c for c, _ in next(a for a in axes if a.name == "float8").choices] == ["none", "tensorwise", "rowwise"]
@@ -191,6 +219,46 @@ def test_answer_says_what_the_trainer_cannot_express():
     fc = hsdp["training_arguments"]["fsdp_config"]
     assert fc["activation_checkpointing"] is True and fc["transformer_layer_cls_to_wrap"] == ["LlamaDecoderLayer"]
     assert "--strategy hsdp --dp-replicate 2 --nproc-per-node 4" in hsdp["lab_command"]
+
+
+def test_a_transformers_model_s_probes_and_pick_carry_no_preset(tmp_path):
+    """The scale benchmark's pick once read ``fasttrain lab --preset shakespeare-char --model hf:...`` (the
+    lab's GPT preset beside a transformers model). A model folder named like a preset (``tiny``) is the sharpest
+    case: its probes' argv and the pick's command line name no preset, write the model's own defaults out, and
+    parse back through the lab's command line to the configuration searched."""
+    pytest.importorskip("transformers")
+    import json
+
+    import transformers
+
+    from fasttrain.lab.cli import command as lab_cli, config_from
+    from fasttrain.lab.settings import resolve_settings
+
+    folder = tmp_path / "tiny"
+    transformers.LlamaConfig(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                             num_attention_heads=4, num_key_value_heads=2,
+                             max_position_embeddings=64).save_pretrained(folder)
+    hf = resolve_settings(None, {"model": f"hf:{folder}", "context": SEQ, "device": "cpu"}).cfg
+    assert hf.name == "tiny"                     # the folder's name, which is also a preset's
+
+    def parsed(argv):
+        ctx = lab_cli.make_context("lab", list(argv))
+        options = {k: v for k, v in ctx.params.items() if k in hf.to_dict() or k in ("model", "name")}
+        return config_from(ctx.params["preset_name"], options)
+
+    probe = SP.scaled(hf, 2).with_(strategy="fsdp", reshard_after_forward=False)
+    argv = S.lab_argv(probe)
+    assert "--preset" not in argv and argv[argv.index("--strategy"):] == probe.parallel_flags()
+    assert parsed(argv[1:argv.index("--strategy")]) == probe.lab_config()
+    result = T.tune(hf, seq=SEQ, global_batch_tokens=SEQ * 32, measure=FakeMeasure(), predict=fake_predict,
+                    memory=gpu_memory(), cache_path=None, liger_reason="not here", nproc=2, max_candidates=2,
+                    fixed={"attn_implementation", "torch_compile", "gradient_checkpointing", "optim", "preload"},
+                    out=tmp_path / "tune", model_id=hf.model)
+    pick = json.loads((tmp_path / "tune" / "tune.json").read_text())["pick"]
+    assert "--preset" not in pick["lab_command"] and "--preset" not in pick["torchrun_command"]
+    line = pick["lab_command"].split()
+    assert line[:2] == ["fasttrain", "lab"] and f"--model hf:{folder}" in pick["lab_command"]
+    assert parsed(line[2:line.index("--strategy")]) == R_pick(result).lab_config()
 
 
 def test_run_bounded_stops_a_hung_process_and_its_children():

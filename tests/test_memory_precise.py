@@ -1,4 +1,4 @@
-"""precise mode: each difference from the widget (D1-D20 in fasttrain/memory/precise.py), the
+"""precise mode: each difference from the widget (D1-D21 in fasttrain/memory/precise.py), the
 published parameter counts, and the whole model checked on the CPU against the live tensor bytes
 of the reference PyTorch implementation (fasttrain.lab.model) counted op by op."""
 

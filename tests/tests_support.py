@@ -3,6 +3,7 @@ text corpus for the lab."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import subprocess
@@ -105,6 +106,57 @@ def join_process_group(rank: int, world: int, port: int, device: str = "cpu", ti
                       MASTER_PORT=str(port))
     torch.set_num_threads(1)
     return D.init_world(D.ParallelConfig(strategy="ddp", ddp_timeout=timeout), device=device)
+
+
+@contextlib.contextmanager
+def one_rank_world(monkeypatch, strategy: str = "fsdp", device: str = "cpu"):
+    """In this process, the process group of a one-rank run of ``strategy`` (torchrun's environment set through
+    ``monkeypatch``): its World, left at the end."""
+    from fasttrain.lab.parallel import distributed as D
+
+    for name, value in dict(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1",
+                            MASTER_PORT=str(free_port())).items():
+        monkeypatch.setenv(name, value)
+    world = D.init_world(D.ParallelConfig(strategy=strategy), device=device)
+    try:
+        yield world
+    finally:
+        world.owns_group = True
+        D.shutdown(world)
+
+
+def meta_build_beside_one_process(cfg, vocab: int, world):
+    """The model ``cfg`` names built plainly in one process, and built on the meta device then sharded by FSDP
+    over ``world``: (the one-process module, the sharded module, its weights gathered whole, whether the
+    generator ends where the one-process build left it). Checked on the way: the matrices stay on the meta
+    device until sharded, the record says so, the buffers are the one-process build's."""
+    import torch
+
+    from fasttrain.lab import parallelize as P
+    from fasttrain.lab.build import build_model, meta_build_for
+
+    device = torch.device(world.device)
+
+    def rng_state():
+        return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+    assert meta_build_for(cfg, world)
+    ref = build_model(cfg, vocab, device).module
+    after = rng_state()
+    lab_model = build_model(cfg, vocab, device, meta=True)
+    matrices = [p for p in lab_model.module.parameters() if p.dim() >= 2]
+    assert matrices and all(p.device.type == "meta" for p in matrices)
+    done = P.parallelize(lab_model, cfg, world)
+    assert ("data_parallel", "weights initialized shard by shard (meta-device build)") in done.applied
+    buffers = dict(done.module.named_buffers())
+    assert all(torch.equal(buffers[n], b) for n, b in ref.named_buffers())
+    rng = torch.equal(rng_state(), after)
+    from torch.distributed.tensor import DTensor
+
+    # (an offloaded shard lives in host memory: gathered from the device the collectives run on)
+    whole = {n: DTensor.from_local(p.to_local().to(device), p.device_mesh, p.placements, shape=p.shape,
+                                   stride=p.stride()).full_tensor() for n, p in done.module.named_parameters()}
+    return ref, done.module, whole, rng
 
 
 def leave_process_group(group) -> None:

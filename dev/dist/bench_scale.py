@@ -292,14 +292,22 @@ def _json(path: Path):
         return None
 
 
+def precision_of(settings: dict) -> str:
+    """A case's precision from its lab settings (a record's config, or a tune row's overrides, which leave out the
+    precision the user fixed: the benchmark's bf16): bf16 or fp32, float8's recipe, and FSDP's gradient reduction
+    when it is bf16 (``--fsdp-reduce-dtype``; fp32 goes unsaid)."""
+    precision = "bf16" if settings.get("bf16", True) else "fp32"
+    if settings.get("float8", "none") != "none":
+        precision = f"float8-{settings['float8']}"
+    return precision + (", reduce bf16" if settings.get("fsdp_reduce_dtype") == "bf16" else "")
+
+
 def lab_case(model: str, record: dict, **kw) -> dict:
     """A case from a lab run record (one process or several)."""
     f = lab_figures(record)
     d = record.get("distributed") or {}
     cfg = record.get("config") or {}
-    precision = "bf16" if cfg.get("bf16") else "fp32"
-    if cfg.get("float8", "none") != "none":
-        precision = f"float8-{cfg['float8']}"
+    precision = precision_of(cfg)
     losses = [p["loss"] for p in record.get("loss_curve") or []]
     return case(model, f["gpus"], d.get("label", "1gpu"), precision, tokens_per_s_per_gpu=f["tokens_per_s_per_gpu"],
                 peak_mib_per_gpu=f["peak_mib_per_gpu"], predicted_mib_per_gpu=f["predicted_mib_per_gpu"],
@@ -334,7 +342,8 @@ def collect(out: Path, model: str) -> list[dict]:
         p = tuned["pick"]
         n = p.get("nproc_per_node", 1)
         pick_tps = p["tokens_per_s"] / n if p.get("tokens_per_s") else None
-        cases.append(case(model, n, p.get("strategy", "1gpu"), "bf16", pick=True, tokens_per_s_per_gpu=pick_tps,
+        cases.append(case(model, n, p.get("strategy", "1gpu"), precision_of(p.get("overrides") or {}), pick=True,
+                          tokens_per_s_per_gpu=pick_tps,
                           peak_mib_per_gpu=p.get("peak_mib"), predicted_mib_per_gpu=p.get("predicted_mib"),
                           hf=hf_tps, hf_flags=flags_tps, tune_s=tuned.get("tune_s"), label=p.get("label"),
                           lab_command=p.get("lab_command"), torchrun_command=p.get("torchrun_command"),
@@ -347,7 +356,7 @@ def collect(out: Path, model: str) -> list[dict]:
             strategy = strategy_label(o.get("strategy", "none"), o.get("reshard_after_forward", True),
                                       o.get("tp", 1) if o.get("strategy") != "tp" else 1, o.get("dp_replicate", 1),
                                       o.get("offload_optimizer", False)) if o.get("strategy") else "1gpu"
-            cases.append(case(model, n, strategy, "bf16",
+            cases.append(case(model, n, strategy, precision_of(o),
                               tokens_per_s_per_gpu=row["tokens_per_s"] / n, peak_mib_per_gpu=row.get("peak_mib"),
                               predicted_mib_per_gpu=row.get("predicted_mib"), label=row["label"], source="tune probe"))
     elif hf_tps or flags_tps:

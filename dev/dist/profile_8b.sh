@@ -4,6 +4,8 @@
 # FSDP2 as its users run it. From the repository root:
 #
 #   OUT=out bash dev/dist/profile_8b.sh
+#   LAB_FLAGS="--fsdp-reduce-dtype bf16 --optim adamw_torch_fused" OUT=out bash dev/dist/profile_8b.sh
+#       (the lab's side with the HF Trainer's reduce dtype and optimizer: more lab flags in LAB_FLAGS)
 #
 # Writes under $OUT: env.txt, gpu-tests.txt, lab-8b.json (the lab's run record), hf-8b.json, prof.tgz
 # (profile-<side>-rank<r>.json per rank: device time per step by kind of kernel, the NCCL kernels with their
@@ -27,7 +29,7 @@ echo "gpu tests: $(tail -1 "$OUT/gpu-tests.txt")"
 python3 dev/dist/bench_scale.py prepare "$WORK" --model llama3-8b --tokens 2000000
 timeout 200 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py lab-profile "$WORK" --model llama3-8b \
   --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/lab-8b.json" -- --strategy fsdp \
-  --gradient-checkpointing full --timing-warmup-steps 3 --quiet 2>&1 | tail -25
+  --gradient-checkpointing full --timing-warmup-steps 3 --quiet ${LAB_FLAGS:-} 2>&1 | tail -25
 timeout 220 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" --model llama3-8b \
   --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/hf-8b.json" 2>&1 | grep -v Warning | tail -25
 (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)

@@ -42,6 +42,9 @@ RULES = {
     "liger in per-block compiled layers": lambda cfg: cfg.use_liger_kernel and cfg.liger_kernels == "all"
     and cfg.torch_compile and cfg.torch_compile_scope == "blocks",
     "CUDA-graph pool": lambda cfg: _cuda_graphs(cfg),
+    # written against the 2-GPU Llama-3-8B rows and the 4-GPU profile (results/dist/)
+    "FSDP2's layout (D21)": lambda cfg: getattr(cfg, "strategy", "none") in ("fsdp", "hsdp"),
+    "no autocast weight cache in compiled layers": lambda cfg: getattr(cfg, "strategy", "none") == "zero1",
 }
 
 

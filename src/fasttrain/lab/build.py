@@ -6,20 +6,19 @@ The lab's own GPT (``lab/model.py``) from its shape fields, or from a checkpoint
 configuration names one (``model = "hf:..."``, built by ``lab/hf.py``). The checkpoint is read once,
 by the caller, and its metadata handed in.
 
-Under FSDP a GPT trained from scratch is built with its parameters on the meta device
-(:func:`parameters_on_meta`: no rank ever holds the whole model, an 8B Llama shape included) and
-given its weights once sharded (``parallelize.materialize``): the same weights as a one-process build
-of the same seed.
+Under FSDP a model trained from scratch (the lab's GPT, or a transformers model whose folder holds no
+weights) is built with its parameters on the meta device (:func:`~fasttrain.lab.models.parameters_on_meta`:
+no rank ever holds the whole model, an 8B Llama shape included) and given its weights once sharded
+(``parallelize.materialize``): the same weights as a one-process build of the same seed.
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import replace
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
-from fasttrain.lab.models import LabModel
+from fasttrain.lab.models import LabModel, parameters_on_meta
 
 
 def resolve_device(cfg: LabConfig):
@@ -84,47 +83,31 @@ def gpt_config_for(cfg: LabConfig, vocab: int, checkpoint: dict | None):
 
 
 def meta_build_for(cfg: LabConfig, world) -> bool:
-    """Whether the run builds the lab's GPT on the meta device: FSDP (without tensor parallelism,
-    whose row permutation needs the weights) of a model trained from scratch in full."""
-    return (world is not None and world.fsdp and world.tp == 1 and model_source(cfg) == "gpt" and not cfg.init_from
-            and not cfg.lora_r and not cfg.prompt_tuning_tokens)
+    """Whether the run builds its model with the parameters on the meta device, for FSDP to shard and
+    ``parallelize.materialize`` to draw shard by shard: FSDP (without tensor parallelism, whose split needs
+    the weights) of a model trained from scratch in full -- the lab's GPT without --init-from, or a
+    transformers model whose local folder holds no weights."""
+    if world is None or not world.fsdp or world.tp != 1 or cfg.lora_r or cfg.prompt_tuning_tokens:
+        return False
+    source = model_source(cfg)
+    if source == "gpt":
+        return not cfg.init_from
+    from pathlib import Path
 
+    from fasttrain.lab.hf import has_weights, source_of
 
-@contextlib.contextmanager
-def parameters_on_meta(device):
-    """Build a module whose parameters end on the meta device: each submodule is built for real on
-    ``device`` (its own initialization draws from the generator as in a plain build) and its
-    parameters move to the meta device when it is attached to its parent, so one submodule's
-    parameters at a time exist. ``state["rng"]``: the generator's state after the last attach, which
-    is where a plain build starts its ``reset_parameters`` (the draws ``parallelize.materialize`` replays)."""
-    import torch
-    from torch.nn.modules.module import register_module_module_registration_hook
-
-    state = {}
-
-    def rng_state():
-        dev = torch.device(device)
-        return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
-
-    def to_meta(parent, name, submodule):
-        # matrices move; vectors (norm weights: their construction's ones) are small and stay
-        for key, p in list(submodule._parameters.items()):
-            if p is not None and p.device.type != "meta" and p.dim() >= 2:
-                submodule._parameters[key] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
-        state["rng"] = rng_state()
-    handle = register_module_module_registration_hook(to_meta)
-    try:
-        yield state
-    finally:
-        handle.remove()
+    folder = Path(source_of(source)).expanduser()
+    folder = folder.parent if folder.name == "config.json" else folder
+    return folder.is_dir() and not has_weights(folder)
 
 
 def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None = None, seed: int | None = None,
                 log=None, meta: bool = False) -> LabModel:
     """The model of one run, on ``device``: its weights drawn from ``seed`` (default ``cfg.seed``),
     then (``checkpoint``: the metadata of ``cfg.init_from``, read by the caller) loaded from it.
-    ``meta``: the lab's GPT with its parameters on the meta device (:func:`parameters_on_meta`), for
-    FSDP to shard and ``parallelize.materialize`` to initialize."""
+    ``meta``: the model (the lab's GPT, or a transformers model without weights) with its parameters on the
+    meta device (:func:`~fasttrain.lab.models.parameters_on_meta`), for FSDP to shard and
+    ``parallelize.materialize`` to initialize."""
     source = model_source(cfg)
     if source != "gpt":
         from fasttrain.lab.hf.config import is_hf
@@ -133,7 +116,7 @@ def build_model(cfg: LabConfig, vocab: int, device, *, checkpoint: dict | None =
             raise FasttrainError(f"unknown --model {source!r}; use gpt or hf:PATH_OR_NAME")
         from fasttrain.lab.hf import build_hf_model
 
-        return build_hf_model(source, cfg, vocab, device, log=log)
+        return build_hf_model(source, cfg, vocab, device, log=log, meta=meta)
     import torch
 
     from fasttrain.lab.model import build

@@ -1,4 +1,5 @@
-"""What the lab's trainer needs of a model: a causal language model over token ids.
+"""What the lab's trainer needs of a model: a causal language model over token ids (and how any of them is
+built with its parameters on the meta device, for FSDP to shard before they get storage).
 
 Every model the lab trains -- its own GPT (``lab/model.py``), a Hugging Face ``transformers``
 model (``lab/hf.py``), or a user's ``nn.Module`` -- reaches the trainer as a :class:`LabModel`:
@@ -11,6 +12,7 @@ next-token cross-entropy over them.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
@@ -38,6 +40,46 @@ class LabModel:
     save: Callable | None = None                # (module, folder) -> writes weights and config loadable again
     lora_targets: tuple[str, ...] = ()          # the default LoRA target modules, in the module's own names
     memory_setup: Callable | None = None        # (cfg, micro_batch) -> fasttrain.memory.config.Setup, or None
+
+
+@contextlib.contextmanager
+def parameters_on_meta(device):
+    """Build a module whose parameters end on the meta device: each submodule is built for real on
+    ``device`` (its own initialization draws from the generator as in a plain build) and its
+    parameters move to the meta device when it is attached to its parent, so one submodule's
+    parameters at a time exist (the lab's GPT, a transformers model alike; buffers stay as built).
+    ``state["rng"]``: the generator's state after the last attach, which is where a plain build of the
+    lab's GPT starts its ``reset_parameters`` (the draws ``parallelize.materialize`` replays)."""
+    import torch
+    from torch.nn.modules.module import register_module_module_registration_hook
+
+    state = {}
+
+    def rng_state():
+        dev = torch.device(device)
+        return torch.cuda.get_rng_state(dev) if dev.type == "cuda" else torch.get_rng_state()
+
+    def to_meta(parent, name, submodule):
+        # matrices move; vectors (norm weights: their construction's ones) are small and stay
+        for key, p in list(submodule._parameters.items()):
+            if p is not None and p.device.type != "meta" and p.dim() >= 2:
+                submodule._parameters[key] = torch.nn.Parameter(p.to("meta"), requires_grad=p.requires_grad)
+        state["rng"] = rng_state()
+    handle = register_module_module_registration_hook(to_meta)
+    try:
+        yield state
+    finally:
+        handle.remove()
+
+
+def empty_storage(module, device) -> None:
+    """Storage on ``device`` for a module built under :func:`parameters_on_meta` (FSDP's sharded ones: this
+    rank's shards), uninitialized (``to_empty``); its buffers, built for real, kept as they are."""
+    buffers = dict(module.named_buffers())
+    module.to_empty(device=device)
+    for name, tensor in buffers.items():
+        owner, _, leaf = name.rpartition(".")
+        module.get_submodule(owner)._buffers[leaf] = tensor
 
 
 def logits_of(output):

@@ -18,7 +18,7 @@ trains (the module as trained, the module itself, the optimizer), in this order:
 6. ``float8`` then ``data_parallel``: torchao's ``convert_to_float8_training`` on the Linear layers,
    then FSDP2 ``fully_shard`` per block and on the root over the dp dimension (HSDP: the 2-D
    replicate x shard mesh; ``--offload-optimizer``: CPUOffloadPolicy), or DDP. A model built on the
-   meta device (big models under FSDP) gets its weights here, once sharded.
+   meta device (a model trained from scratch under FSDP) gets its weights here, once sharded.
 7. ``compile_model``: ``torch.compile`` of the whole (wrapped) model, when asked instead of 5.
 8. ``optimizer``: over what the steps above left trainable; ZeRO-1 wraps it for ``zero1``.
 
@@ -262,10 +262,11 @@ def apply_data_parallel(lab_model, cfg, module, world, applied: list):
     import torch
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-    # bf16: gather bf16 parameters and compute in bf16, reduce gradients in fp32 (the fp32 shards are
-    # the master weights)
-    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cfg.bf16 \
-        else MixedPrecisionPolicy()
+    # bf16: gather bf16 parameters and compute in bf16 (the fp32 shards are the master weights); the gradients
+    # are reduced in --fsdp-reduce-dtype (fp32: each rank's bf16 gradient cast up and summed in fp32; bf16: half
+    # the bytes, every partial sum rounded to bf16) and land in fp32 shards either way
+    reduce_dtype = torch.bfloat16 if cfg.fsdp_reduce_dtype == "bf16" else torch.float32
+    policy = MixedPrecisionPolicy(param_dtype=torch.bfloat16 if cfg.bf16 else None, reduce_dtype=reduce_dtype)
     offload = CPUOffloadPolicy(pin_memory=world.device.startswith("cuda")) if world.offload_optimizer \
         else OffloadPolicy()
     mesh = world.dp_mesh
@@ -280,28 +281,34 @@ def apply_data_parallel(lab_model, cfg, module, world, applied: list):
         materialize(module, world)
         applied.append(("data_parallel", "weights initialized shard by shard (meta-device build)"))
     shape = " x ".join(f"{n} {s}" for n, s in zip(mesh.mesh_dim_names, mesh.mesh.shape))
-    applied.append(("data_parallel", f"{world.label} over {shape}"))
+    applied.append(("data_parallel", f"{world.label} over {shape}, gradients reduced in {cfg.fsdp_reduce_dtype}"))
     return module
 
 
 def materialize(module, world) -> None:
-    """Give a GPT built on the meta device (``build.parameters_on_meta``), once sharded (FSDP), its
-    weights: storage for this rank's shards (``to_empty``; the buffers, built for real, are kept), then
-    the GPT's own initialization one parameter at a time from the generator state a plain build starts
-    it at, each full tensor cut to this rank's shard: the same weights as a one-process build of the
-    same seed."""
+    """Give a model built on the meta device (``models.parameters_on_meta``), once sharded (FSDP), its
+    weights, storage for this rank's shards only (the buffers, built for real, kept): a transformers model
+    by its own ``initialize_weights`` drawing from the seed, each draw made on the full tensor and cut to this
+    rank's shard (``hf.init_hf_weights``); the lab's GPT by its own initialization one parameter at a time
+    from the generator state a plain build starts it at, each full tensor cut likewise. Either way the same
+    weights as a one-process build of the same seed."""
     import torch
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    from fasttrain.lab.models import empty_storage
+
     info = module._fasttrain_meta_init
     device = torch.device(world.device)
-    buffers = dict(module.named_buffers())
-    built = {name: p.detach().clone() for name, p in module.named_parameters() if p.device.type != "meta"}
     # offloaded shards live in host memory (FSDP's CPUOffloadPolicy); the draws stay on the run's device
-    module.to_empty(device="cpu" if world.offload_optimizer else device)
-    for name, tensor in buffers.items():
-        owner, _, leaf = name.rpartition(".")
-        module.get_submodule(owner)._buffers[leaf] = tensor
+    storage = "cpu" if world.offload_optimizer else device
+    if info.get("kind") == "hf":
+        from fasttrain.lab.hf import init_hf_weights
+
+        init_hf_weights(module, device, info["seed"], storage=storage)
+        del module._fasttrain_meta_init
+        return
+    built = {name: p.detach().clone() for name, p in module.named_parameters() if p.device.type != "meta"}
+    empty_storage(module, storage)
     if device.type == "cuda":
         torch.cuda.set_rng_state(info["rng"], device)
     else:

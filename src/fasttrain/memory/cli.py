@@ -90,6 +90,9 @@ def _options(fn):
                      "--nproc-per-node); ranks what fits on them."),
         click.option("--bf16", is_flag=True, help="precise: the lab's --bf16 (autocast over fp32 weights; under fsdp, "
                      "its bf16 mixed-precision policy)."),
+        click.option("--fsdp-reduce-dtype", type=click.Choice(["fp32", "bf16"]), help="precise, --strategy fsdp or "
+                     "fsdp-zero2: the lab's --fsdp-reduce-dtype, the dtype of FSDP's reduce-scatter buffers (default "
+                     "fp32)."),
         click.option("--gpu-gb", type=click.FloatRange(min=0, min_open=True), default=80.0, show_default=True,
                      help="Memory of one GPU in GB (1e9 bytes) for the ranking of what fits."),
     ]
@@ -136,6 +139,7 @@ def setup_from_options(opts: dict):
         raise FasttrainError("--bf16 is the lab's precision flag; drop --mixed/--precision (or --bf16)")
     if opts.get("bf16"):
         opts = {**opts, "precision": "amp"}
+    reduce_dtype(opts)                      # refused without the lab's words, before anything else
     if not lab_words(opts):
         return _setup_from_flags(opts)
     given = [flag for flag, name in (("--dp", "dp"), ("--tp", "tp"), ("--zero", "zero"), ("--grad-buffers", "grad_buffers"))
@@ -147,7 +151,15 @@ def setup_from_options(opts: dict):
     if (opts.get("mode") or "precise") != "precise":
         raise FasttrainError("--strategy/--nproc-per-node work in --mode precise only")
     setup = _setup_from_flags(opts)
-    return check(setup.with_(**strategy_changes(strategy, n, bool(opts.get("bf16")))), "precise")
+    return check(setup.with_(**strategy_changes(strategy, n, bool(opts.get("bf16")), reduce_dtype(opts))), "precise")
+
+
+def reduce_dtype(opts: dict) -> str:
+    """``--fsdp-reduce-dtype``, given with the lab's words only (--strategy / --nproc-per-node)."""
+    dtype = opts.get("fsdp_reduce_dtype")
+    if dtype is not None and not lab_words(opts):
+        raise FasttrainError("--fsdp-reduce-dtype is FSDP's: give it with --strategy fsdp or fsdp-zero2")
+    return dtype or "fp32"
 
 
 def _setup_from_flags(opts: dict):
@@ -341,7 +353,7 @@ def _fits(setup, opts: dict) -> dict:
 
     n, strategy = asked_run(opts)
     gpu_bytes = opts["gpu_gb"] * 1e9
-    rows = rank(setup, n, gpu_bytes, bool(opts.get("bf16")))
+    rows = rank(setup, n, gpu_bytes, bool(opts.get("bf16")), reduce_dtype(opts))
     return {"strategy": strategy, "nproc_per_node": n, "gpu_bytes": gpu_bytes,
             "precision": precision_words(strategy, bool(opts.get("bf16"))), "ranking": [r.to_dict() for r in rows]}
 

@@ -32,6 +32,7 @@ NORMS = ("rms", "layer")
 POSITIONS = ("rope", "learned")
 ATTENTIONS = ("eager", "flash")
 OPTIMIZERS = ("foreach", "fused")
+REDUCE_DTYPES = ("fp32", "bf16")
 # whose modules the activations follow: the lab's GPT (fasttrain.lab.model) or transformers' modeling code of
 # one family (llama also stands for mistral and qwen2, which share its modules; see hf_config.py)
 MODULES = ("lab", "hf-llama", "hf-gemma", "hf-phi3", "hf-gpt2")
@@ -103,6 +104,11 @@ class Setup:
     workspace_mib: float = 65.0     # cuBLAS(Lt) workspaces, measured on an H200 with torch 2.11: 2 x 32 + 1 MiB
     grad_buffers: bool = False      # gradients kept between steps (DDP buckets, Megatron main_grad)
     offload: bool = False           # ZeRO's sharded weights, their gradients and the optimizer state in host memory
+    # ZeRO-2/3 as FSDP2 (torch's fully_shard) holds it, not the widget's: fp32 shards (under ``mixed`` the master
+    # weights), compute copies gathered per block and the root group (embeddings, final norm, output layer), a
+    # block's gradients unsharded until its reduce-scatter (buffer in ``reduce_dtype``) lands them in fp32 shards
+    fsdp: bool = False
+    reduce_dtype: str = "fp32"      # FSDP's gradient reduction (MixedPrecisionPolicy.reduce_dtype): fp32 or bf16
     # what trains, and with which optimizer (precise only)
     optim: str = "adamw"            # optimizer state kind, one of OPTIMS
     lora_rank: int = 0              # r: LoRA (peft) on lora_targets, base frozen; 0 = off
@@ -241,6 +247,13 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                                  f"got {getattr(setup, name)!r}")
     if setup.zero not in (0, 1, 2, 3) or isinstance(setup.zero, bool):
         raise FasttrainError(f"--zero must be 0, 1, 2 or 3, got {setup.zero!r}")
+    if setup.fsdp and (mode == "playbook" or setup.zero < 2):
+        raise FasttrainError("fsdp (FSDP2's layout of ZeRO) is modelled in --mode precise with --zero 2 or 3 "
+                             "(fully_shard resharding after the backward, or after the forward too)")
+    if setup.reduce_dtype not in REDUCE_DTYPES:
+        raise FasttrainError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {setup.reduce_dtype!r}")
+    if setup.reduce_dtype != "fp32" and not setup.fsdp:
+        raise FasttrainError(f"reduce_dtype {setup.reduce_dtype} is FSDP's gradient reduction: it goes with fsdp")
     if setup.offload and (mode == "playbook" or setup.zero < 2):
         raise FasttrainError("offload (FSDP's CPUOffloadPolicy) is modelled in --mode precise with --zero 2 or 3 "
                              "(the sharded state is what moves to the host)")

@@ -11,9 +11,10 @@ which the lab's trainer also uses for a run it measured, through ``lab/parallel/
 
 - ``ddp``: d = N, ZeRO 0, gradients kept between steps in DDP's buckets (``grad_buffers``);
 - ``zero1``: the same with the optimizer state / N;
-- ``fsdp-zero2`` / ``fsdp`` (ZeRO-3, FSDP's default resharding after forward): gradients (and for
-  ZeRO-3 the weights) / N; with ``--bf16`` FSDP's mixed-precision policy holds bf16 compute copies
-  over fp32 shards, the estimator's ``mixed``;
+- ``fsdp-zero2`` / ``fsdp`` (ZeRO-3, FSDP's default resharding after forward): FSDP2's layout (``fsdp``):
+  fp32 shards / N, compute copies gathered per block (ZeRO-2 from a block's forward to its backward, ZeRO-3
+  while it runs), each block's gradients reduce-scattered in the reduce dtype into fp32 shards / N; with
+  ``--bf16`` FSDP's mixed-precision policy holds bf16 compute copies over fp32 shards, the estimator's ``mixed``;
 - ``tp``: t = N (the heads, the feed-forward and the vocabulary split N ways).
 
 Precision as the lab's flags give it: ``--bf16`` is autocast over fp32 weights (``amp``) except under
@@ -39,25 +40,26 @@ def lab_flags(strategy: str, recompute: str) -> str:
 
 
 def parallel_fields(strategy: str, *, dp: int, tp: int = 1, replicas: int = 1, reshard_after_forward: bool = True,
-                    offload: bool = False, bf16: bool = False) -> dict:
+                    offload: bool = False, bf16: bool = False, reduce_dtype: str = "fp32") -> dict:
     """The Setup fields of one of the lab's strategies per GPU (``none``, ``ddp``, ``zero1``, ``fsdp``, ``hsdp``,
     ``tp``) over ``dp`` data-parallel ranks and ``tp`` tensor-parallel ones: d (the group the state is sharded
     over), the ZeRO stage, t, whether gradients persist between steps, and whether the optimizer state and
     master weights live on the host.
 
     ddp: d = dp, ZeRO 0, gradients in DDP's buckets for the whole run (``grad_buffers``); zero1: the same with
-    the optimizer state / d; fsdp: ZeRO-3 (resharded after forward) or ZeRO-2, gradients / d; hsdp: the same
-    over the shard group (d = dp / replicas: the replicas hold the same shards); the 2-D mesh: t beside it;
-    with ``bf16`` FSDP's mixed-precision policy is the estimator's ``mixed`` (bf16 compute copies of the
-    weights and gradients, fp32 shards = master weights); ``offload``: shards, their gradients and the
-    optimizer state in host memory; tp: t ranks, d = 1."""
+    the optimizer state / d; fsdp: ZeRO-3 (resharded after forward) or ZeRO-2 as FSDP2 holds them (``fsdp``:
+    fp32 shards, compute copies gathered per block, each block's gradients reduce-scattered in ``reduce_dtype``
+    into fp32 shards); hsdp: the same over the shard group (d = dp / replicas: the replicas hold the same
+    shards); the 2-D mesh: t beside it; with ``bf16`` FSDP's mixed-precision policy is the estimator's ``mixed``
+    (bf16 compute copies of the weights and gradients, fp32 shards = master weights); ``offload``: shards, their
+    gradients and the optimizer state in host memory; tp: t ranks, d = 1."""
     if strategy == "none":
         return {"dp": 1, "zero": 0, "tp": 1}
     if strategy in ("ddp", "zero1"):
         return {"dp": dp, "zero": 0 if strategy == "ddp" else 1, "tp": 1, "grad_buffers": True}
     if strategy in ("fsdp", "hsdp"):
         out = {"dp": dp // replicas if strategy == "hsdp" else dp, "zero": 3 if reshard_after_forward else 2,
-               "tp": tp}
+               "tp": tp, "fsdp": True, "reduce_dtype": reduce_dtype}
         if bf16:
             out["precision"] = "mixed"
         if offload:
@@ -66,17 +68,22 @@ def parallel_fields(strategy: str, *, dp: int, tp: int = 1, replicas: int = 1, r
     return {"dp": 1, "zero": 0, "tp": tp}
 
 
-def strategy_changes(strategy: str, n: int, bf16: bool) -> dict:
+def strategy_changes(strategy: str, n: int, bf16: bool, reduce_dtype: str = "fp32") -> dict:
     """The Setup fields of ``strategy`` (this command's names: ``fsdp-zero2`` is fsdp kept sharded through the
-    step) over ``n`` GPUs, with the precision the lab's run would use."""
+    step) over ``n`` GPUs, with the precision the lab's run would use (FSDP's gradients reduced in
+    ``reduce_dtype``)."""
     if strategy not in STRATEGIES:
         raise FasttrainError(f"--strategy {strategy!r}: one of {', '.join(STRATEGIES)}")
     if strategy == "none" and n != 1:
         raise FasttrainError(f"--nproc-per-node {n} needs a --strategy (ddp, zero1, fsdp, fsdp-zero2 or tp)")
     fsdp = strategy.startswith("fsdp")
+    if reduce_dtype != "fp32" and not fsdp:
+        raise FasttrainError(f"--fsdp-reduce-dtype {reduce_dtype} is FSDP's gradient reduction: use --strategy fsdp "
+                             f"or fsdp-zero2, not {strategy}")
     changes = {"grad_buffers": False,
                **parallel_fields("fsdp" if fsdp else strategy, dp=1 if strategy in ("none", "tp") else n,
-                                 tp=n if strategy == "tp" else 1, reshard_after_forward=strategy != "fsdp-zero2")}
+                                 tp=n if strategy == "tp" else 1, reshard_after_forward=strategy != "fsdp-zero2",
+                                 reduce_dtype=reduce_dtype)}
     changes["precision"] = ("mixed" if fsdp else "amp") if bf16 else "fp32"
     return changes
 
@@ -103,7 +110,7 @@ class Fit:
                 "note": self.note, "lab_flags": lab_flags(self.strategy, self.recompute)}
 
 
-def rank(setup, n: int, gpu_bytes: float, bf16: bool) -> list[Fit]:
+def rank(setup, n: int, gpu_bytes: float, bf16: bool, reduce_dtype: str = "fp32") -> list[Fit]:
     """Every strategy (``none`` alone on one GPU) x recomputation choice of ``setup`` on ``n`` GPUs
     of ``gpu_bytes`` each: the per-GPU peak, whether it fits; the fitting ones first, smallest first,
     then the rest, then those that cannot run (with why)."""
@@ -115,7 +122,9 @@ def rank(setup, n: int, gpu_bytes: float, bf16: bool) -> list[Fit]:
     for strategy in strategies:
         for recompute in RECOMPUTES["lab" if setup.modules == "lab" else "hf"]:
             try:
-                s = check(setup.with_(**strategy_changes(strategy, n, bf16), recompute=recompute), "precise")
+                s = check(setup.with_(**strategy_changes(strategy, n, bf16,
+                                                         reduce_dtype if strategy.startswith("fsdp") else "fp32"),
+                                      recompute=recompute), "precise")
                 total = estimate(s, "precise").total
             except FasttrainError as exc:
                 rows.append(Fit(strategy, recompute, None, False, str(exc)))

@@ -63,13 +63,17 @@ _NOT_ON_PAGE = {"head_dim": None, "qkv_bias": None, "proj_bias": None, "mlp_bias
 
 
 def _check_lab_model(setup: Setup) -> None:
-    """The page models the lab's GPT only: refuse a setup that sets a transformers model's fields."""
+    """The page models the lab's GPT only, with the widget's ZeRO: refuse a setup that sets a transformers
+    model's fields, or FSDP2's layout (``fsdp``: the page's JavaScript has no port of it)."""
     from fasttrain.errors import FasttrainError
 
     changed = sorted(k for k, default in _NOT_ON_PAGE.items() if getattr(setup, k) != default)
     if changed:
         raise FasttrainError(f"the memory page models the lab's GPT; this setup sets {', '.join(changed)} "
                              "(a transformers model): use the command line without --html")
+    if setup.fsdp:
+        raise FasttrainError("the memory page models ZeRO as the widget does, not FSDP2's layout (--strategy fsdp): "
+                             "use the command line without --html")
 
 
 def render(setup: Setup | None = None, mode: str = "precise", preset_name: str = "llama3-8b") -> str:

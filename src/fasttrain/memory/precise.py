@@ -76,8 +76,17 @@ D20 CUDA graphs (``cuda_graphs``: torch.compile's reduce-overhead and max-autotu
     temporaries, made while the pool still holds its peak). A per-block scope is counted the same way (its eager
     head then shares the regular arena: this is an upper bound there).
 
-Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP/ZeRO
-buckets), activation offloading, fp8. ZeRO-3 adds two gathered layers (current + prefetch).
+D21 FSDP2's layout (``fsdp``): fp32 shards (the master weights), the root group's compute copy from
+    the forward's first all-gather to the backward's end, the blocks' gathered (ZeRO-2: from a
+    block's forward to its backward's end; ZeRO-3: the running one and the prefetched one) with the
+    all-gather output buffers beside them, a block's gradients unsharded until its post-backward
+    copies them into the reduce-scatter's input (``reduce_dtype``), held to the next one; gradient
+    shards in fp32; without sync over micro-batches every unsharded gradient summed in the reduce
+    dtype (MODEL.md's table, checked on the CPU allocator in a fake process group).
+
+Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP buckets;
+FSDP's: D21), HSDP's all-reduce buffer, activation offloading, fp8. The widget's ZeRO-3 adds two
+gathered layers (current + prefetch).
 """
 
 from __future__ import annotations
@@ -445,10 +454,16 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     params_b = T["param"] * (n_local + n_adapters) / (dpz if s.zero >= 3 else 1)
     opt_b = optimizer_state_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
     grad_scale = T["grad"] / (dpz if s.zero >= 2 else 1)     # bytes per parameter of gradient on this rank
+    if s.fsdp:
+        # FSDP2: every parameter lives as an fp32 shard (under mixed the master weights: the optimizer line leaves
+        # them out) and every gradient lands in one; the compute copies it gathers are counted by moment (below)
+        params_b = 4 * (n_local + n_adapters) / dpz
+        grad_scale = 4 / dpz
     if s.offload:
         # the sharded weights (ZeRO-3: all of them between uses; ZeRO-2 keeps the gathered copy on the
-        # GPU), their gradient shards and the optimizer state live in host memory; the optimizer steps there
-        params_b = 0 if s.zero >= 3 else params_b
+        # GPU; FSDP: its shards, the gathered copies counted by moment), their gradient shards and the
+        # optimizer state live in host memory; the optimizer steps there
+        params_b = 0 if s.zero >= 3 or s.fsdp else params_b
         opt_b = 0
         grad_scale = 0
     grads_all = grad_scale * n_train
@@ -496,12 +511,46 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
     logits_c = C * N_out * v_l
 
-    zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 else 0   # gathered weights: current + prefetch
-    # (name, kept, gradients made so far, transient); the gradients alive are all of them with buffers
-    moments: list[tuple[str, float, float, float]] = []
+    fsdp = s.fsdp
+    # the widget's ZeRO-3: two gathered layers (current + prefetch) as working memory; FSDP's: by moment, below
+    zero3 = 2 * P["layer"] * T["param"] if s.zero >= 3 and not fsdp else 0
+    moments: list[tuple[str, float, float, float, float]] = []  # (name, kept, grads, transient, gathered)
+    # FSDP2 (fsdp): the compute copies (cp bytes an element) of the root group -- embeddings, final norm, output
+    # layer: gathered by the forward's first all-gather, resharded after the whole backward -- and of the blocks;
+    # a block's gradients unsharded in cp bytes (u) until its post-backward copies them into the reduce-scatter's
+    # input (rb bytes an element), which lives until the next block's post-backward frees it
+    cp, rb = T["param"], 2 if s.reduce_dtype == "bf16" else 4
+    layer_n = P["layer"]
+    root_n = n_local - L * layer_n
+    u = cp if fsdp else grad_scale          # bytes an element of a gradient not yet reduced
 
-    def grads(now):
+    def gathered(zero2_layers, zero3_layers, root=True):
+        """FSDP's compute copies alive: the root group's and the blocks' -- ZeRO-2 holds each from its forward to
+        the end of its backward, ZeRO-3 the one running and the one prefetched."""
+        if not fsdp:
+            return 0
+        return cp * ((root_n if root else 0) + layer_n * (zero2_layers if s.zero == 2 else zero3_layers))
+
+    made: list[float] = []    # each moment's gradients output so far, in order (D20: the pool holds these)
+
+    def grads(now, fresh=0):
+        """Gradient bytes alive: ``now``, this step's (``fresh`` of them FSDP's unsharded ones); all of them when
+        gradients are kept between steps (DDP's buckets, accumulation). Called once for each moment, in order."""
+        made.append(now)
+        if fsdp and s.grad_buffers:
+            # FSDP accumulating over micro-batches without sync: every parameter's unsharded gradient summed in
+            # the reduce dtype until the last micro-batch reduces it; a micro-batch's fresh ones beside them
+            # when their dtype differs (else autograd adds into them in place)
+            return rb * n_train + (fresh if rb != cp else 0)
         return grads_all if s.grad_buffers else now
+
+    def reduce_scatter(n_grads):
+        """A group's post-backward under FSDP: the reduce-scatter's input (rb per element) beside the group's
+        unsharded gradients as they are copied in, then beside its output (rb / d; a bf16 output cast into an
+        fp32 shard beside it)."""
+        inp = rb * n_grads
+        copy_in = inp + (cp * n_grads if not s.grad_buffers else 0)
+        return max(copy_in, inp + rb * n_grads / dpz + (4 * n_grads / dpz if rb != 4 else 0))
 
     if frozen:
         head_g, final_norm_g = lora_n("head"), 0
@@ -535,9 +584,20 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
 
         fwd_extra = liger_flce_forward_bytes(s)
         logits_c = 0                                  # nothing for the trainer to hold either (keep_logits)
-    if T["cast"] and full and not frozen and not whole:
+    # (the cache is filled by eager casts only: a transformers model's compiled layers -- per block or whole --
+    # cast inside their graphs. llama3-8b on 2 H200, zero1 with per-block compile and full recomputation under
+    # bf16 autocast: 100,653 MiB measured, 113,965 estimated with these 13,312 MiB of copies, 100,653 without)
+    if T["cast"] and full and not frozen and not (hf and s.compiled != "none"):
         fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
-    moments.append(("end of forward (loss)", saved_all, 0, fwd_extra))
+    if fsdp:
+        # the forward's last all-gather: block L's output buffer (a flat cp copy of the block) arrives beside
+        # block L - 1's, held until this one's copy-out into the block's own parameters; the blocks before
+        # keep their activations. Block L's buffer is then held to the root's post-forward, after the loss
+        last = first_layer if L == 1 or n_first > 1 else per_layer
+        moments.append((f"forward layer {L}: all-gather", saved_all - sum(head_part.values()) - last, grads(0), 0,
+                        gathered(L, 1) + 2 * cp * layer_n))
+    moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra,
+                    gathered(L, 0) + (cp * layer_n if fsdp else 0)))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
     # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
@@ -546,21 +606,28 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # the Llama-style families' compiled backward holds a second logits-sized buffer in the matmul's dtype
         # beside d(logits) (measured on the CPU with tied and untied heads; GPT-2's does not)
         loss_grad += C * N_out * v_l
-    g_now = grad_scale * head_g
+    g_now = u * head_g
+    g_fresh = g_now if fsdp else 0          # (FSDP: the root group's gradients stay unsharded to the end)
     if fused_ce:
         # its backward hands on the gradients it made in the forward: d(weight) becomes the head's gradient
         # (the same tensor), d(input) the final norm's d(output)
         moments.append(("backward: fused linear cross-entropy", saved_all - head_part["fused_CE_grad_weight"],
-                        g_now, 0))
+                        grads(g_now, g_fresh), 0, gathered(L, 1)))
     else:
-        moments.append(("backward: log-softmax", saved_all, 0, loss_grad))
+        # (FSDP's ZeRO-3: the loss's gradient reaching the root's output starts block L's all-gather, held from
+        # here on)
+        moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad, gathered(L, 1)))
+        # (a soft prompt cut from the output: a zero-padded s + P gradient)
         moments.append(("backward: output projection",
-                        saved_all - head_part.get("log_probs", head_part.get("logits", 0)), g_now,
+                        saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now, g_fresh),
                         logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
-                        + (C * nh if s.prompt_tokens and not hf else 0)))    # the prompt cut: a zero-padded s + P gradient
+                        + (C * nh if s.prompt_tokens and not hf else 0), gathered(L, 1)))
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
-    g_now += grad_scale * final_norm_g
-    moments.append(("backward: final norm", saved, g_now, lt["norm_extra"] + zero3 / 2))
+    g_now += u * final_norm_g
+    g_fresh += u * final_norm_g if fsdp else 0
+    moments.append(("backward: final norm", saved, grads(g_now, g_fresh), lt["norm_extra"] + zero3 / 2,
+                    gathered(L, 1)))
+    held = 0                                # FSDP: the last reduce-scatter's input, until the next one
     saved -= head_part["final_norm"]
     for i in range(L, 0, -1):
         tag = f"layer {i}"
@@ -569,58 +636,92 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         attn_i, mlp_i = (attn_1, mlp_1) if first_like else (lt["attn"], lt["mlp"])
         skip = skipped_1 if first_like else set()
         a_part, m_part = sum(attn_i.values()), sum(mlp_i.values())
+        on = gathered(i, 2)
+        fresh = g_fresh if fsdp else 0
         if full:
             # recomputation: the layer's forward again, all its activations kept again
             saved += a_part + m_part - lt["checkpoint"]
-            moments.append((f"backward {tag}: recompute", saved - m_part, g_now, lt["attn_fwd"] + zero3))
+            moments.append((f"backward {tag}: recompute", saved - m_part, grads(g_now, fresh),
+                            lt["attn_fwd"] + zero3 + held, on))
         if "MLP" not in skip:
-            moments.append((f"backward {tag}: MLP", saved - mlp_i["dropout_mask"], g_now + grad_scale * down_g,
-                            lt["mlp_extra"] + lt["stream"] + zero3))
+            moments.append((f"backward {tag}: MLP", saved - mlp_i["dropout_mask"],
+                            grads(g_now + u * down_g, fresh + (u * down_g if fsdp else 0)),
+                            lt["mlp_extra"] + lt["stream"] + zero3 + held, on))
         saved -= m_part - mlp_i["norm2"]
-        g_now += grad_scale * mlp_g
+        g_now += u * mlp_g
+        fresh += u * mlp_g if fsdp else 0
         if "norm 2" not in skip:
-            moments.append((f"backward {tag}: norm 2", saved, g_now, lt["norm_extra"] + lt["stream"] + zero3))
+            moments.append((f"backward {tag}: norm 2", saved, grads(g_now, fresh),
+                            lt["norm_extra"] + lt["stream"] + zero3 + held, on))
         saved -= mlp_i["norm2"]
         if "attention" not in skip:
-            extra = lt["attn_extra"] + lt["stream"] + zero3
+            extra = lt["attn_extra"] + lt["stream"] + zero3 + held
             if s.recompute == "selective" and s.attention == "eager" and "attention core" not in skip:
                 extra += lt["recomputed_core"]          # the core's forward again, kept for its backward
             # eager: the output projection's backward has released its input before the core's
             # (and the residual dropout's backward, first of all, its mask)
             done = attn_i["dropout_mask"] + (0 if s.attention == "flash" else attn_i["proj_input"])
-            moments.append((f"backward {tag}: attention", saved - done, g_now + grad_scale * proj_g, extra))
+            moments.append((f"backward {tag}: attention", saved - done,
+                            grads(g_now + u * proj_g, fresh + (u * proj_g if fsdp else 0)), extra, on))
         saved -= a_part - attn_i["norm1"]
-        g_now += grad_scale * attn_g
+        g_now += u * attn_g
+        fresh += u * attn_g if fsdp else 0
         if "norm 1" not in skip:
-            moments.append((f"backward {tag}: norm 1", saved, g_now, lt["norm_extra"] + lt["stream"] + zero3))
+            moments.append((f"backward {tag}: norm 1", saved, grads(g_now, fresh),
+                            lt["norm_extra"] + lt["stream"] + zero3 + held, on))
         saved -= attn_i["norm1"]
-    g_now += grad_scale * embed_g
+        if fsdp and mlp_g + attn_g:
+            # the block's post-backward: its compute copies resharded, its gradients reduce-scattered (the
+            # previous block's input freed first) into fp32 shards
+            layer_g = mlp_g + attn_g
+            g_now -= u * layer_g
+            moments.append((f"backward {tag}: reduce-scatter", saved, grads(g_now, g_fresh), reduce_scatter(layer_g),
+                            gathered(i - 1, 1)))
+            g_now += grad_scale * layer_g
+            held = rb * layer_g
+    g_now += u * embed_g
+    g_fresh += u * embed_g if fsdp else 0
     # tied: the embedding's gradient is added out of place to the output projection's (new + sum)
     if not lora_only:
-        moments.append(("backward: embedding", saved, g_now,
-                        2 * grad_scale * P["embed"] if s.tied and not frozen else 0))
+        moments.append(("backward: embedding", saved, grads(g_now, g_fresh),
+                        (2 * u * P["embed"] if s.tied and not frozen else 0) + held, gathered(0, 0)))
+    root_g = head_g + final_norm_g + embed_g
+    if fsdp and root_g:
+        # the root group's post-backward, the backward's last: its copies resharded, its gradients reduced
+        g_now -= g_fresh
+        moments.append(("backward: reduce-scatter of the root group", saved, grads(g_now), reduce_scatter(root_g), 0))
     opt_temp = 0 if s.offload else optimizer_temp_bytes(s, train_shapes) / (dpz if s.zero >= 1 else 1)
-    moments.append(("optimizer step", 0, grads_all, opt_temp))
+    moments.append(("optimizer step", 0, grads_all, opt_temp, 0))
 
     if s.keep_logits:
         # the model's output holds the logits until the trainer drops it (after the optimizer step)
-        moments = [m if i == 0 else (m[0], m[1], m[2], m[3] + logits_c) for i, m in enumerate(moments)]
-    peak_name, kept, g_peak, transient = max(moments, key=lambda m: m[1] + grads(m[2]) + m[3])
-    g_peak = grads(g_peak)
+        moments = [m if i == 0 else (m[0], m[1], m[2], m[3] + logits_c, m[4]) for i, m in enumerate(moments)]
+    peak_name, kept, g_peak, transient, gathered_peak = max(moments, key=lambda m: m[1] + m[2] + m[3] + m[4])
     if s.cuda_graphs:
-        peak_name, kept, g_peak, transient = _beside_the_graph_pool(moments, grads_all if s.grad_buffers else 0,
+        # every moment but the optimizer step's with the gradients it has output (zip stops before the step's)
+        graph = [(m[0], m[1], g, m[3] + m[4]) for m, g in zip(moments, made)]
+        peak_name, kept, g_peak, transient = _beside_the_graph_pool(graph, grads_all if s.grad_buffers else 0,
                                                                     opt_temp)
-    total = persistent + kept + g_peak + transient
+        gathered_peak = 0
+    total = persistent + kept + g_peak + transient + gathered_peak
     activations_all = saved_all
     trained = ("" if not frozen else f" + {n_adapters:,.0f} trainable ("
                + ("LoRA r=" + str(s.lora_rank) if lora_only else f"{s.prompt_tokens} prompt tokens") + ")")
+    if fsdp:
+        shards = 4 * (n_local + n_adapters) / dpz
+        params_line = Line("parameters", params_b + gathered_peak,
+                           f"4 B x {n_local:,.0f} params / d: FSDP's fp32 shards ({shards / MiB:,.1f} MiB"
+                           + (", in host memory" if s.offload else "") + ")" + (" (frozen)" if frozen else "")
+                           + trained + f"; {cp} B compute copies gathered at the peak: {gathered_peak / MiB:,.1f} MiB")
+    else:
+        params_line = Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
+                           + (" (frozen)" if frozen else "") + trained + (" / d (ZeRO-3)" if s.zero >= 3 else ""))
     lines = [
-        Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
-             + (" (frozen)" if frozen else "") + trained + (" / d (ZeRO-3)" if s.zero >= 3 else "")),
+        params_line,
         Line("gradients", g_peak, f"alive at the peak; all {grads_all / MiB:,.1f} MiB at the optimizer step"),
         Line("optimizer", opt_b, (f"{T['opt']} B/param" if s.optim == "adamw" else
                                   f"{s.optim}: {opt_b * (dpz if s.zero >= 1 else 1) / max(n_train, 1):.3g} B/param")
-             + (" incl. fp32 master" if s.precision == "mixed" else "")
+             + (" incl. fp32 master" if s.precision == "mixed" and not fsdp else "")
              + (" / d (ZeRO-1)" if s.zero >= 1 else "") + (": in host memory (offload)" if s.offload else "")),
         Line("activations", kept, f"kept for backward at the peak; {activations_all / MiB:,.1f} MiB at the end of forward"),
         Line("temporaries", transient, f"working memory at the peak ({peak_name})"),
@@ -648,9 +749,12 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         notes.append("sdpa in fp32 with grouped key/value heads runs torch's math kernel on a GPU: counted as "
                      "eager attention (it keeps the s^2 probabilities)")
     extra = {"peak_moment": peak_name,
-             "moments": [{"name": n, "bytes": persistent + k + grads(g) + x} for n, k, g, x in moments]
-             + ([{"name": peak_name, "bytes": total}] if s.cuda_graphs else []),
-             "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments),
+             "moments": [{"name": n, "bytes": persistent + k + g + x + c, "kept": k, "grads": g, "transient": x,
+                          "gathered": c} for n, k, g, x, c in moments]
+             + ([{"name": peak_name, "bytes": total, "kept": kept, "grads": g_peak, "transient": transient,
+                  "gathered": 0}] if s.cuda_graphs else []),
+             "all_at_once": persistent + grads_all + activations_all + max(m[3] for m in moments)
+             + max(m[4] for m in moments),
              "trainable_params": n_train, "param_bytes": params_b, "grad_bytes": grads_all,
              "optimizer_bytes": opt_b}
     return Breakdown(mode="precise", setup=requested, lines=lines, total=total, params=param_counts(asked, 1)["total"],

@@ -132,15 +132,17 @@ def saved_tensor_bytes(forward, exclude=(), detail=False):
 def allocator_peak_step(step, model, opt):
     """Peak bytes of ``step()`` (one training step) measured at the CPU allocator: the running sum of
     the profiler's memory events (every allocation and free of PyTorch's CPU allocator, those made by
-    compiled (inductor) kernels too, which a dispatch mode does not see), on top of the live
-    parameters, buffers and optimizer state. Returns ``(peak_total, baseline)``; run a step before
-    (compilation, optimizer state)."""
+    compiled (inductor) kernels too, which a dispatch mode does not see, and FSDP's storage resized under
+    its parameters), on top of the live parameters, buffers and optimizer state (a DTensor's: its local
+    shard). Returns ``(peak_total, baseline)``; run a step before (compilation, optimizer state)."""
     import torch
     from torch.profiler import ProfilerActivity, profile
 
     existing = [*model.parameters(), *model.buffers()]
     for state in opt.state.values():
         existing += [v for v in state.values() if isinstance(v, torch.Tensor)]
+    # a DTensor (FSDP's shards, their optimizer state) holds its local tensor's storage
+    existing = [t.to_local() if hasattr(t, "to_local") else t for t in existing]
     baseline = sum(t.untyped_storage().nbytes() for t in {t.untyped_storage().data_ptr(): t for t in existing}.values())
     with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
         step()

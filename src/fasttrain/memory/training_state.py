@@ -28,7 +28,8 @@ def dtypes(s: Setup) -> dict:
     """Bytes per element of each kind of tensor under the precision setting."""
     mixed, amp = s.precision == "mixed", s.precision == "amp"
     return {
-        "param": 2 if mixed else 4, "grad": 2 if mixed else 4, "opt": s.opt_bytes + (4 if mixed else 0),
+        # (FSDP: its fp32 shards are the master weights, counted as the parameters)
+        "param": 2 if mixed else 4, "grad": 2 if mixed else 4, "opt": s.opt_bytes + (4 if mixed and not s.fsdp else 0),
         "R": 2 if mixed else 4,          # residual stream (norm inputs): fp32 under autocast
         "C": 4 if s.precision == "fp32" else 2,   # matmul inputs and everything bf16
         "Dsm": 2 if mixed else 4,        # softmax output: autocast runs softmax in fp32
@@ -159,10 +160,11 @@ def optimizer_state_bytes(s: Setup, shapes) -> float:
     (torch.optim.Adafactor): a tensor of shape (..., R, C) keeps fp32 row and column second moments
     (4 (prod(...) R + prod(...) C)); a 1-D tensor a full fp32 second moment; no first moment.
     sgd: nothing; sgd_momentum: an fp32 momentum buffer. Mixed precision adds the fp32 master
-    copy (4 B per trainable parameter). The 4-byte step counters are not counted.
+    copy (4 B per trainable parameter), except under FSDP, whose fp32 shards are the master weights
+    (counted as its parameters). The 4-byte step counters are not counted.
     """
     n = sum(numel(sh) for sh in shapes)
-    master = 4 * n if s.mixed else 0
+    master = 4 * n if s.mixed and not s.fsdp else 0
     if s.optim == "adamw":
         return s.opt_bytes * n + master
     if s.optim == "sgd":

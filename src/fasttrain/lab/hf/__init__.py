@@ -1,7 +1,9 @@
 """Hugging Face ``transformers`` causal LMs in the lab: ``--model hf:PATH_OR_NAME``.
 
 :func:`build_hf_model` turns a folder holding a ``config.json`` (with weights: ``from_pretrained``;
-without: ``from_config``, seeded) or a hub name into a :class:`~fasttrain.lab.models.LabModel`.
+without: ``from_config`` with its parameters on the meta device, then the model's own
+``initialize_weights`` drawing from the seed, whole or -- under FSDP -- shard by shard:
+:func:`init_hf_weights`) or a hub name into a :class:`~fasttrain.lab.models.LabModel`.
 Every technique of the lab applies to it, the model's own way, here or in the trainer:
 
 - precision (fp16 / bf16 / tf32): the trainer's autocast and TF32 switch; the weights stay fp32
@@ -38,5 +40,5 @@ from fasttrain.lab.hf.config import HF_PREFIX, LORA_TARGETS, WEIGHT_FILES, check
 from fasttrain.lab.hf.peft import apply_prompt_tuning, base_model_of, prompt_tokens_of  # noqa: F401
 from fasttrain.lab.hf.liger import apply_fused_linear_cross_entropy, apply_liger, check_plain_head, liger_families, undo_liger_patches  # noqa: F401
 from fasttrain.lab.hf.save import FASTTRAIN_JSON, HF_CHECKPOINT_FORMAT, PROMPT_FOLDER, fresh_copy, is_hf_checkpoint, load_hf_checkpoint, load_tokenizer, read_hf_checkpoint, save_hf  # noqa: F401
-from fasttrain.lab.hf.model import build_hf_model, decoder_layers, hf_logits, hf_loss, is_hf_module  # noqa: F401
+from fasttrain.lab.hf.model import build_hf_model, decoder_layers, hf_logits, hf_loss, init_hf_weights, is_hf_module  # noqa: F401
 from fasttrain.lab.hf.tp_plan import TP_STYLES, apply_hf_tensor_parallel, check_hf_parallel, check_hf_tensor_parallel, gather_tp_state_dict, resolved_tp_plan, tp_plan_of  # noqa: F401

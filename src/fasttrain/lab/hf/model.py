@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
-from fasttrain.lab.models import LabModel
+from fasttrain.lab.models import LabModel, empty_storage, parameters_on_meta
 from fasttrain.lab.hf.config import _transformers, check_hf_setup, check_weights, has_weights, load_hf_config, max_positions, memory_setup_for, source_of
 from fasttrain.lab.hf.liger import apply_liger
 from fasttrain.lab.hf.peft import apply_prompt_tuning, base_model_of, prompt_tokens_of
@@ -62,12 +62,112 @@ def hf_logits(module, x):
     return logits[:, n:] if n else logits
 
 
-def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *, log=None) -> LabModel:
+# torch.nn.init's functions that draw random numbers (transformers' initializers call them through
+# transformers.initialization.TORCH_INIT_FUNCTIONS)
+RANDOM_INITS = ("uniform_", "normal_", "trunc_normal_", "xavier_uniform_", "xavier_normal_", "kaiming_uniform_",
+                "kaiming_normal_", "orthogonal_", "sparse_")
+
+
+def init_hf_weights(module, device, seed: int, storage=None) -> None:
+    """Give a transformers model built under :func:`~fasttrain.lab.models.parameters_on_meta` -- sharded by FSDP or
+    whole -- its weights: storage on ``storage`` (default ``device``; FSDP's offloaded shards: the host), the
+    buffers kept, then the model's own ``initialize_weights`` (its ``_init_weights`` on every module, in
+    transformers' order) drawing from ``seed`` on ``device``. A sharded parameter's every random draw is made on
+    its full tensor and cut to this rank's shard (:func:`_drawn_whole`), so one process and N processes get the
+    same weights. Every parameter is checked to have been written (the empty storage is filled with NaN first)."""
+    import torch
+    from torch.distributed.fsdp import FSDPModule
+    from torch.distributed.tensor import DTensor
+    from transformers import PreTrainedModel
+    from transformers import initialization as hf_init
+
+    device = torch.device(device)
+    empty_storage(module, storage if storage is not None else device)
+    base = base_model_of(module)
+    base.tie_weights()                  # to_empty gives each of two tied modules a tensor of its own
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
+    with torch.no_grad():
+        for p in local:
+            p.fill_(float("nan"))
+    for m in module.modules():          # initialize_weights skips a module its construction marked done
+        m.__dict__.pop("_is_hf_initialized", None)
+    originals = {name: f for name, f in hf_init.TORCH_INIT_FUNCTIONS.items() if name in RANDOM_INITS}
+    models = [m for m in module.modules() if isinstance(m, PreTrainedModel)]
+    # fully_shard made the model's class a subclass of FSDP's, defined outside transformers, which transformers
+    # then takes for remote code (and skips the modules without parameters of their own: GPT-2's scaled
+    # c_proj draws): it is asked of the model's own class
+    own = next(c for c in type(base).__mro__ if not issubclass(c, FSDPModule))
+    base.is_custom_code = own.is_custom_code
+    for m in models:
+        m._init_weights = _padding_row_on_its_shard(m._init_weights, device)
+    torch.manual_seed(seed)
+    hf_init.TORCH_INIT_FUNCTIONS.update({name: _drawn_whole(f, device) for name, f in originals.items()})
+    try:
+        base.initialize_weights()
+    finally:
+        hf_init.TORCH_INIT_FUNCTIONS.update(originals)
+        del base.is_custom_code
+        for m in models:
+            del m._init_weights
+    left = [name for (name, _), p in zip(module.named_parameters(), local) if torch.isnan(p).any()]
+    if left:
+        raise FasttrainError(f"{type(base).__name__}'s initialize_weights leaves {', '.join(left[:3])}"
+                             f"{' and more' if len(left) > 3 else ''} unwritten (its _init_weights does not cover "
+                             f"them): give --model a folder holding weights (save_pretrained)")
+
+
+def _drawn_whole(draw, device):
+    """``torch.nn.init``'s ``draw`` (normal_, uniform_, ...) such that a sharded parameter (a DTensor) gets this
+    rank's shard of the full tensor drawn on ``device``: the same values a one-process model draws."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def init(tensor, *args, **kwargs):
+        if not isinstance(tensor, DTensor):
+            return draw(tensor, *args, **kwargs)
+        full = torch.empty(tensor.shape, dtype=tensor.dtype, device=device)
+        draw(full, *args, **kwargs)
+        tensor.to_local().copy_(distribute_tensor(full, tensor.device_mesh, tensor.placements,
+                                                  src_data_rank=None).to_local())
+        return tensor
+    return init
+
+
+def _padding_row_on_its_shard(init_weights, device):
+    """A model's ``_init_weights`` that zeroes a sharded embedding's padding row on the shard holding it:
+    transformers writes ``weight[padding_idx]``, which on a DTensor sharded by rows gathers the whole matrix into a
+    copy and zeroes that."""
+    import torch
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    def init(module):
+        pad = module.padding_idx if isinstance(module, torch.nn.Embedding) and isinstance(module.weight, DTensor) \
+            else None
+        if pad is None:
+            return init_weights(module)
+        module.padding_idx = None
+        try:
+            init_weights(module)
+        finally:
+            module.padding_idx = pad
+        keep = torch.ones((module.weight.shape[0], 1), dtype=module.weight.dtype, device=device)
+        keep[pad] = 0
+        local = module.weight.to_local()            # (in host memory when FSDP offloads its shards)
+        with torch.no_grad():
+            local.mul_(distribute_tensor(keep, module.weight.device_mesh, module.weight.placements,
+                                         src_data_rank=None).to_local().to(local.device))
+    return init
+
+
+def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *, log=None,
+                   meta: bool = False) -> LabModel:
     """The ``transformers`` causal LM ``spec`` (``hf:PATH_OR_NAME``) on ``device``, every technique
     of ``cfg`` that belongs to the model applied (attention kernel, checkpointing, liger, peft);
     ``vocab_size``: the corpus' vocabulary (checked to fit), or None. Weights from the folder when
-    it holds some, else drawn from the config's initializers under ``cfg.seed`` (the same seed
-    gives the same weights on the same kind of device)."""
+    it holds some; else built with its parameters on the meta device and drawn by the model's own
+    ``initialize_weights`` from ``cfg.seed`` (:func:`init_hf_weights`: the same seed gives the same
+    weights on the same kind of device, in one process or sharded over N). ``meta``: left on the meta
+    device, for FSDP to shard and ``parallelize.materialize`` to draw shard by shard."""
     import torch
 
     tf = _transformers()
@@ -85,7 +185,7 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
         if pretrained:
             module = tf.AutoModelForCausalLM.from_pretrained(source, **kwargs).to(device)
         else:
-            with device:
+            with parameters_on_meta(device), device:
                 module = tf.AutoModelForCausalLM.from_config(config, **kwargs)
     except ValueError as exc:
         first = str(exc).strip().splitlines()[0][:200]
@@ -99,6 +199,10 @@ def build_hf_model(spec: str, cfg: LabConfig, vocab_size: int | None, device, *,
         log(f"{spec}: {family} weights loaded from {source}")
     else:
         log(f"{spec}: no weights in {source}: initialized from config.json (seed {cfg.seed})")
+        if meta:
+            module._fasttrain_meta_init = {"kind": "hf", "seed": cfg.seed}
+        else:
+            init_hf_weights(module, device, cfg.seed)
     module.config.use_cache = False
     if cfg.use_liger_kernel:
         apply_liger(module, cfg.liger_kernels)

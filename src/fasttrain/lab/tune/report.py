@@ -11,7 +11,7 @@ import os
 from dataclasses import fields
 from pathlib import Path
 
-from fasttrain.lab.config import PRESETS, LabConfig, training_arguments_of
+from fasttrain.lab.config import LabConfig, training_arguments_of
 
 MIB = 2 ** 20
 # fields that are not the training's (where to write, the preset's name, a search of its own)
@@ -94,32 +94,17 @@ def pick_config(result) -> LabConfig | None:
     return result.base.with_(**result.pick.candidate.overrides_dict())
 
 
-def lab_command(cfg: LabConfig, model_id: str | None = None) -> str:
-    """``fasttrain lab ...`` that trains ``cfg``: the preset, the micro-batch and accumulation, and every
-    other field that differs from the preset."""
-    preset = cfg.name if cfg.name in PRESETS else None
-    reference = LabConfig(name=cfg.name, **PRESETS[preset]) if preset else LabConfig()
-    parts = ["fasttrain", "lab"]
-    if model_id and model_id != "gpt" and "model" not in {f.name for f in fields(LabConfig)}:
-        parts += ["--model", model_id]          # (a lab whose configuration names the model says it below)
-    if preset:
-        parts += ["--preset", preset]
-    for f in fields(LabConfig):
-        if f.name in ANSWER_SKIPS:
-            continue
-        value, ref = getattr(cfg, f.name), getattr(reference, f.name)
-        if value == ref and f.name not in ANSWER_ALWAYS:
-            continue
-        flag = "--" + f.name.replace("_", "-")
-        if isinstance(value, bool):
-            parts.append(flag if value else f"--no-{flag[2:]}")
-        elif value is None:
-            continue
-        elif isinstance(value, (tuple, list)):
-            parts += [flag, ",".join(map(str, value))]
-        else:
-            parts += [flag, str(value)]
-    return " ".join(parts)
+def lab_command(cfg: LabConfig) -> str:
+    """``fasttrain lab ...`` that trains ``cfg``: the settings :func:`fasttrain.lab.overrides.settings_of` gives
+    (the lab's GPT: its preset and what differs from it; a transformers model: no preset -- its own defaults, not
+    a preset's, stand under its flags -- and those defaults written out), the micro-batch and the accumulation
+    always (a reader should not need the defaults)."""
+    from fasttrain.lab.overrides import flags, settings_of
+
+    preset, settings = settings_of(cfg)
+    chosen = {f.name: settings[f.name] if f.name in settings else getattr(cfg, f.name) for f in fields(LabConfig)
+              if f.name not in ANSWER_SKIPS and (f.name in settings or f.name in ANSWER_ALWAYS)}
+    return " ".join(["fasttrain", "lab", *(["--preset", preset] if preset else []), *flags(chosen)])
 
 
 # TrainingArguments keys named otherwise than the LabConfig field they come from
@@ -190,7 +175,7 @@ def summary(result, model_id: str = "gpt") -> dict:
     if cfg is not None:
         args, model_kwargs, notes = answer_arguments(result, cfg)
         pick_row = entry_row(result.pick, result, 1)
-        winner = {**pick_row, "lab_command": lab_command(cfg, model_id), "training_arguments": args,
+        winner = {**pick_row, "lab_command": lab_command(cfg), "training_arguments": args,
                   "model_kwargs": model_kwargs, "training_arguments_notes": notes}
         winner.update(_scaled_answer(cfg, result, model_id, winner))
     mem = result.memory
@@ -358,11 +343,11 @@ def print_report(result, console, model_id: str = "gpt", limit: int = 20) -> Non
     scaled = {}
     if cfg is not None:
         args, model_kwargs, notes = answer_arguments(result, cfg)
-        scaled = _scaled_answer(cfg, result, model_id, {"lab_command": lab_command(cfg, model_id),
+        scaled = _scaled_answer(cfg, result, model_id, {"lab_command": lab_command(cfg),
                                                         "training_arguments": args, "training_arguments_notes": notes,
                                                         "tokens_per_s": result.pick.last.tokens_per_s})
         args = scaled.get("training_arguments", args)
-        console.print("pick: " + scaled.get("lab_command", lab_command(cfg, model_id)), soft_wrap=True)
+        console.print("pick: " + scaled.get("lab_command", lab_command(cfg)), soft_wrap=True)
         if scaled:
             console.print(f"per GPU: {scaled['tokens_per_s_per_gpu'] or 0:,.0f} tokens/s ({scaled['strategy']} over "
                           f"{scaled['nproc_per_node']} processes)")

@@ -6,7 +6,9 @@ The single-GPU space (:mod:`.space`) gains the strategy axis -- how one configur
   the forward), ``ddp``, ``zero1``; ``hsdp-rR`` (R replicas, the model sharded inside each; N >= 4);
   ``fsdp-tpM`` (the 2-D mesh: FSDP over N/M, tensor parallelism over M) for each M dividing N; ``tp`` over all
   ranks; ``fsdp-offload`` (the optimizer state on the host) only where nothing else is predicted to fit;
-- with ``--allow float8``: torchao's float8 training of the Linear layers (tensorwise, rowwise).
+- with ``--allow float8``: torchao's float8 training of the Linear layers (tensorwise, rowwise);
+- the reduce axis: FSDP's and HSDP's gradients reduced in fp32 or bf16 (``--fsdp-reduce-dtype``; the HF
+  Trainer's FSDP reduces in its training precision, so the answer says when the pick's cannot be written there).
 
 A configuration is a :class:`ScaleConfig`: the lab's configuration and its strategy. Its micro-batch is per
 data-parallel rank: ``b k dp seq = T`` (``dp = N / tp``). A shape the model cannot take (tp not dividing the
@@ -90,15 +92,13 @@ def device_memory_apart(limit_bytes: int | None = None):
 # --- the probe: one process group per probe ------------------------------------------------------------
 
 def lab_argv(cfg: ScaleConfig) -> list[str]:
-    """``fasttrain lab`` arguments that run ``cfg`` on its ranks (without ``--nproc-per-node``)."""
-    from fasttrain.lab.config import PRESETS
-    from fasttrain.lab.overrides import changed, flags
+    """``fasttrain lab`` arguments that run ``cfg`` on its ranks (without ``--nproc-per-node``): the settings
+    :func:`fasttrain.lab.overrides.settings_of` gives (a transformers model takes no preset), then the strategy."""
+    from fasttrain.lab.overrides import flags, settings_of
 
-    lab = cfg.lab_config()
-    preset = lab.name if lab.name in PRESETS else "shakespeare-char"
-    settings = {k: v for k, v in changed(lab, LabConfig(name=preset, **PRESETS[preset])).items()
-                if k not in ("name", "save", "auto_find_batch_size")}
-    return ["lab", "--preset", preset, *flags(settings), *cfg.parallel_flags()]
+    preset, settings = settings_of(cfg.lab_config())
+    settings = {k: v for k, v in settings.items() if k not in ("save", "auto_find_batch_size")}
+    return ["lab", *(["--preset", preset] if preset else []), *flags(settings), *cfg.parallel_flags()]
 
 
 def run_bounded(argv: list[str], limit_s: float, env: dict | None = None, cwd=None) -> tuple[int | None, str, float]:
@@ -216,6 +216,16 @@ def trainer_fsdp(cfg: ScaleConfig, family: str | None) -> tuple[dict, dict | Non
                      "tp_size": cfg.tp}
         if cfg.gradient_checkpointing == "selective":
             cannot.append("selective checkpointing (the attention core only)")
+        # accelerate's FSDP2 plugin reduces in the training's precision (bf16=True: param and reduce dtype
+        # bf16); neither fsdp_config nor accelerate's config file names a mixed-precision policy
+        compute = "bf16" if cfg.bf16 else "fp32"
+        if cfg.fsdp_reduce_dtype != compute:
+            dtype = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
+            cannot.append(f"FSDP's gradient reduction in {cfg.fsdp_reduce_dtype} under {compute} training (with "
+                          f"{'bf16=True' if cfg.bf16 else 'fp32'} accelerate reduces in {compute}; only an Accelerator "
+                          f"of your own takes FullyShardedDataParallelPlugin(mixed_precision_policy={{'param_dtype': "
+                          f"{dtype[compute]}, 'reduce_dtype': {dtype[cfg.fsdp_reduce_dtype]}, 'output_dtype': "
+                          f"{dtype[compute]}}}))")
     elif s == "zero1":
         cannot.append("ZeRO-1 (only through DeepSpeed: deepspeed={'zero_optimization': {'stage': 1}})")
     elif s == "tp":

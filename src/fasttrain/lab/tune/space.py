@@ -60,8 +60,8 @@ class Candidate:
 
     @property
     def label(self) -> str:
-        shown = [c for a, c in self.choices if c not in ("none", "off", "eager", "dataloader", "adamw_torch")
-                 or a == "precision"]
+        shown = [c for a, c in self.choices if c not in ("none", "off", "eager", "dataloader", "adamw_torch",
+                                                         "reduce-fp32") or a == "precision"]
         return f"{self.micro_batch}x{self.accumulation} " + " ".join(shown)
 
     @property
@@ -233,6 +233,9 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
         axis, why = strategy_axis(nproc)
         axes.append(axis)
         dropped += why
+        axes.append(reduce_axis())
+        dropped.append("reduce-bf16: tried with FSDP and HSDP (their MixedPrecisionPolicy); ddp, zero1 and tp "
+                       "reduce in fp32")
     kept = []
     for axis in axes:
         taken = sorted(axis.fields & fixed)
@@ -246,9 +249,13 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
 
 
 def _redundant(choices: dict) -> bool:
-    """Combinations that are another one under a different name (measured once, not twice)."""
+    """Combinations that are another one under a different name (measured once, not twice), or that set
+    what the rest does not have."""
     # selective checkpointing recomputes the eager attention core; sdpa keeps no s^2 scores: no change
-    return choices.get("checkpointing") == "selective" and choices.get("attention") == "sdpa"
+    if choices.get("checkpointing") == "selective" and choices.get("attention") == "sdpa":
+        return True
+    # the reduce dtype is FSDP's: ddp, zero1 and tp have no reduce-scatter to set
+    return choices.get("reduce") == "reduce-bf16" and not choices.get("strategy", "").startswith(("fsdp", "hsdp"))
 
 
 def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = None,
@@ -434,6 +441,11 @@ def strategy_axis(nproc: int) -> tuple[Axis, list[str]]:
     choices.append(("tp", {**plain, "strategy": "tp", "tp": nproc}))
     choices.append(("fsdp-offload", {**plain, "offload_optimizer": True}))
     return Axis("strategy", tuple(choices)), dropped
+
+def reduce_axis() -> Axis:
+    """The dtype FSDP and HSDP reduce the gradients in (``--fsdp-reduce-dtype``): fp32, the lab's default,
+    then bf16 (half the reduce-scatter's bytes, each partial sum rounded to bf16; the HF Trainer's own)."""
+    return Axis("reduce", (("reduce-fp32", {"fsdp_reduce_dtype": "fp32"}), ("reduce-bf16", {"fsdp_reduce_dtype": "bf16"})))
 
 def float8_axis(cuda: bool) -> tuple[Axis | None, str | None]:
     if not cuda:
