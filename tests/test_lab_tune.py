@@ -624,6 +624,25 @@ def _bench_module():
     return _dev_tune_module("bench_tune")
 
 
+def test_bench_harness_writes_a_large_vocabulary_case_in_uint32_ids_the_lab_reads(tmp_path):
+    """The Qwen2.5-0.5B-shaped case (vocabulary 151,936): its ids do not fit uint16; the lab's configuration of it
+    and the Trainer's windows read the same uint32 files."""
+    pytest.importorskip("transformers")
+    import numpy as np
+
+    from fasttrain.lab.data import corpus_for
+
+    bench = _bench_module()
+    assert [bench.bin_dtype(n) for n in ("gpt2-124m", "llama-1b", "qwen2.5-0.5b")] == ["uint16", "uint16", "uint32"]
+    folder = bench.prepare(tmp_path, "qwen2.5-0.5b", n_tokens=4096)
+    ids = np.fromfile(folder / "train.bin", dtype=np.uint32)
+    assert len(ids) == 4096 and ids.max() < 151936 and ids.max() > 65535
+    assert bench.load_state(tmp_path, "qwen2.5-0.5b")["params"] == pytest.approx(494e6, rel=0.01)
+    cfg = bench.lab_base(tmp_path, "qwen2.5-0.5b", cuda=False)
+    corpus = corpus_for(cfg)
+    assert cfg.bin_dtype == "uint32" and int(corpus.train.max()) == int(ids.max())
+
+
 def test_bench_harness_measures_the_hf_trainer_and_reports_fixed_keys(tmp_path):
     pytest.importorskip("transformers")
     pytest.importorskip("accelerate")

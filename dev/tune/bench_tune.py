@@ -1,8 +1,8 @@
 """The GPU benchmark of ``fasttrain tune`` against the Hugging Face Trainer, one model per call sequence.
 
-For one model -- a GPT-2 124M at seq 1024 (a global batch of 524,288 tokens) or a Llama of about 1B
-parameters at seq 2048 (131,072 tokens: see MODELS), both written here as config folders (random init), bf16
--- it measures side by side:
+For one model -- a GPT-2 124M at seq 1024 (a global batch of 524,288 tokens), a Llama of about 1B parameters
+at seq 2048 (131,072 tokens) or a Qwen2.5-0.5B shape with its 151,936-token vocabulary at seq 1024 (131,072
+tokens; see MODELS), each written here as a config folder (random init), bf16 -- it measures side by side:
 
 (a) ``hf``:       the HF Trainer as its users run it: ``bf16=True``, sdpa, ``auto_find_batch_size=True``
                   from the Trainer's default micro-batch (8), ``gradient_accumulation_steps`` reaching
@@ -28,7 +28,7 @@ parameters at seq 2048 (131,072 tokens: see MODELS), both written here as config
 Every HF figure is timed by a ``TrainerCallback`` (the device synchronized at every optimizer step's
 end; the first ``--skip`` steps excluded); the lab's probes by the lab's trainer (the first steps
 timed apart). Everything sees the same model (config folder, seed) and the same data: random token
-windows of a seeded ``train.bin`` (uint16), so no tokenizer or download is needed.
+windows of a seeded ``train.bin`` (uint16 ids, uint32 above 65,535), so no tokenizer or download is needed.
 
 Each phase is one command that fits the device's 10-minute limit; the phases of one model share a
 work folder (``WORK/<model>/state.json`` holds every phase's figures), so they can run in a row in
@@ -88,6 +88,14 @@ MODELS = {
         model_type="llama", vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
         num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=2048, tie_word_embeddings=True,
         rope_theta=500000.0)),
+    # Qwen2.5-0.5B's shape: 24 x 896, 14 heads over 2 key/value heads, SwiGLU 4864, tied embeddings over a
+    # 151,936-token vocabulary (136M of its 494M parameters): the case where the head and the loss dominate and
+    # the fused linear cross-entropy with compiled layers (which the Trainer cannot combine) should pay most.
+    # 128 sequences of 1024 a step (131,072 tokens, as the Llama case's); ids above 65,535: uint32 token files
+    "qwen2.5-0.5b": dict(seq=1024, tokens=128 * 1024, config=dict(
+        model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864, num_hidden_layers=24,
+        num_attention_heads=14, num_key_value_heads=2, max_position_embeddings=32768, tie_word_embeddings=True,
+        rope_theta=1000000.0, rms_norm_eps=1e-6)),
     # the CPU test's model: every phase in seconds
     "tiny-gpt2": dict(seq=32, tokens=32 * 8, config=dict(
         model_type="gpt2", vocab_size=256, n_positions=64, n_embd=32, n_layer=2, n_head=2,
@@ -152,8 +160,13 @@ def claim(claims: Path | None, index: int) -> bool:
     return True
 
 
+def bin_dtype(name: str) -> str:
+    """The token files' id type: uint16 holds ids below 65,536, a larger vocabulary needs uint32."""
+    return "uint32" if MODELS[name]["config"]["vocab_size"] > 65536 else "uint16"
+
+
 def prepare(work: Path, name: str, n_tokens: int | None = None) -> Path:
-    """The model's config folder and the data: ``train.bin`` / ``val.bin``, seeded random uint16 ids."""
+    """The model's config folder and the data: ``train.bin`` / ``val.bin``, seeded random ids (:func:`bin_dtype`)."""
     import numpy as np
     import transformers as tf
 
@@ -162,13 +175,14 @@ def prepare(work: Path, name: str, n_tokens: int | None = None) -> Path:
     (folder / "model").mkdir(parents=True, exist_ok=True)
     cfg = dict(spec["config"])
     kind = cfg.pop("model_type")
-    config = (tf.GPT2Config if kind == "gpt2" else tf.LlamaConfig)(**cfg)
+    config = tf.AutoConfig.for_model(kind, **cfg)
     config.save_pretrained(folder / "model")
     vocab = cfg["vocab_size"]
     n = n_tokens or max(4 * spec["tokens"], 200_000)
     rng = np.random.default_rng(1234)
+    dtype = np.dtype(bin_dtype(name))
     for split, size in (("train", n), ("val", max(n // 10, 4 * spec["seq"] + 2))):
-        rng.integers(0, vocab, size=size, dtype=np.int64).astype(np.uint16).tofile(folder / f"{split}.bin")
+        rng.integers(0, vocab, size=size, dtype=np.int64).astype(dtype).tofile(folder / f"{split}.bin")
     with __import__("torch").device("meta"):
         params = sum(p.numel() for p in tf.AutoModelForCausalLM.from_config(config).parameters())
     state = load_state(work, name)
@@ -374,7 +388,7 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
     spec = MODELS[name]
     seq, tokens = spec["seq"], spec["tokens"]
     folder = model_dir(work, name)
-    ids = np.fromfile(folder / "train.bin", dtype=np.uint16)
+    ids = np.fromfile(folder / "train.bin", dtype=np.dtype(bin_dtype(name)))
     accumulation = max(1, tokens // (batch * seq))
 
     Windows = lambda count: token_windows(ids, seq, count)      # noqa: E731
@@ -422,7 +436,7 @@ def lab_base(work: Path, name: str, cuda: bool):
     try:
         return LabConfig(name="custom").with_(
             model=f"hf:{folder / 'model'}", train_bin=str(folder / "train.bin"), val_bin=str(folder / "val.bin"),
-            bin_dtype="uint16", context=spec["seq"], learning_rate=LEARNING_RATE, min_lr=LEARNING_RATE,
+            bin_dtype=bin_dtype(name), context=spec["seq"], learning_rate=LEARNING_RATE, min_lr=LEARNING_RATE,
             warmup_steps=0, weight_decay=0.1, dropout=0.0, device="cuda" if cuda else "cpu", eval_interval=0,
             eval_tokens=spec["seq"], seed=0)
     except FasttrainError as exc:
