@@ -11,6 +11,7 @@ import io
 import json
 import math
 import statistics
+import sys
 import shutil
 
 import pytest
@@ -527,6 +528,11 @@ def test_the_auto_margin_is_the_verdicts_line_plus_two_standard_errors_of_the_ch
     assert statistics.fmean(wide) == pytest.approx(statistics.fmean(losses))
     assert choosing.passes(wide, target=1.47, margin="auto", judging_n=10)[0] is False
     assert choosing.parse_margin("auto") == "auto" and choosing.parse_margin("0.01") == 0.01
+    # without scipy the auto margin is one line naming the extra, as the t-test's is
+    with pytest.MonkeyPatch.context() as patched:
+        patched.setitem(sys.modules, "scipy", None)
+        with pytest.raises(FasttrainError, match="scipy .* is not installed"):
+            choosing.auto_margin(losses, 10)
     for bad in ("-0.1", "nan", "lots", None):
         with pytest.raises(FasttrainError, match="--margin must be auto or a non-negative number"):
             choosing.parse_margin(bad)

@@ -51,6 +51,17 @@ CONFIRMATION_KEYS = ("seeds", "final_val_losses", "mean_final_val_loss", "p_valu
 
 # --- the statistics -------------------------------------------------------------------------------
 
+def scipy_stats():
+    """``scipy.stats`` (the t-test and its quantiles), or a one-line error naming the extra that installs it."""
+    try:
+        from scipy import stats
+    except ImportError as exc:
+        from fasttrain.lab.config import missing_extra
+
+        raise missing_extra("scipy (the record protocol's t-test)", exc) from None
+    return stats
+
+
 def t_test_below(losses, target: float = TARGET) -> dict:
     """One-sided one-sample t-test of "the mean final loss is below ``target``" (see the module docstring).
 
@@ -68,13 +79,7 @@ def t_test_below(losses, target: float = TARGET) -> dict:
         t = -math.inf if mean < target else math.inf if mean > target else math.nan
         p = 0.0 if mean < target else 1.0
     else:
-        try:
-            from scipy import stats
-        except ImportError as exc:
-            from fasttrain.lab.config import missing_extra
-
-            raise missing_extra("scipy (the record protocol's t-test)", exc) from None
-        res = stats.ttest_1samp(values, target, alternative="less")
+        res = scipy_stats().ttest_1samp(values, target, alternative="less")
         t, p = float(res.statistic), float(res.pvalue)
     return {"test": "one-sided one-sample t-test (H1: mean final validation loss < target)", "target": target,
             "n": n, "df": n - 1, "mean": mean, "std": std, "t": t, "p_value": p}
@@ -333,5 +338,6 @@ def read_record(path) -> dict:
 
 
 __all__ = ["ALPHA", "CONFIRMATION_KEYS", "MIN_SEEDS", "RECORD_KEYS", "TARGET", "breakeven_steps", "check_record",
-           "confirmation", "fresh_seeds", "read_record", "record", "run_fixed_steps", "summarize_recipe", "t_test_below",
+           "confirmation", "fresh_seeds", "read_record", "record", "run_fixed_steps", "scipy_stats", "summarize_recipe",
+           "t_test_below",
            "used_seeds", "verdict", "write_record"]

@@ -41,7 +41,7 @@ import statistics
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS, TARGET
+from fasttrain.lab.experiments.record_protocol import ALPHA, MIN_SEEDS, TARGET, scipy_stats
 
 BASE_RUNG = "graph-step"
 MARGIN = "auto"
@@ -142,17 +142,21 @@ def auto_margin(losses, judging_n: int, alpha: float = ALPHA) -> float:
     """t(1 - alpha, n_j - 1) sd / sqrt n_j + 2 sd / sqrt n_c, sd the choosing losses' spread (n_c of them):
     how far below the target a choosing mean must sit for the judging and the confirming verdicts to pass with
     it (module docstring)."""
-    from scipy import stats
-
     sd = statistics.stdev(losses)
-    return float(stats.t.ppf(1 - alpha, judging_n - 1)) * sd / math.sqrt(judging_n) + 2 * sd / math.sqrt(len(losses))
+    t = float(scipy_stats().t.ppf(1 - alpha, judging_n - 1))
+    return t * sd / math.sqrt(judging_n) + 2 * sd / math.sqrt(len(losses))
+
+
+def finished(losses) -> list[float]:
+    """The final losses of the seeds that finished (a diverged seed's is None or not finite)."""
+    return [v for v in losses if v is not None and math.isfinite(v)]
 
 
 def passes(losses, *, target: float, margin=MARGIN, judging_n: int = MIN_SEEDS) -> tuple[bool, float | None]:
     """Whether a probe's final losses count with margin (every seed finished and their mean <= target -
     margin), and the margin used (``auto``: :func:`auto_margin` for ``judging_n`` judging seeds; None where a
     seed did not finish)."""
-    done = [v for v in losses if v is not None and math.isfinite(v)]
+    done = finished(losses)
     if not done or len(done) != len(losses):
         return False, None
     used = auto_margin(done, judging_n) if margin == "auto" else float(margin)
@@ -179,7 +183,7 @@ def search_steps(probe, candidates, *, target: float = TARGET, margin=MARGIN, ju
         res = probe(steps[mid])
         losses = list(res["final_val_losses"])
         ok, used = passes(losses, target=target, margin=margin, judging_n=judging_n)
-        done = [v for v in losses if v is not None and math.isfinite(v)]
+        done = finished(losses)
         probes.append({"steps": steps[mid], "final_val_losses": losses, "train_s": res.get("train_s"),
                        "mean": statistics.fmean(done) if done else None, "margin": used, "passes": ok})
         if ok:
@@ -219,6 +223,6 @@ def choose(recipes, probe, *, target: float = TARGET, margin=MARGIN, judging_n: 
     return {"recipes": searched, "chosen": chosen and chosen["recipe"], "steps": chosen and chosen["steps"]}
 
 
-__all__ = ["BASE_RUNG", "MARGIN", "RECIPES", "Recipe", "auto_margin", "check_seeds", "choose", "parse_margin",
+__all__ = ["BASE_RUNG", "MARGIN", "RECIPES", "Recipe", "auto_margin", "check_seeds", "choose", "finished", "parse_margin",
            "parse_recipes", "parse_seed_list",
            "means_fall_with_steps", "passes", "recipe_names", "search_steps"]
