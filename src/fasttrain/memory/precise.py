@@ -698,7 +698,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         moments = [m if i == 0 else (m[0], m[1], m[2], m[3] + logits_c, m[4]) for i, m in enumerate(moments)]
     peak_name, kept, g_peak, transient, gathered_peak = max(moments, key=lambda m: m[1] + m[2] + m[3] + m[4])
     if s.cuda_graphs:
-        # every moment but the optimizer step's with the gradients it has output (zip stops before the step's)
+        # every moment but the optimizer step's (the last, the one grads() was not called for) with the gradients
+        # it has output
+        assert len(made) == len(moments) - 1 and moments[-1][0] == "optimizer step"
         graph = [(m[0], m[1], g, m[3] + m[4]) for m, g in zip(moments, made)]
         peak_name, kept, g_peak, transient = _beside_the_graph_pool(graph, grads_all if s.grad_buffers else 0,
                                                                     opt_temp)
