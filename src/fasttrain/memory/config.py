@@ -91,6 +91,7 @@ class Setup:
     seq_parallel: bool = False
     recompute: str = "none"
     zero: int = 0
+    recompute_layers: int = 0      # recompute full: the first this many layers recompute, the rest keep theirs (0: all)
     ffn_act: str = "swiglu"
     # precise-only knobs (the widget has none of these)
     kv_heads: int | None = None     # g: key/value heads (grouped-query attention); None = heads
@@ -250,6 +251,13 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
     if setup.fsdp and (mode == "playbook" or setup.zero < 2):
         raise FasttrainError("fsdp (FSDP2's layout of ZeRO) is modelled in --mode precise with --zero 2 or 3 "
                              "(fully_shard resharding after the backward, or after the forward too)")
+    if isinstance(setup.recompute_layers, bool) or not isinstance(setup.recompute_layers, int) \
+            or not 0 <= setup.recompute_layers <= setup.layers:
+        raise FasttrainError(f"recompute_layers must be between 0 (every layer) and the {setup.layers} layers, "
+                             f"got {setup.recompute_layers!r}")
+    if setup.recompute_layers and setup.recompute != "full":
+        raise FasttrainError(f"recompute_layers {setup.recompute_layers} counts the layers full recomputation "
+                             f"recomputes: it goes with --recompute full")
     if setup.reduce_dtype not in REDUCE_DTYPES:
         raise FasttrainError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {setup.reduce_dtype!r}")
     if setup.reduce_dtype != "fp32" and not setup.fsdp:

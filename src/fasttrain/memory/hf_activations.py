@@ -465,13 +465,13 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
         if flash:
             # transformers materializes the causal mask under tracing and sdpa keeps it (the dtype of q)
             once["causal mask (sdpa's)"] = C * b * sq * sq
-        if full and not gpt2 and (flash or cast):
-            head["final_norm"] = 4 * N                # its input recomputed with the last layer
+        if full and s.recompute_layers in (0, s.layers) and not gpt2 and (flash or cast):
+            head["final_norm"] = 4 * N                # its input recomputed with the last layer (when it recomputes)
         if flash and full:
             if cpu:
                 # each checkpoint keeps the CPU generator's state (a uint8 tensor of 5056 bytes) as a graph
                 # tensor; on a GPU run that state lives in host memory
-                once["RNG states (checkpoints)"] = 5056 * s.layers
+                once["RNG states (checkpoints)"] = 5056 * (s.recompute_layers or s.layers)
     elif cast and not flash and not full:
         # each compiled block takes the additive causal mask (b, 1, s, s) as an input and keeps it (under
         # checkpointing the checkpoints hold it already: eager's term)

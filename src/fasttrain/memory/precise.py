@@ -83,6 +83,10 @@ D21 FSDP2's layout (``fsdp``): fp32 shards (the master weights), the root group'
     copies them into the reduce-scatter's input (``reduce_dtype``), held to the next one; gradient
     shards in fp32; without sync over micro-batches every unsharded gradient summed in the reduce
     dtype (MODEL.md's table, checked on the CPU allocator in a fake process group).
+D22 Partial recomputation (``recompute_layers`` k of L under ``full``): layers 1..k keep their input
+    (D12), layers k+1..L all their activations. The backward meets the kept layers first and frees
+    each before it reaches a recomputed one, so the recomputation's moments are D12's with fewer
+    layers kept; the autocast cache (D12's bf16 weight copies) holds the k recomputed layers' copies.
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP buckets;
 FSDP's: D21), HSDP's all-reduce buffer, activation offloading, fp8. The widget's ZeRO-3 adds two
@@ -434,6 +438,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     attn_part = sum(lt["attn"].values())
     mlp_part = sum(lt["mlp"].values())
     full = s.recompute == "full"
+    k_re = (s.recompute_layers or L) if full else 0     # the first k_re layers recompute (D22)
     nh = N * h / r
     frozen = s.frozen
     lora_only = s.lora_rank > 0
@@ -502,13 +507,21 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
             head_part.update(final_norm=0, head_weight_copy=0, lora=C * N_out * s.lora_rank
                              + (2 * s.lora_rank * v_l if T["cast"] else 0))
             emb_part -= hf["once"].get("RoPE cos and sin", 0)
-    per_layer = lt["checkpoint"] if full else attn_part + mlp_part
-    # (full recomputation: the checkpoint holds every layer's input, the first one's too)
-    first_layer = lt["checkpoint"] if full else sum(attn_1.values()) + sum(mlp_1.values())
     n_first = L if "MLP" in skipped_1 else 1
-    if full and hf and hf["first_norm1"] is not None:
-        first_layer = 0                               # compiled GPT-2: layer 1's input recomputed
-    saved_all = L * per_layer + n_first * (first_layer - per_layer) + sum(head_part.values()) + emb_part
+    # (recomputation: the checkpoint holds the layer's input, the first one's too -- but a compiled GPT-2's
+    # layer 1 recomputes its input from the embeddings)
+    ckpt_1 = 0 if full and hf and hf["first_norm1"] is not None else lt["checkpoint"]
+    plain_1 = sum(attn_1.values()) + sum(mlp_1.values())
+
+    def kept_of(i: int) -> float:
+        """Layer i's activations kept from its forward to its backward (1-based; LoRA on the head alone:
+        every layer is like layer 1)."""
+        like_first = i == 1 or n_first > 1
+        if i <= k_re:
+            return ckpt_1 if like_first else lt["checkpoint"]
+        return plain_1 if like_first else attn_part + mlp_part
+
+    saved_all = sum(kept_of(i) for i in range(1, L + 1)) + sum(head_part.values()) + emb_part
     logits_c = C * N_out * v_l
 
     fsdp = s.fsdp
@@ -588,12 +601,12 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # cast inside their graphs. llama3-8b on 2 H200, zero1 with per-block compile and full recomputation under
     # bf16 autocast: 100,653 MiB measured, 113,965 estimated with these 13,312 MiB of copies, 100,653 without)
     if T["cast"] and full and not frozen and not (hf and s.compiled != "none"):
-        fwd_extra += 2 * L * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
+        fwd_extra += 2 * k_re * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     if fsdp:
         # the forward's last all-gather: block L's output buffer (a flat cp copy of the block) arrives beside
         # block L - 1's, held until this one's copy-out into the block's own parameters; the blocks before
         # keep their activations. Block L's buffer is then held to the root's post-forward, after the loss
-        last = first_layer if L == 1 or n_first > 1 else per_layer
+        last = kept_of(L)
         moments.append((f"forward layer {L}: all-gather", saved_all - sum(head_part.values()) - last, grads(0), 0,
                         gathered(L, 1) + 2 * cp * layer_n))
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra,
@@ -638,7 +651,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         a_part, m_part = sum(attn_i.values()), sum(mlp_i.values())
         on = gathered(i, 2)
         fresh = g_fresh if fsdp else 0
-        if full:
+        if i <= k_re:
             # recomputation: the layer's forward again, all its activations kept again
             saved += a_part + m_part - lt["checkpoint"]
             moments.append((f"backward {tag}: recompute", saved - m_part, grads(g_now, fresh),
@@ -730,13 +743,15 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         Line("buffers + token ids", buffers + inputs, "causal mask, RoPE tables, int64 ids and targets"),
         Line("framework", workspace, "cuBLAS workspaces (PyTorch's caching allocator)"),
     ]
-    per = {"layer inputs (checkpoints)": lt["checkpoint"]} if full else {
-        **{f"attention: {k.replace('_', ' ')}": v for k, v in lt["attn"].items()},
-        **{f"MLP: {k.replace('_', ' ')}": v for k, v in lt["mlp"].items()}}
-    children = [Line(f"{k} (x {L})", v * L) for k, v in per.items() if v]
-    if first_layer != per_layer:
+    per = {"layer inputs (checkpoints)": (lt["checkpoint"], k_re)} if full else {}
+    per.update({f"attention: {k.replace('_', ' ')}": (v, L - k_re) for k, v in lt["attn"].items()})
+    per.update({f"MLP: {k.replace('_', ' ')}": (v, L - k_re) for k, v in lt["mlp"].items()})
+    children = [Line(f"{k} (x {n})", v * n) for k, (v, n) in per.items() if v and n]
+    first_gap = sum(kept_of(i) for i in range(1, n_first + 1)) \
+        - sum(lt["checkpoint"] if i <= k_re else attn_part + mlp_part for i in range(1, n_first + 1))
+    if first_gap:
         children.append(Line(("every layer" if n_first > 1 else "layer 1") + ": not kept (no gradient needed "
-                             "before the first LoRA target)", n_first * (first_layer - per_layer)))
+                             "before the first LoRA target)", first_gap))
     children += [Line(f"output: {k.replace('_', ' ')}", v) for k, v in head_part.items() if v]
     if hf:
         children += [Line(k, v) for k, v in hf["once"].items() if v]
