@@ -290,3 +290,15 @@ def test_the_readmes_your_model_commands_run_as_written(tmp_path):
     assert first["config_sources"]["context"].startswith("model") and first["loss_curve"]
     assert second["config"]["max_steps"] == 20 and (tmp_path / "ckpt").is_dir()
     assert "max_steps: 20" in (tmp_path / "run.yaml").read_text()
+
+
+@pytest.mark.parametrize("changes, message", [
+    (dict(checkpoint_blocks=2), "--checkpoint-blocks 2 counts the blocks .* add --gradient-checkpointing full"),
+    (dict(checkpoint_blocks=-1, gradient_checkpointing="full"), "--checkpoint-blocks must be a whole number >= 0"),
+    (dict(checkpoint_blocks=7, gradient_checkpointing="full", layers=6), "the model has 6 blocks; give at most 6"),
+])
+def test_checkpoint_blocks_out_of_range_is_one_line(changes, message):
+    from fasttrain.lab.config import validate
+
+    with pytest.raises(FasttrainError, match=message):
+        validate(LabConfig(device="cpu", **changes))

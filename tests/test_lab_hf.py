@@ -1293,3 +1293,34 @@ def test_gpt2s_fused_cross_entropy_peak_is_the_estimators_on_the_gpu(tmp_path, c
     for rec in (plain, fused):
         assert abs(rec["estimate"]["error_pct"]) <= 10.0, rec["estimate"]
     assert np.allclose(losses(fused), losses(plain), rtol=2e-2 if precision == "bf16" else 1e-4)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_checkpoint_blocks_recomputes_the_first_blocks_only_and_trains_the_same(tmp_path, family):
+    """--checkpoint-blocks k: transformers' checkpointing on the first k decoder layers, the rest keep their
+    activations; the loss and the gradients are those of no checkpointing; k past the layers is one line
+    before any weights are built."""
+    from fasttrain.lab import parallelize as P
+    from fasttrain.lab.hf.config import check_hf_setup, load_hf_config
+
+    write_config(tmp_path, family)
+    x, y = batch()
+    grads = {}
+    for k, ckpt in ((0, "none"), (1, "full"), (0, "full")):
+        torch.manual_seed(0)
+        c = cfg(gradient_checkpointing=ckpt, checkpoint_blocks=k)
+        m = hf.build_hf_model(f"hf:{tmp_path}", c, 100, "cpu")
+        done = P.parallelize(m, c)
+        flags = [b.gradient_checkpointing for b in m.blocks(done.module)]
+        assert flags == {(0, "none"): [False, False], (1, "full"): [True, False], (0, "full"): [True, True]}[(k, ckpt)]
+        if k:
+            assert ("activation_checkpointing", "full, the first 1 of 2 blocks (the model's "
+                                                "gradient_checkpointing_enable)") in done.applied
+        done.module.train()
+        m.loss(done.module, x, y).backward()
+        grads[(k, ckpt)] = [p.grad.clone() for p in done.module.parameters() if p.grad is not None]
+    for a, b in zip(grads[(0, "none")], grads[(1, "full")]):
+        torch.testing.assert_close(a, b)
+    with pytest.raises(FasttrainError, match="--checkpoint-blocks 3: the .* model has 2 decoder layers"):
+        check_hf_setup(cfg(gradient_checkpointing="full", checkpoint_blocks=3), load_hf_config(f"hf:{tmp_path}")[0],
+                       None, "cpu")

@@ -481,3 +481,24 @@ def test_nccl_missing_is_one_line(monkeypatch):
     monkeypatch.setattr(dist, "is_nccl_available", lambda: False)
     with pytest.raises(FasttrainError, match="NCCL backend is not available in this PyTorch build"):
         D._backend_for("cuda:0", None)
+
+
+def test_the_gpts_partial_checkpointing_trains_the_same_function():
+    """--checkpoint-blocks on the lab's GPT: the first k blocks recompute (said in the applied line), the
+    loss and the gradients are those of no checkpointing."""
+    from fasttrain.lab.build import build_model
+
+    grads, applied = {}, {}
+    for changes in (dict(), dict(gradient_checkpointing="full", checkpoint_blocks=1)):
+        torch.manual_seed(0)
+        cfg = _cfg(dropout=0.0, **changes)
+        lab_model = build_model(cfg, 65, torch.device("cpu"))
+        done = P.parallelize(lab_model, cfg)
+        x = torch.randint(0, 65, (2, 16), generator=torch.Generator().manual_seed(1))
+        lab_model.loss(done.module, x, x).backward()
+        grads[bool(changes)] = [p.grad.clone() for p in done.module.parameters() if p.grad is not None]
+        applied[bool(changes)] = dict(done.applied).get("activation_checkpointing")
+    assert applied == {False: None, True: "full (the GPT's own), the first 1 blocks"}
+    assert grads[True] and len(grads[True]) == len(grads[False])
+    for a, b in zip(grads[False], grads[True]):
+        torch.testing.assert_close(a, b)

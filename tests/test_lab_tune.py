@@ -1232,3 +1232,39 @@ def test_the_cache_creates_no_folders_of_a_mistyped_path(tmp_path):
         T.tune(base(), seq=SEQ, global_batch_tokens=SEQ * 4, measure=FakeMeasure(), predict=fake_predict,
                memory=gpu_memory(), cache_path=tmp_path / "typo" / "cache.json", liger_reason=None)
     assert not (tmp_path / "typo").exists()
+
+
+def test_partial_checkpointing_is_searched_where_no_fewer_recomputed_blocks_fit():
+    """Of the checkpointing choices 'the first k blocks recompute' only the fewest predicted to fit is measured
+    (one more recomputed block costs its forward again), and it is picked over recomputing every block; the
+    answer says the Trainer cannot express it."""
+    layers = 8
+
+    def recomputed(cfg):
+        return (cfg.checkpoint_blocks or layers) if cfg.gradient_checkpointing == "full" else 0
+
+    def predict(cfg):       # 20 MiB a sequence kept whole, a quarter of it for a recomputed block
+        per = 20.0 * (layers - recomputed(cfg)) / layers + 5.0 * recomputed(cfg) / layers
+        return int((100 + per * cfg.per_device_train_batch_size) * MIB)
+
+    calls = []
+
+    def measure(cfg, steps):
+        calls.append(cfg)
+        return T.Probe(steps=steps, tokens_per_s=1000.0 * (1 - 0.3 * recomputed(cfg) / layers),
+                       peak_bytes=predict(cfg), reserved_bytes=predict(cfg), losses=[3.0] * (steps + 2))
+    fixed = {"optim", "preload", "dataloader_num_workers", "use_liger_kernel", "torch_compile", "bf16",
+             "attn_implementation", "per_device_train_batch_size"}
+    # 16 sequences: none needs 420 MiB, every block recomputed 180, the first k 420 - 30 k; 350 MiB are free
+    res = T.tune(base(layers=layers, per_device_train_batch_size=16, attn_implementation="sdpa"), seq=SEQ,
+                 global_batch_tokens=SEQ * 16, measure=measure, predict=predict, memory=gpu_memory(400),
+                 fixed=fixed, liger_reason=None, cache_path=None, steps=2)
+    measured = {(c.gradient_checkpointing, c.checkpoint_blocks) for c in calls}
+    assert measured == {("full", 0), ("full", 3)}
+    pick = res.base.with_(**res.pick.candidate.overrides_dict())
+    assert (pick.gradient_checkpointing, pick.checkpoint_blocks) == ("full", 3)
+    assert any("partial checkpointing" in line for line in res.dropped)
+    from fasttrain.lab.tune.report import training_arguments
+
+    _, _, notes = training_arguments(pick)
+    assert any("the first 3 blocks only has no TrainingArguments flag" in n for n in notes)

@@ -286,7 +286,10 @@ PEAK_CFG = {
 PEAK_CASES = [("llama", "eager", False, 4, "none"), ("llama", "sdpa", True, 4, "none"),
               ("qwen2", "eager", True, 1, "none"), ("gpt2", "eager", False, 4, "none"),
               ("gpt2", "sdpa", True, 2, "none"), ("llama", "eager", False, 4, "full"),
-              ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full")]
+              ("gpt2", "sdpa", True, 2, "full"), ("gpt2", "eager", True, 2, "full"),
+              # partial recomputation (D22): "full:k", the first k of the 3 layers recompute
+              ("llama", "sdpa", True, 4, "full:2"), ("llama", "eager", False, 4, "full:1"),
+              ("gpt2", "sdpa", True, 2, "full:1"), ("gpt2", "eager", True, 2, "full:2")]
 
 
 def ids_for(cfg: dict, batch: int, seq: int):
@@ -330,10 +333,15 @@ def loss_only(model, loss=None):
     return LossOnly()
 
 
-def enable_checkpointing(model):
+def enable_checkpointing(model, blocks: int = 0):
     """transformers' own gradient checkpointing, one checkpoint per decoder layer (renamed
-    ``activation_checkpointing_enable`` in recent versions)."""
+    ``activation_checkpointing_enable`` in recent versions); ``blocks``: only the first that many (0: all),
+    as the lab's ``--checkpoint-blocks``."""
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if blocks:
+        layers = model.transformer.h if hasattr(model, "transformer") else model.model.layers
+        for layer in layers[blocks:]:
+            layer.gradient_checkpointing = False
 
 
 @pytest.mark.parametrize("name, attention, amp, batch, recompute", PEAK_CASES,
@@ -351,12 +359,14 @@ def test_precise_peak_matches_live_tensor_bytes_of_a_transformers_model_on_cpu(n
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
                                                           attn_implementation=attention)
     model.train()
+    recompute, _, blocks = recompute.partition(":")
     if recompute == "full":
-        enable_checkpointing(model)
+        enable_checkpointing(model, int(blocks or 0))
 
     measured = peak_of_a_cpu_step(loss_only(model), ids_for(cfg, batch, seq), amp)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
-                                 attention=attention, recompute=recompute, workspace_mib=0.0)
+                                 attention=attention, recompute=recompute, workspace_mib=0.0,
+                                 recompute_layers=int(blocks or 0))
     est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).total
     assert abs(est - measured) <= 0.02 * measured, (est, measured)
 

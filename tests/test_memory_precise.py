@@ -147,6 +147,39 @@ def test_d11_backward_working_memory_of_eager_attention():
     assert layer_terms(s.with_(dropout=True))["attn_extra"] == 7 * unit
 
 
+def test_d22_partial_recomputation_lies_between_none_and_full_and_peaks_at_the_end_of_forward():
+    s = SMALL.with_(seq=256, layers=6)
+    full, none = estimate(s.with_(recompute="full")), estimate(s)
+    lt = layer_terms(s)
+    one_layer = sum(lt["attn"].values()) + sum(lt["mlp"].values())
+    ends = []
+    for k in range(1, 6):
+        part = estimate(s.with_(recompute="full", recompute_layers=k))
+        assert full.total <= part.total <= none.total
+        end = {m["name"]: m["kept"] for m in part.extra["moments"]}["end of forward (loss)"]
+        ends.append(end)
+        # every layer past the k-th keeps all its activations; the first k their input
+        assert end - {m["name"]: m["kept"] for m in full.extra["moments"]}["end of forward (loss)"] \
+            == pytest.approx((6 - k) * (one_layer - lt["checkpoint"]))
+        # a recomputation's moment for layers 1..k only
+        names = [m["name"] for m in part.extra["moments"]]
+        assert [n for n in names if n.endswith("recompute")] == [f"backward layer {i}: recompute"
+                                                                 for i in range(k, 0, -1)]
+    assert ends == sorted(ends, reverse=True)
+    assert estimate(s.with_(recompute="full", recompute_layers=6)).total == full.total
+
+
+@pytest.mark.parametrize("changes, message", [(dict(recompute_layers=2), "goes with --recompute full"),
+                                              (dict(recompute="full", recompute_layers=7), "between 0"),
+                                              (dict(recompute="full", recompute_layers=-1), "between 0")])
+def test_recompute_layers_out_of_range_is_one_line(changes, message):
+    from fasttrain.errors import FasttrainError
+    from fasttrain.memory.config import check
+
+    with pytest.raises(FasttrainError, match=message):
+        check(SMALL.with_(layers=6, **changes), "precise")
+
+
 def test_d12_full_recomputation_holds_one_layer_during_its_backward():
     s = SMALL.with_(seq=256, layers=6)
     full, none = estimate(s.with_(recompute="full")), estimate(s)
@@ -247,6 +280,7 @@ CPU_CASES = [
     dict(),
     dict(recompute="selective", seq=64),
     dict(recompute="full", seq=64, layers=4),
+    dict(recompute="full", seq=64, layers=4, recompute_layers=2),     # D22: the first 2 of 4 recompute
     dict(seq=96, micro_batch=1, kv_heads=4, pos="learned"),
     dict(ffn_act="gelu", norm="layer", tied=True, bias=True, pos="learned", dropout=True, kv_heads=4),
     dict(ffn_act="relu", ffn=256, seq=16, vocab=64),

@@ -44,7 +44,7 @@ def model_config(cfg: LabConfig, vocab: int):
         ffn_act=("swiglu" if llama else "gelu") if cfg.activation == "style" else cfg.activation, tied=not llama,
         bias=cfg.bias, dropout=cfg.dropout,
         attention=cfg.attn_implementation, recompute=cfg.gradient_checkpointing, liger=cfg.use_liger_kernel,
-        prompt_tokens=cfg.prompt_tuning_tokens, qk_norm=cfg.qk_norm, zero_init_proj=cfg.zero_init_proj,
+        recompute_blocks=cfg.checkpoint_blocks, prompt_tokens=cfg.prompt_tuning_tokens, qk_norm=cfg.qk_norm, zero_init_proj=cfg.zero_init_proj,
         unet_skips=cfg.unet_skips, logit_softcap=cfg.logit_softcap)
 
 
@@ -78,7 +78,8 @@ def gpt_config_for(cfg: LabConfig, vocab: int, checkpoint: dict | None):
     from fasttrain.lab.model import GPTConfig
 
     return replace(GPTConfig.from_dict(checkpoint["model"]), dropout=cfg.dropout, attention=cfg.attn_implementation,
-                   recompute=cfg.gradient_checkpointing, liger=cfg.use_liger_kernel,
+                   recompute=cfg.gradient_checkpointing, recompute_blocks=cfg.checkpoint_blocks,
+                   liger=cfg.use_liger_kernel,
                    prompt_tokens=cfg.prompt_tuning_tokens)
 
 

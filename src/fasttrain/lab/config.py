@@ -133,6 +133,9 @@ class LabConfig:
     gradient_checkpointing: str = setting("none", "memory", "Recompute activations: full (every block) or selective "
                                           "(the attention core); alone: full.", choices=CHECKPOINTING,
                                           hf=lambda v: {"gradient_checkpointing": v == "full"})
+    checkpoint_blocks: int = setting(0, "memory", "With --gradient-checkpointing full: how many blocks recompute, "
+                                     "counted from the first (0: every block); the others keep their activations, "
+                                     "for a model that fits with some of them kept.")
     torch_compile: bool = setting(False, "speed", "torch.compile the model.", hf=True)
     torch_compile_mode: str = setting("default", "speed", "torch.compile mode.", choices=COMPILE_MODES)
     torch_compile_scope: str = setting("model", "speed", "What torch.compile compiles: model (one graph) or blocks "
@@ -410,6 +413,16 @@ def validate(cfg: LabConfig) -> LabConfig:
                                  "config's vocab_size")
     _choice(cfg, "optim", OPTIMS)
     _choice(cfg, "gradient_checkpointing", CHECKPOINTING)
+    if isinstance(cfg.checkpoint_blocks, bool) or not isinstance(cfg.checkpoint_blocks, int) \
+            or cfg.checkpoint_blocks < 0:
+        raise FasttrainError(f"--checkpoint-blocks must be a whole number >= 0 (0: every block), "
+                             f"got {cfg.checkpoint_blocks!r}")
+    if cfg.checkpoint_blocks and cfg.gradient_checkpointing != "full":
+        raise FasttrainError(f"--checkpoint-blocks {cfg.checkpoint_blocks} counts the blocks full recomputation "
+                             f"recomputes: add --gradient-checkpointing full")
+    if cfg.checkpoint_blocks and cfg.model == "gpt" and cfg.checkpoint_blocks > cfg.layers:
+        raise FasttrainError(f"--checkpoint-blocks {cfg.checkpoint_blocks}: the model has {cfg.layers} blocks; "
+                             f"give at most {cfg.layers} (0: every block)")
     _choice(cfg, "attn_implementation", ATTENTIONS)
     _choice(cfg, "torch_compile_mode", COMPILE_MODES)
     _choice(cfg, "torch_compile_scope", COMPILE_SCOPES)

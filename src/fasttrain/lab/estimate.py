@@ -34,6 +34,7 @@ def lab_setup(cfg: LabConfig, vocab: int = 65):
         optim=SETUP_OPTIM[cfg.optim], lora_rank=cfg.lora_r, lora_targets=tuple(cfg.lora_target_modules),
         lora_dropout=float(cfg.lora_dropout), prompt_tokens=cfg.prompt_tuning_tokens,
         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32", recompute=cfg.gradient_checkpointing, zero=0,
+        recompute_layers=cfg.checkpoint_blocks,
         ffn_act=mc.ffn_act, norm=mc.norm, pos=mc.pos, tied=mc.tied, bias=mc.bias, dropout=mc.dropout > 0,
         attention="flash" if cfg.attn_implementation == "sdpa" else "eager",
         optimizer="fused" if cfg.optim == "adamw_torch_fused" else "foreach",

@@ -72,6 +72,7 @@ class GPTConfig:
     dropout: float = 0.0
     attention: str = "eager"      # eager | sdpa
     recompute: str = "none"       # none | selective | full
+    recompute_blocks: int = 0     # full: the first this many blocks recompute, the rest keep theirs (0: all)
     liger: bool = False
     prompt_tokens: int = 0
     # the speedrun's options (lab/model_options.py), off by default: the counted model is unchanged
@@ -101,7 +102,8 @@ class GPTConfig:
         return cls(layers=setup.layers, heads=setup.heads, hidden=setup.hidden, ffn=setup.ffn, vocab=setup.vocab,
                    seq=setup.seq, kv_heads=setup.kv_heads, norm=setup.norm, pos=setup.pos, ffn_act=setup.ffn_act,
                    tied=setup.tied, bias=setup.bias, dropout=0.1 if setup.dropout else 0.0,
-                   attention="sdpa" if setup.attention == "flash" else "eager", recompute=setup.recompute)
+                   attention="sdpa" if setup.attention == "flash" else "eager", recompute=setup.recompute,
+                   recompute_blocks=setup.recompute_layers)
 
 
 def _liger(what: str):
@@ -364,8 +366,8 @@ class GPT(nn.Module):
             # "SystemError: dropout returned NULL" (torch 2.11). Recomputing the whole block
             # keeps the same tensors.
             with torch.utils.checkpoint.set_checkpoint_early_stop(False):
-                for block in self.blocks:
-                    if c.recompute == "full":
+                for i, block in enumerate(self.blocks):
+                    if c.recompute == "full" and (not c.recompute_blocks or i < c.recompute_blocks):
                         x = checkpoint(block, x, cos, sin, use_reentrant=False)
                     else:
                         x = block(x, cos, sin)

@@ -141,7 +141,8 @@ def apply_activation_checkpointing(lab_model, cfg, module, applied: list) -> Non
         return
     if lab_model.name == "gpt":
         # the lab's GPT recomputes by its config (built in): recorded
-        applied.append(("activation_checkpointing", f"{cfg.gradient_checkpointing} (the GPT's own)"))
+        applied.append(("activation_checkpointing", f"{cfg.gradient_checkpointing} (the GPT's own)"
+                        + (f", the first {cfg.checkpoint_blocks} blocks" if cfg.checkpoint_blocks else "")))
         return
     # any other model through its own switch (transformers 5.2x renamed gradient_checkpointing_enable
     # to activation_checkpointing_enable)
@@ -155,6 +156,22 @@ def apply_activation_checkpointing(lab_model, cfg, module, applied: list) -> Non
                              + ("has no gradient_checkpointing_enable()" if enable is None
                                 else "recomputes whole layers only; use --gradient-checkpointing full"))
     enable(**kwargs)
+    if cfg.checkpoint_blocks:
+        # the first k blocks recompute; each later one keeps its activations (transformers reads the layer's own
+        # gradient_checkpointing flag at every call). The backward meets the kept blocks first and frees them
+        # before the first recomputation, so the peak is the end of the forward's
+        blocks = lab_model.blocks(module) if lab_model.blocks is not None else None
+        if blocks is None or not all(hasattr(b, "gradient_checkpointing") for b in blocks):
+            raise FasttrainError(f"--checkpoint-blocks: {lab_model.name} does not say which are its blocks or "
+                                 f"does not checkpoint them one by one; use --gradient-checkpointing full alone")
+        if cfg.checkpoint_blocks > len(blocks):
+            raise FasttrainError(f"--checkpoint-blocks {cfg.checkpoint_blocks}: the model has {len(blocks)} blocks; "
+                                 f"give at most {len(blocks)} (0: every block)")
+        for block in blocks[cfg.checkpoint_blocks:]:
+            block.gradient_checkpointing = False
+        applied.append(("activation_checkpointing", f"full, the first {cfg.checkpoint_blocks} of {len(blocks)} "
+                                                    f"blocks (the model's gradient_checkpointing_enable)"))
+        return
     applied.append(("activation_checkpointing", "full (the model's gradient_checkpointing_enable)"))
 
 

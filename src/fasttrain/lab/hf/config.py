@@ -216,6 +216,10 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
     if cfg.gradient_checkpointing == "selective":
         raise FasttrainError("--gradient-checkpointing selective recomputes the lab GPT's attention core; "
                              "transformers checkpoints whole decoder layers only: use --gradient-checkpointing full")
+    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    if cfg.checkpoint_blocks and layers and cfg.checkpoint_blocks > layers:
+        raise FasttrainError(f"--checkpoint-blocks {cfg.checkpoint_blocks}: {where} has {layers} decoder layers; "
+                             f"give at most {layers} (0: every layer)")
     if cfg.use_liger_kernel:
         dev = torch.device(device)
         if dev.type != "cuda":
@@ -261,6 +265,7 @@ def memory_setup_for(hf_config: dict):
             return setup_from_hf_config(hf_config, micro_batch=micro_batch, seq=cfg.context,
                                         precision="amp" if (cfg.bf16 or cfg.fp16) else "fp32",
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
+                                        recompute_layers=cfg.checkpoint_blocks,
                                         optim=cfg.optim, compiled=compiled_scope(cfg),
                                         cuda_graphs=cuda_graphs_of(cfg), liger=liger_of(cfg), **extra)
         except FasttrainError:

@@ -152,6 +152,10 @@ def training_arguments(cfg: LabConfig, cpu: bool = False) -> tuple[dict, dict, l
     if cfg.gradient_checkpointing == "selective":
         notes.append("selective checkpointing (the attention core only) has no TrainingArguments flag: "
                      "gradient_checkpointing=False here")
+    if cfg.checkpoint_blocks:
+        notes.append(f"checkpointing the first {cfg.checkpoint_blocks} blocks only has no TrainingArguments flag: "
+                     f"gradient_checkpointing=True recomputes every block (slower; set layer.gradient_checkpointing"
+                     f" = False on the later decoder layers of your model after enabling it)")
     if cfg.preload:
         notes.append("preload (the corpus on the device) has no TrainingArguments flag: the Trainer loads "
                      "batches through its DataLoader")

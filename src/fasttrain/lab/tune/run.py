@@ -15,6 +15,13 @@ from fasttrain.lab.tune.search import TuneResult, check_shape, search
 from fasttrain.lab.tune.space import fixed_micro_batch, parse_allow, parse_budget
 
 
+def model_layers(base: LabConfig, hf_config: dict | None) -> int | None:
+    """The model's blocks: a transformers config's layer count, or the lab GPT's --layers."""
+    if hf_config is not None:
+        return hf_config.get("num_hidden_layers") or hf_config.get("n_layer")
+    return base.layers if base.model == "gpt" else None
+
+
 def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, allow=(), precisions=("bf16",),
          fixed=(), out: str | os.PathLike | None = None, cache_path: str | os.PathLike | None | bool = True,
          memory_limit_bytes: int | None = None, steps: int | None = None, max_candidates: int = 8,
@@ -77,7 +84,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
                   liger_reason=liger_reason, refuse=_refusals(model_refusal(hf_config, device), nproc, device),
-                  nproc=nproc, fixed_batch=fixed_batch)
+                  nproc=nproc, fixed_batch=fixed_batch, layers=model_layers(base, hf_config))
     result.family = family
     if out is not None:
         from fasttrain.lab.tune.report import write_results

@@ -230,6 +230,9 @@ def trainer_fsdp(cfg: ScaleConfig, family: str | None) -> tuple[dict, dict | Non
         cannot.append("ZeRO-1 (only through DeepSpeed: deepspeed={'zero_optimization': {'stage': 1}})")
     elif s == "tp":
         sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": cfg.nproc_per_node}
+    if cfg.checkpoint_blocks:
+        cannot.append(f"checkpointing the first {cfg.checkpoint_blocks} blocks only (the Trainer's checkpointing "
+                      f"recomputes every block)")
     if cfg.torch_compile_scope == "blocks" and cfg.torch_compile:
         cannot.append("per-block compile (torch_compile compiles the whole model)")
     if cfg.float8 != "none":

@@ -16,7 +16,7 @@ from fasttrain.lab.experiments.experiment import Experiment
 from fasttrain.lab.tune.device import DeviceMemory, ProbeCache
 from fasttrain.lab.tune.probes import warmup_steps_for
 from fasttrain.lab.tune.space import Candidate, ScaleConfig, build_axes, enumerate_space
-from fasttrain.lab.tune.space import MIB, OPT_IN, Probe
+from fasttrain.lab.tune.space import MIB, OPT_IN, PARTIAL_PREFIX, Probe
 
 
 # a probe is stopped once it has run SLOW_GRACE_S (a model's build and compilation) plus SLOW_FACTOR times what its
@@ -253,6 +253,38 @@ def _offload_where_needed(entries: list[Entry], memory: DeviceMemory, dropped: l
     return entries
 
 
+def _recomputed_blocks(e: Entry, layers: int) -> int:
+    o = dict(e.candidate.overrides)
+    if o.get("gradient_checkpointing", "none") != "full":
+        return 0
+    return o.get("checkpoint_blocks") or layers
+
+
+def _fewest_recomputed(entries: list[Entry], memory: DeviceMemory, layers: int | None, dropped: list) -> list[Entry]:
+    """Partial checkpointing (the first k blocks recompute) is searched only where nothing recomputing fewer
+    blocks fits: of configurations equal but for it, a partial one is kept when it recomputes the fewest blocks
+    of those predicted to fit -- recomputing one block more only costs its forward again."""
+    if not layers:
+        return entries
+
+    def partial(e: Entry) -> bool:
+        return dict(e.candidate.settings).get("checkpointing", "").startswith(PARTIAL_PREFIX)
+
+    def rest(e: Entry):
+        c = e.candidate
+        return tuple(x for x in c.settings if x[0] != "checkpointing"), c.micro_batch, c.accumulation
+    fewest: dict = {}
+    for e in entries:
+        if memory.fits(e.predicted_bytes):
+            key = rest(e)
+            fewest[key] = min(fewest.get(key, layers + 1), _recomputed_blocks(e, layers))
+    kept = [e for e in entries if not partial(e) or _recomputed_blocks(e, layers) == fewest.get(rest(e))]
+    if len(kept) < len(entries):
+        dropped.append(f"partial checkpointing: {len(entries) - len(kept)} configuration(s) where fewer recomputed "
+                       f"blocks fit, or none of them fits")
+    return kept
+
+
 def _largest_fitting(entries: list[Entry], memory: DeviceMemory) -> dict:
     """settings -> the entries that fit, by micro-batch (largest first)."""
     by_settings: dict = {}
@@ -270,7 +302,8 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
            steps: int = 4, max_candidates: int = 8, batch_choices: int = 2, log: Callable | None = None,
            free: Callable | None = None, liger_reason: str | None | bool = False,
            fixed_batch: int | None = None, hf: bool = False,
-           refuse: Callable[[LabConfig], str | None] | None = None, nproc: int = 1) -> TuneResult:
+           refuse: Callable[[LabConfig], str | None] | None = None, nproc: int = 1,
+           layers: int | None = None) -> TuneResult:
     """Search the space of ``base`` (see the module docstring); ``measure(cfg, steps) -> Probe`` runs
     one probe, ``predict(cfg) -> bytes | None`` the estimator's peak; ``refuse(cfg)``: why the model cannot
     run a configuration (:func:`model_refusal`), None where it can.
@@ -294,7 +327,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         base = base if isinstance(base, ScaleConfig) else scaled(base, nproc)
     base = validate(base.with_(context=seq))
     axes, dropped = build_axes(base, cuda=cuda, family=family, allow=allow, precisions=precisions, fixed=fixed,
-                               liger_reason=liger_reason, hf=hf, nproc=nproc)
+                               liger_reason=liger_reason, hf=hf, nproc=nproc, layers=layers)
     notes = [] if cuda else [CPU_NOTE]
     sequences = global_batch_tokens // seq
     space = enumerate_space(axes, sequences, fixed_batch, nproc=nproc)
@@ -322,6 +355,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
     dropped += [f"{n} configuration(s) the model refuses: {why}" for why, n in refused.items()]
     if not entries:
         raise FasttrainError("no configuration of the space is valid for this model: " + "; ".join(dropped[-3:]))
+    entries = _fewest_recomputed(entries, memory, layers, dropped)
     if nproc > 1:
         entries = _offload_where_needed(entries, memory, dropped)
     fitting = _largest_fitting(entries, memory)

@@ -32,6 +32,9 @@ PER_BLOCK_COMPILE = (("torch_compile_scope", "blocks"),)
 
 # --- the space -----------------------------------------------------------------------------------
 
+PARTIAL_PREFIX = "first-"     # a partial checkpointing choice's label: "first-8" = the first 8 blocks recompute
+
+
 @dataclass(frozen=True)
 class Axis:
     """One dimension of the search: ``choices`` are (label, LabConfig overrides); the first is the plain one."""
@@ -133,12 +136,13 @@ def liger_support(family: str | None, kernels: str = "all") -> str | None:
 
 def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=(), precisions=("bf16",),
                fixed=(), liger_reason: str | None | bool = False, hf: bool = False,
-               nproc: int = 1) -> tuple[list[Axis], list[str]]:
+               nproc: int = 1, layers: int | None = None) -> tuple[list[Axis], list[str]]:
     """The search's axes for ``base`` on this device, and one line for every axis (or choice) dropped.
     ``nproc`` > 1: the strategy axis over that many ranks joins (:mod:`.scale`).
 
     ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
-    ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`)."""
+    ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`).
+    ``layers``: the model's blocks (partial checkpointing's choices: the first k of them recompute)."""
     dropped: list[str] = []
     fixed = set(fixed)
     allow = parse_allow(allow)
@@ -178,7 +182,13 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
         checkpointing = ("none", "full")
         dropped.append("selective checkpointing: a transformers model checkpoints whole layers "
                        "(gradient_checkpointing_enable); none and full searched")
-    axes.append(Axis("checkpointing", tuple((c, {"gradient_checkpointing": c}) for c in checkpointing)))
+    choices = [(c, {"gradient_checkpointing": c, "checkpoint_blocks": 0}) for c in checkpointing]
+    if layers and layers >= 2 and "checkpoint_blocks" not in fixed:
+        # partial checkpointing: the first k blocks recompute, in eighths of the model; the search keeps, of
+        # these, the fewest recomputed blocks predicted to fit (PARTIAL_PREFIX: search._fewest_recomputed)
+        ks = sorted({max(1, round(layers * i / 8)) for i in range(1, 8)} - {layers})
+        choices += [(f"{PARTIAL_PREFIX}{k}", {"gradient_checkpointing": "full", "checkpoint_blocks": k}) for k in ks]
+    axes.append(Axis("checkpointing", tuple(choices)))
     reason = liger_support(family) if liger_reason is False else liger_reason
     # a family liger has no patch for (GPT-2): its fused cross-entropy alone, on the model's head
     head_only = hf and bool(reason) and liger_reason is False \
