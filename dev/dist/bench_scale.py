@@ -16,6 +16,10 @@ Phases (each one command; a work folder keeps the model's config and data)::
     torchrun --nproc-per-node 4 dev/dist/bench_scale.py hf WORK --model llama3-8b --steps 8 --out hf.json
     torchrun --nproc-per-node 4 dev/dist/bench_scale.py lab-profile WORK --profile P -- --strategy fsdp ...
 
+    python3 dev/dist/bench_scale.py sweep-flags WORK --model llama-1b --micro-batch 4   # a lab dist sweep's base
+
+The lab's scaling at 1, 2 and 4 GPUs is ``fasttrain lab dist sweep --out OUT/<model>/sweep --name <model>
+--nproc-per-node 4,2 ... -- $(sweep-flags)`` (``dev/device/scale_small.sh``); ``report`` reads its records.
 ``hf`` is the HF Trainer as its users run it on N GPUs (``fsdp="full_shard auto_wrap"``, ``fsdp_config``
 version 2 with ``activation_checkpointing``, bf16, micro-batch 1, torchrun), ``--flags`` adds its best
 flags (liger, fused AdamW, ``torch_compile``, a micro-batch); ``lab-profile`` is the lab's own command
@@ -208,8 +212,8 @@ def lab_profile_worker(profile: Path, argv: list[str], skip: int, side: str = "l
     prof = StepProfiler(profile, side, wait=skip, active=2)
     train_step = Trainer.train_step
 
-    def profiled(self, x, y):
-        out = train_step(self, x, y)
+    def profiled(self, *args, **kwargs):      # whatever the trainer's step takes, passed on
+        out = train_step(self, *args, **kwargs)
         prof.step()
         return out
 
