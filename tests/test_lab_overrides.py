@@ -85,3 +85,18 @@ def test_the_command_line_of_a_config_parses_back_to_it():
     finally:
         cli.resolve = orig
     assert seen["cfg"] == cfg
+
+
+def test_lab_flags_read_back_as_settings():
+    """A lab command line passed on (the scaling sweep's base after --) is read back by the one parser."""
+    from fasttrain.lab.overrides import flags, settings_from_flags
+
+    got = settings_from_flags(["--model", "hf:/m", "--bf16", "--no-tf32", "--context=64", "--gradient-checkpointing",
+                               "--learning-rate", "3e-4"])
+    assert got == {"model": "hf:/m", "bf16": True, "tf32": False, "context": 64, "gradient_checkpointing": "full",
+                   "learning_rate": 3e-4}
+    assert settings_from_flags(flags(got)) == got
+    for argv, message in ((["--out", "x.json"], "unknown lab setting 'out'"), (["stray"], "expected a lab setting"),
+                          (["--context"], "--context needs a value"), (["--no-context", "3"], "only a switch")):
+        with pytest.raises(FasttrainError, match=message):
+            settings_from_flags(argv)

@@ -5,6 +5,7 @@ bad input, and one real probe of 2 gloo processes through torchrun."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 import time
@@ -347,3 +348,79 @@ def test_scale_benchmark_reports_fixed_keys_and_scaling_from_real_runs(tmp_path)
     assert hf_case["hf_trainer_tokens_per_s_per_gpu"] == pytest.approx(hf["tokens_per_s_per_gpu"])
     text = (machine / "README.md").read_text()
     assert bench.README_START in text and bench.README_END in text and "| tiny-llama | 2 | ddp |" in text
+
+
+def _record(gpus, label, global_batch, tokens_per_s, losses, reduce="fp32", dp=None):
+    """A lab run record as the scale benchmark reads it (hand-built: what collect needs, nothing more)."""
+    MiB = 2 ** 20
+    rec = {"kind": "lab-run", "tokens_per_s": tokens_per_s, "config": {"bf16": True, "fsdp_reduce_dtype": reduce},
+           "memory": {"peak_allocated_bytes": 1000 * MiB}, "estimate": {"precise_bytes": 1050 * MiB},
+           "batch": {"per_device_train_batch_size": global_batch if gpus == 1 else None,
+                     "gradient_accumulation_steps": 1},
+           "loss_curve": [{"step": i + 1, "loss": v} for i, v in enumerate(losses)]}
+    if gpus > 1:
+        rec["distributed"] = {"world_size": gpus, "label": label, "dp": gpus if dp is None else dp,
+                              "global_batch_size": global_batch,
+                              "per_rank": [{"peak_allocated_bytes": (900 + r) * MiB} for r in range(gpus)]}
+    return rec
+
+
+def test_scale_benchmark_collects_a_sweeps_runs_into_one_case_per_strategy(tmp_path):
+    """``<model>/sweep/`` records (``fasttrain lab dist sweep``): each GPU count and strategy one case, its figures
+    from the run at the same per-GPU batch (``scaling_efficiency``), beside them the run at the same global batch:
+    its efficiency and its loss curve's distance from one GPU's; tp (one data-parallel rank) one run for both; the
+    goal lines and the README's loss table from them."""
+    bench = _bench_scale()
+    out = tmp_path / "out"
+    sweep = out / "llama-1b" / "sweep"
+    sweep.mkdir(parents=True)
+    one = [4.0, 3.5, 3.0, 2.5]
+    runs = {"llama-1b.1gpu": _record(1, "1gpu", 4, 1000.0, one),
+            "llama-1b.4gpu-ddp-weak": _record(4, "ddp", 16, 3880.0, [4.0, 3.4, 2.9, 2.4]),
+            "llama-1b.4gpu-ddp": _record(4, "ddp", 4, 2000.0, [4.0, 3.5, 3.0001, 2.5002]),
+            "llama-1b.2gpu-fsdp-zero3": _record(2, "fsdp-zero3", 4, 1200.0, [4.0, 3.5, 3.0, 2.5]),
+            "llama-1b.4gpu-tp": _record(4, "tp", 4, 1600.0, [4.0, 3.5, 3.0, 2.5], dp=1)}
+    for name, rec in runs.items():
+        (sweep / f"{name}.json").write_text(json.dumps(rec))
+    (sweep / "sweep.json").write_text("[]")
+    cases = {(c["gpus"], c["strategy"]): c for c in bench.collect(out, "llama-1b")}
+    assert set(cases) == {(1, "1gpu"), (4, "ddp"), (2, "fsdp-zero3"), (4, "tp")}
+    ddp = cases[(4, "ddp")]
+    assert tuple(k for k in ddp if k != "extra") == bench.CASE_KEYS
+    assert ddp["tokens_per_s_per_gpu"] == pytest.approx(970.0) and ddp["scaling_efficiency"] == pytest.approx(0.97)
+    assert ddp["extra"]["source"] == "sweep/llama-1b.4gpu-ddp-weak.json" and ddp["extra"]["per_gpu_batch"] == 4
+    same = ddp["extra"]["same_global_batch"]
+    assert same["scaling_efficiency"] == pytest.approx(0.5) and same["global_batch"] == 4
+    assert same["loss_max_abs_diff"] == pytest.approx(2e-4) and same["loss_steps"] == 4
+    assert ddp["peak_mib_per_gpu"] == pytest.approx(903) and ddp["predicted_mib_per_gpu"] == pytest.approx(1050)
+    # no run at the same per-GPU batch: the case is its same-global-batch run, no scaling_efficiency
+    fsdp = cases[(2, "fsdp-zero3")]
+    assert fsdp["scaling_efficiency"] is None and fsdp["extra"]["same_global_batch"]["scaling_efficiency"] == 0.6
+    tp = cases[(4, "tp")]
+    assert tp["scaling_efficiency"] == pytest.approx(0.4) and tp["extra"]["same_global_batch"]["loss_max_abs_diff"] == 0
+    assert cases[(1, "1gpu")]["scaling_efficiency"] is None
+    goals = bench.goal_lines(list(cases.values()))
+    assert "1B ddp scaling at 4 GPUs (same per-GPU batch) >= 0.95: 0.97 (met)" in goals
+    assert "1B tp scaling at 4 GPUs (same per-GPU batch) >= 0.95: 0.40 (missed)" in goals
+    assert "llama-1b 4 GPUs ddp against 1 GPU at global batch 4: loss differs by at most 2.00e-04 over 4 steps" in goals
+    # FSDP's bf16 reduction is measured against one GPU in bf16; the README shows the loss curves side by side
+    (out / "char-100m").mkdir()
+    (out / "char-100m" / "lab-1gpu-bf16.json").write_text(json.dumps(_record(1, "1gpu", 16, 100.0, one)))
+    (out / "char-100m" / "lab-2gpu-fsdp-reduce-bf16.json").write_text(
+        json.dumps(_record(2, "fsdp-zero3", 16, 126.0, one, reduce="bf16")))
+    (char,) = [c for c in bench.collect(out, "char-100m") if c["gpus"] == 2]
+    assert char["precision"] == "bf16, reduce bf16"
+    assert char["extra"]["same_global_batch"]["scaling_efficiency"] == pytest.approx(0.63)
+    text = bench.readme_section({"machine": "m", "device": "d", "cases": list(cases.values()), "goals": goals,
+                                 "command": "c"})
+    assert "llama-1b: training loss at the same global batch" in text
+    assert "| step | 1 GPU (batch 4) | 2 x fsdp-zero3 | 4 x ddp | 4 x tp |" in text
+    assert "| 4 | 2.5000 | 2.5000 | 2.5002 | 2.5000 |" in text
+    assert "| llama-1b | 4 | ddp | bf16 |  | 970 | 903 | 1,050 | 0.97 | 0.50 | 2.00e-04 |" in text
+
+
+def test_scale_benchmark_sweep_flags_are_the_lab_args_less_the_steps(tmp_path):
+    bench = _bench_scale()
+    flags = bench.sweep_flags(tmp_path, "llama-1b", micro_batch=4)
+    assert flags[:2] == ["--model", f"hf:{tmp_path / 'llama-1b' / 'model'}"] and "--max-steps" not in flags
+    assert " ".join(flags).count("--per-device-train-batch-size 4") == 1 and "--bf16" in flags

@@ -16,6 +16,10 @@ Phases (each one command; a work folder keeps the model's config and data)::
     torchrun --nproc-per-node 4 dev/dist/bench_scale.py hf WORK --model llama3-8b --steps 8 --out hf.json
     torchrun --nproc-per-node 4 dev/dist/bench_scale.py lab-profile WORK --profile P -- --strategy fsdp ...
 
+    python3 dev/dist/bench_scale.py sweep-flags WORK --model llama-1b --micro-batch 4   # a lab dist sweep's base
+
+The lab's scaling at 1, 2 and 4 GPUs is ``fasttrain lab dist sweep --out OUT/<model>/sweep --name <model>
+--nproc-per-node 4,2 ... -- $(sweep-flags)`` (``dev/device/scale_small.sh``); ``report`` reads its records.
 ``hf`` is the HF Trainer as its users run it on N GPUs (``fsdp="full_shard auto_wrap"``, ``fsdp_config``
 version 2 with ``activation_checkpointing``, bf16, micro-batch 1, torchrun), ``--flags`` adds its best
 flags (liger, fused AdamW, ``torch_compile``, a micro-batch); ``lab-profile`` is the lab's own command
@@ -53,6 +57,8 @@ MODELS = {
         model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64, tie_word_embeddings=False)),
 }
+# the lab's presets whose runs and profiles the report reads too (``<out>/<preset>/``): issue 41's FSDP question
+PROFILED_PRESETS = ("char-100m",)
 # the class FSDP wraps one unit of, per family (the Trainer's fsdp_config and the accelerate file name it)
 LAYER_CLASS = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block"}
 
@@ -187,7 +193,15 @@ def lab_args(work: Path, name: str, *, micro_batch: int, accumulation: int, step
             "--eval-tokens", str(spec["seq"]), "--log-interval", "1", "--bf16", "--attn-implementation", "sdpa", *extra]
 
 
-def lab_profile_worker(profile: Path, argv: list[str], skip: int) -> int:
+def sweep_flags(work: Path, name: str, *, micro_batch: int, accumulation: int = 1) -> list[str]:
+    """The lab flags ``fasttrain lab dist sweep ... --`` takes as its base for ``name``: :func:`lab_args` less
+    the command and the steps (the sweep's own option)."""
+    args = lab_args(work, name, micro_batch=micro_batch, accumulation=accumulation, steps=1)[1:]
+    i = args.index("--max-steps")
+    return args[:i] + args[i + 2:]
+
+
+def lab_profile_worker(profile: Path, argv: list[str], skip: int, side: str = "lab") -> int:
     """The lab's command line in this torchrun worker, the profiler stepping after every optimizer step."""
     sys.path.insert(0, str(HERE))
     from profiling import StepProfiler
@@ -195,11 +209,11 @@ def lab_profile_worker(profile: Path, argv: list[str], skip: int) -> int:
     from fasttrain.cli import main
     from fasttrain.lab.trainer import Trainer
 
-    prof = StepProfiler(profile, "lab", wait=skip, active=2)
+    prof = StepProfiler(profile, side, wait=skip, active=2)
     train_step = Trainer.train_step
 
-    def profiled(self, x, y):
-        out = train_step(self, x, y)
+    def profiled(self, *args, **kwargs):      # whatever the trainer's step takes, passed on
+        out = train_step(self, *args, **kwargs)
         prof.step()
         return out
 
@@ -273,6 +287,8 @@ CASE_KEYS = ("model", "gpus", "strategy", "precision", "pick", "tokens_per_s_per
 README_START, README_END = "<!-- scale-results:start -->", "<!-- scale-results:end -->"
 GOALS = {"8b_bf16_tokens_per_s_per_gpu": 7000, "float8_over_bf16": 1.2, "prediction_error": 0.05,
          "pick_over_hf": 1.3, "pick_over_hf_flags": 1.1, "tune_s": 15 * 60, "scaling_1b_4gpu": 0.95}
+# the issue's anchor: llm.c trains GPT-2 124M at about 3.7M tokens/s on 8 H100s
+LLMC_GPT2_PER_GPU = 460_000
 
 
 def case(model, gpus, strategy, precision, *, pick=False, tokens_per_s_per_gpu=None, peak_mib_per_gpu=None,
@@ -312,7 +328,7 @@ def lab_case(model: str, record: dict, **kw) -> dict:
     return case(model, f["gpus"], d.get("label", "1gpu"), precision, tokens_per_s_per_gpu=f["tokens_per_s_per_gpu"],
                 peak_mib_per_gpu=f["peak_mib_per_gpu"], predicted_mib_per_gpu=f["predicted_mib_per_gpu"],
                 global_batch=d.get("global_batch_size") or _one_process_batch(record.get("batch") or {}),
-                losses=losses, **kw)
+                dp=d.get("dp", 1), losses=losses, **kw)
 
 
 def strategy_label(*args) -> str:
@@ -367,21 +383,69 @@ def collect(out: Path, model: str) -> list[dict]:
         if record and record.get("tokens_per_s"):
             cases.append(lab_case(model, record, source=path.name))
     runs = [(p.name, _json(p)) for p in sorted(folder.glob("lab-*gpu-*.json"))]
-    runs = [(n, r) for n, r in runs if r and r.get("tokens_per_s")]
-    one = {}
-    for name, record in runs:
-        c = lab_case(model, record, source=name)
-        if c["gpus"] == 1:
-            one[c["extra"]["global_batch"]] = c
-        cases.append(c)
-    # scaling at the same per-GPU batch: N GPUs' tokens/s per GPU over one GPU's at that batch
-    for c in cases:
-        if c["gpus"] > 1 and c.get("extra", {}).get("source", "").startswith("lab-"):
-            per_gpu_batch = c["extra"]["global_batch"] // c["gpus"] if c["strategy"] != "tp" else c["extra"]["global_batch"]
-            ref = one.get(per_gpu_batch)
-            if ref and ref["tokens_per_s_per_gpu"]:
-                c["scaling_efficiency"] = c["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+    # `fasttrain lab dist sweep --out <model>/sweep`: its run records beside its sweep.json and report
+    runs += [(f"sweep/{p.name}", _json(p)) for p in sorted((folder / "sweep").glob("*.json")) if p.name != "sweep.json"]
+    cases += lab_cases(model, [(n, r) for n, r in runs if r and r.get("tokens_per_s")])
     return cases
+
+
+def _loss_deviation(mine: list[float], ref: list[float]) -> dict:
+    pairs = list(zip(ref, mine))
+    if not pairs:
+        return {"loss_max_abs_diff": None, "loss_max_rel_diff": None, "loss_steps": 0}
+    return {"loss_max_abs_diff": max(abs(a - b) for a, b in pairs),
+            "loss_max_rel_diff": max(abs(a - b) / abs(a) for a, b in pairs if a), "loss_steps": len(pairs)}
+
+
+def lab_cases(model: str, runs: list[tuple[str, dict]]) -> list[dict]:
+    """The lab's runs as cases: every 1-GPU run, and one case per GPU count, strategy and precision of the rest.
+    A case's figures are its run at the same per-GPU batch as a 1-GPU run (the data-parallel throughput), its
+    ``scaling_efficiency`` tokens/s per GPU over that 1-GPU run's; beside it, in ``extra["same_global_batch"]``,
+    the run at a 1-GPU run's global batch (the same function): its own efficiency and how far its loss curve
+    strays from that 1-GPU run's. A strategy with one data-parallel rank (tp) has one run for both. Without a
+    run at the same per-GPU batch the case's figures are the same-global-batch run's."""
+    made = [lab_case(model, record, source=name) for name, record in runs]
+    ones: dict[tuple[str, int], dict] = {}
+    for c in made:
+        if c["gpus"] == 1:
+            ones.setdefault((c["precision"], c["extra"]["global_batch"]), c)
+    out = [c for c in made if c["gpus"] == 1]
+    groups: dict[tuple, list[dict]] = {}
+    for c in made:
+        if c["gpus"] > 1:
+            groups.setdefault((c["gpus"], c["strategy"], c["precision"]), []).append(c)
+    for (gpus, strategy, precision), group in groups.items():
+        # FSDP's bf16 reduction ("bf16, reduce bf16") is measured against one GPU in bf16
+        base = precision.split(",")[0]
+
+        def weak_ref(c):
+            e = c["extra"]
+            per_rank = (e["global_batch"] or 0) // max(e.get("dp") or 1, 1)
+            return ones.get((base, per_rank)) if per_rank else None
+
+        def strong_ref(c):
+            return ones.get((base, c["extra"]["global_batch"]))
+
+        main = next((c for c in group if weak_ref(c)), group[0])
+        strong = next((c for c in group if strong_ref(c)), None)
+        ref = weak_ref(main)
+        if ref and ref["tokens_per_s_per_gpu"] and main["tokens_per_s_per_gpu"]:
+            main["scaling_efficiency"] = main["tokens_per_s_per_gpu"] / ref["tokens_per_s_per_gpu"]
+            main["extra"]["per_gpu_batch"] = ref["extra"]["global_batch"]
+        if strong is not None:
+            one = strong_ref(strong)
+            eff = (strong["tokens_per_s_per_gpu"] / one["tokens_per_s_per_gpu"]
+                   if one["tokens_per_s_per_gpu"] and strong["tokens_per_s_per_gpu"] else None)
+            main["extra"]["same_global_batch"] = {
+                "source": strong["extra"]["source"], "global_batch": strong["extra"]["global_batch"],
+                "tokens_per_s_per_gpu": strong["tokens_per_s_per_gpu"], "scaling_efficiency": eff,
+                "peak_mib_per_gpu": strong["peak_mib_per_gpu"], "predicted_mib_per_gpu": strong["predicted_mib_per_gpu"],
+                **_loss_deviation(strong["extra"]["losses"], one["extra"]["losses"]),
+                "losses": strong["extra"]["losses"], "one_gpu_losses": one["extra"]["losses"],
+                "one_gpu_source": one["extra"]["source"]}
+        out.append(main)
+        out += [c for c in group if c is not main and c is not strong]     # more runs of the same case: kept
+    return out
 
 
 def goal_lines(cases: list[dict]) -> list[str]:
@@ -415,21 +479,21 @@ def goal_lines(cases: list[dict]) -> list[str]:
     # loss curves of N GPUs against 1 GPU at the same global batch (the same batches: the lab draws the global
     # batch from one seeded stream and gives each rank its rows)
     for c in cases:
-        extra = c.get("extra") or {}
-        if c["gpus"] < 2 or not extra.get("losses"):
-            continue
-        ref = next((o for o in cases if o["model"] == c["model"] and o["gpus"] == 1 and o.get("extra", {}).get("losses")
-                    and o["extra"].get("global_batch") == extra.get("global_batch")), None)
-        if ref:
-            pairs = list(zip(ref["extra"]["losses"], extra["losses"]))
-            diff = max(abs(a - b) for a, b in pairs)
+        same = (c.get("extra") or {}).get("same_global_batch") or {}
+        if c["gpus"] >= 2 and same.get("loss_max_abs_diff") is not None:
             out.append(f"{c['model']} {c['gpus']} GPUs {c['strategy']} against 1 GPU at global batch "
-                       f"{extra['global_batch']}: loss differs by at most {diff:.2e} over {len(pairs)} steps")
+                       f"{same['global_batch']}: loss differs by at most {same['loss_max_abs_diff']:.2e} over "
+                       f"{same['loss_steps']} steps")
     for c in cases:
         if c["model"] == "llama-1b" and c["gpus"] == 4 and c["scaling_efficiency"] is not None:
             s = c["scaling_efficiency"]
             out.append(f"1B {c['strategy']} scaling at 4 GPUs (same per-GPU batch) >= {GOALS['scaling_1b_4gpu']}: "
                        f"{s:.2f} ({'met' if s >= GOALS['scaling_1b_4gpu'] else 'missed'})")
+    # the anchor, not a goal: llm.c's GPT-2 124M on 8 H100s
+    for c in cases:
+        if c["model"] == "gpt2-124m" and c["tokens_per_s_per_gpu"] and c["scaling_efficiency"] is not None:
+            out.append(f"gpt2-124m {c['gpus']} GPUs {c['strategy']}: {c['tokens_per_s_per_gpu']:,.0f} tokens/s per GPU, "
+                       f"{c['tokens_per_s_per_gpu'] / LLMC_GPT2_PER_GPU:.2f}x llm.c's ~{LLMC_GPT2_PER_GPU:,} (anchor)")
     return out
 
 
@@ -437,19 +501,51 @@ def _f(v, spec=",.0f"):
     return "-" if v is None else format(v, spec)
 
 
+def _same(c: dict) -> dict:
+    return (c.get("extra") or {}).get("same_global_batch") or {}
+
+
+def loss_table(cases: list[dict], rows: int = 8) -> list[str]:
+    """Per model, the loss curves of N GPUs against 1 GPU at the same global batch, at a few steps (Markdown)."""
+    lines = []
+    for model in dict.fromkeys(c["model"] for c in cases):
+        runs = [c for c in cases if c["model"] == model and _same(c).get("losses")]
+        if not runs:
+            continue
+        one = _same(runs[0])["one_gpu_losses"]
+        steps = sorted({round(i * (len(one) - 1) / max(rows - 1, 1)) for i in range(rows)}) if one else []
+        head = ["step", f"1 GPU (batch {_same(runs[0])['global_batch']})",
+                *[f"{c['gpus']} x {c['strategy']}" for c in runs]]
+        lines += ["", f"{model}: training loss at the same global batch", "", "| " + " | ".join(head) + " |",
+                  "|---" * len(head) + "|"]
+        for i in steps:
+            cells = [_f(c_losses[i] if i < len(c_losses) else None, ".4f")
+                     for c_losses in [one, *[_same(c)["losses"] for c in runs]]]
+            lines.append(f"| {i + 1} | " + " | ".join(cells) + " |")
+    return lines
+
+
 def readme_section(data: dict) -> str:
     """The README block generated from ``scale.json`` (between the markers the integrator includes)."""
     lines = [README_START, f"### Past one GPU: {data['machine']} ({data['device']})", "",
              "| model | GPUs | strategy | precision | tune's pick | tokens/s per GPU | peak MiB per GPU | predicted MiB "
-             "| scaling | HF Trainer | HF Trainer, best flags | tune s |", "|---" * 12 + "|"]
+             "| scaling | scaling, same global batch | max loss diff vs 1 GPU | HF Trainer | HF Trainer, best flags "
+             "| tune s |", "|---" * 14 + "|"]
     for c in data["cases"]:
+        same = _same(c)
         lines.append(f"| {c['model']} | {c['gpus']} | {c['strategy']} | {c['precision']} | {'yes' if c['pick'] else ''} "
                      f"| {_f(c['tokens_per_s_per_gpu'])} | {_f(c['peak_mib_per_gpu'])} | {_f(c['predicted_mib_per_gpu'])} "
-                     f"| {_f(c['scaling_efficiency'], '.2f')} | {_f(c['hf_trainer_tokens_per_s_per_gpu'])} "
+                     f"| {_f(c['scaling_efficiency'], '.2f')} | {_f(same.get('scaling_efficiency'), '.2f')} "
+                     f"| {_f(same.get('loss_max_abs_diff'), '.2e')} | {_f(c['hf_trainer_tokens_per_s_per_gpu'])} "
                      f"| {_f(c['hf_trainer_flags_tokens_per_s_per_gpu'])} | {_f(c['tune_s'])} |")
+    lines += ["", "scaling: tokens/s per GPU over one GPU's at the same per-GPU batch; same global batch: N GPUs at "
+              "one GPU's batch (B/N each), the loss difference the largest over the logged steps.",
+              *loss_table(data["cases"])]
     lines += ["", "Goals:", *[f"- {g}" for g in data["goals"]]]
     if data.get("gpu_tests"):
         lines += ["", f"GPU tests: `{data['gpu_tests']}`"]
+    if data.get("profiles"):
+        lines += ["", "Profiles: " + ", ".join(f"`{p}`" for p in data["profiles"])]
     lines += ["", f"Command: `{data['command']}`", README_END]
     return "\n".join(lines)
 
@@ -461,14 +557,23 @@ def report(out: Path, results: Path, command: str) -> Path:
     device = f"{len(gpus)} x {gpus[0]}" if gpus else "unknown"
     kind = "h200" if gpus and "H200" in gpus[0] else "h100"
     machine = f"nvidia-{kind}-x{len(gpus)}" if gpus else "unknown"
-    cases = [c for model in MODELS for c in collect(out, model)]
+    cases = [c for model in (*MODELS, *PROFILED_PRESETS) for c in collect(out, model)]
     tests = out / "gpu-tests.txt"
     passed = [line for line in (tests.read_text().splitlines() if tests.exists() else []) if " passed" in line
               or " failed" in line]
-    data = {"kind": "scale", "schema": 1, "machine": machine, "device": device, "cases": cases,
-            "goals": goal_lines(cases), "gpu_tests": passed[-1].strip("= ") if passed else None, "command": command}
     folder = results / machine
     folder.mkdir(parents=True, exist_ok=True)
+    profiles = []
+    for preset in PROFILED_PRESETS:
+        found = sorted((out / preset).glob("prof*.tgz")) + sorted((out / preset).glob("prof/profile-*-rank0.json"))
+        if found:
+            sys.path.insert(0, str(HERE))
+            table = profile_table(read_summaries(found))
+            (folder / f"profile-{preset}.md").write_text(f"# {preset}: one step per side, rank 0\n\n{table}\n")
+            profiles.append(f"profile-{preset}.md")
+    data = {"kind": "scale", "schema": 1, "machine": machine, "device": device, "cases": cases,
+            "goals": goal_lines(cases), "gpu_tests": passed[-1].strip("= ") if passed else None, "command": command,
+            "profiles": profiles}
     (folder / "scale.json").write_text(json.dumps(data, indent=1, default=str))
     (folder / "README.md").write_text(f"# The scale-out benchmark on {device}\n\nGenerated by "
                                       f"`python3 dev/dist/bench_scale.py report` from `scale.json` (this folder).\n\n"
@@ -487,7 +592,7 @@ def main(argv=None) -> int:
     for phase in ("hf", "lab-profile"):       # one run of a side: the same shape of arguments
         p = sub.add_parser(phase)
         p.add_argument("work", type=Path)
-        p.add_argument("--model", choices=MODELS, required=True)
+        p.add_argument("--model", choices=MODELS, required=phase == "hf")
         p.add_argument("--micro-batch", type=int, default=1)
         p.add_argument("--accumulation", type=int, default=1)
         p.add_argument("--steps", type=int, default=8)
@@ -496,6 +601,14 @@ def main(argv=None) -> int:
         p.add_argument("--profile", type=Path, required=phase == "lab-profile")
         if phase == "hf":
             p.add_argument("--flags", default="{}", help="JSON: TrainingArguments added to the users' ones.")
+        else:
+            p.add_argument("--preset", help="A lab preset instead of --model (its own batch; more flags after --).")
+            p.add_argument("--side", default="lab", help="The profile's name: profile-<side>-rank<r>.json.")
+    p = sub.add_parser("sweep-flags", help="The lab flags a scaling sweep of --model takes after its --.")
+    p.add_argument("work", type=Path)
+    p.add_argument("--model", choices=MODELS, required=True)
+    p.add_argument("--micro-batch", type=int, default=1)
+    p.add_argument("--accumulation", type=int, default=1)
     p = sub.add_parser("report")
     p.add_argument("out", type=Path, help="the folder a device run wrote (one sub-folder per model)")
     p.add_argument("--results", type=Path, default=Path("results/dist"))
@@ -518,11 +631,18 @@ def main(argv=None) -> int:
     elif a.phase == "hf":
         hf_worker(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
                   skip=a.skip, flags=json.loads(a.flags), out=a.out, profile=a.profile)
+    elif a.phase == "sweep-flags":
+        import shlex
+
+        print(shlex.join(sweep_flags(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation)))
     elif a.phase == "lab-profile":
+        if (a.model is None) == (a.preset is None):
+            ap.error("lab-profile: give --model or --preset (one)")
         extra = list(a.extra) + (["--out", str(a.out)] if a.out else [])
-        return lab_profile_worker(a.profile, lab_args(a.work, a.model, micro_batch=a.micro_batch,
-                                                      accumulation=a.accumulation, steps=a.steps, extra=extra),
-                                  a.skip)
+        argv = (["lab", "--preset", a.preset, "--max-steps", str(a.steps), *extra] if a.preset else
+                lab_args(a.work, a.model, micro_batch=a.micro_batch, accumulation=a.accumulation, steps=a.steps,
+                         extra=extra))
+        return lab_profile_worker(a.profile, argv, a.skip, a.side)
     return 0
 
 

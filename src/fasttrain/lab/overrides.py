@@ -339,6 +339,42 @@ def flags(settings: dict) -> list[str]:
     return args
 
 
+def settings_from_flags(argv) -> dict:
+    """``fasttrain lab`` flags (``--name VALUE``, ``--name=VALUE``, ``--switch`` / ``--no-switch``) as
+    ``{field: typed value}``: the reverse of :func:`flags`, for a command that passes a lab command line on
+    (the scaling sweep's base). Only settings: a launcher's or an output's flag, or a stray word, is one line."""
+    kinds = field_kinds()
+    out: dict = {}
+    args = list(argv)
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        if not arg.startswith("--") or arg == "--":
+            raise FasttrainError(f"{arg!r}: expected a lab setting's flag (--name VALUE, --switch, --no-switch)")
+        key, eq, value = arg[2:].partition("=")
+        name, negated = key.replace("-", "_"), False
+        if canonical(name) not in kinds and name.startswith("no_") and canonical(name[3:]) in kinds:
+            name, negated = name[3:], True
+        kind = kind_of(name)
+        if kind.type is bool and not eq:
+            out[kind.name] = not negated
+            i += 1
+            continue
+        if negated:
+            raise FasttrainError(f"--{key}: only a switch (true or false) takes --no-")
+        if not eq:
+            if i + 1 < len(args) and not args[i + 1].startswith("--"):
+                value = args[i + 1]
+                i += 1
+            elif kind.name == "gradient_checkpointing":
+                value = "full"          # as the lab's own flag: alone it means full
+            else:
+                raise FasttrainError(f"{kind.flag} needs a value")
+        out[kind.name] = parse_value(kind.name, value)
+        i += 1
+    return out
+
+
 __all__ = ["FieldKind", "field_kinds", "kind_of", "canonical", "aliases", "alias_note", "parse_value",
            "parse_assignments", "parse_variant", "config_from_dict", "changed", "settings_of", "command_line", "flags",
-           "settings_yaml", "read_settings_file", "saved_settings"]
+           "settings_yaml", "read_settings_file", "saved_settings", "settings_from_flags"]

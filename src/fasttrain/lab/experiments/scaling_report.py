@@ -33,6 +33,19 @@ def _label(stem: str) -> tuple[str, str]:
     return preset, label or "1gpu"
 
 
+ORDER = ["1gpu", "ddp", "zero1", "fsdp-zero2", "fsdp-zero3", "tp", "ddp-weak", "zero1-weak", "fsdp-zero2-weak",
+         "fsdp-zero3-weak", "1gpu-bf16", "fsdp-zero3-bf16"]
+
+
+def _order(label: str) -> tuple[int, int]:
+    """(GPU count of a ``<N>gpu-`` label, else 0; the strategy's place): a sweep over several counts sorts by
+    count, then as a sweep over one."""
+    count, sep, rest = label.partition("gpu-")
+    if sep and count.isdigit():
+        return int(count), ORDER.index(rest) if rest in ORDER else 99
+    return 0, ORDER.index(label) if label in ORDER else 99
+
+
 def _peaks(record) -> list[int | None]:
     d = record.get("distributed")
     if d:
@@ -76,8 +89,7 @@ def rows(runs: dict[str, dict]) -> list[dict]:
                     row["max_loss_diff"] = max(abs(mine[s] - theirs[s]) for s in common)
                     row["max_rel_loss_diff"] = max(abs(mine[s] - theirs[s]) / abs(theirs[s]) for s in common)
         out.append(row)
-    order = ["1gpu", "ddp", "zero1", "fsdp-zero2", "fsdp-zero3", "tp", "ddp-weak", "1gpu-bf16", "fsdp-zero3-bf16"]
-    out.sort(key=lambda r: (r["preset"], order.index(r["strategy"]) if r["strategy"] in order else 99))
+    out.sort(key=lambda r: (r["preset"], _order(r["strategy"])))
     return out
 
 
@@ -131,7 +143,7 @@ def markdown(table: list[dict]) -> str:
                          f"{_fmt(r['val_loss'], '.4f')} |")
         lines.append("")
     lines += ["efficiency = tokens/s of the world / (GPUs x tokens/s of one GPU at the same global batch; "
-              "ddp-weak: at the same per-GPU batch). est. error = (estimate - measured) / measured, the "
+              "a -weak run: at the same per-GPU batch). est. error = (estimate - measured) / measured, the "
               "measured peak being the largest over the ranks. Loss difference: the largest |loss_N - loss_1| "
               "over the logged steps at the same global batch (dropout 0).", ""]
     return "\n".join(lines)
@@ -187,7 +199,7 @@ def plots(table: list[dict], runs: dict[str, dict], out_dir) -> list[Path]:
         top, bottom = axes[0][col], axes[1][col]
         for stem, rec in runs.items():
             p, label = _label(stem)
-            if p != preset or label in ("ddp-weak",):
+            if p != preset or label.endswith("-weak"):     # another global batch: another function
                 continue
             curve = rec["loss_curve"]
             top.plot([c["step"] for c in curve], [c["loss"] for c in curve], label=label,
