@@ -66,6 +66,15 @@ sweep() {
 # 2. the 1B at the same per-GPU batch: 1 GPU, then every data-parallel strategy on N
 fits 60 "1B same per-GPU batch" && sweep weak "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp,fsdp-zero3,zero1,fsdp-zero2 --weak all --no-strong
+# 2b. one step of the 1B's DDP on N GPUs profiled: what the scaling loses (the all-reduce left exposed after the
+# backward, NCCL's kernels taking SMs from the GEMMs beside them); the Chrome trace dropped (the summary holds it)
+if fits 50 "1B ddp profile"; then
+  timeout $(( $(left) < 80 ? $(left) - 5 : 75 )) torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py \
+    lab-profile "$WORK" --model "$L1B" --micro-batch 4 --side ddp --steps 10 --skip 6 --profile "$R/$L1B/prof" \
+    --out "$R/$L1B/profile-ddp.json" -- --strategy ddp --timing-warmup-steps 4 --quiet > "$R/$L1B/profile-ddp.log" 2>&1
+  echo "1B ddp profile: exit $? ($(left) s left)"; rm -f "$R/$L1B/prof"/trace-*
+  $B profile-table "$R/$L1B/prof"/profile-ddp-rank0.json > "$R/$L1B/profile-ddp.md" 2>&1; head -30 "$R/$L1B/profile-ddp.md"
+fi
 # 3. the 1B at the 1-GPU run's global batch (4 sequences: one a GPU on 4): the loss curves against 1 GPU
 fits 60 "1B same global batch" && sweep strong "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp,fsdp-zero3 --weak none
