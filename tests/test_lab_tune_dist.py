@@ -424,3 +424,16 @@ def test_scale_benchmark_sweep_flags_are_the_lab_args_less_the_steps(tmp_path):
     flags = bench.sweep_flags(tmp_path, "llama-1b", micro_batch=4)
     assert flags[:2] == ["--model", f"hf:{tmp_path / 'llama-1b' / 'model'}"] and "--max-steps" not in flags
     assert " ".join(flags).count("--per-device-train-batch-size 4") == 1 and "--bf16" in flags
+
+
+def test_strategies_restricts_the_strategy_axis_and_bad_names_are_one_line(capsys):
+    measure = FakeMeasure()
+    result = dist_tune(measure, strategies="fsdp,fsdp-zero2")
+    assert {c.label for c in measure.calls} <= {"fsdp-zero3", "fsdp-zero2"}
+    assert any("left out (--strategies)" in line and "ddp" in line for line in result.dropped)
+    with pytest.raises(FasttrainError, match="--strategies: fsdp-tp3 is not a strategy over 4 processes; choose "
+                                             "among fsdp, fsdp-zero2, ddp"):
+        dist_tune(FakeMeasure(), strategies="fsdp-tp3")
+    code, _, err = run_cli(["tune", "--preset", "tiny", "--seq", "32", "--global-batch-tokens", "256",
+                            "--strategies", "fsdp"], capsys)
+    assert code != 0 and len(err.strip().splitlines()) == 1 and "add --nproc-per-node N" in err

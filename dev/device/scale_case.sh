@@ -7,6 +7,9 @@
 # From the repository root:
 #
 #   OUT=out bash dev/device/scale_case.sh [TUNE_BUDGET]
+#   TUNE_FIXED="--strategies fsdp,fsdp-zero2" HF_NO_AC=1 OUT=out bash dev/device/scale_case.sh 300s
+#       (tune's own flags; default: full checkpointing fixed, every strategy searched; here two strategies, the checkpointing searched. HF_NO_AC=1: the Trainer
+#       with its best flags also without activation checkpointing, as a careful user tries where memory allows)
 #
 # Writes $OUT/scale-out.tgz (every file below, one archive: the device returns at most 8 files) and $OUT/log;
 # `python3 dev/dist/bench_scale.py report OUTDIR` turns the unpacked folder into results/dist/<machine>/.
@@ -35,10 +38,13 @@ fits 80 hf-users && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per
 fits 80 hf-flags && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" \
   --model $M --steps 6 --skip 2 --flags '{"use_liger_kernel": true, "optim": "adamw_torch_fused"}' \
   --out "$D/hf-flags-liger.json" > "$D/hf-flags-liger.log" 2>&1; tail -1 "$D/hf-flags-liger.log"
+[ -n "${HF_NO_AC:-}" ] && fits 80 hf-flags-no-ac && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per-node "$N" \
+  dev/dist/bench_scale.py hf "$WORK" --model $M --steps 6 --skip 2 --flags '{"use_liger_kernel": true, "optim": "adamw_torch_fused", "fsdp_config": {"version": 2, "activation_checkpointing": false, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}' \
+  --out "$D/hf-flags-liger-no-ac.json" > "$D/hf-flags-liger-no-ac.log" 2>&1; tail -1 "$D/hf-flags-liger-no-ac.log"
 LAB="--model hf:$WORK/$M/model --train-bin $WORK/$M/train.bin --val-bin $WORK/$M/val.bin --bin-dtype uint32 --bf16 \
   --learning-rate 3e-4 --min-lr 3e-4 --warmup-steps 0 --weight-decay 0.1 --dropout 0 --eval-interval 0 --eval-tokens 8192"
 fits 200 tune && timeout $(( $(left) - 5 )) python3 -m fasttrain tune $LAB --seq 8192 --global-batch-tokens $(( 8192 * N )) \
-  --nproc-per-node "$N" --attn-implementation sdpa --gradient-checkpointing full --torch-compile \
+  --nproc-per-node "$N" --attn-implementation sdpa ${TUNE_FIXED:---gradient-checkpointing full} --torch-compile \
   --torch-compile-scope blocks --use-liger-kernel --liger-kernels fused_linear_cross_entropy --optim adamw_torch_fused --no-preload \
   --budget "$BUDGET" --max-candidates 2 --probe-steps 2 --no-cache --out "$D/tune" > "$D/tune.log" 2>&1
 grep -E "^(pick|per GPU|screen|halving|baseline)" "$D/tune.log" | cut -c1-200

@@ -63,12 +63,16 @@ def parse_bytes(text: str | None) -> int | None:
 @click.option("--nproc-per-node", "nproc", type=click.IntRange(1, 1024), default=1, show_default=True,
               help="Search over this many processes (one per GPU; gloo processes with --device cpu): strategies "
                    "(ddp, zero1, fsdp, hsdp, dp x tp), each probe a torchrun run of its own.")
+@click.option("--strategies", default=None,
+              help="With --nproc-per-node: only these strategies searched, comma-separated (fsdp, fsdp-zero2, ddp, "
+                   "zero1, hsdp-r2, fsdp-tpM, tp, fsdp-offload).")
 @click.option("--quiet", is_flag=True, help="No progress lines.")
 @click.option("--verbose", is_flag=True, help="Show the libraries' known-harmless notes too (torchao, liger-kernel, "
               "transformers: left out and counted otherwise).")
 @click.pass_context
 def command(ctx, preset_name, config_file, print_config, global_batch_size, global_batch_tokens, budget, allow,
-            precisions, out_dir, cache_path, no_cache, memory_limit, probe_steps, max_candidates, nproc, quiet, verbose,
+            precisions, out_dir, cache_path, no_cache, memory_limit, probe_steps, max_candidates, nproc, strategies,
+            quiet, verbose,
             **options) -> None:
     """Find the fastest configuration that fits this device: prune by predicted memory, measure the rest."""
     from fasttrain.lab import noise
@@ -80,6 +84,9 @@ def command(ctx, preset_name, config_file, print_config, global_batch_size, glob
 
     parse_budget(budget)            # bad input first, before the corpus or the device
     parse_allow(allow)
+    from fasttrain.lab.tune.space import parse_strategies
+
+    parse_strategies(strategies, nproc)
     limit = parse_bytes(memory_limit)
     resolved = resolve(preset_name, options, ctx)
     base = resolved.cfg
@@ -95,7 +102,8 @@ def command(ctx, preset_name, config_file, print_config, global_batch_size, glob
     result = tune(base, seq=base.context, global_batch_tokens=tokens, budget=budget, allow=allow,
                   precisions=tuple(p.strip() for p in precisions.split(",") if p.strip()), fixed=given - {"context"},
                   out=out_dir, cache_path=False if no_cache else (cache_path or True), memory_limit_bytes=limit,
-                  steps=probe_steps, max_candidates=max_candidates, log=log, model_id=base.model, nproc=nproc)
+                  steps=probe_steps, max_candidates=max_candidates, log=log, model_id=base.model, nproc=nproc,
+                  strategies=strategies)
     print_report(result, out, model_id=base.model)
     if out_dir:
         out.print(f"results: {out_dir}")
@@ -110,7 +118,7 @@ def command(ctx, preset_name, config_file, print_config, global_batch_size, glob
 # tune's own options: their --help section
 for _param in command.params:
     if _param.name in ("budget", "allow", "precisions", "out_dir", "cache_path", "no_cache", "memory_limit",
-                       "probe_steps", "max_candidates", "quiet"):
+                       "probe_steps", "max_candidates", "strategies", "quiet"):
         _param.group = "search"
 
 

@@ -12,7 +12,7 @@ from fasttrain.lab.hf.config import is_hf
 from fasttrain.lab.tune.device import DeviceMemory, device_memory, probe_cache
 from fasttrain.lab.tune.probes import lab_measure, lab_predictor, load_corpus_for, model_of, model_refusal
 from fasttrain.lab.tune.search import TuneResult, check_shape, search
-from fasttrain.lab.tune.space import fixed_micro_batch, parse_allow, parse_budget
+from fasttrain.lab.tune.space import fixed_micro_batch, parse_allow, parse_budget, parse_strategies
 
 
 def model_layers(base: LabConfig, hf_config: dict | None) -> int | None:
@@ -28,7 +28,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
          log: Callable | None = None, corpus=None, model=None, model_id: str = "gpt",
          measure: Callable | None = None, predict: Callable | None = None, memory: DeviceMemory | None = None,
          clock: Callable = time.perf_counter, liger_reason: str | None | bool = False, free: Callable | None = None,
-         batch_choices: int = 2, nproc: int = 1) -> TuneResult:
+         batch_choices: int = 2, nproc: int = 1, strategies=None) -> TuneResult:
     """``fasttrain tune`` from Python: search, report, and (with ``out``) write the results folder.
 
     Bad input is refused before anything runs (the out folder, the shape, the budget, the list of
@@ -39,6 +39,7 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
 
     budget_s = parse_budget(budget)
     allow = parse_allow(allow)
+    strategies = parse_strategies(strategies, nproc)
     check_shape(seq, global_batch_tokens)
     fixed_batch = fixed_micro_batch(base, fixed, seq, global_batch_tokens)
     if cache_path not in (None, False, True):
@@ -84,7 +85,8 @@ def tune(base: LabConfig, *, seq: int, global_batch_tokens: int, budget=None, al
                   max_candidates=max_candidates, log=log, free=free or (lambda: free_memory(device)), clock=clock,
                   batch_choices=batch_choices,
                   liger_reason=liger_reason, refuse=_refusals(model_refusal(hf_config, device), nproc, device),
-                  nproc=nproc, fixed_batch=fixed_batch, layers=model_layers(base, hf_config))
+                  nproc=nproc, fixed_batch=fixed_batch, layers=model_layers(base, hf_config),
+                  strategies=strategies)
     result.family = family
     if out is not None:
         from fasttrain.lab.tune.report import write_results

@@ -302,7 +302,7 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
            steps: int = 4, max_candidates: int = 8, batch_choices: int = 2, log: Callable | None = None,
            free: Callable | None = None, liger_reason: str | None | bool = False,
            fixed_batch: int | None = None, hf: bool = False,
-           refuse: Callable[[LabConfig], str | None] | None = None, nproc: int = 1,
+           refuse: Callable[[LabConfig], str | None] | None = None, nproc: int = 1, strategies=None,
            layers: int | None = None) -> TuneResult:
     """Search the space of ``base`` (see the module docstring); ``measure(cfg, steps) -> Probe`` runs
     one probe, ``predict(cfg) -> bytes | None`` the estimator's peak; ``refuse(cfg)``: why the model cannot
@@ -327,7 +327,8 @@ def search(base: LabConfig, *, seq: int, global_batch_tokens: int, measure: Call
         base = base if isinstance(base, ScaleConfig) else scaled(base, nproc)
     base = validate(base.with_(context=seq))
     axes, dropped = build_axes(base, cuda=cuda, family=family, allow=allow, precisions=precisions, fixed=fixed,
-                               liger_reason=liger_reason, hf=hf, nproc=nproc, layers=layers)
+                               liger_reason=liger_reason, hf=hf, nproc=nproc, layers=layers,
+                               strategies=strategies)
     notes = [] if cuda else [CPU_NOTE]
     sequences = global_batch_tokens // seq
     space = enumerate_space(axes, sequences, fixed_batch, nproc=nproc)

@@ -136,13 +136,14 @@ def liger_support(family: str | None, kernels: str = "all") -> str | None:
 
 def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=(), precisions=("bf16",),
                fixed=(), liger_reason: str | None | bool = False, hf: bool = False,
-               nproc: int = 1, layers: int | None = None) -> tuple[list[Axis], list[str]]:
+               nproc: int = 1, layers: int | None = None, strategies=None) -> tuple[list[Axis], list[str]]:
     """The search's axes for ``base`` on this device, and one line for every axis (or choice) dropped.
     ``nproc`` > 1: the strategy axis over that many ranks joins (:mod:`.scale`).
 
     ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
     ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`).
-    ``layers``: the model's blocks (partial checkpointing's choices: the first k of them recompute)."""
+    ``layers``: the model's blocks (partial checkpointing's choices: the first k of them recompute).
+    ``strategies``: the strategy axis' choices searched (None: every one; :func:`parse_strategies`)."""
     dropped: list[str] = []
     fixed = set(fixed)
     allow = parse_allow(allow)
@@ -241,6 +242,12 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
         dropped += [why] if why else []
     if nproc > 1:
         axis, why = strategy_axis(nproc)
+        if strategies:
+            parse_strategies(strategies, nproc)
+            left = tuple(c for c in axis.choices if c[0] in strategies)
+            dropped.append(f"strategy: {', '.join(c[0] for c in axis.choices if c[0] not in strategies)} left out "
+                           f"(--strategies)")
+            axis = Axis(axis.name, left)
         axes.append(axis)
         dropped += why
         axes.append(reduce_axis())
@@ -451,6 +458,23 @@ def strategy_axis(nproc: int) -> tuple[Axis, list[str]]:
     choices.append(("tp", {**plain, "strategy": "tp", "tp": nproc}))
     choices.append(("fsdp-offload", {**plain, "offload_optimizer": True}))
     return Axis("strategy", tuple(choices)), dropped
+
+def parse_strategies(text, nproc: int) -> tuple[str, ...]:
+    """``--strategies fsdp,fsdp-zero2``: the strategy axis' choices over ``nproc`` ranks, or one line naming
+    them."""
+    if text is None:
+        return ()
+    names = tuple(s.strip() for s in (text.split(",") if isinstance(text, str) else text) if s.strip())
+    if nproc < 2:
+        raise FasttrainError("--strategies chooses among the strategies over several processes: add "
+                             "--nproc-per-node N (N >= 2)")
+    known = [c[0] for c in strategy_axis(nproc)[0].choices]
+    unknown = [s for s in names if s not in known]
+    if unknown or not names:
+        raise FasttrainError(f"--strategies: {', '.join(unknown) or 'none given'} is not a strategy over {nproc} "
+                             f"processes; choose among {', '.join(known)}")
+    return names
+
 
 def reduce_axis() -> Axis:
     """The dtype FSDP and HSDP reduce the gradients in (``--fsdp-reduce-dtype``): fp32, the lab's default,
