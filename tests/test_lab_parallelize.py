@@ -316,7 +316,7 @@ def _reduce_dtype_worker(rank: int, world: int, port: int, out: str) -> None:
     parallel = D.ParallelConfig(strategy="fsdp", global_batch_size=2 * world)
     w = D.init_world(parallel, device="cpu")
     for dtype in ("fp32", "bf16"):
-        cfg = _cfg(fsdp_reduce_dtype=dtype)
+        cfg = _cfg(reduce_dtype=dtype)
         done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg, w)
         seen.clear()
         rows = x[w.rows(2)]
@@ -326,15 +326,15 @@ def _reduce_dtype_worker(rank: int, world: int, port: int, out: str) -> None:
                            "applied": [what for step, what in done.applied if step == "data_parallel"],
                            "grads": {n: g.full_tensor().tolist() for n, g in grads.items()}}
     # a run through the lab's trainer: its record says how it reduced
-    record = run(_cfg(fsdp_reduce_dtype="bf16").with_(max_steps=2), corpus=_text_corpus(), parallel=parallel)
+    record = run(_cfg(reduce_dtype="bf16").with_(max_steps=2), corpus=_text_corpus(), parallel=parallel)
     if rank == 0:
-        out_data["record"] = {"config": record["config"]["fsdp_reduce_dtype"], "applied": record["applied"]}
+        out_data["record"] = {"config": record["config"]["reduce_dtype"], "applied": record["applied"]}
         with open(out, "w") as f:
             json.dump(out_data, f)
     leave_process_group(group)
 
 
-def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
+def test_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
     """One process under FSDP (its reduce-scatter is a copy through the reduce buffer): with bf16 every
     gradient passes through bf16 on its way to its fp32 shard (each element the fp32 one rounded to bf16's 8
     significant bits, some of them changed); with fp32, untouched."""
@@ -344,7 +344,7 @@ def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
         x = torch.randint(0, 65, (2, 32), generator=torch.Generator().manual_seed(0))
         grads = {}
         for dtype in ("fp32", "bf16"):
-            cfg = _cfg(fsdp_reduce_dtype=dtype)
+            cfg = _cfg(reduce_dtype=dtype)
             done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg, world)
             assert [what for step, what in done.applied if step == "data_parallel"][-1].endswith(f"reduced in {dtype}")
             done.train_model(x, x).backward()
@@ -357,7 +357,7 @@ def test_fsdp_reduce_dtype_bf16_rounds_the_gradient_sums_to_bf16(monkeypatch):
 
 @pytest.mark.slow
 def test_fsdp_reduces_the_gradients_in_the_dtype_asked_for(tmp_path):
-    """``--fsdp-reduce-dtype`` on 2 gloo processes: the reduce-scatter runs in fp32 or bf16 as asked, the
+    """``--reduce-dtype`` on 2 gloo processes: the reduce-scatter runs in fp32 or bf16 as asked, the
     gradients land in fp32 shards either way; bf16's sum is the fp32 one to within bf16's rounding of each
     rank's gradient and of their sum (here under 2 x 2^-8 of the gradient's norm, and not equal to it); the run
     record says which it was."""
@@ -502,3 +502,49 @@ def test_the_gpts_partial_checkpointing_trains_the_same_function():
     assert grads[True] and len(grads[True]) == len(grads[False])
     for a, b in zip(grads[False], grads[True]):
         torch.testing.assert_close(a, b)
+
+
+def _ddp_reduce_worker(rank: int, world: int, port: int, out: str) -> None:
+    from fasttrain.lab.build import build_model
+
+    group = join_process_group(rank, world, port)
+    x = torch.randint(0, 65, (2 * world, 32), generator=torch.Generator().manual_seed(0))
+    w = D.init_world(D.ParallelConfig(strategy="ddp", global_batch_size=2 * world), device="cpu")
+    out_data = {}
+    for dtype in ("fp32", "bf16"):
+        torch.manual_seed(0)
+        cfg = _cfg(reduce_dtype=dtype)
+        done = P.parallelize(build_model(cfg, 65, torch.device("cpu")), cfg, w)
+        rows = x[w.rows(2)]
+        done.train_model(rows, rows).backward()
+        out_data[dtype] = {"applied": [what for step, what in done.applied if step == "data_parallel"],
+                           "grads": [p.grad.flatten().tolist() for p in done.module.parameters()]}
+    if rank == 0:
+        with open(out, "w") as f:
+            json.dump(out_data, f)
+    leave_process_group(group)
+
+
+@pytest.mark.slow
+def test_ddp_reduces_the_gradients_in_bf16_when_asked():
+    """``--reduce-dtype bf16`` under DDP (its bf16 compression hook) on 2 gloo processes: the averaged gradients
+    are the fp32 ones to within bf16's rounding of each rank's gradient and of their sum, not equal to them; the
+    applied line says so."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as tmp:
+        out = f"{tmp}/ddp.json"
+        mp.start_processes(_ddp_reduce_worker, args=(2, _free_port(), out), nprocs=2, start_method="spawn")
+        data = json.loads(open(out).read())
+    assert data["fp32"]["applied"] == ["DDP over 2, gradients reduced in fp32"]
+    assert data["bf16"]["applied"] == ["DDP over 2, gradients reduced in bf16"]
+    f32 = torch.cat([torch.tensor(g) for g in data["fp32"]["grads"]])
+    b16 = torch.cat([torch.tensor(g) for g in data["bf16"]["grads"]])
+    error = float((b16 - f32).norm() / f32.norm())
+    assert 0 < error < 2 * 2 ** -8, error
+
+
+def test_reduce_dtype_is_refused_beside_tp_and_one_process():
+    for strategy in ("tp", "none"):
+        with pytest.raises(FasttrainError, match="--reduce-dtype bf16 is data parallelism's gradient reduction"):
+            D.check_config(_cfg(reduce_dtype="bf16"), D.ParallelConfig(strategy=strategy))

@@ -88,19 +88,19 @@ def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank(
     assert any(line.startswith("hsdp:") for line in dropped2)
 
 
-def test_the_reduce_dtype_is_searched_with_fsdp_and_hsdp_and_fixed_when_given():
+def test_the_reduce_dtype_is_searched_with_every_data_parallel_strategy_and_fixed_when_given():
     axes, dropped = SP.build_axes(base(), cuda=False, nproc=4)
     reduce = next(a for a in axes if a.name == "reduce")
     assert [c for c, _ in reduce.choices] == ["reduce-fp32", "reduce-bf16"] and not reduce.changes_math
     space = SP.enumerate_space(axes, sequences=32, nproc=4)
-    bf16 = {dict(c.settings)["strategy"] for c in space if c.overrides_dict()["fsdp_reduce_dtype"] == "bf16"}
-    assert bf16 == {"fsdp", "fsdp-zero2", "hsdp-r2", "fsdp-tp2", "fsdp-offload"}
+    bf16 = {dict(c.settings)["strategy"] for c in space if c.overrides_dict()["reduce_dtype"] == "bf16"}
+    assert bf16 == {"fsdp", "fsdp-zero2", "ddp", "zero1", "hsdp-r2", "fsdp-tp2", "fsdp-offload"}
     assert any(line.startswith("reduce-bf16:") for line in dropped)
     # a label names bf16's reduction; fp32's, the plain one, goes unsaid
     labels = " ".join(c.label for c in space)
     assert "reduce-bf16" in labels and "reduce-fp32" not in labels
     # given as a flag, it is not searched; one process has no such axis
-    fixed, dropped = SP.build_axes(base(), cuda=False, nproc=4, fixed={"fsdp_reduce_dtype"})
+    fixed, dropped = SP.build_axes(base(), cuda=False, nproc=4, fixed={"reduce_dtype"})
     assert [c for c, _ in next(a for a in fixed if a.name == "reduce").choices] == ["fixed"]
     assert not any(a.name == "reduce" for a in SP.build_axes(base(), cuda=False)[0])
 
@@ -111,8 +111,8 @@ def test_the_trainer_s_answer_for_the_reduce_dtype():
     cfg = SP.scaled(base(bf16=True), 2).with_(strategy="fsdp")
     said = lambda c: S.answer(c, "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])["trainer_cannot"] or ""  # noqa: E731
     assert "gradient reduction in fp32 under bf16" in said(cfg) and "'reduce_dtype': torch.float32" in said(cfg)
-    assert "gradient reduction" not in said(cfg.with_(fsdp_reduce_dtype="bf16"))
-    assert "gradient reduction in bf16 under fp32" in said(cfg.with_(bf16=False, fsdp_reduce_dtype="bf16"))
+    assert "gradient reduction" not in said(cfg.with_(reduce_dtype="bf16"))
+    assert "gradient reduction in bf16 under fp32" in said(cfg.with_(bf16=False, reduce_dtype="bf16"))
     assert "gradient reduction" not in said(cfg.with_(bf16=False))
 
 
@@ -353,7 +353,7 @@ def test_scale_benchmark_reports_fixed_keys_and_scaling_from_real_runs(tmp_path)
 def _record(gpus, label, global_batch, tokens_per_s, losses, reduce="fp32", dp=None):
     """A lab run record as the scale benchmark reads it (hand-built: what collect needs, nothing more)."""
     MiB = 2 ** 20
-    rec = {"kind": "lab-run", "tokens_per_s": tokens_per_s, "config": {"bf16": True, "fsdp_reduce_dtype": reduce},
+    rec = {"kind": "lab-run", "tokens_per_s": tokens_per_s, "config": {"bf16": True, "reduce_dtype": reduce},
            "memory": {"peak_allocated_bytes": 1000 * MiB}, "estimate": {"precise_bytes": 1050 * MiB},
            "batch": {"per_device_train_batch_size": global_batch if gpus == 1 else None,
                      "gradient_accumulation_steps": 1},

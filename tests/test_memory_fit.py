@@ -146,7 +146,7 @@ def _fsdp_cpu_peak(ranks: int, vocab: int, width: int, seq: int, zero: int, redu
         world = D.World(world_size=ranks, backend="fake", device="cpu", strategy="fsdp", reshard_after_forward=zero == 3,
                         mesh=init_device_mesh("cpu", (ranks,), mesh_dim_names=("dp",)))
         cfg = preset("tiny", device="cpu", style="llama", layers=3, heads=4, kv_heads=2, width=width, context=seq,
-                     per_device_train_batch_size=2, gradient_accumulation_steps=k, fsdp_reduce_dtype=reduce_dtype,
+                     per_device_train_batch_size=2, gradient_accumulation_steps=k, reduce_dtype=reduce_dtype,
                      weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch_fused")
         done = P.parallelize(build_model(cfg, vocab, torch.device("cpu")), cfg, world)
         x = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))

@@ -98,7 +98,7 @@ side() {   # side NAME NPROC [LAB FLAGS]: one profiled run, its record lab-<NPRO
 }
 side fsdp-reduce-fp32 2 --strategy fsdp --global-batch-size 16
 side bf16 1 --per-device-train-batch-size 16
-side fsdp-reduce-bf16 2 --strategy fsdp --global-batch-size 16 --fsdp-reduce-dtype bf16
+side fsdp-reduce-bf16 2 --strategy fsdp --global-batch-size 16 --reduce-dtype bf16
 side ddp 2 --strategy ddp --global-batch-size 16
 # the Chrome traces apart (a file back from the device is at most 16 MiB): the summaries stay in prof.tgz
 mkdir -p "$P/traces" && mv "$P"/prof/trace-* "$P/traces/" 2>/dev/null

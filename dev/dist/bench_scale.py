@@ -311,11 +311,11 @@ def _json(path: Path):
 def precision_of(settings: dict) -> str:
     """A case's precision from its lab settings (a record's config, or a tune row's overrides, which leave out the
     precision the user fixed: the benchmark's bf16): bf16 or fp32, float8's recipe, and FSDP's gradient reduction
-    when it is bf16 (``--fsdp-reduce-dtype``; fp32 goes unsaid)."""
+    when it is bf16 (``--reduce-dtype``; fp32 goes unsaid)."""
     precision = "bf16" if settings.get("bf16", True) else "fp32"
     if settings.get("float8", "none") != "none":
         precision = f"float8-{settings['float8']}"
-    return precision + (", reduce bf16" if settings.get("fsdp_reduce_dtype") == "bf16" else "")
+    return precision + (", reduce bf16" if settings.get("reduce_dtype") == "bf16" else "")
 
 
 def lab_case(model: str, record: dict, **kw) -> dict:

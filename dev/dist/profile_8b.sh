@@ -4,7 +4,7 @@
 # FSDP2 as its users run it. From the repository root:
 #
 #   OUT=out bash dev/dist/profile_8b.sh
-#   LAB_FLAGS="--fsdp-reduce-dtype bf16 --optim adamw_torch_fused" OUT=out bash dev/dist/profile_8b.sh
+#   LAB_FLAGS="--reduce-dtype bf16 --optim adamw_torch_fused" OUT=out bash dev/dist/profile_8b.sh
 #       (the lab's side with the HF Trainer's reduce dtype and optimizer: more lab flags in LAB_FLAGS)
 #
 # Writes under $OUT: env.txt, gpu-tests.txt, lab-8b.json (the lab's run record), hf-8b.json, prof.tgz

@@ -155,12 +155,13 @@ class LabConfig:
                                  hf=lambda v: {} if v == "all" else {"liger_kernel_config": liger_switches(v)})
     float8: str = setting("none", "precision", "torchao's float8 training of the Linear layers: none, tensorwise or "
                           "rowwise (a Hopper GPU; the output head stays bf16).")
-    fsdp_reduce_dtype: str = setting("fp32", "parallel", "FSDP/HSDP: the dtype gradients are reduced in (the "
-                                     "reduce-scatter, HSDP's all-reduce, their unsharded sum across micro-batches "
-                                     "between syncs). fp32: the ranks' gradients summed in fp32. bf16 (the HF "
-                                     "Trainer's FSDP under bf16): half the bytes on the wire and in those buffers, "
-                                     "but each of a ring's N-1 partial sums, and each micro-batch's, rounds to bf16 "
-                                     "(relative error up to 2^-8 each).", choices=REDUCE_DTYPES)
+    reduce_dtype: str = setting("fp32", "parallel", "The dtype data parallelism reduces the gradients in: FSDP/HSDP's "
+                                "reduce-scatter, HSDP's all-reduce and their unsharded sum across micro-batches "
+                                "between syncs; DDP's and ZeRO-1's all-reduce (a bf16 compression hook). fp32: the "
+                                "ranks' gradients summed in fp32. bf16 (the HF Trainer's FSDP under bf16): half the "
+                                "bytes on the wire and in those buffers, but each of a ring's N-1 partial sums, and "
+                                "each micro-batch's under FSDP, rounds to bf16 (relative error up to 2^-8 each).",
+                                choices=REDUCE_DTYPES, aliases=("fsdp_reduce_dtype",))
     # --- data ------------------------------------------------------------------------------
     preload: bool = setting(False, "data", "Keep the corpus on the device and cut batches there.")
     dataloader_num_workers: int = setting(0, "data", "DataLoader worker processes.", hf=True)
@@ -500,7 +501,7 @@ def validate(cfg: LabConfig) -> LabConfig:
     if cfg.lora_r and cfg.prompt_tuning_tokens:
         raise FasttrainError("give --lora-r or --prompt-tuning-tokens, not both")
     _choice(cfg, "liger_kernels", LIGER_KERNEL_SETS)
-    _choice(cfg, "fsdp_reduce_dtype", REDUCE_DTYPES)
+    _choice(cfg, "reduce_dtype", REDUCE_DTYPES)
     if cfg.liger_kernels != "all" and not (cfg.use_liger_kernel and is_hf(cfg.model)):
         raise FasttrainError(f"--liger-kernels {cfg.liger_kernels} chooses among liger-kernel's patches of a "
                              "transformers model: give it with --use-liger-kernel and --model hf:..., or drop it")

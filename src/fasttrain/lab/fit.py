@@ -22,7 +22,7 @@ def per_gpu_peak(cfg, vocab: int, world: World) -> int | None:
         setup = _hf_setup(cfg) if is_hf(cfg.model) else lab_setup(cfg, vocab)
         if setup is None:
             return None
-        fields = estimator_parallelism(world, cfg.bf16, cfg.fsdp_reduce_dtype) if world.strategy != "none" else {}
+        fields = estimator_parallelism(world, cfg.bf16, cfg.reduce_dtype) if world.strategy != "none" else {}
         setup = setup.with_(**{**fields, "grad_buffers": setup.grad_buffers or fields.get("grad_buffers", False)})
         return int(estimate(setup, "precise").total)
     except FasttrainError:

@@ -445,7 +445,7 @@ def _estimate_for(cfg, trainer, vocab, peak, world) -> dict:
     from fasttrain.lab.parallel import distributed as D
 
     lab_model = trainer.lab_model
-    parallel = D.estimator_parallelism(world, cfg.bf16, cfg.fsdp_reduce_dtype) if world.distributed else None
+    parallel = D.estimator_parallelism(world, cfg.bf16, cfg.reduce_dtype) if world.distributed else None
     if lab_model.name == "gpt":
         return _estimate(cfg, vocab, peak, parallel=parallel)
     if lab_model.memory_setup is None:

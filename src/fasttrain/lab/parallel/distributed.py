@@ -19,7 +19,7 @@ Strategies (``--strategy``):
   backward and gradients reduce-scattered after. ``reshard_after_forward=True`` frees the gathered
   parameters after the forward (ZeRO-3); ``False`` keeps them until the backward (ZeRO-2). With
   ``--bf16`` a ``MixedPrecisionPolicy`` gathers bf16 parameters and computes in bf16 (the fp32 shards
-  are the master weights); gradients are reduced in ``--fsdp-reduce-dtype`` (fp32, or bf16: half the
+  are the master weights); gradients are reduced in ``--reduce-dtype`` (fp32, or bf16: half the
   bytes, each partial sum rounded to bf16) and land in fp32 shards.
 - ``hsdp``: FSDP2 on a 2-D (replicate, shard) mesh: ``--dp-replicate R`` groups of N/R ranks, the
   model sharded inside each group and replicated across the groups (gradients reduce-scattered in
@@ -316,9 +316,9 @@ def check_model_fits(cfg, world_size: int, strategy: str, tp: int | None = None)
 def check_config(cfg, parallel: ParallelConfig) -> None:
     """Techniques that do not combine with a strategy, refused before any process group exists."""
     s = parallel.strategy
-    if cfg.fsdp_reduce_dtype != "fp32" and s not in FSDP_STRATEGIES:
-        raise FasttrainError(f"--fsdp-reduce-dtype {cfg.fsdp_reduce_dtype} is FSDP's gradient reduction (its "
-                             f"MixedPrecisionPolicy): it goes with --strategy fsdp or hsdp, not "
+    if cfg.reduce_dtype != "fp32" and s not in (*FSDP_STRATEGIES, "ddp", "zero1"):
+        raise FasttrainError(f"--reduce-dtype {cfg.reduce_dtype} is data parallelism's gradient reduction: it goes "
+                             f"with --strategy ddp, zero1, fsdp or hsdp, not "
                              + ("one process" if s == "none" else f"--strategy {s}"))
     if s == "none":
         return None
@@ -646,7 +646,7 @@ def full_state_dict(model, world: World) -> dict:
 
 def estimator_parallelism(world: World, bf16: bool = False, reduce_dtype: str = "fp32") -> dict:
     """The memory estimator's ``Setup`` fields for this run's strategy, per GPU, FSDP's gradients reduced in
-    ``reduce_dtype`` (``--fsdp-reduce-dtype``) (:func:`fasttrain.memory.fit.parallel_fields`: the one mapping,
+    ``reduce_dtype`` (``--reduce-dtype``) (:func:`fasttrain.memory.fit.parallel_fields`: the one mapping,
     which ``fasttrain memory --strategy`` uses too)."""
     return parallel_fields(world.strategy, dp=world.dp, tp=world.tp, replicas=world.dp_replicate,
                            reshard_after_forward=world.reshard_after_forward, offload=world.offload_optimizer,

@@ -199,5 +199,5 @@ def parallel_setup(cfg: LabConfig, setup):
         return setup
     from fasttrain.lab.parallel.distributed import estimator_parallelism
 
-    fields_ = estimator_parallelism(cfg.world(), cfg.bf16, cfg.fsdp_reduce_dtype)
+    fields_ = estimator_parallelism(cfg.world(), cfg.bf16, cfg.reduce_dtype)
     return setup.with_(**{**fields_, "grad_buffers": setup.grad_buffers or fields_.get("grad_buffers", False)})

@@ -7,7 +7,7 @@ The single-GPU space (:mod:`.space`) gains the strategy axis -- how one configur
   ``fsdp-tpM`` (the 2-D mesh: FSDP over N/M, tensor parallelism over M) for each M dividing N; ``tp`` over all
   ranks; ``fsdp-offload`` (the optimizer state on the host) only where nothing else is predicted to fit;
 - with ``--allow float8``: torchao's float8 training of the Linear layers (tensorwise, rowwise);
-- the reduce axis: FSDP's and HSDP's gradients reduced in fp32 or bf16 (``--fsdp-reduce-dtype``; the HF
+- the reduce axis: the data-parallel gradients reduced in fp32 or bf16 (``--reduce-dtype``; the HF
   Trainer's FSDP reduces in its training precision, so the answer says when the pick's cannot be written there).
 
 A configuration is a :class:`ScaleConfig`: the lab's configuration and its strategy. Its micro-batch is per
@@ -219,17 +219,20 @@ def trainer_fsdp(cfg: ScaleConfig, family: str | None) -> tuple[dict, dict | Non
         # accelerate's FSDP2 plugin reduces in the training's precision (bf16=True: param and reduce dtype
         # bf16); neither fsdp_config nor accelerate's config file names a mixed-precision policy
         compute = "bf16" if cfg.bf16 else "fp32"
-        if cfg.fsdp_reduce_dtype != compute:
+        if cfg.reduce_dtype != compute:
             dtype = {"bf16": "torch.bfloat16", "fp32": "torch.float32"}
-            cannot.append(f"FSDP's gradient reduction in {cfg.fsdp_reduce_dtype} under {compute} training (with "
+            cannot.append(f"FSDP's gradient reduction in {cfg.reduce_dtype} under {compute} training (with "
                           f"{'bf16=True' if cfg.bf16 else 'fp32'} accelerate reduces in {compute}; only an Accelerator "
                           f"of your own takes FullyShardedDataParallelPlugin(mixed_precision_policy={{'param_dtype': "
-                          f"{dtype[compute]}, 'reduce_dtype': {dtype[cfg.fsdp_reduce_dtype]}, 'output_dtype': "
+                          f"{dtype[compute]}, 'reduce_dtype': {dtype[cfg.reduce_dtype]}, 'output_dtype': "
                           f"{dtype[compute]}}}))")
     elif s == "zero1":
         cannot.append("ZeRO-1 (only through DeepSpeed: deepspeed={'zero_optimization': {'stage': 1}})")
     elif s == "tp":
         sizes = {"dp_replicate_size": 1, "dp_shard_size": 1, "tp_size": cfg.nproc_per_node}
+    if s in ("ddp", "zero1") and cfg.reduce_dtype == "bf16":
+        cannot.append("DDP's all-reduce in bf16 (TrainingArguments has no comm hook; an Accelerator of your own "
+                      "takes DistributedDataParallelKwargs(comm_hook=DDPCommunicationHookType.BF16))")
     if cfg.checkpoint_blocks:
         cannot.append(f"checkpointing the first {cfg.checkpoint_blocks} blocks only (the Trainer's checkpointing "
                       f"recomputes every block)")

@@ -251,8 +251,8 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
         axes.append(axis)
         dropped += why
         axes.append(reduce_axis())
-        dropped.append("reduce-bf16: tried with FSDP and HSDP (their MixedPrecisionPolicy); ddp, zero1 and tp "
-                       "reduce in fp32")
+        dropped.append("reduce-bf16: tried with every data-parallel strategy (FSDP and HSDP's MixedPrecisionPolicy, "
+                       "DDP's bf16 all-reduce hook); tp has no gradient reduction")
     kept = []
     for axis in axes:
         taken = sorted(axis.fields & fixed)
@@ -271,8 +271,8 @@ def _redundant(choices: dict) -> bool:
     # selective checkpointing recomputes the eager attention core; sdpa keeps no s^2 scores: no change
     if choices.get("checkpointing") == "selective" and choices.get("attention") == "sdpa":
         return True
-    # the reduce dtype is FSDP's: ddp, zero1 and tp have no reduce-scatter to set
-    return choices.get("reduce") == "reduce-bf16" and not choices.get("strategy", "").startswith(("fsdp", "hsdp"))
+    # the reduce dtype is data parallelism's: tp has no gradient reduction to set
+    return choices.get("reduce") == "reduce-bf16" and choices.get("strategy") == "tp"
 
 
 def enumerate_space(axes: list[Axis], sequences: int, fixed_batch: int | None = None,
@@ -477,9 +477,9 @@ def parse_strategies(text, nproc: int) -> tuple[str, ...]:
 
 
 def reduce_axis() -> Axis:
-    """The dtype FSDP and HSDP reduce the gradients in (``--fsdp-reduce-dtype``): fp32, the lab's default,
+    """The dtype data parallelism reduces the gradients in (``--reduce-dtype``): fp32, the lab's default,
     then bf16 (half the reduce-scatter's bytes, each partial sum rounded to bf16; the HF Trainer's own)."""
-    return Axis("reduce", (("reduce-fp32", {"fsdp_reduce_dtype": "fp32"}), ("reduce-bf16", {"fsdp_reduce_dtype": "bf16"})))
+    return Axis("reduce", (("reduce-fp32", {"reduce_dtype": "fp32"}), ("reduce-bf16", {"reduce_dtype": "bf16"})))
 
 def float8_axis(cuda: bool) -> tuple[Axis | None, str | None]:
     if not cuda:
