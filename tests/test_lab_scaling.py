@@ -237,3 +237,14 @@ def test_the_report_sorts_several_counts_by_count():
 
     labels = ["4gpu-ddp-weak", "2gpu-fsdp-zero3", "1gpu", "4gpu-ddp", "2gpu-ddp", "ddp"]
     assert sorted(labels, key=_order) == ["1gpu", "ddp", "2gpu-ddp", "2gpu-fsdp-zero3", "4gpu-ddp", "4gpu-ddp-weak"]
+
+
+def test_ddp_reducing_in_bf16_is_a_strategy_of_the_sweep_with_its_setting_in_the_runs_config():
+    runs = scaling.plan(["tiny"], 2, 3, ["ddp", "ddp-reduce-bf16"], bf16=False, weak=("ddp-reduce-bf16",))
+    by = {r.label: r for r in runs}
+    assert by["ddp-reduce-bf16"].overrides["reduce_dtype"] == "bf16"
+    assert by["ddp-reduce-bf16-weak"].overrides["reduce_dtype"] == "bf16"
+    assert "reduce_dtype" not in by["ddp"].overrides
+    assert by["ddp-reduce-bf16"].launch[:2] == ("--strategy", "ddp")
+    line = scaling.command_line(by["ddp-reduce-bf16"], Path("out"))
+    assert line[line.index("--reduce-dtype") + 1] == "bf16"

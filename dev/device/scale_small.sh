@@ -3,7 +3,7 @@
 # only where the call has time left for it, the most important first:
 #
 #   1. the distributed `gpu` tests (<= 120 s);
-#   2. the 1B Llama, every data-parallel strategy (ddp, fsdp-zero3, zero1, fsdp-zero2) at the same per-GPU batch
+#   2. the 1B Llama, every data-parallel strategy (ddp, ddp reducing in bf16, fsdp-zero3, zero1, fsdp-zero2) at the same per-GPU batch
 #      as 1 GPU (micro-batch 4, seq 2048): the goal's scaling (>= 0.95 at 4 GPUs);
 #   3. the 1B at the 1-GPU run's global batch on N GPUs (ddp, fsdp-zero3): same-global-batch scaling and the loss
 #      curves against 1 GPU;
@@ -65,7 +65,7 @@ sweep() {
 
 # 2. the 1B at the same per-GPU batch: 1 GPU, then every data-parallel strategy on N
 fits 60 "1B same per-GPU batch" && sweep weak "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
-  --nproc-per-node "$N" --strategies ddp,fsdp-zero3,zero1,fsdp-zero2 --weak all --no-strong
+  --nproc-per-node "$N" --strategies ddp,ddp-reduce-bf16,fsdp-zero3,zero1,fsdp-zero2 --weak all --no-strong
 # 2b. one step of the 1B's DDP on N GPUs profiled: what the scaling loses (the all-reduce left exposed after the
 # backward, NCCL's kernels taking SMs from the GEMMs beside them); the Chrome trace dropped (the summary holds it)
 if fits 50 "1B ddp profile"; then

@@ -50,11 +50,14 @@ STRATEGY_FLAGS = {
     "fsdp-zero2": ["--strategy", "fsdp", "--no-reshard-after-forward"],
     "fsdp-zero3": ["--strategy", "fsdp"],
     "tp": ["--strategy", "tp"],
+    "ddp-reduce-bf16": ["--strategy", "ddp"],
 }
+# a strategy's own settings beside its launch flags (LabConfig fields, so the checks and the estimate see them)
+STRATEGY_OVERRIDES = {"ddp-reduce-bf16": {"reduce_dtype": "bf16"}}
 
 
 STRATEGY_PARALLEL = {"ddp": ("ddp", True), "zero1": ("zero1", True), "fsdp-zero2": ("fsdp", False),
-                     "fsdp-zero3": ("fsdp", True), "tp": ("tp", True)}      # (--strategy, reshard after forward)
+                     "fsdp-zero3": ("fsdp", True), "tp": ("tp", True), "ddp-reduce-bf16": ("ddp", True)}      # (--strategy, reshard after forward)
 WEAK = "-weak"                  # the label's suffix of a run at the same per-GPU batch
 
 
@@ -208,7 +211,7 @@ def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: boo
             one_gpu = "1gpu-bf16" if label.endswith("bf16") else "1gpu"
             label = f"{n}gpu-{label}" if several and n > 1 else label
             return Planned(label, shown, n, strategy, global_batch, tuple(extra or ()), base,
-                           overrides={**common, **overrides}, compared_with=None if label == one_gpu else one_gpu)
+                           overrides={**common, **STRATEGY_OVERRIDES.get(strategy, {}), **overrides}, compared_with=None if label == one_gpu else one_gpu)
 
         out.append(run("1gpu", 1, {"per_device_train_batch_size": b}))
         for n in counts:
