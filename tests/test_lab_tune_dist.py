@@ -414,7 +414,7 @@ def test_scale_benchmark_collects_a_sweeps_runs_into_one_case_per_strategy(tmp_p
     text = bench.readme_section({"machine": "m", "device": "d", "cases": list(cases.values()), "goals": goals,
                                  "command": "c"})
     assert "llama-1b: training loss at the same global batch" in text
-    assert "| step | 1 GPU (batch 4) | 2 x fsdp-zero3 | 4 x ddp | 4 x tp |" in text
+    assert "| step | 1 GPU (batch 4) | 2 x fsdp-zero3 (bf16) | 4 x ddp (bf16) | 4 x tp (bf16) |" in text
     assert "| 4 | 2.5000 | 2.5000 | 2.5002 | 2.5000 |" in text
     assert "| llama-1b | 4 | ddp | bf16 |  | 970 | 903 | 1,050 | 0.97 | 0.50 | 2.00e-04 |" in text
 

@@ -515,7 +515,7 @@ def loss_table(cases: list[dict], rows: int = 8) -> list[str]:
         one = _same(runs[0])["one_gpu_losses"]
         steps = sorted({round(i * (len(one) - 1) / max(rows - 1, 1)) for i in range(rows)}) if one else []
         head = ["step", f"1 GPU (batch {_same(runs[0])['global_batch']})",
-                *[f"{c['gpus']} x {c['strategy']}" for c in runs]]
+                *[f"{c['gpus']} x {c['strategy']} ({c['precision']})" for c in runs]]
         lines += ["", f"{model}: training loss at the same global batch", "", "| " + " | ".join(head) + " |",
                   "|---" * len(head) + "|"]
         for i in steps:
@@ -564,7 +564,8 @@ def report(out: Path, results: Path, command: str) -> Path:
     folder = results / machine
     folder.mkdir(parents=True, exist_ok=True)
     profiles = []
-    for preset in PROFILED_PRESETS:
+    # the profiled steps of any model or preset (char-100m's sides; the 1B's DDP step)
+    for preset in (*MODELS, *PROFILED_PRESETS):
         found = sorted((out / preset).glob("prof*.tgz")) + sorted((out / preset).glob("prof/profile-*-rank0.json"))
         if found:
             sys.path.insert(0, str(HERE))
