@@ -253,8 +253,8 @@ def lab_record_row(record: dict, path: Path, rel, in_sample: str | None = None, 
 def dist_rows(folder: Path, models: dict, rel) -> tuple[list[dict], list[dict]]:
     rows, excluded = [], []
     for path in sorted(folder.rglob("*.json")):
-        if path.name == "scale.json":
-            continue                  # its cases are the figures of the files below
+        if path.name in ("scale.json", "sweep.json"):
+            continue                  # the cases and a sweep's list of runs: the figures of the files below
         data = read_json(path)
         if data.get("kind") == "lab-run":
             rows.append(lab_record_row(data, path, rel))
