@@ -22,6 +22,8 @@
 # Writes $OUT/scale-small.tgz (everything under $OUT/scale: records, logs, sweep reports and plots, profile
 # summaries, results/dist/<machine>/ from `bench_scale.py report`) and $OUT/traces.tgz (rank 0's Chrome traces). A CPU check of the script's logic (timings mean nothing):
 #   DEVICE=cpu L1B=tiny-llama LGPT=tiny-llama PRESET=tiny NPROC=2 SKIP_TESTS=1 OUT=/tmp/s bash dev/device/scale_small.sh
+# SKIP_TESTS=1 and SKIP_PROFILE=1 leave out the gpu tests and the profiles (measured in an earlier call): the
+# sweeps get the call's time.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 [ -d .whl ] && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl
@@ -37,7 +39,7 @@ fits() { if [ "$(left)" -lt "$1" ]; then echo "skipped $2: needs about $1 s, $(l
 # limit RESERVE: a sweep's --time-limit, keeping RESERVE seconds for the phases after it
 limit() { local l=$(( $(left) - $1 )); echo $(( l > 1 ? l : 1 )); }
 B="python3 dev/dist/bench_scale.py"
-PROFILE_S=110; REPORT_S=15
+PROFILE_S=$([ -n "${SKIP_PROFILE:-}" ] && echo 0 || echo 110); REPORT_S=15
 mkdir -p "$R/$L1B/sweep" "$R/$LGPT/sweep" "$R/$PRESET/prof"
 {
   date -u +%FT%TZ; nvidia-smi --query-gpu=index,name,memory.total --format=csv
@@ -68,7 +70,7 @@ fits 60 "1B same per-GPU batch" && sweep weak "$L1B" 4 "$(limit $(( 40 + PROFILE
   --nproc-per-node "$N" --strategies ddp,ddp-reduce-bf16,fsdp-zero3,zero1,fsdp-zero2 --weak all --no-strong
 # 2b. one step of the 1B's DDP on N GPUs profiled: what the scaling loses (the all-reduce left exposed after the
 # backward, NCCL's kernels taking SMs from the GEMMs beside them); the Chrome trace dropped (the summary holds it)
-if fits 50 "1B ddp profile"; then
+if [ -z "${SKIP_PROFILE:-}" ] && fits 50 "1B ddp profile"; then
   timeout $(( $(left) < 80 ? $(left) - 5 : 75 )) torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py \
     lab-profile "$WORK" --model "$L1B" --micro-batch 4 --side ddp --steps 10 --skip 6 --profile "$R/$L1B/prof" \
     --out "$R/$L1B/profile-ddp.json" -- --strategy ddp --timing-warmup-steps 4 --quiet > "$R/$L1B/profile-ddp.log" 2>&1
@@ -89,6 +91,7 @@ P="$R/$PRESET"
 LAB="--bf16 --dropout 0 --eval-interval 0 --eval-tokens 16384 --log-interval 1 --timing-warmup-steps $WARM --quiet --device $DEVICE"
 side() {   # side NAME NPROC [LAB FLAGS]: one profiled run, its record lab-<NPROC>gpu-<NAME>.json
   local name=$1 n=$2; shift 2
+  [ -z "${SKIP_PROFILE:-}" ] || return
   fits 35 "profile $name" || return
   local run=(python3); [ "$n" -gt 1 ] && run=(torchrun --standalone --nproc-per-node "$n")
   timeout $(( $(left) < 100 ? $(left) - 5 : 95 )) "${run[@]}" dev/dist/bench_scale.py lab-profile "$WORK" --preset "$PRESET" \
@@ -101,9 +104,13 @@ side bf16 1 --per-device-train-batch-size 16
 side fsdp-reduce-bf16 2 --strategy fsdp --global-batch-size 16 --reduce-dtype bf16
 side ddp 2 --strategy ddp --global-batch-size 16
 # the Chrome traces apart (a file back from the device is at most 16 MiB): the summaries stay in prof.tgz
-mkdir -p "$P/traces" && mv "$P"/prof/trace-* "$P/traces/" 2>/dev/null
-(cd "$P" && tar czf "$OUT/traces.tgz" traces && rm -rf traces; tar czf prof.tgz prof && rm -rf prof)
-$B profile-table "$P/prof.tgz" > "$P/profile.md" 2>&1; cat "$P/profile.md"
+if [ -z "${SKIP_PROFILE:-}" ]; then
+  mkdir -p "$P/traces" && mv "$P"/prof/trace-* "$P/traces/" 2>/dev/null
+  (cd "$P" && tar czf "$OUT/traces.tgz" traces && rm -rf traces; tar czf prof.tgz prof && rm -rf prof)
+  $B profile-table "$P/prof.tgz" > "$P/profile.md" 2>&1; cat "$P/profile.md"
+else
+  rm -rf "$P/prof"
+fi
 
 # 6. what time is left: the 1B on 2 GPUs and tp, GPT-2 on 2
 fits 60 "1B on 2 GPUs" && sweep more "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp,fsdp-zero3 \
