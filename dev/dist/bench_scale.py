@@ -487,7 +487,8 @@ def goal_lines(cases: list[dict]) -> list[str]:
     for c in cases:
         if c["model"] == "llama-1b" and c["gpus"] == 4 and c["scaling_efficiency"] is not None:
             s = c["scaling_efficiency"]
-            out.append(f"1B {c['strategy']} scaling at 4 GPUs (same per-GPU batch) >= {GOALS['scaling_1b_4gpu']}: "
+            how = c["strategy"] + ("" if c["precision"] == "bf16" else f" ({c['precision']})")
+            out.append(f"1B {how} scaling at 4 GPUs (same per-GPU batch) >= {GOALS['scaling_1b_4gpu']}: "
                        f"{s:.2f} ({'met' if s >= GOALS['scaling_1b_4gpu'] else 'missed'})")
     # the anchor, not a goal: llm.c's GPT-2 124M on 8 H100s
     for c in cases:
