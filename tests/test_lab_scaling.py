@@ -44,7 +44,7 @@ def test_every_run_is_an_experiment_whose_overrides_are_its_flags(tmp_path):
 
 
 def test_a_run_that_cannot_run_is_refused_before_any_process(tmp_path, monkeypatch):
-    monkeypatch.setattr(scaling.subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
+    monkeypatch.setattr(subprocess, "Popen", lambda *a, **k: pytest.fail("a process started"))
     with pytest.raises(FasttrainError, match=r"^tiny\.1gpu, tiny\.ddp.*: --max-steps must be"):
         scaling.plan(["tiny"], 2, 0, ["ddp"])
     bad = scaling.Planned("1gpu", "tiny", 1, overrides={"dropout": 2.0})

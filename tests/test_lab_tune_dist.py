@@ -266,7 +266,7 @@ def test_run_bounded_stops_a_hung_process_and_its_children():
     code = ("import subprocess, sys, time; p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']);"
             " print(p.pid, flush=True); time.sleep(60)")
     t0 = time.perf_counter()
-    rc, out, took = S.run_bounded([sys.executable, "-c", code], 3.0)
+    rc, out, _, took = S.run_bounded([sys.executable, "-c", code], 3.0)
     assert rc is None and took < 3.0 + S.KILL_GRACE_S + 6 and time.perf_counter() - t0 < 25
     child = int(out.split()[0])
     time.sleep(0.5)

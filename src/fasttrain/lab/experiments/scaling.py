@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -248,27 +247,15 @@ def command_line(run: Planned, out_dir: Path) -> list[str]:
 
 
 def run_in_session(argv: list[str], env: dict, timeout_s: float) -> tuple[int, str, str]:
-    """``argv`` in a session of its own: (exit code, stdout, stderr). Past ``timeout_s`` the whole session
-    -- torchrun's agent and every worker it started -- gets SIGTERM, then SIGKILL, and TimeoutExpired is
-    raised: no worker outlives its run holding a GPU that the next run needs."""
-    proc = subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            start_new_session=True)
-    try:
-        stdout, stderr = proc.communicate(timeout=max(1.0, timeout_s))
-        return proc.returncode, stdout, stderr
-    except subprocess.TimeoutExpired:
-        stdout = stderr = ""
-        for sig, wait in ((signal.SIGTERM, 10.0), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                stdout, stderr = proc.communicate(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        raise subprocess.TimeoutExpired(argv, timeout_s, output=stdout, stderr=stderr) from None
+    """``argv`` in a session of its own: (exit code, stdout, stderr); past ``timeout_s`` the whole session --
+    torchrun's agent and every worker it started -- is stopped (the launcher's bounded run) and TimeoutExpired
+    raised."""
+    from fasttrain.lab.parallel.launch import run_bounded
+
+    code, stdout, stderr, _ = run_bounded(argv, timeout_s, env=env, merge_stderr=False)
+    if code is None:
+        raise subprocess.TimeoutExpired(argv, timeout_s, output=stdout, stderr=stderr)
+    return code, stdout, stderr
 
 
 def _finished_record(path: Path) -> bool:

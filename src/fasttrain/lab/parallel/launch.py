@@ -14,12 +14,47 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import signal
+import subprocess
+import time
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_config, check_model_fits, gpu_count,
                                        launched_by_torchrun, mesh_shape, multicast_off, resolve_batch,
                                                 validate_parallel)
+
+
+# SIGTERM first (torchrun's agent stops its workers), SIGKILL to the whole session this much later
+KILL_GRACE_S = 10.0
+
+
+def run_bounded(argv: list[str], limit_s: float, env: dict | None = None, cwd=None,
+                merge_stderr: bool = True) -> tuple[int | None, str, str, float]:
+    """Run ``argv`` in a session of its own for at most ``limit_s``: (exit code, or None when it was stopped;
+    its stdout; its stderr, or "" when merged into stdout; seconds). Stopped: SIGTERM to the session (torchrun's
+    agent stops its workers), SIGKILL to it ``KILL_GRACE_S`` later -- only the processes this call started, and
+    none of them left holding a GPU the next run needs."""
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT if merge_stderr else subprocess.PIPE, text=True, env=env,
+                            cwd=cwd, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=max(1.0, limit_s))
+        return proc.returncode, out, err or "", time.perf_counter() - t0
+    except subprocess.TimeoutExpired:
+        out = err = ""
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                out, err = proc.communicate(timeout=wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        return None, out or "", err or "", time.perf_counter() - t0
 
 
 # --- bad input, before any process starts ----------------------------------------------------------

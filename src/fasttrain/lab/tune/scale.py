@@ -29,25 +29,20 @@ for what the Trainer cannot express.
 from __future__ import annotations
 
 import json
-import os
 import shlex
-import signal
 import subprocess
 import sys
 import tempfile
-import time
-from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Callable
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import LabConfig
+from fasttrain.lab.parallel.launch import KILL_GRACE_S, run_bounded  # noqa: F401 - tune's probes are bounded runs
 from fasttrain.lab.tune.space import Probe, ScaleConfig
 
 # what a probe may take at most when the search gives it no time (no budget, nothing measured yet)
 PROBE_CEILING_S = 900.0
-# SIGTERM first (torchrun's agent stops its workers), SIGKILL to the whole session this much later
-KILL_GRACE_S = 10.0
 # the class a Trainer's FSDP wraps one unit of, per family (the fsdp_config and the accelerate file name it)
 LAYER_CLASSES = {"llama": "LlamaDecoderLayer", "gpt2": "GPT2Block", "mistral": "MistralDecoderLayer",
                  "qwen2": "Qwen2DecoderLayer", "qwen3": "Qwen3DecoderLayer", "gemma": "GemmaDecoderLayer",
@@ -101,30 +96,6 @@ def lab_argv(cfg: ScaleConfig) -> list[str]:
     return ["lab", *(["--preset", preset] if preset else []), *flags(settings), *cfg.parallel_flags()]
 
 
-def run_bounded(argv: list[str], limit_s: float, env: dict | None = None, cwd=None) -> tuple[int | None, str, float]:
-    """Run ``argv`` in a session of its own for at most ``limit_s``: (exit code, or None when it was stopped;
-    its output; seconds). Stopped: SIGTERM to the session (torchrun's agent stops its workers), SIGKILL to it
-    ``KILL_GRACE_S`` later -- only the processes this call started."""
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env, cwd=cwd,
-                            start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=max(1.0, limit_s))
-        return proc.returncode, out, time.perf_counter() - t0
-    except subprocess.TimeoutExpired:
-        for sig, wait in ((signal.SIGTERM, KILL_GRACE_S), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                out, _ = proc.communicate(timeout=wait)
-                break
-            except subprocess.TimeoutExpired:
-                out = ""
-        return None, out or "", time.perf_counter() - t0
-
-
 def _error_line(output: str, code: int | None) -> str:
     lines = [line.strip() for line in output.splitlines() if line.strip()]
     errors = [line for line in lines if line.startswith("error:")]
@@ -165,7 +136,7 @@ def torchrun_measure(*, python: str = sys.executable, env: dict | None = None, c
                     "--ddp-timeout", str(int(max(60, limit))), "--out", str(out), "--quiet"]
             if log:
                 log("probe: " + shlex.join(argv[2:]))
-            code, output, took = run_bounded(argv, limit, env=env)
+            code, output, _, took = run_bounded(argv, limit, env=env)
             if code is None:
                 return Probe(steps=steps, stopped=True, wall_s=took,
                              error=f"stopped after {took:.0f} s, past the {limit:.0f} s allowed")
