@@ -262,3 +262,21 @@ def test_hf_config_fields_are_checked_as_the_lab_checks_them(tmp_path, change, p
               "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 120, "max_position_embeddings": 64}
     (tmp_path / "config.json").write_text(json.dumps({**config, **change}))
     one_line_error(run("--hf-config", tmp_path), pattern)
+
+
+def test_recompute_layers_from_the_command_line(capsys):
+    """--recompute-layers k: the first k layers recompute (D22), between none and full; alone or out of range it
+    is one line."""
+    from tests_support import run_cli
+
+    totals = {}
+    for args in ([], ["--recompute", "full"], ["--recompute", "full", "--recompute-layers", "16"]):
+        code, out, err = run_cli(["memory", "--preset", "llama3-8b", "--micro-batch", "1", "--seq", "8192", "--json",
+                                  *args], capsys)
+        assert code == 0, err
+        totals[len(args)] = json.loads(out)["total"]
+    assert totals[2] < totals[4] < totals[0]
+    for args, message in ((["--recompute-layers", "16"], "goes with --recompute full"),
+                          (["--recompute", "full", "--recompute-layers", "40"], "between 0 .* and the 32 layers")):
+        code, _, err = run_cli(["memory", "--preset", "llama3-8b", *args], capsys)
+        assert code != 0 and len(err.strip().splitlines()) == 1 and re.search(message, err), err

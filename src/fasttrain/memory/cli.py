@@ -59,6 +59,8 @@ def _options(fn):
                      help="fp32, mixed (widget) or amp (PyTorch autocast, precise only)."),
         click.option("--seq-parallel", is_flag=True, help="Sequence parallelism."),
         click.option("--recompute", type=click.Choice(["none", "selective", "full"])),
+        click.option("--recompute-layers", type=int, help="precise, with --recompute full: only the first this many "
+                     "layers recompute, the rest keep their activations (the lab's --checkpoint-blocks)."),
         click.option("--zero", type=click.IntRange(0, 3), help="ZeRO stage 0..3 over --dp."),
         click.option("--ffn-act", type=click.Choice(["relu", "gelu", "swiglu"])),
         click.option("--attention", type=click.Choice(["eager", "flash", "sdpa"]),
@@ -180,8 +182,8 @@ def _setup_from_flags(opts: dict):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
     if opts.get("mixed"):
         changes["precision"] = "mixed"
-    for name in ("precision", "recompute", "zero", "ffn_act", "attention", "norm", "pos", "tied", "bias", "dropout",
-                 "optimizer", "workspace_mib"):
+    for name in ("precision", "recompute", "recompute_layers", "zero", "ffn_act", "attention", "norm", "pos", "tied",
+                 "bias", "dropout", "optimizer", "workspace_mib"):
         if opts.get(name) is not None:
             changes[name] = opts[name]
     for name in ("seq_parallel", "grad_buffers", "cuda_graphs"):
@@ -214,7 +216,7 @@ def _setup_from_hf_options(opts: dict):
     precision = "mixed" if opts.get("mixed") else (opts.get("precision") or "amp")
     if opts.get("mixed") and opts.get("precision") not in (None, "mixed"):
         raise FasttrainError(f"--mixed and --precision {opts['precision']} contradict each other; give one")
-    changes = {name: opts[name] for name in ("tp", "dp", "opt_bytes", "zero", "workspace_mib")
+    changes = {name: opts[name] for name in ("tp", "dp", "opt_bytes", "zero", "workspace_mib", "recompute_layers")
                if opts.get(name) is not None}
     for name in ("seq_parallel", "grad_buffers", "cuda_graphs"):
         if opts.get(name):

@@ -253,10 +253,10 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                              "(fully_shard resharding after the backward, or after the forward too)")
     if isinstance(setup.recompute_layers, bool) or not isinstance(setup.recompute_layers, int) \
             or not 0 <= setup.recompute_layers <= setup.layers:
-        raise FasttrainError(f"recompute_layers must be between 0 (every layer) and the {setup.layers} layers, "
+        raise FasttrainError(f"--recompute-layers must be between 0 (every layer) and the {setup.layers} layers, "
                              f"got {setup.recompute_layers!r}")
     if setup.recompute_layers and setup.recompute != "full":
-        raise FasttrainError(f"recompute_layers {setup.recompute_layers} counts the layers full recomputation "
+        raise FasttrainError(f"--recompute-layers {setup.recompute_layers} counts the layers full recomputation "
                              f"recomputes: it goes with --recompute full")
     if setup.reduce_dtype not in REDUCE_DTYPES:
         raise FasttrainError(f"reduce_dtype must be one of {', '.join(REDUCE_DTYPES)}, got {setup.reduce_dtype!r}")
