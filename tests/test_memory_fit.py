@@ -46,7 +46,7 @@ def test_rank_puts_what_fits_first_smallest_first():
     assert peaks["ddp", "full"] < peaks["ddp", "none"]
     # a GPU between two peaks: the choices below it first (smallest first), then those above
     limit = sorted(peaks.values())[4] + 1
-    rows = rank(setup, 2, limit, True)
+    rows = [r for r in rank(setup, 2, limit, True) if not r.blocks]     # (partial recomputation: the test below)
     assert [r.fits for r in rows] == [True] * 5 + [False] * 5
     assert [r.bytes for r in rows[:5]] == sorted(r.bytes for r in rows[:5])
     # one GPU: no strategy to choose
@@ -266,3 +266,24 @@ def test_the_gpu_rows_the_estimator_was_fixed_against(tmp_path, row):
         measured = probe["peak_mib"] * 2 ** 20
     predicted = per_gpu_peak(cfg, config["vocab_size"], world)
     assert abs(predicted - measured) <= 0.02 * measured, (predicted / 2 ** 20, measured / 2 ** 20)
+
+
+def test_rank_adds_the_fewest_recomputed_blocks_that_fit_and_keeps_strategies_apart():
+    """Where every block recomputed fits and none does not, the ranking adds the fewest first blocks that
+    recomputed fit (D22) with its lab flags; a ranking asked under FSDP still reads ddp, zero1 and tp as
+    themselves (they carried FSDP's layout before)."""
+    setup = setup_from_hf_config(LLAMA, micro_batch=8, seq=512, precision="amp")
+    peaks = {(r.strategy, r.recompute): r.bytes for r in rank(setup, 2, 1e12, True)}
+    limit = (peaks["fsdp", "full"] + peaks["fsdp", "none"]) / 2
+    rows = [r for r in rank(setup, 2, limit, True) if r.strategy == "fsdp"]
+    partial = [r for r in rows if r.blocks]
+    assert len(partial) == 1 and partial[0].fits and partial[0].recompute == "full"
+    k = partial[0].blocks
+    assert 1 <= k < 4 and peaks["fsdp", "full"] <= partial[0].bytes <= limit
+    fields = strategy_changes("fsdp", 2, True)
+    if k > 1:       # one block fewer would not fit
+        fewer = estimate(check(setup.with_(**fields, recompute="full", recompute_layers=k - 1)), "precise").total
+        assert fewer > limit
+    assert partial[0].to_dict()["lab_flags"] == f"--strategy fsdp --gradient-checkpointing full --checkpoint-blocks {k}"
+    under_fsdp = setup.with_(**strategy_changes("fsdp", 2, True))
+    assert {r.strategy for r in rank(under_fsdp, 2, 1e12, True) if r.bytes is None} == set()

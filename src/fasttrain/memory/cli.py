@@ -370,12 +370,17 @@ def _print_fits(fits: dict) -> None:
         table.add_column(col, justify=just)
     for r in fits["ranking"]:
         mark = "yes" if r["fits"] else ("no" if r["bytes"] is not None else f"cannot: {r['note']}")
-        table.add_row(r["strategy"], r["recompute"], "-" if r["bytes"] is None else format_gib(r["bytes"]), mark)
+        recompute = r["recompute"] + (f", the first {r['blocks']} blocks" if r.get("blocks") else "")
+        table.add_row(r["strategy"], recompute, "-" if r["bytes"] is None else format_gib(r["bytes"]), mark)
     out.print(table)
     best = next((r for r in fits["ranking"] if r["fits"]), None)
     out.print("none of them fits: lower --micro-batch or --seq, or use more GPUs" if best is None else
               f"smallest: fasttrain lab {best['lab_flags'] or '(no flags)'} on {n} GPU{'s' if n > 1 else ''} "
               f"({format_gib(best['bytes'])} of {gb:g} GB)", markup=False, highlight=False)
+    for r in (r for r in fits["ranking"] if r.get("blocks")):
+        out.print(f"{r['strategy']}, fewest recomputed blocks that fit: fasttrain lab {r['lab_flags']} "
+                  f"({format_gib(r['bytes'])}; each block not recomputed saves its forward again)",
+                  markup=False, highlight=False)
 
 
 @command.command("cost")
