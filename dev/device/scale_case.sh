@@ -10,6 +10,8 @@
 #   TUNE_FIXED="--strategies fsdp,fsdp-zero2" HF_NO_AC=1 OUT=out bash dev/device/scale_case.sh 300s
 #       (tune's own flags; default: full checkpointing fixed, every strategy searched; here two strategies, the checkpointing searched. HF_NO_AC=1: the Trainer
 #       with its best flags also without activation checkpointing, as a careful user tries where memory allows)
+#   HF_COMPILE=1: the Trainer with torch_compile and fused AdamW too (liger's patches and the Trainer's whole-model
+#       compile are measured apart: the careful user's search of its flags)
 #
 # Writes $OUT/scale-out.tgz (every file below, one archive: the device returns at most 8 files) and $OUT/log;
 # `python3 dev/dist/bench_scale.py report OUTDIR` turns the unpacked folder into results/dist/<machine>/.
@@ -38,6 +40,10 @@ fits 80 hf-users && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per
 fits 80 hf-flags && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" \
   --model $M --steps 6 --skip 2 --flags '{"use_liger_kernel": true, "optim": "adamw_torch_fused"}' \
   --out "$D/hf-flags-liger.json" > "$D/hf-flags-liger.log" 2>&1; tail -1 "$D/hf-flags-liger.log"
+# the Trainer's torch_compile (the whole model under FSDP2; minutes to compile an 8B): HF_COMPILE=1
+[ -n "${HF_COMPILE:-}" ] && fits 150 hf-flags-compile && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per-node "$N" \
+  dev/dist/bench_scale.py hf "$WORK" --model $M --steps 6 --skip 3 --flags '{"torch_compile": true, "optim": "adamw_torch_fused"}' \
+  --out "$D/hf-flags-compile.json" > "$D/hf-flags-compile.log" 2>&1; tail -1 "$D/hf-flags-compile.log"
 [ -n "${HF_NO_AC:-}" ] && fits 80 hf-flags-no-ac && timeout $(( $(left) - 5 )) torchrun --standalone --nproc-per-node "$N" \
   dev/dist/bench_scale.py hf "$WORK" --model $M --steps 6 --skip 2 --flags '{"use_liger_kernel": true, "optim": "adamw_torch_fused", "fsdp_config": {"version": 2, "activation_checkpointing": false, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}' \
   --out "$D/hf-flags-liger-no-ac.json" > "$D/hf-flags-liger-no-ac.log" 2>&1; tail -1 "$D/hf-flags-liger-no-ac.log"
