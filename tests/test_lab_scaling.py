@@ -248,3 +248,14 @@ def test_ddp_reducing_in_bf16_is_a_strategy_of_the_sweep_with_its_setting_in_the
     assert by["ddp-reduce-bf16"].launch[:2] == ("--strategy", "ddp")
     line = scaling.command_line(by["ddp-reduce-bf16"], Path("out"))
     assert line[line.index("--reduce-dtype") + 1] == "bf16"
+
+
+def test_hsdp_and_the_2d_mesh_are_strategies_of_the_sweep_checked_before_any_run():
+    runs = scaling.plan(["tiny"], 4, 3, ["hsdp-r2", "fsdp-tp2"], bf16=False, weak=())
+    by = {r.label: r for r in runs}
+    assert by["hsdp-r2"].launch[:4] == ("--strategy", "hsdp", "--dp-replicate", "2")
+    assert by["fsdp-tp2"].launch[:4] == ("--strategy", "fsdp", "--tp", "2")
+    assert by["fsdp-tp2"].parallel().tp == 2 and by["hsdp-r2"].parallel().dp_replicate == 2
+    # a 2-D mesh over 2 GPUs leaves one data-parallel rank for hsdp's two replicas: one line, before any run
+    with pytest.raises(FasttrainError, match="hsdp-r2"):
+        scaling.plan(["tiny"], 3, 3, ["hsdp-r2"], bf16=False, weak=())

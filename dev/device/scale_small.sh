@@ -10,7 +10,8 @@
 #   4. GPT-2 124M (micro-batch 16, seq 1024): ddp and fsdp-zero3 at the same per-GPU batch, ddp at the same global;
 #   5. char-100m in bf16 on 2 GPUs, one step profiled per side (1 GPU; FSDP reducing in fp32, in bf16; DDP): why
 #      its FSDP bf16 scaled at 0.63 (exposed communication, all-gather and reduce-scatter times, the wire dtype);
-#   6. what time is left: the 1B on 2 GPUs at the same per-GPU batch, tp on N, GPT-2 on 2.
+#   6. what time is left: the 1B on 2 GPUs at the same per-GPU batch, tp, hsdp and the 2-D mesh on N (same global
+#      batch), GPT-2 on 2.
 #
 # Every sweep is `fasttrain lab dist sweep` (one process tree per run, each run's launch checked before any
 # starts) with --time-limit (a run starts only while the time left holds the longest run of its GPU count) and
@@ -115,7 +116,7 @@ fi
 # 6. what time is left: the 1B on 2 GPUs and tp, GPT-2 on 2
 fits 60 "1B on 2 GPUs" && sweep more "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp,fsdp-zero3 \
   --weak all --no-strong
-fits 60 "1B tp" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies tp --weak none
+fits 60 "1B tp, hsdp, 2-D" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies tp,hsdp-r2,fsdp-tp2 --weak none
 fits 40 "GPT-2 on 2 GPUs" && sweep more "$LGPT" 16 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp \
   --weak all --no-strong
 

@@ -50,13 +50,19 @@ STRATEGY_FLAGS = {
     "fsdp-zero3": ["--strategy", "fsdp"],
     "tp": ["--strategy", "tp"],
     "ddp-reduce-bf16": ["--strategy", "ddp"],
+    "hsdp-r2": ["--strategy", "hsdp", "--dp-replicate", "2"],
+    "fsdp-tp2": ["--strategy", "fsdp", "--tp", "2"],
 }
 # a strategy's own settings beside its launch flags (LabConfig fields, so the checks and the estimate see them)
 STRATEGY_OVERRIDES = {"ddp-reduce-bf16": {"reduce_dtype": "bf16"}}
 
 
-STRATEGY_PARALLEL = {"ddp": ("ddp", True), "zero1": ("zero1", True), "fsdp-zero2": ("fsdp", False),
-                     "fsdp-zero3": ("fsdp", True), "tp": ("tp", True), "ddp-reduce-bf16": ("ddp", True)}      # (--strategy, reshard after forward)
+# each strategy's ParallelConfig fields (the launch's own checks run on them before any run starts)
+STRATEGY_PARALLEL = {"ddp": dict(strategy="ddp"), "zero1": dict(strategy="zero1"),
+                     "fsdp-zero2": dict(strategy="fsdp", reshard_after_forward=False),
+                     "fsdp-zero3": dict(strategy="fsdp"), "tp": dict(strategy="tp"),
+                     "ddp-reduce-bf16": dict(strategy="ddp"), "hsdp-r2": dict(strategy="hsdp", dp_replicate=2),
+                     "fsdp-tp2": dict(strategy="fsdp", tp=2)}
 WEAK = "-weak"                  # the label's suffix of a run at the same per-GPU batch
 
 
@@ -99,8 +105,7 @@ class Planned(Experiment):
         """The run's ParallelConfig (the checks a launch makes, made before the sweep starts any run)."""
         from fasttrain.lab.parallel.distributed import ParallelConfig
 
-        strategy, reshard = STRATEGY_PARALLEL[self.strategy]
-        return ParallelConfig(strategy=strategy, reshard_after_forward=reshard, global_batch_size=self.global_batch)
+        return ParallelConfig(**STRATEGY_PARALLEL[self.strategy], global_batch_size=self.global_batch)
 
     def shown(self) -> str:
         return self.name
@@ -170,7 +175,7 @@ def check_sweep(presets: str, strategies: str, nproc, steps: int, weak: str | No
             raise FasttrainError(f"--weak: {label!r} is not among --strategies ({', '.join(strategy_list)}); "
                                  f"name some of them, all or none")
     # tensor parallelism has one data-parallel rank: its per-GPU batch is the global batch, its one run both
-    return preset_list, strategy_list, counts, [w for w in weak_list if w != "tp"]
+    return preset_list, strategy_list, counts, [w for w in weak_list if w != "tp" and STRATEGY_PARALLEL[w].get("tp", 1) == 1]
 
 
 def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: bool = True,
@@ -341,7 +346,7 @@ def _dist_group():
     @click.option("--nproc-per-node", "nproc", default="2", show_default=True,
                   help="GPUs of the N-GPU runs: a count or a comma list (2,4: the 2-GPU runs on the first 2).")
     @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
-                  help="Comma-separated: ddp, zero1, fsdp-zero2, fsdp-zero3, tp.")
+                  help="Comma-separated: " + ", ".join(STRATEGY_FLAGS) + ".")
     @click.option("--weak", default=None, show_default="ddp",
                   help="Strategies also run at the one-GPU run's per-device batch on every GPU (the same per-GPU "
                        "batch): a comma list of --strategies, all or none.")
