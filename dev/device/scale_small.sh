@@ -116,7 +116,9 @@ fi
 # 6. what time is left: the 1B on 2 GPUs and tp, GPT-2 on 2
 fits 60 "1B on 2 GPUs" && sweep more "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp,fsdp-zero3 \
   --weak all --no-strong
-fits 60 "1B tp, hsdp, 2-D" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies tp,hsdp-r2,fsdp-tp2 --weak none
+# (hsdp's two replicas and the 2-D mesh's tp 2 need 4 ranks or more)
+MESHES=$([ "$N" -ge 4 ] && echo tp,hsdp-r2,fsdp-tp2 || echo tp)
+fits 60 "1B $MESHES" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies "$MESHES" --weak none
 fits 40 "GPT-2 on 2 GPUs" && sweep more "$LGPT" 16 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp \
   --weak all --no-strong
 
