@@ -437,3 +437,11 @@ def test_strategies_restricts_the_strategy_axis_and_bad_names_are_one_line(capsy
     code, _, err = run_cli(["tune", "--preset", "tiny", "--seq", "32", "--global-batch-tokens", "256",
                             "--strategies", "fsdp"], capsys)
     assert code != 0 and len(err.strip().splitlines()) == 1 and "add --nproc-per-node N" in err
+
+
+def test_a_pick_with_partial_checkpointing_and_ddps_bf16_reduction_runs_as_said_and_the_trainer_answer_names_both():
+    cfg = SP.scaled(base(gradient_checkpointing="full", checkpoint_blocks=2, reduce_dtype="bf16"), 4).with_(strategy="ddp")
+    argv = S.lab_argv(cfg)
+    assert argv[argv.index("--checkpoint-blocks") + 1] == "2" and argv[argv.index("--reduce-dtype") + 1] == "bf16"
+    said = S.answer(cfg, "hf:x", "llama", "fasttrain lab --model hf:x", {}, [])["trainer_cannot"]
+    assert "DDPCommunicationHookType.BF16" in said and "the first 2 blocks only" in said
