@@ -43,26 +43,15 @@ from fasttrain.lab.overrides import flags
 from fasttrain.lab.experiments.scaling_report import load_runs, markdown, plots, report, rows, write_csv  # noqa: F401 - the report beside it
 
 
-STRATEGY_FLAGS = {
-    "ddp": ["--strategy", "ddp"],
-    "zero1": ["--strategy", "zero1"],
-    "fsdp-zero2": ["--strategy", "fsdp", "--no-reshard-after-forward"],
-    "fsdp-zero3": ["--strategy", "fsdp"],
-    "tp": ["--strategy", "tp"],
-    "ddp-reduce-bf16": ["--strategy", "ddp"],
-    "hsdp-r2": ["--strategy", "hsdp", "--dp-replicate", "2"],
-    "fsdp-tp2": ["--strategy", "fsdp", "--tp", "2"],
-}
-# a strategy's own settings beside its launch flags (LabConfig fields, so the checks and the estimate see them)
-STRATEGY_OVERRIDES = {"ddp-reduce-bf16": {"reduce_dtype": "bf16"}}
-
-
-# each strategy's ParallelConfig fields (the launch's own checks run on them before any run starts)
+# each strategy of the sweep: its ParallelConfig fields (its launch flags, and the launch's own checks before
+# any run starts)
 STRATEGY_PARALLEL = {"ddp": dict(strategy="ddp"), "zero1": dict(strategy="zero1"),
                      "fsdp-zero2": dict(strategy="fsdp", reshard_after_forward=False),
                      "fsdp-zero3": dict(strategy="fsdp"), "tp": dict(strategy="tp"),
                      "ddp-reduce-bf16": dict(strategy="ddp"), "hsdp-r2": dict(strategy="hsdp", dp_replicate=2),
                      "fsdp-tp2": dict(strategy="fsdp", tp=2)}
+# a strategy's own settings beside its launch flags (LabConfig fields, so the checks and the estimate see them)
+STRATEGY_OVERRIDES = {"ddp-reduce-bf16": {"reduce_dtype": "bf16"}}
 WEAK = "-weak"                  # the label's suffix of a run at the same per-GPU batch
 
 
@@ -72,7 +61,7 @@ class Planned(Experiment):
     (with several GPU counts prefixed by the count: 2gpu-ddp, 4gpu-ddp-weak); ``preset`` the base's name (a
     preset's, or the sweep's ``--name`` for a base of lab flags); ``overrides`` of the base (LabConfig fields,
     passed as the lab's flags); ``compared_with`` the base's one-GPU run of its precision. ``nproc``: its
-    processes; ``strategy`` (a key of STRATEGY_FLAGS) and ``global_batch`` give the launcher's flags (not
+    processes; ``strategy`` (a key of STRATEGY_PARALLEL) and ``global_batch`` give the launcher's flags (not
     LabConfig fields); ``extra``: the caller's flags, passed to every run as given; ``base``: the settings of
     the lab flags the sweep was given (``--model hf:...`` and its data: no preset then)."""
 
@@ -99,7 +88,7 @@ class Planned(Experiment):
         if self.strategy is None:
             return ()
         size = ("--global-batch-size", str(self.global_batch)) if self.global_batch is not None else ()
-        return (*STRATEGY_FLAGS[self.strategy], *size)
+        return (*self.parallel().flags(), *size)
 
     def parallel(self):
         """The run's ParallelConfig (the checks a launch makes, made before the sweep starts any run)."""
@@ -160,10 +149,10 @@ def check_sweep(presets: str, strategies: str, nproc, steps: int, weak: str | No
         if name not in PRESETS:
             raise FasttrainError(f"--presets: unknown preset {name!r}; use some of {', '.join(PRESETS)}")
     if not strategy_list:
-        raise FasttrainError(f"--strategies is empty; name at least one of {', '.join(STRATEGY_FLAGS)}")
+        raise FasttrainError(f"--strategies is empty; name at least one of {', '.join(STRATEGY_PARALLEL)}")
     for label in strategy_list:
-        if label not in STRATEGY_FLAGS:
-            raise FasttrainError(f"--strategies: unknown strategy {label!r}; use some of {', '.join(STRATEGY_FLAGS)}")
+        if label not in STRATEGY_PARALLEL:
+            raise FasttrainError(f"--strategies: unknown strategy {label!r}; use some of {', '.join(STRATEGY_PARALLEL)}")
     counts = parse_counts(nproc)
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise FasttrainError(f"--max-steps must be a positive integer (every run trains that many steps), got {steps!r}")
@@ -174,8 +163,10 @@ def check_sweep(presets: str, strategies: str, nproc, steps: int, weak: str | No
         if label not in strategy_list:
             raise FasttrainError(f"--weak: {label!r} is not among --strategies ({', '.join(strategy_list)}); "
                                  f"name some of them, all or none")
-    # tensor parallelism has one data-parallel rank: its per-GPU batch is the global batch, its one run both
-    return preset_list, strategy_list, counts, [w for w in weak_list if w != "tp" and STRATEGY_PARALLEL[w].get("tp", 1) == 1]
+    # tensor parallelism shares each micro-batch between its ranks (tp alone: one data-parallel rank, its per-GPU
+    # batch the global batch, its one run both): no run at the same per-GPU batch for tp or the 2-D mesh
+    return preset_list, strategy_list, counts, [w for w in weak_list
+                                                if w != "tp" and STRATEGY_PARALLEL[w].get("tp", 1) == 1]
 
 
 def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: bool = True,
@@ -198,8 +189,8 @@ def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: boo
         raise FasttrainError("a sweep of --model hf:... needs --name (the records' file stem)")
     bases = [(name, None)] if hf_base else [(p, p) for p in presets]
     for label in strategies:
-        if label not in STRATEGY_FLAGS:
-            raise FasttrainError(f"unknown strategy {label!r}; use some of {', '.join(STRATEGY_FLAGS)}")
+        if label not in STRATEGY_PARALLEL:
+            raise FasttrainError(f"unknown strategy {label!r}; use some of {', '.join(STRATEGY_PARALLEL)}")
     out = []
     for shown, preset_name in bases:
         try:
@@ -215,7 +206,8 @@ def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: boo
             one_gpu = "1gpu-bf16" if label.endswith("bf16") else "1gpu"
             label = f"{n}gpu-{label}" if several and n > 1 else label
             return Planned(label, shown, n, strategy, global_batch, tuple(extra or ()), base,
-                           overrides={**common, **STRATEGY_OVERRIDES.get(strategy, {}), **overrides}, compared_with=None if label == one_gpu else one_gpu)
+                           overrides={**common, **STRATEGY_OVERRIDES.get(strategy, {}), **overrides},
+                           compared_with=None if label == one_gpu else one_gpu)
 
         out.append(run("1gpu", 1, {"per_device_train_batch_size": b}))
         for n in counts:
@@ -346,7 +338,7 @@ def _dist_group():
     @click.option("--nproc-per-node", "nproc", default="2", show_default=True,
                   help="GPUs of the N-GPU runs: a count or a comma list (2,4: the 2-GPU runs on the first 2).")
     @click.option("--strategies", default="ddp,zero1,fsdp-zero2,fsdp-zero3,tp", show_default=True,
-                  help="Comma-separated: " + ", ".join(STRATEGY_FLAGS) + ".")
+                  help="Comma-separated: " + ", ".join(STRATEGY_PARALLEL) + ".")
     @click.option("--weak", default=None, show_default="ddp",
                   help="Strategies also run at the one-GPU run's per-device batch on every GPU (the same per-GPU "
                        "batch): a comma list of --strategies, all or none.")

@@ -105,6 +105,19 @@ class ParallelConfig:
     def to_dict(self) -> dict:
         return dataclasses.asdict(self)
 
+    def flags(self) -> list[str]:
+        """``fasttrain lab``'s flags for this strategy and its shape (not the batch, backend or timeout)."""
+        flags = ["--strategy", self.strategy]
+        if self.strategy in FSDP_STRATEGIES and not self.reshard_after_forward:
+            flags.append("--no-reshard-after-forward")
+        if self.strategy != "tp" and self.tp > 1:
+            flags += ["--tp", str(self.tp)]
+        if self.strategy == "hsdp":
+            flags += ["--dp-replicate", str(self.dp_replicate)]
+        if self.offload_optimizer:
+            flags.append("--offload-optimizer")
+        return flags
+
     @property
     def label(self) -> str:
         return strategy_label(self.strategy, self.reshard_after_forward, self.tp, self.dp_replicate,

@@ -409,16 +409,7 @@ class ScaleConfig(LabConfig):
                      offload_optimizer=self.offload_optimizer)
 
     def parallel_flags(self) -> list[str]:
-        flags = ["--strategy", self.strategy]
-        if self.strategy in ("fsdp", "hsdp") and not self.reshard_after_forward:
-            flags.append("--no-reshard-after-forward")
-        if self.strategy != "tp" and self.tp > 1:
-            flags += ["--tp", str(self.tp)]
-        if self.strategy == "hsdp":
-            flags += ["--dp-replicate", str(self.dp_replicate)]
-        if self.offload_optimizer:
-            flags.append("--offload-optimizer")
-        return flags
+        return self.parallel().flags()
 
 def scaled(base: LabConfig, nproc: int) -> ScaleConfig:
     return ScaleConfig(**{f.name: getattr(base, f.name) for f in fields(LabConfig)}, nproc_per_node=nproc)
