@@ -390,11 +390,11 @@ def collect(out: Path, model: str) -> list[dict]:
 
 
 def _loss_deviation(mine: list[float], ref: list[float]) -> dict:
-    pairs = list(zip(ref, mine))
-    if not pairs:
-        return {"loss_max_abs_diff": None, "loss_max_rel_diff": None, "loss_steps": 0}
-    return {"loss_max_abs_diff": max(abs(a - b) for a, b in pairs),
-            "loss_max_rel_diff": max(abs(a - b) / abs(a) for a, b in pairs if a), "loss_steps": len(pairs)}
+    """The sweep report's comparison of two loss curves (each logged every step from the first)."""
+    from fasttrain.lab.experiments.scaling_report import loss_deviation
+
+    most, rel, steps = loss_deviation(dict(enumerate(mine)), dict(enumerate(ref)))
+    return {"loss_max_abs_diff": most, "loss_max_rel_diff": rel, "loss_steps": steps}
 
 
 def lab_cases(model: str, runs: list[tuple[str, dict]]) -> list[dict]:

@@ -53,6 +53,16 @@ def _peaks(record) -> list[int | None]:
     return [record["memory"]["peak_allocated_bytes"]]
 
 
+def loss_deviation(mine: dict, theirs: dict) -> tuple[float | None, float | None, int]:
+    """Two loss curves (step -> loss) over the steps both logged: the largest absolute and relative difference,
+    and how many steps were compared."""
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        return None, None, 0
+    return (max(abs(mine[s] - theirs[s]) for s in common),
+            max(abs(mine[s] - theirs[s]) / abs(theirs[s]) for s in common if theirs[s]), len(common))
+
+
 def rows(runs: dict[str, dict]) -> list[dict]:
     """One row per run: the numbers of the tables (MiB, tokens/s, efficiency, loss difference)."""
     out = []
@@ -82,12 +92,8 @@ def rows(runs: dict[str, dict]) -> list[dict]:
             same_batch = row["global_batch"] == (base["batch"]["per_device_train_batch_size"]
                                                  * base["batch"]["gradient_accumulation_steps"])
             if same_batch:
-                mine = {p["step"]: p["loss"] for p in rec["loss_curve"]}
-                theirs = {p["step"]: p["loss"] for p in base["loss_curve"]}
-                common = sorted(set(mine) & set(theirs))
-                if common:
-                    row["max_loss_diff"] = max(abs(mine[s] - theirs[s]) for s in common)
-                    row["max_rel_loss_diff"] = max(abs(mine[s] - theirs[s]) / abs(theirs[s]) for s in common)
+                row["max_loss_diff"], row["max_rel_loss_diff"], _ = loss_deviation(
+                    {p["step"]: p["loss"] for p in rec["loss_curve"]}, {p["step"]: p["loss"] for p in base["loss_curve"]})
         out.append(row)
     out.sort(key=lambda r: (r["preset"], _order(r["strategy"])))
     return out
