@@ -143,7 +143,8 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
     ``fixed``: LabConfig fields the user set; an axis touching one is not searched.
     ``liger_reason``: why liger cannot run (False: ask :func:`liger_support`).
     ``layers``: the model's blocks (partial checkpointing's choices: the first k of them recompute).
-    ``strategies``: the strategy axis' choices searched (None: every one; :func:`parse_strategies`)."""
+    ``strategies``: the names of the strategy axis' choices searched, as :func:`parse_strategies` gives them (None
+    or empty: every one)."""
     dropped: list[str] = []
     fixed = set(fixed)
     allow = parse_allow(allow)
@@ -243,7 +244,6 @@ def build_axes(base: LabConfig, *, cuda: bool, family: str | None = None, allow=
     if nproc > 1:
         axis, why = strategy_axis(nproc)
         if strategies:
-            parse_strategies(strategies, nproc)
             left = tuple(c for c in axis.choices if c[0] in strategies)
             dropped.append(f"strategy: {', '.join(c[0] for c in axis.choices if c[0] not in strategies)} left out "
                            f"(--strategies)")
