@@ -10,6 +10,7 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import HF_PREFIX, is_hf, LabConfig, missing_extra
+from fasttrain.lab.defaults import layer_count
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
@@ -216,7 +217,7 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
     if cfg.gradient_checkpointing == "selective":
         raise FasttrainError("--gradient-checkpointing selective recomputes the lab GPT's attention core; "
                              "transformers checkpoints whole decoder layers only: use --gradient-checkpointing full")
-    layers = getattr(config, "num_hidden_layers", None) or getattr(config, "n_layer", None)
+    layers = layer_count(config)
     if cfg.checkpoint_blocks and layers and cfg.checkpoint_blocks > layers:
         raise FasttrainError(f"--checkpoint-blocks {cfg.checkpoint_blocks}: {where} has {layers} decoder layers; "
                              f"give at most {layers} (0: every layer)")
