@@ -46,6 +46,8 @@ def approx_params(config) -> int:
     2 h f (an MLP) or 3 h f (a gated one: SiLU's gate, up and down), plus the embedding v h (twice when
     the output layer is not tied to it)."""
     h = _first(config, "hidden_size", "n_embd", "d_model") or 0
+    from fasttrain.lab.hf.config import layer_count
+
     layers = layer_count(config) or 0
     ffn = _first(config, "intermediate_size", "n_inner", "ffn_dim") or 4 * h
     vocab = _first(config, "vocab_size") or 0
@@ -54,14 +56,9 @@ def approx_params(config) -> int:
     return layers * (4 * h * h + (3 if gated else 2) * h * ffn) + vocab * h * (1 if tied else 2)
 
 
-def layer_count(config) -> int | None:
-    """A transformers config's decoder layers (an object, or config.json's dict), under the family's name for them."""
-    return _first(config, "num_hidden_layers", "n_layer", "num_layers")
-
-
 def _first(config, *names):
     for name in names:
-        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        value = getattr(config, name, None)
         if isinstance(value, int) and value > 0:
             return value
     return None

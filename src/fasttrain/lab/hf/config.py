@@ -10,7 +10,6 @@ from pathlib import Path
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import HF_PREFIX, is_hf, LabConfig, missing_extra
-from fasttrain.lab.defaults import layer_count
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
 from fasttrain.lab.hf.liger import _liger_version, liger_families
 
@@ -181,6 +180,15 @@ def _ties(model, name: str) -> bool:
 
 def has_weights(folder: Path | None) -> bool:
     return folder is None or any((folder / name).is_file() for name in WEIGHT_FILES)
+
+
+def layer_count(config) -> int | None:
+    """A transformers config's decoder layers (an object, or config.json's dict), under the family's name for them."""
+    for name in ("num_hidden_layers", "n_layer", "num_layers"):
+        value = config.get(name) if isinstance(config, dict) else getattr(config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
 
 
 def max_positions(config) -> int | None:

@@ -18,7 +18,7 @@ from fasttrain.lab.tune.space import fixed_micro_batch, parse_allow, parse_budge
 def model_layers(base: LabConfig, hf_config: dict | None) -> int | None:
     """The model's blocks: a transformers config's layer count, or the lab GPT's --layers."""
     if hf_config is not None:
-        from fasttrain.lab.defaults import layer_count
+        from fasttrain.lab.hf.config import layer_count
 
         return layer_count(hf_config)
     return base.layers if base.model == "gpt" else None
