@@ -23,6 +23,8 @@
 # Writes $OUT/scale-small.tgz (everything under $OUT/scale: records, logs, sweep reports and plots, profile
 # summaries, results/dist/<machine>/ from `bench_scale.py report`) and $OUT/traces.tgz (rank 0's Chrome traces). A CPU check of the script's logic (timings mean nothing):
 #   DEVICE=cpu L1B=tiny-llama LGPT=tiny-llama PRESET=tiny NPROC=2 SKIP_TESTS=1 OUT=/tmp/s bash dev/device/scale_small.sh
+# PHASES (default: all of tests,weak,strong,gpt2,char,more,meshes,gpt2-2) names the parts to run: the numbers above,
+# 2b with weak, 6 as more (the 1B on 2), meshes and gpt2-2.
 # SKIP_TESTS=1 and SKIP_PROFILE=1 leave out the gpu tests and the profiles (measured in an earlier call): the
 # sweeps get the call's time.
 set -uo pipefail
@@ -40,6 +42,8 @@ fits() { if [ "$(left)" -lt "$1" ]; then echo "skipped $2: needs about $1 s, $(l
 # limit RESERVE: a sweep's --time-limit, keeping RESERVE seconds for the phases after it
 limit() { local l=$(( $(left) - $1 )); echo $(( l > 1 ? l : 1 )); }
 B="python3 dev/dist/bench_scale.py"
+# has PHASE: whether PHASES names it
+has() { [[ ",${PHASES:-tests,weak,strong,gpt2,char,more,meshes,gpt2-2}," == *",$1,"* ]]; }
 PROFILE_S=$([ -n "${SKIP_PROFILE:-}" ] && echo 0 || echo 110); REPORT_S=15
 mkdir -p "$R/$L1B/sweep" "$R/$LGPT/sweep" "$R/$PRESET/prof"
 {
@@ -62,16 +66,16 @@ sweep() {
 }
 
 # 1. the distributed gpu tests
-[ -z "${SKIP_TESTS:-}" ] && fits 100 "gpu tests" && timeout $(( $(left) < 130 ? $(left) - 10 : 120 )) python3 -m pytest \
+has tests && [ -z "${SKIP_TESTS:-}" ] && fits 100 "gpu tests" && timeout $(( $(left) < 130 ? $(left) - 10 : 120 )) python3 -m pytest \
   -q -p no:cacheprovider -m gpu tests/test_lab_distributed.py tests/test_lab_parallelize.py tests/test_lab_tune_dist.py \
   > "$R/gpu-tests.txt" 2>&1; tail -1 "$R/gpu-tests.txt" 2>/dev/null
 
 # 2. the 1B at the same per-GPU batch: 1 GPU, then every data-parallel strategy on N
-fits 60 "1B same per-GPU batch" && sweep weak "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
+has weak && fits 60 "1B same per-GPU batch" && sweep weak "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp,ddp-reduce-bf16,fsdp-zero3,zero1,fsdp-zero2 --weak all --no-strong
 # 2b. one step of the 1B's DDP on N GPUs profiled: what the scaling loses (the all-reduce left exposed after the
 # backward, NCCL's kernels taking SMs from the GEMMs beside them); the Chrome trace dropped (the summary holds it)
-if [ -z "${SKIP_PROFILE:-}" ] && fits 50 "1B ddp profile"; then
+if has weak && [ -z "${SKIP_PROFILE:-}" ] && fits 50 "1B ddp profile"; then
   timeout $(( $(left) < 80 ? $(left) - 5 : 75 )) torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py \
     lab-profile "$WORK" --model "$L1B" --micro-batch 4 --side ddp --steps 10 --skip 6 --profile "$R/$L1B/prof" \
     --out "$R/$L1B/profile-ddp.json" -- --strategy ddp --timing-warmup-steps 4 --quiet > "$R/$L1B/profile-ddp.log" 2>&1
@@ -79,12 +83,12 @@ if [ -z "${SKIP_PROFILE:-}" ] && fits 50 "1B ddp profile"; then
   $B profile-table "$R/$L1B/prof"/profile-ddp-rank0.json > "$R/$L1B/profile-ddp.md" 2>&1; head -30 "$R/$L1B/profile-ddp.md"
 fi
 # 3. the 1B at the 1-GPU run's global batch (4 sequences: one a GPU on 4): the loss curves against 1 GPU
-fits 60 "1B same global batch" && sweep strong "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
+has strong && fits 60 "1B same global batch" && sweep strong "$L1B" 4 "$(limit $(( 40 + PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp,fsdp-zero3 --weak none
 # 4. GPT-2 124M: same per-GPU batch, then ddp at the same global batch
-fits 50 "GPT-2 same per-GPU batch" && sweep weak "$LGPT" 16 "$(limit $(( PROFILE_S + REPORT_S )))" \
+has gpt2 && fits 50 "GPT-2 same per-GPU batch" && sweep weak "$LGPT" 16 "$(limit $(( PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp,fsdp-zero3 --weak all --no-strong
-fits 40 "GPT-2 same global batch" && sweep strong "$LGPT" 16 "$(limit $(( PROFILE_S + REPORT_S )))" \
+has gpt2 && fits 40 "GPT-2 same global batch" && sweep strong "$LGPT" 16 "$(limit $(( PROFILE_S + REPORT_S )))" \
   --nproc-per-node "$N" --strategies ddp --weak none
 
 # 5. char-100m bf16 on 2 GPUs at the preset's global batch (16: 8 a GPU), as the lab's sweep ran it, one step profiled
@@ -92,7 +96,7 @@ P="$R/$PRESET"
 LAB="--bf16 --dropout 0 --eval-interval 0 --eval-tokens 16384 --log-interval 1 --timing-warmup-steps $WARM --quiet --device $DEVICE"
 side() {   # side NAME NPROC [LAB FLAGS]: one profiled run, its record lab-<NPROC>gpu-<NAME>.json
   local name=$1 n=$2; shift 2
-  [ -z "${SKIP_PROFILE:-}" ] || return
+  has char && [ -z "${SKIP_PROFILE:-}" ] || return
   fits 35 "profile $name" || return
   local run=(python3); [ "$n" -gt 1 ] && run=(torchrun --standalone --nproc-per-node "$n")
   timeout $(( $(left) < 100 ? $(left) - 5 : 95 )) "${run[@]}" dev/dist/bench_scale.py lab-profile "$WORK" --preset "$PRESET" \
@@ -105,7 +109,7 @@ side bf16 1 --per-device-train-batch-size 16
 side fsdp-reduce-bf16 2 --strategy fsdp --global-batch-size 16 --reduce-dtype bf16
 side ddp 2 --strategy ddp --global-batch-size 16
 # the Chrome traces apart (a file back from the device is at most 16 MiB): the summaries stay in prof.tgz
-if [ -z "${SKIP_PROFILE:-}" ]; then
+if has char && [ -z "${SKIP_PROFILE:-}" ]; then
   mkdir -p "$P/traces" && mv "$P"/prof/trace-* "$P/traces/" 2>/dev/null
   (cd "$P" && tar czf "$OUT/traces.tgz" traces && rm -rf traces; tar czf prof.tgz prof && rm -rf prof)
   $B profile-table "$P/prof.tgz" > "$P/profile.md" 2>&1; cat "$P/profile.md"
@@ -114,12 +118,12 @@ else
 fi
 
 # 6. what time is left: the 1B on 2 GPUs and tp, GPT-2 on 2
-fits 60 "1B on 2 GPUs" && sweep more "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp,fsdp-zero3 \
+has more && fits 60 "1B on 2 GPUs" && sweep more "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp,fsdp-zero3 \
   --weak all --no-strong
 # (hsdp's two replicas and the 2-D mesh's tp 2 need 4 ranks or more)
 MESHES=$([ "$N" -ge 4 ] && echo tp,hsdp-r2,fsdp-tp2 || echo tp)
-fits 60 "1B $MESHES" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies "$MESHES" --weak none
-fits 40 "GPT-2 on 2 GPUs" && sweep more "$LGPT" 16 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp \
+has meshes && fits 60 "1B $MESHES" && sweep tp "$L1B" 4 "$(limit "$REPORT_S")" --nproc-per-node "$N" --strategies "$MESHES" --weak none
+has gpt2-2 && fits 40 "GPT-2 on 2 GPUs" && sweep more "$LGPT" 16 "$(limit "$REPORT_S")" --nproc-per-node 2 --strategies ddp \
   --weak all --no-strong
 
 $B report "$R" --results "$R/results" --command "NPROC=$N OUT=\$OUT bash dev/device/scale_small.sh"
