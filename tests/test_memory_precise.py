@@ -91,6 +91,47 @@ def test_d7_vocabulary_parallel_logits_without_sequence_parallelism():
     assert logp.bytes == 4 * 16 * 64 / 2
 
 
+def test_d23_the_vocabulary_split_or_whole_under_tensor_parallelism():
+    """D23: the embedding, the output layer and the logits are each split t ways (ceil(v / t)) only where
+    ``vocab_split`` names them; whole (v) on every rank otherwise: parameters, gradients, optimizer state, the bf16
+    head copy, the log-probabilities and the loss's backward. Megatron's layout (all three) is the default."""
+    from fasttrain.errors import FasttrainError
+    from fasttrain.memory.config import VOCAB_SPLITS, check
+
+    s = SMALL.with_(kv_heads=4, vocab=51, tp=4)
+    N, h, v, v4 = 16, 16, 51, 13
+    assert s.vocab_split == VOCAB_SPLITS
+    split, whole, head_only = (param_counts(s.with_(vocab_split=x)) for x in (VOCAB_SPLITS, (), ("embedding", "head")))
+    assert (split["embed"], split["head"]) == (v4 * h, v4 * h)
+    assert (whole["embed"], whole["head"]) == (v * h, v * h)
+    assert (head_only["embed"], head_only["head"]) == (v4 * h, v4 * h)
+    assert whole["total"] - split["total"] == 2 * (v - v4) * h
+    assert (dims(s)["v_l"], dims(s.with_(vocab_split=("embedding", "head")))["v_l"]) == (v4, v)
+
+    def output(b, name):
+        return next(c.bytes for c in b.line("activations at the end of forward").children if c.name == name)
+    for x, rows, cols in ((VOCAB_SPLITS, v4, v4), ((), v, v), (("embedding", "head"), v4, v)):
+        b = estimate(s.with_(vocab_split=x))
+        n = param_counts(s.with_(vocab_split=x))["total"]
+        assert b.line("parameters").bytes == 4 * n and b.line("optimizer").bytes == 8 * n
+        assert output(b, "output: log probs") == 4 * N * cols
+        loss_back = next(m for m in b.extra["moments"] if m["name"] == "backward: log-softmax")["transient"]
+        assert loss_back == 8 * N * cols                                  # two fp32 logits-sized gradients (D9)
+        amp = estimate(s.with_(vocab_split=x, precision="amp"))
+        assert output(amp, "output: head weight copy") == 2 * rows * h
+    # tied: one matrix, split both ways or neither; split logits need a split output layer
+    tied = s.with_(tied=True, vocab_split=())
+    assert param_counts(tied)["embed"] == v * h and param_counts(tied)["head"] == 0
+    for bad, text in ((dict(tied=True, vocab_split=("embedding",)), "tied embeddings are one matrix"),
+                      (dict(vocab_split=("embedding", "logits")), "split logits come from a split output layer"),
+                      (dict(vocab_split=("vocab",)), "vocab_split must be distinct names")):
+        with pytest.raises(FasttrainError, match=text):
+            check(s.with_(**bad))
+    # one rank: nothing to split, the same estimate whatever the field says
+    one = SMALL.with_(vocab=51)
+    assert estimate(one.with_(vocab_split=())).total == estimate(one).total
+
+
 def test_d8_activation_dtypes_under_autocast():
     fp32, amp = layer_terms(SMALL), layer_terms(SMALL.with_(precision="amp"))
     N, h = 16, 16

@@ -24,6 +24,8 @@ def lab_setup(cfg: LabConfig, vocab: int = 65):
     modelled, lab/hf.py). Optimizer kind, LoRA's frozen base and the soft prompt are modelled.
     ``compiled`` records the torch.compile scope; the estimator leaves the lab's GPT as eager (its
     compiled runs measure within about 1% of that); ``cuda_graphs``, CUDA graphs' pool (memory.precise D20).
+    ``vocab_split`` empty: the GPT's tensor parallelism (``parallel/distributed.py``) splits the blocks only, its
+    embedding, output layer and loss stay whole on every rank (memory.precise D23).
     """
     from fasttrain.memory.config import Setup
 
@@ -39,7 +41,7 @@ def lab_setup(cfg: LabConfig, vocab: int = 65):
         attention="flash" if cfg.attn_implementation == "sdpa" else "eager",
         optimizer="fused" if cfg.optim == "adamw_torch_fused" else "foreach",
         grad_buffers=cfg.gradient_accumulation_steps > 1, compiled=compiled_scope(cfg),
-        cuda_graphs=cuda_graphs_of(cfg))
+        cuda_graphs=cuda_graphs_of(cfg), vocab_split=())
 
 
 def estimate_notes(cfg: LabConfig) -> list[str]:

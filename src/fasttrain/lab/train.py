@@ -455,9 +455,9 @@ def _estimate_for(cfg, trainer, vocab, peak, world) -> dict:
         return {"precise_bytes": None, "error": f"the estimator has no memory model of {lab_model.name}"}
     out = _estimate(cfg, vocab, peak, parallel=parallel, setup=setup)
     if world.strategy == "tp" and "notes" in out:
-        # lab/hf.py splits by the family's plan, which differs from the estimator's Megatron layout
+        # lab/hf.py splits by the family's plan, not Megatron's layout; the estimate follows it (Setup.vocab_split)
         out["notes"] = [*out["notes"], "tp of a HF model: lm_head's logits are gathered whole (B, T, V) on every "
-                        "rank and a tied embedding stays whole; the estimator counts V/t of each (not modelled)"]
+                        "rank and a tied embedding stays whole; counted so (vocab_split, memory.precise D23)"]
     return out
 
 

@@ -65,6 +65,11 @@ COMPILED = ("none", "model", "blocks")
 # liger-kernel's patches of a transformers model (precise only; what each keeps: hf_activations.py): its RMSNorm,
 # RoPE, gated MLP (SwiGLU; Gemma's GeGLU) and fused linear cross-entropy (the logits never materialized)
 LIGER_KERNELS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
+# the vocabulary-sized tensors tensor parallelism can split t ways (precise only, D23): the embedding's rows, the
+# output layer's rows and the logits (a vocabulary-parallel cross-entropy). Megatron's layout splits all three
+# (the default); a transformers model's plan gathers the logits whole on every rank and keeps a tied embedding
+# whole (hf_config.vocab_split_of); the lab's GPT splits none
+VOCAB_SPLITS = ("embedding", "head", "logits")
 
 
 @dataclass(frozen=True)
@@ -128,6 +133,9 @@ class Setup:
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
     liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
     cuda_graphs: bool = False       # the compiled code captured as CUDA graphs, their private memory pool (precise.D20)
+    # under tensor parallelism t, which vocabulary-sized tensors are split t ways (among VOCAB_SPLITS; precise.D23):
+    # the default is Megatron's layout; () keeps the embedding, the output layer and the logits whole on every rank
+    vocab_split: tuple = VOCAB_SPLITS
 
     @property
     def g(self) -> int:
@@ -158,6 +166,7 @@ class Setup:
         out["kv_heads"] = self.g
         out["lora_targets"] = list(self.lora_targets)
         out["liger"] = list(self.liger)
+        out["vocab_split"] = list(self.vocab_split)
         return out
 
 
@@ -230,6 +239,7 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
         raise FasttrainError("cuda_graphs are torch.compile's (reduce-overhead, the cudagraphs backend): give the "
                              "compiled scope too (--compiled model or blocks)")
     _check_liger(setup)
+    _check_vocab_split(setup)
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
                              f"pick --tp among the divisors of {setup.heads}")
@@ -274,6 +284,20 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
                              "the widget knows fp32 and --mixed")
     _check_training(setup, mode)
     return setup
+
+
+def _check_vocab_split(setup: Setup) -> None:
+    """``vocab_split``: distinct names among :data:`VOCAB_SPLITS`; split logits come from a split output layer (each
+    rank computes its rows' columns), and tied embeddings are one matrix, split both ways or neither."""
+    split = setup.vocab_split
+    if isinstance(split, str) or not isinstance(split, (tuple, list)) \
+            or not all(k in VOCAB_SPLITS for k in split) or len(set(split)) != len(split):
+        raise FasttrainError(f"vocab_split must be distinct names among {', '.join(VOCAB_SPLITS)}, got {split!r}")
+    if "logits" in split and "head" not in split:
+        raise FasttrainError("vocab_split: split logits come from a split output layer; add head or drop logits")
+    if setup.tied and ("embedding" in split) != ("head" in split):
+        raise FasttrainError("vocab_split: tied embeddings are one matrix, split as embedding and head both or "
+                             "neither")
 
 
 def _check_liger(setup: Setup) -> None:

@@ -15,7 +15,8 @@ which the lab's trainer also uses for a run it measured, through ``lab/parallel/
   fp32 shards / N, compute copies gathered per block (ZeRO-2 from a block's forward to its backward, ZeRO-3
   while it runs), each block's gradients reduce-scattered in the reduce dtype into fp32 shards / N; with
   ``--bf16`` FSDP's mixed-precision policy holds bf16 compute copies over fp32 shards, the estimator's ``mixed``;
-- ``tp``: t = N (the heads, the feed-forward and the vocabulary split N ways).
+- ``tp``: t = N (the heads and the feed-forward split N ways; the vocabulary as the setup's ``vocab_split`` says:
+  a transformers model's plan keeps its logits and a tied embedding whole, ``hf_config.vocab_split_of``; D23).
 
 Precision as the lab's flags give it: ``--bf16`` is autocast over fp32 weights (``amp``) except under
 FSDP (``mixed``, above); without it fp32.

@@ -236,7 +236,7 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         # eager attention's additive causal mask (b, 1, s, s) in the embeddings' dtype is made once per
         # forward; gradient checkpointing holds it (an argument of every layer) until the last recomputation
         once["causal mask (held by the checkpoints)"] = R * s.micro_batch * s.seq * s.seq
-    head.update(head_weight_copy=2 * D["v_l"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
+    head.update(head_weight_copy=2 * D["v_h"] * h if cast else 0, log_probs=4 * N * D["v_l"], labels=labels)
     first_core = _frozen(s, attn, mlp, once, head) if s.frozen else None
     out = {"attn": attn, "mlp": mlp, "once": once, "head": head, "norm": norm, "checkpoint": R * N * h,
            "first_norm1": None, "first_attn": 0, "first_core": first_core}
@@ -307,7 +307,7 @@ def _liger(s: Setup, t: dict) -> None:
     if "fused_linear_cross_entropy" in s.liger:
         # the gradients it computes in its forward, kept for its backward: nothing else of the head and the loss
         t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": R * N * h,
-                     "fused_CE_grad_weight": 0 if s.frozen else T["param"] * D["v_l"] * h}
+                     "fused_CE_grad_weight": 0 if s.frozen else T["param"] * D["v_h"] * h}
 
 def _frozen(s: Setup, attn: dict, mlp: dict, once: dict, head: dict):
     """The eager terms (edited in place) of a frozen base: peft's LoRA on ``s.lora_targets`` (the model's own

@@ -54,6 +54,8 @@ DEFAULT_LORA_TARGETS: dict[str, tuple[str, ...]] = {
     "gemma2": ("q_proj", "v_proj"), "gemma3_text": ("q_proj", "v_proj"), "olmo2": ("q_proj", "v_proj"),
     "gpt2": ("c_attn",), "phi3": ("qkv_proj",), "gpt_neox": ("query_key_value",),
 }
+# transformers' default ``pad_token_id`` per family (its configuration classes): the embedding's padding row
+_PAD_DEFAULT = {"llama": None, "mistral": None, "qwen2": None, "gemma": 0, "phi3": 32000, "gpt2": None}
 PRECISION_ALIASES = {"fp32": "fp32", "no": "fp32", "bf16": "amp", "fp16": "amp", "amp": "amp", "mixed": "mixed"}
 
 
@@ -185,6 +187,21 @@ def architecture(config) -> dict:
                 modules=MODULES_OF[model_type])
 
 
+def vocab_split_of(config) -> tuple:
+    """What of the vocabulary the lab's tensor parallelism of this transformers model splits (``Setup.vocab_split``,
+    D23), as ``lab/hf/tp_plan.py`` applies the family's plan: the output layer by ``lm_head: colwise_gather_output``
+    (its rows split, its logits all-gathered whole on every rank, so the loss is the one-process loss on every rank:
+    logits never split), the embedding vocabulary-parallel (``embedding_rowwise``) unless it has a padding row
+    (``pad_token_id``: the row index names the whole table), and with tied embeddings neither (one matrix cannot be
+    split two ways: both stay whole, a plain Linear and Embedding on every rank)."""
+    cfg = _as_dict(config)
+    model_type = cfg.get("model_type")
+    if cfg.get("tie_word_embeddings", _TIED_DEFAULT.get(model_type, False)):
+        return ()
+    pad = cfg.get("pad_token_id", _PAD_DEFAULT.get(model_type))
+    return ("head",) if pad is not None else ("embedding", "head")
+
+
 def max_positions(config) -> int | None:
     """The longest sequence the model takes (``max_position_embeddings`` / ``n_positions``), if given."""
     cfg = _as_dict(config)
@@ -248,6 +265,8 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
         changes["liger"] = LIGER_OF[model_type]
     elif liger:
         changes["liger"] = tuple(liger)
+    # (under tensor parallelism: the family's plan, not Megatron's layout; a field given in ``changes`` wins)
+    changes.setdefault("vocab_split", vocab_split_of(config))
     setup = Setup(**arch, micro_batch=micro_batch, seq=seq, precision=PRECISION_ALIASES[precision],
                   recompute=recompute, attention=ATTENTION_ALIASES[attention], optim=optim, optimizer=impl,
                   keep_logits=keep_logits, **changes)

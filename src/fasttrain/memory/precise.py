@@ -12,11 +12,11 @@ D3  Grouped-query attention: K and V projections are h x (g d), d = h / a.
 D4  Position embeddings only when learned (RoPE has none); biases and norm weights as the model
     has them (Llama: none, and h per RMSNorm).
 D5  Tensor parallelism shards weights, gradients and optimizer state: column/row-parallel matrices
-    and the vocabulary (padded to a multiple of t) / t; norms, row-parallel biases and position
+    and the vocabulary (padded to a multiple of t) / t (where split: D23); norms, row-parallel biases and position
     embeddings stay replicated. Key/value heads are replicated when t > g.
 D6  Sequence parallelism divides every activation by t, the attention scores too (Q8), and the
     layer inputs kept by full recomputation (Q10).
-D7  Vocabulary-parallel cross-entropy: logits / t with or without sequence parallelism (Q9).
+D7  Vocabulary-parallel cross-entropy: logits / t with or without sequence parallelism (Q9) (where split: D23).
 D8  Activations as the implementation keeps them: norm inputs in the residual dtype (fp32 under
     autocast) plus fp32 row statistics; softmax output in fp32 under autocast plus its bf16 copy;
     dropout masks only with dropout (Llama has none); K and V repeated to all heads in eager
@@ -87,6 +87,15 @@ D22 Partial recomputation (``recompute_layers`` k of L under ``full``): layers 1
     (D12), layers k+1..L all their activations. The backward meets the kept layers first and frees
     each before it reaches a recomputed one, so the recomputation's moments are D12's with fewer
     layers kept; the autocast cache (D12's bf16 weight copies) holds the k recomputed layers' copies.
+D23 The vocabulary under tensor parallelism (``vocab_split``, among embedding, head, logits): D5 and D7 are
+    Megatron's layout, the default, where all three are split t ways. Whatever is not split is whole on every
+    rank, v in place of ceil(v / t): the embedding's rows (its weight, gradient and optimizer state, and the tied
+    embedding's gradient sum), the output layer's rows (the same, and its autocast bf16 copy 2 v h), the logits'
+    columns (the logits C N v, their fp32 copy, the fp32 log-probabilities and the loss's backward, 8 N v). A
+    transformers model's plan (``hf_config.vocab_split_of``) splits the untied output layer's rows and gathers its
+    logits whole on every rank (``colwise_gather_output``: the loss is one process's), splits an untied embedding
+    without a padding row, and keeps tied embeddings whole; the lab's GPT splits none (its tensor parallelism
+    splits the blocks only).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP buckets;
 FSDP's: D21), HSDP's all-reduce buffer, activation offloading, fp8. The widget's ZeRO-3 adds two
@@ -489,7 +498,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     head_part = {
         "final_norm": lt["norm"] if not (lora_only and skipped_1 and "MLP" in skipped_1) else 0,
         "head_input": C * N_out * h / r if lt["keeps"]["head"] else 0,
-        "head_weight_copy": (2 * v_l * h) if T["cast"] else 0,
+        "head_weight_copy": (2 * D["v_h"] * h) if T["cast"] else 0,
         # fp32 and mixed: fp32 log-probabilities (kept by log_softmax and nll_loss alike). Autocast:
         # cross_entropy asks log_softmax for the logits' own dtype (bf16, kept) and autocast casts
         # that to fp32 for nll_loss, which keeps its input too.
@@ -505,7 +514,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         if lora_only and "MLP" in skipped_1:
             # LoRA on lm_head alone: nothing before the head needs a gradient; its B keeps A's output
             head_part.update(final_norm=0, head_weight_copy=0, lora=C * N_out * s.lora_rank
-                             + (2 * s.lora_rank * v_l if T["cast"] else 0))
+                             + (2 * s.lora_rank * D["v_h"] if T["cast"] else 0))
             emb_part -= hf["once"].get("RoPE cos and sin", 0)
     n_first = L if "MLP" in skipped_1 else 1
     # (recomputation: the checkpoint holds the layer's input, the first one's too -- but a compiled GPT-2's
@@ -633,7 +642,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # (a soft prompt cut from the output: a zero-padded s + P gradient)
         moments.append(("backward: output projection",
                         saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now, g_fresh),
-                        logits_c + C * N_out * h / r + (2 * v_l * h if T["cast"] else 0) + zero3 / 2
+                        logits_c + C * N_out * h / r + (2 * D["v_h"] * h if T["cast"] else 0) + zero3 / 2
                         + (C * nh if s.prompt_tokens and not hf else 0), gathered(L, 1)))
     saved = saved_all - sum(head_part.values()) + head_part["final_norm"]
     g_now += u * final_norm_g

@@ -12,15 +12,26 @@ from __future__ import annotations
 from fasttrain.memory.config import HF_LINEARS, Setup
 
 
+def vocab_rows(s: Setup, t: int | None = None) -> dict:
+    """The vocabulary's share on one rank of t (D23): ``embed`` rows of the embedding, ``head`` rows of the output
+    layer, ``logits`` columns of the logits. Split: ceil(v / t) (the vocabulary padded to a multiple of t, or the
+    first ranks' larger chunk); whole (not in ``s.vocab_split``): v."""
+    t = s.tp if t is None else t
+    share = lambda what: -(-s.vocab // t) if what in s.vocab_split else s.vocab
+    return {"embed": share("embedding"), "head": share("head"), "logits": share("logits")}
+
+
 def dims(s: Setup) -> dict:
-    """Per-rank sizes: local heads, widths and vocabulary under tensor parallelism t."""
+    """Per-rank sizes: local heads, widths and vocabulary under tensor parallelism t (``v_l``: the logits' columns,
+    ``v_h``: the output layer's rows, ``v_e``: the embedding's; D23)."""
     t = s.tp
     d = s.d
     g_local = s.g // t if s.g % t == 0 else 1          # KV heads replicated when t > g
+    v = vocab_rows(s, t)
     return {
         "t": t, "r": t if s.seq_parallel else 1, "d": d,
         "a_l": s.heads // t, "hl": (s.heads // t) * d, "kvl": g_local * d,
-        "f_l": s.ffn // t, "v_l": -(-s.vocab // t), "N": s.seq * s.micro_batch,
+        "f_l": s.ffn // t, "v_l": v["logits"], "v_h": v["head"], "v_e": v["embed"], "N": s.seq * s.micro_batch,
     }
 
 
@@ -49,7 +60,7 @@ def param_counts(s: Setup, t: int | None = None) -> dict:
     t = s.tp if t is None else t
     h, d, f = s.hidden, s.d, s.ffn // t
     hl, g_l = (s.heads // t) * d, (s.g // t if s.g % t == 0 else 1)
-    kvl, v_l = g_l * d, -(-s.vocab // t)
+    kvl, v = g_l * d, vocab_rows(s, t)
     n_up = 2 if s.ffn_act == "swiglu" else 1
     qkv_b, proj_b, mlp_b = biases(s)
     attn_w = h * (hl + 2 * kvl) + hl * h                         # fused QKV (column) + output (row)
@@ -58,9 +69,9 @@ def param_counts(s: Setup, t: int | None = None) -> dict:
     mlp_b = n_up * f + h if mlp_b else 0
     norm = h + (h if s.norm == "layer" and s.bias else 0)
     layer = attn_w + attn_b + mlp_w + mlp_b + 2 * norm
-    embed = v_l * h
+    embed = v["embed"] * h
     pos = (s.seq if s.positions is None else s.positions) * h if s.pos == "learned" else 0
-    head = 0 if s.tied else v_l * h
+    head = 0 if s.tied else v["head"] * h
     total = s.layers * layer + embed + pos + head + norm
     return {"attn_w": attn_w, "attn_b": attn_b, "mlp_w": mlp_w, "mlp_b": mlp_b, "norm": norm, "layer": layer,
             "embed": embed, "pos": pos, "head": head, "final_norm": norm, "total": total}
@@ -71,7 +82,7 @@ def linear_shapes(s: Setup) -> dict:
     D = dims(s)
     n_up = 2 if s.ffn_act == "swiglu" else 1
     return {"qkv": (D["hl"] + 2 * D["kvl"], s.hidden), "proj": (s.hidden, D["hl"]),
-            "up": (n_up * D["f_l"], s.hidden), "down": (s.hidden, D["f_l"]), "head": (D["v_l"], s.hidden)}
+            "up": (n_up * D["f_l"], s.hidden), "down": (s.hidden, D["f_l"]), "head": (D["v_h"], s.hidden)}
 
 
 def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
@@ -79,7 +90,7 @@ def param_shapes(s: Setup) -> list[tuple[str, tuple]]:
     h = s.hidden
     lin = linear_shapes(s)
     norm = [("weight", (h,))] + ([("bias", (h,))] if s.norm == "layer" and s.bias else [])
-    out = [("tok", (lin["head"][0], h))]
+    out = [("tok", (dims(s)["v_e"], h))]
     if s.pos == "learned":
         out.append(("pos", (s.seq if s.positions is None else s.positions, h)))
     has_bias = dict(zip(("qkv", "proj", "up"), biases(s)), down=biases(s)[2])
