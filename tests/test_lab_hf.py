@@ -1324,3 +1324,25 @@ def test_checkpoint_blocks_recomputes_the_first_blocks_only_and_trains_the_same(
     with pytest.raises(FasttrainError, match="--checkpoint-blocks 3: the .* model has 2 decoder layers"):
         check_hf_setup(cfg(gradient_checkpointing="full", checkpoint_blocks=3), load_hf_config(f"hf:{tmp_path}")[0],
                        None, "cpu")
+
+
+def test_the_memory_setup_follows_the_float8_flag():
+    """--float8 reaches the estimator's Setup of a transformers model (modelled, D24: its layers keep less); the
+    lab's GPT gets a note that it is counted as bf16."""
+    from fasttrain.lab.estimate import estimate_notes
+    from fasttrain.memory import estimate
+
+    llama = dict(model_type="llama", hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, vocab_size=120, max_position_embeddings=64)
+    setup_of = hf.memory_setup_for(llama)
+    cfg = LabConfig(context=32, per_device_train_batch_size=2, bf16=True, torch_compile=True,
+                    torch_compile_scope="blocks")
+    assert setup_of(cfg, 2).float8 == "none"
+    f8 = cfg.with_(float8="rowwise")
+    assert setup_of(f8, 2).float8 == "rowwise"
+    kept = lambda setup: estimate(setup, "precise").line("activations at the end of forward").bytes
+    assert kept(setup_of(f8, 2)) < kept(setup_of(cfg, 2))
+    # what the estimator does not model gives no estimate (a whole compiled model under float8)
+    assert setup_of(f8.with_(torch_compile_scope="model"), 2) is None
+    assert not any("float8" in n for n in estimate_notes(f8.with_(model="hf:some/folder")))
+    assert any("float8" in n and "counted as bf16" in n for n in estimate_notes(f8))

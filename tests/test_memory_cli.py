@@ -280,3 +280,19 @@ def test_recompute_layers_from_the_command_line(capsys):
                           (["--recompute", "full", "--recompute-layers", "40"], "between 0 .* and the 32 layers")):
         code, _, err = run_cli(["memory", "--preset", "llama3-8b", *args], capsys)
         assert code != 0 and len(err.strip().splitlines()) == 1 and re.search(message, err), err
+
+
+def test_float8_flag_estimates_a_transformers_model_s_float8_layers(tmp_path):
+    """--float8 with --hf-config: the setup says it and the layers keep less (D24); beside a preset (the lab's
+    GPT), one line that says to give --hf-config."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(dict(model_type="llama", vocab_size=512, hidden_size=256, intermediate_size=1024,
+                                    num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2,
+                                    max_position_embeddings=256)))
+    base = ("--hf-config", str(path), "--micro-batch", "2", "--seq", "256", "--compiled", "blocks", "--json")
+    plain, f8 = run(*base), run(*base, "--float8", "tensorwise")
+    assert plain.returncode == 0 and f8.returncode == 0, f8.stderr
+    plain, f8 = json.loads(plain.stdout), json.loads(f8.stdout)
+    assert f8["setup"]["float8"] == "tensorwise" and plain["setup"]["float8"] == "none"
+    assert f8["total"] < plain["total"]
+    one_line_error(run("--preset", "val-gpt", "--float8", "rowwise"), "--hf-config")

@@ -56,6 +56,9 @@ def estimate_notes(cfg: LabConfig) -> list[str]:
         notes.append("liger: the fused linear cross-entropy never materializes the logits (not modelled)")
     if cfg.torch_compile and model_source(cfg) == "gpt":
         notes.append("torch.compile: the lab's GPT counted as eager (its compiled runs measure within about 1%)")
+    if cfg.float8 != "none" and model_source(cfg) == "gpt":
+        # a transformers model's float8 layers are modelled (Setup.float8, memory.precise D24)
+        notes.append("float8: the lab's GPT counted as bf16 (torchao's float8 layers not modelled for it)")
     if cfg.fp16:
         notes.append("fp16 counted as bf16 autocast (same bytes)")
     return notes

@@ -48,6 +48,8 @@ def _options(fn):
                      "through backward."),
         click.option("--compiled", type=click.Choice(["none", "model", "blocks"]), help="precise, --hf-config: "
                      "torch.compile of the whole model (the loss inside) or of each decoder layer (default none)."),
+        click.option("--float8", type=click.Choice(["none", "tensorwise", "rowwise"]), help="precise, --hf-config: "
+                     "torchao's float8 training of the layers' Linear layers (the lab's --float8; default none)."),
         click.option("--cuda-graphs", is_flag=True, help="precise, with --compiled: the compiled code captured as CUDA "
                      "graphs (--torch-compile-mode reduce-overhead, the cudagraphs backend), whose private memory pool "
                      "peaks apart from the rest."),
@@ -174,6 +176,9 @@ def _setup_from_flags(opts: dict):
     if opts.get("compiled") not in (None, "none"):
         raise FasttrainError("--compiled is modelled for a transformers model (--hf-config); the lab's GPT compiled "
                              "keeps what it keeps eager (within about 1%): drop --compiled")
+    if opts.get("float8") not in (None, "none"):
+        raise FasttrainError("--float8 is modelled for a transformers model (--hf-config), not for the lab's GPT; "
+                             "give --hf-config or drop --float8")
     if opts.get("liger"):
         raise FasttrainError("--liger is modelled for a transformers model (--hf-config), not for the lab's GPT; "
                              "give --hf-config or drop --liger")
@@ -230,7 +235,7 @@ def _setup_from_hf_options(opts: dict):
     setup = setup_from_hf_config(config, micro_batch=micro_batch, seq=opts.get("seq"),
                                  precision=precision, recompute=opts.get("recompute") or "none", attention=attention,
                                  keep_logits=bool(opts.get("keep_logits")), compiled=opts.get("compiled") or "none",
-                                 liger=bool(opts.get("liger")), **changes)
+                                 liger=bool(opts.get("liger")), float8=opts.get("float8") or "none", **changes)
     return check(setup, "precise")
 
 
@@ -284,7 +289,8 @@ def _print_breakdown(b) -> None:
              + (f" · {s.prompt_tokens} prompt tokens" if s.prompt_tokens else "")
              + (f" · {s.modules} d={s.d} · {s.attention}" if s.modules != "lab" else "")
              + (f" · compiled ({s.compiled})" if s.compiled != "none" and s.modules != "lab" else "")
-             + (" · CUDA graphs" if s.cuda_graphs else ""))
+             + (" · CUDA graphs" if s.cuda_graphs else "")
+             + (f" · float8 ({s.float8})" if s.float8 != "none" else ""))
     table = Table(title=title, title_justify="left")
     for col, just in (("", "left"), ("bytes", "right"), ("share", "right"), ("note", "left")):
         table.add_column(col, justify=just)

@@ -62,6 +62,9 @@ MODES = ("playbook", "precise")
 # torch.compile of a transformers model (precise only): none = eager; model = the whole module one graph (the loss
 # inside it); blocks = each decoder layer compiled alone (embeddings, head and loss eager). See hf_activations.py.
 COMPILED = ("none", "model", "blocks")
+# torchao's float8 training of a transformers model's decoder-layer Linear layers (``convert_to_float8_training``, the
+# lab's ``--float8``; precise only, D24): none, or the recipe's scaling (per tensor, per row)
+FLOAT8 = ("none", "tensorwise", "rowwise")
 # liger-kernel's patches of a transformers model (precise only; what each keeps: hf_activations.py): its RMSNorm,
 # RoPE, gated MLP (SwiGLU; Gemma's GeGLU) and fused linear cross-entropy (the logits never materialized)
 LIGER_KERNELS = ("rms_norm", "rope", "glu", "fused_linear_cross_entropy")
@@ -132,6 +135,7 @@ class Setup:
     keep_logits: bool = False       # the trainer holds the model's output (its logits) through backward
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
     liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
+    float8: str = "none"            # torchao's float8 training of the layers' Linears (one of FLOAT8; precise.D24)
     cuda_graphs: bool = False       # the compiled code captured as CUDA graphs, their private memory pool (precise.D20)
     # under tensor parallelism t, which vocabulary-sized tensors are split t ways (among VOCAB_SPLITS; precise.D23):
     # the default is Megatron's layout; () keeps the embedding, the output layer and the logits whole on every rank
@@ -239,6 +243,7 @@ def check(setup: Setup, mode: str = "precise") -> Setup:
         raise FasttrainError("cuda_graphs are torch.compile's (reduce-overhead, the cudagraphs backend): give the "
                              "compiled scope too (--compiled model or blocks)")
     _check_liger(setup)
+    _check_float8(setup)
     _check_vocab_split(setup)
     if setup.heads % setup.tp:
         raise FasttrainError(f"tensor parallelism t={setup.tp} must divide the heads ({setup.heads}); "
@@ -298,6 +303,39 @@ def _check_vocab_split(setup: Setup) -> None:
     if setup.tied and ("embedding" in split) != ("head" in split):
         raise FasttrainError("vocab_split: tied embeddings are one matrix, split as embedding and head both or "
                              "neither")
+
+
+def _check_float8(setup: Setup) -> None:
+    """``float8``: modelled (D24) for a transformers model's layers, eager or compiled one by one, under bf16
+    autocast or bf16 weights, every layer's Linear converted (the lab converts those whose features are multiples
+    of 16: float8 GEMMs need them), one tensor-parallel rank; refused otherwise, with what to drop."""
+    f8 = setup.float8
+    if f8 not in FLOAT8:
+        raise FasttrainError(f"float8 must be one of {', '.join(FLOAT8)}, got {f8!r}")
+    if f8 == "none":
+        return
+    if setup.modules == "lab":
+        raise FasttrainError("float8 is modelled for a transformers model's layers (--hf-config), not the lab's GPT; "
+                             "drop float8")
+    if setup.precision == "fp32":
+        raise FasttrainError("float8 is modelled under bf16 autocast or bf16 weights (precision amp or mixed); "
+                             "drop float8 or pick one")
+    if setup.compiled == "model":
+        raise FasttrainError("float8 is modelled with eager or per-block compiled layers (compiled none or blocks), "
+                             "not a whole compiled model")
+    if set(setup.liger) & {"rms_norm", "glu"} and setup.compiled != "none":
+        raise FasttrainError("float8 beside liger's RMSNorm or SwiGLU inside compiled layers is not modelled; "
+                             "keep liger's fused cross-entropy alone")
+    if setup.frozen:
+        raise FasttrainError("float8 with LoRA or a soft prompt (a frozen base) is not modelled; drop float8")
+    if setup.tp > 1:
+        raise FasttrainError("float8 is modelled on one tensor-parallel rank (the lab refuses it with tensor "
+                             "parallelism)")
+    d = setup.d
+    if setup.modules != "hf-gpt2" and any(n % 16 for n in (setup.hidden, setup.ffn, setup.heads * d, setup.g * d)):
+        raise FasttrainError(f"float8 converts only Linear layers whose features are multiples of 16; hidden "
+                             f"{setup.hidden}, ffn {setup.ffn}, q {setup.heads * d}, k/v {setup.g * d} leave some "
+                             f"in bf16 (not modelled): drop float8")
 
 
 def _check_liger(setup: Setup) -> None:

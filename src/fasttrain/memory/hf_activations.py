@@ -141,6 +141,25 @@ Llama 1B tune rows it now fits (sdpa, no checkpointing: 6.0 h bytes a token and 
 with the fused cross-entropy, at three micro-batches), not by a measurement made to test it; those rows count as
 in-sample in ``results/memory/heldout.json``.
 
+torchao's float8 training (``Setup.float8``: ``tensorwise`` or ``rowwise``, the lab's ``--float8``: the layers'
+Linear layers converted by ``convert_to_float8_training``, the head left alone; GPT-2's layers are Conv1D, none
+converted, nothing changes). Its ``matmul_with_hp_or_float8_args`` keeps the high-precision input and the weight
+parameter itself and casts both to float8 in the forward and again in the backward (a cast is an amax, a
+reduction, then a pointwise scale, round and clamp). What changes:
+- every layer under autocast: no bf16 weight copies (Float8Linear casts the fp32 weight straight to float8; its
+  input it casts to bf16 itself, one copy per module as autocast's linear made): 2 bytes a matrix entry less,
+  and none in autocast's cache under checkpointing. Eager layers keep everything else as bf16's.
+- per-block compiled layers (AOT autograd's min-cut partitioner): the two norms' bf16 outputs (q, k, v's and
+  gate, up's input, C N h each) and the SwiGLU product (down's input, C N f) are no longer kept. In bf16 each is
+  a matmul's input in the backward, which must exist whole, and the partitioner keeps it; under float8 the
+  backward's GEMM reads its float8 cast, a pointwise kernel in which the recomputation fuses, so the input is
+  recomputed from tensors kept anyway (the norm's input and fp32 row statistic; gate's and up's outputs), and no
+  float8 copy is kept (any bytes are more than none). Tensorwise keeps the scalar scales (4 bytes each, seven to
+  fourteen a layer: not counted); rowwise recomputes its scales. Per token and layer: 2 C h + C f bytes less.
+  Measured on the CPU (inductor, saved-tensor hooks, a Llama layer of h 256, f 1024 under autocast and h 512,
+  f 1792 with bf16 weights): tensorwise and rowwise keep the same, 2 C h + C f less than bf16 exactly (plus the
+  scales); eager float8: the weight copies less exactly.
+
 Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
 CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but
 the peak of the backward is 4 to 22% above the estimate, growing with the layers (the compiled
@@ -246,7 +265,28 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         _compiled(s, out, cpu)
         if s.compiled == "blocks" and "rms_norm" in s.liger:
             _liger_norm_in_blocks(s, out)
+    if s.float8 != "none" and not gpt2:
+        _float8(s, out)
     return out
+
+
+def _float8(s: Setup, t: dict) -> None:
+    """``t`` (eager or per-block compiled terms) edited in place into what the layers keep when torchao's float8
+    training converts their Linear layers (``s.float8``; see the docstring's float8 part). Per token and layer, the
+    compiled layer keeps 2 C h + C f bytes less (the two norms' bf16 outputs and down's input, recomputed from what
+    is kept), and under autocast no layer keeps bf16 weight copies (2 bytes a matrix entry) in either."""
+    D, C = dims(s), dtypes(s)["C"]
+    attn, mlp = t["attn"], t["mlp"]
+    # Float8Linear casts the fp32 weight to float8 itself and keeps the parameter (no autocast copy)
+    attn["weight_copies"] = mlp["weight_copies"] = 0
+    if s.compiled == "blocks":
+        # the backward's GEMMs read float8 casts made by a pointwise kernel (a cast after an amax), not their
+        # bf16 inputs: the partitioner recomputes those inputs where they are pointwise in what it keeps anyway
+        # (a norm's input and row statistic; gate's and up's outputs) and keeps no float8 copy (1 byte > 0)
+        attn["qkv_input"] = mlp["mlp_input"] = 0
+        mlp["mlp_hidden"] -= C * D["N"] * D["f_l"]
+
+
 
 
 def _liger_norm_in_blocks(s: Setup, t: dict) -> None:

@@ -226,7 +226,8 @@ def setup_from_hf_config(config, *, micro_batch: int = 1, seq: int | None = None
     ``liger``: True = liger-kernel's patches of the family (``_apply_liger_kernel_to_instance``: all of
     :data:`LIGER_OF`), or a tuple of kernel names (``Setup.liger``); GPT-2 has no patches, its fused linear
     cross-entropy alone is the lab's head (``("fused_linear_cross_entropy",)``).
-    ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ...).
+    ``changes``: any other Setup field (``workspace_mib``, ``grad_buffers``, ``dp``, ``zero``, ``float8``: torchao's
+    float8 training of the layers, the lab's ``--float8``, ...).
     ``lora_rank``: peft's LoRA of that rank on ``lora_targets``, the model's own module names (q_proj,
     k_proj, v_proj, o_proj, gate_proj, up_proj, down_proj, qkv_proj, gate_up_proj, c_attn, c_proj, c_fc,
     lm_head, as the family has them; default the family's query and value projections), the base frozen.

@@ -96,9 +96,13 @@ D23 The vocabulary under tensor parallelism (``vocab_split``, among embedding, h
     logits whole on every rank (``colwise_gather_output``: the loss is one process's), splits an untied embedding
     without a padding row, and keeps tied embeddings whole; the lab's GPT splits none (its tensor parallelism
     splits the blocks only).
+D24 torchao's float8 training of a transformers model's layers (``float8``: tensorwise, rowwise): no bf16 weight
+    copies under autocast (Float8Linear casts the fp32 weight itself); per-block compiled layers keep neither the
+    norms' bf16 outputs nor the SwiGLU product (2 C h + C f a token less: their backward GEMMs read float8 casts,
+    recomputed from the norm's input and gate's and up's outputs, which are kept anyway; ``hf_activations``).
 
 Not modelled: pipeline parallelism, context parallelism, communication buffers (NCCL, DDP buckets;
-FSDP's: D21), HSDP's all-reduce buffer, activation offloading, fp8. The widget's ZeRO-3 adds two
+FSDP's: D21), HSDP's all-reduce buffer, activation offloading, fp8 beyond D24. The widget's ZeRO-3 adds two
 gathered layers (current + prefetch).
 """
 
@@ -609,7 +613,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # (the cache is filled by eager casts only: a transformers model's compiled layers -- per block or whole --
     # cast inside their graphs. llama3-8b on 2 H200, zero1 with per-block compile and full recomputation under
     # bf16 autocast: 100,653 MiB measured, 113,965 estimated with these 13,312 MiB of copies, 100,653 without)
-    if T["cast"] and full and not frozen and not (hf and s.compiled != "none"):
+    # (nor do float8 layers fill it: Float8Linear casts its weight itself, D24)
+    f8_layers = bool(hf) and s.float8 != "none" and s.modules != "hf-gpt2"
+    if T["cast"] and full and not frozen and not (hf and s.compiled != "none") and not f8_layers:
         fwd_extra += 2 * k_re * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     if fsdp:
         # the forward's last all-gather: block L's output buffer (a flat cp copy of the block) arrives beside

@@ -276,7 +276,8 @@ def memory_setup_for(hf_config: dict):
                                         recompute=cfg.gradient_checkpointing, attention=cfg.attn_implementation,
                                         recompute_layers=cfg.checkpoint_blocks,
                                         optim=cfg.optim, compiled=compiled_scope(cfg),
-                                        cuda_graphs=cuda_graphs_of(cfg), liger=liger_of(cfg), **extra)
+                                        cuda_graphs=cuda_graphs_of(cfg), liger=liger_of(cfg),
+                                        float8=cfg.float8, **extra)
         except FasttrainError:
             return None
     return setup
