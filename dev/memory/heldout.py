@@ -45,6 +45,11 @@ RULES = {
     # written against the 2-GPU Llama-3-8B rows and the 4-GPU profile (results/dist/)
     "FSDP2's layout (D21)": lambda cfg: getattr(cfg, "strategy", "none") in ("fsdp", "hsdp"),
     "no autocast weight cache in compiled layers": lambda cfg: getattr(cfg, "strategy", "none") == "zero1",
+    # written against the 1B's tp and fsdp --tp 2 rows on 4 H200 (results/dist/nvidia-h200-x4/)
+    "the vocabulary under tensor parallelism (D23)": lambda cfg: getattr(cfg, "strategy", "none") == "tp"
+    or getattr(cfg, "tp", 1) > 1,
+    # written against the 8B's float8 rows (results/dist/) and the 1B's on an H100 (dev/memory/float8-h100/)
+    "float8 layers (D24)": lambda cfg: getattr(cfg, "float8", "none") != "none",
 }
 
 
