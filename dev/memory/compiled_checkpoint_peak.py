@@ -56,6 +56,19 @@ def build(args):
     return cfg, model, run
 
 
+def peak_of(events):
+    """The largest sum of the (time, +-bytes) events' prefix, its index, and the sizes alive there (size -> count)."""
+    live = peak = at = 0
+    for i, (_, n) in enumerate(events):
+        live += n
+        if live > peak:
+            peak, at = live, i
+    sizes = Counter()
+    for _, n in events[:at + 1]:
+        sizes[abs(n)] += 1 if n > 0 else -1
+    return peak, at, sizes
+
+
 def measure(args):
     import torch
     from torch.profiler import ProfilerActivity, profile
@@ -88,18 +101,7 @@ def measure(args):
     # the compiled graphs' calls, to say where the peak is
     spans = sorted((e.start_ns(), e.end_ns(), e.name()) for e in kineto
                    if "Compiled" in e.name() or "CompiledFunction" in e.name() or e.name().startswith("Optimizer"))
-    live = peak = 0
-    at = 0
-    for i, (_, n) in enumerate(events):
-        live += n
-        if live > peak:
-            peak, at = live, i
-    sizes = Counter()
-    for _, n in events[:at + 1]:
-        if n > 0:
-            sizes[n] += 1
-        else:
-            sizes[-n] -= 1
+    peak, at, sizes = peak_of(events)
     t_peak = events[at][0]
     where = [name for s, e, name in spans if s <= t_peak <= e]
     return cfg, baseline, peak, sizes, where, events, at, spans
@@ -123,14 +125,7 @@ def cuda_step(args, step):
     peak_allocated = torch.cuda.max_memory_allocated() - before
     trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
     events = [(i, e["size"] if e["action"] == "alloc" else -e["size"]) for i, e in enumerate(trace)]
-    live = peak = at = 0
-    for i, (_, n) in enumerate(events):
-        live += n
-        if live > peak:
-            peak, at = live, i
-    sizes = Counter()
-    for _, n in events[:at + 1]:
-        sizes[abs(n)] += 1 if n > 0 else -1
+    peak, at, sizes = peak_of(events)
     frames = trace[at].get("frames") or []
     where = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames[:6]]
     print(f"cuda: max_memory_allocated - before = {peak_allocated:,}; the trace's peak {peak:,}")
