@@ -26,7 +26,7 @@ def test_the_gpts_tensor_parallelism_keeps_the_vocabulary_whole():
     from fasttrain.lab.parallel import distributed as D
     from fasttrain.memory.config import VOCAB_SPLITS
     from fasttrain.memory.precise import estimate as precise
-    from fasttrain.memory.tracker import allocator_peak_step
+    from tests_support import parallelized_step_peak
 
     vocab, seq, batch = 2048, 128, 4
     cfg = preset("tiny", device="cpu", style="llama", layers=2, heads=4, kv_heads=2, width=64, context=seq,
@@ -39,16 +39,7 @@ def test_the_gpts_tensor_parallelism_keeps_the_vocabulary_whole():
                         mesh=init_device_mesh("cpu", (2,), mesh_dim_names=("tp",)))
         done = P.parallelize(build_model(cfg, vocab, torch.device("cpu")), cfg, world)
         x = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
-
-        def step():
-            loss = done.train_model(x, x)
-            loss.backward()
-            del loss
-            done.optimizer.step()
-            done.optimizer.zero_grad(set_to_none=True)
-
-        step()                                       # the optimizer state exists from here on
-        measured, _ = allocator_peak_step(step, done.module, done.optimizer)
+        measured = parallelized_step_peak(done, x)
         setup = lab_setup(cfg, vocab).with_(**D.estimator_parallelism(world, False), workspace_mib=0.0)
     finally:
         dist.destroy_process_group()

@@ -139,7 +139,7 @@ def _fsdp_cpu_peak(ranks: int, vocab: int, width: int, seq: int, zero: int, redu
     from fasttrain.lab.estimate import lab_setup
     from fasttrain.lab.parallel import distributed as D
     from fasttrain.memory.precise import estimate as precise
-    from fasttrain.memory.tracker import allocator_peak_step
+    from tests_support import parallelized_step_peak
 
     torch.set_num_threads(2)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=ranks)
@@ -151,18 +151,7 @@ def _fsdp_cpu_peak(ranks: int, vocab: int, width: int, seq: int, zero: int, redu
                      weight_decay=0.0, max_grad_norm=0.0, optim="adamw_torch_fused")
         done = P.parallelize(build_model(cfg, vocab, torch.device("cpu")), cfg, world)
         x = torch.randint(0, vocab, (2, seq), generator=torch.Generator().manual_seed(0))
-
-        def step():
-            for j in range(k):
-                done.train_model.set_requires_gradient_sync(j == k - 1)
-                loss = done.train_model(x, x) / k
-                loss.backward()
-                del loss
-            done.optimizer.step()
-            done.optimizer.zero_grad(set_to_none=True)
-
-        step()                                       # the optimizer state exists from here on
-        measured, _ = allocator_peak_step(step, done.module, done.optimizer)
+        measured = parallelized_step_peak(done, x, accumulation=k)
         setup = lab_setup(cfg, vocab).with_(**D.estimator_parallelism(world, False, reduce_dtype), workspace_mib=0.0)
         return measured, precise(setup, mask_bytes=4, kernel_temps=False)
     finally:

@@ -186,3 +186,24 @@ def no_compile(fn=None, **options):
     """``torch.compile`` as the identity (monkeypatched in where a test asks what a library's compiled step makes,
     not how fast: torchao's 8-bit AdamW compiles its step, half a minute of CPU, and makes the same state)."""
     return fn if fn is not None else (lambda f: f)
+
+
+def parallelized_step_peak(done, x, accumulation: int = 1) -> int:
+    """The CPU allocator's peak over one training step of a parallelized lab model (``done``: parallelize's result)
+    on the batch ``x``, after a first step has made the optimizer state: the bytes an estimate is checked against.
+    With accumulation k, every micro-batch's loss is divided by k and only the last one synchronizes gradients."""
+    from fasttrain.memory.tracker import allocator_peak_step
+
+    def step():
+        for j in range(accumulation):
+            if accumulation > 1:
+                done.train_model.set_requires_gradient_sync(j == accumulation - 1)
+            loss = done.train_model(x, x) / accumulation
+            loss.backward()
+            del loss
+        done.optimizer.step()
+        done.optimizer.zero_grad(set_to_none=True)
+
+    step()                                       # the optimizer state exists from here on
+    measured, _ = allocator_peak_step(step, done.module, done.optimizer)
+    return measured
