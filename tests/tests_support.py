@@ -188,17 +188,21 @@ def no_compile(fn=None, **options):
     return fn if fn is not None else (lambda f: f)
 
 
-def parallelized_step_peak(done, x, accumulation: int = 1) -> int:
+def parallelized_step_peak(done, x, accumulation: int = 1, bf16: bool = False) -> int:
     """The CPU allocator's peak over one training step of a parallelized lab model (``done``: parallelize's result)
     on the batch ``x``, after a first step has made the optimizer state: the bytes an estimate is checked against.
-    With accumulation k, every micro-batch's loss is divided by k and only the last one synchronizes gradients."""
+    With accumulation k, every micro-batch's loss is divided by k and only the last one synchronizes gradients.
+    ``bf16``: each forward under the CPU's bf16 autocast, as the trainer runs it."""
+    import torch
+
     from fasttrain.memory.tracker import allocator_peak_step
 
     def step():
         for j in range(accumulation):
             if accumulation > 1:
                 done.train_model.set_requires_gradient_sync(j == accumulation - 1)
-            loss = done.train_model(x, x) / accumulation
+            with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+                loss = done.train_model(x, x) / accumulation
             loss.backward()
             del loss
         done.optimizer.step()

@@ -36,7 +36,9 @@ D11 Backward working memory of the layer being differentiated: the gradients of 
 D12 Full recomputation: the layer being recomputed holds all its activations during its
     backward (the widget counts only the layer inputs).
 D13 Optimizer step temporaries: PyTorch's foreach AdamW allocates one fp32 copy of the
-    parameters (sqrt of the second moment); fused AdamW none.
+    parameters (sqrt of the second moment) of the group it steps, one group at a time; fused AdamW
+    none. Under tensor parallelism the groups are split by mesh (the split tensors, the replicated
+    ones): 4 max(n_split, n_replicated), not 4 n (``training_state.step_groups``).
 D14 Framework overhead: cuBLAS workspaces (32 MiB per thread and stream on Hopper; forward and
     autograd threads), buffers (causal mask s^2 bytes, RoPE tables) and the token ids. The CUDA
     context (about 0.5 GiB) and allocator fragmentation are outside ``max_memory_allocated`` and

@@ -194,16 +194,39 @@ def optimizer_state_bytes(s: Setup, shapes) -> float:
     return total + master
 
 
+# the parameters tensor parallelism splits: DTensors on the tp mesh (every linear of a block, its biases too -- a
+# row-parallel layer's bias is a replicated DTensor), beside the plain tensors it leaves whole
+TP_SPLIT = (".attn.qkv.", ".attn.proj.", ".mlp.up.", ".mlp.down.")
+
+
+def step_groups(s: Setup, shapes) -> list[list]:
+    """The trainable ``shapes`` as the optimizer steps them, group by group (D13).
+
+    Under tensor parallelism (t > 1) a for-each kernel takes tensors of one kind, so the optimizer's groups are
+    split by mesh (``lab/parallel/distributed.split_param_groups``; FSDP over dp beside it makes 2-D DTensors of
+    the split ones and 1-D of the rest, still two kinds): the tensors t splits (the blocks' linears, and the
+    embedding and output layer where ``vocab_split`` names them) in one group, the replicated ones (norms, learned
+    positions, a whole vocabulary) in another. One process, or LoRA's and a soft prompt's tensors: one group."""
+    if s.tp == 1 or s.lora_rank or s.prompt_tokens:
+        return [list(shapes)]
+    vocab = {"tok": "embedding", "head.weight": "head"}
+    split, whole = [], []
+    for name, sh in param_shapes(s):
+        (split if any(k in name for k in TP_SPLIT) or vocab.get(name) in s.vocab_split else whole).append(sh)
+    return [g for g in (split, whole) if g]
+
+
 def optimizer_temp_bytes(s: Setup, shapes) -> float:
     """Working memory of one optimizer step (one rank, before ZeRO).
 
-    foreach AdamW: one fp32 copy of the parameters (sqrt of the second moment); fused AdamW and
-    SGD: none. foreach Adafactor: the variance estimate of every matrix (fp32, full size) and,
+    foreach AdamW: one fp32 copy of the parameters of one group (sqrt of the second moment; the
+    largest of :func:`step_groups`); fused AdamW and SGD: none. foreach Adafactor: the variance estimate of every matrix (fp32, full size) and,
     for the 1-D tensors, the squared gradient beside it. adamw_8bit: torchao steps one parameter
     at a time in one compiled kernel; the fp32 m and v of the largest quantized tensor are taken
     as its working memory (not measured)."""
     if s.optim == "adamw":
-        return 4 * sum(numel(sh) for sh in shapes) if s.optimizer == "foreach" else 0
+        # the for-each kernels step one parameter group at a time: the largest group's copy (D13)
+        return 4 * max(sum(numel(sh) for sh in g) for g in step_groups(s, shapes)) if s.optimizer == "foreach" else 0
     if s.optim == "adafactor":
         return sum(4 * numel(sh) * (1 if len(sh) >= 2 else 2) for sh in shapes)
     if s.optim == "adamw_8bit":

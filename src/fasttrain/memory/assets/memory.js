@@ -232,8 +232,26 @@ const FTMemory = (() => {
     }
     return total + master;
   }
+  // training_state.step_groups (D13): under tp the optimizer steps the split tensors (the blocks' linears, the
+  // vocabulary -- split here, Megatron's layout) and the replicated ones (norms, positions) as two groups
+  function stepGroups(s, shapes) {
+    if (s.tp === 1 || s.lora_rank || s.prompt_tokens) return [shapes];
+    const h = s.hidden, lin = linearShapes(s), nNorm = s.norm === "layer" && s.bias ? 2 : 1;
+    const split = [[lin.head[0], h]], whole = [];
+    if (s.pos === "learned") whole.push([s.seq, h]);
+    for (let i = 0; i < s.layers; i++) {
+      for (const k of ["qkv", "proj", "up", "down"]) { split.push(lin[k]); if (s.bias) split.push([lin[k][0]]); }
+      for (let j = 0; j < 2 * nNorm; j++) whole.push([h]);
+    }
+    for (let j = 0; j < nNorm; j++) whole.push([h]);
+    if (!s.tied) split.push(lin.head);
+    return [split, whole].filter((g) => g.length);
+  }
   function optimizerTempBytes(s, shapes) {
-    if (s.optim === "adamw") return s.optimizer === "foreach" ? 4 * shapes.reduce((x, sh) => x + numel(sh), 0) : 0;
+    if (s.optim === "adamw") {
+      if (s.optimizer !== "foreach") return 0;
+      return 4 * Math.max(...stepGroups(s, shapes).map((g) => g.reduce((x, sh) => x + numel(sh), 0)));
+    }
     if (s.optim === "adafactor") return shapes.reduce((x, sh) => x + 4 * numel(sh) * (sh.length >= 2 ? 1 : 2), 0);
     if (s.optim === "adamw_8bit") {
       let m = 0;
