@@ -664,7 +664,9 @@ GPU_CASES = [("gpt2", GPU_GPT2, "sdpa", "bf16", "none"), ("gpt2", GPU_GPT2, "eag
              ("llama", GPU_LLAMA, "sdpa", "bf16", "none"), ("llama", GPU_LLAMA, "eager", "bf16", "none"),
              ("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_LLAMA, "sdpa", "bf16", "full"),
              # fp32 with grouped key/value heads: torch's math kernel (precise.sdpa_runs_the_math_kernel)
-             ("llama", GPU_LLAMA, "sdpa", "fp32", "none")]
+             ("llama", GPU_LLAMA, "sdpa", "fp32", "none"),
+             # partial recomputation (D22, the lab's --checkpoint-blocks k): the first k layers recompute
+             ("gpt2", GPU_GPT2, "sdpa", "bf16", "full:2"), ("llama", GPU_LLAMA, "eager", "bf16", "full:3")]
 
 
 GPU_COMPILED_CASES = [("gpt2", GPU_GPT2, "eager", "fp32", "model"), ("gpt2", GPU_GPT2, "sdpa", "bf16", "model"),
@@ -684,8 +686,12 @@ torch.manual_seed(0)
 model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**a["cfg"]),
                                                       attn_implementation=a["attention"]).cuda()
 model.train()
-if a["recompute"] == "full":
+recompute, _, blocks = a["recompute"].partition(":")
+if recompute == "full":
     (getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable)()
+    if blocks:               # "full:k": only the first k layers recompute, as the lab's --checkpoint-blocks k
+        for layer in (model.transformer.h if hasattr(model, "transformer") else model.model.layers)[int(blocks):]:
+            layer.gradient_checkpointing = False
 if a.get("liger") == "fused_head":
     # a family liger has no patch for (GPT-2): the lab's forward with liger's fused linear cross-entropy
     sys.path.insert(0, a["fasttrain_path"])
@@ -772,8 +778,9 @@ def test_precise_estimate_within_5_percent_of_a_compiled_transformers_models_pea
                          ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}" for c in GPU_CASES])
 def test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu(name, cfg, attention, precision,
                                                                                  recompute):
+    mode, _, blocks = recompute.partition(":")
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
-                                 recompute=recompute, optim="adamw_torch")
+                                 recompute=mode, optim="adamw_torch", recompute_layers=int(blocks or 0))
     assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, recompute))
 
 
