@@ -155,10 +155,8 @@ reduction, then a pointwise scale, round and clamp). What changes:
   backward's GEMM reads its float8 cast, a pointwise kernel in which the recomputation fuses, so the input is
   recomputed from tensors kept anyway (the norm's input and fp32 row statistic; gate's and up's outputs), and no
   float8 copy is kept (any bytes are more than none). Tensorwise keeps the scalar scales (4 bytes each, seven to
-  fourteen a layer: not counted); rowwise recomputes its scales. Per token and layer: 2 C h + C f bytes less.
-  Measured on the CPU (inductor, saved-tensor hooks, a Llama layer of h 256, f 1024 under autocast and h 512,
-  f 1792 with bf16 weights): tensorwise and rowwise keep the same, 2 C h + C f less than bf16 exactly (plus the
-  scales); eager float8: the weight copies less exactly.
+  fourteen a layer: not counted); rowwise recomputes its scales. Per token and layer: 2 C h + C f bytes less
+  (measured on the CPU and the GPU: MODEL.md, "torchao float8 training").
 
 Not matched (CPU, measured): sdpa with dropout (the CPU's compiled math path keeps s^2 tensors;
 CUDA's kernel keeps its RNG state), and checkpointing under ``model``: the saved bytes match, but
@@ -265,7 +263,7 @@ def hf_terms(s: Setup, mask_bytes: int = 1, cpu: bool = False) -> dict:
         _compiled(s, out, cpu)
         if s.compiled == "blocks" and "rms_norm" in s.liger:
             _liger_norm_in_blocks(s, out)
-    if s.float8 != "none" and not gpt2:
+    if float8_layers(s):
         _float8(s, out)
     return out
 
@@ -287,6 +285,10 @@ def _float8(s: Setup, t: dict) -> None:
         mlp["mlp_hidden"] -= C * D["N"] * D["f_l"]
 
 
+def float8_layers(s: Setup) -> bool:
+    """Whether torchao's float8 training converts this transformers model's layers (D24): ``s.float8`` given, and
+    the layers' projections Linear (GPT-2's are Conv1D: none is converted)."""
+    return s.float8 != "none" and s.modules.startswith("hf-") and s.modules != "hf-gpt2"
 
 
 def _liger_norm_in_blocks(s: Setup, t: dict) -> None:

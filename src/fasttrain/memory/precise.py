@@ -616,8 +616,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # cast inside their graphs. llama3-8b on 2 H200, zero1 with per-block compile and full recomputation under
     # bf16 autocast: 100,653 MiB measured, 113,965 estimated with these 13,312 MiB of copies, 100,653 without)
     # (nor do float8 layers fill it: Float8Linear casts its weight itself, D24)
-    f8_layers = bool(hf) and s.float8 != "none" and s.modules != "hf-gpt2"
-    if T["cast"] and full and not frozen and not (hf and s.compiled != "none") and not f8_layers:
+    from fasttrain.memory.hf_activations import float8_layers
+
+    if T["cast"] and full and not frozen and not (hf and s.compiled != "none") and not float8_layers(s):
         fwd_extra += 2 * k_re * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
     if fsdp:
         # the forward's last all-gather: block L's output buffer (a flat cp copy of the block) arrives beside
