@@ -384,15 +384,20 @@ def collect(out: Path, model: str) -> list[dict]:
         record = _json(path)
         if record and record.get("tokens_per_s"):
             cases.append(lab_case(model, record, source=path.name))
-    runs = [(p.name, _json(p)) for p in sorted(folder.glob("lab-*gpu-*.json"))]
-    # `fasttrain lab dist sweep --out <model>/sweep`: its run records beside its sweep.json and report
-    runs += [(f"sweep/{p.name}", _json(p)) for p in sorted((folder / "sweep").glob("*.json")) if p.name != "sweep.json"]
-    cases += lab_cases(model, [(n, r) for n, r in runs if r and r.get("tokens_per_s")])
-    # more sweeps of the model (`sweep-<what>/`, another call's GPU count or strategies): each against the 1-GPU
-    # run of its own call, measured beside it
-    for more in sorted(p for p in folder.glob("sweep-*") if p.is_dir()):
-        runs = [(f"{more.name}/{p.name}", _json(p)) for p in sorted(more.glob("*.json")) if p.name != "sweep.json"]
-        cases += lab_cases(model, [(n, r) for n, r in runs if r and r.get("tokens_per_s")])
+
+    def records(paths, prefix=""):
+        return [(prefix + p.name, r) for p in paths
+                if p.name != "sweep.json" and (r := _json(p)) and r.get("tokens_per_s")]
+
+    # the lab's own runs and `fasttrain lab dist sweep --out <model>/sweep` (its run records beside its sweep.json)
+    # scaled together; each further sweep (`sweep-<what>/`: another call's GPU counts or strategies) against the
+    # 1-GPU run of its own call, measured beside it
+    groups = [records(sorted(folder.glob("lab-*gpu-*.json")))
+              + records(sorted((folder / "sweep").glob("*.json")), "sweep/")]
+    groups += [records(sorted(more.glob("*.json")), f"{more.name}/")
+               for more in sorted(p for p in folder.glob("sweep-*") if p.is_dir())]
+    for runs in groups:
+        cases += lab_cases(model, runs)
     return cases
 
 
