@@ -826,10 +826,95 @@ def test_bench_trainer_search_stops_where_the_calls_time_ends_and_goes_on_in_the
     # 80 s: the three eager points (25 s each, point_seconds) fit; a compiled one (110 s) would not
     first = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True, time_left=80.0)
     assert runs == [("no flags", 8), ("no flags", 16), ("no flags", 32)] and not first["complete"]
+    assert not first["share_complete"]          # the phase then exits 3: the lease script runs it again
     assert "rerun the phase for the rest" in first["notes"][-1]
     runs.clear()
     second = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True)
     assert runs[0] == ("torch_compile", 8) and second["complete"] and len(second["points"]) == 16
+    assert second["share_complete"]
+    # a share with no time for any point: an empty column, not an error
+    empty = tmp_path / "empty"
+    (empty / "search-case").mkdir(parents=True)
+    runs.clear()
+    none_yet = bench.hf_search_case(empty, "search-case", steps=2, skip=1, cuda=True, time_left=1.0)
+    assert runs == [] and none_yet["tokens_per_s"] is None and not none_yet["share_complete"]
+
+
+def test_bench_trainer_search_shared_by_lanes_merges_into_the_one_search(monkeypatch, tmp_path):
+    """Three lanes (three GPUs of a host) share the Trainer's flag variants (k/3 each), each in its own work
+    folder; merge folds their points into lane A's state, whose column is then the one search's: the same points,
+    the same best, complete only once every variant's ladder ended."""
+    bench = _bench_module()
+    runs = []
+    _search_case(bench, monkeypatch, runs, tmp_path)
+    whole = bench.hf_search_case(tmp_path, "search-case", steps=2, skip=1, cuda=True)
+    lanes = [tmp_path / f"lane-{k}" for k in (1, 2, 3)]
+    shared = []
+    for k, lane in enumerate(lanes, start=1):
+        (lane / "search-case").mkdir(parents=True)
+        runs.clear()
+        shared.append(bench.hf_search_case(lane, "search-case", steps=2, skip=1, cuda=True, share=(k, 3)))
+        shared[-1]["runs"] = list(runs)
+    # variants 0 and 3 (none, liger), 1 and 4 (compile, liger + compile), 2 (max-autotune)
+    assert {label for label, _ in shared[0]["runs"]} == {"no flags", "use_liger_kernel"}
+    assert {label for label, _ in shared[1]["runs"]} == {"torch_compile", "use_liger_kernel+torch_compile"}
+    assert {label for label, _ in shared[2]["runs"]} == {"torch_compile+mode=max-autotune-no-cudagraphs"}
+    assert not any(s["complete"] for s in shared)         # a lane's share alone is not the search
+    a = tmp_path / "a"
+    (a / "search-case").mkdir(parents=True)
+    for lane in lanes[:2]:
+        state = bench.merge_lanes(a, "search-case", lane)
+    assert not state["hf_flags"]["complete"]
+    state = bench.merge_lanes(a, "search-case", lanes[2])
+    assert state["hf_flags"]["complete"] and len(state["hf_flags"]["points"]) == len(whole["points"]) == 16
+    assert state["hf_flags"]["tokens_per_s"] == whole["tokens_per_s"] and state["hf_flags"]["batch"] == whole["batch"]
+    assert bench.merge_lanes(a, "search-case", lanes[2])["hf_flags"]["points"] == state["hf_flags"]["points"]
+    with pytest.raises(SystemExit):
+        bench.main(["hf-flags", str(a), "--model", "tiny-gpt2", "--share", "4/3"])
+
+
+def test_bench_the_goals_come_from_the_long_run_measured_alone_on_one_card(monkeypatch, tmp_path):
+    """``alone`` measures the Trainer's best point and the Trainer as users run it again on this GPU (run when
+    nothing else runs on the host); with the pick's confirmation on the same card, the Trainer goals' ratios are
+    the long run's; on another card, or before, they are the search's figures and say so."""
+    bench = _bench_module()
+    runs = []
+    monkeypatch.setitem(bench.MODELS, "alone-case", dict(seq=32, tokens=32 * 64, config=dict(model_type="gpt2")))
+    (tmp_path / "alone-case").mkdir()
+
+    def fake_run(work, name, *, batch, extra, steps, skip, cuda, find):
+        runs.append((dict(extra), batch, steps, find))
+        return {"tokens_per_s": 40.0 if extra else 20.0, "found_batch": batch, "batch": batch}
+
+    monkeypatch.setattr(bench, "_hf_run", fake_run)
+    flags = dict(bench.TRAINER_FLAGS, torch_compile=True)
+    state = {"model": "alone-case", "tune": {"pick_tokens_per_s": 50.0, "gpu": "0"},
+             "hf": {"tokens_per_s": 21.0, "found_batch": 8, "gpu": "1"},
+             "hf_flags": {"tokens_per_s": 42.0, "batch": 32, "flags": flags, "complete": True, "gpu": "2"},
+             "confirm": {"tokens_per_s": 48.0, "steps": 200, "gpu": "0"}}
+    bench.save_state(tmp_path, "alone-case", state)
+    case = bench.case_of(state)
+    assert case["long_run"] is None
+    assert dict(bench.goals(case, state))["at least 2x the HF Trainer as users run it"] == \
+        "met: 2.381x (search figures, not measured alone)"
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0")
+    assert bench.main(["alone", str(tmp_path), "--model", "alone-case", "--alone-steps", "30",
+                       "--alone-users-steps", "10", "--skip", "2"]) == 0
+    assert runs == [(flags, 32, 32, False), ({}, 8, 12, True)]
+    state = bench.load_state(tmp_path, "alone-case")
+    assert state["alone"]["gpu"] == "0" and state["versions"]["torch"]
+    case = bench.case_of(state)
+    assert case["long_run"]["pick_tokens_per_s"] == 48.0 and case["long_run"]["hf_trainer_flags_tokens_per_s"] == 40.0
+    goals = dict(bench.goals(case, state))
+    assert goals["at least 2x the HF Trainer as users run it"] == \
+        "met: 2.400x (the pick's 200 steps against the Trainer alone, both on GPU 0)"
+    assert goals["at least 1.1x the HF Trainer with its best flags"].startswith("met: 1.200x (the pick's 200 steps")
+    assert "with its best flags (torch_compile, micro-batch 32) 40" in bench.long_run_line(case["long_run"])
+    # a confirmation on another card than the Trainer's alone runs is no long run of one card
+    state["confirm"]["gpu"] = "1"
+    assert bench.case_of(state)["long_run"] is None
+    with pytest.raises(SystemExit, match="run hf and hf-flags"):
+        bench.alone_case(tmp_path / "nothing", "alone-case", cuda=False, steps=1, users_steps=1, skip=0)
 
 
 def test_bench_trainer_search_on_the_cpu_is_the_micro_batches_without_gpu_flags(monkeypatch, tmp_path):

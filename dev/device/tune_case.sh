@@ -8,9 +8,11 @@
 # Carry .whl/.
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
-# LANE=a or b: one of two lanes on a two-GPU lease (dev/device/tune_pair.sh starts both, each with its own GPU, WORK
-# and log): lane a fixes the grid, searches, confirms and profiles; lane b runs the GPU tests and the HF Trainer;
-# both then take the grid's points one at a time through CLAIMS.
+# LANE=a, b, c, ...: one lane of a lease of several GPUs of one host (dev/device/tune_lanes.sh starts one per GPU,
+# each with its own WORK and log): lane a fixes the grid and searches; lane b runs the GPU tests, the HF Trainer as
+# users run it and its share (SHARE=k/n) of the Trainer's search; lanes c, d, ... their shares of that search; all
+# then take the grid's points one at a time through CLAIMS. The confirmation and the Trainer's figures the goals
+# divide run after the lanes, alone (tune_lanes.sh).
 MODEL=${1:?usage: tune_case.sh MODEL [--budget 8m]}; shift
 BUDGET=8m; [ "${1:-}" = --budget ] && BUDGET=$2
 source dev/device/prelude.sh
@@ -44,8 +46,13 @@ grid_fill() {
   echo "grid: ${n:-?} point(s) left"; [ "$n" = 0 ]
 }
 
-# a lane's share of the grid: points taken one at a time through CLAIMS while one still fits the call's time
+# a lane's share of the grid: points taken one at a time through CLAIMS while one still fits the call's time (a lane
+# measuring lane a's grid waits until lane a has fixed it)
 lane_grid() {
+  if [ "${1:-}" = --members-from ]; then
+    until python3 -c "import json,sys; sys.exit('grid_members' not in json.load(open('$2/$MODEL/state.json')))" \
+        2>/dev/null || [ "$(left)" -lt 60 ]; do sleep 5; done
+  fi
   PHASE_TIMEOUT=$(( $(left) - 5 )) bash dev/device/tune_bench.sh grid "$MODEL" --claims "$CLAIMS" \
     --time-left $(( $(left) - 15 )) "$@" | grep "^grid" | tail -3
 }
@@ -59,11 +66,15 @@ profile() {
   fi
 }
 
+# the GPU tests of tune, the trainer's CUDA graphs, a transformers model's kernels, and the estimator's partial
+# recomputation (--checkpoint-blocks) on a GPU
+HF_PEAK=tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu
 gpu_tests() {
   if ! done_ gpu-tests && [ "$(left)" -gt "$1" ]; then
     timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_tune.py \
       "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile" \
       "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels" \
+      "$HF_PEAK[gpt2-sdpa-bf16-recompute-full:2]" "$HF_PEAK[llama-eager-bf16-recompute-full:3]" \
       > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
     tail -3 "$OUT/pytest-tune-gpu.log"
   fi
@@ -82,28 +93,42 @@ queue() {
   profile
 }
 
-# lane a (GPU 0): the grid fixed before the search, the search (compiling cold), its confirmation, then the grid
+# lane a (GPU 0): the grid fixed before the search, the search (compiling cold), then the grid
 queue_a() {
   phase prepare 60 || return
   phase fix-grid 30 || return
   phase tune $(( ${BUDGET%m} * 60 + 50 )) --budget "$BUDGET" || return
-  phase confirm "$(confirm_s)" --confirm-steps 200 || return
   lane_grid
 }
 
-# lane b (GPU 1): the GPU tests, the HF Trainer both ways, then the grid lane a fixed (compiled into its own cache, so
-# that lane a's search compiles cold)
+# the Trainer's search, this lane's share of its flag variants (SHARE=k/n); a point starts only where it fits the
+# call (the phase exits 3 until the share is whole, so the next call goes on with it)
+trainer_share() {
+  phase hf-flags 60 --share "${SHARE:-1/1}" --time-left $(( $(left) - 25 ))
+  done_ hf-flags
+}
+
+# lane b (GPU 1): the GPU tests, the HF Trainer as users run it, its share of the search, then the grid lane a
+# fixed (compiled into its own cache, so that lane a's search compiles cold)
 queue_b() {
   phase prepare 60 || return
   gpu_tests 300
   phase hf 150 || return
-  phase hf-flags 240 || return
+  trainer_share || return
+  lane_grid --members-from "$A_WORK"
+}
+
+# lanes c, d, ...: their shares of the Trainer's search, then the grid
+queue_trainer() {
+  phase prepare 60 || return
+  trainer_share || return
   lane_grid --members-from "$A_WORK"
 }
 
 case "${LANE:-}" in
   a) queue_a ;;
   b) queue_b ;;
+  [c-h]) queue_trainer ;;
   profile) profile ;;
   *) queue
      grid_fill || exit 0

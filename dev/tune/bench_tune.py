@@ -44,13 +44,16 @@ one lease::
 
 ``all`` runs every phase in one process (the CPU test's tiny model; ``--quick`` on a GPU).
 
-A lease of two GPUs of one host runs two lanes side by side, each with its own work folder
-(``dev/device/tune_pair.sh``): ``fix-grid`` fixes the grid in lane A before its search; lane B's
-``grid --members-from`` measures the same members; ``--claims DIR`` lets the two lanes take the
-grid's points one at a time (each point measured once, on whichever GPU is free, a point started
-only where its expected time fits ``--time-left``); ``merge --from`` folds lane B's figures into
-lane A's state; ``crosscheck`` measures the pick and the grid's best on each GPU, so that figures
-from two cards compare. Every figure records the GPU it ran on (``CUDA_VISIBLE_DEVICES``).
+A lease of several GPUs of one host runs one lane per GPU side by side, each with its own work folder
+(``dev/device/tune_lanes.sh``): ``fix-grid`` fixes the grid in lane A before its search; the other lanes'
+``grid --members-from`` measure the same members; ``--claims DIR`` lets the lanes take the grid's points one at
+a time (each point measured once, on whichever GPU is free, a point started only where its expected time fits
+``--time-left``); ``hf-flags --share k/n`` splits the Trainer's flag variants between lanes; ``merge --from``
+folds the other lanes' figures into lane A's state (the Trainer's column summed up again from every point);
+``crosscheck`` measures the pick and the grid's best on each GPU, so that figures from several cards compare;
+``alone``, run with nothing else on the host after the pick's ``confirm`` on the same GPU, measures the
+Trainer's best point and the Trainer as users run it again there: the goals' ratios come from that long run on
+one card. Every figure records the GPU it ran on (``CUDA_VISIBLE_DEVICES``).
 ``report`` writes ``results/tune/<machine>/tune.json`` (``cases``: one entry per model with exactly
 the keys of :data:`CASE_KEYS`) and ``README.md`` generated from that folder. ``readme`` writes a committed
 folder's ``README.md`` again and, with ``--into results/README.md``, the results index's tune section (every
@@ -72,7 +75,10 @@ import time
 from pathlib import Path
 
 CASE_KEYS = ("model", "pick_tokens_per_s", "best_tokens_per_s", "hf_trainer_tokens_per_s",
-             "hf_trainer_flags_tokens_per_s", "pick_peak_mib", "pick_predicted_mib", "tune_s")
+             "hf_trainer_flags_tokens_per_s", "pick_peak_mib", "pick_predicted_mib", "tune_s",
+             "hf_trainer_points", "long_run")
+# the libraries whose versions a figure depends on, recorded by every phase where it ran
+BENCH_LIBRARIES = ("torch", "transformers", "accelerate", "liger-kernel", "peft", "torchao", "triton")
 MIB = 2 ** 20
 GLOBAL_TOKENS = 524_288         # 0.5M tokens per optimizer step
 
@@ -136,10 +142,13 @@ def gpu_slot() -> str | None:
 
 def point_seconds(overrides: dict) -> float:
     """A grid point's expected wall time, model built, compiled, warmed up and timed (the H100's Llama 1B case:
-    eager attention compiled whole with checkpointing 89-91 s, compiled per block 37 s, not compiled 6 s):
-    whether a point still fits the time a call has left."""
+    eager attention compiled whole with checkpointing 89-91 s, compiled per block 37 s, not compiled 6 s; the
+    Trainer's max-autotune mode benchmarks its GEMMs' choices too): whether a point still fits the time a call has
+    left."""
     if not overrides.get("torch_compile"):
         return 25.0
+    if str(overrides.get("torch_compile_mode") or "").startswith("max-autotune"):
+        return 240.0
     return 55.0 if overrides.get("torch_compile_scope") == "blocks" else 110.0
 
 
@@ -233,26 +242,28 @@ def trainer_variants(model_type: str, cuda: bool) -> tuple[list[dict], list[str]
 
 
 def hf_search_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool,
-                   time_left: float | None = None) -> dict:
+                   time_left: float | None = None, share: tuple[int, int] = (1, 1)) -> dict:
     """(b): the HF Trainer at its best. For each variant of its flags (:func:`trainer_variants` over
     :data:`TRAINER_FLAGS`, tf32 on a GPU), every micro-batch of :func:`trainer_micro_batches`, smallest first, with
     the accumulation that keeps the global batch and the finder off: a point out of memory ends that variant's
     ladder (a larger micro-batch does not fit either), one a library cannot run ends the variant. Every point is
     saved as it is measured (``hf_search_points`` in the state) and read back by the next call; with
-    ``time_left`` a point starts only where its expected time (:func:`point_seconds`) fits. Returns the best
-    point, with every point and whether the search is complete."""
+    ``time_left`` a point starts only where its expected time (:func:`point_seconds`) fits. ``share`` k/n: this
+    lane's variants (those whose index is k-1 modulo n), the others' lanes measuring the rest (``merge`` folds their
+    points together). Returns :func:`trainer_search_summary` of the points this state holds."""
     spec = MODELS[name]
     base = dict(TRAINER_FLAGS, **({"tf32": True} if cuda else {}))
-    variants, notes = trainer_variants(spec["config"]["model_type"], cuda)
+    variants, _ = trainer_variants(spec["config"]["model_type"], cuda)
     points = {_trainer_point_key(p["flags"], p["batch"]): p for p in load_state(work, name).get("hf_search_points", [])}
-    t0, complete = time.perf_counter(), True
-    for variant in variants:
+    k, n = share
+    t0, out_of_time = time.perf_counter(), False
+    for variant in [v for i, v in enumerate(variants) if i % n == k - 1]:
         flags = dict(base, **variant)
         for batch in trainer_micro_batches(spec["tokens"] // spec["seq"]):
             key = _trainer_point_key(flags, batch)
             if key not in points:
                 if time_left is not None and time.perf_counter() - t0 + point_seconds(variant) > time_left:
-                    complete = False
+                    out_of_time = True
                     break
                 points[key] = _trainer_point(work, name, batch=batch, flags=flags, steps=steps, skip=skip, cuda=cuda)
                 state = load_state(work, name)
@@ -262,21 +273,43 @@ def hf_search_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool,
                     f"{_fmt(points[key].get('tokens_per_s'))} tokens/s")
             if points[key]["status"] != "ok":
                 break
-        if not complete:
+        if out_of_time:
             break
-    ran = [p for p in points.values() if p["status"] == "ok"]
-    if not ran:
+    summary = trainer_search_summary(name, list(points.values()), cuda)
+    summary["share_complete"] = not out_of_time
+    return summary
+
+
+def trainer_search_summary(name: str, points: list[dict], cuda: bool) -> dict:
+    """The Trainer's column from every point measured (one lane's, or the lanes' merged): the best point, every
+    point, and whether the search is complete -- every variant's ladder ended (a point that did not fit or did not
+    run, or its largest micro-batch measured). Before any point ran the column is empty (``tokens_per_s`` None);
+    a complete search where none ran is one line."""
+    spec = MODELS[name]
+    base = dict(TRAINER_FLAGS, **({"tf32": True} if cuda else {}))
+    variants, notes = trainer_variants(spec["config"]["model_type"], cuda)
+    batches = trainer_micro_batches(spec["tokens"] // spec["seq"])
+    by_key = {_trainer_point_key(p["flags"], p["batch"]): p for p in points}
+    ended = []
+    for variant in variants:
+        ladder = [by_key.get(_trainer_point_key(dict(base, **variant), b)) for b in batches]
+        ended.append(any(p is not None and p["status"] != "ok" for p in ladder) or all(p is not None for p in ladder))
+    ran = [p for p in points if p["status"] == "ok"]
+    complete = all(ended)
+    if not ran and complete:
         raise SystemExit(f"{name}: no point of the HF Trainer's search ran: "
-                         + "; ".join(f"{_flags_label(p['flags'])} {p['batch']}: {p['status']}" for p in points.values()))
-    best = dict(max(ran, key=lambda p: p["tokens_per_s"]))
-    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}" for p in points.values()
-                     if p["status"].startswith("failed")})
-    notes += [f"the Trainer's best of {len(ran)} points measured ({len(points) - len(ran)} did not run): "
-              f"{_flags_label(best['flags'])} at micro-batch {best['batch']} x {best['gradient_accumulation_steps']}"]
+                         + "; ".join(f"{_flags_label(p['flags'])} {p['batch']}: {p['status']}" for p in points))
+    best = dict(max(ran, key=lambda p: p["tokens_per_s"])) if ran else {"tokens_per_s": None}
+    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}" for p in points if p["status"].startswith("failed")})
+    if ran:
+        notes = notes + [f"the Trainer's best of {len(ran)} points measured ({len(points) - len(ran)} did not run): "
+                         f"{_flags_label(best['flags'])} at micro-batch {best['batch']} x "
+                         f"{best['gradient_accumulation_steps']}"]
     notes += [f"{line} (this variant skipped)" for line in failed]
     if not complete:
-        notes.append("the search ran out of this call's time: rerun the phase for the rest")
-    best.update(points=sorted(points.values(), key=lambda p: (_flags_label(p["flags"]), p["batch"])),
+        notes.append(f"the search is not complete ({ended.count(False)} of its {len(variants)} variants' ladders "
+                     "unfinished): rerun the phase for the rest")
+    best.update(points=sorted(points, key=lambda p: (_flags_label(p["flags"]), p["batch"])),
                 complete=complete, notes=notes)
     return best
 
@@ -290,7 +323,7 @@ def _trainer_point(work: Path, name: str, *, batch: int, flags: dict, steps: int
     try:
         # _hf_run's figures carry the micro-batch and the accumulation it ran
         result = _hf_run(work, name, batch=batch, extra=flags, steps=steps, skip=skip, cuda=cuda, find=False)
-        return {**result, "flags": dict(flags), "status": "ok"}
+        return {**result, "flags": dict(flags), "status": "ok", "gpu": gpu_slot()}
     except Exception as exc:  # noqa: BLE001 - out of memory or a library's refusal is this point's result
         _release_failed_run(cuda)
         spec = MODELS[name]
@@ -298,7 +331,7 @@ def _trainer_point(work: Path, name: str, *, batch: int, flags: dict, steps: int
         oom = type(exc).__name__ == "OutOfMemoryError" or "out of memory" in str(exc).lower()
         return {"batch": batch, "gradient_accumulation_steps": max(1, spec["tokens"] // (batch * spec["seq"])),
                 "flags": dict(flags), "tokens_per_s": None, "error": f"{type(exc).__name__}: {first}",
-                "status": "oom" if oom else f"failed: {type(exc).__name__}"}
+                "status": "oom" if oom else f"failed: {type(exc).__name__}", "gpu": gpu_slot()}
 
 
 def _flags_label(flags: dict) -> str:
@@ -647,17 +680,64 @@ def crosscheck_case(work: Path, name: str, *, cuda: bool, steps: int, source: Pa
     return rows
 
 
+def alone_case(work: Path, name: str, *, cuda: bool, steps: int, users_steps: int, skip: int) -> dict:
+    """The goals' denominators measured again on this lane's GPU with nothing else running on the host (the lease
+    script runs it once every lane's phases are done, after the pick's 200-step confirmation on the same card):
+    the Trainer's best point of its search, ``steps`` timed steps after ``skip``, and the Trainer as its users run
+    it at the micro-batch its finder settled on, ``users_steps``. Each figure is saved as it is measured."""
+    state = load_state(work, name)
+    best, users = state.get("hf_flags"), state.get("hf")
+    if not (best or {}).get("tokens_per_s") or not users:
+        raise SystemExit("alone: the HF Trainer's runs are not in this state yet: run hf and hf-flags (and merge "
+                         "the lanes) first")
+    out = {"gpu": gpu_slot(), "search_complete": best.get("complete")}
+    runs = (("hf_flags", dict(batch=best["batch"], extra=best["flags"], steps=skip + steps, find=False)),
+            ("hf", dict(batch=users["found_batch"], extra={}, steps=skip + users_steps, find=True)))
+    for key, run in runs:
+        result = _hf_run(work, name, skip=skip, cuda=cuda, **run)
+        out[key] = {**result, "flags": run["extra"]}
+        log(f"alone {key} on GPU {gpu_slot()}: {_fmt(result['tokens_per_s'])} tokens/s")
+        state = load_state(work, name)
+        state["alone"] = out
+        save_state(work, name, state)
+    return out
+
+
+def long_run(state: dict) -> dict | None:
+    """The goals' figures from the long run on one card: the pick's confirmation against the Trainer's best and
+    the Trainer as users run it, measured alone on the same GPU (:func:`alone_case`); None until both ran there."""
+    confirm, alone = state.get("confirm") or {}, state.get("alone") or {}
+    if not confirm.get("tokens_per_s") or not alone or confirm.get("gpu") != alone.get("gpu"):
+        return None
+    flags = alone.get("hf_flags") or {}
+    return {"gpu": alone["gpu"], "confirm_steps": confirm.get("steps"),
+            "pick_tokens_per_s": confirm["tokens_per_s"],
+            "hf_trainer_tokens_per_s": (alone.get("hf") or {}).get("tokens_per_s"),
+            "hf_trainer_flags_tokens_per_s": flags.get("tokens_per_s"),
+            "hf_trainer_flags": flags.get("flags"), "hf_trainer_flags_batch": flags.get("batch"),
+            "search_complete": alone.get("search_complete")}
+
+
 def merge_lanes(work: Path, name: str, other: Path) -> dict:
     """Fold another lane's state (the same lease's other GPU, its own work folder) into this one: the figures
-    this lane lacks, the union of the grid's points and of the cross-checks. Both lanes hold the same fixed
-    grid, or nothing is merged. Run again at every call: it only adds."""
+    this lane lacks, the union of the grid's points, of the Trainer's search points (its column summed up again)
+    and of the cross-checks. Both lanes hold the same fixed grid, or nothing is merged. Run again at every call:
+    it only adds."""
     state, theirs = load_state(work, name), load_state(other, name)
     if theirs.get("grid_members") is not None and theirs["grid_members"] != state.get("grid_members"):
         raise SystemExit(f"{other / name / 'state.json'}: another grid than {work / name / 'state.json'}'s; "
                          "a lane measures the grid its partner fixed (grid --members-from)")
-    for key in ("hf", "hf_flags", "tune", "confirm"):
+    for key in ("hf", "tune", "confirm", "alone"):
         if theirs.get(key) and not state.get(key):
             state[key] = theirs[key]
+    # the Trainer's search, its variants shared between lanes: the union of the points, its column summed up again
+    points = {_trainer_point_key(p["flags"], p["batch"]): p
+              for p in (theirs.get("hf_search_points") or []) + (state.get("hf_search_points") or [])}
+    if points:
+        state["hf_search_points"] = list(points.values())
+        # a GPU's search runs every point with tf32 (TRAINER_FLAGS' base there)
+        state["hf_flags"] = trainer_search_summary(name, state["hf_search_points"],
+                                                   cuda=any(p["flags"].get("tf32") for p in points.values()))
     state["grid"] = {**(theirs.get("grid") or {}), **(state.get("grid") or {})}
     rows = list(state.get("crosscheck") or [])
     state["crosscheck"] = rows + [r for r in theirs.get("crosscheck") or [] if r not in rows]
@@ -694,9 +774,10 @@ def lanes_line(state: dict) -> str | None:
             checks.setdefault((r["what"], r.get("steps")), {})[r["gpu"]] = r["tokens_per_s"]
     for (what, steps), by_gpu in checks.items():
         if len(by_gpu) >= 2:
-            (ga, a), (gb, b) = sorted(by_gpu.items())[:2]
-            line += (f" The same configuration on both cards ({what}, {steps} timed steps): {a:,.0f} tokens/s on "
-                     f"GPU {ga}, {b:,.0f} on GPU {gb} ({b / a:.3f}x).")
+            (ga, a), *rest = sorted(by_gpu.items())
+            cards = "both cards" if len(by_gpu) == 2 else f"each of the {len(by_gpu)} cards"
+            line += (f" The same configuration on {cards} ({what}, {steps} timed steps): {a:,.0f} tokens/s on GPU {ga}"
+                     + "".join(f", {b:,.0f} on GPU {gb} ({b / a:.3f}x)" for gb, b in rest) + ".")
     # the goals divide figures from two cards; the pick's cross-check on the HF Trainer's card gives the same
     # ratios from one card, so a difference between the cards cannot make or break a goal unseen
     for key in ("hf", "hf_flags"):
@@ -725,6 +806,11 @@ def case_of(state: dict) -> dict:
         "pick_peak_mib": confirm.get("peak_mib") or tune.get("pick_peak_mib"),
         "pick_predicted_mib": confirm.get("predicted_mib") or tune.get("pick_predicted_mib"),
         "tune_s": tune.get("tune_s"),
+        # every Trainer configuration measured: its micro-batch, flags and tokens/s
+        "hf_trainer_points": [{k: p.get(k) for k in ("batch", "gradient_accumulation_steps", "flags", "tokens_per_s",
+                                                    "peak_mib", "status", "gpu")}
+                              for p in (state.get("hf_flags") or {}).get("points") or []],
+        "long_run": long_run(state),
     }
 
 
@@ -764,12 +850,19 @@ def goals(case: dict, state: dict) -> list[tuple[str, str]]:
                     f"{'met' if r >= 0.95 else 'MISSED'}: {r:.3f}x{ran}"))
     t = case["tune_s"]
     out.append(("found in at most 10 minutes", "-" if t is None else f"{'met' if t <= 600 else 'MISSED'}: {t:.0f} s"))
-    r = ratio(case["pick_tokens_per_s"], case["hf_trainer_tokens_per_s"])
-    out.append(("at least 2x the HF Trainer as users run it", "-" if r is None else
-                ratio_result(r, 2.0)))
-    r = ratio(case["pick_tokens_per_s"], case["hf_trainer_flags_tokens_per_s"])
-    out.append(("at least 1.1x the HF Trainer with its best flags", "-" if r is None else
-                ratio_result(r, 1.1)))
+    # the Trainer goals' ratios from the long run on one card where it ran (the pick's confirmation against the
+    # Trainer alone), else from the search's figures, said as such
+    lr = case.get("long_run")
+    for goal, key, target in (("at least 2x the HF Trainer as users run it", "hf_trainer_tokens_per_s", 2.0),
+                              ("at least 1.1x the HF Trainer with its best flags", "hf_trainer_flags_tokens_per_s",
+                               1.1)):
+        if lr and lr.get(key):
+            r = ratio(lr["pick_tokens_per_s"], lr[key])
+            where = f" (the pick's {lr['confirm_steps']} steps against the Trainer alone, both on GPU {lr['gpu']})"
+        else:
+            r = ratio(case["pick_tokens_per_s"], case[key])
+            where = " (search figures, not measured alone)"
+        out.append((goal, "-" if r is None else ratio_result(r, target) + where))
     p, m = case["pick_predicted_mib"], case["pick_peak_mib"]
     out.append(("memory predicted within 5%", "-" if not (p and m) else
                 f"{'met' if abs(p - m) <= 0.05 * m else 'MISSED'}: {100 * (p - m) / m:+.1f}%"))
@@ -823,6 +916,23 @@ def profile_line(p: dict, name: str, hf_tokens_per_s: float | None = None) -> st
     return line + "."
 
 
+def long_run_line(lr: dict) -> str:
+    """The goals' long-run figures in one sentence."""
+    flags = _flags_label({k: v for k, v in (lr.get("hf_trainer_flags") or {}).items() if k in ("torch_compile",
+                          "torch_compile_mode", "use_liger_kernel")})
+    return (f"The Trainer goals' ratios come from the long run, on GPU {lr['gpu']} with nothing else running on the "
+            f"host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
+            f"with its best flags ({flags}, micro-batch {lr.get('hf_trainer_flags_batch')}) "
+            f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it {_fmt(lr['hf_trainer_tokens_per_s'])}"
+            + ("" if lr.get("search_complete") else " (the Trainer's search was not complete)") + ".")
+
+
+def versions_text(versions: dict | None) -> str:
+    """`` Versions: torch 2.11.0, transformers 5.17.0, ...`` (those installed), or nothing."""
+    named = [f"{lib} {v}" for lib, v in (versions or {}).items() if v]
+    return f" Versions: {', '.join(named)}." if named else ""
+
+
 def _fmt(v, spec=",.0f"):
     return "-" if v is None else format(v, spec)
 
@@ -841,7 +951,7 @@ def readme(folder: Path, into: Path | None = None) -> str:
     lines = ["#" * level + f" {title}", "",
              f"Device: {device}. bf16, random init, the same global batch for every column "
              "(tokens per optimizer step below); tokens/s over optimizer steps after the first (compilation, "
-             f"warm-up) ones.{measured} Command: `{data.get('command', '-')}`."
+             f"warm-up) ones.{measured}{versions_text(data.get('versions'))} Command: `{data.get('command', '-')}`."
              + (f" Files: [`{folder.as_posix()}/`]({base.as_posix()}/)." if into is not None else ""), "",
              "| model | tokens per step | HF Trainer (users) | HF Trainer (its best flags) | tune's pick | grid's best "
              "| pick peak MiB | predicted MiB | search s |",
@@ -859,6 +969,9 @@ def readme(folder: Path, into: Path | None = None) -> str:
             lines.append("")
         lines += ["| goal | result |", "| --- | --- |"]
         lines += [f"| {g} | {r} |" for g, r in detail["goals"]]
+        case = next((c for c in data["cases"] if c["model"] == detail["model"]), {})
+        if case.get("long_run"):
+            lines += ["", long_run_line(case["long_run"])]
         faster = faster_probe_line(folder / f"{detail['model']}-tune" / "tune.json")
         if faster:
             lines += ["", faster]
@@ -871,10 +984,11 @@ def readme(folder: Path, into: Path | None = None) -> str:
         points = ((data.get("states", {}).get(detail["model"]) or {}).get("hf_flags") or {}).get("points")
         if points:
             lines += ["", "Every HF Trainer point measured (its best flags' column is the fastest):", "",
-                      "| Trainer flags | micro-batch x accumulation | tokens/s | peak MiB | status |",
-                      "| --- | ---: | ---: | ---: | --- |"]
+                      "| Trainer flags | micro-batch x accumulation | tokens/s | peak MiB | status | GPU |",
+                      "| --- | ---: | ---: | ---: | --- | --- |"]
             lines += [f"| {_flags_label(p['flags'])} | {p['batch']} x {p['gradient_accumulation_steps']} "
-                      f"| {_fmt(p.get('tokens_per_s'))} | {_fmt(p.get('peak_mib'))} | {p['status']} |" for p in points]
+                      f"| {_fmt(p.get('tokens_per_s'))} | {_fmt(p.get('peak_mib'))} | {p['status']} "
+                      f"| {p.get('gpu') or '-'} |" for p in points]
     return "\n".join(lines) + "\n"
 
 
@@ -901,8 +1015,9 @@ def report(work: Path, results: Path, models: list[str], command: str, measured_
     folder = results / machine_slug(env)
     folder.mkdir(parents=True, exist_ok=True)
     gpu = env.get("gpu") or {}
+    versions = next((s["versions"] for s in states.values() if s.get("versions")), None)
     data = {"kind": "tune-bench", "schema": 1, "device": gpu.get("name") or env.get("cpu"), "command": command,
-            "measured_with": measured_with,
+            "measured_with": measured_with, "versions": versions,
             "environment": env, "cases": cases, "details": details, "states": states}
     atomic_write_text(folder / "tune.json", json.dumps(data, indent=2, default=str))
     atomic_write_text(folder / "README.md", readme(folder))
@@ -921,6 +1036,30 @@ def _check_markers(ap: argparse.ArgumentParser, path: Path) -> None:
     lines = [ln.strip() for ln in path.read_text().splitlines()] if path.is_file() else []
     if lines.count(README_START) != 1 or lines.count(README_END) != 1:
         ap.error(f"--into {path}: needs a file with one line {README_START} and one {README_END}")
+
+
+def _fraction(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, int]:
+    """``k/n`` with 1 <= k <= n, else one line."""
+    try:
+        k, n = (int(x) for x in text.split("/"))
+    except ValueError:
+        k = n = 0
+    if not 1 <= k <= n:
+        ap.error(f"{flag} {text}: give k/n with 1 <= k <= n, such as 1/1 or 2/3")
+    return k, n
+
+
+def bench_versions() -> dict[str, str | None]:
+    """The versions of :data:`BENCH_LIBRARIES` in this process (None where one is not installed)."""
+    from importlib import metadata
+
+    versions: dict[str, str | None] = {}
+    for lib in BENCH_LIBRARIES:
+        try:
+            versions[lib] = metadata.version(lib)
+        except metadata.PackageNotFoundError:
+            versions[lib] = None
+    return versions
 
 
 def main(argv=None) -> int:
@@ -947,9 +1086,16 @@ def main(argv=None) -> int:
                     help="grid: a folder shared with the other GPU's lane, through which each point is taken once")
     ap.add_argument("--members-from", type=Path, default=None,
                     help="grid: the other lane's work folder, whose fixed grid this lane measures")
-    ap.add_argument("--from", dest="source", type=Path, default=None,
-                    help="merge: the other lane's work folder; crosscheck: the one holding the pick and the grid")
+    ap.add_argument("--from", dest="source", type=Path, action="append", default=None,
+                    help="merge: another lane's work folder (repeatable: every other lane's, in one process); "
+                         "crosscheck: the one holding the pick and the grid")
     ap.add_argument("--crosscheck-steps", type=int, default=3)
+    ap.add_argument("--share", default="1/1",
+                    help="hf-flags: this lane's share k/n of the Trainer's flag variants (the others' lanes run the rest)")
+    ap.add_argument("--alone-steps", type=int, default=30,
+                    help="alone: timed steps of the Trainer's best point measured again alone")
+    ap.add_argument("--alone-users-steps", type=int, default=10,
+                    help="alone: timed steps of the Trainer as users run it measured again alone")
     ap.add_argument("--confirm-steps", type=int, default=None)
     ap.add_argument("--results", type=Path, default=Path("results/tune"))
     ap.add_argument("--measured-with", default=None,
@@ -977,7 +1123,8 @@ def main(argv=None) -> int:
     first_rung = args.probe_steps or 3
     tune_rungs = tuple(first_rung * 2 ** k for k in range(6))
     confirm_steps = args.confirm_steps or (4 if quick else 200)
-    k, n = (int(x) for x in args.part.split("/"))
+    k, n = _fraction(ap, "--part", args.part)
+    share = _fraction(ap, "--share", args.share)
     command = "python3 dev/tune/bench_tune.py " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.phase in ("report", "readme"):
         # readme: WORK is a results folder (results/tune/<machine>): its README.md from its tune.json
@@ -1002,13 +1149,14 @@ def main(argv=None) -> int:
             write_into(args.into, section, start=README_START, end=README_END)
         return 0
     every = ["prepare", "hf", "hf-flags", "tune", "grid", "confirm"]
-    lanes = ["fix-grid", "merge", "crosscheck"]
+    lanes = ["fix-grid", "merge", "crosscheck", "alone"]
     asked = every if args.phase == "all" else [p.strip() for p in args.phase.split(",") if p.strip()]
     unknown = [p for p in asked if p not in every + lanes]
     if unknown:
         ap.error(f"unknown phase {', '.join(unknown)}: give {', '.join(every + lanes)}, report or all")
     if "merge" in asked and args.source is None:
         ap.error("merge needs --from, the other lane's work folder")
+    unfinished = False
     for name in models:
         for phase in asked:
             state = load_state(args.work, name)
@@ -1020,15 +1168,18 @@ def main(argv=None) -> int:
                 fix_grid(args.work, name, cuda, args.grid_size)
                 continue
             if phase == "merge":
-                merge_lanes(args.work, name, args.source)
+                for other in args.source:
+                    merge_lanes(args.work, name, other)
                 continue
             if phase == "hf":
                 state["hf"] = hf_trainer_case(args.work, name, steps=skip + steps, skip=skip, cuda=cuda)
             elif phase == "hf-flags":
                 best = hf_search_case(args.work, name, steps=skip + steps, skip=skip, cuda=cuda,
-                                      time_left=args.time_left)
+                                      time_left=args.time_left, share=share)
                 state = load_state(args.work, name)          # with the points the search saved as it went
                 state["hf_flags"] = best
+                # a share cut by --time-left is not done: the lease script runs the phase again next call
+                unfinished = unfinished or not best.pop("share_complete")
             elif phase == "tune":
                 state["tune"] = tune_case(args.work, name, budget=args.budget, cuda=cuda, steps=args.probe_steps,
                                           max_candidates=args.max_candidates)
@@ -1039,18 +1190,27 @@ def main(argv=None) -> int:
                 state = load_state(args.work, name)
             elif phase == "confirm":
                 state["confirm"] = confirm_case(args.work, name, cuda=cuda, steps=confirm_steps)
+            elif phase == "alone":
+                alone_case(args.work, name, cuda=cuda, steps=args.alone_steps, users_steps=args.alone_users_steps,
+                           skip=skip)
+                state = load_state(args.work, name)
             elif phase == "crosscheck":
                 state["crosscheck"] = crosscheck_case(args.work, name, cuda=cuda, steps=args.crosscheck_steps,
-                                                      source=args.source)
+                                                      source=args.source[0] if args.source else None)
             key = {"hf-flags": "hf_flags"}.get(phase, phase)
-            if isinstance(state.get(key), dict) and phase != "grid":
+            # the Trainer's column names the GPU its best point ran on (a lane's share, or the lanes' merged)
+            if isinstance(state.get(key), dict) and phase not in ("grid", "hf-flags"):
                 state[key]["gpu"] = gpu_slot()
             state["environment"] = environment()
+            state["versions"] = bench_versions()
             save_state(args.work, name, state)
             log(json.dumps({key: state.get(key.replace("-", "_")) for key in (phase,)}, default=str)[:400])
     if args.phase == "all":
         folder = report(args.work, args.results, models, command)
         print(readme(folder))
+    if unfinished:
+        log("hf-flags: this share of the Trainer's search ran out of --time-left; run the phase again for the rest")
+        return 3
     return 0
 
 
