@@ -67,24 +67,29 @@ if [ "$whole" = 1 ] && ! done_ crosscheck && [ "$(left)" -gt 150 ]; then
   grep -h "^crosscheck" "$LOGS/$MODEL"-lane-*.log
   merge && touch "$A_WORK/$MODEL/done-crosscheck"
 fi
-# alone on GPU 0, nothing else running: the pick's 200 steps, the Trainer's best point and its users' run again;
-# started only where the call has the time they take (from the figures measured so far, with compilation)
-if done_ crosscheck && ! done_ alone; then
-  need=$(state_py "t=s['global_batch_tokens']; p=s['tune']['pick_tokens_per_s']; f=s['hf_flags']['tokens_per_s']; \
-u=s['hf']['tokens_per_s']; print(int(200 * t / p + 90 + 32 * t / f + 80 + 12 * t / u + 50))")
-  if [ -n "$need" ] && [ "$(left)" -gt $(( need + 20 )) ]; then
-    ( lab_env /tmp/inductor-lab 0; timeout $(( $(left) - 15 )) python3 dev/tune/bench_tune.py confirm,alone "$A_WORK" \
-        --model "$MODEL" --confirm-steps 200 >> "$LOGS/$MODEL-lane-a.log" 2>&1 ) && touch "$A_WORK/$MODEL/done-alone"
-    grep -h "^alone\|\"confirm\"" "$LOGS/$MODEL-lane-a.log" | cut -c1-300 | tail -4
-  else
-    echo "alone: needs about ${need:-?} s, $(left) s left in this call"
+# alone on GPU 0, nothing else running on the host: the pick's 200 steps (the lab's compiled kernels cached by tune),
+# then the Trainer's best point and its users' run again (the Trainer's cached by its search); each started only
+# where the call has the time it takes (from the figures measured so far, with building and compiling)
+alone_stage() {  # alone_stage NAME NEED CACHE PHASE [bench_tune options]
+  local name=$1 need=$2 cache=$3 phase=$4; shift 4
+  done_ "$name" && return 0
+  if [ -z "$need" ] || [ "$(left)" -lt $(( need + 15 )) ]; then
+    echo "$name: needs about ${need:-?} s, $(left) s left in this call"; return 1
   fi
+  ( lab_env "$cache" 0; timeout $(( $(left) - 10 )) python3 dev/tune/bench_tune.py "$phase" "$A_WORK" --model "$MODEL" "$@" \
+      >> "$LOGS/$MODEL-lane-a.log" 2>&1 ) && touch "$A_WORK/$MODEL/done-$name"
+  grep -h "^alone\|^{\"confirm\"" "$LOGS/$MODEL-lane-a.log" | cut -c1-300 | tail -3
+}
+if done_ crosscheck; then
+  alone_stage confirm "$(state_py "print(int(200 * s['global_batch_tokens'] / s['tune']['pick_tokens_per_s'] + 45))")" \
+    /tmp/inductor-lab confirm --confirm-steps 200 &&
+  alone_stage alone "$(state_py "t=s['global_batch_tokens']; \
+print(int(32 * t / s['hf_flags']['tokens_per_s'] + 60 + 12 * t / s['hf']['tokens_per_s'] + 40))")" /tmp/inductor-hf alone
 fi
 if done_ alone; then
   LANE=profile WORK=$A_WORK LOG=$LOGS/$MODEL-lane-a.log CALL_S=$(( $(left) - 15 )) CUDA_VISIBLE_DEVICES=0 \
     bash dev/device/tune_case.sh "$MODEL"
 fi
-
 cp "$A_WORK/$MODEL/state.json" "$OUT/$MODEL-state.json"
 for (( i = 1; i < LANES; i++ )); do
   cp "$(work_of "${NAMES[$i]}")/$MODEL/state.json" "$LOGS/$MODEL-state-${NAMES[$i]}.json" 2>/dev/null
