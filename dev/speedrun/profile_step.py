@@ -44,8 +44,8 @@ def profile_steps(trainer, steps: list, device) -> dict:
         torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         t0 = time.perf_counter()
-        for x, y in steps:
-            trainer.train_step(x, y)
+        for step in steps:          # each step the train_step's arguments: (x, y), or (micro_batches,) in the lab
+            trainer.train_step(*step)
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0

@@ -258,21 +258,18 @@ def hf_search_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool,
     k, n = share
     t0, out_of_time = time.perf_counter(), False
     for variant in [v for i, v in enumerate(variants) if i % n == k - 1]:
-        flags = dict(base, **variant)
-        for batch in trainer_micro_batches(spec["tokens"] // spec["seq"]):
-            key = _trainer_point_key(flags, batch)
-            if key not in points:
-                if time_left is not None and time.perf_counter() - t0 + point_seconds(variant) > time_left:
-                    out_of_time = True
-                    break
-                points[key] = _trainer_point(work, name, batch=batch, flags=flags, steps=steps, skip=skip, cuda=cuda)
-                state = load_state(work, name)
-                state["hf_search_points"] = list(points.values())
-                save_state(work, name, state)
-                log(f"trainer {_flags_label(variant)} {batch}: {points[key]['status']} "
-                    f"{_fmt(points[key].get('tokens_per_s'))} tokens/s")
-            if points[key]["status"] != "ok":
+        while (step := _next_trainer_point(dict(base, **variant), spec, points)) is not None:
+            flags, batch = step
+            if time_left is not None and time.perf_counter() - t0 + point_seconds(variant) > time_left:
+                out_of_time = True
                 break
+            key = _trainer_point_key(flags, batch)
+            points[key] = _trainer_point(work, name, batch=batch, flags=flags, steps=steps, skip=skip, cuda=cuda)
+            state = load_state(work, name)
+            state["hf_search_points"] = list(points.values())
+            save_state(work, name, state)
+            log(f"trainer {_flags_label(flags)} {batch}: {points[key]['status']} "
+                f"{_fmt(points[key].get('tokens_per_s'))} tokens/s")
         if out_of_time:
             break
     summary = trainer_search_summary(name, list(points.values()), cuda)
@@ -288,30 +285,47 @@ def trainer_search_summary(name: str, points: list[dict], cuda: bool) -> dict:
     spec = MODELS[name]
     base = dict(TRAINER_FLAGS, **({"tf32": True} if cuda else {}))
     variants, notes = trainer_variants(spec["config"]["model_type"], cuda)
-    batches = trainer_micro_batches(spec["tokens"] // spec["seq"])
     by_key = {_trainer_point_key(p["flags"], p["batch"]): p for p in points}
-    ended = []
-    for variant in variants:
-        ladder = [by_key.get(_trainer_point_key(dict(base, **variant), b)) for b in batches]
-        ended.append(any(p is not None and p["status"] != "ok" for p in ladder) or all(p is not None for p in ladder))
+    ended = [_next_trainer_point(dict(base, **variant), spec, by_key) is None for variant in variants]
     ran = [p for p in points if p["status"] == "ok"]
     complete = all(ended)
     if not ran and complete:
         raise SystemExit(f"{name}: no point of the HF Trainer's search ran: "
                          + "; ".join(f"{_flags_label(p['flags'])} {p['batch']}: {p['status']}" for p in points))
     best = dict(max(ran, key=lambda p: p["tokens_per_s"])) if ran else {"tokens_per_s": None}
-    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}" for p in points if p["status"].startswith("failed")})
+    # a point that did not run with tf32 is tried again without it (_next_trainer_point); without, its variant ended
+    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}"
+                     + (" (its ladder goes on without tf32)" if p["flags"].get("tf32") else " (this variant ended)")
+                     for p in points if p["status"].startswith("failed")})
     if ran:
         notes = notes + [f"the Trainer's best of {len(ran)} points measured ({len(points) - len(ran)} did not run): "
                          f"{_flags_label(best['flags'])} at micro-batch {best['batch']} x "
                          f"{best['gradient_accumulation_steps']}"]
-    notes += [f"{line} (this variant skipped)" for line in failed]
+    notes += failed
     if not complete:
         notes.append(f"the search is not complete ({ended.count(False)} of its {len(variants)} variants' ladders "
                      "unfinished): rerun the phase for the rest")
     best.update(points=sorted(points, key=lambda p: (_flags_label(p["flags"]), p["batch"])),
                 complete=complete, notes=notes)
     return best
+
+
+def _next_trainer_point(flags: dict, spec: dict, points: dict) -> tuple[dict, int] | None:
+    """Where one variant's ladder stands among the ``points`` measured (by :func:`_trainer_point_key`): the flags and
+    micro-batch to measure next, or None once the ladder ended -- a point out of memory, one that did not run
+    without tf32, or its largest micro-batch measured. A point that does not run with tf32 is tried once without
+    it, and the ladder goes on without it, as a careful user would (torch 2.11's inductor refuses the Trainer's
+    tf32 switch, its newer precision API, under max-autotune: mixed precision APIs)."""
+    for batch in trainer_micro_batches(spec["tokens"] // spec["seq"]):
+        point = points.get(_trainer_point_key(flags, batch))
+        if point is not None and point["status"].startswith("failed") and flags.get("tf32"):
+            flags = {k: v for k, v in flags.items() if k != "tf32"}
+            point = points.get(_trainer_point_key(flags, batch))
+        if point is None:
+            return flags, batch
+        if point["status"] != "ok":
+            return None
+    return None
 
 
 def _trainer_point_key(flags: dict, batch: int) -> str:
@@ -715,7 +729,7 @@ def long_run(state: dict) -> dict | None:
             "hf_trainer_tokens_per_s": (alone.get("hf") or {}).get("tokens_per_s"),
             "hf_trainer_flags_tokens_per_s": flags.get("tokens_per_s"),
             "hf_trainer_flags": flags.get("flags"), "hf_trainer_flags_batch": flags.get("batch"),
-            "search_complete": alone.get("search_complete")}
+            "search_complete": (state.get("hf_flags") or {}).get("complete")}
 
 
 def merge_lanes(work: Path, name: str, other: Path) -> dict:
@@ -924,7 +938,7 @@ def long_run_line(lr: dict) -> str:
             f"host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
             f"with its best flags ({flags}, micro-batch {lr.get('hf_trainer_flags_batch')}) "
             f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it {_fmt(lr['hf_trainer_tokens_per_s'])}"
-            + ("" if lr.get("search_complete") else " (the Trainer's search was not complete)") + ".")
+            + "." + ("" if lr.get("search_complete") else " The Trainer's search was not complete (below)."))
 
 
 def versions_text(versions: dict | None) -> str:
@@ -999,6 +1013,12 @@ def report(work: Path, results: Path, models: list[str], command: str, measured_
     from fasttrain.files import atomic_write_text
 
     states = {name: load_state(work, name) for name in models}
+    for name, state in states.items():
+        # the Trainer's column summed up again by today's rules from the points measured (whether the search is
+        # complete: a retry the rules added since is a ladder left unfinished, said as such)
+        points = state.get("hf_search_points")
+        if points:
+            state["hf_flags"] = trainer_search_summary(name, points, cuda=any(p["flags"].get("tf32") for p in points))
     cases, details = [], []
     for name, state in states.items():
         case = case_of(state)

@@ -43,6 +43,7 @@ def main(argv=None) -> int:
 
     from fasttrain.lab import tune as T
     from fasttrain.lab.build import make_trainer, resolve_device
+    from fasttrain.lab.config import validate
     from fasttrain.lab.measure import tf32_matmuls
     from fasttrain.lab.overrides import parse_assignments
     from fasttrain.memory.cost import H100_BF16_TFLOPS
@@ -65,15 +66,16 @@ def main(argv=None) -> int:
             raise SystemExit(f"no pick in {B.model_dir(args.work, args.model)}/state.json: run the tune phase, "
                              "or give --set")
     cuda = torch.cuda.is_available()
-    cfg = T.validate(B.lab_base(args.work, args.model, cuda).with_(**overrides))
+    cfg = validate(B.lab_base(args.work, args.model, cuda).with_(**overrides))
     device = resolve_device(cfg)
     _, hf_config = T.model_of(cfg)
     with tf32_matmuls(cfg.tf32):
         trainer = make_trainer(cfg, T.load_corpus_for(cfg), device)
         batches = iter(trainer.batches(args.warmup + args.steps))
         for _ in range(args.warmup):
-            trainer.train_step(*next(batches))
-        report = profile_steps(trainer, [next(batches) for _ in range(args.steps)], device)
+            trainer.train_step(next(batches))
+        # the lab trainer's step takes one argument, the step's micro-batches
+        report = profile_steps(trainer, [(next(batches),) for _ in range(args.steps)], device)
     flops = flops_per_token(trainer.model, hf_config or {}, cfg.context)
     tokens = cfg.per_device_train_batch_size * cfg.gradient_accumulation_steps * cfg.context
     tokens_per_s = tokens / (report["wall_ms_per_step"] / 1e3)
