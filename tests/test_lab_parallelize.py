@@ -94,6 +94,14 @@ def test_float8_converts_the_linear_layers_but_the_head_and_odd_shapes():
     assert kinds["head"] == "Linear"
     assert (kinds["blocks.0.mlp.up"], kinds["blocks.0.mlp.down"]) == ("Float8Linear", "Linear")
     assert applied == [("float8", "tensorwise: 6 Linear layers")]
+    # under FSDP the per-tensor recipe gathers the weights in float8 (off by --no-float8-all-gather; never rowwise)
+    fsdp = type("World", (), {"fsdp": True})()
+    for recipe, asked, gathers in (("tensorwise", True, True), ("tensorwise", False, False), ("rowwise", True, False)):
+        module = build_model(cfg, 65, torch.device("cpu")).module
+        applied = []
+        assert P.apply_float8(None, cfg.with_(float8=recipe, float8_all_gather=asked), module, applied, fsdp) is gathers
+        assert module.blocks[0].attn.qkv.config.enable_fsdp_float8_all_gather is gathers
+        assert applied[0][1].endswith("all-gathered in float8") is gathers
     assert not P.float8_filter(torch.nn.Linear(32, 32), "lm_head")
     assert P.float8_filter(torch.nn.Linear(32, 48), "blocks.0.q_proj")
 

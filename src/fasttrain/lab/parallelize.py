@@ -15,8 +15,9 @@ trains (the module as trained, the module itself, the optimizer), in this order:
    its own ``gradient_checkpointing_enable``), so the recomputed region holds the TP collectives.
 5. ``compile_blocks``: ``torch.compile`` of each block in place (``--torch-compile-scope blocks``),
    before FSDP so that FSDP's hooks stay outside the compiled graphs.
-6. ``float8`` then ``data_parallel``: torchao's ``convert_to_float8_training`` on the Linear layers,
-   then FSDP2 ``fully_shard`` per block and on the root over the dp dimension (HSDP: the 2-D
+6. ``float8`` then ``data_parallel``: torchao's ``convert_to_float8_training`` on the Linear layers
+   (under FSDP with per-tensor scaling their weights all-gathered in float8: half the bytes of a bf16
+   gather, the scale of each weight from its whole amax), then FSDP2 ``fully_shard`` per block and on the root over the dp dimension (HSDP: the 2-D
    replicate x shard mesh; ``--offload-optimizer``: CPUOffloadPolicy), or DDP. A model built on the
    meta device (a model trained from scratch under FSDP) gets its weights here, once sharded.
 7. ``compile_model``: ``torch.compile`` of the whole (wrapped) model, when asked instead of 5.
@@ -50,6 +51,8 @@ class Parallelized:
     optimizer: Any
     autocast: bool = True       # False: FSDP's mixed-precision policy computes in bf16 itself
     applied: list = field(default_factory=list)     # [(step, what it did)], in ORDER
+    # run after every optimizer step (float8 all-gather: every weight's scale for the next gathers, at once)
+    after_optimizer_step: Any = None
 
 
 def parallelize(lab_model, cfg, world=None) -> Parallelized:
@@ -64,13 +67,20 @@ def parallelize(lab_model, cfg, world=None) -> Parallelized:
     apply_tensor_parallel(lab_model, module, world, applied)
     apply_activation_checkpointing(lab_model, cfg, module, applied)
     compile_blocks(lab_model, cfg, module, applied)
-    apply_float8(lab_model, cfg, module, applied)
+    float8_gather = apply_float8(lab_model, cfg, module, applied, world)
     wrapped = apply_data_parallel(lab_model, cfg, module, world, applied)
     train_model = compile_model(cfg, wrapped, applied)
     optimizer = build_optimizer_for(cfg, wrapped, world, applied)
     mixed_by_fsdp = world.fsdp and cfg.bf16
+    after = None
+    if float8_gather:
+        from torchao.float8 import precompute_float8_dynamic_scale_for_fsdp
+
+        # the amax of every float8 weight in one all-reduce after the step, instead of one per weight at its gather
+        def after():
+            precompute_float8_dynamic_scale_for_fsdp(module)
     return Parallelized(train_model=train_model, module=module, optimizer=optimizer, autocast=not mixed_by_fsdp,
-                        applied=applied)
+                        applied=applied, after_optimizer_step=after)
 
 
 # --- 1. model-intrinsic kernels ---------------------------------------------------------------------
@@ -245,18 +255,34 @@ def check_float8(cfg, device) -> None:
                              f"{torch.cuda.get_device_name(device)} has {major}.{minor}: drop --float8")
 
 
-def apply_float8(lab_model, cfg, module, applied: list) -> None:
+def float8_all_gather(recipe: str, fsdp: bool, asked: bool = True) -> bool:
+    """Whether FSDP all-gathers the float8 layers' weights in float8 (``--float8-all-gather``, on by default): with
+    per-tensor scaling only (a weight's one scale is what its float8 copy needs, so the cast before the gather is
+    the cast the GEMM would make); per-row scales are taken along the GEMM's own axis, so rowwise gathers in bf16."""
+    return asked and fsdp and recipe == "tensorwise"
+
+
+def apply_float8(lab_model, cfg, module, applied: list, world=None) -> bool:
+    """torchao's float8 training on the Linear layers :func:`float8_filter` keeps; True when FSDP will gather
+    their weights in float8 (:func:`float8_all_gather`)."""
     recipe = cfg.float8
     if recipe == "none":
-        return
+        return False
     if recipe not in FLOAT8:
         raise FasttrainError(f"unknown --float8 {recipe!r}; use one of {', '.join(FLOAT8)}")
+    import dataclasses
+
     from torchao.float8 import Float8LinearConfig, convert_to_float8_training
 
-    convert_to_float8_training(module, config=Float8LinearConfig.from_recipe_name(recipe),
-                               module_filter_fn=float8_filter)
+    gather = float8_all_gather(recipe, bool(world is not None and world.fsdp), cfg.float8_all_gather)
+    config = Float8LinearConfig.from_recipe_name(recipe)
+    if gather:
+        config = dataclasses.replace(config, enable_fsdp_float8_all_gather=True)
+    convert_to_float8_training(module, config=config, module_filter_fn=float8_filter)
     converted = sum(type(m).__name__ == "Float8Linear" for m in module.modules())
-    applied.append(("float8", f"{recipe}: {converted} Linear layers"))
+    applied.append(("float8", f"{recipe}: {converted} Linear layers"
+                    + (", their weights all-gathered in float8" if gather else "")))
+    return gather
 
 
 def bf16_all_reduce(state, bucket):

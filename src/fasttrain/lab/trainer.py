@@ -235,6 +235,7 @@ class Trainer:
         self.model = done.module            # the module itself (evaluation, saving, counting)
         self.train_model = done.train_model
         self.optimizer = done.optimizer
+        self.after_optimizer_step = done.after_optimizer_step
         self.applied = done.applied         # the techniques applied, in order (records)
         self.amp = autocast_for(cfg, device) if done.autocast else nullcontext
         self.scaler = torch.amp.GradScaler(device.type) if cfg.fp16 else None
@@ -422,6 +423,8 @@ class Trainer:
             self.scaler.update()
         else:
             self.optimizer.step()
+        if self.after_optimizer_step is not None:
+            self.after_optimizer_step()
         self.optimizer.zero_grad(set_to_none=not self.keep_grads)
         self.step_index += 1
         if cfg.torch_empty_cache_steps and self.step_index % cfg.torch_empty_cache_steps == 0 \

@@ -136,6 +136,7 @@ class Setup:
     compiled: str = "none"          # torch.compile scope (one of COMPILED); modelled for transformers models only
     liger: tuple = ()               # liger-kernel's kernels patched in (among LIGER_KERNELS); transformers models only
     float8: str = "none"            # torchao's float8 training of the layers' Linears (one of FLOAT8; precise.D24)
+    float8_all_gather: bool = True  # under fsdp with tensorwise float8: the layers' weights gathered in float8 (D25)
     cuda_graphs: bool = False       # the compiled code captured as CUDA graphs, their private memory pool (precise.D20)
     # under tensor parallelism t, which vocabulary-sized tensors are split t ways (among VOCAB_SPLITS; precise.D23):
     # the default is Megatron's layout; () keeps the embedding, the output layer and the logits whole on every rank

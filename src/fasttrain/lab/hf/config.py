@@ -277,7 +277,7 @@ def memory_setup_for(hf_config: dict):
                                         recompute_layers=cfg.checkpoint_blocks,
                                         optim=cfg.optim, compiled=compiled_scope(cfg),
                                         cuda_graphs=cuda_graphs_of(cfg), liger=liger_of(cfg),
-                                        float8=cfg.float8, **extra)
+                                        float8=cfg.float8, float8_all_gather=cfg.float8_all_gather, **extra)
         except FasttrainError:
             return None
     return setup
