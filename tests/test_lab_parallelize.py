@@ -94,7 +94,8 @@ def test_float8_converts_the_linear_layers_but_the_head_and_odd_shapes():
     assert kinds["head"] == "Linear"
     assert (kinds["blocks.0.mlp.up"], kinds["blocks.0.mlp.down"]) == ("Float8Linear", "Linear")
     assert applied == [("float8", "tensorwise: 6 Linear layers")]
-    # under FSDP the per-tensor recipe gathers the weights in float8 (off by --no-float8-all-gather; never rowwise)
+    # --float8-all-gather: under FSDP the per-tensor recipe gathers the weights in float8 (never rowwise; off unless
+    # asked)
     fsdp = type("World", (), {"fsdp": True})()
     for recipe, asked, gathers in (("tensorwise", True, True), ("tensorwise", False, False), ("rowwise", True, False)):
         module = build_model(cfg, 65, torch.device("cpu")).module

@@ -89,31 +89,8 @@ def test_float8_peaks_of_the_1b_on_an_h100_and_the_8b_on_4_h200():
         assert abs(est - measured_rowwise) < 0.001 * measured_rowwise, (recipe, est / MiB)   # 22,167 vs 22,169
     eight_b, measured = _measured_setup("results/dist/nvidia-h200-x4/raw/llama3-8b/float8-tensorwise.json")
     assert abs(estimate(eight_b, "precise").total / MiB - 75011) < 1   # bf16's estimate (and measured peak)
-    # that run gathered its weights in bf16 (before --float8-all-gather)
-    est = estimate(eight_b.with_(float8="tensorwise", float8_all_gather=False), "precise").total
+    est = estimate(eight_b.with_(float8="tensorwise"), "precise").total
     assert abs(est - measured) < 0.002 * measured, est / MiB           # 63,747 vs 63,831
-
-
-def test_fsdp_gathers_tensorwise_float8_weights_in_one_byte():
-    """D25: under FSDP with per-tensor float8 a block's gathered copy holds its Linear weights in float8; ZeRO-2
-    keeps every block's copy from its forward to its backward, so at the end of the forward L + 1 copies (the last
-    one's all-gather buffer too) hold attn_w + mlp_w bytes less each (their bf16 second byte); rowwise, or the
-    switch off, gathers in bf16 as before."""
-    s = setup_from_hf_config(dict(LLAMA_1B, num_hidden_layers=4), micro_batch=1, seq=512, precision="bf16",
-                             attention="sdpa", compiled="blocks", float8="tensorwise").with_(
-        dp=4, zero=2, fsdp=True, precision="mixed", reduce_dtype="bf16")
-    check(s)
-    P = param_counts(s)
-
-    def moment(setup, name="end of forward (loss)"):
-        return next(m["bytes"] for m in estimate(setup, "precise").extra["moments"] if m["name"] == name)
-    # at the end of the forward: the 4 blocks' copies and the last block's all-gather buffer
-    assert moment(s.with_(float8_all_gather=False)) - moment(s) == 5 * (P["attn_w"] + P["mlp_w"])
-    assert estimate(s.with_(float8="rowwise"), "precise").total == \
-        estimate(s.with_(float8_all_gather=False), "precise").total
-    # ZeRO-3 at the same moment: the last block's buffer alone (the blocks resharded after their forward)
-    z3 = s.with_(zero=3)
-    assert moment(z3.with_(float8_all_gather=False)) - moment(z3) == P["attn_w"] + P["mlp_w"]
 
 
 @pytest.mark.parametrize("changes, text", [
@@ -124,6 +101,7 @@ def test_fsdp_gathers_tensorwise_float8_weights_in_one_byte():
     (dict(liger=("rms_norm",)), "liger's RMSNorm or SwiGLU"),
     (dict(compiled="none", lora_rank=8, lora_targets=("q_proj",)), "frozen base"),
     (dict(tp=2), "one tensor-parallel rank"),
+    (dict(dp=4, zero=2, fsdp=True, precision="mixed", float8_all_gather=True), "all-gathered in float8"),
     (dict(ffn=8200), "multiples of 16"),
 ])
 def test_float8_outside_what_was_measured_is_refused_in_one_line(changes, text):

@@ -116,8 +116,6 @@ def config_of(fields: dict, distributed: dict | None = None):
             and not (v is None and known[k].default not in (None, MISSING))}
     if "lora_target_modules" in kept:
         kept["lora_target_modules"] = tuple(kept["lora_target_modules"])
-    # runs recorded before the lab gathered float8 weights in float8 under FSDP gathered them in bf16
-    kept.setdefault("float8_all_gather", False)
     if distributed:
         kept.update(nproc_per_node=distributed["world_size"], strategy=distributed["strategy"],
                     tp=1 if distributed["strategy"] == "tp" else distributed.get("tp", 1),

@@ -551,21 +551,13 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     layer_n = P["layer"]
     root_n = n_local - L * layer_n
     u = cp if fsdp else grad_scale          # bytes an element of a gradient not yet reduced
-    # D25: with per-tensor float8 the lab's FSDP all-gathers the float8 layers' weights in float8 (1 byte an
-    # element; their biases and the norms in cp): a block's gathered copy and its all-gather buffer are
-    # cp * layer_n - (cp - 1) * (attn_w + mlp_w) bytes
-    from fasttrain.memory.hf_activations import float8_layers
-
-    float8_gathered = P["attn_w"] + P["mlp_w"] if fsdp and float8_layers(s) and s.float8 == "tensorwise" \
-        and s.float8_all_gather else 0
-    layer_bytes = cp * layer_n - (cp - 1) * float8_gathered
 
     def gathered(zero2_layers, zero3_layers, root=True):
         """FSDP's compute copies alive: the root group's and the blocks' -- ZeRO-2 holds each from its forward to
         the end of its backward, ZeRO-3 the one running and the one prefetched."""
         if not fsdp:
             return 0
-        return cp * (root_n if root else 0) + layer_bytes * (zero2_layers if s.zero == 2 else zero3_layers)
+        return cp * ((root_n if root else 0) + layer_n * (zero2_layers if s.zero == 2 else zero3_layers))
 
     made: list[float] = []    # each moment's gradients output so far, in order (D20: the pool holds these)
 
@@ -624,6 +616,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
     # cast inside their graphs. llama3-8b on 2 H200, zero1 with per-block compile and full recomputation under
     # bf16 autocast: 100,653 MiB measured, 113,965 estimated with these 13,312 MiB of copies, 100,653 without)
     # (nor do float8 layers fill it: Float8Linear casts its weight itself, D24)
+    from fasttrain.memory.hf_activations import float8_layers
 
     if T["cast"] and full and not frozen and not (hf and s.compiled != "none") and not float8_layers(s):
         fwd_extra += 2 * k_re * (P["attn_w"] + P["attn_b"] + P["mlp_w"] + P["mlp_b"])
@@ -633,9 +626,9 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # keep their activations. Block L's buffer is then held to the root's post-forward, after the loss
         last = kept_of(L)
         moments.append((f"forward layer {L}: all-gather", saved_all - sum(head_part.values()) - last, grads(0), 0,
-                        gathered(L, 1) + 2 * layer_bytes))
+                        gathered(L, 1) + 2 * cp * layer_n))
     moments.append(("end of forward (loss)", saved_all, grads(0), fwd_extra,
-                    gathered(L, 0) + (layer_bytes if fsdp else 0)))
+                    gathered(L, 0) + (cp * layer_n if fsdp else 0)))
     # backward of the loss: d(log-probs) and d(logits) in fp32 beside the kept log-probs
     # fp32/mixed: d(log-probs) and d(logits) in fp32; autocast: nll_loss's fp32 gradient, the rest in bf16;
     # whole-model compiled: d(logits) in the logits' dtype, straight from the kept logits and row statistics
@@ -752,9 +745,7 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         params_line = Line("parameters", params_b + gathered_peak,
                            f"4 B x {n_local:,.0f} params / d: FSDP's fp32 shards ({shards / MiB:,.1f} MiB"
                            + (", in host memory" if s.offload else "") + ")" + (" (frozen)" if frozen else "")
-                           + trained + f"; {cp} B compute copies gathered at the peak"
-                           + (" (the layers' Linear weights in float8, 1 B)" if float8_gathered else "")
-                           + f": {gathered_peak / MiB:,.1f} MiB")
+                           + trained + f"; {cp} B compute copies gathered at the peak: {gathered_peak / MiB:,.1f} MiB")
     else:
         params_line = Line("parameters", params_b, f"{T['param']} B x {n_local:,.0f} params on this rank"
                            + (" (frozen)" if frozen else "") + trained + (" / d (ZeRO-3)" if s.zero >= 3 else ""))
