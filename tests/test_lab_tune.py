@@ -962,8 +962,8 @@ def test_the_prediction_of_a_transformers_model_counts_liger_and_cuda_graphs():
 def test_the_prediction_of_gpt2s_fused_cross_entropy_drops_the_logits():
     """GPT-2's fused cross-entropy (the lab's forward with liger's kernel) is the estimator's liger fused
     cross-entropy: the predicted peak drops by more than the fp32 logits, eager and beside per-block compiled
-    layers; beside a whole compiled model (the graph ends at the last hidden state, not modelled) it is predicted
-    as that model without liger, which counts the logits."""
+    layers; beside a whole compiled model (the graph ends at the last hidden state, D26) by more than the logits
+    in bf16 that model's loss keeps in its graph."""
     pytest.importorskip("transformers")
     gpt2 = dict(model_type="gpt2", vocab_size=8192, n_embd=64, n_layer=2, n_head=4, n_positions=128)
     predict = T.lab_predictor(gpt2["vocab_size"], gpt2)
@@ -974,7 +974,7 @@ def test_the_prediction_of_gpt2s_fused_cross_entropy_drops_the_logits():
     for compiled in ({}, dict(torch_compile=True, torch_compile_scope="blocks")):
         assert predict(plain.with_(**compiled, **fused)) < predict(plain.with_(**compiled)) - logits_fp32, compiled
     whole = plain.with_(torch_compile=True)
-    assert predict(whole.with_(**fused)) == predict(whole)
+    assert predict(whole.with_(**fused)) < predict(whole) - logits_fp32 // 2
 
 
 def test_the_search_on_the_modelled_llama_finds_the_models_best_within_its_budget(capsys):

@@ -1153,6 +1153,56 @@ def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu
                                                                            liger=True), "liger_kernel")
 
 
+WHOLE_HEAD_CASES = [("sdpa", True, 1, "none"), ("sdpa", True, 2, "none"), ("eager", False, 2, "none"),
+                    ("eager", True, 2, "none"), ("eager", True, 2, "full")]
+
+
+@pytest.mark.parametrize("attention, amp, batch, recompute", slow_beyond(WHOLE_HEAD_CASES, keep=1),
+                         ids=[f"gpt2-{c[0]}-{'bf16' if c[1] else 'fp32'}-b{c[2]}-recompute-{c[3]}"
+                              for c in WHOLE_HEAD_CASES])
+def test_gpt2s_fused_head_beside_a_whole_compiled_model_saves_what_the_estimator_counts_on_cpu(attention, amp, batch,
+                                                                                              recompute):
+    """D26: under a whole-model compile GPT-2's fused head breaks the graph at the last hidden state (the kernel is
+    outside it): the layers keep what a whole compiled model's layers keep, the head and the loss what liger's
+    kernel keeps eager (its d(input) and d(weight), no logits). Measured with the CPU stand-in of liger's kernel
+    (within the compiled cases' 2%: the final norm's input at b 2 is the 1.3% left)."""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.lab.hf import apply_fused_linear_cross_entropy
+    from fasttrain.memory import precise
+    from fasttrain.memory.tracker import saved_tensor_bytes
+
+    flce = _cpu_liger_functions()[-1]
+    cfg, seq = dict(CACT["gpt2"]), 12
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
+                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
+    model.train()
+    if recompute == "full":
+        enable_checkpointing(model)
+    run = compile_scope(model, "model")
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return run(input_ids=ids, labels=ids, shift_labels=targets, use_cache=False).loss
+
+    forward().backward()                             # compiles
+    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
+    loss.backward()
+    setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
+                                 attention=attention, recompute=recompute, compiled="model",
+                                 liger=("fused_linear_cross_entropy",), workspace_mib=0.0)
+    breakdown = precise.estimate(setup, mask_bytes=4, kernel_temps=False)
+    est = breakdown.line("activations at the end of forward").bytes
+    assert abs(est - measured) <= 0.02 * measured, (est, measured)
+    # the kernel's terms, no logits
+    names = [c.name for c in breakdown.line("activations at the end of forward").children]
+    assert "output: fused CE grad input" in names and "output: logits" not in names
+
 GPU_HEAD_CASES = [("sdpa", "bf16", "none"), ("sdpa", "fp32", "none"), ("eager", "bf16", "blocks")]
 
 

@@ -50,6 +50,9 @@ RULES = {
     or getattr(cfg, "tp", 1) > 1,
     # written against the 8B's float8 rows (results/dist/) and the 1B's on an H100 (dev/memory/float8-h100/)
     "float8 layers (D24)": lambda cfg: getattr(cfg, "float8", "none") != "none",
+    # written after GPT-2's H200 grid rows of it missed (results/tune/nvidia-h200/), derived on the CPU
+    "GPT-2's fused head beside a whole compiled model (D26)": lambda cfg: cfg.use_liger_kernel
+    and cfg.liger_kernels == "fused_linear_cross_entropy" and cfg.torch_compile and cfg.torch_compile_scope == "model",
 }
 
 

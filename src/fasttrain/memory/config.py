@@ -358,11 +358,11 @@ def _check_liger(setup: Setup) -> None:
         raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
                              "Qwen2, Gemma, Phi-3) and, for GPT-2, its fused linear cross-entropy alone; not for "
                              + ("the lab's GPT" if setup.modules == "lab" else "GPT-2's other layers") + "; drop liger")
-    if setup.compiled == "model":
+    if setup.compiled == "model" and setup.modules != "hf-gpt2":
         # per-block compile leaves the head and the loss eager (liger's fused cross-entropy is what it is eager) and
-        # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); a whole
-        # compiled model traces the layers and ends its graph at the last hidden state (GPT-2's fused head), which
-        # is not modelled
+        # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); GPT-2's
+        # fused head under a whole compiled model ends the graph at the last hidden state, the kernel eager after
+        # it (modelled); the families liger patches are refused by the lab under a whole-model compile
         raise FasttrainError("liger-kernel under a whole-model torch.compile is not modelled; estimate it with "
                              "per-block compiled layers (compiled blocks), eager (compiled none) or without liger")
     if setup.tp > 1:

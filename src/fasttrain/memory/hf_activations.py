@@ -481,12 +481,15 @@ def _compiled(s: Setup, t: dict, cpu: bool) -> None:
         # the block's second norm input (the residual after attention) is recomputed from the block's input
         # and the bf16 output projection's output, which is kept instead of the fp32 sum
         mlp["norm2"] = mlp["norm2"] - R * N * h + C * N * h
-    if whole:
+    if whole and "fused_CE_grad_input" not in head:
         # the loss in the graph: the logits in the head's dtype and log-softmax's fp32 row max and log-sum-exp
         # (log-probabilities recomputed in backward); the padded labels (b, s + 1) int64 (the shift is a view)
+        # (GPT-2's fused head ends the graph at the last hidden state: the head and the loss are liger's eager
+        # kernel, which keeps what it keeps eager)
         head.pop("log_probs")
         head["logits"] = C * N * v + 8 * N
         head["labels"] = 8 * b * (sq + 1) + 4
+    if whole:
         if not gpt2:
             once.pop("RoPE cos and sin", None)        # recomputed from the inverse frequencies
             if cast:

@@ -600,9 +600,10 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # ``logits.float()`` beside the logits; under autocast the fp32 last hidden state (the model's
         # output object holds it while the loss runs; without autocast it is the head's kept input)
         fwd_extra = logits_c + (4 * N_out * v_l if C == 2 else 0) + (4 * N_out * h if T["cast"] else 0)
-    whole = bool(hf) and s.compiled == "model"
-    # (under compile only beside per-block compiled layers: the head and the loss eager, as here)
+    # liger's fused cross-entropy: the head and the loss eager, beside eager, per-block compiled layers, or (GPT-2's
+    # fused head) a whole compiled model whose graph ends at the last hidden state
     fused_ce = bool(hf) and "fused_linear_cross_entropy" in s.liger
+    whole = bool(hf) and s.compiled == "model" and not fused_ce     # the loss inside the compiled graph
     if whole:
         # the loss inside the compiled graph: one fused kernel reads the kept logits, nothing more is made
         fwd_extra = 0

@@ -66,8 +66,8 @@ def lab_predictor(vocab: int, hf_config: dict | None = None, cpu: bool = False) 
         if setup_of is not None:
             setup = setup_of(cfg, cfg.per_device_train_batch_size)
             if setup is None and cfg.use_liger_kernel:
-                # liger where the estimator does not model it (GPT-2's fused head beside a whole compiled model):
-                # the model without it, which counts the logits the fused loss never makes (errs high, prunes safely)
+                # liger where the estimator does not model it: the model without it, which counts the logits the
+                # fused loss never makes (errs high, prunes safely)
                 setup = setup_of(cfg.with_(use_liger_kernel=False), cfg.per_device_train_batch_size)
             if setup is None:
                 return None
