@@ -12,6 +12,9 @@
 #     "activation_checkpointing": false, "transformer_layer_cls_to_wrap": ["LlamaDecoderLayer"]}}' SKIP_TESTS=1 \
 #     OUT=out bash dev/dist/profile_8b.sh
 #       (tune's pick without recomputation against the Trainer at its best, also without: where the last 5% goes)
+#   LAB_AC=none LAB_FLAGS="<the pick's flags, as above>" LAB2_FLAGS="--float8 tensorwise" LAB2_SIDE=lab-float8 \
+#     SKIP_HF=1 SKIP_TESTS=1 OUT=out bash dev/dist/profile_8b.sh
+#       (the pick in bf16 and in float8 tensorwise side by side: where float8's step goes, the 1.2x goal's 1.18x)
 #
 # Writes under $OUT: env.txt, gpu-tests.txt, lab-8b.json (the lab's run record), hf-8b.json, prof.tgz
 # (profile-<side>-rank<r>.json per rank: device time per step by kind of kernel, the NCCL kernels with their
@@ -38,7 +41,15 @@ python3 dev/dist/bench_scale.py prepare "$WORK" --model llama3-8b --tokens 20000
 timeout 200 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py lab-profile "$WORK" --model llama3-8b \
   --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/lab-8b.json" -- --strategy fsdp \
   --gradient-checkpointing "${LAB_AC:-full}" --timing-warmup-steps 3 --quiet ${LAB_FLAGS:-} 2>&1 | tail -25
-timeout 220 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" --model llama3-8b \
-  --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/hf-8b.json" ${HF_FLAGS:+--flags "$HF_FLAGS"} 2>&1 | grep -v Warning | tail -25
+# LAB2_FLAGS: a second lab side (LAB2_SIDE, default lab2) with the first one's flags and these, profiled beside it
+[ -n "${LAB2_FLAGS:-}" ] && timeout 200 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py lab-profile \
+  "$WORK" --model llama3-8b --steps "$STEPS" --skip 3 --profile "$OUT/prof" --side "${LAB2_SIDE:-lab2}" \
+  --out "$OUT/${LAB2_SIDE:-lab2}-8b.json" -- --strategy fsdp --gradient-checkpointing "${LAB_AC:-full}" \
+  --timing-warmup-steps 3 --quiet ${LAB_FLAGS:-} ${LAB2_FLAGS} 2>&1 | tail -25
+# SKIP_HF=1: no HF Trainer side (two lab sides alone)
+[ -z "${SKIP_HF:-}" ] && timeout 220 torchrun --standalone --nproc-per-node "$N" dev/dist/bench_scale.py hf "$WORK" \
+  --model llama3-8b --steps "$STEPS" --skip 3 --profile "$OUT/prof" --out "$OUT/hf-8b.json" \
+  ${HF_FLAGS:+--flags "$HF_FLAGS"} 2>&1 | grep -v Warning | tail -25
 (cd "$OUT" && tar czf prof.tgz prof && rm -rf prof)
-python3 dev/dist/bench_scale.py profile-table "$OUT/prof.tgz" --lab-record "$OUT/lab-8b.json" --hf-record "$OUT/hf-8b.json"
+python3 dev/dist/bench_scale.py profile-table "$OUT/prof.tgz" --lab-record "$OUT/lab-8b.json" \
+  $( [ -z "${SKIP_HF:-}" ] && echo --hf-record "$OUT/hf-8b.json" )
