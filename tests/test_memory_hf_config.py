@@ -961,6 +961,41 @@ def test_liger_saved_activations_equal_what_autograd_saves_on_cpu(name, attentio
     assert est == measured
 
 
+def fused_head_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, scope: str = "none",
+                           recompute: str = "none") -> tuple[dict, int, int]:
+    """GPT-2 with the lab's fused head (``lab/hf/liger.py``: the base model to the last hidden state, then liger's
+    kernel -- here its CPU stand-in -- with the head's weight), compiled as ``scope`` says, with the lab's labels and
+    shifted targets: the bytes one forward saves for the backward (compiled first, where it is). (cfg, seq, bytes)"""
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from fasttrain.lab.hf import apply_fused_linear_cross_entropy
+    from fasttrain.memory.tracker import saved_tensor_bytes
+
+    flce = _cpu_liger_functions()[-1]
+    seq = 12
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
+                                                          attn_implementation=attention)
+    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
+                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
+    model.train()
+    if recompute == "full":
+        enable_checkpointing(model)
+    run = compile_scope(model, scope) if scope != "none" else model
+    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
+    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
+
+    def forward():
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
+            return run(input_ids=ids, labels=ids, shift_labels=targets, use_cache=False).loss
+
+    if scope != "none":
+        forward().backward()                         # compiles
+    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
+    loss.backward()                                  # the stand-in's backward runs through the lab's forward
+    return cfg, seq, measured
+
+
 GENERIC_HEAD_CASES = [("gpt2", "eager", False, 2), ("gpt2", "sdpa", True, 1), ("gpt2-dropout", "eager", True, 2)]
 
 
@@ -971,29 +1006,9 @@ def test_gpt2s_fused_head_saves_what_the_estimator_counts_on_cpu(name, attention
     hidden state, then liger's kernel with the head's weight), and the estimator counts it as liger's fused
     cross-entropy (its d(input) and d(weight), no logits). Measured with the CPU stand-in that saves what liger's
     kernel saves, the lab's labels and shifted targets."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from fasttrain.lab.hf import apply_fused_linear_cross_entropy
     from fasttrain.memory import precise
-    from fasttrain.memory.tracker import saved_tensor_bytes
 
-    flce = _cpu_liger_functions()[-1]
-    cfg, seq = dict(CACT[name]), 12
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation=attention)
-    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
-                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
-    model.train()
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
-    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
-
-    def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            return model(input_ids=ids, labels=ids, shift_labels=targets, use_cache=False).loss
-
-    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
-    loss.backward()
+    cfg, seq, measured = fused_head_saved_bytes(CACT[name], attention, amp, batch)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
                                  attention=attention, liger=("fused_linear_cross_entropy",), workspace_mib=0.0)
     est = precise.estimate(setup, mask_bytes=4, kernel_temps=False).line("activations at the end of forward").bytes
@@ -1166,33 +1181,10 @@ def test_gpt2s_fused_head_beside_a_whole_compiled_model_saves_what_the_estimator
     outside it): the layers keep what a whole compiled model's layers keep, the head and the loss what liger's
     kernel keeps eager (its d(input) and d(weight), no logits). Measured with the CPU stand-in of liger's kernel
     (within the compiled cases' 2%: the final norm's input at b 2 is the 1.3% left)."""
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
-    from fasttrain.lab.hf import apply_fused_linear_cross_entropy
     from fasttrain.memory import precise
-    from fasttrain.memory.tracker import saved_tensor_bytes
 
-    flce = _cpu_liger_functions()[-1]
-    cfg, seq = dict(CACT["gpt2"]), 12
-    torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
-                                                          attn_implementation=attention)
-    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
-                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
-    model.train()
-    if recompute == "full":
-        enable_checkpointing(model)
-    run = compile_scope(model, "model")
-    ids = torch.randint(0, cfg["vocab_size"], (batch, seq))
-    targets = torch.randint(0, cfg["vocab_size"], (batch, seq))
-
-    def forward():
-        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=amp):
-            return run(input_ids=ids, labels=ids, shift_labels=targets, use_cache=False).loss
-
-    forward().backward()                             # compiles
-    measured, loss = saved_tensor_bytes(forward, exclude=[*model.parameters(), *model.buffers(), ids, targets])
-    loss.backward()
+    cfg, seq, measured = fused_head_saved_bytes(CACT["gpt2"], attention, amp, batch, scope="model",
+                                                recompute=recompute)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
                                  attention=attention, recompute=recompute, compiled="model",
                                  liger=("fused_linear_cross_entropy",), workspace_mib=0.0)
