@@ -56,12 +56,17 @@ RULES = {
 }
 
 
-# what a measurement ran with that the trainer no longer does: (source prefix, model, applies, the note)
+# what a measurement ran with that the trainer no longer does, or what its row's prediction came from: (source
+# prefix, model, applies, the note)
 TRAINER_NOTES = [
     ("results/tune/nvidia-h100-80gb-hbm3/", "gpt2-124m",
      lambda cfg: _cuda_graphs(cfg) and cfg.gradient_accumulation_steps > 1,
      "measured at ba8b5fa, before 3311e36: the trainer then let a micro-batch's gradients live in the CUDA-graph "
      "pool, and the graphs were recorded again micro-batch after micro-batch (dev/tune/README.md)"),
+    ("results/dist/nvidia-h200-x4/raw/llama3-8b/float8-gather/", "llama3-8b",
+     lambda cfg: cfg.float8 == "tensorwise" and getattr(cfg, "float8_all_gather", False),
+     "predicted by a rule written before the run (1-byte gathered copies) and withdrawn after it: today's "
+     "estimator refuses the float8 gather (src/fasttrain/memory/MODEL.md)"),
 ]
 
 
