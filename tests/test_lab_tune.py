@@ -1200,6 +1200,42 @@ def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
         bench.main(["merge", str(a), "--model", "tiny-gpt2"])
 
 
+@pytest.mark.slow
+def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
+    """dev/device/tune_lanes.sh on the CPU, three lanes (an nvidia-smi that lists three GPUs; every lane's process
+    on the CPU): one call takes the tiny case through -- the grid fixed, tune, the Trainer as users run it and its
+    search shared, every grid point, the cross-check on each card, then the confirmation and the Trainer's alone
+    runs on GPU 0 -- and leaves lane a's merged state, the lanes' logs and tune's folder in $OUT."""
+    import subprocess
+    import tarfile
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parents[1]
+    bin_dir, out, work = tmp_path / "bin", tmp_path / "out", tmp_path / "tmp"
+    bin_dir.mkdir()
+    fake = bin_dir / "nvidia-smi"
+    fake.write_text('#!/bin/bash\ncase "$*" in *-L*) for i in 0 1 2; do echo "GPU $i: fake"; done;; *) exit 1;; esac\n')
+    fake.chmod(0o755)
+    env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), TUNE_TMP=str(work), CALL_S="420",
+               GPU_TESTS="none", FASTTRAIN_GIT_SHA="test")
+    done = subprocess.run(["bash", "dev/device/tune_lanes.sh", "tiny-gpt2", "--budget", "1m"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    state = json.loads((out / "tiny-gpt2-state.json").read_text())
+    bench = _bench_module()
+    assert bench.grid_left(state) == 0 and state["tune"]["pick"] and state["hf"]["tokens_per_s"]
+    assert state["hf_flags"]["complete"]
+    assert state["confirm"]["gpu"] == state["alone"]["gpu"] == "0" and state["confirm"]["steps"] == 200
+    assert {r["gpu"] for r in state["crosscheck"]} == {"0", "1", "2"}
+    assert {g["gpu"] for g in state["grid"].values()} <= {"0", "1", "2"}
+    assert bench.case_of(state)["long_run"]["gpu"] == "0"
+    with tarfile.open(out / "tiny-gpt2-lanes.tar.gz") as tar:
+        names = tar.getnames()
+    assert {f"tune-logs/tiny-gpt2-lane-{x}.log" for x in "abc"} <= set(names)
+    assert (out / "tiny-gpt2-tune-folder.tar.gz").is_file()
+
+
 def test_configurations_the_model_refuses_are_dropped_before_any_probe():
     """A combination the model's own check refuses (liger's fused cross-entropy under a whole-model compile) is
     never probed: one line per reason, with how many configurations it takes."""

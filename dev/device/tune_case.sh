@@ -16,7 +16,8 @@
 MODEL=${1:?usage: tune_case.sh MODEL [--budget 8m]}; shift
 BUDGET=8m; [ "${1:-}" = --budget ] && BUDGET=$2
 source dev/device/prelude.sh
-WORK=${WORK:-/tmp/tune-work}; export WORK; mkdir -p "$WORK/$MODEL"
+TUNE_TMP=${TUNE_TMP:-/tmp}; export TUNE_TMP
+WORK=${WORK:-$TUNE_TMP/tune-work}; export WORK; mkdir -p "$WORK/$MODEL"
 DEADLINE=$(( $(date +%s) + ${CALL_S:-585} ))
 export LOG=${LOG:-$OUT/$MODEL-calls.log}
 left() { echo $(( DEADLINE - $(date +%s) )); }
@@ -59,7 +60,7 @@ lane_grid() {
 
 profile() {
   if ! done_ profile && [ "$(left)" -gt 150 ]; then
-    TORCHINDUCTOR_CACHE_DIR=/tmp/inductor-lab TRITON_CACHE_DIR=/tmp/inductor-lab/triton HF_HUB_OFFLINE=1 \
+    TORCHINDUCTOR_CACHE_DIR=$TUNE_TMP/inductor-lab TRITON_CACHE_DIR=$TUNE_TMP/inductor-lab/triton HF_HUB_OFFLINE=1 \
       timeout $(( $(left) - 10 )) python3 dev/tune/profile_pick.py "$WORK" --model "$MODEL" --steps 2 \
       --out "$OUT/$MODEL-profile.json" >> "$LOG" 2>&1 && touch "$WORK/$MODEL/done-profile"
     grep -A12 "^$MODEL .*wall" "$LOG" | tail -13

@@ -18,10 +18,13 @@ CALL_S=${CALL_S:-585}; START=$(date +%s)       # before the prelude: a first cal
 source dev/device/prelude.sh
 LANES=${LANES:-$(nvidia-smi -L | wc -l)}
 [ "$LANES" -ge 2 ] || { echo "tune_lanes.sh: needs at least 2 GPUs of one host, found $LANES (use tune_case.sh)"; exit 2; }
-NAMES=(a b c d e f g h); A_WORK=/tmp/tune-work; CLAIMS=/tmp/tune-claims/$MODEL; LOGS=/tmp/tune-logs
+# TUNE_TMP: where the lanes' work folders, claims, logs and compiled-kernel caches live (default /tmp; the CPU test's
+# own folder)
+TUNE_TMP=${TUNE_TMP:-/tmp}; export TUNE_TMP
+NAMES=(a b c d e f g h); A_WORK=$TUNE_TMP/tune-work; CLAIMS=$TUNE_TMP/tune-claims/$MODEL; LOGS=$TUNE_TMP/tune-logs
 export A_WORK CLAIMS HF_HUB_OFFLINE=1
 left() { echo $(( START + CALL_S - $(date +%s) )); }
-work_of() { [ "$1" = a ] && echo "$A_WORK" || echo "/tmp/tune-work-$1"; }
+work_of() { [ "$1" = a ] && echo "$A_WORK" || echo "$TUNE_TMP/tune-work-$1"; }
 state_py() { python3 -c "import json; s=json.load(open('$A_WORK/$MODEL/state.json')); $1" 2>/dev/null; }
 done_() { [ -e "$A_WORK/$MODEL/done-$1" ]; }
 mkdir -p "$CLAIMS" "$LOGS"
@@ -34,14 +37,14 @@ for c in "$CLAIMS"/*; do case $c in *.done) ;; *) [ -e "$c" ] && [ ! -e "$c.done
 cores=$(nproc); others=$(( (cores - 24) / (LANES - 1) )); [ "$others" -ge 4 ] || others=4
 for (( i = 0; i < LANES; i++ )); do
   lane=${NAMES[$i]}
-  threads=$others; cache=/tmp/inductor-lab-$lane; [ "$lane" = a ] && { threads=24; cache=/tmp/inductor-lab; }
+  threads=$others; cache=$TUNE_TMP/inductor-lab-$lane; [ "$lane" = a ] && { threads=24; cache=$TUNE_TMP/inductor-lab; }
   LANE=$lane SHARE=$(( i < 1 ? 1 : i ))/$(( LANES - 1 )) CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$threads \
     WORK=$(work_of "$lane") LAB_CACHE=$cache CALL_S=$(( $(left) - 18 )) LOG=$LOGS/$MODEL-lane-$lane.log \
-    bash dev/device/tune_case.sh "$MODEL" "$@" > "/tmp/$MODEL-lane-$lane.txt" 2>&1 &
+    bash dev/device/tune_case.sh "$MODEL" "$@" > "$TUNE_TMP/$MODEL-lane-$lane.txt" 2>&1 &
 done
 wait
 for (( i = 0; i < LANES; i++ )); do
-  lane=${NAMES[$i]}; echo "== lane $lane"; grep -v -i "warn" "/tmp/$MODEL-lane-$lane.txt" | cut -c1-250 | tail -10
+  lane=${NAMES[$i]}; echo "== lane $lane"; grep -v -i "warn" "$TUNE_TMP/$MODEL-lane-$lane.txt" | cut -c1-250 | tail -10
 done
 
 # every other lane's state into lane a's, in one process
@@ -59,7 +62,7 @@ if [ "$whole" = 1 ] && ! done_ crosscheck && [ "$(left)" -gt 150 ]; then
   # the pick and the grid's best on each card, side by side
   for (( i = 0; i < LANES; i++ )); do
     lane=${NAMES[$i]}; from=(); [ "$lane" = a ] || from=(--from "$A_WORK")
-    cache=/tmp/inductor-lab-$lane; [ "$lane" = a ] && cache=/tmp/inductor-lab
+    cache=$TUNE_TMP/inductor-lab-$lane; [ "$lane" = a ] && cache=$TUNE_TMP/inductor-lab
     ( lab_env "$cache" "$i"; timeout $(( $(left) - 40 )) python3 dev/tune/bench_tune.py crosscheck "$(work_of "$lane")" \
         --model "$MODEL" "${from[@]}" >> "$LOGS/$MODEL-lane-$lane.log" 2>&1 ) &
   done
@@ -82,9 +85,9 @@ alone_stage() {  # alone_stage NAME NEED CACHE PHASE [bench_tune options]
 }
 if done_ crosscheck; then
   alone_stage confirm "$(state_py "print(int(200 * s['global_batch_tokens'] / s['tune']['pick_tokens_per_s'] + 45))")" \
-    /tmp/inductor-lab confirm --confirm-steps 200 &&
+    "$TUNE_TMP/inductor-lab" confirm --confirm-steps 200 &&
   alone_stage alone "$(state_py "t=s['global_batch_tokens']; \
-print(int(32 * t / s['hf_flags']['tokens_per_s'] + 60 + 12 * t / s['hf']['tokens_per_s'] + 40))")" /tmp/inductor-hf alone
+print(int(32 * t / s['hf_flags']['tokens_per_s'] + 60 + 12 * t / s['hf']['tokens_per_s'] + 40))")" "$TUNE_TMP/inductor-hf" alone
 fi
 if done_ alone; then
   LANE=profile WORK=$A_WORK LOG=$LOGS/$MODEL-lane-a.log CALL_S=$(( $(left) - 15 )) CUDA_VISIBLE_DEVICES=0 \
@@ -94,7 +97,7 @@ cp "$A_WORK/$MODEL/state.json" "$OUT/$MODEL-state.json"
 for (( i = 1; i < LANES; i++ )); do
   cp "$(work_of "${NAMES[$i]}")/$MODEL/state.json" "$LOGS/$MODEL-state-${NAMES[$i]}.json" 2>/dev/null
 done
-tar -czf "$OUT/$MODEL-lanes.tar.gz" -C /tmp tune-logs
+tar -czf "$OUT/$MODEL-lanes.tar.gz" -C "$TUNE_TMP" tune-logs
 ls -d "$A_WORK/$MODEL"/tune-* >/dev/null 2>&1 && \
   tar -czf "$OUT/$MODEL-tune-folder.tar.gz" --exclude='*.bin' --exclude='model' -C / "${A_WORK#/}/$MODEL"
 for (( i = 0; i < LANES; i++ )); do
