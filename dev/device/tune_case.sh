@@ -113,27 +113,22 @@ trainer_share() {
   done_ hf-flags
 }
 
-# lane b (GPU 1): the GPU tests, the HF Trainer as users run it, its share of the search, then the grid lane a
-# fixed (compiled into its own cache, so that lane a's search compiles cold)
-queue_b() {
-  phase prepare 60 || return
-  gpu_tests 300
-  phase hf 150 || return
-  trainer_share || return
-  lane_grid --members-from "$A_WORK"
-}
-
-# lanes c, d, ...: their shares of the Trainer's search, then the grid
+# lanes b, c, ... (GPUs 1, 2, ...): lane b first runs the GPU tests and the HF Trainer as users run it; every one its
+# share of the Trainer's search, then the grid lane a fixed (compiled into its own cache, so that lane a's search
+# compiles cold)
 queue_trainer() {
   phase prepare 60 || return
+  if [ "$LANE" = b ]; then
+    gpu_tests 300
+    phase hf 150 || return
+  fi
   trainer_share || return
   lane_grid --members-from "$A_WORK"
 }
 
 case "${LANE:-}" in
   a) queue_a ;;
-  b) queue_b ;;
-  [c-h]) queue_trainer ;;
+  [b-h]) queue_trainer ;;
   profile) profile ;;
   *) queue
      grid_fill || exit 0

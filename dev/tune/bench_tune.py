@@ -277,11 +277,14 @@ def hf_search_case(work: Path, name: str, *, steps: int, skip: int, cuda: bool,
     return summary
 
 
-def trainer_search_summary(name: str, points: list[dict], cuda: bool) -> dict:
+def trainer_search_summary(name: str, points: list[dict], cuda: bool | None = None) -> dict:
     """The Trainer's column from every point measured (one lane's, or the lanes' merged): the best point, every
     point, and whether the search is complete -- every variant's ladder ended (a point that did not fit or did not
     run, or its largest micro-batch measured). Before any point ran the column is empty (``tokens_per_s`` None);
-    a complete search where none ran is one line."""
+    a complete search where none ran is one line. ``cuda`` None: read from the points (a GPU's search starts every
+    ladder with tf32, TRAINER_FLAGS' base there)."""
+    if cuda is None:
+        cuda = any(p["flags"].get("tf32") for p in points)
     spec = MODELS[name]
     base = dict(TRAINER_FLAGS, **({"tf32": True} if cuda else {}))
     variants, notes = trainer_variants(spec["config"]["model_type"], cuda)
@@ -704,7 +707,7 @@ def alone_case(work: Path, name: str, *, cuda: bool, steps: int, users_steps: in
     if not (best or {}).get("tokens_per_s") or not users:
         raise SystemExit("alone: the HF Trainer's runs are not in this state yet: run hf and hf-flags (and merge "
                          "the lanes) first")
-    out = {"gpu": gpu_slot(), "search_complete": best.get("complete")}
+    out = {"gpu": gpu_slot()}
     runs = (("hf_flags", dict(batch=best["batch"], extra=best["flags"], steps=skip + steps, find=False)),
             ("hf", dict(batch=users["found_batch"], extra={}, steps=skip + users_steps, find=True)))
     for key, run in runs:
@@ -749,9 +752,7 @@ def merge_lanes(work: Path, name: str, other: Path) -> dict:
               for p in (theirs.get("hf_search_points") or []) + (state.get("hf_search_points") or [])}
     if points:
         state["hf_search_points"] = list(points.values())
-        # a GPU's search runs every point with tf32 (TRAINER_FLAGS' base there)
-        state["hf_flags"] = trainer_search_summary(name, state["hf_search_points"],
-                                                   cuda=any(p["flags"].get("tf32") for p in points.values()))
+        state["hf_flags"] = trainer_search_summary(name, state["hf_search_points"])
     state["grid"] = {**(theirs.get("grid") or {}), **(state.get("grid") or {})}
     rows = list(state.get("crosscheck") or [])
     state["crosscheck"] = rows + [r for r in theirs.get("crosscheck") or [] if r not in rows]
@@ -1018,7 +1019,7 @@ def report(work: Path, results: Path, models: list[str], command: str, measured_
         # complete: a retry the rules added since is a ladder left unfinished, said as such)
         points = state.get("hf_search_points")
         if points:
-            state["hf_flags"] = trainer_search_summary(name, points, cuda=any(p["flags"].get("tf32") for p in points))
+            state["hf_flags"] = trainer_search_summary(name, points)
     cases, details = [], []
     for name, state in states.items():
         case = case_of(state)

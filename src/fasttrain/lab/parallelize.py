@@ -17,9 +17,10 @@ trains (the module as trained, the module itself, the optimizer), in this order:
    before FSDP so that FSDP's hooks stay outside the compiled graphs.
 6. ``float8`` then ``data_parallel``: torchao's ``convert_to_float8_training`` on the Linear layers
    (``--float8-all-gather``: under FSDP with per-tensor scaling their weights all-gathered in float8,
-   the scale of each weight from its whole amax), then FSDP2 ``fully_shard`` per block and on the root over the dp dimension (HSDP: the 2-D
-   replicate x shard mesh; ``--offload-optimizer``: CPUOffloadPolicy), or DDP. A model built on the
-   meta device (a model trained from scratch under FSDP) gets its weights here, once sharded.
+   the scale of each weight from its whole amax), then FSDP2 ``fully_shard`` per block and on the
+   root over the dp dimension (HSDP: the 2-D replicate x shard mesh; ``--offload-optimizer``:
+   CPUOffloadPolicy), or DDP. A model built on the meta device (a model trained from scratch under
+   FSDP) gets its weights here, once sharded.
 7. ``compile_model``: ``torch.compile`` of the whole (wrapped) model, when asked instead of 5.
 8. ``optimizer``: over what the steps above left trainable; ZeRO-1 wraps it for ``zero1``.
 
@@ -255,7 +256,7 @@ def check_float8(cfg, device) -> None:
                              f"{torch.cuda.get_device_name(device)} has {major}.{minor}: drop --float8")
 
 
-def float8_all_gather(recipe: str, fsdp: bool, asked: bool = False) -> bool:
+def float8_all_gather(recipe: str, fsdp: bool, asked: bool) -> bool:
     """Whether FSDP all-gathers the float8 layers' weights in float8 (``--float8-all-gather``, asked): with
     per-tensor scaling only (a weight's one scale is what its float8 copy needs, so the cast before the gather is
     the cast the GEMM would make); per-row scales are taken along the GEMM's own axis, so rowwise gathers in bf16."""
