@@ -25,6 +25,8 @@ NAMES=(a b c d e f g h); A_WORK=$TUNE_TMP/tune-work; CLAIMS=$TUNE_TMP/tune-claim
 export A_WORK CLAIMS HF_HUB_OFFLINE=1
 left() { echo $(( START + CALL_S - $(date +%s) )); }
 work_of() { [ "$1" = a ] && echo "$A_WORK" || echo "$TUNE_TMP/tune-work-$1"; }
+# a lane's own compiled-kernel cache for the lab (lane a's search compiles cold in its own)
+cache_of() { [ "$1" = a ] && echo "$TUNE_TMP/inductor-lab" || echo "$TUNE_TMP/inductor-lab-$1"; }
 state_py() { python3 -c "import json; s=json.load(open('$A_WORK/$MODEL/state.json')); $1" 2>/dev/null; }
 done_() { [ -e "$A_WORK/$MODEL/done-$1" ]; }
 mkdir -p "$CLAIMS" "$LOGS"
@@ -32,14 +34,14 @@ mkdir -p "$CLAIMS" "$LOGS"
 for c in "$CLAIMS"/*; do case $c in *.done) ;; *) [ -e "$c" ] && [ ! -e "$c.done" ] && rm -f "$c" ;; esac; done
 
 # every lane stops 18 s before the call's end (the merge and the copies need it; a call with tune must leave it its
-# budget + 50 s after the wheels, prepare and fix-grid, about 55 s: --budget 7m in a call of 598 s). Compilation's CPU threads: lane a's search keeps 24, the
-# other lanes share the rest
+# budget + 50 s after the wheels, prepare and fix-grid, about 55 s: --budget 7m in a call of 598 s). Compilation's
+# CPU threads: lane a's search keeps 24, the other lanes share the rest
 cores=$(nproc); others=$(( (cores - 24) / (LANES - 1) )); [ "$others" -ge 4 ] || others=4
 for (( i = 0; i < LANES; i++ )); do
   lane=${NAMES[$i]}
-  threads=$others; cache=$TUNE_TMP/inductor-lab-$lane; [ "$lane" = a ] && { threads=24; cache=$TUNE_TMP/inductor-lab; }
+  threads=$others; [ "$lane" = a ] && threads=24
   LANE=$lane SHARE=$(( i < 1 ? 1 : i ))/$(( LANES - 1 )) CUDA_VISIBLE_DEVICES=$i TORCHINDUCTOR_COMPILE_THREADS=$threads \
-    WORK=$(work_of "$lane") LAB_CACHE=$cache CALL_S=$(( $(left) - 18 )) LOG=$LOGS/$MODEL-lane-$lane.log \
+    WORK=$(work_of "$lane") LAB_CACHE=$(cache_of "$lane") CALL_S=$(( $(left) - 18 )) LOG=$LOGS/$MODEL-lane-$lane.log \
     bash dev/device/tune_case.sh "$MODEL" "$@" > "$TUNE_TMP/$MODEL-lane-$lane.txt" 2>&1 &
 done
 wait
@@ -62,8 +64,7 @@ if [ "$whole" = 1 ] && ! done_ crosscheck && [ "$(left)" -gt 150 ]; then
   # the pick and the grid's best on each card, side by side
   for (( i = 0; i < LANES; i++ )); do
     lane=${NAMES[$i]}; from=(); [ "$lane" = a ] || from=(--from "$A_WORK")
-    cache=$TUNE_TMP/inductor-lab-$lane; [ "$lane" = a ] && cache=$TUNE_TMP/inductor-lab
-    ( lab_env "$cache" "$i"; timeout $(( $(left) - 40 )) python3 dev/tune/bench_tune.py crosscheck "$(work_of "$lane")" \
+    ( lab_env "$(cache_of "$lane")" "$i"; timeout $(( $(left) - 40 )) python3 dev/tune/bench_tune.py crosscheck "$(work_of "$lane")" \
         --model "$MODEL" "${from[@]}" >> "$LOGS/$MODEL-lane-$lane.log" 2>&1 ) &
   done
   wait
@@ -85,7 +86,7 @@ alone_stage() {  # alone_stage NAME NEED CACHE PHASE [bench_tune options]
 }
 if done_ crosscheck; then
   alone_stage confirm "$(state_py "print(int(200 * s['global_batch_tokens'] / s['tune']['pick_tokens_per_s'] + 45))")" \
-    "$TUNE_TMP/inductor-lab" confirm --confirm-steps 200 &&
+    "$(cache_of a)" confirm --confirm-steps 200 &&
   alone_stage alone "$(state_py "t=s['global_batch_tokens']; \
 print(int(32 * t / s['hf_flags']['tokens_per_s'] + 60 + 12 * t / s['hf']['tokens_per_s'] + 40))")" "$TUNE_TMP/inductor-hf" alone
 fi
