@@ -824,6 +824,28 @@ def test_bench_trainer_search_climbs_each_variants_micro_batches_until_one_does_
     assert runs == []
 
 
+def test_bench_trainer_runs_leave_torchs_precision_switches_as_they_found_them(monkeypatch, tmp_path):
+    """A Trainer run's tf32 sets torch's newer precision API for the process; the next point's max-autotune reads
+    the legacy getter, which refuses the mix. Each run, failed or not, puts the switches back."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    import torch
+    import transformers
+
+    bench = _bench_module()
+    bench.prepare(tmp_path, "tiny-gpt2", n_tokens=4096)
+
+    def train_as_tf32_does(self, *args, **kwargs):
+        torch.backends.cuda.matmul.fp32_precision = "tf32"      # what TrainingArguments(tf32=True) leaves
+        raise RuntimeError("the run failed after setting tf32")
+    monkeypatch.setattr(transformers.Trainer, "train", train_as_tf32_does)
+    before = torch.get_float32_matmul_precision()
+    point = bench._trainer_point(tmp_path, "tiny-gpt2", batch=8, flags={}, steps=2, skip=1, cuda=False)
+    assert point["status"] == "failed: RuntimeError"
+    assert torch.backends.cuda.matmul.fp32_precision == "none"
+    assert torch.get_float32_matmul_precision() == before       # no "mix of the legacy and new APIs"
+
+
 def test_bench_trainer_search_stops_where_the_calls_time_ends_and_goes_on_in_the_next(monkeypatch, tmp_path):
     bench = _bench_module()
     runs = []

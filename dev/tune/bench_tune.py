@@ -66,6 +66,7 @@ machine's folder, ``--also``), between the lines of :data:`README_START` and :da
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
@@ -448,7 +449,7 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
     torch.manual_seed(0)
     model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
     model.config.use_cache = False
-    with tempfile.TemporaryDirectory() as out:
+    with tempfile.TemporaryDirectory() as out, precision_switches_kept():
         args = tf.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
             gradient_accumulation_steps=accumulation, bf16=True, auto_find_batch_size=find,
@@ -472,6 +473,33 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
             "gradient_accumulation_steps": accumulation, "tokens_per_step": per_step, "step_s": timed,
             "first_steps_s": timer.times[:skip], "peak_mib": peak / MIB if peak else None, "wall_s": wall,
             "steps": steps, "skip": skip}
+
+
+# torch's float32 precision switches, the newer per-backend API (torch.backends.<backend>.fp32_precision)
+PRECISION_SWITCHES = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mkldnn", "mkldnn.matmul", "mkldnn.conv",
+                      "mkldnn.rnn")
+
+
+@contextlib.contextmanager
+def precision_switches_kept():
+    """Every Trainer run leaves torch's precision switches as it found them. ``tf32=True`` sets the newer API
+    (``cuda.matmul.fp32_precision = "tf32"``) for the rest of the process; inductor's max-autotune reads the legacy
+    getter, which refuses the mix: every later point of the search in that process (tf32 or not) would fail on a
+    state the run before it left, not on its own flags."""
+    import torch
+
+    def owner(path):
+        obj = torch.backends
+        for part in filter(None, path.split(".")):
+            obj = getattr(obj, part, None)
+        return obj
+    kept = {path: owner(path).fp32_precision for path in PRECISION_SWITCHES
+            if hasattr(owner(path), "fp32_precision")}
+    try:
+        yield
+    finally:
+        for path, value in kept.items():
+            owner(path).fp32_precision = value
 
 
 # --- (c), (d), (e): the lab ----------------------------------------------------------------------
