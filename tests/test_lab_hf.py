@@ -925,15 +925,16 @@ def test_the_memory_setup_follows_the_liger_flag():
 
 
 def test_liger_kernels_applies_the_fused_cross_entropy_alone(tmp_path):
-    """--liger-kernels fused_linear_cross_entropy: the model's loss path is liger's, its layers transformers' own
-    (left to torch.compile); all: liger's norms and MLP too. Asked without liger, or for the lab's GPT, it is refused."""
+    """--liger-kernels fused_linear_cross_entropy: the model's loss path is the lab's fused head, its layers
+    transformers' own (left to torch.compile); all: liger's norms and MLP too. Asked without liger, or for the lab's
+    GPT, it is refused."""
     pytest.importorskip("liger_kernel")
     write_config(tmp_path, "llama")
     for kernels, layers_from in (("fused_linear_cross_entropy", "transformers."), ("all", "liger_kernel.")):
         model = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu").module
         hf.apply_liger(model, kernels)
         try:
-            assert model.forward.__func__.__module__.startswith("liger_kernel.")
+            assert model.forward.__func__.__module__ == "fasttrain.lab.hf.liger"
             assert model.model.norm.forward.__func__.__module__.startswith(layers_from)
             assert model.model.layers[0].mlp.forward.__func__.__module__.startswith(layers_from)
         finally:
@@ -956,7 +957,7 @@ def test_liger_patches_of_transformers_modules_are_undone_after_the_run(tmp_path
     original_rope, original_norm = modeling_llama.apply_rotary_pos_emb, modeling_llama.LlamaRMSNorm
     fake_rope = object()
 
-    def fake_apply(model):                  # what liger's llama patch does to the module (CUDA-only kernels)
+    def fake_apply(model, **switches):      # what liger's llama patch does to the module (CUDA-only kernels)
         modeling_llama.apply_rotary_pos_emb = fake_rope
         modeling_llama.LlamaRMSNorm = type("LigerLikeNorm", (torch.nn.Module,), {})
         modeling_llama.LlamaForCausalLM.liger_marker = True
@@ -994,7 +995,7 @@ def test_a_compiled_run_resets_the_compilers_caches_when_it_ends(monkeypatch):
 def reference_flce(calls: list):
     """What liger's kernel computes, written with the logits made (its Triton kernel needs a GPU): CE(x W^T + b, t)
     over the targets that are not ``ignore_index``, mean or sum. ``calls`` gets the shape of each input."""
-    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean"):
+    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
         calls.append(tuple(x.shape))
         return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
     return kernel
@@ -1046,6 +1047,54 @@ def test_the_fused_head_trains_the_models_own_loss(tmp_path, family):
                                plain.module(input_ids=x, labels=x, shift_labels=y, num_items_in_batch=items).loss,
                                rtol=1e-5, atol=1e-6)
     assert fused.module(input_ids=x, shift_labels=y).loss is None      # as the model's own: no labels, no loss
+
+
+@pytest.mark.parametrize("family", ("gpt2", "qwen2"))
+def test_under_autocast_the_fused_head_casts_its_weight_once_and_sums_its_gradient_in_fp32(tmp_path, family):
+    """liger's kernel under autocast with fp32 weights would cast the whole v x h weight at each chunk of tokens;
+    the lab's head hands it the input and the weight in autocast's dtype, once a micro-batch, and asks for the
+    weight's gradient summed in fp32. The loss and the gradients are the model's own under autocast."""
+    write_config(tmp_path, family)
+    seen = []
+
+    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+        seen.append((x.dtype, w.dtype, accum_dtype))
+        return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
+    plain, fused = fused_pair(tmp_path, kernel)
+    plain.module.train(), fused.module.train()
+    x, y = awkward_batch()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        a, b = forward_loss(plain, plain.module, x, y), forward_loss(fused, fused.module, x, y)
+    assert seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]
+    torch.testing.assert_close(b, a, rtol=1e-2, atol=1e-2)
+    a.backward(), b.backward()
+    for (name, p), q in zip(plain.module.named_parameters(), fused.module.parameters()):
+        assert q.grad.dtype == torch.float32, name
+        torch.testing.assert_close(q.grad, p.grad, rtol=0.05, atol=2e-3, msg=name)
+    seen.clear()
+    forward_loss(fused, fused.module, x, y)                     # outside autocast: the weights as they are
+    assert seen == [(torch.float32, torch.float32, None)]
+
+
+def test_liger_families_get_the_labs_head_unless_their_loss_is_more_than_its_cross_entropy(tmp_path):
+    """Llama (in liger's table, a plain head): the fused cross-entropy is the lab's head on the instance and liger
+    patches nothing module-level for it; Gemma 2 soft-caps its logits: liger's own forward for its family."""
+    pytest.importorskip("liger_kernel")
+    from fasttrain.lab.hf import liger as lab_liger
+
+    write_config(tmp_path / "llama", "llama")
+    llama = hf.build_hf_model(f"hf:{tmp_path / 'llama'}", cfg(), None, "cpu").module
+    lab_liger.apply_liger(llama, "fused_linear_cross_entropy")
+    assert llama.forward.__func__ is lab_liger._fused_forward and lab_liger.undo_liger_patches() == 0
+    gemma2 = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, final_logit_softcapping=30.0))
+    try:
+        lab_liger.apply_liger(gemma2, "fused_linear_cross_entropy")
+        assert getattr(gemma2.forward, "__func__", None) is not lab_liger._fused_forward
+        assert "forward" in vars(gemma2)                        # liger's forward on the instance
+    finally:
+        lab_liger.undo_liger_patches()
 
 
 def test_the_fused_head_with_a_soft_prompt_ignores_the_prompts_positions(tmp_path):

@@ -839,6 +839,7 @@ def test_bench_trainer_runs_leave_torchs_precision_switches_as_they_found_them(m
         torch.backends.cuda.matmul.fp32_precision = "tf32"      # what TrainingArguments(tf32=True) leaves
         raise RuntimeError("the run failed after setting tf32")
     monkeypatch.setattr(transformers.Trainer, "train", train_as_tf32_does)
+    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "none")     # as a process starts
     before = torch.get_float32_matmul_precision()
     point = bench._trainer_point(tmp_path, "tiny-gpt2", batch=8, flags={}, steps=2, skip=1, cuda=False)
     assert point["status"] == "failed: RuntimeError"

@@ -900,9 +900,17 @@ def _cpu_liger_functions():
     return RMSNorm, glu(F.silu), glu(lambda a: F.gelu(a, approximate="tanh")), Rope, FusedLinearCE
 
 
+def standin_kernel(flce):
+    """What the lab's head calls (``liger_fused_linear_cross_entropy``'s arguments) on the CPU stand-in ``flce``."""
+    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+        return flce.apply(x, w, t, bias, None, ignore_index)[0]
+    return kernel
+
+
 def liger_on_cpu(model, monkeypatch, kernels):
-    """liger-kernel's own patching of ``model`` (its family's apply function) with the CPU functions above in
-    place of the Triton ones; its module-level patches of transformers undone after the test."""
+    """What the lab's ``apply_liger`` does to ``model`` with the CPU functions above in place of the Triton ones:
+    liger-kernel's own patching (its family's apply function) for the layer kernels, the lab's head for the fused
+    cross-entropy; its module-level patches of transformers undone after the test."""
     import importlib
 
     pytest.importorskip("liger_kernel")
@@ -920,10 +928,13 @@ def liger_on_cpu(model, monkeypatch, kernels):
             monkeypatch.setattr(modeling, name, value)
     glu_flag = "geglu" if model.config.model_type == "gemma" else "swiglu"
     _apply_liger_kernel_to_instance(model=model, rms_norm="rms_norm" in kernels, rope="rope" in kernels,
-                                    fused_linear_cross_entropy="fused_linear_cross_entropy" in kernels,
-                                    **{glu_flag: "glu" in kernels})
+                                    fused_linear_cross_entropy=False, **{glu_flag: "glu" in kernels})
     if "rope" in kernels:
         modeling.apply_rotary_pos_emb = lambda q, k, cos, sin, *a, **kw: rope.apply(q, k, cos, sin)
+    if "fused_linear_cross_entropy" in kernels:
+        from fasttrain.lab.hf import apply_fused_linear_cross_entropy
+
+        apply_fused_linear_cross_entropy(model, kernel=standin_kernel(flce))
 
 
 @pytest.mark.parametrize("name, attention, amp, batch, kernels", LIGER_CASES,
@@ -976,8 +987,7 @@ def fused_head_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, sco
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**cfg),
                                                           attn_implementation=attention)
-    apply_fused_linear_cross_entropy(model, kernel=lambda x, w, t, bias=None, ignore_index=-100, reduction="mean":
-                                     flce.apply(x, w, t, bias, None, ignore_index)[0])
+    apply_fused_linear_cross_entropy(model, kernel=standin_kernel(flce))
     model.train()
     if recompute == "full":
         enable_checkpointing(model)

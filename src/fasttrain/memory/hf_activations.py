@@ -107,7 +107,7 @@ changes from eager:
   eager's ``q * cos`` keeps): nothing kept changes, except that Phi-3 under sdpa gets the Llama
   layout back (the kernel's output is the output projection's input: no C N a d copy). Under
   autocast the rotated q and k stay bf16, which eager's attention casts back to anyway.
-- ``fused_linear_cross_entropy`` (the family's ``lce_forward`` in training with labels): the head and
+- ``fused_linear_cross_entropy`` (the lab's fused head, ``lab/hf/liger.py``, in training with labels): the head and
   the loss in one autograd function that never materializes the (N, v) logits. Its forward splits the
   N tokens into chunks of n_c = min(N, 2^ceil(log2 ceil(N / ceil(v / h)))) rows (about N h logits
   each) and computes, chunk by chunk, the logits, the loss and their gradients: d(input) (N x h, the
@@ -119,10 +119,13 @@ changes from eager:
   where eager's was the loss's backward): the final norm's output (its input, R N h), the fp32 loss per
   token (4 N) and the mask of counted targets (N); fp32: one (n_c, v) fp32 logits buffer reused by
   every chunk and d(weight)'s chunk product, a new fp32 v x h added into d(weight); bf16 weights
-  (``mixed``): one (n_c, v) bf16 buffer, the product added in place; autocast (fp32 weights): the
-  chunk's bf16 logits (n_c v), its bf16 input (n_c h), a bf16 copy of the weight per chunk for the
-  logits (cast from a view, not cached) beside the one d(input)'s matmul put in autocast's cache
-  (alive until the autocast region ends, before backward): 2 n_c (v + h) + 4 v h.
+  (``mixed``): one (n_c, v) bf16 buffer, the product added in place. Autocast (fp32 weights): the lab's
+  head (``lab/hf/liger.py``) casts the input and the weight to bf16 once (liger's own forward would
+  cast the weight at every chunk, from a view that autocast does not cache) and has d(weight) summed
+  in fp32 (``accum_dtype``); the kernel returns both gradients in its inputs' dtype, bf16 (C N h and
+  C v h kept), and its working memory is the two copies, one (n_c, v) bf16 logits buffer and the fp32
+  sum: 2 N h + 2 v h + 2 n_c v + 4 v h. In the backward the bf16 d(weight) is cast to the fp32
+  parameter's gradient while it is still alive, then d(input) to fp32 (4 N h) after it is freed.
 GPU (H100, torch 2.11, liger-kernel 0.8.5; a Llama of 0.5B parameters, b 64 x s 256, fp32, eager
 attention): all four kernels measured 34,239.2 MiB, estimated 34,237.2 (the peak inside the fused
 cross-entropy's forward); RMSNorm, RoPE and SwiGLU with the plain loss 39,641.2, estimated 39,641.3
@@ -319,7 +322,10 @@ def liger_flce_forward_bytes(s: Setup) -> int:
     grad_w = not s.frozen
     out = R * N * h + 4 * N + N
     if T["cast"]:
-        out += 2 * n_c * (v + h) + (4 if grad_w else 2) * v * h
+        # the lab's head under autocast: bf16 copies of the input and the weight, made once; one (n_c, v) bf16
+        # logits buffer reused by every chunk; d(weight) summed in an fp32 buffer, cast to bf16 at the end (the kept
+        # one) while the fp32 one is still alive
+        out += 2 * N * h + 2 * v * h + 2 * n_c * v + (4 * v * h if grad_w else 0)
     elif s.precision == "mixed":
         out += 2 * n_c * v
     else:
@@ -348,8 +354,10 @@ def _liger(s: Setup, t: dict) -> None:
     # otherwise "rope" changes nothing kept (q and k rotated in place; cos and sin kept as eager keeps them)
     if "fused_linear_cross_entropy" in s.liger:
         # the gradients it computes in its forward, kept for its backward: nothing else of the head and the loss
-        t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": R * N * h,
-                     "fused_CE_grad_weight": 0 if s.frozen else T["param"] * D["v_h"] * h}
+        # (under autocast the lab's head hands the kernel bf16 copies of its input and weight: both gradients bf16)
+        g = C if T["cast"] else R
+        t["head"] = {"final_norm": head["final_norm"], "fused_CE_grad_input": g * N * h,
+                     "fused_CE_grad_weight": 0 if s.frozen else (C if T["cast"] else T["param"]) * D["v_h"] * h}
 
 def _frozen(s: Setup, attn: dict, mlp: dict, once: dict, head: dict):
     """The eager terms (edited in place) of a frozen base: peft's LoRA on ``s.lora_targets`` (the model's own

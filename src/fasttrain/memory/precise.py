@@ -640,7 +640,14 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         loss_grad += C * N_out * v_l
     g_now = u * head_g
     g_fresh = g_now if fsdp else 0          # (FSDP: the root group's gradients stay unsharded to the end)
-    if fused_ce:
+    if fused_ce and T["cast"]:
+        # the lab's head under autocast: the kernel's bf16 gradients are cast to the fp32 weight's gradient (the
+        # bf16 one alive beside it) and then to the fp32 last hidden state's (the bf16 d(weight) freed by then)
+        moments.append(("backward: fused linear cross-entropy", saved_all, grads(g_now, g_fresh), 0, gathered(L, 1)))
+        moments.append(("backward: fused linear cross-entropy, d(input) to fp32",
+                        saved_all - head_part["fused_CE_grad_weight"], grads(g_now, g_fresh), 4 * N * h,
+                        gathered(L, 1)))
+    elif fused_ce:
         # its backward hands on the gradients it made in the forward: d(weight) becomes the head's gradient
         # (the same tensor), d(input) the final norm's d(output)
         moments.append(("backward: fused linear cross-entropy", saved_all - head_part["fused_CE_grad_weight"],

@@ -25,8 +25,8 @@ Every technique of the lab applies to it, the model's own way, here or in the tr
 The loss is the model's own loss path: ``model(input_ids=x, labels=x, shift_labels=y)``. With
 ``shift_labels`` given, ``transformers``' ``ForCausalLMLoss`` skips its own shift and takes
 mean_{b,t} CE(logits[b, t], y[b, t]) over every position, the same number as
-``F.cross_entropy(logits.view(-1, V), y.view(-1))``; liger's patched forward reads the same
-``shift_labels`` and fuses the output projection into the cross-entropy (the (B, T, V) logits
+``F.cross_entropy(logits.view(-1, V), y.view(-1))``; with liger the lab's fused head (:mod:`.liger`) reads the
+same ``shift_labels`` and fuses the output projection into the cross-entropy (the (B, T, V) logits
 never exist in memory).
 
 The package, one concern a file: :mod:`.config` (the one reader of a model's ``config.json`` and the checks

@@ -240,7 +240,8 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
                                  f"(it patches {', '.join(sorted(f for f in supported if f))}); add --liger-kernels "
                                  f"fused_linear_cross_entropy (its fused loss on the model's head) or drop "
                                  f"--use-liger-kernel")
-        # (another family's fused cross-entropy alone is the lab's forward, its kernel outside the compiled graph)
+        # (a family outside liger's table gets the lab's fused head alone, its kernel outside the compiled graph;
+        # a family in it may get liger's own forward, where its loss is more than the head's cross-entropy)
         if family in supported and cfg.torch_compile and cfg.torch_compile_scope == "model":
             # measured (H100, torch 2.11, liger-kernel 0.8.5): dynamo cannot trace liger's fused linear
             # cross-entropy (its addmm with out_dtype fails on fake tensors); compiling the decoder

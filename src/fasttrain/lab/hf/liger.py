@@ -3,23 +3,24 @@ cross-entropy on the head of any causal LM (:func:`apply_fused_linear_cross_entr
 
 Which one a run gets (:func:`apply_liger`):
 
-- a family in liger's own table (Llama, Qwen2, Mistral, Gemma, Phi-3, ...): liger's patch, all of its kernels or
-  the fused cross-entropy alone. liger writes each family's forward with what that family does beyond
-  ``lm_head(hidden)`` (Gemma 2's soft-capped logits, a mixture of experts' auxiliary loss), and the lab's measured
-  figures for these families are of it; its patch rebinds module-level names, which :func:`undo_liger_patches`
-  puts back;
-- any other causal LM (GPT-2, GPT-NeoX, ...), for the fused cross-entropy alone (``--liger-kernels
-  fused_linear_cross_entropy``; liger has no layer kernels for it): the lab's own forward on that one instance. It
+- the fused cross-entropy, on every family whose loss is the plain cross-entropy of its output Linear over its
+  last hidden state (GPT-2, Llama, Qwen2, Mistral, GPT-NeoX, ...): the lab's own forward on that one instance. It
   runs the base model to the last hidden state and hands that, the head's weight and bias and the shifted labels
   to liger's kernel, so the (N, V) logits never exist; checked on the instance before any training to be the model's
-  own loss (a family whose forward scales, caps or adds to it is refused), and nothing outside the instance
-  changes: a model built later in the process runs its class's forward.
+  own loss, and nothing outside the instance changes: a model built later in the process runs its class's forward;
+- the layer kernels (RMSNorm, RoPE, SwiGLU) of a family in liger's own table, with ``kernels="all"``: liger's
+  patch, which rebinds module-level names that :func:`undo_liger_patches` puts back;
+- a family of liger's table whose forward does more than ``lm_head(hidden)`` (Gemma 2's soft-capped logits, a
+  mixture of experts' auxiliary loss): liger's own patch for the fused cross-entropy too, which writes that family's
+  forward; any other such model is refused.
 
-Why two paths and not the generic one for every family asking for the fused cross-entropy alone: it would refuse
-the families whose forward does more than ``lm_head(hidden)``, which liger's patch handles, and it would change
-what was measured for the others; where liger has no patch it is the only way to the kernel, and it is cleaner
-there than a class-level patch (nothing module-level to undo, and a whole-model compile keeps the kernel out of
-its graph, which liger's patched forward cannot: dynamo fails inside it).
+Why the lab's head and not liger's patched forward where both would run: under autocast with fp32 weights, liger's
+forward hands the kernel the fp32 head weight, and each chunk's ``input @ weight.t()`` casts the whole v x h weight
+to bf16 again (a transposed view's cast is not cached): N / n_c casts a micro-batch. On a 151,936-token vocabulary
+that was 5% of the step (Qwen2.5-0.5B's tune pick on an H200: 256 casts of 136M weights, 48 of 993 ms), and with
+the Trainer's micro-batch of 8 it made liger slower than no liger at all. The lab's head casts once per
+micro-batch. It also keeps the kernel out of a whole compiled model's graph, which liger's patched forward cannot
+(dynamo fails inside it).
 """
 
 from __future__ import annotations
@@ -70,24 +71,43 @@ def _modeling_state(family: str) -> dict:
 
 
 def apply_liger(model, kernels: str = "all") -> None:
-    """liger-kernel's patches for the instance's family: RMSNorm, RoPE, SwiGLU and the fused linear
-    cross-entropy (which the model's loss path then uses whenever it is given labels in training); with
-    ``kernels="fused_linear_cross_entropy"`` that one alone. The module-level names it rebinds are recorded;
-    :func:`undo_liger_patches` puts them back. A family liger has no patch for gets the fused cross-entropy
-    alone on its head (:func:`apply_fused_linear_cross_entropy`); all of liger's kernels it cannot have."""
+    """liger-kernel on this instance: its fused linear cross-entropy (the lab's head, whenever the model is given
+    labels in training) and, with ``kernels="all"``, the family's RMSNorm, RoPE and SwiGLU patches, whose
+    module-level names are recorded for :func:`undo_liger_patches`. A family whose loss is more than its head's
+    cross-entropy gets liger's own forward for it (its patch), or is refused where liger has none; a family liger
+    has no patch for gets the fused cross-entropy alone."""
     try:
         from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
     except ImportError as exc:
         raise missing_extra("liger-kernel (--use-liger-kernel)", exc) from None
     family = getattr(getattr(model, "config", None), "model_type", "") or ""
-    if family not in liger_families():
-        if kernels != "fused_linear_cross_entropy":
-            raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r}: only "
-                                 f"its fused linear cross-entropy applies (--liger-kernels fused_linear_cross_entropy)")
+    patched = family in liger_families()
+    if not patched and kernels != "fused_linear_cross_entropy":
+        raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r}: only "
+                             f"its fused linear cross-entropy applies (--liger-kernels fused_linear_cross_entropy)")
+    try:
+        check_plain_head(model)
+        own_head = True
+    except FasttrainError:
+        if not patched:
+            raise
+        own_head = False                    # liger's forward for this family computes what its own loss does
+    switches = liger_switches(kernels)
+    if own_head:
+        # the head first, checked on the model as built; liger's layer kernels (its forward left alone) after
         apply_fused_linear_cross_entropy(model)
+        if kernels != "fused_linear_cross_entropy":
+            _patch_family(model, family, dict(switches, fused_linear_cross_entropy=False, cross_entropy=False),
+                          _apply_liger_kernel_to_instance)
         return
+    _patch_family(model, family, switches, _apply_liger_kernel_to_instance)
+
+
+def _patch_family(model, family: str, switches: dict, patch) -> None:
+    """liger's patch of the instance (``patch``: its ``_apply_liger_kernel_to_instance``), every module-level name
+    it rebinds recorded."""
     before = _modeling_state(family)
-    _apply_liger_kernel_to_instance(model=model, **liger_switches(kernels))
+    patch(model=model, **switches)
     for owner, names in before.items():
         now = vars(owner)
         for name in set(names) | set(now):
@@ -163,6 +183,15 @@ def check_plain_head(model) -> None:
             else "it has no base model apart from its head"
         raise FasttrainError(f"liger's fused linear cross-entropy needs a Linear output layer over a base model; the "
                              f"{family} model's {what}: drop --use-liger-kernel")
+    config = getattr(model, "config", None)
+    # what the numbers below cannot tell at a few tokens of a fresh model: a soft cap c tanh(l / c) is l itself
+    # while the logits are small, and a mixture of experts' auxiliary loss is added only when asked for
+    if getattr(config, "final_logit_softcapping", None) or getattr(config, "output_router_logits", False):
+        what = "soft-caps its logits" if getattr(config, "final_logit_softcapping", None) \
+            else "adds its routers' auxiliary loss"
+        raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
+                             f"hidden state (its forward {what}): liger's fused linear cross-entropy would train "
+                             f"another loss; drop --use-liger-kernel")
     n = 8
     ids = (torch.arange(n, device=head.weight.device) * 7 % head.out_features)[None]
     was_training = model.training
@@ -181,6 +210,13 @@ def check_plain_head(model) -> None:
         raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
                              f"hidden state (its forward scales or caps the logits, or adds to the loss): liger's "
                              f"fused linear cross-entropy would train another loss; drop --use-liger-kernel")
+
+
+def _autocast_dtype(device_type: str):
+    """The dtype autocast computes matmuls in on ``device_type``, or None outside autocast."""
+    import torch
+
+    return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
 
 
 def _fused_forward(self, input_ids=None, labels=None, shift_labels=None, **kwargs):
@@ -209,8 +245,16 @@ def _fused_forward(self, input_ids=None, labels=None, shift_labels=None, **kwarg
     if shift_labels is None:
         shift_labels = F.pad(labels, (0, 1), value=ignore_index)[..., 1:]
     targets = shift_labels.reshape(-1).to(hidden.device)
-    loss = self._fasttrain_fused_loss(hidden.reshape(-1, hidden.shape[-1]), head.weight, targets, bias=head.bias,
-                                      ignore_index=ignore_index, reduction="mean" if items is None else "sum")
+    x, weight, bias, accum = hidden.reshape(-1, hidden.shape[-1]), head.weight, head.bias, {}
+    compute = _autocast_dtype(hidden.device.type)
+    if compute is not None:
+        # autocast's dtype once for the whole micro-batch (the kernel's chunks would each cast the v x h weight
+        # again); d(weight) still sums its chunks in fp32 when the weight is fp32: accum_dtype
+        accum = {"accum_dtype": weight.dtype} if weight.dtype != compute else {}
+        x, weight = x.to(compute), weight.to(compute)
+        bias = bias.to(compute) if bias is not None else None
+    loss = self._fasttrain_fused_loss(x, weight, targets, bias=bias, ignore_index=ignore_index,
+                                      reduction="mean" if items is None else "sum", **accum)
     if items is not None:
         loss = loss / (items.to(loss.device) if hasattr(items, "to") else items)
     result = CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=getattr(out, "hidden_states", None),
