@@ -119,11 +119,22 @@ def cuda_step(args, step):
 
     import torch
 
-    torch.cuda.synchronize()
-    before = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    torch.cuda.memory._record_memory_history(max_entries=1_000_000)
-    step()
+    # the history with Python frames only: with the default C++ frames too, GPT-2's per-block compiled layers
+    # failed in their recomputation on an H200 (torch 2.11: "SystemError: ... returned NULL without setting an
+    # exception" from the compiled block's autograd function); without frames as the last resort
+    for recorded in ({"stacks": "python"}, {"context": None}):
+        torch.cuda.synchronize()
+        before = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
+        torch.cuda.memory._record_memory_history(max_entries=1_000_000, **recorded)
+        try:
+            step()
+            break
+        except SystemError as exc:
+            torch.cuda.memory._record_memory_history(enabled=None)
+            print(f"cuda: the step failed under the allocator's history {recorded}: {exc}; again with less recorded")
+    else:
+        raise SystemExit("cuda: the step fails under the allocator's history however little it records")
     torch.cuda.synchronize()
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
