@@ -85,6 +85,7 @@ def measure(args):
     ids = torch.randint(0, args.vocab, (args.batch, args.seq), device=args.device)
 
     def step():
+        opt.zero_grad(set_to_none=True)                # (a step that failed part-way left gradients behind)
         with torch.autocast(args.device, dtype=torch.bfloat16, enabled=not args.fp32):
             loss = run(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
