@@ -867,7 +867,12 @@ def test_a_hf_model_trains_on_the_gpu_with_its_kernels(folders, corpus):
                        use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy", torch_compile=True,
                        torch_compile_scope="blocks"), corpus=corpus)
     assert np.allclose(losses(flce), losses(rec), rtol=2e-2)
-    # the whole model compiled around liger's fused loss does not trace: refused in one line, before any work
+    # the whole model compiled, the lab's fused head after its graph: the same losses
+    whole = run(lab_cfg(folders["llama"], device="cuda", max_steps=8, bf16=True, attn_implementation="sdpa",
+                        use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy", torch_compile=True,
+                        torch_compile_scope="model"), corpus=corpus)
+    assert np.allclose(losses(whole), losses(rec), rtol=2e-2)
+    # liger's layer kernels inside a whole compiled model are not run: refused in one line, before any work
     with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
         run(lab_cfg(folders["llama"], device="cuda", max_steps=2, bf16=True, use_liger_kernel=True,
                     torch_compile=True), corpus=corpus)
@@ -1194,9 +1199,18 @@ def test_liger_sends_a_family_it_does_not_patch_to_the_fused_head(tmp_path, monk
         hf.check_hf_setup(cfg(torch_compile=True, torch_compile_scope=scope, **flce), config, None, "cuda")
     with pytest.raises(FasttrainError, match="needs a CUDA GPU"):
         hf.check_hf_setup(cfg(**flce), config, None, "cpu")
+    # a family liger patches: the fused loss alone is the lab's head, outside a whole compiled graph; liger's layer
+    # kernels are not, nor is liger's own forward, which a soft-capping family's loss needs
     llama, _ = hf.load_hf_config(f"hf:{write_config(tmp_path / 'llama', 'llama')}")
+    hf.check_hf_setup(cfg(torch_compile=True, **flce), llama, None, "cuda")
     with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
-        hf.check_hf_setup(cfg(torch_compile=True, **flce), llama, None, "cuda")
+        hf.check_hf_setup(cfg(torch_compile=True, use_liger_kernel=True), llama, None, "cuda")
+    transformers.Gemma2Config(vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                              num_attention_heads=4, num_key_value_heads=2, head_dim=8,
+                              max_position_embeddings=64).save_pretrained(tmp_path / "gemma2")
+    gemma2, _ = hf.load_hf_config(f"hf:{tmp_path / 'gemma2'}")
+    with pytest.raises(FasttrainError, match="--torch-compile-scope blocks"):
+        hf.check_hf_setup(cfg(torch_compile=True, **flce), gemma2, None, "cuda")
 
 
 def test_a_compiled_model_runs_the_fused_loss_outside_its_graph(tmp_path):

@@ -564,6 +564,12 @@ def test_the_trainers_answer_leaves_out_liger_for_a_family_it_does_not_patch():
     args, _, notes = answer("llama")
     assert args["use_liger_kernel"] and args["liger_kernel_config"]["fused_linear_cross_entropy"]
     assert not any("liger" in n for n in notes)
+    # beside a whole compiled model the Trainer would compile liger's own forward, which does not trace
+    overrides.update(torch_compile=True, torch_compile_scope="model")
+    cfg = base(model="hf:some/folder", **overrides)
+    args, _, notes = answer("llama")
+    assert args["torch_compile"] and "use_liger_kernel" not in args
+    assert any("does not trace: left out here" in n for n in notes)
 
 
 def test_frontier_keeps_only_points_nothing_beats():
@@ -839,12 +845,16 @@ def test_bench_trainer_runs_leave_torchs_precision_switches_as_they_found_them(m
         torch.backends.cuda.matmul.fp32_precision = "tf32"      # what TrainingArguments(tf32=True) leaves
         raise RuntimeError("the run failed after setting tf32")
     monkeypatch.setattr(transformers.Trainer, "train", train_as_tf32_does)
-    monkeypatch.setattr(torch.backends.cuda.matmul, "fp32_precision", "none")     # as a process starts
-    before = torch.get_float32_matmul_precision()
-    point = bench._trainer_point(tmp_path, "tiny-gpt2", batch=8, flags={}, steps=2, skip=1, cuda=False)
-    assert point["status"] == "failed: RuntimeError"
-    assert torch.backends.cuda.matmul.fp32_precision == "none"
-    assert torch.get_float32_matmul_precision() == before       # no "mix of the legacy and new APIs"
+    kept = torch.backends.cuda.matmul.fp32_precision
+    torch.backends.cuda.matmul.fp32_precision = "none"                              # as a process starts
+    try:
+        before = torch.get_float32_matmul_precision()
+        point = bench._trainer_point(tmp_path, "tiny-gpt2", batch=8, flags={}, steps=2, skip=1, cuda=False)
+        assert point["status"] == "failed: RuntimeError"
+        assert torch.backends.cuda.matmul.fp32_precision == "none"
+        assert torch.get_float32_matmul_precision() == before   # no "mix of the legacy and new APIs"
+    finally:
+        torch.backends.cuda.matmul.fp32_precision = kept
 
 
 def test_bench_trainer_search_stops_where_the_calls_time_ends_and_goes_on_in_the_next(monkeypatch, tmp_path):
@@ -1260,7 +1270,7 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
 
 
 def test_configurations_the_model_refuses_are_dropped_before_any_probe():
-    """A combination the model's own check refuses (liger's fused cross-entropy under a whole-model compile) is
+    """A combination the model's own check refuses (liger's layer kernels under a whole-model compile) is
     never probed: one line per reason, with how many configurations it takes."""
     def refuse(cfg):
         return "no liger under a whole-model compile" if cfg.torch_compile and cfg.use_liger_kernel else None
@@ -1283,6 +1293,7 @@ def test_a_transformers_model_refuses_liger_under_a_whole_model_compile():
     cfg = LabConfig(name="custom").with_(context=64, use_liger_kernel=True, torch_compile=True)
     assert "--torch-compile-scope blocks" in refuse(cfg)
     assert refuse(cfg.with_(torch_compile_scope="blocks")) is None
+    assert refuse(cfg.with_(liger_kernels="fused_linear_cross_entropy")) is None     # the lab's head, after the graph
     assert refuse(cfg.with_(context=256)).startswith("--context 256 exceeds")
     assert T.model_refusal(None, torch.device("cuda"))(cfg) is None         # the lab's GPT: validate judged it
 

@@ -974,7 +974,7 @@ def test_liger_saved_activations_equal_what_autograd_saves_on_cpu(name, attentio
 
 def fused_head_saved_bytes(cfg: dict, attention: str, amp: bool, batch: int, scope: str = "none",
                            recompute: str = "none") -> tuple[dict, int, int]:
-    """GPT-2 with the lab's fused head (``lab/hf/liger.py``: the base model to the last hidden state, then liger's
+    """A model (GPT-2 first) with the lab's fused head (``lab/hf/liger.py``: the base model to the last hidden state, then liger's
     kernel -- here its CPU stand-in -- with the head's weight), compiled as ``scope`` says, with the lab's labels and
     shifted targets: the bytes one forward saves for the backward (compiled first, where it is). (cfg, seq, bytes)"""
     torch = pytest.importorskip("torch")
@@ -1095,10 +1095,12 @@ def test_liger_fused_cross_entropy_chunks_and_forward_working_memory():
 def test_liger_is_checked_and_mapped_per_family():
     assert setup_from_hf_config(LLAMA_05B, seq=64, liger=True).liger == LIGER_ALL
     for bad, message in ((dict(liger=("fused_ce",)), "liger must be distinct names"),
-                         (dict(liger=True, compiled="model"), "whole-model torch.compile is not modelled"),
-                         (dict(liger=("fused_linear_cross_entropy",), compiled="model"), "not modelled")):
+                         (dict(liger=True, compiled="model"), "whole-model torch.compile are not modelled"),
+                         (dict(liger=("rms_norm", "fused_linear_cross_entropy"), compiled="model"), "not modelled")):
         with pytest.raises(FasttrainError, match=message):
             setup_from_hf_config(LLAMA_05B, seq=64, **bad)
+    # the fused cross-entropy alone beside a whole compiled model: the lab's head after the graph (D26)
+    assert setup_from_hf_config(LLAMA_05B, seq=64, liger=("fused_linear_cross_entropy",), compiled="model").liger
     # the fused cross-entropy alone beside per-block compiled layers: the compiled layers' terms, liger's head
     flce = ("fused_linear_cross_entropy",)
     shape = dict(seq=1024, micro_batch=8, precision="bf16")         # activations, not the optimizer, at the peak
@@ -1178,22 +1180,26 @@ def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu
                                                                            liger=True), "liger_kernel")
 
 
-WHOLE_HEAD_CASES = [("sdpa", True, 1, "none"), ("sdpa", True, 2, "none"), ("eager", False, 2, "none"),
-                    ("eager", True, 2, "none"), ("eager", True, 2, "full")]
+WHOLE_HEAD_CASES = [("gpt2", "sdpa", True, 1, "none"), ("llama", "sdpa", True, 2, "none"),
+                    ("gpt2", "sdpa", True, 2, "none"), ("gpt2", "eager", False, 2, "none"),
+                    ("gpt2", "eager", True, 2, "none"), ("gpt2", "eager", True, 2, "full"),
+                    ("qwen2", "sdpa", True, 1, "none"), ("llama", "eager", False, 2, "none"),
+                    ("llama", "eager", True, 2, "full")]
 
 
-@pytest.mark.parametrize("attention, amp, batch, recompute", slow_beyond(WHOLE_HEAD_CASES, keep=1),
-                         ids=[f"gpt2-{c[0]}-{'bf16' if c[1] else 'fp32'}-b{c[2]}-recompute-{c[3]}"
+@pytest.mark.parametrize("name, attention, amp, batch, recompute", slow_beyond(WHOLE_HEAD_CASES, keep=2),
+                         ids=[f"{c[0]}-{c[1]}-{'bf16' if c[2] else 'fp32'}-b{c[3]}-recompute-{c[4]}"
                               for c in WHOLE_HEAD_CASES])
-def test_gpt2s_fused_head_beside_a_whole_compiled_model_saves_what_the_estimator_counts_on_cpu(attention, amp, batch,
-                                                                                              recompute):
-    """D26: under a whole-model compile GPT-2's fused head breaks the graph at the last hidden state (the kernel is
+def test_the_fused_head_beside_a_whole_compiled_model_saves_what_the_estimator_counts_on_cpu(name, attention, amp,
+                                                                                            batch, recompute):
+    """D26: under a whole-model compile the lab's fused head breaks the graph at the last hidden state (the kernel is
     outside it): the layers keep what a whole compiled model's layers keep, the head and the loss what liger's
-    kernel keeps eager (its d(input) and d(weight), no logits). Measured with the CPU stand-in of liger's kernel
-    (within the compiled cases' 2%: the final norm's input at b 2 is the 1.3% left)."""
+    kernel keeps eager (its d(input) and d(weight), no logits). GPT-2 first; Llama and Qwen2, whose fused
+    cross-entropy alone is the lab's head too, by the same rule. Measured with the CPU stand-in of liger's kernel
+    (within the compiled cases' 2%: GPT-2's final norm's input at b 2 is the 1.3% left)."""
     from fasttrain.memory import precise
 
-    cfg, seq, measured = fused_head_saved_bytes(CACT["gpt2"], attention, amp, batch, scope="model",
+    cfg, seq, measured = fused_head_saved_bytes(CACT[name], attention, amp, batch, scope="model",
                                                 recompute=recompute)
     setup = setup_from_hf_config(cfg, micro_batch=batch, seq=seq, precision="bf16" if amp else "fp32",
                                  attention=attention, recompute=recompute, compiled="model",

@@ -346,8 +346,8 @@ def _check_float8(setup: Setup) -> None:
 
 def _check_liger(setup: Setup) -> None:
     """liger-kernel's patches: modelled for the transformers families liger patches, and its fused linear
-    cross-entropy alone on any transformers model's head (GPT-2's: the lab applies it without a family patch);
-    eager, or the fused cross-entropy beside per-block compiled layers; one rank."""
+    cross-entropy alone on any transformers model's head (the lab's fused head); eager, beside per-block compiled
+    layers, or (the fused cross-entropy alone) beside a whole compiled model; one rank."""
     kernels = setup.liger
     if isinstance(kernels, str) or not isinstance(kernels, (tuple, list)) \
             or not all(k in LIGER_KERNELS for k in kernels) or len(set(kernels)) != len(kernels):
@@ -358,13 +358,14 @@ def _check_liger(setup: Setup) -> None:
         raise FasttrainError("liger-kernel is modelled for the transformers families it patches (Llama, Mistral, "
                              "Qwen2, Gemma, Phi-3) and, for GPT-2, its fused linear cross-entropy alone; not for "
                              + ("the lab's GPT" if setup.modules == "lab" else "GPT-2's other layers") + "; drop liger")
-    if setup.compiled == "model" and setup.modules != "hf-gpt2":
+    if setup.compiled == "model" and tuple(kernels) != ("fused_linear_cross_entropy",):
         # per-block compile leaves the head and the loss eager (liger's fused cross-entropy is what it is eager) and
-        # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); GPT-2's
-        # fused head under a whole compiled model ends the graph at the last hidden state, the kernel eager after
-        # it (modelled); the families liger patches are refused by the lab under a whole-model compile
-        raise FasttrainError("liger-kernel under a whole-model torch.compile is not modelled; estimate it with "
-                             "per-block compiled layers (compiled blocks), eager (compiled none) or without liger")
+        # puts liger's layer kernels inside the compiled layers (hf_activations: what crosses them is kept); the
+        # lab's fused head under a whole compiled model ends the graph at the last hidden state, the kernel eager
+        # after it (D26, any family); liger's layer kernels the lab refuses under a whole-model compile
+        raise FasttrainError("liger-kernel's layer kernels under a whole-model torch.compile are not modelled; "
+                             "estimate them with per-block compiled layers (compiled blocks), eager (compiled none), "
+                             "or the fused cross-entropy alone (liger fused_linear_cross_entropy)")
     if setup.tp > 1:
         raise FasttrainError("liger-kernel with tensor parallelism is not modelled by the estimator; use --tp 1")
 

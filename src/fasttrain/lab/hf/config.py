@@ -240,15 +240,17 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
                                  f"(it patches {', '.join(sorted(f for f in supported if f))}); add --liger-kernels "
                                  f"fused_linear_cross_entropy (its fused loss on the model's head) or drop "
                                  f"--use-liger-kernel")
-        # (a family outside liger's table gets the lab's fused head alone, its kernel outside the compiled graph;
-        # a family in it may get liger's own forward, where its loss is more than the head's cross-entropy)
-        if family in supported and cfg.torch_compile and cfg.torch_compile_scope == "model":
-            # measured (H100, torch 2.11, liger-kernel 0.8.5): dynamo cannot trace liger's fused linear
-            # cross-entropy (its addmm with out_dtype fails on fake tensors); compiling the decoder
-            # layers alone leaves the loss outside the graph
-            raise FasttrainError("--use-liger-kernel with --torch-compile: liger's fused cross-entropy does not "
-                                 "trace under torch.compile; add --torch-compile-scope blocks (the decoder layers "
-                                 "compiled, the loss eager) or drop one of them")
+        # the fused cross-entropy alone is the lab's head, its kernel outside the compiled graph (lab/hf/liger.py),
+        # unless the family's loss is more than the head's cross-entropy: then it is liger's own forward, which
+        # dynamo cannot trace (measured, H100, torch 2.11, liger-kernel 0.8.5: its addmm with out_dtype fails on
+        # fake tensors); liger's layer kernels are not run inside a whole compiled model
+        own_head = cfg.liger_kernels == "fused_linear_cross_entropy" and not (
+            getattr(config, "final_logit_softcapping", None) or getattr(config, "output_router_logits", False))
+        if family in supported and cfg.torch_compile and cfg.torch_compile_scope == "model" and not own_head:
+            raise FasttrainError("--use-liger-kernel with --torch-compile: liger's kernels do not trace under a "
+                                 "whole-model torch.compile; add --torch-compile-scope blocks (the decoder layers "
+                                 "compiled, the loss eager), --liger-kernels fused_linear_cross_entropy (the fused "
+                                 "loss alone, outside the graph) or drop one of them")
     if cfg.lora_r:
         targets = cfg.lora_target_modules
         if tuple(targets) == LabConfig.lora_target_modules and family not in LORA_TARGETS:
