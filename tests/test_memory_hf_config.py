@@ -692,14 +692,12 @@ if recompute == "full":
     if blocks:               # "full:k": only the first k layers recompute, as the lab's --checkpoint-blocks k
         for layer in (model.transformer.h if hasattr(model, "transformer") else model.model.layers)[int(blocks):]:
             layer.gradient_checkpointing = False
-if a.get("liger") == "fused_head":
-    # a family liger has no patch for (GPT-2): the lab's forward with liger's fused linear cross-entropy
+if a.get("liger"):
+    # as the lab applies liger: the fused linear cross-entropy as the lab's head, liger's patch for the layer
+    # kernels of a family it patches ("fused_head": the head alone, GPT-2)
     sys.path.insert(0, a["fasttrain_path"])
-    from fasttrain.lab.hf.liger import apply_fused_linear_cross_entropy
-    apply_fused_linear_cross_entropy(model)
-elif a.get("liger"):
-    from liger_kernel.transformers.monkey_patch import _apply_liger_kernel_to_instance
-    _apply_liger_kernel_to_instance(model=model)
+    from fasttrain.lab.hf.liger import apply_liger
+    apply_liger(model, "fused_linear_cross_entropy" if a["liger"] == "fused_head" else "all")
 run = model
 if a["scope"] == "model":
     run = torch.compile(model)
@@ -756,9 +754,11 @@ def assert_estimate_within_5_percent_on_gpu(setup, script: str, args: dict, *nee
 
 
 def step_args(cfg, attention, precision, recompute="none", scope="none", liger=False) -> dict:
-    """MEASURE_STEP's arguments: batch 4 x 1024 as the GPU cases train."""
+    """MEASURE_STEP's arguments: batch 4 x 1024 as the GPU cases train (this checkout's fasttrain for liger)."""
+    import fasttrain
+
     return dict(cfg=cfg, attention=attention, precision=precision, recompute=recompute, scope=scope, batch=4,
-                seq=1024, liger=liger)
+                seq=1024, liger=liger, fasttrain_path=str(Path(fasttrain.__file__).resolve().parents[1]))
 
 
 @pytest.mark.gpu
@@ -1172,8 +1172,9 @@ GPU_LIGER_CASES = [("llama", GPU_LLAMA, "eager", "fp32", "none"), ("llama", GPU_
                          ids=[f"{c[0]}-{c[2]}-{c[3]}-recompute-{c[4]}-liger" for c in GPU_LIGER_CASES])
 def test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu(name, cfg, attention, precision,
                                                                                   recompute):
-    """liger-kernel's patches of the instance (all four kernels), trained as the lab trains it; the estimate with
-    ``liger`` against torch.cuda.max_memory_allocated (autocast: the fused cross-entropy's bf16 chunk path)."""
+    """liger-kernel on the instance as the lab applies it (its RMSNorm, RoPE and SwiGLU patches, the fused
+    cross-entropy as the lab's head), trained as the lab trains it; the estimate with ``liger`` against
+    torch.cuda.max_memory_allocated (autocast: the head's bf16 copies, made once)."""
     setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
                                  recompute=recompute, optim="adamw_torch", liger=True)
     assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, step_args(cfg, attention, precision, recompute,
@@ -1211,24 +1212,22 @@ def test_the_fused_head_beside_a_whole_compiled_model_saves_what_the_estimator_c
     names = [c.name for c in breakdown.line("activations at the end of forward").children]
     assert "output: fused CE grad input" in names and "output: logits" not in names
 
-GPU_HEAD_CASES = [("sdpa", "bf16", "none"), ("sdpa", "fp32", "none"), ("eager", "bf16", "blocks")]
+GPU_HEAD_CASES = [("gpt2", "sdpa", "bf16", "none"), ("gpt2", "sdpa", "fp32", "none"), ("gpt2", "eager", "bf16", "blocks"),
+                  ("gpt2", "sdpa", "bf16", "model"), ("llama", "sdpa", "bf16", "model"),
+                  ("llama", "sdpa", "bf16", "blocks")]
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("attention, precision, scope", GPU_HEAD_CASES,
-                         ids=[f"gpt2-{c[0]}-{c[1]}-compiled-{c[2]}-fused-head" for c in GPU_HEAD_CASES])
-def test_precise_estimate_within_5_percent_of_gpt2s_fused_head_peak_on_gpu(attention, precision, scope):
-    """GPT-2 (no liger patch) with the lab's fused head: liger's real kernel on the last hidden state and the tied
-    head's weight, eager or beside per-block compiled layers; the estimate with the fused cross-entropy against
-    torch.cuda.max_memory_allocated."""
-    from pathlib import Path
-
-    import fasttrain
-
-    setup = setup_from_hf_config(GPU_GPT2, micro_batch=4, seq=1024, precision=precision, attention=attention,
+@pytest.mark.parametrize("name, attention, precision, scope", GPU_HEAD_CASES,
+                         ids=[f"{c[0]}-{c[1]}-{c[2]}-compiled-{c[3]}-fused-head" for c in GPU_HEAD_CASES])
+def test_precise_estimate_within_5_percent_of_the_fused_heads_peak_on_gpu(name, attention, precision, scope):
+    """The lab's fused head (liger's real kernel on the last hidden state and the head's weight: GPT-2 without a
+    liger patch, Llama with its fused cross-entropy alone), eager, beside per-block compiled layers or after a whole
+    compiled model's graph (D26); the estimate with the fused cross-entropy against torch.cuda.max_memory_allocated."""
+    cfg = {"gpt2": GPU_GPT2, "llama": GPU_LLAMA}[name]
+    setup = setup_from_hf_config(cfg, micro_batch=4, seq=1024, precision=precision, attention=attention,
                                  optim="adamw_torch", compiled=scope, liger=("fused_linear_cross_entropy",))
-    args = dict(step_args(GPU_GPT2, attention, precision, scope=scope, liger="fused_head"),
-                fasttrain_path=str(Path(fasttrain.__file__).resolve().parents[1]))
+    args = step_args(cfg, attention, precision, scope=scope, liger="fused_head")
     assert_estimate_within_5_percent_on_gpu(setup, MEASURE_STEP, args, "liger_kernel")
 
 

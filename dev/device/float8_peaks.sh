@@ -10,7 +10,7 @@ timeout 330 python3 -m pytest -q -p no:cacheprovider -m gpu -rfs \
  "tests/test_lab_hf.py::test_gpt2s_fused_cross_entropy_peak_is_the_estimators_on_the_gpu" \
  "tests/test_lab_tune.py::test_tune_on_a_gpu_probes_gpt2s_fused_cross_entropy" \
  "tests/test_lab_tune.py::test_tune_on_a_gpu_never_probes_what_a_transformers_model_refuses" \
- "tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_gpt2s_fused_head_peak_on_gpu" > $OUT/gpu-tests.txt 2>&1
+ "tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_the_fused_heads_peak_on_gpu" > $OUT/gpu-tests.txt 2>&1
 tail -8 $OUT/gpu-tests.txt
 python3 dev/dist/bench_scale.py prepare /tmp/w --model llama-1b --tokens 1000000 >/dev/null
 BASE="$(python3 dev/dist/bench_scale.py sweep-flags /tmp/w --model llama-1b --micro-batch 4) --max-steps 6 --timing-warmup-steps 3 --quiet --torch-compile --torch-compile-scope blocks"

@@ -69,15 +69,22 @@ profile() {
 
 # the GPU tests of tune, the trainer's CUDA graphs, a transformers model's kernels, and the estimator's partial
 # recomputation (--checkpoint-blocks) on a GPU; GPU_TESTS=estimator: the last alone (about a minute, where the
-# others passed on this kind of card before), none: no tests
+# others passed on this kind of card before), head: the fused head's (liger's kernel through the lab's head, its
+# peak against the estimate), none: no tests
 HF_PEAK=tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu
 ESTIMATOR_TESTS=("$HF_PEAK[gpt2-sdpa-bf16-recompute-full:2]" "$HF_PEAK[llama-eager-bf16-recompute-full:3]")
 TUNE_TESTS=(tests/test_lab_tune.py
   "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile"
   "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels")
+HEAD_TESTS=("tests/test_lab_hf.py::test_liger_fused_loss_equals_the_plain_loss_on_the_gpu"
+  "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels"
+  "tests/test_lab_hf.py::test_gpt2s_fused_cross_entropy_peak_is_the_estimators_on_the_gpu"
+  "tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_the_fused_heads_peak_on_gpu"
+  "tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_a_liger_patched_models_peak_on_gpu")
 gpu_tests() {
   local tests=("${TUNE_TESTS[@]}" "${ESTIMATOR_TESTS[@]}")
-  case "${GPU_TESTS:-all}" in estimator) tests=("${ESTIMATOR_TESTS[@]}") ;; none) return 0 ;; esac
+  case "${GPU_TESTS:-all}" in estimator) tests=("${ESTIMATOR_TESTS[@]}") ;; head) tests=("${HEAD_TESTS[@]}") ;;
+    none) return 0 ;; esac
   if ! done_ gpu-tests && [ "$(left)" -gt "$1" ]; then
     timeout $(( $(left) - 10 )) python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs "${tests[@]}" \
       > "$OUT/pytest-tune-gpu.log" 2>&1 && touch "$WORK/$MODEL/done-gpu-tests"
