@@ -169,8 +169,9 @@ def _family(model) -> str:
 def check_plain_head(model) -> None:
     """The model's loss is the cross-entropy of its output Linear over its base model's last hidden state,
     checked on this instance: its own forward on a few tokens (eval mode, no gradients, no random draws) against
-    ``head(base(ids))`` and their shifted cross-entropy. A family whose forward scales or caps the logits, or adds
-    to the loss (an auxiliary loss), is refused: the fused path would compute another loss."""
+    ``head(base(ids))`` and their shifted cross-entropy, after the config's soft cap and routers' loss (which a few
+    tokens of a fresh model cannot show). A family whose forward scales or caps the logits, or adds to the loss (an
+    auxiliary loss), is refused: the fused path would compute another loss."""
     import torch
     import torch.nn as nn
     import torch.nn.functional as F
