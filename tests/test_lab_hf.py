@@ -1148,6 +1148,13 @@ def test_a_head_the_fused_loss_cannot_replace_is_refused_in_one_line(tmp_path):
     with pytest.raises(FasttrainError, match="scales or caps the logits"):
         hf.apply_fused_linear_cross_entropy(cohere, kernel=reference_flce([]))
     assert "forward" not in vars(cohere)
+    # Gemma 2's soft cap is the logits themselves while they are small, as on a few tokens of a fresh model: its
+    # config says it
+    gemma2 = transformers.AutoModelForCausalLM.from_config(transformers.Gemma2Config(
+        vocab_size=120, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, max_position_embeddings=64, final_logit_softcapping=30.0))
+    with pytest.raises(FasttrainError, match="soft-caps its logits"):
+        hf.apply_fused_linear_cross_entropy(gemma2, kernel=reference_flce([]))
     write_config(tmp_path / "gpt2", "gpt2")
     gpt2 = hf.build_hf_model(f"hf:{tmp_path / 'gpt2'}", cfg(), None, "cpu").module
 
