@@ -12,7 +12,9 @@
 # run on one card); last, GPU 0 profiles the pick. $OUT gets lane a's merged state, tune's folder, the pick's profile,
 # the GPU tests' log, gpu.txt, and one tarball of every lane's log and state. Carry .whl/.
 #   CALL_S=598 FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_lanes.sh gpt2-124m --budget 7m
-# (timeout_s 600; LANES=n uses the first n GPUs, at least 2)
+# (timeout_s 600; LANES=n uses the first n GPUs, at least 2; SIDE="command": with LANES below the host's GPUs, that
+# command runs once on GPU $LANES beside the first call's lanes, its output in $OUT/side.log, and is waited for
+# before the cross-check and the long run, which want the host to themselves)
 MODEL=${1:?usage: tune_lanes.sh MODEL [--budget 8m]}; shift
 CALL_S=${CALL_S:-585}; START=$(date +%s)       # before the prelude: a first call's wheel install is in the call
 source dev/device/prelude.sh
@@ -44,7 +46,12 @@ for (( i = 0; i < LANES; i++ )); do
     WORK=$(work_of "$lane") LAB_CACHE=$(cache_of "$lane") CALL_S=$(( $(left) - 18 )) LOG=$LOGS/$MODEL-lane-$lane.log \
     bash dev/device/tune_case.sh "$MODEL" "$@" > "$TUNE_TMP/$MODEL-lane-$lane.txt" 2>&1 &
 done
+if [ -n "${SIDE:-}" ] && [ "$LANES" -lt "$(nvidia-smi -L | wc -l)" ] && [ ! -e "$TUNE_TMP/side-done" ]; then
+  ( export CUDA_VISIBLE_DEVICES=$LANES OUT=$OUT/side; mkdir -p "$OUT"
+    timeout $(( $(left) - 18 )) bash -c "$SIDE" > "$OUT/side.log" 2>&1 && touch "$TUNE_TMP/side-done" ) &
+fi
 wait
+[ -e "$OUT/side/side.log" ] && { echo "== side (GPU $LANES)"; grep -v -i "warn" "$OUT/side/side.log" | cut -c1-250 | tail -30; }
 for (( i = 0; i < LANES; i++ )); do
   lane=${NAMES[$i]}; echo "== lane $lane"; grep -v -i "warn" "$TUNE_TMP/$MODEL-lane-$lane.txt" | cut -c1-250 | tail -10
 done
