@@ -51,7 +51,10 @@ if [ -n "${SIDE:-}" ] && [ "$LANES" -lt "$(nvidia-smi -L | wc -l)" ] && [ ! -e "
     timeout $(( $(left) - 18 )) bash -c "$SIDE" > "$OUT/side.log" 2>&1 && touch "$TUNE_TMP/side-done" ) &
 fi
 wait
-[ -e "$OUT/side/side.log" ] && { echo "== side (GPU $LANES)"; grep -v -i "warn" "$OUT/side/side.log" | cut -c1-250 | tail -30; }
+if [ -e "$OUT/side/side.log" ]; then    # (one file back: a call returns few)
+  echo "== side (GPU $LANES)"; grep -v -i "warn" "$OUT/side/side.log" | cut -c1-250 | tail -30
+  tar -czf "$OUT/side.tgz" -C "$OUT" side && rm -rf "$OUT/side"
+fi
 for (( i = 0; i < LANES; i++ )); do
   lane=${NAMES[$i]}; echo "== lane $lane"; grep -v -i "warn" "$TUNE_TMP/$MODEL-lane-$lane.txt" | cut -c1-250 | tail -10
 done
