@@ -1235,10 +1235,11 @@ def test_bench_two_lanes_share_one_grid_and_merge(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
-    """dev/device/tune_lanes.sh on the CPU, three lanes (an nvidia-smi that lists three GPUs; every lane's process
+    """dev/device/tune_lanes.sh on the CPU, three lanes (an nvidia-smi that lists four GPUs; every lane's process
     on the CPU): one call takes the tiny case through -- the grid fixed, tune, the Trainer as users run it and its
     search shared, every grid point, the cross-check on each card, then the confirmation and the Trainer's alone
-    runs on GPU 0 -- and leaves lane a's merged state, the lanes' logs and tune's folder in $OUT."""
+    runs on GPU 0 -- and leaves lane a's merged state, the lanes' logs and tune's folder in $OUT; a side command
+    ran once on the fourth GPU, its files back in one tarball."""
     import subprocess
     import tarfile
     from pathlib import Path
@@ -1248,10 +1249,11 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
     bin_dir, out, work = tmp_path / "bin", tmp_path / "out", tmp_path / "tmp"
     bin_dir.mkdir()
     fake = bin_dir / "nvidia-smi"
-    fake.write_text('#!/bin/bash\ncase "$*" in *-L*) for i in 0 1 2; do echo "GPU $i: fake"; done;; *) exit 1;; esac\n')
+    fake.write_text('#!/bin/bash\ncase "$*" in *-L*) for i in 0 1 2 3; do echo "GPU $i: fake"; done;; *) exit 1;; esac\n')
     fake.chmod(0o755)
     env = dict(os.environ, PATH=f"{bin_dir}:{os.environ['PATH']}", OUT=str(out), TUNE_TMP=str(work), CALL_S="420",
-               GPU_TESTS="none", FASTTRAIN_GIT_SHA="test")
+               GPU_TESTS="none", FASTTRAIN_GIT_SHA="test", LANES="3",
+               SIDE='echo "side on GPU $CUDA_VISIBLE_DEVICES" > "$OUT/ran.txt"')
     done = subprocess.run(["bash", "dev/device/tune_lanes.sh", "tiny-gpt2", "--budget", "1m"], cwd=root, env=env,
                           capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
@@ -1267,6 +1269,9 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
         names = tar.getnames()
     assert {f"tune-logs/tiny-gpt2-lane-{x}.log" for x in "abc"} <= set(names)
     assert (out / "tiny-gpt2-tune-folder.tar.gz").is_file()
+    with tarfile.open(out / "side.tgz") as tar:
+        assert tar.extractfile("side/ran.txt").read().decode().strip() == "side on GPU 3"
+        assert "side/side.log" in tar.getnames()
 
 
 def test_configurations_the_model_refuses_are_dropped_before_any_probe():
