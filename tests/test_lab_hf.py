@@ -1220,6 +1220,43 @@ def test_liger_sends_a_family_it_does_not_patch_to_the_fused_head(tmp_path, monk
         hf.check_hf_setup(cfg(torch_compile=True, **flce), gemma2, None, "cuda")
 
 
+def test_a_compiled_qwen2_under_autocast_runs_the_fused_head_after_one_graph(tmp_path):
+    """A family liger patches (Qwen2, tied head), whole-model compiled under autocast: one graph from the ids to the
+    last hidden state and the head's weight in bf16 (the casts inside it), the kernel after it once, the loss the
+    model's own under autocast."""
+    import torch._dynamo
+
+    write_config(tmp_path, "qwen2")
+    seen = []
+
+    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+        seen.append((x.dtype, w.dtype, accum_dtype))
+        return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
+    plain, fused = fused_pair(tmp_path, kernel)
+    plain.module.train(), fused.module.train()
+    x, y = awkward_batch()
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+
+    torch._dynamo.reset()
+    try:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            expected = forward_loss(plain, plain.module, x, y)
+            loss = forward_loss(fused, torch.compile(fused.module, backend=backend), x, y)
+        assert len(graphs) == 1 and seen == [(torch.bfloat16, torch.bfloat16, torch.float32)]
+        torch.testing.assert_close(loss, expected, rtol=1e-2, atol=1e-2)
+        loss.backward()
+        assert all(q.grad is not None and q.grad.dtype == torch.float32 for q in fused.module.parameters())
+    finally:
+        torch._dynamo.reset()
+
+
 def test_a_compiled_model_runs_the_fused_loss_outside_its_graph(tmp_path):
     """torch.compile of the whole model: one graph, from the ids to the last hidden state; the kernel runs after it,
     eager (dynamo cannot trace liger's), once a step; the loss and the gradients are the model's. Per-block
