@@ -1006,6 +1006,26 @@ def reference_flce(calls: list):
     return kernel
 
 
+def dtype_recording_flce(seen: list):
+    """:func:`reference_flce` that records the dtypes it is handed: (input, weight, accum_dtype) at each call."""
+    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
+        seen.append((x.dtype, w.dtype, accum_dtype))
+        return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
+    return kernel
+
+
+def graph_recording_backend(graphs: list):
+    """A torch.compile backend that keeps each dynamo graph in ``graphs`` and runs it through AOT autograd without
+    inductor's code generation (aot_eager: seconds on a CPU)."""
+    def backend(gm, inputs):
+        graphs.append(gm)
+        from torch._dynamo.backends.common import aot_autograd
+        from torch._functorch.aot_autograd import make_boxed_func
+
+        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+    return backend
+
+
 def awkward_batch(vocab=100, b=3, t=13):
     """Odd sizes, and targets ignored (-100) in a run at a row's start and here and there."""
     x, y = batch(vocab=vocab, b=b, t=t, seed=3)
@@ -1061,10 +1081,7 @@ def test_under_autocast_the_fused_head_casts_its_weight_once_and_sums_its_gradie
     weight's gradient summed in fp32. The loss and the gradients are the model's own under autocast."""
     write_config(tmp_path, family)
     seen = []
-
-    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
-        seen.append((x.dtype, w.dtype, accum_dtype))
-        return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
+    kernel = dtype_recording_flce(seen)
     plain, fused = fused_pair(tmp_path, kernel)
     plain.module.train(), fused.module.train()
     x, y = awkward_batch()
@@ -1228,21 +1245,12 @@ def test_a_compiled_qwen2_under_autocast_runs_the_fused_head_after_one_graph(tmp
 
     write_config(tmp_path, "qwen2")
     seen = []
-
-    def kernel(x, w, t, bias=None, ignore_index=-100, reduction="mean", accum_dtype=None):
-        seen.append((x.dtype, w.dtype, accum_dtype))
-        return F.cross_entropy(F.linear(x, w, bias).float(), t, ignore_index=ignore_index, reduction=reduction)
+    kernel = dtype_recording_flce(seen)
     plain, fused = fused_pair(tmp_path, kernel)
     plain.module.train(), fused.module.train()
     x, y = awkward_batch()
     graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+    backend = graph_recording_backend(graphs)
 
     torch._dynamo.reset()
     try:
@@ -1272,13 +1280,7 @@ def test_a_compiled_model_runs_the_fused_loss_outside_its_graph(tmp_path):
     expected = forward_loss(plain, plain.module, x, y)
     expected.backward()
     graphs = []
-
-    def backend(gm, inputs):
-        graphs.append(gm)
-        from torch._dynamo.backends.common import aot_autograd
-        from torch._functorch.aot_autograd import make_boxed_func
-
-        return aot_autograd(fw_compiler=lambda g, _: make_boxed_func(g.forward))(gm, inputs)
+    backend = graph_recording_backend(graphs)
 
     torch._dynamo.reset()
     try:

@@ -1100,15 +1100,9 @@ def _fraction(ap: argparse.ArgumentParser, flag: str, text: str) -> tuple[int, i
 
 def bench_versions() -> dict[str, str | None]:
     """The versions of :data:`BENCH_LIBRARIES` in this process (None where one is not installed)."""
-    from importlib import metadata
+    from fasttrain.lab.record import library_versions
 
-    versions: dict[str, str | None] = {}
-    for lib in BENCH_LIBRARIES:
-        try:
-            versions[lib] = metadata.version(lib)
-        except metadata.PackageNotFoundError:
-            versions[lib] = None
-    return versions
+    return library_versions(BENCH_LIBRARIES)
 
 
 def main(argv=None) -> int:

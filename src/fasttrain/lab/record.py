@@ -27,10 +27,10 @@ LIBRARIES = ("torch", "numpy", "transformers", "tokenizers", "peft", "torchao", 
              "bitsandbytes")
 
 
-def library_versions() -> dict[str, str | None]:
-    """Installed version of each of :data:`LIBRARIES` (None: not installed)."""
+def library_versions(names=LIBRARIES) -> dict[str, str | None]:
+    """Installed version of each of ``names`` (default :data:`LIBRARIES`; None: not installed)."""
     out = {}
-    for name in LIBRARIES:
+    for name in names:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
