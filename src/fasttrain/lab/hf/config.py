@@ -11,7 +11,7 @@ from pathlib import Path
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.config import HF_PREFIX, is_hf, LabConfig, missing_extra
 from fasttrain.memory.hf_config import DEFAULT_LORA_TARGETS, read_config_json
-from fasttrain.lab.hf.liger import _liger_version, liger_families
+from fasttrain.lab.hf.liger import _liger_version, liger_families, loss_beyond_the_head
 
 
 # LoRA's default targets per model_type, in each family's own module names: the estimator's table (it
@@ -244,8 +244,7 @@ def check_hf_setup(cfg: LabConfig, config, vocab_size: int | None, device) -> No
         # unless the family's loss is more than the head's cross-entropy: then it is liger's own forward, which
         # dynamo cannot trace (measured, H100, torch 2.11, liger-kernel 0.8.5: its addmm with out_dtype fails on
         # fake tensors); liger's layer kernels are not run inside a whole compiled model
-        own_head = cfg.liger_kernels == "fused_linear_cross_entropy" and not (
-            getattr(config, "final_logit_softcapping", None) or getattr(config, "output_router_logits", False))
+        own_head = cfg.liger_kernels == "fused_linear_cross_entropy" and not loss_beyond_the_head(config)
         if family in supported and cfg.torch_compile and cfg.torch_compile_scope == "model" and not own_head:
             raise FasttrainError("--use-liger-kernel with --torch-compile: liger's kernels do not trace under a "
                                  "whole-model torch.compile; add --torch-compile-scope blocks (the decoder layers "

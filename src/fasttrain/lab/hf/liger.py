@@ -85,22 +85,19 @@ def apply_liger(model, kernels: str = "all") -> None:
     if not patched and kernels != "fused_linear_cross_entropy":
         raise FasttrainError(f"liger-kernel {_liger_version()} has no patches for model_type {family!r}: only "
                              f"its fused linear cross-entropy applies (--liger-kernels fused_linear_cross_entropy)")
+    switches = liger_switches(kernels)
     try:
-        check_plain_head(model)
-        own_head = True
+        # the head first, checked on the model as built; liger's layer kernels (its forward left alone) after
+        apply_fused_linear_cross_entropy(model)
     except FasttrainError:
         if not patched:
             raise
-        own_head = False                    # liger's forward for this family computes what its own loss does
-    switches = liger_switches(kernels)
-    if own_head:
-        # the head first, checked on the model as built; liger's layer kernels (its forward left alone) after
-        apply_fused_linear_cross_entropy(model)
-        if kernels != "fused_linear_cross_entropy":
-            _patch_family(model, family, dict(switches, fused_linear_cross_entropy=False, cross_entropy=False),
-                          _apply_liger_kernel_to_instance)
+        # liger's forward for this family computes what its own loss does
+        _patch_family(model, family, switches, _apply_liger_kernel_to_instance)
         return
-    _patch_family(model, family, switches, _apply_liger_kernel_to_instance)
+    if kernels != "fused_linear_cross_entropy":
+        _patch_family(model, family, dict(switches, fused_linear_cross_entropy=False, cross_entropy=False),
+                      _apply_liger_kernel_to_instance)
 
 
 def _patch_family(model, family: str, switches: dict, patch) -> None:
@@ -166,6 +163,17 @@ def _family(model) -> str:
     return getattr(getattr(model, "config", None), "model_type", None) or type(model).__name__
 
 
+def loss_beyond_the_head(config) -> str | None:
+    """What a model's config says its loss adds to the head's cross-entropy, or None. What a check on a few tokens
+    of a fresh model cannot tell: a soft cap c tanh(l / c) is l itself while the logits are small, and a mixture of
+    experts' auxiliary loss is added only when asked for."""
+    if getattr(config, "final_logit_softcapping", None):
+        return "soft-caps its logits"
+    if getattr(config, "output_router_logits", False):
+        return "adds its routers' auxiliary loss"
+    return None
+
+
 def check_plain_head(model) -> None:
     """The model's loss is the cross-entropy of its output Linear over its base model's last hidden state,
     checked on this instance: its own forward on a few tokens (eval mode, no gradients, no random draws) against
@@ -184,12 +192,8 @@ def check_plain_head(model) -> None:
             else "it has no base model apart from its head"
         raise FasttrainError(f"liger's fused linear cross-entropy needs a Linear output layer over a base model; the "
                              f"{family} model's {what}: drop --use-liger-kernel")
-    config = getattr(model, "config", None)
-    # what the numbers below cannot tell at a few tokens of a fresh model: a soft cap c tanh(l / c) is l itself
-    # while the logits are small, and a mixture of experts' auxiliary loss is added only when asked for
-    if getattr(config, "final_logit_softcapping", None) or getattr(config, "output_router_logits", False):
-        what = "soft-caps its logits" if getattr(config, "final_logit_softcapping", None) \
-            else "adds its routers' auxiliary loss"
+    what = loss_beyond_the_head(getattr(model, "config", None))
+    if what:
         raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
                              f"hidden state (its forward {what}): liger's fused linear cross-entropy would train "
                              f"another loss; drop --use-liger-kernel")
