@@ -1273,6 +1273,59 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
         assert tar.extractfile("side/ran.txt").read().decode().strip() == "side on GPU 3"
         assert "side/side.log" in tar.getnames()
 
+    # a second lease started from this one's state (REUSE): the Trainer's figures and the grid's points the change
+    # cannot reach are kept, marked; only the dropped points, tune and the long run are measured again
+    key, value = next((k, m[k]) for m in state["grid_members"] for k in sorted(m)
+                      if 0 < sum(n.get(k) == m[k] for n in state["grid_members"]) < len(state["grid_members"]))
+    out2 = tmp_path / "out2"
+    env2 = dict(env, OUT=str(out2), TUNE_TMP=str(tmp_path / "tmp2"), CROSSCHECK="0", SIDE="",
+                REUSE=f"{out / 'tiny-gpt2-state.json'} --drop-grid {key}={json.dumps(value)} --label earlier")
+    done = subprocess.run(["bash", "dev/device/tune_lanes.sh", "tiny-gpt2", "--budget", "1m"], cwd=root, env=env2,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    again = json.loads((out2 / "tiny-gpt2-state.json").read_text())
+    assert bench.grid_left(again) == 0 and again["confirm"]["steps"] == 200 and not again.get("crosscheck")
+    for row in again["grid"].values():
+        assert (row.get("reused_from") == "earlier") == (row["overrides"].get(key) != value)
+    assert again["hf"]["reused_from"] == "earlier" and again["hf_flags"]["complete"]
+    assert all(p["reused_from"] == "earlier" for p in again["hf_search_points"])
+    assert "reused_from" not in again["tune"]
+
+
+def test_a_lease_reuses_an_earlier_ones_trainer_and_the_grid_points_a_change_cannot_reach(tmp_path, capsys):
+    """dev/tune/reuse_state.py: lane a gets the fixed grid and the points no --drop-grid value matches, a Trainer
+    lane those too, the Trainer's figures and its done-hf marker; every kept figure is marked; a state already
+    there, a state without the Trainer and a malformed --drop-grid are refused with one line."""
+    reuse = _dev_tune_module("reuse_state")
+    members = [{"b": 8, "liger": True}, {"b": 16, "liger": False}, {"b": 32, "liger": False}]
+    earlier = {"model": "m", "grid_members": members, "hf": {"tokens_per_s": 1.0},
+               "hf_search_points": [{"batch": 8, "flags": {}, "status": "ok", "tokens_per_s": 2.0}],
+               "grid": {json.dumps(sorted(m.items())): {"tokens_per_s": 3.0, "overrides": m} for m in members},
+               "tune": {"pick": members[0]}}
+    path = tmp_path / "earlier.json"
+    path.write_text(json.dumps(earlier))
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert reuse.main([str(path), "--work", str(a), "--lane", str(b), "--drop-grid", "liger=true",
+                       "--label", "x"]) == 0
+    lane_a, lane_b = (json.loads((w / "m" / "state.json").read_text()) for w in (a, b))
+    assert [r["overrides"]["b"] for r in lane_a["grid"].values()] == [16, 32] and lane_b["grid"] == lane_a["grid"]
+    assert all(r["reused_from"] == "x" for r in lane_a["grid"].values())
+    assert "tune" not in lane_a and "hf" not in lane_a and lane_a["grid_members"] == members
+    assert lane_b["hf"]["reused_from"] == "x" and lane_b["hf_search_points"][0]["reused_from"] == "x"
+    assert (b / "m" / "done-hf").exists() and not (a / "m" / "done-hf").exists()
+    for argv, says in (([str(path), "--work", str(a), "--label", "x"], "exists"),
+                       ([str(path), "--work", str(tmp_path / "c"), "--drop-grid", "liger", "--label", "x"],
+                        "give KEY=VALUE")):
+        with pytest.raises(SystemExit):
+            reuse.main(argv)
+        assert says in capsys.readouterr().err
+    bare = tmp_path / "bare.json"
+    bare.write_text(json.dumps({"model": "m"}))
+    with pytest.raises(SystemExit):
+        reuse.main([str(bare), "--work", str(tmp_path / "d"), "--label", "x"])
+    assert "no grid_members, hf in it" in capsys.readouterr().err
+    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+
 
 def test_configurations_the_model_refuses_are_dropped_before_any_probe():
     """A combination the model's own check refuses (liger's layer kernels under a whole-model compile) is

@@ -14,7 +14,9 @@
 #   CALL_S=598 FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_lanes.sh gpt2-124m --budget 7m
 # (timeout_s 600; LANES=n uses the first n GPUs, at least 2; SIDE="command": with LANES below the host's GPUs, that
 # command runs once on GPU $LANES beside the first call's lanes, its output in $OUT/side.log, and is waited for
-# before the cross-check and the long run, which want the host to themselves)
+# before the cross-check and the long run, which want the host to themselves; REUSE="STATE --drop-grid K=V --label
+# L": the first call starts the lanes from an earlier lease's state, dev/tune/reuse_state.py; CROSSCHECK=0: no
+# cross-check of the cards)
 MODEL=${1:?usage: tune_lanes.sh MODEL [--budget 8m]}; shift
 CALL_S=${CALL_S:-585}; START=$(date +%s)       # before the prelude: a first call's wheel install is in the call
 source dev/device/prelude.sh
@@ -32,6 +34,10 @@ cache_of() { [ "$1" = a ] && echo "$TUNE_TMP/inductor-lab" || echo "$TUNE_TMP/in
 state_py() { python3 -c "import json; s=json.load(open('$A_WORK/$MODEL/state.json')); $1" 2>/dev/null; }
 done_() { [ -e "$A_WORK/$MODEL/done-$1" ]; }
 mkdir -p "$CLAIMS" "$LOGS"
+if [ -n "${REUSE:-}" ] && [ ! -e "$A_WORK/$MODEL/state.json" ]; then
+  lanes=(); for (( i = 1; i < LANES; i++ )); do lanes+=(--lane "$(work_of "${NAMES[$i]}")"); done
+  eval "python3 dev/tune/reuse_state.py $REUSE --work \"\$A_WORK\" \"\${lanes[@]}\"" || exit 2
+fi
 # a claim whose point never finished (the call that took it ran out) is nobody's now
 for c in "$CLAIMS"/*; do case $c in *.done) ;; *) [ -e "$c" ] && [ ! -e "$c.done" ] && rm -f "$c" ;; esac; done
 
@@ -70,6 +76,9 @@ whole=$(state_py "m=s.get('grid_members'); f=s.get('hf_flags') or {}; \
 print(int(m is not None and len(m) == len(s.get('grid') or {}) and bool(s.get('tune')) and bool(s.get('hf')) \
 and bool(f.get('complete'))))")
 lab_env() { export TORCHINDUCTOR_CACHE_DIR=$1 TRITON_CACHE_DIR=$1/triton CUDA_VISIBLE_DEVICES=$2; }
+if [ "$whole" = 1 ] && [ "${CROSSCHECK:-1}" = 0 ] && ! done_ crosscheck; then
+  echo "crosscheck: skipped (CROSSCHECK=0)"; touch "$A_WORK/$MODEL/done-crosscheck"
+fi
 if [ "$whole" = 1 ] && ! done_ crosscheck && [ "$(left)" -gt 150 ]; then
   # the pick and the grid's best on each card, side by side
   for (( i = 0; i < LANES; i++ )); do
