@@ -14,7 +14,7 @@ WORK=${WORK:-$TUNE_TMP/tune-work}; mkdir -p "$WORK"
 # compiled kernels cached apart: the HF Trainer's in one folder, the lab's in another, so that tune (the first lab
 # phase of a lease) compiles cold, as a user's first call does, and its search time is its own
 # (LAB_CACHE: a second lane's lab phases compile into their own folder)
-case "$PHASE" in hf*|prepare*) cache=$TUNE_TMP/inductor-hf ;; *) cache=${LAB_CACHE:-$TUNE_TMP/inductor-lab} ;; esac
+case "$PHASE" in hf*|prepare*|alone) cache=$TUNE_TMP/inductor-hf ;; *) cache=${LAB_CACHE:-$TUNE_TMP/inductor-lab} ;; esac
 export TORCHINDUCTOR_CACHE_DIR=$cache TRITON_CACHE_DIR=$cache/triton
 start=$(date +%s)
 if [ "$PHASE" = report ]; then

@@ -2,12 +2,15 @@
 # Issue 29's benchmark of one model in one lease, as a queue: every device call of the lease runs this same command,
 # which goes on from where the calls before it stopped (a marker per finished phase in WORK, kept on the machine
 # between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, tune, the HF
-# Trainer as users run it, with its best flags, the 200-step confirmation, the pick's profile; whatever time a call
-# has left after them (or before a phase that would not fit) goes to the grid's points, which resume point by point;
-# once the grid is whole, the GPU tests of tune, the trainer's CUDA graphs and a transformers model's kernels.
+# Trainer as users run it, with its best flags, the 200-step confirmation, the Trainer's best and its users' run
+# measured again (alone), the GPU tests of tune, the trainer's CUDA graphs and a transformers model's kernels, the
+# grid's points (which resume point by point), the pick's profile; whatever time a call has left before a phase that
+# would not fit goes to the grid.
 # Carry .whl/.
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
+# REUSE="STATE --drop-grid K=V --label L": the first call starts from an earlier lease's state (dev/tune/reuse_state.py:
+# the Trainer's figures and the grid's points a change cannot reach); SKIP="hf-flags ...": phases left as they are.
 # LANE=a, b, c, ...: one lane of a lease of several GPUs of one host (dev/device/tune_lanes.sh starts one per GPU,
 # each with its own WORK and log): lane a fixes the grid and searches; lane b runs the GPU tests, the HF Trainer as
 # users run it and its share (SHARE=k/n) of the Trainer's search; lanes c, d, ... their shares of that search; all
@@ -22,26 +25,30 @@ DEADLINE=$(( $(date +%s) + ${CALL_S:-585} ))
 export LOG=${LOG:-$OUT/$MODEL-calls.log}
 left() { echo $(( DEADLINE - $(date +%s) )); }
 done_() { [ -e "$WORK/$MODEL/done-$1" ]; }
+if [ -n "${REUSE:-}" ] && [ -z "${LANE:-}" ] && [ ! -e "$WORK/$MODEL/state.json" ]; then
+  eval "python3 dev/tune/reuse_state.py $REUSE --work \"\$WORK\"" || exit 2
+fi
 state_py() { python3 -c "import json,sys; s=json.load(open('$WORK/$MODEL/state.json')); $1" 2>/dev/null; }
 
 # phase NAME SECONDS [bench_tune options]: run it if it is not done and fits; 1 when it did not fit (the queue stops)
 phase() {
   local name=$1 need=$2; shift 2
   done_ "$name" && return 0
+  case " ${SKIP:-} " in *" $name "*) echo "$name: skipped (SKIP)"; return 0 ;; esac
   if [ "$(left)" -lt "$need" ]; then echo "$name: needs about $need s, $(left) s left in this call"; return 1; fi
   PHASE_TIMEOUT=$(( $(left) - 15 )) bash dev/device/tune_bench.sh "$name" "$MODEL" "$@" | grep -v "^== " | tail -12
   grep -q "^$name exit 0 " "$LOG" && touch "$WORK/$MODEL/done-$name"
   return 0
 }
 
-# the grid's points while the call has time for one more (a point of this model: at most about 110 s); after tune
-# only (its probes compile cold, and the grid reads the points tune measured from its cache)
+# the grid's points while the call has time for one more (each point's expected time, bench_tune's point_seconds);
+# after tune only (its probes compile cold, and the grid reads the points tune measured from its cache)
 grid_fill() {
   done_ tune || return 1
   local n; n=$(state_py "print(len(s.get('grid_members') or []) - len(s.get('grid') or {}) if 'grid_members' in s else -1")
   [ "$n" = 0 ] && return 0
-  if [ "$(left)" -gt 150 ]; then
-    PHASE_TIMEOUT=$(( $(left) - 10 )) bash dev/device/tune_bench.sh grid "$MODEL" --stop-after $(( $(left) - 130 )) | tail -3
+  if [ "$(left)" -gt 40 ]; then
+    PHASE_TIMEOUT=$(( $(left) - 10 )) bash dev/device/tune_bench.sh grid "$MODEL" --time-left $(( $(left) - 15 )) | tail -3
   fi
   n=$(state_py "print(len(s['grid_members']) - len(s.get('grid') or {}))")
   echo "grid: ${n:-?} point(s) left"; [ "$n" = 0 ]
@@ -96,12 +103,21 @@ confirm_s() {  # 200 steps at the pick's speed, its compilation and warm-up
   state_py "t=s['tune']['pick_tokens_per_s']; print(int(200 * s['global_batch_tokens'] / t + 90))" || echo 480
 }
 
+alone_s() {  # the Trainer's best point 32 steps and its users' run 12, each built and compiled
+  state_py "t=s['global_batch_tokens']; print(int(32 * t / s['hf_flags']['tokens_per_s'] + 60 + 12 * t / s['hf']['tokens_per_s'] + 40))" || echo 300
+}
+
+# one GPU: the Trainer's figures the goals divide are measured again after the confirmation (alone), as in a lease of
+# several GPUs, so that both sides of each ratio come from the same card in the same call's neighbourhood
 queue() {
   phase prepare 60 || return
   phase tune $(( ${BUDGET%m} * 60 + 50 )) --budget "$BUDGET" || return
   phase hf 150 || return
   phase hf-flags 240 || return
   phase confirm "$(confirm_s)" --confirm-steps 200 || return
+  phase alone "$(alone_s)" || return
+  gpu_tests 300
+  grid_fill || return
   profile
 }
 
@@ -137,8 +153,6 @@ case "${LANE:-}" in
   a) queue_a ;;
   [b-h]) queue_trainer ;;
   profile) profile ;;
-  *) queue
-     grid_fill || exit 0
-     gpu_tests 400 ;;
+  *) queue || grid_fill ;;
 esac
 echo "done: $(ls "$WORK/$MODEL" | grep ^done- | tr '\n' ' ')"

@@ -8,8 +8,9 @@ whose overrides hold that value is measured again; tune always searches again). 
         --lane /tmp/tune-work-b --drop-grid use_liger_kernel=true --label "e198b7a, 4 x H200"
 
 Writes ``<work>/<model>/state.json`` (lane a: the fixed grid and the kept points) and, for each ``--lane``, the same
-grid and the Trainer's figures with its ``done-hf`` marker (lane b measures only the search's missing points). Refuses
-to write over a state already there.
+grid and the Trainer's figures with its ``done-hf`` marker (lane b measures only the search's missing points); with no
+``--lane`` (one GPU, dev/device/tune_case.sh's queue) the work folder gets the Trainer's figures too. Refuses to write
+over a state already there.
 """
 from __future__ import annotations
 
@@ -33,8 +34,10 @@ def reused_states(earlier: dict, drop_grid: list[tuple[str, object]], label: str
     grid = {key: mark(row) for key, row in (earlier.get("grid") or {}).items()
             if not any(row["overrides"].get(k) == v for k, v in drop_grid)}
     lane_a = {**base, "grid": grid}
-    trainer = {**base, "grid": grid, "hf": mark(earlier["hf"]),
-               "hf_search_points": [mark(p) for p in earlier.get("hf_search_points") or []]}
+    points = [mark(p) for p in earlier.get("hf_search_points") or []]
+    trainer = {**base, "grid": grid, "hf": mark(earlier["hf"]), "hf_search_points": points}
+    if earlier.get("hf_flags"):     # the column those points sum up to (the lane's search sums it again)
+        trainer["hf_flags"] = {**mark(earlier["hf_flags"]), "points": points}
     return lane_a, trainer
 
 
@@ -66,10 +69,11 @@ def main(argv=None) -> int:
     if taken:
         ap.error(f"{taken[0] / name / 'state.json'} exists: reuse starts a lease, it does not write over one")
     lane_a, trainer = reused_states(earlier, drop, args.label)
-    for work, state in [(args.work, lane_a)] + [(w, trainer) for w in args.lane]:
+    lanes = [(args.work, lane_a)] + [(w, trainer) for w in args.lane] if args.lane else [(args.work, trainer)]
+    for work, state in lanes:
         (work / name).mkdir(parents=True, exist_ok=True)
         (work / name / "state.json").write_text(json.dumps(state, indent=2))
-        if work != args.work:
+        if "hf" in state:
             (work / name / "done-hf").touch()
     print(f"{name}: {len(lane_a['grid'])} of {len(earlier['grid_members'])} grid points and the Trainer's "
           f"{len(trainer['hf_search_points'])} search points kept from {args.label}")
