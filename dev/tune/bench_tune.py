@@ -298,7 +298,7 @@ def trainer_search_summary(name: str, points: list[dict], cuda: bool | None = No
                          + "; ".join(f"{_flags_label(p['flags'])} {p['batch']}: {p['status']}" for p in points))
     best = dict(max(ran, key=lambda p: p["tokens_per_s"])) if ran else {"tokens_per_s": None}
     # a point that did not run with tf32 is tried again without it (_next_trainer_point); without, its variant ended
-    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}"
+    failed = sorted({f"{_flags_label(p['flags'])}: {p['error']}" + _known_cause(p["error"])
                      + (" (its ladder goes on without tf32)" if p["flags"].get("tf32") else " (this variant ended)")
                      for p in points if p["status"].startswith("failed")})
     if ran:
@@ -314,12 +314,28 @@ def trainer_search_summary(name: str, points: list[dict], cuda: bool | None = No
     return best
 
 
+# why the Trainer's failures seen so far happen (found from their tracebacks and the libraries' code), by the error's text
+TRAINER_FAILURE_CAUSES = {
+    "mix of the legacy and new APIs": "TrainingArguments sets torch's newer fp32 precision switch whenever "
+    "torch_compile and bf16 are on (tf32 or not), and inductor's max-autotune reads the legacy one: the Trainer "
+    "cannot run max-autotune in bf16 on this torch",
+    "when making fake tensor call": "dynamo's fake tensors fail in liger's patched forward when the Trainer compiles "
+    "the whole model",
+}
+
+
+def _known_cause(error: str | None) -> str:
+    return "".join(f" [{cause}]" for text, cause in TRAINER_FAILURE_CAUSES.items() if text in (error or ""))
+
+
 def _next_trainer_point(flags: dict, spec: dict, points: dict) -> tuple[dict, int] | None:
     """Where one variant's ladder stands among the ``points`` measured (by :func:`_trainer_point_key`): the flags and
     micro-batch to measure next, or None once the ladder ended -- a point out of memory, one that did not run
     without tf32, or its largest micro-batch measured. A point that does not run with tf32 is tried once without
     it, and the ladder goes on without it, as a careful user would (torch 2.11's inductor refuses the Trainer's
-    tf32 switch, its newer precision API, under max-autotune: mixed precision APIs)."""
+    tf32 switch, its newer precision API, under max-autotune: mixed precision APIs; TrainingArguments throws that
+    switch by itself whenever ``torch_compile`` and ``bf16`` are on, so the point without tf32 fails the same way,
+    measured in a process of its own -- its failure ends the ladder, said in the column's notes)."""
     for batch in trainer_micro_batches(spec["tokens"] // spec["seq"]):
         point = points.get(_trainer_point_key(flags, batch))
         if point is not None and point["status"].startswith("failed") and flags.get("tf32"):
@@ -482,10 +498,10 @@ PRECISION_SWITCHES = ("", "cuda.matmul", "cudnn", "cudnn.conv", "cudnn.rnn", "mk
 
 @contextlib.contextmanager
 def precision_switches_kept():
-    """Every Trainer run leaves torch's precision switches as it found them. ``tf32=True`` sets the newer API
-    (``cuda.matmul.fp32_precision = "tf32"``) for the rest of the process; inductor's max-autotune reads the legacy
-    getter, which refuses the mix: every later point of the search in that process (tf32 or not) would fail on a
-    state the run before it left, not on its own flags."""
+    """Every Trainer run leaves torch's precision switches as it found them. ``tf32=True`` (and ``torch_compile``
+    with ``bf16``, whatever ``tf32`` says) sets the newer API (``torch.backends.fp32_precision = "tf32"``) for the rest
+    of the process; inductor's max-autotune reads the legacy getter, which refuses the mix: a later point of the
+    search in that process would otherwise carry a state the run before it left, not its own flags'."""
     import torch
 
     def owner(path):
@@ -795,22 +811,31 @@ FIGURE_NAMES = {"tune": "tune's search", "confirm": "the 200-step confirmation",
 
 
 def lanes_line(state: dict) -> str | None:
-    """Where the figures of a two-GPU lease come from, and how the cards compare (the cross-checks)."""
-    where: dict = {}
-    for key, what in FIGURE_NAMES.items():
-        if (state.get(key) or {}).get("gpu") is not None:
-            where.setdefault(state[key]["gpu"], []).append(what)
-    for g in (state.get("grid") or {}).values():
-        if g.get("gpu") is not None:
-            where.setdefault(g["gpu"], []).append("grid")
-    if len(where) < 2:
-        return None
-    parts = []
-    for gpu, whats in sorted(where.items()):
+    """Where the figures of a lease of several GPUs come from, and how the cards compare (the cross-checks); the
+    figures kept from an earlier lease (``reused_from``, dev/tune/reuse_state.py) named apart."""
+    def named(whats: list[str]) -> str:
         n = whats.count("grid")
-        named = [w for w in whats if w != "grid"] + ([f"{n} grid point(s)"] if n else [])
-        parts.append(f"GPU {gpu}: {', '.join(named)}")
-    line = f"Measured side by side on {len(where)} GPUs of one host, in one lease ({'; '.join(parts)})."
+        return ", ".join([w for w in whats if w != "grid"] + ([f"{n} grid point(s)"] if n else []))
+
+    where: dict = {}
+    kept: dict = {}
+    for key, what in FIGURE_NAMES.items():
+        figure = state.get(key) or {}
+        if figure.get("reused_from"):
+            kept.setdefault(figure["reused_from"], []).append(what)
+        elif figure.get("gpu") is not None:
+            where.setdefault(figure["gpu"], []).append(what)
+    for g in (state.get("grid") or {}).values():
+        if g.get("reused_from"):
+            kept.setdefault(g["reused_from"], []).append("grid")
+        elif g.get("gpu") is not None:
+            where.setdefault(g["gpu"], []).append("grid")
+    line = "".join(f"Kept from an earlier lease ({label}), which the change since cannot reach: {named(whats)}; "
+                   "the rest measured in this one. " for label, whats in kept.items())
+    if len(where) < 2:
+        return line.strip() or None
+    parts = [f"GPU {gpu}: {named(whats)}" for gpu, whats in sorted(where.items())]
+    line += f"Measured side by side on {len(where)} GPUs of one host, in one lease ({'; '.join(parts)})."
     checks: dict = {}
     for r in state.get("crosscheck") or []:
         if r.get("tokens_per_s"):
@@ -826,13 +851,19 @@ def lanes_line(state: dict) -> str | None:
     for key in ("hf", "hf_flags"):
         hf, what = state.get(key) or {}, FIGURE_NAMES[key]
         pick_there = next((by_gpu.get(hf.get("gpu")) for (w, _), by_gpu in checks.items() if w == "pick"), None)
-        if hf.get("tokens_per_s") and pick_there and hf.get("gpu") != (state.get("tune") or {}).get("gpu"):
+        if (hf.get("tokens_per_s") and pick_there and not hf.get("reused_from")
+                and hf.get("gpu") != (state.get("tune") or {}).get("gpu")):
             line += (f" On GPU {hf['gpu']}, where {what} ran ({hf['tokens_per_s']:,.0f} tokens/s), the pick's "
                      f"cross-check is {pick_there / hf['tokens_per_s']:.3f}x it.")
     return line
 
 
 # --- the report ----------------------------------------------------------------------------------
+
+def gpu_text(gpu: str | None) -> str:
+    """``GPU 0`` (a lane's card, its CUDA_VISIBLE_DEVICES), or the lease's one GPU (none set)."""
+    return f"GPU {gpu}" if gpu is not None else "the lease's one GPU"
+
 
 def case_of(state: dict) -> dict:
     """One ``cases`` entry (exactly :data:`CASE_KEYS`) from a model's state."""
@@ -901,7 +932,7 @@ def goals(case: dict, state: dict) -> list[tuple[str, str]]:
                                1.1)):
         if lr and lr.get(key):
             r = ratio(lr["pick_tokens_per_s"], lr[key])
-            where = f" (the pick's {lr['confirm_steps']} steps against the Trainer alone, both on GPU {lr['gpu']})"
+            where = f" (the pick's {lr['confirm_steps']} steps against the Trainer alone, both on {gpu_text(lr['gpu'])})"
         else:
             r = ratio(case["pick_tokens_per_s"], case[key])
             where = " (search figures, not measured alone)"
@@ -963,7 +994,7 @@ def long_run_line(lr: dict) -> str:
     """The goals' long-run figures in one sentence."""
     flags = _flags_label({k: v for k, v in (lr.get("hf_trainer_flags") or {}).items() if k in ("torch_compile",
                           "torch_compile_mode", "use_liger_kernel")})
-    return (f"The Trainer goals' ratios come from the long run, on GPU {lr['gpu']} with nothing else running on the "
+    return (f"The Trainer goals' ratios come from the long run, on {gpu_text(lr['gpu'])} with nothing else running on the "
             f"host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
             f"with its best flags ({flags}, micro-batch {lr.get('hf_trainer_flags_batch')}) "
             f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it {_fmt(lr['hf_trainer_tokens_per_s'])}"
