@@ -1300,6 +1300,41 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
     assert "reused_from" not in again["tune"]
 
 
+@pytest.mark.slow
+def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
+    """dev/device/tune_case.sh on the CPU, one GPU's queue over two sessions: the first (SKIP="tune confirm alone")
+    fixes the grid and measures the Trainer as users run it and its whole search; the second starts from that
+    state (REUSE), on a fresh machine, and runs tune, the grid, the confirmation, the Trainer's figures again alone
+    and the profile -- the Trainer's figures kept, marked, never measured twice."""
+    import subprocess
+    from pathlib import Path
+
+    pytest.importorskip("transformers")
+    root = Path(__file__).resolve().parents[1]
+    bench = _bench_module()
+
+    def session(n: int, **extra) -> dict:
+        out = tmp_path / f"out{n}"
+        env = dict(os.environ, OUT=str(out), TUNE_TMP=str(tmp_path / f"tmp{n}"), CALL_S="400", GPU_TESTS="none",
+                   FASTTRAIN_GIT_SHA="test", **extra)
+        done = subprocess.run(["bash", "dev/device/tune_case.sh", "tiny-gpt2", "--budget", "1m"], cwd=root, env=env,
+                              capture_output=True, text=True, timeout=600)
+        assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        return json.loads((out / "tiny-gpt2-state.json").read_text())
+
+    first = session(1, SKIP="tune confirm alone")
+    assert first["hf_flags"]["complete"] and first["hf"]["tokens_per_s"] and first["grid_members"]
+    assert not any(k in first for k in ("tune", "confirm", "alone")) and not first.get("grid")
+    (tmp_path / "first.json").write_text(json.dumps(first))
+    second = session(2, REUSE=f"{tmp_path / 'first.json'} --label first")
+    assert second["hf"]["reused_from"] == "first" and second["tune"]["pick"] and second["confirm"]["steps"] == 200
+    assert all(p["reused_from"] == "first" for p in second["hf_search_points"])
+    assert len(second["hf_search_points"]) == len(first["hf_search_points"])
+    assert second["grid_members"] == first["grid_members"] and bench.grid_left(second) == 0
+    assert bench.case_of(second)["long_run"]["pick_tokens_per_s"] == second["confirm"]["tokens_per_s"]
+    assert (tmp_path / "out2" / "tiny-gpt2-profile.json").is_file()
+
+
 def test_a_lease_reuses_an_earlier_ones_trainer_and_the_grid_points_a_change_cannot_reach(tmp_path, capsys):
     """dev/tune/reuse_state.py: lane a gets the fixed grid and the points no --drop-grid value matches, a Trainer
     lane those too, the Trainer's figures and its done-hf marker; every kept figure is marked; a state already

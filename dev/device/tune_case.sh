@@ -11,6 +11,9 @@
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
 # REUSE="STATE --drop-grid K=V --label L": the first call starts from an earlier lease's state (dev/tune/reuse_state.py:
 # the Trainer's figures and the grid's points a change cannot reach); SKIP="hf-flags ...": phases left as they are.
+# A case too long for one session's device time, in two: SKIP="tune confirm alone" (the grid fixed, the Trainer as
+# users run it and its whole search, the GPU tests), then the next session REUSE=<that state> (tune, the grid, the
+# confirmation, the Trainer's figures again alone, the profile).
 # LANE=a, b, c, ...: one lane of a lease of several GPUs of one host (dev/device/tune_lanes.sh starts one per GPU,
 # each with its own WORK and log): lane a fixes the grid and searches; lane b runs the GPU tests, the HF Trainer as
 # users run it and its share (SHARE=k/n) of the Trainer's search; lanes c, d, ... their shares of that search; all
@@ -30,11 +33,13 @@ if [ -n "${REUSE:-}" ] && [ -z "${LANE:-}" ] && [ ! -e "$WORK/$MODEL/state.json"
 fi
 state_py() { python3 -c "import json,sys; s=json.load(open('$WORK/$MODEL/state.json')); $1" 2>/dev/null; }
 
+skipped() { case " ${SKIP:-} " in *" $1 "*) return 0 ;; esac; return 1; }
+
 # phase NAME SECONDS [bench_tune options]: run it if it is not done and fits; 1 when it did not fit (the queue stops)
 phase() {
   local name=$1 need=$2; shift 2
   done_ "$name" && return 0
-  case " ${SKIP:-} " in *" $name "*) echo "$name: skipped (SKIP)"; return 0 ;; esac
+  skipped "$name" && { echo "$name: skipped (SKIP)"; return 0; }
   if [ "$(left)" -lt "$need" ]; then echo "$name: needs about $need s, $(left) s left in this call"; return 1; fi
   PHASE_TIMEOUT=$(( $(left) - 15 )) bash dev/device/tune_bench.sh "$name" "$MODEL" "$@" | grep -v "^== " | tail -12
   grep -q "^$name exit 0 " "$LOG" && touch "$WORK/$MODEL/done-$name"
@@ -111,9 +116,10 @@ alone_s() {  # the Trainer's best point 32 steps and its users' run 12, each bui
 # several GPUs, so that both sides of each ratio come from the same card in the same call's neighbourhood
 queue() {
   phase prepare 60 || return
+  phase fix-grid 30 || return
   phase tune $(( ${BUDGET%m} * 60 + 50 )) --budget "$BUDGET" || return
   phase hf 150 || return
-  phase hf-flags 240 || return
+  trainer_share || return
   phase confirm "$(confirm_s)" --confirm-steps 200 || return
   phase alone "$(alone_s)" || return
   gpu_tests 300
@@ -133,7 +139,7 @@ queue_a() {
 # call (the phase exits 3 until the share is whole, so the next call goes on with it)
 trainer_share() {
   phase hf-flags 60 --share "${SHARE:-1/1}" --time-left $(( $(left) - 25 ))
-  done_ hf-flags
+  done_ hf-flags || skipped hf-flags
 }
 
 # lanes b, c, ... (GPUs 1, 2, ...): lane b first runs the GPU tests and the HF Trainer as users run it; every one its
