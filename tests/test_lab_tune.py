@@ -1303,9 +1303,10 @@ def test_the_lanes_script_takes_a_case_through_on_three_fake_gpus(tmp_path):
 @pytest.mark.slow
 def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
     """dev/device/tune_case.sh on the CPU, one GPU's queue over two sessions: the first (SKIP="tune confirm alone")
-    fixes the grid and measures the Trainer as users run it and its whole search; the second starts from that
-    state (REUSE), on a fresh machine, and runs tune, the grid, the confirmation, the Trainer's figures again alone
-    and the profile -- the Trainer's figures kept, marked, never measured twice."""
+    fixes the grid and measures the Trainer as users run it, its whole search and the grid's points; the second
+    starts from that state (REUSE, some grid points dropped), on a fresh machine, and runs tune, the dropped points,
+    the confirmation, the Trainer's figures again alone and the profile -- what the first measured kept, marked,
+    never measured twice."""
     import subprocess
     from pathlib import Path
 
@@ -1324,9 +1325,13 @@ def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
 
     first = session(1, SKIP="tune confirm alone")
     assert first["hf_flags"]["complete"] and first["hf"]["tokens_per_s"] and first["grid_members"]
-    assert not any(k in first for k in ("tune", "confirm", "alone")) and not first.get("grid")
+    assert not any(k in first for k in ("tune", "confirm", "alone")) and bench.grid_left(first) == 0
     (tmp_path / "first.json").write_text(json.dumps(first))
-    second = session(2, REUSE=f"{tmp_path / 'first.json'} --label first")
+    key, value = next((k, m[k]) for m in first["grid_members"] for k in sorted(m)
+                      if 0 < sum(n.get(k) == m[k] for n in first["grid_members"]) < len(first["grid_members"]))
+    second = session(2, REUSE=f"{tmp_path / 'first.json'} --drop-grid {key}={json.dumps(value)} --label first")
+    for row in second["grid"].values():
+        assert (row.get("reused_from") == "first") == (row["overrides"].get(key) != value)
     assert second["hf"]["reused_from"] == "first" and second["tune"]["pick"] and second["confirm"]["steps"] == 200
     assert all(p["reused_from"] == "first" for p in second["hf_search_points"])
     assert len(second["hf_search_points"]) == len(first["hf_search_points"])

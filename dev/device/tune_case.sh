@@ -12,8 +12,8 @@
 # REUSE="STATE --drop-grid K=V --label L": the first call starts from an earlier lease's state (dev/tune/reuse_state.py:
 # the Trainer's figures and the grid's points a change cannot reach); SKIP="hf-flags ...": phases left as they are.
 # A case too long for one session's device time, in two: SKIP="tune confirm alone" (the grid fixed, the Trainer as
-# users run it and its whole search, the GPU tests), then the next session REUSE=<that state> (tune, the grid, the
-# confirmation, the Trainer's figures again alone, the profile).
+# users run it and its whole search, the GPU tests, grid points), then the next session REUSE=<that state> (tune, the
+# grid's other points, the confirmation, the Trainer's figures again alone, the profile).
 # LANE=a, b, c, ...: one lane of a lease of several GPUs of one host (dev/device/tune_lanes.sh starts one per GPU,
 # each with its own WORK and log): lane a fixes the grid and searches; lane b runs the GPU tests, the HF Trainer as
 # users run it and its share (SHARE=k/n) of the Trainer's search; lanes c, d, ... their shares of that search; all
@@ -47,9 +47,10 @@ phase() {
 }
 
 # the grid's points while the call has time for one more (each point's expected time, bench_tune's point_seconds);
-# after tune only (its probes compile cold, and the grid reads the points tune measured from its cache)
+# after tune only (its probes compile cold, and the grid reads the points tune measured from its cache), or where
+# tune is left to a later session's fresh machine (SKIP=tune: its caches start empty there)
 grid_fill() {
-  done_ tune || return 1
+  done_ tune || skipped tune || return 1
   local n; n=$(state_py "print(len(s.get('grid_members') or []) - len(s.get('grid') or {}) if 'grid_members' in s else -1")
   [ "$n" = 0 ] && return 0
   if [ "$(left)" -gt 40 ]; then
