@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # Issue 29's benchmark of one model in one lease, as a queue: every device call of the lease runs this same command,
 # which goes on from where the calls before it stopped (a marker per finished phase in WORK, kept on the machine
-# between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, tune, the HF
-# Trainer as users run it, with its best flags, the 200-step confirmation, the Trainer's best and its users' run
+# between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, the grid fixed,
+# tune, the HF Trainer as users run it, with its best flags (point by point, by the call's time left), the 200-step confirmation, the Trainer's best and its users' run
 # measured again (alone), the GPU tests of tune, the trainer's CUDA graphs and a transformers model's kernels, the
 # grid's points (which resume point by point), the pick's profile; whatever time a call has left before a phase that
 # would not fit goes to the grid.
