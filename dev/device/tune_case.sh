@@ -2,10 +2,10 @@
 # Issue 29's benchmark of one model in one lease, as a queue: every device call of the lease runs this same command,
 # which goes on from where the calls before it stopped (a marker per finished phase in WORK, kept on the machine
 # between the calls of a lease) and runs what fits in the call's time. The phases in order: prepare, the grid fixed,
-# tune, the HF Trainer as users run it, with its best flags (point by point, by the call's time left), the 200-step confirmation, the Trainer's best and its users' run
-# measured again (alone), the GPU tests of tune, the trainer's CUDA graphs and a transformers model's kernels, the
-# grid's points (which resume point by point), the pick's profile; whatever time a call has left before a phase that
-# would not fit goes to the grid.
+# tune, the HF Trainer as users run it, with its best flags (point by point, by the call's time left), the 200-step
+# confirmation, the Trainer's best and its users' run measured again (alone), the GPU tests of tune, the trainer's
+# CUDA graphs and a transformers model's kernels, the grid's points (which resume point by point), the pick's
+# profile; whatever time a call has left before a phase that would not fit goes to the grid.
 # Carry .whl/.
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) bash dev/device/tune_case.sh llama-1b --budget 8m
 # Estimates of each phase's time (seconds, at the Llama 1B case's scale) decide what fits; CALL_S: the call's time.
