@@ -314,7 +314,7 @@ def trainer_search_summary(name: str, points: list[dict], cuda: bool | None = No
     return best
 
 
-# why the Trainer's failures seen so far happen (found from their tracebacks and the libraries' code), by the error's text
+# why the Trainer's failures seen so far happen (from their tracebacks and the libraries' code), by the error's text
 TRAINER_FAILURE_CAUSES = {
     "mix of the legacy and new APIs": "TrainingArguments sets torch's newer fp32 precision switch whenever "
     "torch_compile and bf16 are on (tf32 or not), and inductor's max-autotune reads the legacy one: the Trainer "
@@ -501,7 +501,7 @@ def precision_switches_kept():
     """Every Trainer run leaves torch's precision switches as it found them. ``tf32=True`` (and ``torch_compile``
     with ``bf16``, whatever ``tf32`` says) sets the newer API (``torch.backends.fp32_precision = "tf32"``) for the rest
     of the process; inductor's max-autotune reads the legacy getter, which refuses the mix: a later point of the
-    search in that process would otherwise carry a state the run before it left, not its own flags'."""
+    search in that process would otherwise carry a state the run before it left, not its own flags."""
     import torch
 
     def owner(path):
@@ -932,7 +932,8 @@ def goals(case: dict, state: dict) -> list[tuple[str, str]]:
                                1.1)):
         if lr and lr.get(key):
             r = ratio(lr["pick_tokens_per_s"], lr[key])
-            where = f" (the pick's {lr['confirm_steps']} steps against the Trainer alone, both on {gpu_text(lr['gpu'])})"
+            where = (f" (the pick's {lr['confirm_steps']} steps against the Trainer alone, both on "
+                     f"{gpu_text(lr['gpu'])})")
         else:
             r = ratio(case["pick_tokens_per_s"], case[key])
             where = " (search figures, not measured alone)"
@@ -994,8 +995,8 @@ def long_run_line(lr: dict) -> str:
     """The goals' long-run figures in one sentence."""
     flags = _flags_label({k: v for k, v in (lr.get("hf_trainer_flags") or {}).items() if k in ("torch_compile",
                           "torch_compile_mode", "use_liger_kernel")})
-    return (f"The Trainer goals' ratios come from the long run, on {gpu_text(lr['gpu'])} with nothing else running on the "
-            f"host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
+    return (f"The Trainer goals' ratios come from the long run, on {gpu_text(lr['gpu'])} with nothing else running "
+            f"on the host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
             f"with its best flags ({flags}, micro-batch {lr.get('hf_trainer_flags_batch')}) "
             f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it {_fmt(lr['hf_trainer_tokens_per_s'])}"
             + "." + ("" if lr.get("search_complete") else " The Trainer's search was not complete (below)."))
