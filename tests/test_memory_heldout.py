@@ -133,6 +133,16 @@ def test_a_configuration_recorded_before_a_field_existed_reads_as_its_default(H)
     assert H.model_name("hf:/tmp/tune-work/llama-1b/model") == "llama-1b" and H.model_name("hf:gpt2") == "gpt2"
 
 
+def test_a_rule_counts_in_sample_only_the_rows_it_was_written_after(H):
+    """D26 was written after GPT-2's rows missed, and for the other families before any GPU row of theirs: the
+    same configuration is in sample for GPT-2, held out for Llama."""
+    cfg = H.config_of({"name": "custom", "use_liger_kernel": True, "liger_kernels": "fused_linear_cross_entropy",
+                       "torch_compile": True, "torch_compile_scope": "model"})
+    d26 = H.RULES["GPT-2's fused head beside a whole compiled model (D26)"]
+    assert d26(cfg, {"model_type": "gpt2"}) and not d26(cfg, {"model_type": "llama"}) and not d26(cfg, None)
+    assert not d26(cfg.with_(torch_compile_scope="blocks"), {"model_type": "gpt2"})
+
+
 @pytest.mark.parametrize("damage, message", [
     ("missing", r"tune\.json: no such file"),
     ("broken", r"tune\.json: not valid JSON \(line 1"),
