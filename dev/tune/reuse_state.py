@@ -21,7 +21,11 @@ from pathlib import Path
 
 
 def _value(text: str):
-    return json.loads(text) if text in ("true", "false", "null") or text.lstrip("-").isdigit() else text
+    """A --drop-grid value as the state's JSON holds it (true, 64, null), else the text itself."""
+    try:
+        return json.loads(text)
+    except ValueError:
+        return text
 
 
 def reused_states(earlier: dict, drop_grid: list[tuple[str, object]], label: str) -> tuple[dict, dict]:

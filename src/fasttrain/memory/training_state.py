@@ -221,9 +221,9 @@ def optimizer_temp_bytes(s: Setup, shapes) -> float:
 
     foreach AdamW: one fp32 copy of the parameters of one group (sqrt of the second moment; the
     largest of :func:`step_groups`); fused AdamW and SGD: none. foreach Adafactor: the variance
-    estimate of every matrix (fp32, full size) and, for the 1-D tensors, the squared gradient beside it. adamw_8bit: torchao steps one parameter
-    at a time in one compiled kernel; the fp32 m and v of the largest quantized tensor are taken
-    as its working memory (not measured)."""
+    estimate of every matrix (fp32, full size) and, for the 1-D tensors, the squared gradient
+    beside it. adamw_8bit: torchao steps one parameter at a time in one compiled kernel; the fp32 m
+    and v of the largest quantized tensor are taken as its working memory (not measured)."""
     if s.optim == "adamw":
         # the for-each kernels step one parameter group at a time: the largest group's copy (D13)
         return 4 * max(sum(numel(sh) for sh in g) for g in step_groups(s, shapes)) if s.optimizer == "foreach" else 0
