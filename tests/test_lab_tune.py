@@ -841,8 +841,11 @@ def test_bench_trainer_runs_leave_torchs_precision_switches_as_they_found_them(m
     bench = _bench_module()
     bench.prepare(tmp_path, "tiny-gpt2", n_tokens=4096)
 
+    from transformers.utils import import_utils
+
     def train_as_tf32_does(self, *args, **kwargs):
         torch.backends.cuda.matmul.fp32_precision = "tf32"      # what TrainingArguments(tf32=True) leaves
+        import_utils.enable_tf32(True)                          # and the cached call that set it
         raise RuntimeError("the run failed after setting tf32")
     monkeypatch.setattr(transformers.Trainer, "train", train_as_tf32_does)
     kept = torch.backends.cuda.matmul.fp32_precision
@@ -853,8 +856,13 @@ def test_bench_trainer_runs_leave_torchs_precision_switches_as_they_found_them(m
         assert point["status"] == "failed: RuntimeError"
         assert torch.backends.cuda.matmul.fp32_precision == "none"
         assert torch.get_float32_matmul_precision() == before   # no "mix of the legacy and new APIs"
+        # the next point asking for tf32 gets it: transformers' cached switch was forgotten with the state
+        import_utils.enable_tf32(True)
+        assert torch.backends.fp32_precision == "tf32"
     finally:
         torch.backends.cuda.matmul.fp32_precision = kept
+        torch.backends.fp32_precision = "none"
+        import_utils.enable_tf32.cache_clear()
 
 
 def test_bench_trainer_search_stops_where_the_calls_time_ends_and_goes_on_in_the_next(monkeypatch, tmp_path):

@@ -501,7 +501,9 @@ def precision_switches_kept():
     """Every Trainer run leaves torch's precision switches as it found them. ``tf32=True`` (and ``torch_compile``
     with ``bf16``, whatever ``tf32`` says) sets the newer API (``torch.backends.fp32_precision = "tf32"``) for the rest
     of the process; inductor's max-autotune reads the legacy getter, which refuses the mix: a later point of the
-    search in that process would otherwise carry a state the run before it left, not its own flags."""
+    search in that process would otherwise carry a state the run before it left, not its own flags. transformers
+    remembers that it set the switch (``enable_tf32`` is cached): forgotten here too, or the next point asking for
+    tf32 would run without it."""
     import torch
 
     def owner(path):
@@ -516,6 +518,11 @@ def precision_switches_kept():
     finally:
         for path, value in kept.items():
             owner(path).fp32_precision = value
+        from transformers.utils import import_utils
+
+        forget = getattr(getattr(import_utils, "enable_tf32", None), "cache_clear", None)
+        if forget is not None:
+            forget()
 
 
 # --- (c), (d), (e): the lab ----------------------------------------------------------------------
