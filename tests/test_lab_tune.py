@@ -1314,7 +1314,8 @@ def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
     fixes the grid and measures the Trainer as users run it, its whole search and the grid's points; the second
     starts from that state (REUSE, some grid points dropped), on a fresh machine, and runs tune, the dropped points,
     the confirmation, the Trainer's figures again alone and the profile -- what the first measured kept, marked,
-    never measured twice."""
+    never measured twice; a third, from the second's state before its confirmation (--keep-tune), only the long
+    run."""
     import subprocess
     from pathlib import Path
 
@@ -1347,11 +1348,21 @@ def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
     assert bench.case_of(second)["long_run"]["pick_tokens_per_s"] == second["confirm"]["tokens_per_s"]
     assert (tmp_path / "out2" / "tiny-gpt2-profile.json").is_file()
 
+    # a lease that ran out before its confirmation (nothing changed since) goes on from its pick: --keep-tune keeps
+    # tune's search too, and the third session measures only the confirmation and the Trainer's figures alone
+    ran_out = {k: v for k, v in second.items() if k not in ("confirm", "alone")}
+    (tmp_path / "second.json").write_text(json.dumps(ran_out))
+    third = session(3, REUSE=f"{tmp_path / 'second.json'} --keep-tune --label second")
+    assert third["tune"]["reused_from"] == "second" and third["tune"]["pick"] == second["tune"]["pick"]
+    assert third["confirm"]["steps"] == 200 and "reused_from" not in third["confirm"] and third["alone"]
+    assert all(row.get("reused_from") for row in third["grid"].values()) and bench.grid_left(third) == 0
+
 
 def test_a_lease_reuses_an_earlier_ones_trainer_and_the_grid_points_a_change_cannot_reach(tmp_path, capsys):
     """dev/tune/reuse_state.py: lane a gets the fixed grid and the points no --drop-grid value matches, a Trainer
-    lane those too, the Trainer's figures and its done-hf marker; every kept figure is marked; a state already
-    there, a state without the Trainer and a malformed --drop-grid are refused with one line."""
+    lane those too, the Trainer's figures and its done-hf marker; --keep-tune keeps tune's pick too; every kept
+    figure is marked; a state already there, a state without the Trainer (or tune, to keep) and a malformed
+    --drop-grid are refused with one line."""
     reuse = _dev_tune_module("reuse_state")
     members = [{"b": 8, "liger": True}, {"b": 16, "liger": False}, {"b": 32, "liger": False}]
     earlier = {"model": "m", "grid_members": members, "hf": {"tokens_per_s": 1.0},
@@ -1375,12 +1386,25 @@ def test_a_lease_reuses_an_earlier_ones_trainer_and_the_grid_points_a_change_can
         with pytest.raises(SystemExit):
             reuse.main(argv)
         assert says in capsys.readouterr().err
+    # a lease that ran out before its confirmation goes on from its pick on one GPU: tune kept and marked, the
+    # queue's phases before it done; a state without tune's search cannot be kept that way
+    one = tmp_path / "one"
+    assert reuse.main([str(path), "--work", str(one), "--keep-tune", "--label", "x"]) == 0
+    kept = json.loads((one / "m" / "state.json").read_text())
+    assert kept["tune"] == {"pick": members[0], "reused_from": "x"} and kept["hf"]["reused_from"] == "x"
+    assert len(kept["grid"]) == 3 and all((one / "m" / f"done-{p}").exists() for p in ("fix-grid", "tune", "hf"))
+    assert not (b / "m" / "done-tune").exists() and "tune" not in lane_a
+    untuned = tmp_path / "untuned.json"
+    untuned.write_text(json.dumps({k: v for k, v in earlier.items() if k != "tune"}))
+    with pytest.raises(SystemExit):
+        reuse.main([str(untuned), "--work", str(tmp_path / "e"), "--keep-tune", "--label", "x"])
+    assert "no tune in it" in capsys.readouterr().err
     bare = tmp_path / "bare.json"
     bare.write_text(json.dumps({"model": "m"}))
     with pytest.raises(SystemExit):
         reuse.main([str(bare), "--work", str(tmp_path / "d"), "--label", "x"])
     assert "no grid_members, hf in it" in capsys.readouterr().err
-    assert not (tmp_path / "c").exists() and not (tmp_path / "d").exists()
+    assert not any((tmp_path / w).exists() for w in "cde")
 
 
 def test_configurations_the_model_refuses_are_dropped_before_any_probe():
