@@ -185,3 +185,25 @@ def test_the_committed_table_is_what_the_script_writes_from_the_committed_result
                                                 for r in runs)
     assert committed["in_sample"]["count"] == sum(r["error_pct"] is not None and r["rules_written_against"]
                                                   for r in runs)
+
+
+def test_a_capped_point_refuses_bad_input_in_one_line_before_any_work():
+    """dev/memory/capped_point.py (a configuration on a larger card, the allocator capped at a smaller card's room):
+    the cap's fraction of this card, a cap above the card, a --set that is not a JSON object, an unknown model and a
+    machine without CUDA are refused in one line."""
+    spec = importlib.util.spec_from_file_location("capped_point", ROOT / "dev" / "memory" / "capped_point.py")
+    capped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capped)
+    assert capped.capped_fraction(80_552, 143_771 * 2**20) == pytest.approx(80_552 / 143_771)
+    with pytest.raises(SystemExit, match="give a cap below it"):
+        capped.capped_fraction(150_000, 143_771 * 2**20)
+    script = ROOT / "dev" / "memory" / "capped_point.py"
+    env = {**os.environ, "PYTHONPATH": str(ROOT / "src")}
+    for args, says in ((["--set", "[1]"], "give a JSON object"), (["--set", "{"], "not JSON"),
+                       (["--model", "nope", "--set", "{}"], "--model nope: one of"),
+                       (["--set", "{}"], "needs a CUDA GPU")):
+        argv = [sys.executable, str(script), "/nonexistent", "--cap-mib", "80000"]
+        argv += args if "--model" in args else ["--model", "gpt2-124m", *args]
+        done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+        assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
+        assert says in done.stderr, done.stderr
