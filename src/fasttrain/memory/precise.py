@@ -656,6 +656,18 @@ def estimate(s: Setup, mask_bytes: int = 1, kernel_temps: bool = True) -> Breakd
         # (FSDP's ZeRO-3: the loss's gradient reaching the root's output starts block L's all-gather, held from
         # here on)
         moments.append(("backward: log-softmax", saved_all, grads(0), loss_grad, gathered(L, 1)))
+        if whole and s.modules == "hf-gpt2" and s.attention == "eager" and T["cast"] and not s.dropout and k_re == L:
+            # GPT-2 compiled whole, every block recomputed, under autocast: its compiled backward recomputes
+            # block L before the output projection's backward, so d(logits) (C N v) is alive beside every
+            # block's checkpointed input, the final norm's input and block L's recomputed attention at its
+            # softmax -- the fp32 scores and two bf16 copies (2 x 4 a s^2 b) beside the bf16 tensors made on
+            # the way there (by size: four N h, one N f and one N 3h). Read off the allocator's history on an
+            # H200 at micro-batches 64 and 128 (results/memory/recompute-peaks/): -1.0% and -0.9% with this
+            # moment, -5.6% and -5.5% with the log-softmax one above as the peak
+            in_flight = 2 * lt["attn_extra"] + C * N * (4 * h + D["f_l"] + 3 * D["hl"])
+            moments.append((f"backward layer {L}: recompute beside d(logits)",
+                            saved_all - sum(head_part.values()) + head_part["final_norm"], grads(0),
+                            loss_grad + in_flight, gathered(L, 1)))
         # (a soft prompt cut from the output: a zero-padded s + P gradient)
         moments.append(("backward: output projection",
                         saved_all - head_part.get("log_probs", head_part.get("logits", 0)), grads(g_now, g_fresh),
