@@ -81,11 +81,12 @@ profile() {
 }
 
 # the GPU tests of tune, the trainer's CUDA graphs, a transformers model's kernels, and the estimator's partial
-# recomputation (--checkpoint-blocks) on a GPU; GPU_TESTS=estimator: the last alone (about a minute, where the
+# recomputation (--checkpoint-blocks) and D27 on a GPU; GPU_TESTS=estimator: the last alone (about two minutes, where the
 # others passed on this kind of card before), head: the fused head's (liger's kernel through the lab's head, its
 # peak against the estimate), none: no tests
 HF_PEAK=tests/test_memory_hf_config.py::test_precise_estimate_within_5_percent_of_a_transformers_models_peak_on_gpu
-ESTIMATOR_TESTS=("$HF_PEAK[gpt2-sdpa-bf16-recompute-full:2]" "$HF_PEAK[llama-eager-bf16-recompute-full:3]")
+ESTIMATOR_TESTS=("$HF_PEAK[gpt2-sdpa-bf16-recompute-full:2]" "$HF_PEAK[llama-eager-bf16-recompute-full:3]"
+  tests/test_memory_hf_config.py::test_gpt2_compiled_whole_with_every_block_recomputed_peaks_beside_d_logits_on_gpu)
 TUNE_TESTS=(tests/test_lab_tune.py
   "tests/test_lab_gpu.py::test_cuda_graphs_with_accumulation_replay_what_they_recorded_and_train_as_default_compile"
   "tests/test_lab_hf.py::test_a_hf_model_trains_on_the_gpu_with_its_kernels")
