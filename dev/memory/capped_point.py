@@ -5,7 +5,7 @@ The cap is ``torch.cuda.set_per_process_memory_fraction``: the allocator refuses
 bytes would pass ``fraction x total``, frees its cache and retries, then raises out of memory -- what it does on a
 card of that size (the other card's CUDA context, outside the allocator, is taken off: ``--cap-mib`` is the
 allocator's room there, ``total_mib - context_mib`` of that card's search record). Prints one JSON line: the peak
-allocated and reserved (MiB), out of memory or not, the estimator's prediction and tune's fit rule on that card.
+allocated and reserved (MiB), out of memory or not, and the estimator's prediction.
 
     python3 dev/memory/capped_point.py /tmp/tune-work --model gpt2-124m --cap-mib 80552 \\
         --set '{"per_device_train_batch_size": 256, "gradient_accumulation_steps": 2, "attn_implementation": "eager",

@@ -59,7 +59,7 @@ RULES = {
     # memory), from the allocator's snapshots of results/memory/recompute-peaks/
     "GPT-2's last block recomputed beside d(logits) (D27)": lambda cfg, hf: (hf or {}).get("model_type") == "gpt2"
     and cfg.torch_compile and cfg.torch_compile_scope == "model" and cfg.attn_implementation == "eager"
-    and cfg.gradient_checkpointing == "full" and cfg.bf16
+    and cfg.gradient_checkpointing == "full" and not cfg.checkpoint_blocks and cfg.bf16
     and not (cfg.use_liger_kernel and cfg.liger_kernels == "fused_linear_cross_entropy"),
 }
 
