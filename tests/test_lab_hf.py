@@ -153,6 +153,35 @@ def _one_process_and_sharded(folder, world):
     return ref, mine, rng
 
 
+@pytest.mark.gpu
+def test_liger_fused_head_on_a_meta_build_under_fsdp_trains_the_one_process_models_loss_on_the_gpu(tmp_path,
+                                                                                                  monkeypatch):
+    """liger's head goes on before ``fully_shard`` draws the weights (the stated order), so its check runs while the
+    matrices are on the meta device (on a small instance of the class): the sharded Llama then gives the one-process
+    plain model's loss and gradients' norm. (Before the check knew the meta device, every FSDP run from scratch with
+    the fused head stopped at ``Tensor.item()`` on meta tensors.)"""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    pytest.importorskip("liger_kernel")
+    from fasttrain.lab.config import preset
+    from tests_support import meta_build_beside_one_process, one_rank_world
+
+    folder = write_config(tmp_path / "llama", "llama")
+    fused = preset("tiny", model=f"hf:{folder}", device="cuda", context=16, use_liger_kernel=True,
+                   liger_kernels="fused_linear_cross_entropy")
+    with one_rank_world(monkeypatch, device="cuda") as world:
+        ref, sharded, _, _ = meta_build_beside_one_process(fused, 100, world)
+        assert "forward" in vars(sharded)                  # the fused head is this instance's
+        x = torch.randint(0, 100, (2, 16), generator=torch.Generator().manual_seed(0)).cuda()
+        ref.train(), sharded.train()
+        own, got = ref(input_ids=x, labels=x).loss, sharded(input_ids=x, labels=x).loss
+        own.backward(), got.backward()
+        torch.testing.assert_close(got, own, rtol=1e-4, atol=1e-5)
+        norm = lambda m: torch.stack([(p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad)  # noqa: E731
+                                      .float().norm() for p in m.parameters()]).norm()
+        torch.testing.assert_close(norm(sharded), norm(ref), rtol=1e-3, atol=1e-5)
+
+
 def test_weights_in_the_folder_are_loaded_and_said(tmp_path):
     write_config(tmp_path / "cfg", "gpt2")
     lines = []
@@ -1198,6 +1227,25 @@ def test_a_head_the_fused_loss_cannot_replace_is_refused_in_one_line(tmp_path):
         with pytest.raises(FasttrainError, match=f"drop '{name}' from --lora-target-modules"):
             validate(cfg(model="hf:x", use_liger_kernel=True, liger_kernels="fused_linear_cross_entropy", lora_r=2,
                          lora_target_modules=("c_attn", name)))
+
+
+@pytest.mark.parametrize("family", ("llama", "qwen2", "cohere"))
+def test_the_head_check_of_a_model_built_on_the_meta_device_runs_on_a_small_one_of_its_class(tmp_path, family):
+    """A model built to be sharded (its matrices on the meta device until ``fully_shard`` draws them) has nothing to
+    compute the head check with: the check runs on a fresh instance of its class from its config, one layer and a
+    vocabulary of 256 (Qwen2's per-layer ``layer_types`` cut with the depth; a padding id past 256 dropped). A plain
+    head passes and the model stays on the meta device; Cohere's scaled logits are still refused."""
+    extra = {"pad_token_id": 290} if family == "llama" else {}
+    write_config(tmp_path, family, vocab=300, **extra)
+    module = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu", meta=True).module
+    assert any(p.device.type == "meta" for p in module.parameters())
+    if family == "cohere":
+        with pytest.raises(FasttrainError, match="scales or caps the logits"):
+            hf.apply_fused_linear_cross_entropy(module, kernel=reference_flce([]))
+        return
+    hf.apply_fused_linear_cross_entropy(module, kernel=reference_flce([]))
+    assert "forward" in vars(module) and module.config.num_hidden_layers == 2 and module.config.vocab_size == 300
+    assert module.get_output_embeddings().weight.device.type == "meta"
 
 
 def test_liger_sends_a_family_it_does_not_patch_to_the_fused_head(tmp_path, monkeypatch):

@@ -176,7 +176,8 @@ def loss_beyond_the_head(config) -> str | None:
 
 def check_plain_head(model) -> None:
     """The model's loss is the cross-entropy of its output Linear over its base model's last hidden state,
-    checked on this instance: its own forward on a few tokens (eval mode, no gradients, no random draws) against
+    checked on this instance (where its weights are still on the meta device, on a small one of its class:
+    :func:`_instance_with_values`): its own forward on a few tokens (eval mode, no gradients, no random draws) against
     ``head(base(ids))`` and their shifted cross-entropy, after the config's soft cap and routers' loss (which a few
     tokens of a fresh model cannot show). A family whose forward scales or caps the logits, or adds to the loss (an
     auxiliary loss), is refused: the fused path would compute another loss."""
@@ -197,17 +198,19 @@ def check_plain_head(model) -> None:
         raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
                              f"hidden state (its forward {what}): liger's fused linear cross-entropy would train "
                              f"another loss; drop --use-liger-kernel")
+    probe = _instance_with_values(model)
+    head, base = probe.get_output_embeddings(), getattr(probe, "base_model", probe)
     n = 8
     ids = (torch.arange(n, device=head.weight.device) * 7 % head.out_features)[None]
-    was_training = model.training
-    model.eval()
+    was_training = probe.training
+    probe.eval()
     try:
         with torch.no_grad():
-            own = type(model).forward(model, input_ids=ids, labels=ids, use_cache=False)
+            own = type(probe).forward(probe, input_ids=ids, labels=ids, use_cache=False)
             logits = head(base(input_ids=ids, use_cache=False)[0])
             loss = F.cross_entropy(logits[0, :-1].float(), ids[0, 1:])
     finally:
-        model.train(was_training)
+        probe.train(was_training)
     same = own.logits is not None and own.logits.shape == logits.shape and \
         torch.allclose(own.logits.float(), logits.float(), rtol=1e-4, atol=1e-5) and \
         torch.allclose(own.loss.float(), loss, rtol=1e-4, atol=1e-5)
@@ -215,6 +218,32 @@ def check_plain_head(model) -> None:
         raise FasttrainError(f"the {family} model's loss is not the cross-entropy of its output layer over its last "
                              f"hidden state (its forward scales or caps the logits, or adds to the loss): liger's "
                              f"fused linear cross-entropy would train another loss; drop --use-liger-kernel")
+
+
+def _instance_with_values(model):
+    """``model`` itself, or where any of its parameters is on the meta device (a model built to be sharded, drawn
+    shard by shard after ``fully_shard``: nothing to compute with yet) a fresh instance of its class on the CPU from
+    its config cut to one layer and a vocabulary of 256: what the forward does between the last hidden state and the
+    loss is the class's, not the depth's or the vocabulary's. Per-layer lists in the config (``layer_types``...) are
+    cut with the depth; a token id the smaller vocabulary has no row for (a padding id) is dropped."""
+    import copy
+
+    import torch
+
+    if not any(p.device.type == "meta" for p in model.parameters()):
+        return model
+    config = copy.deepcopy(model.config)
+    depth = config.num_hidden_layers
+    for key, value in list(vars(config).items()):
+        if isinstance(value, (list, tuple)) and len(value) == depth and depth > 1:
+            setattr(config, key, type(value)(value[:1]))
+    config.num_hidden_layers = 1
+    config.vocab_size = min(config.vocab_size, 256)
+    for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        if isinstance(getattr(config, key, None), int) and getattr(config, key) >= config.vocab_size:
+            setattr(config, key, None)
+    with torch.device("cpu"):
+        return type(model)._from_config(config, dtype=torch.float32)
 
 
 def _autocast_dtype(device_type: str):
