@@ -65,7 +65,9 @@ def main(argv=None) -> int:
     cfg = validate(B.lab_base(args.work, args.model, True).with_(**overrides))
     device = resolve_device(cfg)
     fraction = capped_fraction(args.cap_mib, torch.cuda.get_device_properties(device).total_memory)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    # the cap is per device index ("cuda" alone names none)
+    torch.cuda.set_per_process_memory_fraction(fraction, device.index if device.index is not None
+                                               else torch.cuda.current_device())
     _, hf_config = T.model_of(cfg)
     predicted = T.lab_predictor(0, hf_config)(cfg)
     probe = T.run_probe(T.lab_measure(None), cfg, args.steps, None, lambda: free_memory(device))

@@ -1,10 +1,11 @@
 """Where one training step of a tune configuration spends its time on the GPU: the pick of a model of
-``bench_tune.py`` (or any ``--set`` overrides) built through the lab's trainer, warmed up, then profiled with
+``bench_tune.py`` (with ``--set``'s fields changed, or ``--from-base --set`` for any configuration) built through the lab's trainer, warmed up, then profiled with
 torch.profiler (``dev/speedrun/profile_step.py``'s kernel families); with the model's FLOPs a token, the
 utilisation of the GPU's dense bf16 peak that the step reaches and the one a goal would need.
 
     python3 dev/tune/profile_pick.py WORK --model llama-1b --steps 2 --out /tmp/profile.json
-    python3 dev/tune/profile_pick.py WORK --model llama-1b --set attn_implementation=sdpa,bf16=true ...
+    python3 dev/tune/profile_pick.py WORK --model llama-1b --set torch_compile_mode=max-autotune-no-cudagraphs
+    python3 dev/tune/profile_pick.py WORK --model llama-1b --from-base --set attn_implementation=sdpa,bf16=true ...
 """
 
 from __future__ import annotations
@@ -51,20 +52,21 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("work", type=Path)
     ap.add_argument("--model", default="llama-1b", choices=tuple(B.MODELS))
-    ap.add_argument("--set", action="append", default=[], help="LabConfig overrides (default: the state's pick)")
+    ap.add_argument("--set", action="append", default=[],
+                    help="LabConfig overrides on top of the state's pick (one field changed, the rest the pick's)")
+    ap.add_argument("--from-base", action="store_true",
+                    help="--set's overrides on the lab's base for the model instead of on the pick")
     ap.add_argument("--steps", type=int, default=2, help="profiled optimizer steps")
     ap.add_argument("--warmup", type=int, default=1, help="untimed steps first (compilation, CUDA graphs)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args(argv)
 
     state = B.load_state(args.work, args.model)
-    if args.set:
-        overrides = parse_assignments(",".join(args.set))
-    else:
-        overrides = (state.get("tune") or {}).get("pick")
-        if not overrides:
-            raise SystemExit(f"no pick in {B.model_dir(args.work, args.model)}/state.json: run the tune phase, "
-                             "or give --set")
+    pick = (state.get("tune") or {}).get("pick")
+    if not pick and not args.from_base:
+        raise SystemExit(f"no pick in {B.model_dir(args.work, args.model)}/state.json: run the tune phase, "
+                         "or give --from-base --set ...")
+    overrides = {**({} if args.from_base else pick), **parse_assignments(",".join(args.set))}
     cuda = torch.cuda.is_available()
     cfg = validate(B.lab_base(args.work, args.model, cuda).with_(**overrides))
     device = resolve_device(cfg)
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
                   # what 2x the HF Trainer as its users run it would need of the same peak
                   mfu_of_2x_hf=2 * flops["total"] * hf["tokens_per_s"] / peak if peak and hf.get("tokens_per_s") else None,
                   peak_tflops=peak / 1e12 if peak else None)
-    label = ",".join(args.set) if args.set else (state.get("tune") or {}).get("pick_label")
+    label = ("" if args.from_base else (state.get("tune") or {}).get("pick_label") or "") \
+        + "".join(f" {a}" for a in args.set)
     print_profile(f"{args.model} {label}", report)
     print(f"  {tokens_per_s:,.0f} tokens/s, {flops['total'] / 1e9:.2f} GFLOP a token, {report['model_tflops']:.0f} "
           f"TFLOP/s" + (f", MFU {100 * report['mfu']:.1f}%" if report["mfu"] else "")
