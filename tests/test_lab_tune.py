@@ -963,6 +963,36 @@ def test_bench_the_goals_come_from_the_long_run_measured_alone_on_one_card(monke
         bench.alone_case(tmp_path / "nothing", "alone-case", cuda=False, steps=1, users_steps=1, skip=0)
 
 
+def test_bench_a_trainer_run_leaves_no_liger_patch_for_the_next_and_refuses_a_patched_family(monkeypatch, tmp_path):
+    """The Trainer's ``use_liger_kernel`` patches the family's modeling module for the whole process: a Llama built
+    after it is liger's (its RMSNorm, SwiGLU, RoPE and fused loss), which made a users' run measured after the best
+    flags' point in one process read 1.27x. Each run puts the module back (here a liger run that fails on the CPU,
+    after the Trainer patched it); a family patched from outside is refused in one line, before any work."""
+    pytest.importorskip("transformers")
+    pytest.importorskip("accelerate")
+    liger = pytest.importorskip("liger_kernel.transformers")
+    from fasttrain.lab.hf import liger_patched_names, modeling_modules_restored
+
+    bench = _bench_module()
+    monkeypatch.setitem(bench.MODELS, "tiny-llama", dict(seq=32, tokens=32 * 8, config=dict(
+        model_type="llama", vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)))
+    bench.prepare(tmp_path, "tiny-llama")
+    assert liger_patched_names("llama") == []
+    with pytest.raises(Exception):      # noqa: B017 - liger's Triton kernels cannot run on the CPU, whatever they raise
+        bench._hf_run(tmp_path, "tiny-llama", batch=8, extra={"use_liger_kernel": True}, steps=2, skip=1,
+                      cuda=False, find=False)
+    assert liger_patched_names("llama") == []
+    plain = bench._hf_run(tmp_path, "tiny-llama", batch=8, extra={}, steps=2, skip=1, cuda=False, find=False)
+    assert plain["tokens_per_s"] > 0
+    with modeling_modules_restored("llama"):
+        liger.apply_liger_kernel_to_llama()
+        assert "LlamaForCausalLM.forward" in liger_patched_names("llama")
+        with pytest.raises(SystemExit, match="liger's patches left by an earlier run"):
+            bench._hf_run(tmp_path, "tiny-llama", batch=8, extra={}, steps=2, skip=1, cuda=False, find=False)
+    assert liger_patched_names("llama") == []
+
+
 def test_bench_trainer_search_on_the_cpu_is_the_micro_batches_without_gpu_flags(monkeypatch, tmp_path):
     bench = _bench_module()
     assert bench.trainer_micro_batches(512) == [8, 16, 32, 64, 128, 256, 512]

@@ -461,11 +461,20 @@ def _hf_run(work: Path, name: str, *, batch: int, extra: dict, steps: int, skip:
     Windows = lambda count: token_windows(ids, seq, count)      # noqa: E731
     timer = step_timer(cuda)
 
+    from fasttrain.lab.hf import liger_patched_names, modeling_modules_restored
+
     config = tf.AutoConfig.from_pretrained(folder / "model")
-    torch.manual_seed(0)
-    model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
-    model.config.use_cache = False
-    with tempfile.TemporaryDirectory() as out, precision_switches_kept():
+    # the Trainer's use_liger_kernel patches the family's modeling module for the whole process (its RMSNorm, MLP,
+    # RoPE and the causal LM's forward): each run puts it back, and none measures a model built from a patched one
+    patched = liger_patched_names(config.model_type)
+    if patched:
+        raise SystemExit(f"the HF Trainer's {config.model_type} would be built from liger's patches left by an "
+                         f"earlier run in this process ({', '.join(patched[:3])}): run it in a process of its own")
+    with tempfile.TemporaryDirectory() as out, precision_switches_kept(), \
+            modeling_modules_restored(config.model_type):
+        torch.manual_seed(0)
+        model = tf.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        model.config.use_cache = False
         args = tf.TrainingArguments(
             output_dir=out, max_steps=steps, per_device_train_batch_size=batch,
             gradient_accumulation_steps=accumulation, bf16=True, auto_find_batch_size=find,

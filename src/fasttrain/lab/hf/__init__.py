@@ -38,7 +38,7 @@ from __future__ import annotations
 
 from fasttrain.lab.hf.config import HF_PREFIX, LORA_TARGETS, WEIGHT_FILES, check_causal, check_hf_folder, check_hf_setup, check_weights, config_from_dict, has_weights, is_hf, load_hf_config, max_positions, memory_setup_for, source_of  # noqa: F401
 from fasttrain.lab.hf.peft import apply_prompt_tuning, base_model_of, prompt_tokens_of  # noqa: F401
-from fasttrain.lab.hf.liger import apply_fused_linear_cross_entropy, apply_liger, check_plain_head, liger_families, undo_liger_patches  # noqa: F401
+from fasttrain.lab.hf.liger import apply_fused_linear_cross_entropy, apply_liger, check_plain_head, liger_families, liger_patched_names, modeling_modules_restored, undo_liger_patches  # noqa: F401
 from fasttrain.lab.hf.save import FASTTRAIN_JSON, HF_CHECKPOINT_FORMAT, PROMPT_FOLDER, fresh_copy, is_hf_checkpoint, load_hf_checkpoint, load_tokenizer, read_hf_checkpoint, save_hf  # noqa: F401
 from fasttrain.lab.hf.model import build_hf_model, decoder_layers, hf_logits, hf_loss, init_hf_weights, is_hf_module  # noqa: F401
 from fasttrain.lab.hf.tp_plan import TP_STYLES, apply_hf_tensor_parallel, check_hf_parallel, check_hf_tensor_parallel, gather_tp_state_dict, resolved_tp_plan, tp_plan_of  # noqa: F401

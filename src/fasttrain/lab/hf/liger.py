@@ -25,6 +25,7 @@ micro-batch. It also keeps the kernel out of a whole compiled model's graph, whi
 
 from __future__ import annotations
 
+import contextlib
 import types
 
 from fasttrain.errors import FasttrainError
@@ -111,6 +112,36 @@ def _patch_family(model, family: str, switches: dict, patch) -> None:
             old, new = names.get(name, _ABSENT), now.get(name, _ABSENT)
             if old is not new:
                 _LIGER_UNDO.append((owner, name, old))
+
+
+@contextlib.contextmanager
+def modeling_modules_restored(family: str):
+    """Whatever the block rebinds in ``family``'s transformers modeling modules and their classes (liger's patch
+    through the HF Trainer's ``use_liger_kernel``: the family's RMSNorm and MLP classes, its RoPE function and its
+    causal LM's forward) is put back when it ends: a model built after it in the same process is transformers' own.
+    Names the block adds are removed; modules first imported inside the block are left as they are."""
+    before = _modeling_state(family)
+    try:
+        yield
+    finally:
+        for owner, names in before.items():
+            now = dict(vars(owner))
+            for name in set(now) - set(names):
+                delattr(owner, name)
+            for name, old in names.items():
+                if now.get(name, _ABSENT) is not old:
+                    setattr(owner, name, old)
+
+
+def liger_patched_names(family: str) -> list[str]:
+    """``module.name`` of every object of liger-kernel bound in ``family``'s loaded transformers modeling modules and
+    their classes (empty where none is patched)."""
+    found = []
+    for owner, names in _modeling_state(family).items():
+        for name, value in names.items():
+            if (getattr(value, "__module__", None) or "").startswith("liger_kernel"):
+                found.append(f"{getattr(owner, '__name__', owner)}.{name}")
+    return sorted(found)
 
 
 def undo_liger_patches() -> int:
