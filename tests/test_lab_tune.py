@@ -956,6 +956,14 @@ def test_bench_the_goals_come_from_the_long_run_measured_alone_on_one_card(monke
         "met: 2.400x (the pick's 200 steps against the Trainer alone, both on GPU 0)"
     assert goals["at least 1.1x the HF Trainer with its best flags"].startswith("met: 1.200x (the pick's 200 steps")
     assert "with its best flags (torch_compile, micro-batch 32) 40" in bench.long_run_line(case["long_run"])
+    # a users' run alone that was discarded (measured from a patched model): that goal falls back to the search's
+    # figures, said in both places
+    users_alone = state["alone"].pop("hf")
+    case = bench.case_of(state)
+    assert "as its users run it not measured alone" in bench.long_run_line(case["long_run"])
+    assert dict(bench.goals(case, state))["at least 2x the HF Trainer as users run it"] == \
+        "met: 2.381x (search figures, not measured alone)"
+    state["alone"]["hf"] = users_alone
     # a confirmation on another card than the Trainer's alone runs is no long run of one card
     state["confirm"]["gpu"] = "1"
     assert bench.case_of(state)["long_run"] is None

@@ -1014,7 +1014,9 @@ def long_run_line(lr: dict) -> str:
     return (f"The Trainer goals' ratios come from the long run, on {gpu_text(lr['gpu'])} with nothing else running "
             f"on the host: the pick over {lr['confirm_steps']} steps {_fmt(lr['pick_tokens_per_s'])} tokens/s; the HF Trainer "
             f"with its best flags ({flags}, micro-batch {lr.get('hf_trainer_flags_batch')}) "
-            f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it {_fmt(lr['hf_trainer_tokens_per_s'])}"
+            f"{_fmt(lr['hf_trainer_flags_tokens_per_s'])}; as its users run it "
+            + (_fmt(lr['hf_trainer_tokens_per_s']) if lr.get('hf_trainer_tokens_per_s') else
+               "not measured alone (that goal's ratio is the search's figures)")
             + "." + ("" if lr.get("search_complete") else " The Trainer's search was not complete (below)."))
 
 
