@@ -1230,7 +1230,8 @@ def test_a_head_the_fused_loss_cannot_replace_is_refused_in_one_line(tmp_path):
 
 
 @pytest.mark.parametrize("family", ("llama", "qwen2", "cohere"))
-def test_the_head_check_of_a_model_built_on_the_meta_device_runs_on_a_small_one_of_its_class(tmp_path, family):
+def test_the_head_check_of_a_model_built_on_the_meta_device_runs_on_a_small_one_of_its_class(tmp_path, monkeypatch,
+                                                                                               family):
     """A model built to be sharded (its matrices on the meta device until ``fully_shard`` draws them) has nothing to
     compute the head check with: the check runs on a fresh instance of its class from its config, one layer and a
     vocabulary of 256 (Qwen2's per-layer ``layer_types`` cut with the depth; a padding id past 256 dropped). A plain
@@ -1246,6 +1247,14 @@ def test_the_head_check_of_a_model_built_on_the_meta_device_runs_on_a_small_one_
     hf.apply_fused_linear_cross_entropy(module, kernel=reference_flce([]))
     assert "forward" in vars(module) and module.config.num_hidden_layers == 2 and module.config.vocab_size == 300
     assert module.get_output_embeddings().weight.device.type == "meta"
+    # a class that cannot be built small is one line
+    again = hf.build_hf_model(f"hf:{tmp_path}", cfg(), None, "cpu", meta=True).module
+
+    def refuses(*args, **kwargs):
+        raise ValueError("this family needs its full depth")
+    monkeypatch.setattr(type(again), "_from_config", classmethod(lambda cls, *a, **k: refuses()))
+    with pytest.raises(FasttrainError, match="could not be built .ValueError: this family needs its full depth"):
+        hf.apply_fused_linear_cross_entropy(again, kernel=reference_flce([]))
 
 
 def test_liger_sends_a_family_it_does_not_patch_to_the_fused_head(tmp_path, monkeypatch):

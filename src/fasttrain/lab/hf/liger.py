@@ -273,8 +273,14 @@ def _instance_with_values(model):
     for key in ("pad_token_id", "bos_token_id", "eos_token_id"):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= config.vocab_size:
             setattr(config, key, None)
-    with torch.device("cpu"):
-        return type(model)._from_config(config, dtype=torch.float32)
+    try:
+        with torch.device("cpu"):
+            return type(model)._from_config(config, dtype=torch.float32)
+    except Exception as exc:  # noqa: BLE001 - any family's constructor: one line, not its traceback
+        raise FasttrainError(f"liger's fused linear cross-entropy checks the {_family(model)} model's head on a small "
+                             f"instance of its class before FSDP draws the weights, and that instance could not be "
+                             f"built ({type(exc).__name__}: {str(exc).splitlines()[0][:120] if str(exc) else ''}): "
+                             f"drop --use-liger-kernel, or give the model's weights (no meta-device build)") from None
 
 
 def _autocast_dtype(device_type: str):
