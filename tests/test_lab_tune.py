@@ -1368,6 +1368,8 @@ def test_the_one_gpu_queue_takes_a_case_through_in_two_sessions(tmp_path):
         done = subprocess.run(["bash", "dev/device/tune_case.sh", "tiny-gpt2", "--budget", "1m"], cwd=root, env=env,
                               capture_output=True, text=True, timeout=600)
         assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+        # the device returns 8 files a call: the rest are packed into more.tgz
+        assert len([p for p in out.iterdir() if p.is_file()]) <= 8
         return json.loads((out / "tiny-gpt2-state.json").read_text())
 
     first = session(1, SKIP="tune confirm alone")

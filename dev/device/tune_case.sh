@@ -164,3 +164,5 @@ case "${LANE:-}" in
   *) queue || grid_fill ;;
 esac
 echo "done: $(ls "$WORK/$MODEL" | grep ^done- | tr '\n' ' ')"
+# one lease's lane writes beside the others into the same $OUT: only a call of its own packs it
+[ -z "${LANE:-}" ] && pack_out "$MODEL-state.json" "$MODEL-calls.log" "$MODEL-profile.json"
