@@ -207,3 +207,26 @@ def test_a_capped_point_refuses_bad_input_in_one_line_before_any_work():
         done = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
         assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr
         assert says in done.stderr, done.stderr
+
+
+def test_a_capped_points_snapshot_names_what_is_alive_at_the_peak_by_the_models_shape():
+    """capped_point.py --snapshot: the allocator's events of one step, the peak found and what was alive there named
+    after the model's shape (Llama 1B at 64 x 2048: N h, N f, N kv in bf16 or fp32), the rest by size; a free of a
+    block allocated before the history started lowers the live bytes (the peak is above the step's start)."""
+    from types import SimpleNamespace
+
+    spec = importlib.util.spec_from_file_location("capped_point", ROOT / "dev" / "memory" / "capped_point.py")
+    capped = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(capped)
+    llama = dict(hidden_size=2048, intermediate_size=8192, num_attention_heads=32, num_key_value_heads=8,
+                 vocab_size=128256)
+    names = capped.shape_names(SimpleNamespace(per_device_train_batch_size=64, context=2048), llama)
+    n = 64 * 2048
+    assert names[n * 2048 * 2] == ["N h bf16"] and names[n * 8192 * 2] == ["N f bf16"]
+    assert names[n * 512 * 4] == ["N kv fp32"] and names[n * 2048 * 4] == ["N h fp32"]
+    nh, nf, odd = n * 2048 * 2, n * 8192 * 2, 12_345
+    events = [(0, -nh), (1, nf), (2, nh), (3, nf), (4, odd), (5, -nf), (6, -nf), (7, nh)]
+    got = capped.alive_by_name(events, names)
+    # live: -nh, -nh+nf, nf, 2nf, 2nf+odd (the peak), then frees
+    assert got["peak_above_start_mib"] == pytest.approx((2 * nf + odd) / 2**20)
+    assert got["alive"] == {"N f bf16": 2, f"{odd:,} B": 1}

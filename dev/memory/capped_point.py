@@ -12,7 +12,13 @@ allocated and reserved (MiB), out of memory or not, and the estimator's predicti
                 "torch_compile": true, "gradient_checkpointing": "full", ...}'
 
 The work folder is ``dev/tune/bench_tune.py``'s (``tune_bench.sh prepare MODEL`` first); the configuration is the
-grid's: the lab's base for that model with the overrides of ``--set``.
+grid's: the lab's base for that model with the overrides of ``--set``. ``--cap-mib`` is optional: without it the point
+runs on the whole card. ``--snapshot DIR``: the CUDA allocator's history over the probe's last step, its pickle in DIR,
+and what was alive at the step's peak, by size, named after the model's shape (N h, N f, N kv, N v, a s^2 b, in
+bf16 or fp32; N = micro-batch x context): where a measured peak the estimator misses comes from.
+
+    python3 dev/memory/capped_point.py /tmp/tune-work --model llama-1b --snapshot $OUT/llama-64x1 \
+        --set '{"per_device_train_batch_size": 64, "gradient_accumulation_steps": 1, "torch_compile": true, ...}'
 """
 from __future__ import annotations
 
@@ -40,7 +46,9 @@ def main(argv=None) -> int:
     ap.add_argument("work", type=Path, help="bench_tune's work folder (prepared)")
     ap.add_argument("--model", required=True)
     ap.add_argument("--set", required=True, help="the configuration's overrides, a JSON object (a grid point's)")
-    ap.add_argument("--cap-mib", type=float, required=True, help="the allocator's room on the smaller card")
+    ap.add_argument("--cap-mib", type=float, default=None, help="the allocator's room on the smaller card")
+    ap.add_argument("--snapshot", type=Path, default=None,
+                    help="a folder: the allocator's history of the last step there, what is alive at its peak printed")
     ap.add_argument("--steps", type=int, default=3)
     args = ap.parse_args(argv)
     try:
@@ -64,20 +72,103 @@ def main(argv=None) -> int:
         raise SystemExit("capped_point.py needs a CUDA GPU: the cap is the CUDA caching allocator's")
     cfg = validate(B.lab_base(args.work, args.model, True).with_(**overrides))
     device = resolve_device(cfg)
-    fraction = capped_fraction(args.cap_mib, torch.cuda.get_device_properties(device).total_memory)
-    # the cap is per device index ("cuda" alone names none)
-    torch.cuda.set_per_process_memory_fraction(fraction, device.index if device.index is not None
-                                               else torch.cuda.current_device())
+    fraction = None
+    if args.cap_mib is not None:
+        fraction = capped_fraction(args.cap_mib, torch.cuda.get_device_properties(device).total_memory)
+        # the cap is per device index ("cuda" alone names none)
+        torch.cuda.set_per_process_memory_fraction(fraction, device.index if device.index is not None
+                                                   else torch.cuda.current_device())
     _, hf_config = T.model_of(cfg)
     predicted = T.lab_predictor(0, hf_config)(cfg)
+    if args.snapshot:
+        args.snapshot.mkdir(parents=True, exist_ok=True)
+        # the history of the last step alone: the earlier ones compile and warm up (their frees come back too)
+        recording = last_step_recorder(torch, T.warmup_steps_for(cfg) + args.steps)
     probe = T.run_probe(T.lab_measure(None), cfg, args.steps, None, lambda: free_memory(device))
+    if args.snapshot:
+        alive = recording.finish(args.snapshot, shape_names(cfg, hf_config))
     print(json.dumps({
         "model": args.model, "overrides": overrides, "cap_mib": args.cap_mib, "fraction": fraction,
         "oom": bool(probe.oom), "error": probe.error, "tokens_per_s": probe.tokens_per_s,
         "peak_mib": (probe.peak_bytes or 0) / MIB or None,
         "peak_reserved_mib": torch.cuda.max_memory_reserved(device) / MIB,
-        "predicted_mib": predicted / MIB if predicted else None}))
+        "predicted_mib": predicted / MIB if predicted else None,
+        **({"alive_at_peak": alive} if args.snapshot else {})}))
     return 0
+
+
+def shape_names(cfg, hf_config: dict) -> dict[int, list[str]]:
+    """Byte sizes of the step's named tensors at ``cfg``'s micro-batch and context: {bytes: ["N h bf16", ...]}
+    (a size two names share lists both)."""
+    h = hf_config.get("hidden_size") or hf_config.get("n_embd")
+    heads = hf_config.get("num_attention_heads") or hf_config.get("n_head")
+    f = hf_config.get("intermediate_size") or hf_config.get("n_inner") or 4 * h
+    kv = (hf_config.get("num_key_value_heads") or heads) * (hf_config.get("head_dim") or h // heads)
+    v, s = hf_config.get("vocab_size"), cfg.context
+    n = cfg.per_device_train_batch_size * s
+    kinds = {"N h": n * h, "N f": n * f, "N kv": n * kv, "N v": n * v, "a s^2 b": heads * s * s * n // s,
+             "N": n, "v h": v * h}
+    out: dict[int, list[str]] = {}
+    for what, elements in kinds.items():
+        for dtype, size in (("fp32", 4), ("bf16", 2)):
+            out.setdefault(elements * size, []).append(f"{what} {dtype}")
+    return out
+
+
+def alive_by_name(events: list[tuple[int, int]], names: dict[int, list[str]], top: int = 12) -> dict:
+    """From (index, +-bytes) allocator events: the peak above what was allocated when they start, and what of the
+    events' own allocations was alive there by name ("N f bf16": count), the rest by size, largest first."""
+    from collections import Counter
+
+    live = peak = at = 0
+    for i, (_, n) in enumerate(events):
+        live += n
+        if live > peak:
+            peak, at = live, i
+    sizes = Counter()
+    for _, n in events[:at + 1]:
+        sizes[abs(n)] += 1 if n > 0 else -1
+    named = {}
+    for size, count in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1]):
+        if count <= 0:
+            continue
+        label = " / ".join(names.get(size, [])) or f"{size:,} B"
+        named[label] = named.get(label, 0) + count
+        if len(named) >= top:
+            break
+    return {"peak_above_start_mib": peak / MIB, "alive": named}
+
+
+class last_step_recorder:
+    """Records the CUDA allocator's history from the start of the probe's last step (counted by the lab trainer's
+    step calls) and, at ``finish``, writes its pickle and answers :func:`alive_by_name` over that step's events."""
+
+    def __init__(self, torch, steps: int):
+        """``steps``: the probe's optimizer steps in all, its warm-up ones with them."""
+        from fasttrain.lab.trainer import Trainer
+
+        self.torch, self.calls, self.steps, self.Trainer = torch, 0, steps, Trainer
+        self.original = Trainer.train_step
+
+        def counted(trainer, *args, **kwargs):
+            self.calls += 1
+            if self.calls == self.steps:
+                torch.cuda.synchronize()
+                torch.cuda.memory._record_memory_history(max_entries=2_000_000, stacks="python")
+            return self.original(trainer, *args, **kwargs)
+        Trainer.train_step = counted
+
+    def finish(self, folder: Path, names: dict) -> dict:
+        import pickle
+
+        torch = self.torch
+        self.Trainer.train_step = self.original
+        snap = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        (folder / "snapshot.pickle").write_bytes(pickle.dumps(snap))
+        trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
+        return alive_by_name([(i, e["size"] if e["action"] == "alloc" else -e["size"]) for i, e in enumerate(trace)],
+                             names)
 
 
 if __name__ == "__main__":
