@@ -29,6 +29,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "dev" / "tune"))
+sys.path.insert(0, str(ROOT / "dev" / "memory"))
 
 MIB = 2**20
 
@@ -118,16 +119,9 @@ def shape_names(cfg, hf_config: dict) -> dict[int, list[str]]:
 def alive_by_name(events: list[tuple[int, int]], names: dict[int, list[str]], top: int = 12) -> dict:
     """From (index, +-bytes) allocator events: the peak above what was allocated when they start, and what of the
     events' own allocations was alive there by name ("N f bf16": count), the rest by size, largest first."""
-    from collections import Counter
+    from compiled_checkpoint_peak import peak_of
 
-    live = peak = at = 0
-    for i, (_, n) in enumerate(events):
-        live += n
-        if live > peak:
-            peak, at = live, i
-    sizes = Counter()
-    for _, n in events[:at + 1]:
-        sizes[abs(n)] += 1 if n > 0 else -1
+    peak, _, sizes = peak_of(events)
     named = {}
     for size, count in sorted(sizes.items(), key=lambda kv: -kv[0] * kv[1]):
         if count <= 0:
