@@ -1244,7 +1244,9 @@ def test_the_head_check_of_a_model_built_on_the_meta_device_runs_on_a_small_one_
         with pytest.raises(FasttrainError, match="scales or caps the logits"):
             hf.apply_fused_linear_cross_entropy(module, kernel=reference_flce([]))
         return
+    generator = torch.get_rng_state()
     hf.apply_fused_linear_cross_entropy(module, kernel=reference_flce([]))
+    assert torch.equal(torch.get_rng_state(), generator)     # the small instance's draws are not the run's
     assert "forward" in vars(module) and module.config.num_hidden_layers == 2 and module.config.vocab_size == 300
     assert module.get_output_embeddings().weight.device.type == "meta"
     # a class that cannot be built small is one line

@@ -1,7 +1,8 @@
 """Where one training step of a tune configuration spends its time on the GPU: the pick of a model of
-``bench_tune.py`` (with ``--set``'s fields changed, or ``--from-base --set`` for any configuration) built through the lab's trainer, warmed up, then profiled with
-torch.profiler (``dev/speedrun/profile_step.py``'s kernel families); with the model's FLOPs a token, the
-utilisation of the GPU's dense bf16 peak that the step reaches and the one a goal would need.
+``bench_tune.py`` (with ``--set``'s fields changed, or ``--from-base --set`` for any configuration) built through the
+lab's trainer, warmed up, then profiled with torch.profiler (``dev/speedrun/profile_step.py``'s kernel families); with
+the model's FLOPs a token, the utilisation of the GPU's dense bf16 peak that the step reaches and the one a goal would
+need.
 
     python3 dev/tune/profile_pick.py WORK --model llama-1b --steps 2 --out /tmp/profile.json
     python3 dev/tune/profile_pick.py WORK --model llama-1b --set torch_compile_mode=max-autotune-no-cudagraphs

@@ -274,7 +274,8 @@ def _instance_with_values(model):
         if isinstance(getattr(config, key, None), int) and getattr(config, key) >= config.vocab_size:
             setattr(config, key, None)
     try:
-        with torch.device("cpu"):
+        # its draws leave the CPU generator as they found it (a meta build's own draws come after, from it)
+        with torch.random.fork_rng(devices=[]), torch.device("cpu"):
             return type(model)._from_config(config, dtype=torch.float32)
     except Exception as exc:  # noqa: BLE001 - any family's constructor: one line, not its traceback
         raise FasttrainError(f"liger's fused linear cross-entropy checks the {_family(model)} model's head on a small "
