@@ -999,6 +999,27 @@ def test_bench_a_trainer_run_leaves_no_liger_patch_for_the_next_and_refuses_a_pa
         with pytest.raises(SystemExit, match="liger's patches left by an earlier run"):
             bench._hf_run(tmp_path, "tiny-llama", batch=8, extra={}, steps=2, skip=1, cuda=False, find=False)
     assert liger_patched_names("llama") == []
+    # in a fresh process, where the first run is also the first to import transformers' Llama module
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ROOT = Path(__file__).resolve().parents[1]
+
+    script = (f"import sys; sys.path.insert(0, {str(ROOT / 'dev' / 'tune')!r}); import bench_tune as bench; "
+              "from fasttrain.lab.hf import liger_patched_names; "
+              "assert 'transformers.models.llama.modeling_llama' not in sys.modules\n"
+              "bench.MODELS['tiny-llama'] = " + repr(bench.MODELS["tiny-llama"]) + "\n"
+              "from pathlib import Path\n"
+              "try:\n bench._hf_run(Path(" + repr(str(tmp_path)) + "), 'tiny-llama', batch=8, "
+              "extra={'use_liger_kernel': True}, steps=2, skip=1, cuda=False, find=False)\n"
+              "except Exception as exc: print(type(exc).__name__)\n"
+              "print('imported:', 'transformers.models.llama.modeling_llama' in sys.modules)\n"
+              "print(liger_patched_names('llama'))")
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT / "src")})
+    assert done.returncode == 0 and done.stdout.strip().splitlines()[-2:] == ["imported: True", "[]"], \
+        done.stdout[-500:] + done.stderr[-2000:]
 
 
 def test_bench_trainer_search_on_the_cpu_is_the_micro_batches_without_gpu_flags(monkeypatch, tmp_path):

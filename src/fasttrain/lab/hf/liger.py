@@ -119,7 +119,14 @@ def modeling_modules_restored(family: str):
     """Whatever the block rebinds in ``family``'s transformers modeling modules and their classes (liger's patch
     through the HF Trainer's ``use_liger_kernel``: the family's RMSNorm and MLP classes, its RoPE function and its
     causal LM's forward) is put back when it ends: a model built after it in the same process is transformers' own.
-    Names the block adds are removed; modules first imported inside the block are left as they are."""
+    Names the block adds are removed. The family's modeling module is imported first (a model built inside the
+    block would import it there, after the state was taken, and keep liger's patches)."""
+    import importlib
+
+    try:
+        importlib.import_module(f"transformers.models.{family.replace('-', '_')}.modeling_{family.replace('-', '_')}")
+    except ImportError:
+        pass                    # a family transformers does not ship (remote code): its module is the block's own
     before = _modeling_state(family)
     try:
         yield
