@@ -7,7 +7,7 @@
 #   FASTTRAIN_GIT_SHA=$(git rev-parse HEAD) NPROC=4 bash dev/device/float8_casts.sh
 source dev/device/prelude.sh
 N=${NPROC:-2}
-timeout 240 python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_distributed.py \
+timeout 360 python3 -m pytest -q -n 0 -m gpu -p no:cacheprovider -rfs tests/test_lab_distributed.py \
   tests/test_lab_parallelize.py "tests/test_lab_hf.py::test_liger_fused_head_on_a_meta_build_under_fsdp_trains_the_one_process_models_loss_on_the_gpu" \
   > "$OUT/gpu-tests.log" 2>&1
 echo "gpu tests: $(tail -1 "$OUT/gpu-tests.log")"
