@@ -293,6 +293,17 @@ def test_more_gpus_than_exist_is_one_line(tmp_path, capsys, monkeypatch):
     assert code == 1 and "needs 2 GPUs; this machine has 1" in stderr and stderr.count("\n") == 1
 
 
+def test_a_missing_corpus_is_one_line_before_torchrun_starts_any_rank(tmp_path, capsys, monkeypatch):
+    """Without Tiny Shakespeare where the lab looks, the launcher refuses once, before torchrun: not every rank's
+    error, interleaved, after each started."""
+    monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path))
+    monkeypatch.setattr(L, "launch", lambda *a, **k: pytest.fail("torchrun was started"))
+    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
+                            "--nproc-per-node", "2", "--max-steps", "1"], capsys)
+    assert code == 1 and stderr.count("\n") == 1 and "Tiny Shakespeare file not found" in stderr, stderr
+    assert "fasttrain data download --dataset tinyshakespeare" in stderr
+
+
 def test_worker_command_line_drops_the_launcher_options():
     import click
 
