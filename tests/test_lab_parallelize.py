@@ -398,6 +398,10 @@ CASES = {
         ("hsdp", dict(strategy="hsdp", dp_replicate=2), 2), ("tp", dict(strategy="tp"), 4),
         ("fsdp-tp2", dict(strategy="fsdp", tp=2), 2), ("hsdp-tp2", dict(strategy="hsdp", dp_replicate=2, tp=2), 2),
         ("fsdp-offload", dict(strategy="fsdp", offload_optimizer=True), 2)],
+    # eight ranks: one rank a sequence of the global 16 under ddp; the 2-D mesh dp 4 x tp 2; the 3-D one,
+    # replicate 2 x shard 2 x tp 2 (tp over 8 would need heads and key/value heads in eights)
+    8: [("ddp", dict(strategy="ddp"), 2), ("fsdp-zero2", dict(strategy="fsdp", reshard_after_forward=False), 2),
+        ("fsdp-tp2", dict(strategy="fsdp", tp=2), 2), ("hsdp-tp2", dict(strategy="hsdp", dp_replicate=2, tp=2), 2)],
 }
 
 
@@ -416,13 +420,13 @@ def _worker(rank: int, world: int, port: int, out: str, device: str = "cpu") -> 
     leave_process_group(group)
 
 
-@pytest.mark.parametrize("world", slow_beyond([2, 4], keep=1))
+@pytest.mark.parametrize("world", slow_beyond([2, 4, 8], keep=1))
 def test_every_strategy_trains_the_same_function_as_one_process(tmp_path, world):
     _same_function(tmp_path, world, "cpu", rel=1e-5)
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("world", [2, 4, 8])
 def test_every_strategy_on_gpus_trains_the_same_function_as_one(tmp_path, world):
     # NCCL; cuBLAS may pick other kernels for another batch (another order of the sums): looser
     if torch.cuda.device_count() < world:
