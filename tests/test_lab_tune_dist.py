@@ -89,6 +89,22 @@ def test_strategy_axis_over_four_ranks_and_micro_batches_per_data_parallel_rank(
     assert any(line.startswith("hsdp:") for line in dropped2)
 
 
+def test_eight_ranks_add_tp4_inside_fsdp_and_keep_the_global_batch():
+    """Eight GPUs (none lent yet; the code is for any N): the 2-D mesh at tp 2 and tp 4, HSDP's two replicas of
+    four shards, and every candidate's b x k x dp the global batch's sequences."""
+    axes, _ = SP.build_axes(base(), cuda=False, nproc=8)
+    strategy = next(a for a in axes if a.name == "strategy")
+    assert [c for c, _ in strategy.choices] == ["fsdp", "fsdp-zero2", "ddp", "zero1", "hsdp-r2", "fsdp-tp2",
+                                                "fsdp-tp4", "tp", "fsdp-offload"]
+    space = SP.enumerate_space([strategy], sequences=32, nproc=8)
+    dps = {}
+    for cand in space:
+        dp = SP.dp_of(cand.overrides_dict(), 8)
+        assert cand.micro_batch * cand.accumulation * dp == 32
+        dps.setdefault(dict(cand.settings)["strategy"], set()).add(dp)
+    assert dps["fsdp-tp4"] == {2} and dps["fsdp-tp2"] == {4} and dps["tp"] == {1} and dps["hsdp-r2"] == {8}
+
+
 def test_the_reduce_dtype_is_searched_with_every_data_parallel_strategy_and_fixed_when_given():
     axes, dropped = SP.build_axes(base(), cuda=False, nproc=4)
     reduce = next(a for a in axes if a.name == "reduce")
