@@ -294,14 +294,20 @@ def test_more_gpus_than_exist_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_a_missing_corpus_is_one_line_before_torchrun_starts_any_rank(tmp_path, capsys, monkeypatch):
-    """Without Tiny Shakespeare where the lab looks, the launcher refuses once, before torchrun: not every rank's
-    error, interleaved, after each started."""
+    """Without Tiny Shakespeare where the lab looks, or with a damaged copy, the launcher refuses once, before
+    torchrun: not every rank's error, interleaved, after each started."""
     monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(L, "launch", lambda *a, **k: pytest.fail("torchrun was started"))
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
                             "--nproc-per-node", "2", "--max-steps", "1"], capsys)
     assert code == 1 and stderr.count("\n") == 1 and "Tiny Shakespeare file not found" in stderr, stderr
     assert "fasttrain data download --dataset tinyshakespeare" in stderr
+    # a damaged one too (its checksum)
+    (tmp_path / "tinyshakespeare").mkdir()
+    (tmp_path / "tinyshakespeare" / "input.txt").write_text("not the play\n")
+    code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
+                            "--nproc-per-node", "2", "--max-steps", "1"], capsys)
+    assert code == 1 and stderr.count("\n") == 1 and "checksum mismatch" in stderr, stderr
 
 
 def test_worker_command_line_drops_the_launcher_options():
