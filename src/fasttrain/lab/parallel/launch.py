@@ -100,12 +100,6 @@ def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
     size is known, so the batch and the heads are checked here too)."""
     check_launch(spec.nproc_per_node, cfg.device, parallel.strategy)
     check_config(cfg, parallel)
-    if not (cfg.train_file or cfg.train_bin):
-        # the default corpus's file (the user's own files were checked by validate): a missing or damaged one
-        # (its SHA-256, 1 MB read) refused here once, not by every rank after torchrun started them
-        from fasttrain.data.text import load_text
-
-        load_text(data_dir=cfg.data_dir)
     if parallel.ddp_backend == "nccl" and cfg.device == "cpu":
         raise FasttrainError("--ddp-backend nccl needs CUDA GPUs; on the CPU use --ddp-backend gloo")
     if str(spec.nnodes) == "1":
@@ -114,6 +108,12 @@ def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
         tp = sizes[names.index("tp")] if "tp" in names else 1
         check_model_fits(cfg, world, parallel.strategy, tp=tp)
         resolve_batch(cfg, parallel, world // tp)
+    if not (cfg.train_file or cfg.train_bin):
+        # the default corpus's file (the user's own files were checked by validate): a missing or damaged one
+        # (its SHA-256, 1 MB read) refused here once, not by every rank after torchrun started them
+        from fasttrain.data.text import load_text
+
+        load_text(data_dir=cfg.data_dir)
 
 
 # --- the launcher -------------------------------------------------------------------------------
