@@ -293,9 +293,10 @@ def test_more_gpus_than_exist_is_one_line(tmp_path, capsys, monkeypatch):
     assert code == 1 and "needs 2 GPUs; this machine has 1" in stderr and stderr.count("\n") == 1
 
 
-def test_a_missing_corpus_is_one_line_before_torchrun_starts_any_rank(tmp_path, capsys, monkeypatch):
-    """Without Tiny Shakespeare where the lab looks, or with a damaged copy, the launcher refuses once, before
-    torchrun: not every rank's error, interleaved, after each started."""
+def test_a_missing_corpus_or_checkpoint_is_one_line_before_torchrun_starts_any_rank(tmp_path, capsys, monkeypatch):
+    """Without Tiny Shakespeare where the lab looks, or with a damaged copy, or an --init-from / --resume that
+    names nothing, the launcher refuses once, before torchrun: not every rank's error, interleaved, after each
+    started."""
     monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(L, "launch", lambda *a, **k: pytest.fail("torchrun was started"))
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
@@ -308,6 +309,12 @@ def test_a_missing_corpus_is_one_line_before_torchrun_starts_any_rank(tmp_path, 
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
                             "--nproc-per-node", "2", "--max-steps", "1"], capsys)
     assert code == 1 and stderr.count("\n") == 1 and "checksum mismatch" in stderr, stderr
+    # --init-from and --resume naming nothing
+    monkeypatch.setattr("fasttrain.data.text.load_text", lambda *a, **k: "")
+    for flag, says in (("--init-from", "is not a lab checkpoint (no such folder)"), ("--resume", "no such folder")):
+        code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
+                                "--nproc-per-node", "2", "--max-steps", "1", flag, str(tmp_path / "nothing")], capsys)
+        assert code == 1 and stderr.count("\n") == 1 and says in stderr and "rank" not in stderr, stderr
 
 
 def test_worker_command_line_drops_the_launcher_options():
