@@ -294,9 +294,9 @@ def test_more_gpus_than_exist_is_one_line(tmp_path, capsys, monkeypatch):
 
 
 def test_a_missing_corpus_or_checkpoint_is_one_line_before_torchrun_starts_any_rank(tmp_path, capsys, monkeypatch):
-    """Without Tiny Shakespeare where the lab looks, or with a damaged copy, or an --init-from / --resume that
-    names nothing, the launcher refuses once, before torchrun: not every rank's error, interleaved, after each
-    started."""
+    """Without Tiny Shakespeare where the lab looks, or with a damaged copy, an --init-from / --resume that names
+    nothing, a technique the machine cannot run or a logger without its folder, the launcher refuses once, before
+    torchrun: not every rank's error, interleaved, after each started."""
     monkeypatch.setenv("FASTTRAIN_DATA_DIR", str(tmp_path))
     monkeypatch.setattr(L, "launch", lambda *a, **k: pytest.fail("torchrun was started"))
     code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
@@ -314,6 +314,12 @@ def test_a_missing_corpus_or_checkpoint_is_one_line_before_torchrun_starts_any_r
     for flag, says in (("--init-from", "is not a lab checkpoint (no such folder)"), ("--resume", "no such folder")):
         code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
                                 "--nproc-per-node", "2", "--max-steps", "1", flag, str(tmp_path / "nothing")], capsys)
+        assert code == 1 and stderr.count("\n") == 1 and says in stderr and "rank" not in stderr, stderr
+    # a technique this machine cannot run, a logger without its folder
+    for extra, says in ((["--float8", "rowwise"], "--float8 trains float8 GEMMs on a CUDA GPU"),
+                        (["--report-to", "wandb"], "--report-to wandb: give --logging-dir DIR")):
+        code, _, stderr = _cli(["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--strategy", "ddp",
+                                "--nproc-per-node", "2", "--max-steps", "1", *extra], capsys)
         assert code == 1 and stderr.count("\n") == 1 and says in stderr and "rank" not in stderr, stderr
 
 

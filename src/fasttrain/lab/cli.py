@@ -339,6 +339,10 @@ def command(ctx, preset_name, config_file, print_config, out_path, from_record, 
     preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     if launch is not None:
+        from fasttrain.lab.build import resolve_device
+        from fasttrain.lab.train import check_libraries
+
+        check_libraries(cfg, resolve_device(cfg), out_path)     # each rank would refuse alike, after starting
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
             err.print(warning, markup=False, highlight=False, soft_wrap=True)

@@ -107,8 +107,9 @@ def _execute(cfg, *, log, progress, corpus, parallel, model, keep_model, fit_con
         D.shutdown(world)
 
 
-def _check_libraries(cfg: LabConfig, device, record_path=None) -> None:
-    """Every optional library the run needs, before any work."""
+def check_libraries(cfg: LabConfig, device, record_path=None) -> None:
+    """Every optional library the run needs, before any work (the launcher asks too, before torchrun starts the
+    ranks that would each refuse alike)."""
     from fasttrain.lab.loggers import check_loggers
     from fasttrain.lab.parallelize import check_float8
 
@@ -137,7 +138,7 @@ def _run_on(cfg, device, world, *, log, progress, corpus, wall0, model, keep_mod
             record_path=None):
     from fasttrain.lab.data import corpus_for
 
-    _check_libraries(cfg, device, record_path)
+    check_libraries(cfg, device, record_path)
     if cfg.save_steps:
         from fasttrain.files import check_new_folder
 
