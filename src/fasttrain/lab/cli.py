@@ -340,9 +340,17 @@ def command(ctx, preset_name, config_file, print_config, out_path, from_record, 
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     if launch is not None:
         from fasttrain.lab.build import resolve_device
+        from fasttrain.lab.checkpoint import read_checkpoint
+        from fasttrain.lab.resume import find_checkpoint
         from fasttrain.lab.train import check_libraries
 
-        check_libraries(cfg, resolve_device(cfg), out_path)     # each rank would refuse alike, after starting
+        # what each rank would refuse alike once started, refused once here: --init-from's and --resume's
+        # checkpoints, the libraries and techniques the run needs
+        if cfg.init_from is not None:
+            read_checkpoint(cfg.init_from)
+        if cfg.resume:
+            find_checkpoint(cfg.resume)
+        check_libraries(cfg, resolve_device(cfg), out_path)
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
             err.print(warning, markup=False, highlight=False, soft_wrap=True)

@@ -110,19 +110,11 @@ def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
         resolve_batch(cfg, parallel, world // tp)
     # what every rank would refuse alike once torchrun started them (each its own line, interleaved), refused here
     # once: the default corpus's file (the user's own files were checked by validate), missing or damaged (its
-    # SHA-256, 1 MB read); --init-from's checkpoint (its config.json); --resume's checkpoint folder
+    # SHA-256, 1 MB read). (The checkpoints and the libraries a run needs: the lab's CLI, above this floor.)
     if not (cfg.train_file or cfg.train_bin):
         from fasttrain.data.text import load_text
 
         load_text(data_dir=cfg.data_dir)
-    if cfg.init_from is not None:
-        from fasttrain.lab.checkpoint import read_checkpoint
-
-        read_checkpoint(cfg.init_from)
-    if cfg.resume:
-        from fasttrain.lab.resume import find_checkpoint
-
-        find_checkpoint(cfg.resume)
 
 
 # --- the launcher -------------------------------------------------------------------------------
