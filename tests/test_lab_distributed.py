@@ -323,6 +323,27 @@ def test_a_missing_corpus_or_checkpoint_is_one_line_before_torchrun_starts_any_r
         assert code == 1 and stderr.count("\n") == 1 and says in stderr and "rank" not in stderr, stderr
 
 
+def test_a_per_device_batch_that_disagrees_with_the_global_batch_is_one_line(capsys, monkeypatch):
+    """--per-device-train-batch-size beside --global-batch-size: b x k x dp must be the global batch, or the run
+    would train another micro-batch than asked (it did, silently: the global batch's); agreeing flags launch."""
+    monkeypatch.setattr("fasttrain.data.text.load_text", lambda *a, **k: "")
+    launched = []
+    monkeypatch.setattr(L, "launch", lambda spec, argv: launched.append(argv))
+    base = ["lab", "--preset", "tiny", "--device", "cpu", "--quiet", "--max-steps", "1"]
+    for extra, says in ((["--strategy", "ddp", "--nproc-per-node", "2", "--per-device-train-batch-size", "3"],
+                         "3 x 1 accumulation step(s) x 2 data-parallel rank(s) is 6 sequences a step, not "
+                         "--global-batch-size 8: give one of the two (the global batch alone sets the micro-batch to 4)"),
+                        (["--strategy", "fsdp", "--tp", "2", "--nproc-per-node", "4", "--per-device-train-batch-size",
+                          "2"], "x 2 data-parallel rank(s) is 4 sequences"),
+                        (["--per-device-train-batch-size", "3"], "x 1 data-parallel rank(s) is 3 sequences")):
+        code, _, stderr = _cli(base + extra + ["--global-batch-size", "8"], capsys)
+        assert code == 1 and stderr.count("\n") == 1 and says in stderr, stderr
+    assert not launched
+    code, _, stderr = _cli(base + ["--strategy", "ddp", "--nproc-per-node", "2", "--per-device-train-batch-size", "4",
+                                   "--global-batch-size", "8"], capsys)
+    assert code == 0 and len(launched) == 1, stderr
+
+
 def test_worker_command_line_drops_the_launcher_options():
     import click
 

@@ -126,6 +126,8 @@ def test_a_transformers_model_over_several_gpu_counts_plans_both_batches(tmp_pat
     by = {r.label: r for r in runs}
     line = " ".join(scaling.command_line(by["4gpu-fsdp-zero3"], tmp_path))
     assert "--preset" not in line and "--model hf:" in line and "--bin-dtype uint16" in line
+    # the global batch sets each rank's micro-batch: the base's own beside it would be refused as a contradiction
+    assert "--per-device-train-batch-size" not in line
     for flag in ("--max-steps 7", "--timing-warmup-steps 3", "--dropout 0", "--strategy fsdp --global-batch-size 4",
                  "--nproc-per-node 4", f"--out {tmp_path / 'tiny-llama.4gpu-fsdp-zero3.json'}"):
         assert flag in line, flag

@@ -336,6 +336,11 @@ def command(ctx, preset_name, config_file, print_config, out_path, from_record, 
     if launch is not None:
         # this process only starts torchrun; every worker runs this command without the launcher's options
         dist_launch.check_before_launch(cfg, parallel, launch)     # GPUs against processes: the clearer line
+    dp = dist_launch.data_parallel_ranks(parallel, launch)
+    if resolved.sources.get("per_device_train_batch_size") == "flag" and dp and \
+            not dist_launch.launched_by_torchrun():
+        # both batch flags given: they must agree over the data-parallel ranks this run will have
+        dist_launch.check_batch_flags(cfg, parallel, dp)
     preflight.check_run(cfg, out_path)          # the same checks lab.train.run makes (Python API)
     main = dist_launch.env_rank() == 0          # several processes: rank 0 alone prints and writes
     if launch is not None:

@@ -236,7 +236,12 @@ def plan(presets: list[str], nproc, steps: int, strategies: list[str], bf16: boo
 
 def command_line(run: Planned, out_dir: Path) -> list[str]:
     preset = ["--preset", run.preset] if run.from_preset else []
-    argv = [sys.executable, "-m", "fasttrain", "lab", *preset, *flags({**run.base, **run.overrides}), *run.launch,
+    settings = {**run.base, **run.overrides}
+    if run.global_batch is not None:
+        # at the same global batch the launcher sets each rank's micro-batch (b k dp = G): the base's own
+        # micro-batch beside it would be refused as a contradiction
+        settings.pop("per_device_train_batch_size", None)
+    argv = [sys.executable, "-m", "fasttrain", "lab", *preset, *flags(settings), *run.launch,
             "--quiet", *run.extra, "--out", str(out_dir / f"{run.name}.json")]
     if run.nproc > 1:
         argv += ["--nproc-per-node", str(run.nproc)]

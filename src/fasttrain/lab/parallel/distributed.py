@@ -307,6 +307,20 @@ def resolve_batch(cfg, parallel: ParallelConfig, dp: int):
     return cfg.with_(per_device_train_batch_size=parallel.global_batch_size // per_step)
 
 
+def check_batch_flags(cfg, parallel: ParallelConfig, dp: int) -> None:
+    """``--per-device-train-batch-size`` given beside ``--global-batch-size``: they must agree (b k dp = G), or
+    the run would silently train another micro-batch than the one asked for; one line naming both."""
+    g = parallel.global_batch_size
+    b, k = cfg.per_device_train_batch_size, cfg.gradient_accumulation_steps
+    if g is None or b * k * dp == g:
+        return
+    fix = (f"the global batch alone sets the micro-batch to {g // (k * dp)}" if g % (k * dp) == 0
+           else f"a global batch that {k * dp} divides")
+    raise FasttrainError(f"--per-device-train-batch-size {b} x {k} accumulation step(s) x {dp} data-parallel "
+                         f"rank(s) is {b * k * dp} sequences a step, not --global-batch-size {g}: give one of the "
+                         f"two ({fix})")
+
+
 def check_model_fits(cfg, world_size: int, strategy: str, tp: int | None = None) -> None:
     """Tensor parallelism splits heads, key/value heads and the feed-forward width over the ``tp``
     ranks of a group (default: every rank under ``--strategy tp``, else 1); the lab GPT's from

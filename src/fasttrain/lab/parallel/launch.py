@@ -20,7 +20,8 @@ import time
 from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
-from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_config, check_model_fits, gpu_count,
+from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_batch_flags,  # noqa: F401
+                                                check_config, check_model_fits, gpu_count,
                                        launched_by_torchrun, mesh_shape, multicast_off, resolve_batch,
                                                 validate_parallel)
 
@@ -93,6 +94,17 @@ def cpu_oversubscription(nproc: int, device: str) -> str | None:
         return None
     return (f"warning: {nproc} processes on {cores} CPU core{'s' if cores > 1 else ''}: they take turns, so the "
             f"run is slow and its timings measure the sharing; use --nproc-per-node {cores} or fewer")
+
+
+def data_parallel_ranks(parallel: ParallelConfig, spec: "Launch | None") -> int | None:
+    """The data-parallel ranks of a run: 1 in one process; on one machine, its processes over the tp groups;
+    None over several machines (this launcher knows its own share only)."""
+    if spec is None:
+        return 1
+    if str(spec.nnodes) != "1":
+        return None
+    names, sizes = mesh_shape(parallel, spec.nproc_per_node)
+    return spec.nproc_per_node // (sizes[names.index("tp")] if "tp" in names else 1)
 
 
 def check_before_launch(cfg, parallel: ParallelConfig, spec: "Launch") -> None:
