@@ -256,7 +256,8 @@ def parallel_options(fn):
         click.option("--reshard-after-forward/--no-reshard-after-forward", default=True, show_default=True,
                      help="fsdp: free the gathered parameters after the forward (ZeRO-3) or keep them (ZeRO-2)."),
         click.option("--global-batch-size", type=int, default=None,
-                     help="Sequences per optimizer step over all ranks (sets --per-device-train-batch-size)."),
+                     help="Sequences per optimizer step over all ranks (sets --per-device-train-batch-size; "
+                          "both given must agree)."),
         click.option("--ddp-backend", type=click.Choice(BACKENDS), default=None,
                      help="Process-group backend (default: nccl on GPUs, gloo on the CPU)."),
         click.option("--ddp-timeout", type=float, default=1800.0, show_default=True,
