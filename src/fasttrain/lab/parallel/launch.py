@@ -21,9 +21,8 @@ from dataclasses import dataclass
 
 from fasttrain.errors import FasttrainError
 from fasttrain.lab.parallel.distributed import (BACKENDS, STRATEGIES, ParallelConfig, check_batch_flags,  # noqa: F401
-                                                check_config, check_model_fits, gpu_count,
-                                       launched_by_torchrun, mesh_shape, multicast_off, resolve_batch,
-                                                validate_parallel)
+                                                check_config, check_model_fits, gpu_count, launched_by_torchrun,
+                                                mesh_shape, multicast_off, resolve_batch, validate_parallel)
 
 
 # SIGTERM first (torchrun's agent stops its workers), SIGKILL to the whole session this much later
