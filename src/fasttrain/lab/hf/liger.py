@@ -106,12 +106,30 @@ def _patch_family(model, family: str, switches: dict, patch) -> None:
     it rebinds recorded."""
     before = _modeling_state(family)
     patch(model=model, **switches)
+    _LIGER_UNDO.extend(_rebound_since(before))
+
+
+def _rebound_since(before: dict) -> list[tuple[object, str, object]]:
+    """(owner, name, value before) of every name rebound, added or removed since :func:`_modeling_state` gave
+    ``before`` (an added one's value before is ``_ABSENT``)."""
+    changed = []
     for owner, names in before.items():
         now = vars(owner)
         for name in set(names) | set(now):
-            old, new = names.get(name, _ABSENT), now.get(name, _ABSENT)
-            if old is not new:
-                _LIGER_UNDO.append((owner, name, old))
+            old = names.get(name, _ABSENT)
+            if old is not now.get(name, _ABSENT):
+                changed.append((owner, name, old))
+    return changed
+
+
+def _put_back(owner, name: str, old) -> None:
+    if old is _ABSENT:
+        try:
+            delattr(owner, name)
+        except AttributeError:
+            pass
+    else:
+        setattr(owner, name, old)
 
 
 @contextlib.contextmanager
@@ -123,21 +141,17 @@ def modeling_modules_restored(family: str):
     block would import it there, after the state was taken, and keep liger's patches)."""
     import importlib
 
+    module = family.replace("-", "_")
     try:
-        importlib.import_module(f"transformers.models.{family.replace('-', '_')}.modeling_{family.replace('-', '_')}")
+        importlib.import_module(f"transformers.models.{module}.modeling_{module}")
     except ImportError:
         pass                    # a family transformers does not ship (remote code): its module is the block's own
     before = _modeling_state(family)
     try:
         yield
     finally:
-        for owner, names in before.items():
-            now = dict(vars(owner))
-            for name in set(now) - set(names):
-                delattr(owner, name)
-            for name, old in names.items():
-                if now.get(name, _ABSENT) is not old:
-                    setattr(owner, name, old)
+        for change in _rebound_since(before):
+            _put_back(*change)
 
 
 def liger_patched_names(family: str) -> list[str]:
@@ -156,14 +170,7 @@ def undo_liger_patches() -> int:
     keep their kernels. Returns how many names were restored."""
     count = 0
     while _LIGER_UNDO:
-        owner, name, old = _LIGER_UNDO.pop()
-        if old is _ABSENT:
-            try:
-                delattr(owner, name)
-            except AttributeError:
-                pass
-        else:
-            setattr(owner, name, old)
+        _put_back(*_LIGER_UNDO.pop())
         count += 1
     return count
 
