@@ -54,8 +54,8 @@ def check_text(spec: TextSpec, path: Path, raw: bytes, data_dir=None) -> None:
                         f"train on it with: fasttrain lab --train-file {path})")
 
 
-def check_text_present(name: str = "tinyshakespeare", data_dir=None) -> Path:
-    """The corpus file's path, refused in one line where it is missing or a folder (nothing read)."""
+def load_text(name: str = "tinyshakespeare", data_dir=None, verify: bool = True) -> str:
+    """The corpus as one string, its SHA-256 checked."""
     spec = text_spec(name)
     path = text_path(name, data_dir)
     if path.is_dir():
@@ -63,13 +63,6 @@ def check_text_present(name: str = "tinyshakespeare", data_dir=None) -> Path:
                         f"in {path.parent} (move that folder away, then run: {download_command(name, data_dir)})")
     if not path.exists():
         raise DataError(f"{spec.title} file not found: {path}; download it with: {download_command(name, data_dir)}")
-    return path
-
-
-def load_text(name: str = "tinyshakespeare", data_dir=None, verify: bool = True) -> str:
-    """The corpus as one string, its SHA-256 checked."""
-    spec = text_spec(name)
-    path = check_text_present(name, data_dir)
     raw = path.read_bytes()
     if verify:
         check_text(spec, path, raw, data_dir)
