@@ -346,16 +346,23 @@ def command(ctx, preset_name, config_file, print_config, out_path, from_record, 
     if launch is not None:
         from fasttrain.lab.build import resolve_device
         from fasttrain.lab.checkpoint import read_checkpoint
+        from fasttrain.lab.loggers import check_loggers
         from fasttrain.lab.resume import find_checkpoint
         from fasttrain.lab.train import check_libraries
 
         # what each rank would refuse alike once started, refused once here: --init-from's and --resume's
-        # checkpoints, the libraries and techniques the run needs
+        # checkpoints, the loggers' folders and, on the CPU, the libraries and techniques the run needs (on GPUs
+        # the ranks check those: their float8 check asks the GPU's capability, and this process, which waits for
+        # the ranks, touches no GPU they need)
         if cfg.init_from is not None:
             read_checkpoint(cfg.init_from)
         if cfg.resume:
             find_checkpoint(cfg.resume)
-        check_libraries(cfg, resolve_device(cfg), out_path)
+        device = resolve_device(cfg)
+        if device.type == "cpu":
+            check_libraries(cfg, device, out_path)
+        else:
+            check_loggers(cfg, out_path)
         warning = dist_launch.cpu_oversubscription(launch.nproc_per_node, cfg.device)
         if warning:
             err.print(warning, markup=False, highlight=False, soft_wrap=True)

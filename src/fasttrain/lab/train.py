@@ -108,8 +108,8 @@ def _execute(cfg, *, log, progress, corpus, parallel, model, keep_model, fit_con
 
 
 def check_libraries(cfg: LabConfig, device, record_path=None) -> None:
-    """Every optional library the run needs, before any work (the launcher asks too, before torchrun starts the
-    ranks that would each refuse alike)."""
+    """Every optional library the run needs, before any work (a launcher on the CPU asks too, before torchrun starts
+    the ranks that would each refuse alike)."""
     from fasttrain.lab.loggers import check_loggers
     from fasttrain.lab.parallelize import check_float8
 
