@@ -107,7 +107,7 @@ def shape_names(cfg, hf_config: dict) -> dict[int, list[str]]:
     kv = (hf_config.get("num_key_value_heads") or heads) * (hf_config.get("head_dim") or h // heads)
     v, s = hf_config.get("vocab_size"), cfg.context
     n = cfg.per_device_train_batch_size * s
-    kinds = {"N h": n * h, "N f": n * f, "N kv": n * kv, "N v": n * v, "a s^2 b": heads * s * s * n // s,
+    kinds = {"N h": n * h, "N f": n * f, "N kv": n * kv, "N v": n * v, "a s^2 b": heads * s * n,
              "N": n, "v h": v * h}
     out: dict[int, list[str]] = {}
     for what, elements in kinds.items():
@@ -160,9 +160,9 @@ class last_step_recorder:
         snap = torch.cuda.memory._snapshot()
         torch.cuda.memory._record_memory_history(enabled=None)
         (folder / "snapshot.pickle").write_bytes(pickle.dumps(snap))
-        trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
-        return alive_by_name([(i, e["size"] if e["action"] == "alloc" else -e["size"]) for i, e in enumerate(trace)],
-                             names)
+        from compiled_checkpoint_peak import trace_events
+
+        return alive_by_name(trace_events(snap)[1], names)
 
 
 if __name__ == "__main__":

@@ -118,6 +118,12 @@ def measure(args):
     return cfg, baseline, peak, sizes, where, events, at, spans
 
 
+def trace_events(snap: dict) -> tuple[list[dict], list[tuple[int, int]]]:
+    """A CUDA allocator snapshot's allocations and completed frees of device 0, and as (index, +-bytes) events."""
+    trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
+    return trace, [(i, e["size"] if e["action"] == "alloc" else -e["size"]) for i, e in enumerate(trace)]
+
+
 def cuda_step(args, step):
     """One step under the CUDA allocator's history: (peak above what was allocated before, sizes alive at the
     peak, where (the peak allocation's Python frames), events (time, +-bytes), index, spans)."""
@@ -145,8 +151,7 @@ def cuda_step(args, step):
     snap = torch.cuda.memory._snapshot()
     torch.cuda.memory._record_memory_history(enabled=None)
     peak_allocated = torch.cuda.max_memory_allocated() - before
-    trace = [e for e in snap["device_traces"][0] if e["action"] in ("alloc", "free_completed")]
-    events = [(i, e["size"] if e["action"] == "alloc" else -e["size"]) for i, e in enumerate(trace)]
+    trace, events = trace_events(snap)
     peak, at, sizes = peak_of(events)
     frames = trace[at].get("frames") or []
     where = [f"{f['filename'].split('/')[-1]}:{f['line']} {f['name']}" for f in frames[:6]]
